@@ -1,0 +1,205 @@
+"""Explicit configuration: what a layer asks of a backend, and the engine's batch limits.
+
+No global "current config" exists in anyattn: the selector takes an `AttentionSelectorConfig`,
+builders take a `KV-cache spec` and `BatchLimits`, all frozen and hashable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from anyattn.types import AttentionType, CacheDType, cache_torch_dtype, parse_cache_dtype, parse_dtype
+
+__all__ = ["AttentionSelectorConfig", "AttentionSpec", "BatchLimits", "MLAAttentionSpec"]
+
+
+def _positive_int(api: str, name: str, value: object, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        expected = "a positive int or None" if allow_none else "a positive int"
+        raise ValueError(f"{api}: {name} must be {expected} (got {value!r}).")
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionSelectorConfig:
+    """Everything a model layer knows about its attention, as the selector needs it.
+
+    Frozen and hashable, so selection results are cached on it. Strings are accepted for
+    `dtype` ("bfloat16") and `attn_type` ("decoder") and normalised.
+
+    Attributes:
+        head_size: size of each attention head.
+        dtype: model (query/output) dtype: float32, float16 or bfloat16.
+        kv_cache_dtype: "auto" (the model dtype) or one of `anyattn.types.CACHE_DTYPES`.
+        block_size: the engine's KV block size, or None to let the backend prefer one.
+        num_heads, num_kv_heads: query and KV heads of the layer (None when unknown).
+        use_mla: the layer is multi-head latent attention (compressed KV cache).
+        has_sink: the layer has per-head attention sinks.
+        use_sparse: the layer uses sparse (top-k) attention.
+        attn_type: what the queries attend to (`AttentionType`).
+        has_sliding_window, has_alibi, has_logits_soft_cap: the layer's score modifiers.
+        use_non_causal: a decoder layer with bidirectional attention over its cache.
+        use_per_head_quant_scales: fp8 scales per KV head instead of per tensor.
+        use_batch_invariant: results must not depend on how requests are batched.
+        needs_lse: the engine will merge partial results (cascade, context parallel) and needs
+            each backend call to return the log-sum-exp of every row.
+    """
+
+    head_size: int
+    dtype: torch.dtype
+    kv_cache_dtype: CacheDType = "auto"
+    block_size: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    use_mla: bool = False
+    has_sink: bool = False
+    use_sparse: bool = False
+    attn_type: AttentionType = AttentionType.DECODER
+    has_sliding_window: bool = False
+    has_alibi: bool = False
+    has_logits_soft_cap: bool = False
+    use_non_causal: bool = False
+    use_per_head_quant_scales: bool = False
+    use_batch_invariant: bool = False
+    needs_lse: bool = False
+
+    def __post_init__(self) -> None:
+        api = "AttentionSelectorConfig"
+        _positive_int(api, "head_size", self.head_size)
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype, argument=f"{api}: dtype"))
+        object.__setattr__(
+            self,
+            "kv_cache_dtype",
+            parse_cache_dtype(self.kv_cache_dtype, argument=f"{api}: kv_cache_dtype"),
+        )
+        try:
+            object.__setattr__(self, "attn_type", AttentionType(self.attn_type))
+        except ValueError:
+            valid = ", ".join(t.value for t in AttentionType)
+            raise ValueError(
+                f"{api}: unknown attn_type (got {self.attn_type!r}, expected one of {valid})."
+            ) from None
+        _positive_int(api, "block_size", self.block_size, allow_none=True)
+        _positive_int(api, "num_heads", self.num_heads, allow_none=True)
+        _positive_int(api, "num_kv_heads", self.num_kv_heads, allow_none=True)
+        if self.num_heads is not None and self.num_kv_heads is not None:
+            if self.num_heads % self.num_kv_heads:
+                raise ValueError(
+                    f"{api}: num_heads must be a multiple of num_kv_heads (got "
+                    f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads})."
+                )
+        for f in fields(self):
+            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
+                raise TypeError(
+                    f"{api}: {f.name} must be a bool (got {getattr(self, f.name)!r})."
+                )
+
+    def replace(self, **changes: object) -> AttentionSelectorConfig:
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The element dtype of the KV cache this config implies."""
+        return cache_torch_dtype(self.kv_cache_dtype, self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLimits:
+    """The engine's per-step limits, passed to every metadata builder.
+
+    Everything vLLM's builders read from its global config, made explicit.
+
+    Attributes:
+        max_num_reqs: most requests in one step.
+        max_num_tokens: most query tokens in one step.
+        max_model_len: longest sequence (context + new tokens) of a request.
+        num_speculative_tokens: draft tokens per request in speculative decoding (0: none).
+        cudagraph_capture_sizes: batch sizes (in tokens) the engine captures CUDA graphs for.
+    """
+
+    max_num_reqs: int
+    max_num_tokens: int
+    max_model_len: int
+    num_speculative_tokens: int = 0
+    cudagraph_capture_sizes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        api = "BatchLimits"
+        _positive_int(api, "max_num_reqs", self.max_num_reqs)
+        _positive_int(api, "max_num_tokens", self.max_num_tokens)
+        _positive_int(api, "max_model_len", self.max_model_len)
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
+            raise ValueError(
+                f"{api}: num_speculative_tokens must be an int >= 0 "
+                f"(got {self.num_speculative_tokens!r})."
+            )
+        sizes = tuple(self.cudagraph_capture_sizes)
+        for size in sizes:
+            _positive_int(api, "cudagraph_capture_sizes entry", size)
+        object.__setattr__(self, "cudagraph_capture_sizes", tuple(sorted(set(sizes))))
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionSpec:
+    """The KV-cache spec of a group of layers that share one block table.
+
+    Attributes:
+        block_size: tokens per KV block (the engine's block size).
+        num_kv_heads: KV heads per layer.
+        head_size: size of each head.
+        dtype: the model dtype (queries, outputs).
+        kv_cache_dtype: "auto" or one of `anyattn.types.CACHE_DTYPES`.
+        sliding_window: W for sliding-window layers, else None.
+    """
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    kv_cache_dtype: CacheDType = "auto"
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        api = type(self).__name__
+        _positive_int(api, "block_size", self.block_size)
+        _positive_int(api, "num_kv_heads", self.num_kv_heads)
+        _positive_int(api, "head_size", self.head_size)
+        _positive_int(api, "sliding_window", self.sliding_window, allow_none=True)
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype, argument=f"{api}: dtype"))
+        object.__setattr__(
+            self,
+            "kv_cache_dtype",
+            parse_cache_dtype(self.kv_cache_dtype, argument=f"{api}: kv_cache_dtype"),
+        )
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return cache_torch_dtype(self.kv_cache_dtype, self.dtype)
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one KV block of one layer (K and V)."""
+        itemsize = torch.empty((), dtype=self.cache_dtype).element_size()
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class MLAAttentionSpec(AttentionSpec):
+    """KV-cache spec of MLA layers: one latent vector per token (`head_size` = lora rank + rope)."""
+
+    def __post_init__(self) -> None:
+        AttentionSpec.__post_init__(self)
+        if self.num_kv_heads != 1:
+            raise ValueError(
+                f"MLAAttentionSpec: num_kv_heads must be 1, MLA caches one latent per token "
+                f"(got {self.num_kv_heads})."
+            )
+
+    @property
+    def page_size_bytes(self) -> int:
+        itemsize = torch.empty((), dtype=self.cache_dtype).element_size()
+        return self.block_size * self.head_size * itemsize

@@ -1,0 +1,41 @@
+"""Allocate a layer's paged KV cache in the backend's logical shape and a chosen layout."""
+
+from __future__ import annotations
+
+import torch
+
+from anyattn.backend import AttentionBackend
+from anyattn.types import KVCacheLayout, cache_torch_dtype
+
+__all__ = ["allocate_kv_cache"]
+
+
+def allocate_kv_cache(
+    backend: type[AttentionBackend],
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: str = "auto",
+    layout: KVCacheLayout | str = KVCacheLayout.NHD,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """A zeroed KV cache for one layer.
+
+    Memory is allocated in `backend.get_kv_cache_stride_order(layout)` order and permuted back,
+    so the result has the backend's logical shape (for most backends
+    `[num_blocks, 2, block_size, num_kv_heads, head_size]`) with the strides of `layout`.
+
+    Args:
+        dtype: the model dtype; the element dtype is `kv_cache_dtype` resolved against it.
+        kv_cache_dtype: "auto" or one of `anyattn.types.CACHE_DTYPES`.
+        layout: NHD (tokens outer) or HND (heads outer) inside each block.
+    """
+    shape = backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, kv_cache_dtype)
+    order = backend.get_kv_cache_stride_order(layout)
+    physical = torch.zeros(
+        [shape[i] for i in order], dtype=cache_torch_dtype(kv_cache_dtype, dtype), device=device
+    )
+    inverse = [order.index(i) for i in range(len(order))]
+    return physical.permute(*inverse)

@@ -1,0 +1,325 @@
+"""The per-step batch description every builder reads, and helpers around it.
+
+`CommonAttentionMetadata` carries device tensors together with CPU mirrors so that builders
+never synchronise with the device. The helpers split a batch into decodes and prefills, reorder
+a batch so decodes come first (fewest swaps), compute slot mappings from block tables, and
+expand block tables when the kernel block size is smaller than the engine's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "CommonAttentionMetadata",
+    "apply_swaps",
+    "compute_slot_mapping",
+    "expand_block_table",
+    "make_common_attn_metadata",
+    "reorder_batch_to_split_decodes_and_prefills",
+    "split_decodes_and_prefills",
+]
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """One step's batch, shared by every backend's builder.
+
+    Requests are laid out back to back in the flat token dimension. Tensors may be padded past
+    `num_reqs` / `num_actual_tokens` (CUDA graphs); only the real part is meaningful.
+
+    Attributes:
+        query_start_loc: int32 `[num_reqs + 1]` (device): offsets of each request's new tokens.
+        query_start_loc_cpu: the same, on the CPU.
+        seq_lens: int32 `[num_reqs]` (device): context + new tokens per request.
+        seq_lens_cpu: the same, on the CPU.
+        num_computed_tokens_cpu: int32 `[num_reqs]` (CPU): context before this step.
+        num_reqs: real requests.
+        num_actual_tokens: real tokens; output rows past it are left untouched.
+        max_query_len: longest query (new tokens) among the real requests.
+        max_seq_len: longest sequence among the real requests.
+        block_table_tensor: int32 `[num_reqs, max_blocks]` (device): physical block ids in
+            kernel-block units; unused entries are 0 (the null block, never allocated).
+        slot_mapping: int64 `[num_tokens]` (device): cache slot of each new token's K/V,
+            `block_id * block_size + offset`; -1 marks padding that is never written.
+        causal: False for bidirectional attention.
+        encoder_seq_lens: int32 `[num_reqs]` (device) for cross-attention, else None.
+        encoder_seq_lens_cpu: the same, on the CPU.
+    """
+
+    query_start_loc: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    num_computed_tokens_cpu: torch.Tensor
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    block_table_tensor: torch.Tensor
+    slot_mapping: torch.Tensor
+    causal: bool = True
+    encoder_seq_lens: torch.Tensor | None = None
+    encoder_seq_lens_cpu: torch.Tensor | None = None
+
+    @property
+    def query_lens_cpu(self) -> torch.Tensor:
+        """int32 `[num_reqs]` (CPU): new tokens per request."""
+        loc = self.query_start_loc_cpu[: self.num_reqs + 1]
+        return loc[1:] - loc[:-1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.query_start_loc.device
+
+    def validate(self, api: str = "CommonAttentionMetadata") -> None:
+        """Check shapes, dtypes and mirrors (CPU tensors only: no device synchronisation).
+
+        Raises:
+            ValueError: with the field, what it holds and what is expected.
+        """
+        num_reqs = self.num_reqs
+        checks = (
+            ("query_start_loc_cpu", self.query_start_loc_cpu, num_reqs + 1),
+            ("seq_lens_cpu", self.seq_lens_cpu, num_reqs),
+            ("num_computed_tokens_cpu", self.num_computed_tokens_cpu, num_reqs),
+        )
+        for name, tensor, min_len in checks:
+            if tensor.device.type != "cpu":
+                raise ValueError(f"{api}: {name} must be a CPU tensor (got {tensor.device}).")
+            if tensor.dim() != 1 or tensor.shape[0] < min_len:
+                raise ValueError(
+                    f"{api}: {name} must be 1-D with at least {min_len} entries "
+                    f"(got shape {tuple(tensor.shape)})."
+                )
+        if self.block_table_tensor.dim() != 2 or self.block_table_tensor.shape[0] < num_reqs:
+            raise ValueError(
+                f"{api}: block_table_tensor must be [num_reqs, max_blocks] with num_reqs >= "
+                f"{num_reqs} (got shape {tuple(self.block_table_tensor.shape)})."
+            )
+        if self.slot_mapping.dtype != torch.int64:
+            raise ValueError(f"{api}: slot_mapping must be int64 (got {self.slot_mapping.dtype}).")
+        loc = self.query_start_loc_cpu[: num_reqs + 1]
+        if num_reqs and (loc[0] != 0 or bool((loc[1:] < loc[:-1]).any())):
+            raise ValueError(f"{api}: query_start_loc must start at 0 and never decrease.")
+        if int(loc[-1]) != self.num_actual_tokens:
+            raise ValueError(
+                f"{api}: num_actual_tokens disagrees with query_start_loc (got "
+                f"{self.num_actual_tokens}, expected {int(loc[-1])})."
+            )
+        context = self.seq_lens_cpu[:num_reqs] - self.query_lens_cpu
+        if bool((context < 0).any()):
+            raise ValueError(f"{api}: a request has seq_len shorter than its query length.")
+        if not torch.equal(context.to(torch.int32), self.num_computed_tokens_cpu[:num_reqs].int()):
+            raise ValueError(
+                f"{api}: num_computed_tokens_cpu must equal seq_lens - query lens per request."
+            )
+
+
+def make_common_attn_metadata(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_table: torch.Tensor,
+    block_size: int,
+    device: torch.device | str = "cpu",
+    *,
+    causal: bool = True,
+    encoder_seq_lens: Sequence[int] | None = None,
+    num_padded_tokens: int | None = None,
+) -> CommonAttentionMetadata:
+    """Build a `CommonAttentionMetadata` from per-request lengths (engine and test helper).
+
+    Args:
+        query_lens: new tokens per request.
+        seq_lens: context + new tokens per request (>= query_lens).
+        block_table: int32 `[num_reqs, max_blocks]` physical block ids (any device).
+        block_size: tokens per (kernel) block.
+        device: where the device tensors live.
+        causal: False for bidirectional attention.
+        encoder_seq_lens: encoder tokens per request for cross-attention.
+        num_padded_tokens: pad the slot mapping with -1 up to this many tokens.
+    """
+    if len(query_lens) != len(seq_lens):
+        raise ValueError(
+            f"make_common_attn_metadata: query_lens and seq_lens differ in length (got "
+            f"{len(query_lens)} and {len(seq_lens)})."
+        )
+    device = torch.device(device)
+    query_lens_t = torch.tensor(list(query_lens), dtype=torch.int32)
+    seq_lens_cpu = torch.tensor(list(seq_lens), dtype=torch.int32)
+    query_start_loc_cpu = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    torch.cumsum(query_lens_t, 0, out=query_start_loc_cpu[1:])
+    num_tokens = int(query_start_loc_cpu[-1])
+    block_table_cpu = block_table.to("cpu", torch.int32)
+    slot_mapping = compute_slot_mapping(
+        block_table_cpu, query_start_loc_cpu, seq_lens_cpu, block_size, num_padded_tokens
+    )
+    enc_cpu = (
+        None if encoder_seq_lens is None else torch.tensor(list(encoder_seq_lens), dtype=torch.int32)
+    )
+    return CommonAttentionMetadata(
+        query_start_loc=query_start_loc_cpu.to(device),
+        query_start_loc_cpu=query_start_loc_cpu,
+        seq_lens=seq_lens_cpu.to(device),
+        seq_lens_cpu=seq_lens_cpu,
+        num_computed_tokens_cpu=seq_lens_cpu - query_lens_t,
+        num_reqs=len(query_lens),
+        num_actual_tokens=num_tokens,
+        max_query_len=max(query_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+        block_table_tensor=block_table_cpu.to(device),
+        slot_mapping=slot_mapping.to(device),
+        causal=causal,
+        encoder_seq_lens=None if enc_cpu is None else enc_cpu.to(device),
+        encoder_seq_lens_cpu=enc_cpu,
+    )
+
+
+def split_decodes_and_prefills(
+    common_attn_metadata: CommonAttentionMetadata,
+    decode_threshold: int = 1,
+    require_uniform: bool = False,
+) -> tuple[int, int, int, int]:
+    """Split a decodes-first batch into its leading decodes and the prefills after them.
+
+    A request is a decode when its query length is at most `decode_threshold`. The batch must
+    already be reordered (decodes first); reads only the CPU mirrors.
+
+    Args:
+        require_uniform: count as decodes only the leading requests whose query length equals
+            the first request's (uniform-batch kernels).
+
+    Returns:
+        `(num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens)`.
+    """
+    num_reqs = common_attn_metadata.num_reqs
+    num_tokens = common_attn_metadata.num_actual_tokens
+    if num_reqs == 0:
+        return 0, 0, 0, 0
+    query_lens = common_attn_metadata.query_lens_cpu
+    if require_uniform:
+        is_decode = (query_lens == query_lens[0]) & (query_lens <= decode_threshold)
+    else:
+        is_decode = query_lens <= decode_threshold
+    # The first non-decode request ends the decode run.
+    not_decode = (~is_decode).nonzero()
+    num_decodes = num_reqs if not_decode.numel() == 0 else int(not_decode[0, 0])
+    num_decode_tokens = int(common_attn_metadata.query_start_loc_cpu[num_decodes])
+    return num_decodes, num_reqs - num_decodes, num_decode_tokens, num_tokens - num_decode_tokens
+
+
+def reorder_batch_to_split_decodes_and_prefills(
+    query_lens: Sequence[int], decode_threshold: int = 1
+) -> list[tuple[int, int]]:
+    """The fewest swaps that move every decode (query length <= threshold) before the prefills.
+
+    Each swap trades the leftmost misplaced prefill for the rightmost misplaced decode, so every
+    swap fixes two positions and no request is moved that is already in its part.
+
+    Returns:
+        `[(i, j), ...]`: swap requests i and j, in order (see `apply_swaps`).
+    """
+    lens = list(query_lens)
+    is_decode = [n <= decode_threshold for n in lens]
+    swaps: list[tuple[int, int]] = []
+    left, right = 0, len(lens) - 1
+    while True:
+        while left < right and is_decode[left]:
+            left += 1
+        while left < right and not is_decode[right]:
+            right -= 1
+        if left >= right:
+            return swaps
+        swaps.append((left, right))
+        is_decode[left], is_decode[right] = True, False
+        left += 1
+        right -= 1
+
+
+def apply_swaps(items: list, swaps: Sequence[tuple[int, int]]) -> list:
+    """Apply `reorder_batch_to_split_decodes_and_prefills` swaps to a list, in place."""
+    for i, j in swaps:
+        items[i], items[j] = items[j], items[i]
+    return items
+
+
+def compute_slot_mapping(
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    num_tokens: int | None = None,
+) -> torch.Tensor:
+    """The cache slot of every new token: `block_table[r, p // block_size] * block_size +
+    p % block_size` at position `p` of request `r`; tokens past the real ones get -1.
+
+    Args:
+        block_table: int32 `[num_reqs, max_blocks]`.
+        query_start_loc: int32 `[num_reqs + 1]`, on the same device as block_table.
+        seq_lens: int32 `[num_reqs]`, context + new tokens.
+        block_size: tokens per block of `block_table`.
+        num_tokens: length of the result (>= the real tokens); defaults to the real tokens.
+
+    Returns:
+        int64 `[num_tokens]`.
+
+    Raises:
+        ValueError: a sequence needs more blocks than `block_table` has columns.
+    """
+    num_reqs = seq_lens.shape[0]
+    query_lens = (query_start_loc[1 : num_reqs + 1] - query_start_loc[:num_reqs]).long()
+    num_real = int(query_start_loc[num_reqs]) if num_reqs else 0
+    num_tokens = num_real if num_tokens is None else num_tokens
+    if num_tokens < num_real:
+        raise ValueError(
+            f"compute_slot_mapping: num_tokens is smaller than the real tokens (got {num_tokens}, "
+            f"expected >= {num_real})."
+        )
+    max_blocks = block_table.shape[1]
+    needed = (int(seq_lens.max()) + block_size - 1) // block_size if num_reqs else 0
+    if needed > max_blocks:
+        raise ValueError(
+            f"compute_slot_mapping: block_table too narrow for the longest sequence (got "
+            f"{max_blocks} columns, expected >= {needed} for block_size {block_size})."
+        )
+    device = block_table.device
+    slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
+    if num_real == 0:
+        return slots
+    # token t of request r sits at position context_r + (t - query_start_loc[r])
+    req = torch.repeat_interleave(torch.arange(num_reqs, device=device), query_lens.to(device))
+    offset_in_query = torch.arange(num_real, device=device) - query_start_loc[req].long()
+    context = (seq_lens.long() - query_lens).to(device)
+    positions = context[req] + offset_in_query
+    block_ids = block_table[req, positions // block_size].long()
+    slots[:num_real] = block_ids * block_size + positions % block_size
+    return slots
+
+
+def expand_block_table(block_table: torch.Tensor, block_size: int, kernel_block_size: int) -> torch.Tensor:
+    """Split each engine block into `block_size // kernel_block_size` kernel blocks.
+
+    Engine block b becomes kernel blocks `b*k ... b*k + k - 1` (k = block_size / kernel size);
+    the cache tensor is viewed with the smaller block size. Unused entries (the null block 0)
+    become kernel blocks 0 ... k - 1, which belong to the null block too.
+
+    Args:
+        block_table: int32 `[num_reqs, max_blocks]`.
+
+    Returns:
+        int32 `[num_reqs, max_blocks * k]`.
+    """
+    if block_size % kernel_block_size:
+        raise ValueError(
+            f"expand_block_table: block_size must be a multiple of kernel_block_size (got "
+            f"{block_size} and {kernel_block_size})."
+        )
+    k = block_size // kernel_block_size
+    if k == 1:
+        return block_table
+    sub = torch.arange(k, dtype=block_table.dtype, device=block_table.device)
+    expanded = block_table.unsqueeze(-1) * k + sub
+    return expanded.flatten(1)
