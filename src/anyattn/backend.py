@@ -142,7 +142,9 @@ class AttentionBackend(ABC):
         return (num_blocks, 2, block_size, num_kv_heads, head_size)
 
     @classmethod
-    def get_kv_cache_stride_order(cls, layout: KVCacheLayout | str = KVCacheLayout.NHD) -> tuple[int, ...]:
+    def get_kv_cache_stride_order(
+        cls, layout: KVCacheLayout | str = KVCacheLayout.NHD
+    ) -> tuple[int, ...]:
         """Order in which to allocate the logical dims so that memory follows `layout`.
 
         Allocating `torch.empty([shape[i] for i in order])` and permuting by the inverse order
@@ -353,9 +355,7 @@ class AttentionBackend(ABC):
             )
         if not cls.supports_attn_type(config.attn_type):
             names = ", ".join(t.value for t in cls.supported_attn_types)
-            reasons.append(
-                f"attn_type {config.attn_type.value} not supported (supported: {names})"
-            )
+            reasons.append(f"attn_type {config.attn_type.value} not supported (supported: {names})")
         if config.use_mla != cls.is_mla():
             reasons.append("MLA (use_mla) not supported" if config.use_mla else "MLA-only backend")
         if config.use_sparse != cls.is_sparse():
@@ -732,8 +732,10 @@ def validate_impl_arguments(
     if sliding_window is not None:
         if not backend.supports_sliding_window():
             raise NotImplementedError(f"{api}: sliding window not supported.")
-        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or (
-            sliding_window < 1
+        if (
+            isinstance(sliding_window, bool)
+            or not isinstance(sliding_window, int)
+            or (sliding_window < 1)
         ):
             raise ValueError(
                 f"{api}: sliding_window must be a positive int or None (got {sliding_window!r})."

@@ -158,7 +158,9 @@ def make_common_attn_metadata(
         block_table_cpu, query_start_loc_cpu, seq_lens_cpu, block_size, num_padded_tokens
     )
     enc_cpu = (
-        None if encoder_seq_lens is None else torch.tensor(list(encoder_seq_lens), dtype=torch.int32)
+        None
+        if encoder_seq_lens is None
+        else torch.tensor(list(encoder_seq_lens), dtype=torch.int32)
     )
     return CommonAttentionMetadata(
         query_start_loc=query_start_loc_cpu.to(device),
@@ -299,7 +301,9 @@ def compute_slot_mapping(
     return slots
 
 
-def expand_block_table(block_table: torch.Tensor, block_size: int, kernel_block_size: int) -> torch.Tensor:
+def expand_block_table(
+    block_table: torch.Tensor, block_size: int, kernel_block_size: int
+) -> torch.Tensor:
     """Split each engine block into `block_size // kernel_block_size` kernel blocks.
 
     Engine block b becomes kernel blocks `b*k ... b*k + k - 1` (k = block_size / kernel size);

@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 
-class AttentionType(str, enum.Enum):
+class AttentionType(enum.StrEnum):
     """What a layer's queries attend to."""
 
     DECODER = "decoder"
@@ -41,9 +41,6 @@ class AttentionType(str, enum.Enum):
     """Bidirectional self-attention of an encoder-only model; no KV cache."""
     ENCODER_DECODER = "encoder_decoder"
     """Cross-attention: decoder queries over the encoder's K/V, kept in the layer's own cache."""
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @functools.total_ordering
@@ -84,7 +81,7 @@ class MultipleOf:
         return f"multiple of {self.base}"
 
 
-class KVCacheLayout(str, enum.Enum):
+class KVCacheLayout(enum.StrEnum):
     """Physical order of the per-block dimensions of a paged KV cache.
 
     NHD: `[block_size, num_kv_heads, head_size]` inside a block (tokens outermost).
@@ -94,9 +91,6 @@ class KVCacheLayout(str, enum.Enum):
 
     NHD = "NHD"
     HND = "HND"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 CacheDType = Literal["auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]

@@ -1,0 +1,658 @@
+"""TORCH: the reference backend, in plain PyTorch, for the CPU and any CUDA GPU.
+
+Every other backend is judged against it, so it implements every feature of the contract
+except MLA, sparse attention and bitwise batch invariance: paged KV over shuffled blocks, mixed
+batches (decodes, fresh and chunked prefills), GQA/MQA, causal and non-causal, all four
+attention types, sliding window, ALiBi, soft cap, sinks, fp8 KV with per-tensor or per-head
+scales, LSE output, cascade attention and KV sharing.
+
+Plan/run split: the builder turns the step into a plan (a batched decode group plus one segment
+per other request, all from CPU mirrors, no device sync); `forward` gathers each group's
+blocks once, KV-head-major, and runs `dense_attention` (SDPA where no feature needs the
+explicit math). Never a Python loop over tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from anyattn.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+    validate_impl_arguments,
+)
+from anyattn.metadata import CommonAttentionMetadata, split_decodes_and_prefills
+from anyattn.ops.dense_attention import ScoreMods, dense_attention, gather_kv_blocks
+from anyattn.ops.merge_attn_states import merge_attn_states
+from anyattn.types import AttentionCGSupport, AttentionType, cache_torch_dtype, is_fp8_cache
+
+__all__ = [
+    "TorchAttentionBackend",
+    "TorchAttentionImpl",
+    "TorchAttentionMetadata",
+    "TorchAttentionMetadataBuilder",
+]
+
+_ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Declarations of the TORCH backend."""
+
+    supported_dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    supported_kv_cache_dtypes = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+    supported_device_types = ("cpu", "cuda")
+    supported_attn_types = tuple(AttentionType)
+    forward_includes_kv_cache_update = False
+
+    @staticmethod
+    def get_name() -> str:
+        return "TORCH"
+
+    @staticmethod
+    def get_impl_cls() -> type[TorchAttentionImpl]:
+        return TorchAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[TorchAttentionMetadataBuilder]:
+        return TorchAttentionMetadataBuilder
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_alibi(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_logits_soft_cap(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_per_head_quant_scales(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_lse(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_cascade(cls) -> bool:
+        return True
+
+
+class Workspace:
+    """A buffer the builder owns and every layer's gather reuses, grown when a step needs more.
+
+    Fresh memory for each gather costs first-touch page faults on the CPU that exceed the copy
+    itself; layers run one after another, so one buffer serves them all.
+    """
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1-D buffer of at least `numel` elements (contents undefined)."""
+        buf = self._buffer
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = self._buffer = torch.empty(numel, dtype=dtype, device=device)
+        return buf
+
+
+@dataclass
+class Segment:
+    """One request run on its own: queries `[q_start, q_start + q_len)` at positions
+    `context, ...`, keys `[0, k_len)` of block-table row `row`."""
+
+    row: int
+    q_start: int
+    q_len: int
+    context: int
+    k_len: int
+
+
+@dataclass
+class TorchAttentionMetadata:
+    """What `TorchAttentionImpl.forward` needs for one step.
+
+    Attributes:
+        num_actual_tokens: real tokens; output rows past it are untouched.
+        block_size: tokens per block of `block_table`.
+        block_table: int32 `[num_reqs, max_blocks]` (device).
+        slot_mapping: int64 `[num_tokens]` (device).
+        causal: False for bidirectional attention.
+        num_decodes, num_decode_tokens: the leading requests run as one batched group.
+        decode_*: that group's padded layout (device): query token ids `[num_decodes, Lq]`,
+            query validity, positions `[num_decodes, Lq]`, key lengths `[num_decodes]`.
+        decode_num_blocks: block-table columns the group reads (from `prefix_blocks` on).
+        segments: every other request, one by one.
+        all_segments: every request as a segment (encoder attention runs them all so).
+        common_prefix_len: tokens of the shared prefix run once (cascade), else 0.
+        prefix_blocks: block ids of that prefix `[common_prefix_len // block_size]` (device).
+        token_positions: int64 `[num_actual_tokens]` absolute position of each query (cascade).
+        workspace: the builder's gather buffer, reused by every layer.
+    """
+
+    num_actual_tokens: int
+    block_size: int
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    causal: bool
+    num_decodes: int
+    num_decode_tokens: int
+    decode_max_query_len: int
+    decode_token_ids: torch.Tensor
+    decode_query_valid: torch.Tensor
+    decode_positions: torch.Tensor
+    decode_k_lens: torch.Tensor
+    decode_num_blocks: int
+    segments: list[Segment]
+    all_segments: list[Segment]
+    common_prefix_len: int = 0
+    prefix_blocks: torch.Tensor | None = None
+    token_positions: torch.Tensor | None = None
+    workspace: Workspace = field(default_factory=Workspace)
+
+
+class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetadata]):
+    """Plans a step for the TORCH impl from the CPU mirrors; never syncs with the device."""
+
+    _cudagraph_support = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names, limits, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, limits, device)
+        # Decodes (and spec-decode verification runs of 1 + k tokens) go first, as one group.
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
+        self._workspace = Workspace()
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> TorchAttentionMetadata:
+        cm = common_attn_metadata
+        cm.validate("TorchAttentionMetadataBuilder.build")
+        block_size = self.kv_cache_spec.block_size
+        num_reqs = cm.num_reqs
+        cross = cm.encoder_seq_lens_cpu is not None
+        k_lens_cpu = (cm.encoder_seq_lens_cpu if cross else cm.seq_lens_cpu)[:num_reqs].long()
+        needed = int((k_lens_cpu.max() + block_size - 1) // block_size) if num_reqs else 0
+        if needed > cm.block_table_tensor.shape[1]:
+            raise ValueError(
+                f"TorchAttentionMetadataBuilder.build: block_table too narrow for the longest "
+                f"sequence (got {cm.block_table_tensor.shape[1]} columns, expected >= {needed} "
+                f"for block_size {block_size})."
+            )
+        context_cpu = cm.num_computed_tokens_cpu[:num_reqs].long()
+        common_prefix_len = self._check_prefix(common_prefix_len, context_cpu, block_size, cross)
+        prefix_blocks = common_prefix_len // block_size
+
+        num_decodes = num_decode_tokens = 0
+        if self.reorder_batch_threshold is not None and not cross:
+            num_decodes, _, num_decode_tokens, _ = split_decodes_and_prefills(
+                cm, self.reorder_batch_threshold
+            )
+        decode = self._plan_decodes(cm, num_decodes, prefix_blocks, block_size)
+        loc = cm.query_start_loc_cpu[: num_reqs + 1].tolist()
+        contexts = context_cpu.tolist()
+        k_lens = k_lens_cpu.tolist()
+        all_segments = [
+            Segment(r, loc[r], loc[r + 1] - loc[r], contexts[r], k_lens[r]) for r in range(num_reqs)
+        ]
+        token_positions = None
+        if common_prefix_len:
+            # position of token t of request r: context_r + (t - query_start_r), on the device
+            qsl = cm.query_start_loc[: num_reqs + 1].long()
+            query_lens = qsl[1:] - qsl[:-1]
+            req = torch.repeat_interleave(
+                torch.arange(num_reqs, device=qsl.device),
+                query_lens,
+                output_size=cm.num_actual_tokens,
+            )
+            context = cm.seq_lens[:num_reqs].long() - query_lens
+            token_positions = (
+                context[req] + torch.arange(cm.num_actual_tokens, device=qsl.device) - qsl[req]
+            )
+        return TorchAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            block_size=block_size,
+            block_table=cm.block_table_tensor,
+            slot_mapping=cm.slot_mapping,
+            causal=cm.causal,
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens,
+            segments=all_segments[num_decodes:],
+            all_segments=all_segments,
+            common_prefix_len=common_prefix_len,
+            prefix_blocks=cm.block_table_tensor[0, :prefix_blocks] if common_prefix_len else None,
+            token_positions=token_positions,
+            workspace=self._workspace,
+            **decode,
+        )
+
+    @staticmethod
+    def _check_prefix(
+        common_prefix_len: int, context_cpu: torch.Tensor, block_size: int, cross: bool
+    ) -> int:
+        if common_prefix_len == 0:
+            return 0
+        api = "TorchAttentionMetadataBuilder.build"
+        if cross:
+            raise ValueError(
+                f"{api}: cascade attention is not defined for cross-attention (got "
+                f"common_prefix_len={common_prefix_len}, expected 0)."
+            )
+        if common_prefix_len < 0 or common_prefix_len % block_size:
+            raise ValueError(
+                f"{api}: common_prefix_len must be a non-negative multiple of block_size (got "
+                f"{common_prefix_len}, block_size {block_size})."
+            )
+        min_context = int(context_cpu.min()) if context_cpu.numel() else 0
+        if common_prefix_len > min_context:
+            raise ValueError(
+                f"{api}: common_prefix_len must lie within every request's context (got "
+                f"{common_prefix_len}, shortest context {min_context})."
+            )
+        return common_prefix_len
+
+    def _plan_decodes(
+        self, cm: CommonAttentionMetadata, num_decodes: int, prefix_blocks: int, block_size: int
+    ) -> dict[str, object]:
+        """Padded layout of the leading decode group, built on the device from shapes on the CPU."""
+        device = cm.query_start_loc.device
+        qlens_cpu = cm.query_lens_cpu[:num_decodes]
+        lq = int(qlens_cpu.max()) if num_decodes else 0
+        max_seq = int(cm.seq_lens_cpu[:num_decodes].max()) if num_decodes else 0
+        num_blocks = (max_seq + block_size - 1) // block_size - prefix_blocks
+        qsl = cm.query_start_loc[:num_decodes].long()
+        seq_lens = cm.seq_lens[:num_decodes].long()
+        q_lens = cm.query_start_loc[1 : num_decodes + 1].long() - qsl
+        offsets = torch.arange(lq, device=device)
+        valid = offsets.unsqueeze(0) < q_lens.unsqueeze(1)  # [num_decodes, Lq]
+        return {
+            "decode_max_query_len": lq,
+            "decode_token_ids": (qsl.unsqueeze(1) + offsets).masked_fill(~valid, 0),
+            "decode_query_valid": valid,
+            "decode_positions": (seq_lens - q_lens).unsqueeze(1) + offsets,
+            "decode_k_lens": seq_lens,
+            "decode_num_blocks": max(num_blocks, 0),
+        }
+
+    def use_cascade_attention(
+        self,
+        common_prefix_len: int,
+        query_lens: np.ndarray,
+        num_query_heads: int,
+        num_kv_heads: int,
+        use_alibi: bool,
+        use_sliding_window: bool,
+        use_local_attention: bool,
+        num_sms: int,
+        dcp_world_size: int,
+    ) -> bool:
+        """Cascade pays off here when many requests share a long prefix: the prefix blocks are
+        then gathered and attended once instead of once per request. Position-dependent score
+        modifiers and context parallelism rule it out."""
+        if use_alibi or use_sliding_window or use_local_attention or dcp_world_size > 1:
+            return False
+        return common_prefix_len >= 256 and len(query_lens) >= 8
+
+
+class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
+    """The TORCH backend's forward; see the module docstring."""
+
+    can_return_lse_for_decode = True
+    lse_base_on_e = True
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: AttentionType | str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        self.num_kv_heads = validate_impl_arguments(
+            TorchAttentionBackend,
+            num_heads=num_heads,
+            head_size=head_size,
+            scale=scale,
+            num_kv_heads=num_kv_heads,
+            alibi_slopes=alibi_slopes,
+            sliding_window=sliding_window,
+            kv_cache_dtype=kv_cache_dtype,
+            logits_soft_cap=logits_soft_cap,
+            attn_type=attn_type,
+            sinks=sinks,
+        )
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = AttentionType(attn_type)
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.sliding_window = sliding_window
+        group = num_heads // self.num_kv_heads
+        shape = (self.num_kv_heads, 1, group)
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = torch.as_tensor(alibi_slopes, dtype=torch.float32).view(*shape, 1, 1)
+        self._mods = ScoreMods(
+            scale=self.scale,
+            soft_cap=logits_soft_cap or None,
+            sliding_window=sliding_window,
+            alibi_slopes=slopes,
+            sinks=None if sinks is None else sinks.detach().float().view(*shape, 1),
+        )
+
+    def _mods_on(self, device: torch.device) -> ScoreMods:
+        """The score modifiers with their tensors on `device` (moved once, then kept)."""
+        mods = self._mods
+        moved = {
+            name: tensor.to(device)
+            for name in ("alibi_slopes", "sinks")
+            if (tensor := getattr(mods, name)) is not None and tensor.device != device
+        }
+        if moved:
+            mods = self._mods = replace(mods, **moved)
+        return mods
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: TorchAttentionMetadata,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+        output_lse: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """See `AttentionImpl.forward`. Writes `output[:num_actual_tokens]` (and `output_lse`)."""
+        md = attn_metadata
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError(
+                "TORCH forward: fused output quantisation not supported (got output_scale). "
+                "Quantise the output after the call."
+            )
+        self._check_inputs(query, key, value, kv_cache, md, output, output_lse)
+        n = md.num_actual_tokens
+        if n == 0:
+            return output
+        run = _Run(self, query, key, value, kv_cache, md, self._mods_on(query.device), layer)
+        lse = None if output_lse is None else output_lse[:, :n]
+        if md.common_prefix_len:
+            prefix_out, prefix_lse = self._cascade_prefix(run)
+            suffix_out = torch.empty_like(query[:n])
+            suffix_lse = torch.empty(self.num_heads, n, dtype=torch.float32, device=query.device)
+            run.decodes(suffix_out, suffix_lse, first_key=md.common_prefix_len, use_sinks=False)
+            run.segments(suffix_out, suffix_lse, first_key=md.common_prefix_len, use_sinks=False)
+            merge_attn_states(output[:n], prefix_out, prefix_lse, suffix_out, suffix_lse, lse)
+        else:
+            run.decodes(output, lse, first_key=0, use_sinks=True)
+            run.segments(output, lse, first_key=0, use_sinks=True)
+        return output
+
+    def _cascade_prefix(self, run: _Run) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every query of the step against the shared prefix, gathered and attended once."""
+        md = run.md
+        k, v = run.cache_keys(md.prefix_blocks.unsqueeze(0))
+        k_pos = torch.arange(md.common_prefix_len, device=k.device)
+        out, lse = dense_attention(
+            run.query[: md.num_actual_tokens].unsqueeze(0),
+            k,
+            v,
+            md.token_positions.unsqueeze(0),
+            k_pos,
+            None,
+            run.mods,
+            causal=md.causal,
+            need_lse=True,
+        )
+        return out[0], lse[0]
+
+    def _check_inputs(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        md: TorchAttentionMetadata,
+        output: torch.Tensor,
+        output_lse: torch.Tensor | None,
+    ) -> None:
+        api = "TORCH forward"
+        if not isinstance(md, TorchAttentionMetadata):
+            raise TypeError(
+                f"{api}: attn_metadata must come from TorchAttentionMetadataBuilder.build (got "
+                f"{type(md).__name__})."
+            )
+        heads = (self.num_heads, self.head_size)
+        if query.dim() != 3 or tuple(query.shape[1:]) != heads:
+            raise ValueError(
+                f"{api}: query must be [num_tokens, {heads[0]}, {heads[1]}] (got "
+                f"{tuple(query.shape)})."
+            )
+        if query.dtype not in TorchAttentionBackend.supported_dtypes:
+            raise ValueError(
+                f"{api}: query dtype not supported (got {query.dtype}, expected float32, "
+                "float16 or bfloat16)."
+            )
+        if output.shape != query.shape or output.dtype != query.dtype:
+            raise ValueError(
+                f"{api}: output must match query in shape and dtype (got {tuple(output.shape)} "
+                f"{output.dtype}, expected {tuple(query.shape)} {query.dtype})."
+            )
+        if md.num_actual_tokens > query.shape[0]:
+            raise ValueError(
+                f"{api}: query has fewer rows than the metadata's tokens (got {query.shape[0]}, "
+                f"expected >= {md.num_actual_tokens})."
+            )
+        if (key is None) != (value is None):
+            raise ValueError(f"{api}: key and value must both be given or both be None.")
+        kv_shape = (self.num_kv_heads, self.head_size)
+        for name, tensor in (("key", key), ("value", value)):
+            if tensor is None:
+                continue
+            if tensor.dim() != 3 or tuple(tensor.shape[1:]) != kv_shape:
+                raise ValueError(
+                    f"{api}: {name} must be [num_tokens, {kv_shape[0]}, {kv_shape[1]}] (got "
+                    f"{tuple(tensor.shape)})."
+                )
+            if tensor.dtype != query.dtype:
+                raise ValueError(
+                    f"{api}: {name} dtype differs from query (got {tensor.dtype}, expected "
+                    f"{query.dtype})."
+                )
+            if (
+                self.attn_type != AttentionType.ENCODER_DECODER
+                and tensor.shape[0] != query.shape[0]
+            ):
+                raise ValueError(
+                    f"{api}: {name} and query differ in tokens (got {tensor.shape[0]} and "
+                    f"{query.shape[0]})."
+                )
+        if self.attn_type in _ENCODER_TYPES:
+            if key is None:
+                raise ValueError(f"{api}: {self.attn_type.value} attention needs key and value.")
+        else:
+            cache_dtype = cache_torch_dtype(self.kv_cache_dtype, query.dtype)
+            expected = ("num_blocks", 2, md.block_size, *kv_shape)
+            if kv_cache.dim() != 5 or tuple(kv_cache.shape[1:]) != expected[1:]:
+                raise ValueError(
+                    f"{api}: kv_cache must be {list(expected)} (got {tuple(kv_cache.shape)}). "
+                    "Allocate it with anyattn.kv_cache.allocate_kv_cache."
+                )
+            if kv_cache.dtype != cache_dtype:
+                raise ValueError(
+                    f"{api}: kv_cache dtype does not match kv_cache_dtype "
+                    f"{self.kv_cache_dtype!r} (got {kv_cache.dtype}, expected {cache_dtype})."
+                )
+            if kv_cache.device != query.device:
+                raise ValueError(
+                    f"{api}: kv_cache and query are on different devices (got {kv_cache.device} "
+                    f"and {query.device})."
+                )
+        if output_lse is not None and (
+            output_lse.dtype != torch.float32
+            or output_lse.dim() != 2
+            or output_lse.shape[0] != self.num_heads
+            or output_lse.shape[1] < md.num_actual_tokens
+        ):
+            raise ValueError(
+                f"{api}: output_lse must be float32 [{self.num_heads}, num_tokens] (got "
+                f"{output_lse.dtype} {tuple(output_lse.shape)})."
+            )
+
+
+class _Run:
+    """One forward call: where keys come from, and the decode group and segments run over it."""
+
+    def __init__(
+        self,
+        impl: TorchAttentionImpl,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        md: TorchAttentionMetadata,
+        mods: ScoreMods,
+        layer: AttentionLayer,
+    ) -> None:
+        self.impl, self.query, self.key, self.value = impl, query, key, value
+        self.kv_cache, self.md, self.mods = kv_cache, md, mods
+        self.encoder = impl.attn_type in _ENCODER_TYPES
+        self.cross = impl.attn_type == AttentionType.ENCODER_DECODER
+        self.fp8 = is_fp8_cache(impl.kv_cache_dtype)
+        self.k_scale = self.v_scale = None
+        if self.fp8 and not self.encoder:
+            self.k_scale = _scale(layer, "k_scale", impl.num_kv_heads, query.device)
+            self.v_scale = _scale(layer, "v_scale", impl.num_kv_heads, query.device)
+        # A fresh prefill may read its new K/V from the inputs: for a non-fp8 cache of the
+        # model dtype they equal what was cached. Shared-KV layers always read the cache.
+        self.fresh_from_inputs = (
+            key is not None
+            and impl.attn_type == AttentionType.DECODER
+            and impl.kv_sharing_target_layer_name is None
+            and cache_torch_dtype(impl.kv_cache_dtype, query.dtype) == query.dtype
+        )
+
+    def cache_keys(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of `block_ids [B, nblk]` as `[num_kv_heads, B, nblk * block_size, head_size]`."""
+        batch, nblk = block_ids.shape
+        cache = self.kv_cache
+        numel = 2 * batch * nblk * cache.shape[2] * cache.shape[3] * cache.shape[4]
+        workspace = self.md.workspace.get(numel, cache.dtype, cache.device)
+        k, v = gather_kv_blocks(cache, block_ids, workspace)
+        if self.fp8:
+            # fp8 caches hold value / scale; scales are [] or [num_kv_heads].
+            k = k.float().mul_(self.k_scale.view(-1, 1, 1, 1))
+            v = v.float().mul_(self.v_scale.view(-1, 1, 1, 1))
+        return k, v
+
+    def decodes(
+        self, out: torch.Tensor, lse: torch.Tensor | None, *, first_key: int, use_sinks: bool
+    ) -> None:
+        """The leading decodes as one padded batch over keys `[first_key, seq_len)`."""
+        md = self.md
+        nd = md.num_decodes
+        if nd == 0 or self.encoder:
+            return
+        first_block = first_key // md.block_size
+        k, v = self.cache_keys(
+            md.block_table[:nd, first_block : first_block + md.decode_num_blocks]
+        )
+        k_pos = first_key + torch.arange(k.shape[2], device=k.device)
+        k_valid = k_pos.unsqueeze(0) < md.decode_k_lens.unsqueeze(1)
+        if md.decode_max_query_len == 1:
+            q = self.query[:nd].unsqueeze(1)
+        else:
+            q = self.query[md.decode_token_ids]  # [nd, Lq, H, D]
+        o, part_lse = dense_attention(
+            q, k, v, md.decode_positions, k_pos, k_valid, self.mods,
+            causal=md.causal, use_sinks=use_sinks, need_lse=lse is not None,
+        )  # fmt: skip
+        if md.decode_max_query_len == 1:
+            out[:nd] = o[:, 0]
+            if lse is not None:
+                lse[:, :nd] = part_lse[:, :, 0].T
+            return
+        valid = md.decode_query_valid
+        ids = md.decode_token_ids[valid]
+        out[ids] = o[valid]
+        if lse is not None:
+            lse[:, ids] = part_lse.transpose(1, 2)[valid].T
+
+    def segments(
+        self, out: torch.Tensor, lse: torch.Tensor | None, *, first_key: int, use_sinks: bool
+    ) -> None:
+        """Every request outside the decode group, one at a time."""
+        md = self.md
+        device = self.query.device
+        segments = md.segments if not self.encoder else md.all_segments
+        for seg in segments:
+            q = self.query[seg.q_start : seg.q_start + seg.q_len].unsqueeze(0)
+            causal = md.causal and not self.encoder and not self.cross
+            if self.encoder or (self.fresh_from_inputs and seg.context == 0 and first_key == 0):
+                rows = slice(seg.q_start, seg.q_start + seg.q_len)
+                # [q_len, KVH, D] -> [KVH, 1, q_len, D]
+                k = self.key[rows].transpose(0, 1).unsqueeze(1)
+                v = self.value[rows].transpose(0, 1).unsqueeze(1)
+                k_valid = None
+            else:
+                first_block = first_key // md.block_size
+                last_block = (seg.k_len + md.block_size - 1) // md.block_size
+                k, v = self.cache_keys(
+                    md.block_table[seg.row : seg.row + 1, first_block:last_block]
+                )
+                k_valid = None
+                if first_block * md.block_size + k.shape[2] != seg.k_len:
+                    k_valid = (
+                        torch.arange(k.shape[2], device=device)
+                        < seg.k_len - first_block * md.block_size
+                    ).unsqueeze(0)
+            k_pos = first_key + torch.arange(k.shape[2], device=device)
+            q_pos = (seg.context + torch.arange(seg.q_len, device=device)).unsqueeze(0)
+            o, part_lse = dense_attention(
+                q, k, v, q_pos, k_pos, k_valid, self.mods,
+                causal=causal, use_sinks=use_sinks, need_lse=lse is not None,
+            )  # fmt: skip
+            out[seg.q_start : seg.q_start + seg.q_len] = o[0]
+            if lse is not None:
+                lse[:, seg.q_start : seg.q_start + seg.q_len] = part_lse[0]
+
+
+def _scale(
+    layer: AttentionLayer, name: str, num_kv_heads: int, device: torch.device
+) -> torch.Tensor:
+    scale = getattr(layer, name, None)
+    if not isinstance(scale, torch.Tensor) or tuple(scale.shape) not in ((), (1,), (num_kv_heads,)):
+        got = tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise ValueError(
+            f"TORCH forward: layer.{name} must be a float32 tensor of shape [] or "
+            f"[{num_kv_heads}] for an fp8 KV cache (got {got})."
+        )
+    return scale.to(device=device, dtype=torch.float32)

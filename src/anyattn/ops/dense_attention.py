@@ -1,0 +1,217 @@
+"""Attention of a padded group of requests over gathered keys, in batched PyTorch ops.
+
+The compute core of the TORCH backend. Keys arrive KV-head-major (`[num_kv_heads, B, L, D]`),
+the order in which `gather_kv_blocks` copies them out of the paged cache in one indexing op,
+so the batched matmuls run over (kv head, request) without another copy. All query heads of a
+KV head are handled together (GQA). Semantics are those of DESIGN.md: scale, soft cap, ALiBi,
+causal / sliding-window masks, sinks in the denominator only, empty rows give zeros.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["ScoreMods", "dense_attention", "gather_kv_blocks"]
+
+# Scores of one query chunk are materialised; bound their size (elements) to bound memory.
+_MAX_SCORE_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class ScoreMods:
+    """Per-layer score modifiers, prepared once per impl.
+
+    Attributes:
+        scale: multiplies q·k.
+        soft_cap: `cap * tanh(s / cap)` when set.
+        sliding_window: W keeps keys with `p - W < j <= p`.
+        alibi_slopes: float32 `[num_kv_heads, 1, G, 1, 1]` (G = query heads per KV head).
+        sinks: float32 `[num_kv_heads, 1, G, 1]`, added as exp(sink) to the denominator.
+    """
+
+    scale: float
+    soft_cap: float | None = None
+    sliding_window: int | None = None
+    alibi_slopes: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
+
+
+def gather_kv_blocks(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, workspace: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy the blocks of a group of requests out of the paged cache, KV-head-major.
+
+    Args:
+        kv_cache: `[num_blocks, 2, block_size, num_kv_heads, head_size]`, any strides.
+        block_ids: int `[B, nblk]` physical block ids per request.
+        workspace: a 1-D buffer of the cache dtype with at least `2 * B * nblk * block_size *
+            num_kv_heads * head_size` elements to copy into. Reusing one matters on the CPU:
+            first-touch page faults on fresh memory cost more than the copy itself.
+
+    Returns:
+        `(k, v)`, each `[num_kv_heads, B, nblk * block_size, head_size]`, contiguous, cache dtype
+        (views of `workspace` when given).
+    """
+    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    batch, nblk = block_ids.shape
+    shape = (2, num_kv_heads, batch * nblk, block_size, head_size)
+    numel = 2 * num_kv_heads * batch * nblk * block_size * head_size
+    out = None if workspace is None else workspace[:numel].view(shape)
+    # [2, num_kv_heads, num_blocks, block_size, head_size] view; one copy for K and V.
+    source = kv_cache.permute(1, 3, 0, 2, 4)
+    index = block_ids.reshape(-1).to(torch.long)
+    kv = (
+        torch.index_select(source, 2, index, out=out)
+        if out is not None
+        else source.index_select(2, index)
+    )
+    kv = kv.view(2, num_kv_heads, batch, nblk * block_size, head_size)
+    return kv[0], kv[1]
+
+
+def _allowed(
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    k_valid: torch.Tensor | None,
+    causal: bool,
+    sliding_window: int | None,
+) -> torch.Tensor | None:
+    """bool `[B, Lq, L]` of allowed (query, key) pairs, or None when all are allowed."""
+    allowed = None
+    rel = k_pos.view(1, 1, -1) - q_pos.unsqueeze(-1)  # j - p: [B, Lq, L]
+    if causal or sliding_window is not None:
+        allowed = rel <= 0
+    if sliding_window is not None:
+        allowed &= rel > -sliding_window
+    if k_valid is not None:
+        valid = k_valid.unsqueeze(1)
+        allowed = valid.expand(rel.shape) if allowed is None else allowed & valid
+    return allowed
+
+
+def _manual(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    allowed: torch.Tensor | None,
+    mods: ScoreMods,
+    use_sinks: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 math path; q `[KVH, B, G, Lq, D]`, k/v `[KVH, B, L, D]`.
+
+    Returns out `[KVH, B, G, Lq, D]` and natural-log lse `[KVH, B, G, Lq]`.
+    """
+    kvh, batch, group, lq, d = q.shape
+    s = torch.matmul(q.reshape(kvh, batch, group * lq, d), k.transpose(-1, -2))
+    s = s.view(kvh, batch, group, lq, -1).mul_(mods.scale)
+    if mods.soft_cap is not None:
+        s = s.div_(mods.soft_cap).tanh_().mul_(mods.soft_cap)
+    if mods.alibi_slopes is not None:
+        rel = (k_pos.view(1, 1, -1) - q_pos.unsqueeze(-1)).to(s.dtype)  # [B, Lq, L]
+        s = s.add_(mods.alibi_slopes * rel.unsqueeze(1))
+    if allowed is not None:
+        s = s.masked_fill_(~allowed.unsqueeze(1), float("-inf"))
+    row_max = s.amax(dim=-1, keepdim=True)
+    sinks = mods.sinks.unsqueeze(-1) if use_sinks and mods.sinks is not None else None
+    if sinks is not None:
+        row_max = torch.maximum(row_max, sinks)
+    # A row with no allowed key (and no sink) has max -inf; shift by 0 so exp gives 0, not NaN.
+    row_max = row_max.masked_fill_(torch.isneginf(row_max), 0.0)
+    p = s.sub_(row_max).exp_()
+    denom = p.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        denom = denom + (sinks - row_max).exp()
+    out = torch.matmul(p.view(kvh, batch, group * lq, -1), v).view(kvh, batch, group, lq, d)
+    out = out.div_(denom.clamp_min(torch.finfo(denom.dtype).tiny))
+    lse = (denom.log() + row_max).squeeze(-1)
+    return out, lse
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    k_valid: torch.Tensor | None,
+    mods: ScoreMods,
+    *,
+    causal: bool,
+    use_sinks: bool = True,
+    need_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention of B padded requests.
+
+    Args:
+        q: `[B, Lq, num_heads, head_size]`.
+        k, v: `[num_kv_heads, B, L, head_size]` in the compute dtype (dequantised already).
+        q_pos: int64 `[B, Lq]` absolute position of each query.
+        k_pos: int64 `[L]` absolute position of each key column (shared by the group).
+        k_valid: bool `[B, L]`: which key columns exist for each request, or None (all).
+        mods: the layer's score modifiers.
+        causal: keep only keys with `j <= p`.
+        use_sinks: add the layer's sinks to the denominator (False for a partial pass whose
+            sink term is counted by another pass).
+        need_lse: also return the natural-log LSE.
+
+    Returns:
+        `(out [B, Lq, num_heads, head_size] in q's dtype, lse float32 [B, num_heads, Lq] or None)`.
+    """
+    batch, lq, num_heads, d = q.shape
+    kvh = k.shape[0]
+    group = num_heads // kvh
+    plain = (
+        mods.soft_cap is None
+        and mods.alibi_slopes is None
+        and (mods.sinks is None or not use_sinks)
+        and not need_lse
+    )
+    if plain and batch == 1:
+        # SDPA's fused kernels: no score matrix in memory. All rows have a key here: causal
+        # rows see themselves, windows include the current key.
+        allowed = _allowed(q_pos, k_pos, k_valid, causal, mods.sliding_window)
+        # Lq == L with every key valid means a fresh sequence (keys and queries both start at
+        # position 0), where SDPA's built-in causal mask is the same as ours and cheaper.
+        fresh_causal = (
+            causal and lq == k.shape[2] and k_valid is None and mods.sliding_window is None
+        )
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),  # [1, H, Lq, D]
+            k.transpose(0, 1).to(q.dtype),  # [1, KVH, L, D]
+            v.transpose(0, 1).to(q.dtype),
+            attn_mask=None if allowed is None or fresh_causal else allowed.unsqueeze(1),
+            is_causal=fresh_causal,
+            scale=mods.scale,
+            enable_gqa=group > 1,
+        )
+        return out.transpose(1, 2), None
+
+    k32, v32 = k.float(), v.float()
+    # q: [B, Lq, KVH, G, D] -> [KVH, B, G, Lq, D]
+    q32 = q.float().view(batch, lq, kvh, group, d).permute(2, 0, 3, 1, 4)
+    out = torch.empty(batch, lq, num_heads, d, dtype=q.dtype, device=q.device)
+    lse = (
+        torch.empty(batch, num_heads, lq, dtype=torch.float32, device=q.device)
+        if need_lse
+        else None
+    )
+    chunk = max(1, _MAX_SCORE_ELEMENTS // max(1, batch * num_heads * k.shape[2]))
+    for start in range(0, lq, chunk):
+        end = min(lq, start + chunk)
+        qp = q_pos[:, start:end]
+        allowed = _allowed(qp, k_pos, k_valid, causal, mods.sliding_window)
+        o, part_lse = _manual(
+            q32[:, :, :, start:end], k32, v32, qp, k_pos, allowed, mods, use_sinks
+        )
+        # [KVH, B, G, Lc, D] -> [B, Lc, KVH*G, D]
+        out[:, start:end] = o.permute(1, 3, 0, 2, 4).reshape(batch, end - start, num_heads, d)
+        if lse is not None:
+            lse[:, :, start:end] = part_lse.permute(1, 0, 2, 3).reshape(
+                batch, num_heads, end - start
+            )
+    return out, lse
