@@ -574,6 +574,7 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
 
     Constructed once per KV-cache group as `Builder(kv_cache_spec, layer_names, limits, device)`.
     `build` must not synchronise with the device: read `*_cpu` mirrors, never `.item()`.
+    The metadata it builds carries the step's `slot_mapping` (the layer writes K/V with it).
     """
 
     # Use get_cudagraph_support(), which may refine this per spec.

@@ -1,0 +1,138 @@
+"""`Attention`: the module a model calls once per layer; the backend behind it is chosen once.
+
+The layer builds its `AttentionSelectorConfig` from its own arguments, asks the selector for a
+backend (or takes the one it is given), constructs the impl, and on every call writes the new
+K/V into the paged cache (unless the backend's forward does it) and runs the impl. Metadata is
+passed explicitly: there is no forward context.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from anyattn.backend import AttentionBackend
+from anyattn.config import AttentionSelectorConfig
+from anyattn.selector import select_backend
+from anyattn.types import AttentionType, DeviceInfo
+
+__all__ = ["Attention"]
+
+
+class Attention(nn.Module):
+    """One attention layer over a paged KV cache.
+
+    Args:
+        num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+        kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks:
+            as for `AttentionImpl` (DESIGN.md, "Attention semantics").
+        dtype: the model dtype.
+        layer_name: unique name of the layer (KV-cache groups and KV sharing refer to it).
+        block_size: the engine's block size (None: let the backend prefer one).
+        backend: a backend class or name to use instead of selecting one.
+        device: where the layer runs (selection judges this device); default: this machine.
+        needs_lse: the engine will merge partial results and needs LSEs.
+
+    Attributes:
+        backend: the backend class in use; `impl`: its impl instance.
+        k_scale, v_scale: float32 buffers, shape `[]` or `[num_kv_heads]` (fp8 caches).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        *,
+        dtype: torch.dtype | str = torch.float32,
+        layer_name: str = "attn",
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: AttentionType | str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+        block_size: int | None = None,
+        backend: type[AttentionBackend] | str | None = None,
+        device: DeviceInfo | None = None,
+        use_non_causal: bool = False,
+        needs_lse: bool = False,
+    ) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        self.layer_name = layer_name
+        self.attn_type = AttentionType(attn_type)
+        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
+        self.config = AttentionSelectorConfig(
+            head_size=head_size,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            block_size=block_size,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            has_sink=sinks is not None,
+            attn_type=attn_type,
+            has_sliding_window=sliding_window is not None,
+            has_alibi=alibi_slopes is not None,
+            has_logits_soft_cap=bool(logits_soft_cap),
+            use_non_causal=use_non_causal,
+            needs_lse=needs_lse,
+        )
+        if isinstance(backend, type):
+            reasons = backend.validate_configuration(self.config, device or DeviceInfo.current())
+            if reasons:
+                raise ValueError(
+                    f"Attention({layer_name}): backend {backend.get_name()} cannot serve this "
+                    f"layer: {'; '.join(reasons)}."
+                )
+            self.backend = backend
+        else:
+            self.backend = select_backend(self.config, device, backend)
+        self.impl = self.backend.get_impl_cls()(
+            num_heads,
+            head_size,
+            scale,
+            num_kv_heads,
+            alibi_slopes,
+            sliding_window,
+            kv_cache_dtype,
+            logits_soft_cap,
+            attn_type,
+            kv_sharing_target_layer_name,
+            sinks,
+        )
+        self.register_buffer("k_scale", torch.tensor(1.0), persistent=False)
+        self.register_buffer("v_scale", torch.tensor(1.0), persistent=False)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: object,
+        output_lse: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention for one step.
+
+        Args:
+            query: `[num_tokens, num_heads, head_size]`.
+            key, value: `[num_tokens, num_kv_heads, head_size]` (None for a cross-attention
+                step that writes no encoder tokens).
+            kv_cache: this layer's cache (for KV-sharing layers: the target layer's cache).
+            attn_metadata: what this layer's group builder built for the step.
+            output_lse: optional float32 `[num_heads, num_tokens]` to receive LSEs.
+
+        Returns:
+            `[num_tokens, num_heads, head_size]`; rows past the step's real tokens are zeros.
+        """
+        output = torch.zeros_like(query)
+        # Encoder self-attention keeps no cache; backends whose forward writes it do so there.
+        writes_cache = self.attn_type not in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+        if writes_cache and key is not None and not self.backend.forward_includes_kv_cache_update:
+            self.impl.do_kv_cache_update(self, key, value, kv_cache, attn_metadata.slot_mapping)
+        return self.impl.forward(
+            self, query, key, value, kv_cache, attn_metadata, output, output_lse=output_lse
+        )

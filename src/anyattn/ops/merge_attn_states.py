@@ -1,0 +1,181 @@
+"""Merge two partial attention results computed over disjoint sets of keys.
+
+Cascade attention (shared prefix / per-request suffix), context / new-token splits and
+context-parallel shards each produce, per query row, an output normalised over its own keys and
+the log-sum-exp (LSE) of its scores. With `m = max(lse_p, lse_s)`,
+`w_p = exp(lse_p - m)`, `w_s = exp(lse_s - m)`:
+
+    out = (w_p * out_p + w_s * out_s) / (w_p + w_s),   lse = m + log(w_p + w_s)
+
+is exactly attention over the union of the keys. An empty side has LSE -inf (a `+inf` LSE is read
+as -inf too) and contributes nothing, whatever its output rows hold; a row empty on both sides
+gets zeros and LSE -inf, never NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["merge_attn_states", "merge_attn_states_ref"]
+
+_OP = "merge_attn_states"
+_OUTPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def merge_attn_states(
+    output: torch.Tensor,
+    prefix_output: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_output: torch.Tensor,
+    suffix_lse: torch.Tensor,
+    output_lse: torch.Tensor | None = None,
+    lse_base_on_e: bool = True,
+) -> None:
+    """Write the merge of a prefix and a suffix attention result into `output`, in place.
+
+    Computes in float32. The result is formed completely before anything is written, so
+    `output` may be `prefix_output` or `suffix_output` (and `output_lse` one of the input LSEs).
+
+    Args:
+        output: `[num_tokens, num_heads, head_size]`, float32 / float16 / bfloat16; written in
+            its own dtype (it may differ from the inputs').
+        prefix_output, suffix_output: `[num_tokens, num_heads, head_size]`, float32 / float16 /
+            bfloat16, same dtype.
+        prefix_lse, suffix_lse: float32 `[num_heads, num_tokens]`; -inf (or +inf) marks a row
+            with no keys on that side.
+        output_lse: optional float32 `[num_heads, num_tokens]` to receive the merged LSE.
+        lse_base_on_e: True for natural-log LSEs; False when they are base 2 (`log2` of the sum
+            of `exp2` scores), and `output_lse` is then written in base 2 as well.
+
+    Raises:
+        TypeError: a non-tensor argument or a wrong dtype.
+        ValueError: shapes that disagree, or tensors on different devices.
+    """
+    _validate(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse)
+    exp, log = (torch.exp, torch.log) if lse_base_on_e else (torch.exp2, torch.log2)
+    # lse: [num_heads, num_tokens] -> [num_tokens, num_heads]
+    lse_p = _empty_as_neg_inf(prefix_lse.t())
+    lse_s = _empty_as_neg_inf(suffix_lse.t())
+    lse_max = torch.maximum(lse_p, lse_s)
+    # Rows empty on both sides would compute -inf - -inf = NaN; shift them by 0 instead.
+    lse_max = torch.where(lse_max == -math.inf, 0.0, lse_max)
+    weight_p = exp(lse_p - lse_max)
+    weight_s = exp(lse_s - lse_max)
+    total = weight_p + weight_s
+    inv_total = 1.0 / torch.where(total > 0, total, 1.0)
+    # out: [num_tokens, num_heads, head_size] float32; a side of weight 0 adds exactly 0, even
+    # where its rows hold garbage (an impl may leave rows with no keys unwritten).
+    out = _weighted(weight_p * inv_total, prefix_output)
+    out += _weighted(weight_s * inv_total, suffix_output)
+    merged_lse = lse_max + log(total)  # log(0) = -inf for rows empty on both sides
+    output.copy_(out)
+    if output_lse is not None:
+        output_lse.copy_(merged_lse.t())
+
+
+def merge_attn_states_ref(
+    output: torch.Tensor,
+    prefix_output: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_output: torch.Tensor,
+    suffix_lse: torch.Tensor,
+    output_lse: torch.Tensor | None = None,
+    lse_base_on_e: bool = True,
+) -> None:
+    """Reference for `merge_attn_states`: same arguments and result, one row at a time, float64.
+
+    Does no validation; meant for tests on valid inputs.
+    """
+    base = math.e if lse_base_on_e else 2.0
+    num_tokens, num_heads, _ = output.shape
+    for token in range(num_tokens):
+        for head in range(num_heads):
+            lse_p = float(prefix_lse[head, token])
+            lse_s = float(suffix_lse[head, token])
+            lse_p = -math.inf if lse_p == math.inf else lse_p
+            lse_s = -math.inf if lse_s == math.inf else lse_s
+            lse_max = max(lse_p, lse_s)
+            if lse_max == -math.inf:
+                output[token, head] = 0
+                merged_lse = -math.inf
+            else:
+                weight_p = base ** (lse_p - lse_max)
+                weight_s = base ** (lse_s - lse_max)
+                total = weight_p + weight_s
+                out = 0.0
+                if weight_p > 0:
+                    out = out + weight_p * prefix_output[token, head].double()
+                if weight_s > 0:
+                    out = out + weight_s * suffix_output[token, head].double()
+                output[token, head] = out / total
+                merged_lse = lse_max + math.log(total, base)
+            if output_lse is not None:
+                output_lse[head, token] = merged_lse
+
+
+def _empty_as_neg_inf(lse: torch.Tensor) -> torch.Tensor:
+    return torch.where(lse == math.inf, -math.inf, lse)
+
+
+def _weighted(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    # weight: float32 [num_tokens, num_heads]; x: [num_tokens, num_heads, head_size]. The product
+    # promotes to float32 without a separate copy of x.
+    weight = weight[..., None]
+    return torch.where(weight > 0, weight * x, 0.0)
+
+
+def _validate(
+    output: torch.Tensor,
+    prefix_output: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_output: torch.Tensor,
+    suffix_lse: torch.Tensor,
+    output_lse: torch.Tensor | None,
+) -> None:
+    outputs = {"output": output, "prefix_output": prefix_output, "suffix_output": suffix_output}
+    lses = {"prefix_lse": prefix_lse, "suffix_lse": suffix_lse}
+    if output_lse is not None:
+        lses["output_lse"] = output_lse
+    for name, x in {**outputs, **lses}.items():
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{_OP}: {name} must be a torch.Tensor (got {type(x).__name__}).")
+    if output.dim() != 3:
+        raise ValueError(
+            f"{_OP}: output must be [num_tokens, num_heads, head_size] (got rank {output.dim()}, "
+            "expected 3)."
+        )
+    for name, x in outputs.items():
+        if x.shape != output.shape:
+            raise ValueError(
+                f"{_OP}: {name}'s shape differs from output's (got {list(x.shape)}, expected "
+                f"{list(output.shape)})."
+            )
+        if x.dtype not in _OUTPUT_DTYPES:
+            raise TypeError(
+                f"{_OP}: {name} has an unsupported dtype (got {x.dtype}, expected float32, "
+                "float16 or bfloat16)."
+            )
+    if suffix_output.dtype != prefix_output.dtype:
+        raise TypeError(
+            f"{_OP}: suffix_output's dtype differs from prefix_output's (got "
+            f"{suffix_output.dtype}, expected {prefix_output.dtype})."
+        )
+    num_tokens, num_heads, _ = output.shape
+    for name, x in lses.items():
+        if x.shape != (num_heads, num_tokens):
+            raise ValueError(
+                f"{_OP}: {name} must be [num_heads, num_tokens] (got {list(x.shape)}, expected "
+                f"[{num_heads}, {num_tokens}])."
+            )
+        if x.dtype != torch.float32:
+            raise TypeError(
+                f"{_OP}: {name} has the wrong dtype (got {x.dtype}, expected torch.float32)."
+            )
+    for name, x in {**outputs, **lses}.items():
+        if x.device != output.device:
+            raise ValueError(
+                f"{_OP}: {name} is on another device than output (got {x.device}, expected "
+                f"{output.device}). Put all tensors on one device."
+            )

@@ -1,0 +1,345 @@
+"""Write a step's new K/V into a paged KV cache, and read fp8 caches back.
+
+`reshape_and_cache` is the launcher (validates, then writes with vectorised indexing),
+`reshape_and_cache_ref` the plain-PyTorch reference, `dequantize_cache` the reader-side helper
+that turns (fp8) cache values back into model-dtype values.
+
+The cache has the logical shape `(num_blocks, 2, block_size, num_kv_heads, head_size)`, index 1
+being K (0) / V (1), with any strides (NHD or HND, see `anyattn.kv_cache.allocate_kv_cache`);
+every write goes through that view, so both layouts work. Token `t` goes to
+`slot = slot_mapping[t] = block_id * block_size + offset`; slot -1 is padding and is never
+written. fp8 caches hold `(x.float() / scale).to(fp8)`, where `scale` (float32, shape `[]` or
+`[num_kv_heads]`) is `k_scale` for K and `v_scale` for V; values beyond the fp8 range saturate to
+its largest finite value (448 for e4m3, 57344 for e5m2), as vLLM's kernels do, never inf or NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from anyattn.types import CACHE_DTYPES, cache_torch_dtype, is_fp8_cache
+
+__all__ = ["dequantize_cache", "reshape_and_cache", "reshape_and_cache_ref"]
+
+_OP = "reshape_and_cache"
+_MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Write `key`/`value` into `kv_cache` at the slots of `slot_mapping`, in place.
+
+    Everything is validated before the first write: after any error the cache is unchanged.
+
+    Args:
+        key, value: `[num_tokens, num_kv_heads, head_size]`, float32 / float16 / bfloat16, same
+            shape and dtype.
+        kv_cache: logical shape `(num_blocks, 2, block_size, num_kv_heads, head_size)`, any
+            strides; its dtype must be `cache_torch_dtype(kv_cache_dtype, key.dtype)`.
+        slot_mapping: int64 `[>= num_tokens]`; only the first `num_tokens` entries are read (and
+            validated), so a buffer padded for CUDA graphs can be passed whole. Each is -1
+            (padding: not written) or in `[0, num_blocks * block_size)`; no two tokens may
+            share a non-negative slot.
+        kv_cache_dtype: "auto" (cache dtype = key dtype), "float16", "bfloat16" (key/value are
+            cast to it), "fp8" (= e4m3), "fp8_e4m3" or "fp8_e5m2" (scaled, rounded once,
+            saturating at the format's largest finite value).
+        k_scale, v_scale: float32 `[]` (per tensor) or `[num_kv_heads]` (per KV head), on the
+            cache's device. Required, finite and > 0 for fp8 caches. For other caches they may
+            be None or all ones (the engine always carries 1.0 scales) and are then ignored;
+            any other value is rejected, since it would be silently dropped.
+
+    Raises:
+        TypeError: a non-tensor argument or a wrong dtype.
+        ValueError: wrong shapes, mixed devices, an unknown `kv_cache_dtype`, a slot out of
+            range or used twice, missing fp8 scales or scales with a bad value.
+
+    Validation reads `slot_mapping` (and the scales) on the host in one transfer: on CUDA that
+    is one device-to-host sync per call. While a CUDA graph is being captured the value checks
+    are skipped (a sync is illegal there); the write itself never syncs.
+    """
+    cache_dtype = _validate(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+    num_tokens = key.shape[0]
+    if num_tokens == 0:
+        return
+    block_size = kv_cache.shape[2]
+    # slots: [num_tokens] int64, -1 for padding
+    slots = slot_mapping[:num_tokens]
+    is_real = slots >= 0
+    # index_put_ cannot skip an index without a boolean mask, and a mask costs a device-to-host
+    # sync. So each padding token repeats the write of the first real token (same slot, same
+    # row), which changes nothing; with no real token at all it rewrites slot 0 with the value
+    # already there. `first` has shape [1], not []: indexing with a 0-dim tensor would sync.
+    first = torch.argmax(is_real.to(torch.uint8))[None]  # first real token, or 0 if none
+    has_real = is_real[first]
+    fallback_slot = torch.where(has_real, slots[first], 0)
+    write_slots = torch.where(is_real, slots, fallback_slot)
+    block, offset = write_slots // block_size, write_slots % block_size
+    for index, (x, scale) in enumerate(((key, k_scale), (value, v_scale))):
+        # part: [num_blocks, block_size, num_kv_heads, head_size], a view of the cache
+        part = kv_cache[:, index]
+        rows = _to_cache_dtype(x, scale, cache_dtype)
+        # fallback_row: [1, num_kv_heads, head_size]
+        fallback_row = part[fallback_slot // block_size, fallback_slot % block_size]
+        fallback_row = torch.where(has_real[:, None, None], rows[first], fallback_row)
+        part[block, offset] = torch.where(is_real[:, None, None], rows, fallback_row)
+
+
+def reshape_and_cache_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Reference for `reshape_and_cache`: same arguments and result, one token at a time.
+
+    Does no validation; meant for tests on valid inputs.
+    """
+    fp8 = is_fp8_cache(kv_cache_dtype)
+    block_size = kv_cache.shape[2]
+    # float32 holds every model-dtype value exactly, so casting through it rounds only once.
+    for token in range(key.shape[0]):
+        slot = int(slot_mapping[token])
+        if slot == -1:
+            continue
+        block, offset = divmod(slot, block_size)
+        k, v = key[token].float(), value[token].float()
+        if fp8:
+            fp8_max = torch.finfo(kv_cache.dtype).max
+            k = (k / _per_head(k_scale)).clamp(-fp8_max, fp8_max)
+            v = (v / _per_head(v_scale)).clamp(-fp8_max, fp8_max)
+        kv_cache[block, 0, offset] = k.to(kv_cache.dtype)
+        kv_cache[block, 1, offset] = v.to(kv_cache.dtype)
+
+
+def dequantize_cache(
+    kv_cache_part: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """Values of (part of) a KV cache as `dtype`: `kv_cache_part.float() * scale`.
+
+    Args:
+        kv_cache_part: `[..., num_kv_heads, head_size]`, any cache dtype (e.g. the K half of a
+            cache, `kv_cache[:, 0]`, or rows gathered from it).
+        scale: float32 `[]` (per tensor) or `[num_kv_heads]` (per KV head), broadcast over the
+            head dim; None means no scaling (a non-fp8 cache), i.e. a plain cast.
+        dtype: the dtype of the result.
+
+    Returns:
+        A new tensor of `kv_cache_part`'s shape and dtype `dtype`.
+
+    Raises:
+        TypeError: a non-tensor argument, or a scale that is not float32.
+        ValueError: a part of rank < 2, a scale of the wrong shape or on another device.
+    """
+    op = "dequantize_cache"
+    _check_tensor(op, "kv_cache_part", kv_cache_part)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(
+            f"{op}: dtype must be a torch.dtype (got {type(dtype).__name__}, expected e.g. "
+            "torch.float16)."
+        )
+    if kv_cache_part.dim() < 2:
+        raise ValueError(
+            f"{op}: kv_cache_part must end in [num_kv_heads, head_size] (got rank "
+            f"{kv_cache_part.dim()}, expected rank >= 2)."
+        )
+    values = kv_cache_part.to(torch.float32)
+    if scale is not None:
+        _check_scale(op, "scale", scale, kv_cache_part.shape[-2], kv_cache_part.device)
+        values = values * _per_head(scale)
+    return values.to(dtype)
+
+
+def _to_cache_dtype(x: torch.Tensor, scale: torch.Tensor | None, cache_dtype: str) -> torch.Tensor:
+    # x: [num_tokens, num_kv_heads, head_size]. fp8: divide in float32, saturate (torch's own
+    # cast gives inf or NaN out of range, depending on the format and version), round once.
+    dtype = cache_torch_dtype(cache_dtype, x.dtype)
+    if not is_fp8_cache(cache_dtype):
+        return x.to(dtype)
+    assert scale is not None
+    fp8_max = torch.finfo(dtype).max
+    return (x.float() / _per_head(scale)).clamp(-fp8_max, fp8_max).to(dtype)
+
+
+def _per_head(scale: torch.Tensor) -> torch.Tensor:
+    # [] broadcasts as is; [num_kv_heads] -> [num_kv_heads, 1] to broadcast over head_size.
+    return scale if scale.dim() == 0 else scale[:, None]
+
+
+def _check_tensor(op: str, name: str, x: object) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor (got {type(x).__name__}).")
+
+
+def _check_scale(
+    op: str, name: str, scale: object, num_kv_heads: int, device: torch.device
+) -> None:
+    _check_tensor(op, name, scale)
+    assert isinstance(scale, torch.Tensor)
+    if scale.dtype != torch.float32:
+        raise TypeError(
+            f"{op}: {name} has the wrong dtype (got {scale.dtype}, expected torch.float32). "
+            f"Pass {name}.float()."
+        )
+    if tuple(scale.shape) not in ((), (num_kv_heads,)):
+        raise ValueError(
+            f"{op}: {name} has the wrong shape (got {list(scale.shape)}, expected [] per tensor "
+            f"or [{num_kv_heads}] per KV head)."
+        )
+    if scale.device != device:
+        raise ValueError(
+            f"{op}: {name} is on another device (got {scale.device}, expected {device}). "
+            f"Move {name} to the cache's device."
+        )
+
+
+def _validate(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> str:
+    """Every check of `reshape_and_cache`; returns the cache dtype string."""
+    _validate_layout(key, value, kv_cache, slot_mapping)
+    if kv_cache_dtype not in CACHE_DTYPES:
+        raise ValueError(
+            f"{_OP}: unknown kv_cache_dtype (got {kv_cache_dtype!r}, expected one of "
+            f"{', '.join(CACHE_DTYPES)})."
+        )
+    expected = cache_torch_dtype(kv_cache_dtype, key.dtype)
+    if kv_cache.dtype != expected:
+        raise TypeError(
+            f"{_OP}: kv_cache has the wrong dtype for kv_cache_dtype={kv_cache_dtype!r} (got "
+            f"{kv_cache.dtype}, expected {expected}). Allocate the cache with the same "
+            "kv_cache_dtype and model dtype."
+        )
+    fp8 = is_fp8_cache(kv_cache_dtype)
+    num_kv_heads = kv_cache.shape[3]
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            if fp8:
+                raise ValueError(
+                    f"{_OP}: {name} is required for an fp8 cache (got None, expected a float32 "
+                    f"tensor of shape [] or [{num_kv_heads}]). Pass the layer's {name}."
+                )
+            continue
+        _check_scale(_OP, name, scale, num_kv_heads, kv_cache.device)
+    if kv_cache.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return kv_cache_dtype
+    _validate_values(key.shape[0], kv_cache, slot_mapping, fp8, k_scale, v_scale)
+    return kv_cache_dtype
+
+
+def _validate_layout(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    for name, x in (("key", key), ("value", value), ("kv_cache", kv_cache)):
+        _check_tensor(_OP, name, x)
+    _check_tensor(_OP, "slot_mapping", slot_mapping)
+    if key.dim() != 3:
+        raise ValueError(
+            f"{_OP}: key must be [num_tokens, num_kv_heads, head_size] (got rank {key.dim()}, "
+            "expected 3)."
+        )
+    if value.shape != key.shape:
+        raise ValueError(
+            f"{_OP}: value's shape differs from key's (got {list(value.shape)}, expected "
+            f"{list(key.shape)})."
+        )
+    if key.dtype not in _MODEL_DTYPES:
+        raise TypeError(
+            f"{_OP}: key has an unsupported dtype (got {key.dtype}, expected float32, float16 "
+            "or bfloat16)."
+        )
+    if value.dtype != key.dtype:
+        raise TypeError(
+            f"{_OP}: value's dtype differs from key's (got {value.dtype}, expected {key.dtype})."
+        )
+    num_tokens, num_kv_heads, head_size = key.shape
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise ValueError(
+            f"{_OP}: kv_cache must be (num_blocks, 2, block_size, num_kv_heads, head_size) (got "
+            f"{list(kv_cache.shape)}). Allocate it with the backend's get_kv_cache_shape."
+        )
+    if tuple(kv_cache.shape[3:]) != (num_kv_heads, head_size):
+        raise ValueError(
+            f"{_OP}: kv_cache's [num_kv_heads, head_size] do not match key's (got "
+            f"{list(kv_cache.shape[3:])}, expected [{num_kv_heads}, {head_size}])."
+        )
+    if slot_mapping.dtype != torch.int64:
+        raise TypeError(
+            f"{_OP}: slot_mapping has the wrong dtype (got {slot_mapping.dtype}, expected "
+            "torch.int64). Pass slot_mapping.long()."
+        )
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] < num_tokens:
+        raise ValueError(
+            f"{_OP}: slot_mapping must be 1-D with at least num_tokens entries (got shape "
+            f"{list(slot_mapping.shape)}, expected [>= {num_tokens}])."
+        )
+    for name, x in (("value", value), ("slot_mapping", slot_mapping), ("kv_cache", kv_cache)):
+        if x.device != key.device:
+            raise ValueError(
+                f"{_OP}: {name} is on another device than key (got {x.device}, expected "
+                f"{key.device}). Put key, value, kv_cache, slot_mapping and the scales on one "
+                "device."
+            )
+
+
+def _validate_values(
+    num_tokens: int,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    fp8: bool,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
+    num_slots = kv_cache.shape[0] * kv_cache.shape[2]
+    slots = slot_mapping[:num_tokens]
+    flags = [((slots < -1) | (slots >= num_slots)).any()]
+    # Duplicates are neighbours once sorted; -1 (padding) may repeat.
+    ordered = torch.sort(slots).values
+    flags.append(((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)).any())
+    for scale in (k_scale, v_scale):
+        if scale is None:
+            flags.append(torch.zeros((), dtype=torch.bool, device=slots.device))
+        elif fp8:
+            flags.append(~(torch.isfinite(scale) & (scale > 0)).all())
+        else:
+            flags.append((scale != 1).any())
+    # One device-to-host transfer for all value checks.
+    bad_range, duplicate, bad_k_scale, bad_v_scale = torch.stack(flags).tolist()
+    if bad_range:
+        raise ValueError(
+            f"{_OP}: slot_mapping has a slot out of range (got a slot < -1 or >= num_blocks * "
+            f"block_size = {num_slots}, expected -1 for padding or 0 <= slot < {num_slots})."
+        )
+    if duplicate:
+        raise ValueError(
+            f"{_OP}: slot_mapping gives the same slot to two tokens (got a repeated slot, "
+            "expected distinct slots, -1 excepted). Check the block table the slots were built "
+            "from."
+        )
+    for name, bad in (("k_scale", bad_k_scale), ("v_scale", bad_v_scale)):
+        if bad and fp8:
+            raise ValueError(
+                f"{_OP}: {name} has a bad value for an fp8 cache (got a scale <= 0 or not "
+                "finite, expected finite scales > 0)."
+            )
+        if bad:
+            raise ValueError(
+                f"{_OP}: {name} is not 1 for a non-fp8 cache (got a scale other than 1, "
+                "expected None or ones, since only fp8 caches are scaled). Use an fp8 "
+                "kv_cache_dtype or drop the scale."
+            )
