@@ -1,0 +1,50 @@
+"""anyattn.testing: a conformance kit for attention backends.
+
+Anyone writing a backend can check it, from their own pytest suite, against a float64 oracle
+written from DESIGN.md's semantics alone::
+
+    from anyattn.testing import check_backend
+
+    def test_my_backend_conforms():
+        check_backend(MyBackend, "cuda", torch.bfloat16).assert_passed()
+
+The pieces: `BatchSpec` and the curated `CATALOGUE` (decodes, long prefill, mixed, chunked
+prefill over long contexts, odd lengths 1/7/97/1025, encoder, cross attention, cascade);
+`build_batch` (inputs, a shuffled paged cache with a null block, the backend's own metadata);
+`attention_oracle` (dense, per-request loops, any dtype); the tolerance rule (`error_bound`);
+`plan_cases` / `run_case` / `check_backend` and the `ConformanceReport` they fill.
+"""
+
+from anyattn.testing.batch_spec import CATALOGUE, QUICK_CATALOGUE, BatchSpec, get_spec
+from anyattn.testing.cache_io import dequantize_kv, quantize_kv, read_kv, write_kv
+from anyattn.testing.cases import FEATURES, Case, plan_cases
+from anyattn.testing.check import KitLayer, check_backend, run_case
+from anyattn.testing.oracle import attention_oracle
+from anyattn.testing.paged import PagedBatch, assign_blocks, build_batch
+from anyattn.testing.report import CaseResult, ConformanceReport
+from anyattn.testing.tolerance import error_bound, max_abs_error
+
+__all__ = [
+    "CATALOGUE",
+    "FEATURES",
+    "QUICK_CATALOGUE",
+    "BatchSpec",
+    "Case",
+    "CaseResult",
+    "ConformanceReport",
+    "KitLayer",
+    "PagedBatch",
+    "assign_blocks",
+    "attention_oracle",
+    "build_batch",
+    "check_backend",
+    "dequantize_kv",
+    "error_bound",
+    "get_spec",
+    "max_abs_error",
+    "plan_cases",
+    "quantize_kv",
+    "read_kv",
+    "run_case",
+    "write_kv",
+]

@@ -1,0 +1,349 @@
+"""Which cases the kit runs for a backend, from what the backend declares.
+
+Every feature has a name (the keys of `FEATURES`); `plan_cases` turns the requested features
+into concrete `Case`s and lists, with the reason, every feature or case the backend does not
+declare. A backend is never excused silently: what it cannot run shows in the report.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+
+import torch
+
+from anyattn.backend import AttentionBackend
+from anyattn.config import AttentionSelectorConfig
+from anyattn.testing.batch_spec import BatchSpec, get_spec
+from anyattn.types import AttentionType, DeviceInfo, KVCacheLayout, is_fp8_cache
+
+__all__ = ["FEATURES", "Case", "plan_cases"]
+
+FEATURES: Mapping[str, str] = MappingProxyType(
+    {
+        "decode": "one decode, and eight decodes of lengths 1 to 200",
+        "prefill": "one fresh 1025-token prefill (2 query heads, 1 KV head)",
+        "mixed": "decodes, fresh prefills and a chunk interleaved in one batch",
+        "chunked": "prefill chunks on top of long contexts",
+        "odd_lengths": "sequence lengths 1, 7, 97, 1025",
+        "gqa": "query heads per KV head 1, 4 and 8",
+        "mqa": "a single KV head for 8 query heads",
+        "head_sizes": "head sizes 64 and 128 (and 80 when any size is declared); an undeclared "
+        "head size must be rejected by the impl constructor",
+        "block_sizes": "engine block sizes 16 and 32 (and 5 when declared)",
+        "layouts": "every declared KV-cache layout (NHD, HND)",
+        "padding": "5 padding rows past the real tokens: slot -1, output rows left untouched",
+        "kv_sharing": "a second layer reading the first layer's cache, writing nothing",
+        "non_causal": "bidirectional decoder attention over the paged cache",
+        "encoder": "AttentionType.ENCODER, bidirectional, no cache",
+        "encoder_only": "AttentionType.ENCODER_ONLY, bidirectional, no cache",
+        "encoder_decoder": "cross attention over encoder K/V kept in the layer's cache",
+        "sliding_window": "windows of 33 and 7 keys",
+        "alibi": "ALiBi with the standard geometric slopes",
+        "soft_cap": "logits soft cap 2.0",
+        "sinks": "per-head attention sinks (with LSE when declared)",
+        "fp8": "every declared fp8 cache dtype, per-tensor scales",
+        "per_head_scales": "fp8 cache with one scale per KV head",
+        "lse": "output_lse (natural log) of a mixed batch",
+        "cascade": "16 requests sharing 512 prefix tokens in the same blocks (common_prefix_len)",
+    }
+)
+"""Feature names accepted by `check_backend(features=...)`, with what each runs."""
+
+_ENGINE_BLOCK_SIZES = (16, 32)
+_FP8_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+# Scales exactly representable in bf16/fp16, so that only the fp8 rounding is tested.
+_K_SCALES = (0.375, 0.5, 0.3125, 0.25)
+_V_SCALES = (0.15625, 0.1875, 0.125, 0.25)
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    """One configuration to run: a batch and the layer's settings.
+
+    `scale` is `scale_factor / sqrt(head_size)`; the factor is not 1 so that an impl ignoring
+    its `scale` argument fails. `expect_rejection` cases only check that constructing the impl
+    raises (a head size the backend does not declare).
+    """
+
+    name: str
+    feature: str
+    spec: BatchSpec
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_size: int = 64
+    block_size: int = 16
+    layout: KVCacheLayout = KVCacheLayout.NHD
+    kv_cache_dtype: str = "auto"
+    per_head_scales: bool = False
+    attn_type: AttentionType = AttentionType.DECODER
+    causal: bool = True
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    use_alibi: bool = False
+    use_sinks: bool = False
+    check_lse: bool = False
+    num_padding_tokens: int = 0
+    kv_sharing: bool = False
+    expect_rejection: bool = False
+    scale_factor: float = 1.25
+
+    @property
+    def scale(self) -> float:
+        return self.scale_factor / math.sqrt(self.head_size)
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 `(k_scale, v_scale)`: `[]`, or `[num_kv_heads]` with per-head scales."""
+        if not is_fp8_cache(self.kv_cache_dtype):
+            return torch.tensor(1.0), torch.tensor(1.0)
+        if not self.per_head_scales:
+            return torch.tensor(_K_SCALES[0]), torch.tensor(_V_SCALES[0])
+        n = self.num_kv_heads
+        return (
+            torch.tensor([_K_SCALES[h % 4] for h in range(n)]),
+            torch.tensor([_V_SCALES[h % 4] for h in range(n)]),
+        )
+
+    def alibi_slopes(self) -> list[float] | None:
+        if not self.use_alibi:
+            return None
+        return [2.0 ** (-8.0 * (h + 1) / self.num_heads) for h in range(self.num_heads)]
+
+    def selector_config(self, dtype: torch.dtype) -> AttentionSelectorConfig:
+        """What a model layer with these settings would ask the selector."""
+        return AttentionSelectorConfig(
+            head_size=self.head_size,
+            dtype=dtype,
+            kv_cache_dtype=self.kv_cache_dtype,  # type: ignore[arg-type]
+            block_size=self.block_size,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            has_sink=self.use_sinks,
+            attn_type=self.attn_type,
+            has_sliding_window=self.sliding_window is not None,
+            has_alibi=self.use_alibi,
+            has_logits_soft_cap=bool(self.logits_soft_cap),
+            use_non_causal=self.attn_type is AttentionType.DECODER and not self.causal,
+            use_per_head_quant_scales=self.per_head_scales,
+            needs_lse=self.check_lse,
+        )
+
+
+_FLAG_FEATURES = MappingProxyType(
+    {
+        "non_causal": "supports_non_causal",
+        "sliding_window": "supports_sliding_window",
+        "alibi": "supports_alibi",
+        "soft_cap": "supports_logits_soft_cap",
+        "sinks": "supports_sink",
+        "lse": "supports_lse",
+        "cascade": "supports_cascade",
+        "per_head_scales": "supports_per_head_quant_scales",
+    }
+)
+_ATTN_TYPE_FEATURES = MappingProxyType(
+    {
+        "encoder": AttentionType.ENCODER,
+        "encoder_only": AttentionType.ENCODER_ONLY,
+        "encoder_decoder": AttentionType.ENCODER_DECODER,
+    }
+)
+
+
+def _not_declared(backend: type[AttentionBackend], feature: str) -> str | None:
+    """Why `backend` does not declare `feature` as a whole, or None when it does."""
+    if feature in _ATTN_TYPE_FEATURES:
+        attn_type = _ATTN_TYPE_FEATURES[feature]
+        if backend.supports_attn_type(attn_type):
+            return None
+        return f"attn_type {attn_type.value} not in supported_attn_types"
+    if not backend.supports_attn_type(AttentionType.DECODER):
+        return "attn_type decoder not in supported_attn_types"
+    method = _FLAG_FEATURES.get(feature)
+    if method is not None and not getattr(backend, method)():
+        return f"{method}() is False"
+    if feature in ("fp8", "per_head_scales") and not _declared_fp8(backend):
+        return "no fp8 kv_cache_dtype in supported_kv_cache_dtypes"
+    return None
+
+
+def _global_reasons(
+    backend: type[AttentionBackend], device: DeviceInfo, dtype: torch.dtype
+) -> list[str]:
+    """Reasons nothing can run at all: device, compute capability, dtype, availability."""
+    reasons = []
+    if not backend.supports_device(device):
+        reasons.append(f"device {device.type} not in supported_device_types")
+    elif device.capability is not None and not backend.supports_compute_capability(
+        device.capability
+    ):
+        reasons.append(f"compute capability {device} below min_compute_capability")
+    if not backend.supports_dtype(dtype):
+        reasons.append(f"dtype {dtype} not in supported_dtypes")
+    unavailable = backend.get_unavailable_reason()
+    if unavailable is not None:
+        reasons.append(f"unavailable on this machine: {unavailable}")
+    return reasons
+
+
+def _declared_fp8(backend: type[AttentionBackend]) -> list[str]:
+    return [d for d in _FP8_DTYPES if backend.supports_kv_cache_dtype(d)]
+
+
+def _base_case(backend: type[AttentionBackend]) -> Case:
+    sizes = backend.get_supported_head_sizes()
+    head_size = 64 if backend.supports_head_size(64) else sorted(sizes)[0]
+    return Case(
+        name="",
+        feature="",
+        spec=get_spec("mixed"),
+        head_size=head_size,
+        block_size=backend.get_preferred_block_size(16),
+        layout=backend.supported_kv_cache_layouts()[0],
+    )
+
+
+def _feature_cases(
+    backend: type[AttentionBackend], feature: str, base: Case, quick: bool
+) -> tuple[list[Case], list[str]]:
+    """The cases of one declared feature, and the parts of it the backend does not declare."""
+
+    def case(name: str, spec_name: str = "mixed", **changes: object) -> Case:
+        return replace(base, name=name, feature=feature, spec=get_spec(spec_name, quick), **changes)
+
+    missing: list[str] = []
+    if feature == "decode":
+        return [case("single_decode", "single_decode"), case("many_decodes", "many_decodes")], []
+    if feature == "prefill":
+        return [case("long_prefill", "long_prefill", num_heads=2, num_kv_heads=1)], []
+    if feature in ("mixed", "chunked", "odd_lengths"):
+        spec_name = {"chunked": "chunked_prefill"}.get(feature, feature)
+        return [case(spec_name, spec_name)], []
+    if feature == "gqa":
+        shapes = ((4, 4), (8, 2), (16, 2))
+        return [case(f"gqa/ratio{h // k}", num_heads=h, num_kv_heads=k) for h, k in shapes], []
+    if feature == "mqa":
+        return [case("mqa", num_heads=8, num_kv_heads=1)], []
+    if feature == "head_sizes":
+        wanted = (64, 128, 80) if not backend.get_supported_head_sizes() else (64, 128)
+        cases = [case(f"head_size{s}", head_size=s) for s in wanted if s != base.head_size]
+        cases = [c for c in cases if backend.supports_head_size(c.head_size)]
+        missing = [f"head_size {s}" for s in wanted if not backend.supports_head_size(s)]
+        rejected = next((s for s in (72, 40, 24, 8) if not backend.supports_head_size(s)), None)
+        if rejected is not None and backend.get_supported_head_sizes():
+            name = f"rejects_head_size{rejected}"
+            cases.append(case(name, head_size=rejected, expect_rejection=True))
+        return cases, missing
+    if feature == "block_sizes":
+        wanted = (
+            (*_ENGINE_BLOCK_SIZES, 5) if backend.supports_block_size(5) else _ENGINE_BLOCK_SIZES
+        )
+        cases = [
+            case(f"block_size{b}", "odd_lengths", block_size=b)
+            for b in wanted
+            if b != base.block_size and backend.supports_block_size(b)
+        ]
+        missing = [f"block_size {b}" for b in wanted if not backend.supports_block_size(b)]
+        return cases, missing
+    if feature == "layouts":
+        declared = backend.supported_kv_cache_layouts()
+        cases = [
+            case(f"layout_{layout}", "chunked_prefill", layout=layout)
+            for layout in declared
+            if layout != base.layout
+        ]
+        missing = [f"layout {x}" for x in KVCacheLayout if x not in declared]
+        return cases, missing
+    if feature == "padding":
+        return [case("padding", num_padding_tokens=5)], []
+    if feature == "kv_sharing":
+        return [case("kv_sharing", kv_sharing=True)], []
+    if feature == "non_causal":
+        return [case("non_causal", causal=False)], []
+    if feature in ("encoder", "encoder_only"):
+        return [case(feature, "encoder", attn_type=AttentionType(feature))], []
+    if feature == "encoder_decoder":
+        spec_name = "encoder_decoder"
+        return [case(feature, spec_name, attn_type=AttentionType.ENCODER_DECODER)], []
+    if feature == "sliding_window":
+        return [
+            case("window33", "chunked_prefill", sliding_window=33),
+            case("window7", "odd_lengths", sliding_window=7),
+        ], []
+    if feature == "alibi":
+        return [case("alibi", use_alibi=True)], []
+    if feature == "soft_cap":
+        return [case("soft_cap", logits_soft_cap=2.0)], []
+    if feature == "sinks":
+        return [case("sinks", use_sinks=True, check_lse=backend.supports_lse())], []
+    if feature == "fp8":
+        declared = _declared_fp8(backend)
+        missing = [f"kv_cache_dtype {d}" for d in _FP8_DTYPES if d not in declared]
+        return [case(f"fp8/{d}", kv_cache_dtype=d) for d in declared], missing
+    if feature == "per_head_scales":
+        fp8 = _declared_fp8(backend)[0]
+        return [case("per_head_scales", kv_cache_dtype=fp8, per_head_scales=True)], []
+    if feature == "lse":
+        return [case("mixed_lse", check_lse=True)], []
+    if feature == "cascade":
+        prefix = get_spec("cascade", quick).common_prefix_len
+        if prefix % base.block_size:
+            return [], [f"a {prefix}-token prefix in whole blocks of {base.block_size}"]
+        return [case("cascade", "cascade", num_heads=2, num_kv_heads=1)], []
+    raise AssertionError(f"feature {feature} has no cases")
+
+
+def plan_cases(
+    backend: type[AttentionBackend],
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    features: Iterable[str] | None = None,
+    quick: bool = False,
+) -> tuple[list[Case], list[str]]:
+    """The cases `check_backend` would run, and what the backend does not declare.
+
+    Useful to parametrise a pytest suite over cases (`run_case` runs one).
+
+    Args:
+        features: names from `FEATURES` (default: all).
+        quick: use `QUICK_CATALOGUE`'s small shapes.
+
+    Returns:
+        `(cases, not_declared)`; each not-declared entry reads "<feature>: <reason>".
+
+    Raises:
+        ValueError: an unknown feature name.
+    """
+    names = list(FEATURES) if features is None else list(features)
+    unknown = [n for n in names if n not in FEATURES]
+    if unknown:
+        raise ValueError(
+            f"plan_cases: unknown feature (got {', '.join(unknown)}, expected names from "
+            f"{', '.join(FEATURES)})."
+        )
+    device_info = DeviceInfo.current(device)
+    reasons = _global_reasons(backend, device_info, dtype)
+    if reasons:
+        return [], [f"backend: {r}" for r in reasons]
+    base = _base_case(backend)
+    cases: list[Case] = []
+    not_declared: list[str] = []
+    for feature in names:
+        reason = _not_declared(backend, feature)
+        if reason is not None:
+            not_declared.append(f"{feature}: {reason}")
+            continue
+        feature_cases, missing = _feature_cases(backend, feature, base, quick)
+        not_declared.extend(f"{feature}: {m} not declared" for m in missing)
+        for c in feature_cases:
+            # Joint constraints (supports_combination, device, dtype) are the backend's word too.
+            reasons = []
+            if not c.expect_rejection:
+                reasons = backend.validate_configuration(c.selector_config(dtype), device_info)
+            if reasons:
+                not_declared.append(f"{feature}: case {c.name}: {'; '.join(reasons)}")
+            else:
+                cases.append(c)
+    return cases, not_declared

@@ -1,0 +1,324 @@
+"""Run the conformance cases on a backend and judge them against the float64 oracle.
+
+`check_backend` is the entry point; `run_case` runs one planned `Case` (for parametrised
+suites). The kit plays the model's attention layer: when the backend's
+`forward_includes_kv_cache_update` is False it calls `impl.do_kv_cache_update(layer, key, value,
+kv_cache, slot_mapping)` first (never for ENCODER / ENCODER_ONLY, which have no cache, nor for
+cross attention steps whose key/value are None), then `impl.forward(layer, query, key, value,
+kv_cache, attn_metadata, output, output_lse=...)` with `output` and `output_lse` filled with NaN.
+
+A case fails when the backend raises, when its output (or LSE) is further from the float64
+oracle than the tolerance rule allows, or when an exact check breaks: the cache after the step
+must hold exactly what the kit expects (context, the step's writes, nothing in the null block or
+at padding slots, nothing from a KV-sharing layer), and output rows past `num_actual_tokens`
+must be untouched. LSEs are compared in natural log (base-2 ones are converted when the impl's
+`lse_base_on_e` is False), with a float32 floor, since `output_lse` is float32 in every dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import traceback
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from anyattn.backend import AttentionBackend, AttentionImpl
+from anyattn.testing.cases import Case, plan_cases
+from anyattn.testing.oracle import attention_oracle
+from anyattn.testing.paged import PagedBatch, build_batch
+from anyattn.testing.report import CaseResult, ConformanceReport
+from anyattn.testing.tolerance import error_bound, max_abs_error
+from anyattn.types import AttentionType
+
+__all__ = ["KitLayer", "check_backend", "run_case"]
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass
+class KitLayer:
+    """The `layer` argument the kit passes to `forward` / `do_kv_cache_update`.
+
+    Attributes:
+        layer_name: the layer's name (the KV-sharing target of another layer).
+        k_scale, v_scale: float32 `[]` or `[num_kv_heads]`; 1.0 for non-fp8 caches.
+    """
+
+    layer_name: str
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+
+
+def _num_changed(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Elements whose bits differ (NaN-safe, -0.0 != 0.0, any layout)."""
+    as_int = _INT_OF_SIZE[a.element_size()]
+    return int((a.view(as_int) != b.view(as_int)).sum())
+
+
+def _make_impl(
+    backend: type[AttentionBackend],
+    case: Case,
+    sinks: torch.Tensor | None,
+    shared_with: str | None,
+) -> AttentionImpl:
+    return backend.get_impl_cls()(
+        case.num_heads,
+        case.head_size,
+        case.scale,
+        case.num_kv_heads,
+        case.alibi_slopes(),
+        case.sliding_window,
+        case.kv_cache_dtype,
+        case.logits_soft_cap,
+        case.attn_type,
+        shared_with,
+        sinks,
+    )
+
+
+def _step(
+    backend: type[AttentionBackend],
+    impl: AttentionImpl,
+    layer: KitLayer,
+    batch: PagedBatch,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    want_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the model's attention layer does for one step; returns (output, output_lse)."""
+    has_cache = batch.attn_type not in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+    if has_cache and key is not None and not backend.forward_includes_kv_cache_update:
+        slot_mapping = batch.common_attn_metadata.slot_mapping
+        impl.do_kv_cache_update(layer, key, value, batch.kv_cache, slot_mapping)
+    # NaN everywhere: rows the backend forgets to write show up as NaN errors.
+    output = torch.full_like(query, math.nan)
+    output_lse = None
+    if want_lse:
+        output_lse = torch.full(
+            (query.shape[1], query.shape[0]), math.nan, dtype=torch.float32, device=query.device
+        )
+    impl.forward(
+        layer, query, key, value, batch.kv_cache, batch.attn_metadata, output, output_lse=output_lse
+    )
+    return output, output_lse
+
+
+def _compare(
+    name: str,
+    out: torch.Tensor,
+    ref64: torch.Tensor,
+    ref_lowp: torch.Tensor,
+    dtype: torch.dtype,
+    problems: list[str],
+    feature: str,
+) -> CaseResult:
+    """`dtype` sets the floor: the model dtype for outputs, float32 for LSEs (always float32)."""
+    error = max_abs_error(out, ref64)
+    bound = error_bound(ref64, ref_lowp, dtype)
+    problems = list(problems)
+    if not error <= bound:
+        problems.insert(0, "NaN in the result" if math.isnan(error) else "error above bound")
+    return CaseResult(name, error, bound, not problems, "; ".join(problems), feature)
+
+
+def _check_rejection(backend: type[AttentionBackend], case: Case) -> list[CaseResult]:
+    try:
+        _make_impl(backend, case, None, None)
+    except (ValueError, NotImplementedError) as e:
+        detail = f"rejected with {type(e).__name__}"
+        return [CaseResult(case.name, 0.0, 0.0, True, detail, case.feature)]
+    detail = f"impl accepted head_size {case.head_size}, which the backend does not declare"
+    return [CaseResult(case.name, 0.0, 0.0, False, detail, case.feature)]
+
+
+def _build(
+    backend: type[AttentionBackend], case: Case, device: torch.device, dtype: torch.dtype, seed: int
+) -> PagedBatch:
+    k_scale, v_scale = case.scales()
+    return build_batch(
+        backend,
+        case.spec,
+        num_heads=case.num_heads,
+        num_kv_heads=case.num_kv_heads,
+        head_size=case.head_size,
+        dtype=dtype,
+        device=device,
+        block_size=case.block_size,
+        layout=case.layout,
+        kv_cache_dtype=case.kv_cache_dtype,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        attn_type=case.attn_type,
+        causal=case.causal,
+        sliding_window=case.sliding_window,
+        num_padding_tokens=case.num_padding_tokens,
+        layer_names=("layer.0", "layer.1") if case.kv_sharing else ("layer.0",),
+        seed=seed,
+    )
+
+
+@dataclass
+class _Outcome:
+    """What the judged layer was given and what it returned."""
+
+    query: torch.Tensor
+    output: torch.Tensor
+    output_lse: torch.Tensor | None
+    lse_base_on_e: bool
+
+
+def _run_layers(
+    backend: type[AttentionBackend],
+    case: Case,
+    batch: PagedBatch,
+    sinks: torch.Tensor | None,
+    generator: torch.Generator,
+) -> _Outcome:
+    """Run layer.0 on the batch; with KV sharing, then layer.1 on layer.0's cache."""
+    impl = _make_impl(backend, case, sinks, None)
+    layer = KitLayer("layer.0", batch.k_scale, batch.v_scale)
+    output, lse = _step(
+        backend, impl, layer, batch, batch.query, batch.key, batch.value, case.check_lse
+    )
+    if not case.kv_sharing:
+        return _Outcome(batch.query, output, lse, getattr(impl, "lse_base_on_e", True))
+    # layer.1 reads layer.0's cache; its own key/value differ and must never be written.
+    dtype, device = batch.query.dtype, batch.query.device
+    query, key, value = (
+        torch.randn(x.shape, generator=generator).to(dtype).to(device)
+        for x in (batch.query, batch.key, batch.value)
+    )
+    shared = _make_impl(backend, case, sinks, "layer.0")
+    layer1 = KitLayer("layer.1", batch.k_scale, batch.v_scale)
+    output, lse = _step(backend, shared, layer1, batch, query, key, value, case.check_lse)
+    return _Outcome(query, output, lse, getattr(shared, "lse_base_on_e", True))
+
+
+def _judge(
+    case: Case,
+    batch: PagedBatch,
+    outcome: _Outcome,
+    sinks: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> list[CaseResult]:
+    """Exact checks (cache contents, padding rows) and the oracle comparison."""
+    problems = []
+    n = batch.num_actual_tokens
+    changed = _num_changed(batch.kv_cache, batch.expected_kv_cache)
+    if changed:
+        problems.append(f"KV cache differs from the expected writes in {changed} elements")
+    padding = outcome.output[n:]
+    if _num_changed(padding, torch.full_like(padding, math.nan)):
+        problems.append("output padding rows were written")
+
+    semantics = dict(
+        scale=case.scale,
+        causal=batch.causal,
+        sliding_window=case.sliding_window,
+        logits_soft_cap=case.logits_soft_cap,
+        alibi_slopes=case.alibi_slopes(),
+        sinks=sinks,
+    )
+    inputs = (outcome.query[:n], batch.oracle_key, batch.oracle_value)
+    lengths = (batch.spec.query_lens, batch.kv_lens)
+    ref64, lse64 = attention_oracle(*inputs, *lengths, **semantics)
+    ref_lowp, lse_lowp = attention_oracle(*inputs, *lengths, compute_dtype=dtype, **semantics)
+    output = outcome.output[:n]
+    results = [_compare(case.name, output, ref64, ref_lowp, dtype, problems, case.feature)]
+    if outcome.output_lse is not None:
+        lse = outcome.output_lse[:, :n].double()
+        if not outcome.lse_base_on_e:
+            lse = lse * math.log(2.0)
+        lse_name = f"{case.name}.lse"
+        results.append(_compare(lse_name, lse, lse64, lse_lowp, torch.float32, [], case.feature))
+    return results
+
+
+def _run(
+    backend: type[AttentionBackend], case: Case, device: torch.device, dtype: torch.dtype, seed: int
+) -> list[CaseResult]:
+    if case.expect_rejection:
+        return _check_rejection(backend, case)
+    generator = torch.Generator().manual_seed(seed)
+    batch = _build(backend, case, device, dtype, seed)
+    sinks = None
+    if case.use_sinks:
+        sinks = (torch.randn(case.num_heads, generator=generator) + 1.0).to(device)
+    outcome = _run_layers(backend, case, batch, sinks, generator)
+    return _judge(case, batch, outcome, sinks, dtype)
+
+
+def run_case(
+    backend: type[AttentionBackend],
+    case: Case,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> list[CaseResult]:
+    """Run one planned case (see `plan_cases`); never raises for a backend's failure.
+
+    Returns:
+        The case's result, plus a `<name>.lse` result when the case checks the LSE. A backend
+        exception becomes a failed result whose detail names the exception and where it arose.
+    """
+    start = time.perf_counter()
+    # Seeds come from the case name, so a case sees the same data whatever else runs.
+    case_seed = (zlib.crc32(case.name.encode()) + seed) % 2**31
+    try:
+        results = _run(backend, case, torch.device(device), dtype, case_seed)
+    except Exception as e:
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"
+        detail = f"raised {type(e).__name__} at {where}: {e}"
+        results = [CaseResult(case.name, math.nan, math.nan, False, detail, case.feature)]
+    seconds = time.perf_counter() - start
+    return [
+        CaseResult(r.name, r.max_error, r.bound, r.passed, r.detail, r.feature, seconds)
+        for r in results
+    ]
+
+
+def check_backend(
+    backend: type[AttentionBackend],
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    features: Iterable[str] | None = None,
+    quick: bool = False,
+    seed: int = 0,
+) -> ConformanceReport:
+    """Run every case `backend` declares and judge it against the float64 oracle.
+
+    Args:
+        backend: the backend class.
+        device: where to run (its type must be among the backend's `supported_device_types`).
+        dtype: model dtype of query/key/value/output.
+        features: restrict to these names from `anyattn.testing.FEATURES` (default: all):
+            decode, prefill, mixed, chunked, odd_lengths, gqa, mqa, head_sizes, block_sizes,
+            layouts, padding, kv_sharing, non_causal, encoder, encoder_only, encoder_decoder,
+            sliding_window, alibi, soft_cap, sinks, fp8, per_head_scales, lse, cascade.
+        quick: small shapes (`QUICK_CATALOGUE`) for slow kernels such as the Triton interpreter.
+        seed: added to every case's own seed.
+
+    Returns:
+        A `ConformanceReport`; `report.assert_passed()` fails a pytest test naming the failing
+        cases. Features the backend does not declare are listed in `report.not_declared`; a
+        report where nothing ran does not pass.
+
+    Raises:
+        ValueError: an unknown feature name.
+    """
+    cases, not_declared = plan_cases(backend, device, dtype, features, quick)
+    report = ConformanceReport(
+        not_declared=not_declared,
+        backend=backend.get_name(),
+        device=str(torch.device(device)),
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    for case in cases:
+        report.cases.extend(run_case(backend, case, device, dtype, seed))
+    return report

@@ -1,0 +1,167 @@
+"""A dense attention oracle, written from DESIGN.md's semantics and nothing else.
+
+It loops over requests and materialises every score, so it is slow but obviously right. Run it
+in float64 for the reference and in the input dtype to measure how much rounding that dtype alone
+causes (the tolerance rule of STYLE.md needs both).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["attention_oracle"]
+
+
+def attention_oracle(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    *,
+    scale: float,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    alibi_slopes: Sequence[float] | torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of every query row over its own request's keys.
+
+    Request r has `query_lens[r]` query rows and `seq_lens[r]` keys; its query row i sits at
+    absolute position `p = seq_lens[r] - query_lens[r] + i` and key j at position j. Per head h
+    (KV head `h // (num_heads // num_kv_heads)`), in this order:
+    `s = scale * q·k`; soft cap `s = cap * tanh(s / cap)`; ALiBi `s += slope_h * (j - p)`;
+    causal keeps `j <= p`; a sliding window W keeps `p - W < j <= p`. The softmax denominator is
+    `sum_j exp(s_j)` over the kept keys, plus `exp(sinks[h])` when sinks are given.
+
+    LSE convention: a sink is treated as one more key whose value is zero, so the returned LSE
+    is the log of the whole denominator, `log(sum_j exp(s_j) + exp(sink_h))`. Then
+    `output == sum_j exp(s_j - lse) * v_j` holds with and without sinks, and partial results can
+    be merged with `merge_attn_states` as long as the sink is counted in exactly one part.
+    A row with no kept key outputs zeros; its LSE is -inf (or `sink_h` with sinks).
+
+    Args:
+        query: `[num_tokens, num_heads, head_size]`, the requests' query rows back to back.
+        key, value: `[sum(seq_lens), num_kv_heads, head_size]`, each request's keys (context and
+            new tokens; for cross attention its encoder tokens) back to back, already
+            dequantised when the cache is fp8.
+        query_lens: query rows per request.
+        seq_lens: keys per request (context + new tokens; the encoder length for cross
+            attention, with `causal=False`).
+        scale: multiplies `q·k`.
+        causal: keep only keys at or before the query's position.
+        sliding_window: W, the number of keys kept up to and including position p; needs
+            `causal=True`.
+        logits_soft_cap: cap for `cap * tanh(s / cap)`; None or 0 disables it.
+        alibi_slopes: one slope per query head.
+        sinks: `[num_heads]` sink logits.
+        compute_dtype: float64 for the reference; the model dtype to measure the rounding that
+            dtype alone causes. Inputs are cast to it and every step's result is rounded to it
+            (scores, soft cap, ALiBi, probabilities, output); the softmax itself is one fused
+            step with float32 (or wider) internals, as in torch's and in attention kernels.
+
+    Returns:
+        `(output, lse)`: output `[num_tokens, num_heads, head_size]` in `compute_dtype`, lse
+        `[num_heads, num_tokens]` (natural log) in `compute_dtype` or float32 if narrower.
+
+    Raises:
+        ValueError: inconsistent shapes or lengths, or a sliding window without causal masking.
+    """
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = key.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"attention_oracle: num_heads must be a multiple of num_kv_heads (got {num_heads} "
+            f"and {num_kv_heads})."
+        )
+    if len(query_lens) != len(seq_lens):
+        raise ValueError(
+            f"attention_oracle: query_lens and seq_lens differ in length (got {len(query_lens)} "
+            f"and {len(seq_lens)})."
+        )
+    if sum(query_lens) != num_tokens or sum(seq_lens) != key.shape[0]:
+        raise ValueError(
+            f"attention_oracle: lengths do not match the tensors (got sum(query_lens)="
+            f"{sum(query_lens)} for {num_tokens} query rows, sum(seq_lens)={sum(seq_lens)} for "
+            f"{key.shape[0]} keys)."
+        )
+    if sliding_window is not None and not causal:
+        raise ValueError(
+            "attention_oracle: a sliding window is defined for causal attention only (got "
+            "causal=False). Pass causal=True or no sliding_window."
+        )
+    group = num_heads // num_kv_heads
+    device = query.device
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = torch.as_tensor(alibi_slopes, dtype=torch.float64, device=device).view(-1, 1, 1)
+    sink_logits = None if sinks is None else sinks.to(device, compute_dtype).view(-1, 1, 1)
+
+    output = torch.zeros(num_tokens, num_heads, head_size, dtype=compute_dtype, device=device)
+    lse_dtype = torch.promote_types(compute_dtype, torch.float32)
+    lse = torch.full((num_heads, num_tokens), -math.inf, dtype=lse_dtype, device=device)
+    q_start = k_start = 0
+    for query_len, seq_len in zip(query_lens, seq_lens, strict=True):
+        q_end, k_end = q_start + query_len, k_start + seq_len
+        # q: [num_heads, query_len, head_size]; k, v: [num_heads, seq_len, head_size]
+        q = query[q_start:q_end].to(compute_dtype).transpose(0, 1)
+        k = key[k_start:k_end].to(compute_dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+        v = value[k_start:k_end].to(compute_dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+        positions = torch.arange(query_len, device=device) + (seq_len - query_len)
+        key_positions = torch.arange(seq_len, device=device)
+        # distance: [query_len, seq_len], j - p
+        distance = key_positions.view(1, -1) - positions.view(-1, 1)
+
+        scores = (q @ k.transpose(1, 2)) * scale  # [num_heads, query_len, seq_len]
+        if logits_soft_cap:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+        if slopes is not None:
+            scores = scores + (slopes * distance).to(compute_dtype)
+        allowed = torch.ones(query_len, seq_len, dtype=torch.bool, device=device)
+        if causal:
+            allowed &= distance <= 0
+        if sliding_window is not None:
+            allowed &= distance > -sliding_window
+        scores = scores.masked_fill(~allowed, -math.inf)
+        if sink_logits is not None:
+            # The sink is a key with a zero value: it only enlarges the denominator.
+            scores = torch.cat([scores, sink_logits.expand(-1, query_len, 1)], dim=-1)
+            v = torch.cat([v, v.new_zeros(num_heads, 1, head_size)], dim=1)
+
+        out_r, lse_r = _softmax_times_value(scores, v)
+        output[q_start:q_end] = out_r.transpose(0, 1)
+        lse[:, q_start:q_end] = lse_r
+        q_start, k_start = q_end, k_end
+    return output, lse
+
+
+def _softmax_times_value(
+    scores: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the last dim (-inf = masked) times v; all-masked rows give zeros, -inf.
+
+    The softmax is one fused step, as torch's own softmax and attention kernels do it: internals
+    in at least float32, probabilities rounded once to the compute dtype, then `probs @ v` in
+    the compute dtype. The LSE stays in that internal precision (kernels return it in float32).
+    """
+    num_heads, query_len, num_keys = scores.shape
+    work_dtype = torch.promote_types(scores.dtype, torch.float32)
+    if num_keys == 0:
+        empty_out = scores.new_zeros(num_heads, query_len, v.shape[-1])
+        return empty_out, scores.new_full((num_heads, query_len), -math.inf, dtype=work_dtype)
+    scores = scores.to(work_dtype)
+    row_max = scores.amax(dim=-1, keepdim=True)
+    # An all-masked row has max -inf; shifting by 0 instead keeps exp() at 0 rather than NaN.
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(scores - row_max)
+    denom = weights.sum(dim=-1, keepdim=True)
+    has_key = denom > 0
+    probs = weights / torch.where(has_key, denom, torch.ones_like(denom))
+    out = probs.to(v.dtype) @ v
+    lse = (row_max + torch.log(denom)).squeeze(-1)
+    return out, lse

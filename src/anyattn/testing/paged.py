@@ -1,0 +1,435 @@
+"""Build one step's batch for a backend: inputs, a shuffled paged KV cache, real metadata.
+
+The kit writes each request's context (the tokens before this step) into the cache with its own
+simple writer; the backend writes the step's new tokens itself. Physical blocks come from a pool
+larger than needed, in `torch.randperm` order, and block 0 (the null block) is never assigned,
+so a kernel that assumes contiguous blocks or writes to block 0 is caught.
+
+Caches must have the standard logical shape `(num_blocks, 2, block_size, num_kv_heads,
+head_size)` (index 1: 0 = K, 1 = V); NHD and HND layouts differ only in strides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from anyattn.backend import AttentionBackend, AttentionMetadataBuilder
+from anyattn.config import AttentionSpec, BatchLimits
+from anyattn.kv_cache import allocate_kv_cache
+from anyattn.metadata import (
+    CommonAttentionMetadata,
+    apply_swaps,
+    compute_slot_mapping,
+    expand_block_table,
+    make_common_attn_metadata,
+    reorder_batch_to_split_decodes_and_prefills,
+)
+from anyattn.testing.batch_spec import BatchSpec
+from anyattn.testing.cache_io import dequantize_kv, quantize_kv, write_kv
+from anyattn.types import AttentionType, KVCacheLayout
+
+__all__ = ["PagedBatch", "assign_blocks", "build_batch"]
+
+
+def assign_blocks(
+    seq_lens: Sequence[int],
+    block_size: int,
+    *,
+    common_prefix_len: int = 0,
+    num_cols: int | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, int]:
+    """Shuffled physical blocks for each request, from a pool larger than needed.
+
+    Block 0 is the null block: never assigned, and the filler of unused table entries. The
+    first `common_prefix_len // block_size` blocks are the same physical blocks for every
+    request (a shared prefix).
+
+    Args:
+        seq_lens: tokens each request must hold.
+        common_prefix_len: shared leading tokens; a multiple of `block_size`.
+        num_cols: width of the table (default: the most blocks any request needs).
+
+    Returns:
+        `(block_table, num_blocks)`: int32 `[num_reqs, num_cols]` (CPU) and the pool size.
+    """
+    if common_prefix_len % block_size:
+        raise ValueError(
+            f"assign_blocks: common_prefix_len must be a multiple of block_size to share whole "
+            f"blocks (got {common_prefix_len} and {block_size})."
+        )
+    num_shared = common_prefix_len // block_size
+    needed = [-(-s // block_size) for s in seq_lens]
+    num_cols = max(max(needed, default=0), num_cols or 0)
+    total = num_shared + sum(n - num_shared for n in needed)
+    # Spare blocks make the used ids sparse in the pool, not just permuted among themselves.
+    num_blocks = 1 + total + max(4, total // 2)
+    pool = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
+    shared, pool = pool[:num_shared], pool[num_shared:]
+    block_table = torch.zeros(len(needed), max(num_cols, 1), dtype=torch.int32)
+    for r, n in enumerate(needed):
+        own, pool = pool[: n - num_shared], pool[n - num_shared :]
+        block_table[r, :n] = torch.tensor(shared + own, dtype=torch.int32)
+    return block_table, num_blocks
+
+
+@dataclass
+class PagedBatch:
+    """One step, ready to hand to a backend, and what the oracle needs to judge it.
+
+    Attributes:
+        spec: the batch as laid out (decodes first when the builder asked for it).
+        order: `spec` request i is request `order[i]` of the spec passed to `build_batch`.
+        block_size: kernel block size of `kv_cache` and `block_table`.
+        query: `[num_tokens + num_padding_tokens, num_heads, head_size]`, model dtype.
+        key, value: what `forward` receives: the new tokens' K/V `[num_tokens (+ padding),
+            num_kv_heads, head_size]`; for cross attention the encoder K/V of first-step
+            requests, or None when no request is at its first step.
+        kv_cache: the layer's cache with the context written (the backend writes the rest).
+        expected_kv_cache: the cache as it must be once the backend has written `key`/`value`.
+        block_table: int32 `[num_reqs, max_blocks]` (device), kernel-block units.
+        common_attn_metadata: the step's metadata; its `slot_mapping` covers `key`'s rows.
+        attn_metadata: what the backend's builder built from it.
+        builder: the backend's builder.
+        kv_lens: keys per request (seq_lens, or encoder lengths for cross attention).
+        oracle_key, oracle_value: float64 `[sum(kv_lens), num_kv_heads, head_size]`, the keys
+            each request attends to, as stored (fp8 dequantised), computed by the kit.
+        k_scale, v_scale: float32 `[]` or `[num_kv_heads]` (device).
+        kv_cache_dtype: the cache dtype name.
+        attn_type: the attention type the batch was built for.
+        causal: the metadata's causal flag.
+        num_actual_tokens: real query rows (`spec.num_tokens`).
+    """
+
+    spec: BatchSpec
+    order: list[int]
+    block_size: int
+    query: torch.Tensor
+    key: torch.Tensor | None
+    value: torch.Tensor | None
+    kv_cache: torch.Tensor
+    expected_kv_cache: torch.Tensor
+    block_table: torch.Tensor
+    common_attn_metadata: CommonAttentionMetadata
+    attn_metadata: object
+    builder: AttentionMetadataBuilder
+    kv_lens: tuple[int, ...]
+    oracle_key: torch.Tensor
+    oracle_value: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    kv_cache_dtype: str
+    attn_type: AttentionType
+    causal: bool
+    num_actual_tokens: int
+
+
+def _randn(generator: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(shape, generator=generator).to(dtype)
+
+
+@dataclass
+class _Values:
+    """Per-request random inputs, drawn in the spec's own order."""
+
+    queries: list[torch.Tensor]  # [query_len, num_heads, head_size] each
+    keys: list[torch.Tensor]  # [kv_len, num_kv_heads, head_size] each
+    values: list[torch.Tensor]
+    padding_query: torch.Tensor  # [num_padding_tokens, num_heads, head_size]
+    padding_kv: torch.Tensor  # [2, num_padding_tokens, num_kv_heads, head_size]
+
+    def reordered(self, order: list[int]) -> _Values:
+        return _Values(
+            [self.queries[i] for i in order],
+            [self.keys[i] for i in order],
+            [self.values[i] for i in order],
+            self.padding_query,
+            self.padding_kv,
+        )
+
+
+def _draw_values(
+    spec: BatchSpec,
+    kv_lens: Sequence[int],
+    shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    num_padding_tokens: int,
+    generator: torch.Generator,
+) -> _Values:
+    num_heads, num_kv_heads, head_size = shape
+    prefix = spec.common_prefix_len
+    # A shared prefix has one set of K/V: every request reads the same physical blocks.
+    prefix_k = _randn(generator, (prefix, num_kv_heads, head_size), dtype)
+    prefix_v = _randn(generator, (prefix, num_kv_heads, head_size), dtype)
+    queries, keys, values = [], [], []
+    for query_len, kv_len in zip(spec.query_lens, kv_lens, strict=True):
+        queries.append(_randn(generator, (query_len, num_heads, head_size), dtype))
+        own = (kv_len - prefix, num_kv_heads, head_size)
+        keys.append(torch.cat([prefix_k, _randn(generator, own, dtype)]))
+        values.append(torch.cat([prefix_v, _randn(generator, own, dtype)]))
+    return _Values(
+        queries,
+        keys,
+        values,
+        _randn(generator, (num_padding_tokens, num_heads, head_size), dtype),
+        _randn(generator, (2, num_padding_tokens, num_kv_heads, head_size), dtype),
+    )
+
+
+def _reorder_order(builder: AttentionMetadataBuilder, spec: BatchSpec) -> list[int]:
+    order = list(range(spec.num_reqs))
+    if builder.reorder_batch_threshold is not None:
+        swaps = reorder_batch_to_split_decodes_and_prefills(
+            spec.query_lens, builder.reorder_batch_threshold
+        )
+        apply_swaps(order, swaps)
+    return order
+
+
+def _split_positions(
+    spec: BatchSpec, kv_lens: Sequence[int], attn_type: AttentionType
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per request, the key positions the kit writes now and those the step brings."""
+    kit, step = [], []
+    for r, kv_len in enumerate(kv_lens):
+        positions = torch.arange(kv_len)
+        if attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
+            cut = 0
+        elif attn_type is AttentionType.ENCODER_DECODER:
+            cut = 0 if spec.is_first_step[r] else kv_len
+        else:
+            cut = spec.context_lens[r]
+        kit.append(positions[:cut])
+        step.append(positions[cut:])
+    return kit, step
+
+
+def _gather_rows(source: list[torch.Tensor], positions: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([x[pos] for x, pos in zip(source, positions, strict=True)])
+
+
+def _slots(block_table: torch.Tensor, positions: list[torch.Tensor], block_size: int):
+    parts = [
+        block_table[r, pos // block_size].long() * block_size + pos % block_size
+        for r, pos in enumerate(positions)
+    ]
+    return torch.cat(parts)
+
+
+def build_batch(
+    backend: type[AttentionBackend],
+    spec: BatchSpec,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    block_size: int = 16,
+    layout: KVCacheLayout | str = KVCacheLayout.NHD,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    attn_type: AttentionType | str = AttentionType.DECODER,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    num_padding_tokens: int = 0,
+    layer_names: Sequence[str] = ("layer.0",),
+    seed: int = 0,
+) -> PagedBatch:
+    """Make inputs, a shuffled paged cache and the backend's own metadata for `spec`.
+
+    The engine block size `block_size` must be accepted by the backend; when its kernel block
+    size is smaller, blocks are split (`expand_block_table`) and the cache, the block table and
+    the builder's `AttentionSpec` all use the kernel block size. When the builder sets
+    `reorder_batch_threshold`, requests are reordered decodes first, as the engine would.
+
+    Attention types: DECODER writes each request's context into the cache and passes the new
+    tokens as key/value. ENCODER / ENCODER_ONLY leave the cache alone (key/value are all the
+    request's tokens; metadata `causal=False`). ENCODER_DECODER keeps each request's encoder
+    K/V in the cache: the kit writes them for requests past their first step, the backend for
+    first-step requests (`key`/`value` hold them, and the metadata's slot mapping has one entry
+    per such encoder token); `encoder_seq_lens` is set and `causal=False`.
+
+    Args:
+        spec: the batch; `common_prefix_len` > 0 shares the prefix's physical blocks.
+        num_heads, num_kv_heads, head_size: the layer's shape.
+        dtype: model dtype of query/key/value.
+        k_scale, v_scale: float32 `[]` or `[num_kv_heads]` (default 1.0).
+        causal: decoder causality (False: bidirectional over the cache).
+        sliding_window: W, passed to the builder's `AttentionSpec`.
+        num_padding_tokens: extra query/key/value rows past the real ones, with slot -1.
+        layer_names: the layers of the group (the builder's `layer_names`).
+        seed: fixes every random value and block assignment.
+
+    Raises:
+        ValueError: a block size the backend cannot take, or a spec the attention type cannot
+            use (cross attention without encoder lengths).
+    """
+    device = torch.device(device)
+    attn_type = AttentionType(attn_type)
+    is_cross = attn_type is AttentionType.ENCODER_DECODER
+    is_encoder = attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+    if is_cross and spec.encoder_seq_lens is None:
+        raise ValueError(
+            f"build_batch: cross attention needs encoder_seq_lens (got none in {spec.name!r})."
+        )
+    if is_encoder and spec.seq_lens != spec.query_lens:
+        raise ValueError(
+            f"build_batch: encoder attention needs seq_lens == query_lens (got {spec.name!r})."
+        )
+    kernel_block_size = backend.get_kernel_block_size(block_size)
+    one = torch.ones((), dtype=torch.float32)
+    k_scale = (one if k_scale is None else k_scale.float()).to(device)
+    v_scale = (one if v_scale is None else v_scale.float()).to(device)
+    generator = torch.Generator().manual_seed(seed)
+    kv_lens_in = spec.encoder_seq_lens if is_cross else spec.seq_lens
+    assert kv_lens_in is not None
+    drawn = _draw_values(
+        spec,
+        kv_lens_in,
+        (num_heads, num_kv_heads, head_size),
+        dtype,
+        num_padding_tokens,
+        generator,
+    )
+
+    limits = BatchLimits(
+        max_num_reqs=spec.num_reqs,
+        max_num_tokens=spec.num_tokens + num_padding_tokens,
+        max_model_len=max(max(spec.seq_lens), max(kv_lens_in)),
+    )
+    kv_spec = AttentionSpec(
+        kernel_block_size, num_kv_heads, head_size, dtype, kv_cache_dtype, sliding_window
+    )
+    builder = backend.get_builder_cls()(kv_spec, list(layer_names), limits, device)
+    order = _reorder_order(builder, spec)
+    spec, drawn = spec.permuted(order), drawn.reordered(order)
+    kv_lens = tuple(kv_lens_in[i] for i in order)
+
+    # Cross attention: the table also needs columns for the decoder positions, which
+    # make_common_attn_metadata maps (that slot mapping is then replaced).
+    engine_table, num_engine_blocks = assign_blocks(
+        kv_lens,
+        block_size,
+        common_prefix_len=spec.common_prefix_len,
+        num_cols=-(-max(spec.seq_lens) // block_size),
+        generator=generator,
+    )
+    block_table = expand_block_table(engine_table, block_size, kernel_block_size)
+    kv_cache = allocate_kv_cache(
+        backend,
+        num_engine_blocks * (block_size // kernel_block_size),
+        kernel_block_size,
+        num_kv_heads,
+        head_size,
+        dtype,
+        kv_cache_dtype,
+        layout,
+        device,
+    )
+
+    kit_pos, step_pos = _split_positions(spec, kv_lens, attn_type)
+    write_kv(
+        kv_cache,
+        _gather_rows(drawn.keys, kit_pos).to(device),
+        _gather_rows(drawn.values, kit_pos).to(device),
+        _slots(block_table, kit_pos, kernel_block_size).to(device),
+        kv_cache_dtype,
+        k_scale,
+        v_scale,
+    )
+    step_key = _gather_rows(drawn.keys, step_pos)
+    step_value = _gather_rows(drawn.values, step_pos)
+    expected_kv_cache = kv_cache.clone()
+    if not is_encoder:
+        write_kv(
+            expected_kv_cache,
+            step_key.to(device),
+            step_value.to(device),
+            _slots(block_table, step_pos, kernel_block_size).to(device),
+            kv_cache_dtype,
+            k_scale,
+            v_scale,
+        )
+    if is_cross:
+        key = step_key.to(device) if step_key.shape[0] else None
+        value = step_value.to(device) if step_value.shape[0] else None
+    else:
+        key = torch.cat([step_key, drawn.padding_kv[0]]).to(device)
+        value = torch.cat([step_value, drawn.padding_kv[1]]).to(device)
+
+    common = make_common_attn_metadata(
+        spec.query_lens,
+        spec.seq_lens,
+        block_table,
+        kernel_block_size,
+        device,
+        causal=causal and attn_type is AttentionType.DECODER,
+        encoder_seq_lens=spec.encoder_seq_lens if is_cross else None,
+        num_padded_tokens=spec.num_tokens + num_padding_tokens if num_padding_tokens else None,
+    )
+    if is_cross:
+        cross_slots = _cross_slot_mapping(
+            block_table, kv_lens, spec.is_first_step, kernel_block_size
+        )
+        common = dataclasses.replace(common, slot_mapping=cross_slots.to(device))
+    attn_metadata = builder.build(spec.common_prefix_len, common)
+
+    all_key, all_value = torch.cat(drawn.keys).to(device), torch.cat(drawn.values).to(device)
+    if is_encoder:
+        # Encoder attention reads the step's own key/value, never the cache.
+        oracle_key, oracle_value = all_key.double(), all_value.double()
+    else:
+        oracle_key = _as_stored(all_key, kv_cache_dtype, kv_cache.dtype, k_scale)
+        oracle_value = _as_stored(all_value, kv_cache_dtype, kv_cache.dtype, v_scale)
+    return PagedBatch(
+        spec=spec,
+        order=order,
+        block_size=kernel_block_size,
+        query=torch.cat([*drawn.queries, drawn.padding_query]).to(device),
+        key=key,
+        value=value,
+        kv_cache=kv_cache,
+        expected_kv_cache=expected_kv_cache,
+        block_table=block_table.to(device),
+        common_attn_metadata=common,
+        attn_metadata=attn_metadata,
+        builder=builder,
+        kv_lens=kv_lens,
+        oracle_key=oracle_key,
+        oracle_value=oracle_value,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        kv_cache_dtype=kv_cache_dtype,
+        attn_type=attn_type,
+        causal=bool(common.causal),
+        num_actual_tokens=spec.num_tokens,
+    )
+
+
+def _as_stored(
+    x: torch.Tensor, kv_cache_dtype: str, cache_dtype: torch.dtype, scale: torch.Tensor
+) -> torch.Tensor:
+    """float64 values a cache holding `x` gives back (fp8: quantised, then dequantised)."""
+    return dequantize_kv(quantize_kv(x, kv_cache_dtype, cache_dtype, scale), kv_cache_dtype, scale)
+
+
+def _cross_slot_mapping(
+    block_table: torch.Tensor,
+    encoder_seq_lens: Sequence[int],
+    first_step: Sequence[bool],
+    block_size: int,
+) -> torch.Tensor:
+    """Slots of the encoder tokens of first-step requests, in batch order (int64, CPU)."""
+    rows = [r for r, first in enumerate(first_step) if first]
+    if not rows:
+        return torch.zeros(0, dtype=torch.int64)
+    lens = torch.tensor([encoder_seq_lens[r] for r in rows], dtype=torch.int32)
+    start = torch.zeros(len(rows) + 1, dtype=torch.int32)
+    torch.cumsum(lens, 0, out=start[1:])
+    return compute_slot_mapping(block_table[rows], start, lens, block_size)
