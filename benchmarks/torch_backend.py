@@ -52,9 +52,7 @@ def _case(query_len: int, repeats: int) -> dict[str, float]:
     num_blocks = NUM_REQS * blocks_per_req * 2 + 1
     block_ids = (torch.randperm(num_blocks - 1, generator=gen) + 1)[: NUM_REQS * blocks_per_req]
     block_table = block_ids.view(NUM_REQS, blocks_per_req).int()
-    cm = make_common_attn_metadata(
-        [query_len] * NUM_REQS, [seq_len] * NUM_REQS, block_table, BLOCK
-    )
+    cm = make_common_attn_metadata([query_len] * NUM_REQS, [seq_len] * NUM_REQS, block_table, BLOCK)
     k = torch.randn(NUM_REQS, seq_len, KV_HEADS, HEAD_SIZE, generator=gen)
     v = torch.randn(NUM_REQS, seq_len, KV_HEADS, HEAD_SIZE, generator=gen)
     q = torch.randn(NUM_REQS * query_len, HEADS, HEAD_SIZE, generator=gen)
@@ -65,9 +63,7 @@ def _case(query_len: int, repeats: int) -> dict[str, float]:
     all_slots = make_common_attn_metadata(
         [seq_len] * NUM_REQS, [seq_len] * NUM_REQS, block_table, BLOCK
     ).slot_mapping
-    impl = TorchAttentionBackend.get_impl_cls()(
-        HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, KV_HEADS
-    )
+    impl = TorchAttentionBackend.get_impl_cls()(HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, KV_HEADS)
     impl.do_kv_cache_update(_Layer(), k.flatten(0, 1), v.flatten(0, 1), cache, all_slots)
     spec = AttentionSpec(BLOCK, KV_HEADS, HEAD_SIZE, torch.float32)
     builder = TorchAttentionBackend.get_builder_cls()(

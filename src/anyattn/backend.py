@@ -512,6 +512,22 @@ class AttentionImpl(AttentionImplBase[M], Generic[M]):
             `output`.
         """
 
+    def validate_inputs(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: M,
+        output: torch.Tensor,
+        output_lse: torch.Tensor | None = None,
+    ) -> None:
+        """Raise a clear error for inputs `forward` would reject.
+
+        The layer calls it before `do_kv_cache_update`, so that a rejected call writes nothing.
+        The default checks nothing; impls override it (and call it from `forward`).
+        """
+
     def do_kv_cache_update(
         self,
         layer: AttentionLayer,

@@ -10,7 +10,13 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from anyattn.types import AttentionType, CacheDType, cache_torch_dtype, parse_cache_dtype, parse_dtype
+from anyattn.types import (
+    AttentionType,
+    CacheDType,
+    cache_torch_dtype,
+    parse_cache_dtype,
+    parse_dtype,
+)
 
 __all__ = ["AttentionSelectorConfig", "AttentionSpec", "BatchLimits", "MLAAttentionSpec"]
 
@@ -93,9 +99,7 @@ class AttentionSelectorConfig:
                 )
         for f in fields(self):
             if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
-                raise TypeError(
-                    f"{api}: {f.name} must be a bool (got {getattr(self, f.name)!r})."
-                )
+                raise TypeError(f"{api}: {f.name} must be a bool (got {getattr(self, f.name)!r}).")
 
     def replace(self, **changes: object) -> AttentionSelectorConfig:
         """A copy with some fields changed (validated again)."""

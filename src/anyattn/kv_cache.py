@@ -32,7 +32,9 @@ def allocate_kv_cache(
         kv_cache_dtype: "auto" or one of `anyattn.types.CACHE_DTYPES`.
         layout: NHD (tokens outer) or HND (heads outer) inside each block.
     """
-    shape = backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, kv_cache_dtype)
+    shape = backend.get_kv_cache_shape(
+        num_blocks, block_size, num_kv_heads, head_size, kv_cache_dtype
+    )
     order = backend.get_kv_cache_stride_order(layout)
     physical = torch.zeros(
         [shape[i] for i in order], dtype=cache_torch_dtype(kv_cache_dtype, dtype), device=device

@@ -131,6 +131,8 @@ class Attention(nn.Module):
         output = torch.zeros_like(query)
         # Encoder self-attention keeps no cache; backends whose forward writes it do so there.
         writes_cache = self.attn_type not in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+        # Everything is checked before the cache is written: a rejected call changes nothing.
+        self.impl.validate_inputs(query, key, value, kv_cache, attn_metadata, output, output_lse)
         if writes_cache and key is not None and not self.backend.forward_includes_kv_cache_update:
             self.impl.do_kv_cache_update(self, key, value, kv_cache, attn_metadata.slot_mapping)
         return self.impl.forward(

@@ -133,9 +133,7 @@ def get_backend_class(name: str | AttentionBackendEnum) -> type[AttentionBackend
 
 
 @overload
-def register_backend(
-    name: str | AttentionBackendEnum, target: str | type
-) -> str | type: ...
+def register_backend(name: str | AttentionBackendEnum, target: str | type) -> str | type: ...
 @overload
 def register_backend(
     name: str | AttentionBackendEnum, target: None = None

@@ -35,6 +35,8 @@ ENV_VAR = "ANYATTN_BACKEND"
 _CPU_PRIORITY = ("TORCH", "FLEX_ATTENTION")
 _CUDA_PRIORITY = ("FLASH_ATTN", "FLASHINFER", "TRITON", "FLEX_ATTENTION", "TORCH")
 _BLACKWELL_PRIORITY = ("FLASHINFER", "FLASH_ATTN", "TRITON", "FLEX_ATTENTION", "TORCH")
+# Prefix of the availability reason of a backend whose class cannot be imported.
+_LOAD_FAILED = "cannot be loaded: "
 
 
 class NoBackendError(ValueError):
@@ -97,7 +99,8 @@ class Explanation:
 
     def to_dict(self) -> dict[str, object]:
         config = {
-            name: getattr(self.config, name) for name in AttentionSelectorConfig.__dataclass_fields__
+            name: getattr(self.config, name)
+            for name in AttentionSelectorConfig.__dataclass_fields__
         }
         config["dtype"] = str(config["dtype"]).removeprefix("torch.")
         config["attn_type"] = self.config.attn_type.value
@@ -136,11 +139,13 @@ def priority_list(device: DeviceInfo) -> list[str]:
     return ordered + [name for name in registered if name not in ordered]
 
 
-def _judge(name: str, priority: int, config: AttentionSelectorConfig, device: DeviceInfo) -> BackendVerdict:
+def _judge(
+    name: str, priority: int, config: AttentionSelectorConfig, device: DeviceInfo
+) -> BackendVerdict:
     try:
         cls = get_backend_class(name)
     except (ImportError, TypeError) as error:
-        return BackendVerdict(name, priority, (), f"cannot be loaded: {error}")
+        return BackendVerdict(name, priority, (), f"{_LOAD_FAILED}{error}")
     return BackendVerdict(
         name,
         priority,
@@ -153,11 +158,14 @@ def _verdicts(config: AttentionSelectorConfig, device: DeviceInfo) -> tuple[Back
     return tuple(_judge(name, i, config, device) for i, name in enumerate(priority_list(device)))
 
 
-def _hints(config: AttentionSelectorConfig, device: DeviceInfo, verdicts: tuple[BackendVerdict, ...]) -> tuple[str, ...]:
+def _hints(
+    config: AttentionSelectorConfig, device: DeviceInfo, verdicts: tuple[BackendVerdict, ...]
+) -> tuple[str, ...]:
     """Single changes to the request that would make some backend fit."""
     hints: list[str] = []
     for v in verdicts:
-        if not v.reasons and v.unavailable:
+        # A backend that cannot be imported has no declarations to judge: it may not fit.
+        if not v.reasons and v.unavailable and not v.unavailable.startswith(_LOAD_FAILED):
             hints.append(f"{v.name} fits this config but is not available here: {v.unavailable}")
     variations: list[tuple[str, dict[str, object]]] = []
     if config.kv_cache_dtype != "auto":

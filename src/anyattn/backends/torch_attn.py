@@ -398,7 +398,7 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
                 "TORCH forward: fused output quantisation not supported (got output_scale). "
                 "Quantise the output after the call."
             )
-        self._check_inputs(query, key, value, kv_cache, md, output, output_lse)
+        self.validate_inputs(query, key, value, kv_cache, md, output, output_lse)
         n = md.num_actual_tokens
         if n == 0:
             return output
@@ -434,7 +434,7 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
         )
         return out[0], lse[0]
 
-    def _check_inputs(
+    def validate_inputs(
         self,
         query: torch.Tensor,
         key: torch.Tensor | None,
@@ -442,8 +442,9 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
         kv_cache: torch.Tensor,
         md: TorchAttentionMetadata,
         output: torch.Tensor,
-        output_lse: torch.Tensor | None,
+        output_lse: torch.Tensor | None = None,
     ) -> None:
+        """See `AttentionImpl.validate_inputs`; shapes, dtypes and devices of every input."""
         api = "TORCH forward"
         if not isinstance(md, TorchAttentionMetadata):
             raise TypeError(

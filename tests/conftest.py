@@ -1,0 +1,135 @@
+"""Shared test set-up: the `gpu` marker skip, a clean selector for every test, fake backends.
+
+Fixtures:
+    make_backend: build a fake `AttentionBackend` class from a few declarations (no kernels).
+    register: register a backend name for the current test only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import pytest
+import torch
+
+from anyattn import registry, selector
+from anyattn.backend import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
+from anyattn.types import AttentionCGSupport, MultipleOf
+
+# Capabilities a fake backend can declare through `features=`; each maps to `supports_<name>`.
+FEATURES = (
+    "sink",
+    "sliding_window",
+    "alibi",
+    "logits_soft_cap",
+    "non_causal",
+    "per_head_quant_scales",
+    "batch_invariance",
+    "lse",
+    "cascade",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tests marked `gpu` when torch sees no CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        # Not `"gpu" in item.keywords`: keywords include parameter ids such as [gpu].
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _clean_selector(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test starts with no cached selections and no ANYATTN_BACKEND override."""
+    monkeypatch.delenv(selector.ENV_VAR, raising=False)
+    selector.clear_cache()
+    yield
+    selector.clear_cache()
+
+
+class FakeImpl(AttentionImpl[None]):
+    """An impl that only records its arguments; fake backends never run."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, **kwargs: object) -> None:
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, scale
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        return output
+
+
+class FakeBuilder(AttentionMetadataBuilder[None]):
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False) -> None:
+        return None
+
+
+def make_fake_backend(
+    name: str = "FAKE",
+    *,
+    devices: Sequence[str] = ("cpu", "cuda"),
+    dtypes: Sequence[torch.dtype] = (torch.float32, torch.float16, torch.bfloat16),
+    kv_cache_dtypes: Sequence[str] = ("auto", "float16", "bfloat16"),
+    head_sizes: Sequence[int] = (),
+    block_sizes: Sequence[int | MultipleOf] = (MultipleOf(1),),
+    features: Sequence[str] = (),
+    min_compute_capability: tuple[int, int] | None = None,
+    unavailable: str | None = None,
+    mla: bool = False,
+    sparse: bool = False,
+    cudagraph: AttentionCGSupport = AttentionCGSupport.NEVER,
+    combination: Callable[..., str | None] | None = None,
+    **class_attrs: object,
+) -> type[AttentionBackend]:
+    """A fake backend class declaring exactly what is passed (defaults: the plain decoder case).
+
+    `features` names the `supports_<feature>` checks that answer True (see `FEATURES`);
+    `unavailable` is its `get_unavailable_reason()`; `combination(config, device)` its
+    `supports_combination`.
+    """
+    unknown = set(features) - set(FEATURES)
+    assert not unknown, f"unknown fake features {unknown}"
+    builder = type(f"{name}Builder", (FakeBuilder,), {"_cudagraph_support": cudagraph})
+    namespace: dict[str, object] = {
+        "get_name": staticmethod(lambda: name),
+        "get_impl_cls": staticmethod(lambda: FakeImpl),
+        "get_builder_cls": staticmethod(lambda: builder),
+        "supported_device_types": tuple(devices),
+        "supported_dtypes": tuple(dtypes),
+        "supported_kv_cache_dtypes": tuple(kv_cache_dtypes),
+        "min_compute_capability": min_compute_capability,
+        "get_supported_head_sizes": classmethod(lambda cls: list(head_sizes)),
+        "get_supported_kernel_block_sizes": classmethod(lambda cls: list(block_sizes)),
+        "get_unavailable_reason": classmethod(lambda cls: unavailable),
+        "is_mla": classmethod(lambda cls: mla),
+        "is_sparse": classmethod(lambda cls: sparse),
+        **class_attrs,
+    }
+    for feature in features:
+        namespace[f"supports_{feature}"] = classmethod(lambda cls: True)
+    if combination is not None:
+        namespace["supports_combination"] = classmethod(
+            lambda cls, config, device: combination(config, device)
+        )
+    return type(f"Fake{name.title().replace('_', '')}Backend", (AttentionBackend,), namespace)
+
+
+@pytest.fixture
+def make_backend() -> Callable[..., type[AttentionBackend]]:
+    """The `make_fake_backend` factory."""
+    return make_fake_backend
+
+
+@pytest.fixture
+def register() -> Iterator[Callable[[str, str | type], str | type]]:
+    """`register(name, cls_or_path)`: a backend registration undone when the test ends."""
+    names: list[str] = []
+
+    def _register(name: str, target: str | type) -> str | type:
+        names.append(name)
+        return registry.register_backend(name, target)
+
+    yield _register
+    for name in names:
+        registry.unregister_backend(name)
