@@ -109,11 +109,13 @@ def _import_class(path: str, name: str) -> type:
         obj: object = importlib.import_module(module_name)
         for part in qualname.split("."):
             obj = getattr(obj, part)
-    except (ImportError, AttributeError) as error:
+    except Exception as error:  # a plugin's import may fail in any way; report, never crash
         raise ImportError(
-            f"backend {name}: cannot import its class (got path {path!r}: {error})."
+            f"backend {name}: cannot import its class (got path {path!r}: "
+            f"{type(error).__name__}: {error})."
         ) from error
-    assert isinstance(obj, type), f"{path} is not a class"
+    if not isinstance(obj, type):
+        raise TypeError(f"backend {name}: {path!r} is not a class (got {type(obj).__name__}).")
     return obj
 
 

@@ -16,7 +16,12 @@ import os
 from dataclasses import dataclass, field
 
 from anyattn.config import AttentionSelectorConfig
-from anyattn.registry import backend_names, get_backend_class, get_backend_path
+from anyattn.registry import (
+    AttentionBackendEnum,
+    backend_names,
+    get_backend_class,
+    get_backend_path,
+)
 from anyattn.types import DeviceInfo
 
 __all__ = [
@@ -194,7 +199,9 @@ def _hints(
     return tuple(hints)
 
 
-def _requested_name(backend: str | None) -> tuple[str | None, str | None]:
+def _requested_name(backend: str | AttentionBackendEnum | None) -> tuple[str | None, str | None]:
+    if isinstance(backend, AttentionBackendEnum):
+        return backend.name, "argument"
     if backend is not None:
         return backend, "argument"
     from_env = os.environ.get(ENV_VAR, "").strip()
@@ -224,7 +231,7 @@ def _explain_cached(
 def explain(
     config: AttentionSelectorConfig,
     device: DeviceInfo | None = None,
-    backend: str | None = None,
+    backend: str | AttentionBackendEnum | None = None,
 ) -> Explanation:
     """The selector's verdict on every registered backend, as data (cached on the config).
 
@@ -247,7 +254,7 @@ def explain(
 def select_backend(
     config: AttentionSelectorConfig,
     device: DeviceInfo | None = None,
-    backend: str | None = None,
+    backend: str | AttentionBackendEnum | None = None,
 ) -> type:
     """The backend class to use for `config` on `device`.
 

@@ -72,7 +72,7 @@ class MultipleOf:
     base: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.base, int) or self.base < 1:
+        if isinstance(self.base, bool) or not isinstance(self.base, int) or self.base < 1:
             raise ValueError(
                 f"MultipleOf: base must be a positive int (got {self.base!r}, expected >= 1)."
             )
@@ -209,7 +209,7 @@ class DeviceInfo:
             major_text, _, minor_text = digits.partition(".")
         else:
             major_text, minor_text = digits[:-1], digits[-1:]
-        if major_text.isdigit() and minor_text.isdigit():
+        if major_text.isdigit() and minor_text.isdigit() and int(major_text) >= 1:
             return DeviceInfo.cuda(int(major_text), int(minor_text))
         raise ValueError(
             f"device: cannot read a device from {text!r} (expected cpu, cuda, or a compute "

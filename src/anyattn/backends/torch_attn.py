@@ -27,7 +27,7 @@ from anyattn.backend import (
     validate_impl_arguments,
 )
 from anyattn.metadata import CommonAttentionMetadata, split_decodes_and_prefills
-from anyattn.ops.dense_attention import ScoreMods, dense_attention, gather_kv_blocks
+from anyattn.ops.dense_attention import DenseKV, PagedKV, ScoreMods, dense_attention
 from anyattn.ops.merge_attn_states import merge_attn_states
 from anyattn.types import AttentionCGSupport, AttentionType, cache_torch_dtype, is_fp8_cache
 
@@ -419,12 +419,11 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
     def _cascade_prefix(self, run: _Run) -> tuple[torch.Tensor, torch.Tensor]:
         """Every query of the step against the shared prefix, gathered and attended once."""
         md = run.md
-        k, v = run.cache_keys(md.prefix_blocks.unsqueeze(0))
-        k_pos = torch.arange(md.common_prefix_len, device=k.device)
+        kv = run.cache_keys(md.prefix_blocks.unsqueeze(0))
+        k_pos = torch.arange(md.common_prefix_len, device=run.query.device)
         out, lse = dense_attention(
             run.query[: md.num_actual_tokens].unsqueeze(0),
-            k,
-            v,
+            kv,
             md.token_positions.unsqueeze(0),
             k_pos,
             None,
@@ -561,18 +560,16 @@ class _Run:
             and cache_torch_dtype(impl.kv_cache_dtype, query.dtype) == query.dtype
         )
 
-    def cache_keys(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of `block_ids [B, nblk]` as `[num_kv_heads, B, nblk * block_size, head_size]`."""
-        batch, nblk = block_ids.shape
+    def cache_keys(self, block_ids: torch.Tensor) -> PagedKV:
+        """K/V of `block_ids [B, nblk]`, left in the cache until the kernel loads them."""
         cache = self.kv_cache
-        numel = 2 * batch * nblk * cache.shape[2] * cache.shape[3] * cache.shape[4]
-        workspace = self.md.workspace.get(numel, cache.dtype, cache.device)
-        k, v = gather_kv_blocks(cache, block_ids, workspace)
-        if self.fp8:
-            # fp8 caches hold value / scale; scales are [] or [num_kv_heads].
-            k = k.float().mul_(self.k_scale.view(-1, 1, 1, 1))
-            v = v.float().mul_(self.v_scale.view(-1, 1, 1, 1))
-        return k, v
+        return PagedKV(
+            cache,
+            block_ids,
+            self.k_scale,
+            self.v_scale,
+            lambda numel: self.md.workspace.get(numel, cache.dtype, cache.device),
+        )
 
     def decodes(
         self, out: torch.Tensor, lse: torch.Tensor | None, *, first_key: int, use_sinks: bool
@@ -583,17 +580,15 @@ class _Run:
         if nd == 0 or self.encoder:
             return
         first_block = first_key // md.block_size
-        k, v = self.cache_keys(
-            md.block_table[:nd, first_block : first_block + md.decode_num_blocks]
-        )
-        k_pos = first_key + torch.arange(k.shape[2], device=k.device)
+        kv = self.cache_keys(md.block_table[:nd, first_block : first_block + md.decode_num_blocks])
+        k_pos = first_key + torch.arange(kv.length, device=self.query.device)
         k_valid = k_pos.unsqueeze(0) < md.decode_k_lens.unsqueeze(1)
         if md.decode_max_query_len == 1:
             q = self.query[:nd].unsqueeze(1)
         else:
             q = self.query[md.decode_token_ids]  # [nd, Lq, H, D]
         o, part_lse = dense_attention(
-            q, k, v, md.decode_positions, k_pos, k_valid, self.mods,
+            q, kv, md.decode_positions, k_pos, k_valid, self.mods,
             causal=md.causal, use_sinks=use_sinks, need_lse=lse is not None,
         )  # fmt: skip
         if md.decode_max_query_len == 1:
@@ -620,25 +615,25 @@ class _Run:
             if self.encoder or (self.fresh_from_inputs and seg.context == 0 and first_key == 0):
                 rows = slice(seg.q_start, seg.q_start + seg.q_len)
                 # [q_len, KVH, D] -> [KVH, 1, q_len, D]
-                k = self.key[rows].transpose(0, 1).unsqueeze(1)
-                v = self.value[rows].transpose(0, 1).unsqueeze(1)
+                kv = DenseKV(
+                    self.key[rows].transpose(0, 1).unsqueeze(1),
+                    self.value[rows].transpose(0, 1).unsqueeze(1),
+                )
                 k_valid = None
             else:
                 first_block = first_key // md.block_size
                 last_block = (seg.k_len + md.block_size - 1) // md.block_size
-                k, v = self.cache_keys(
-                    md.block_table[seg.row : seg.row + 1, first_block:last_block]
-                )
+                kv = self.cache_keys(md.block_table[seg.row : seg.row + 1, first_block:last_block])
                 k_valid = None
-                if first_block * md.block_size + k.shape[2] != seg.k_len:
+                if first_block * md.block_size + kv.length != seg.k_len:
                     k_valid = (
-                        torch.arange(k.shape[2], device=device)
+                        torch.arange(kv.length, device=device)
                         < seg.k_len - first_block * md.block_size
                     ).unsqueeze(0)
-            k_pos = first_key + torch.arange(k.shape[2], device=device)
+            k_pos = first_key + torch.arange(kv.length, device=device)
             q_pos = (seg.context + torch.arange(seg.q_len, device=device)).unsqueeze(0)
             o, part_lse = dense_attention(
-                q, k, v, q_pos, k_pos, k_valid, self.mods,
+                q, kv, q_pos, k_pos, k_valid, self.mods,
                 causal=causal, use_sinks=use_sinks, need_lse=lse is not None,
             )  # fmt: skip
             out[seg.q_start : seg.q_start + seg.q_len] = o[0]

@@ -9,15 +9,20 @@ causal / sliding-window masks, sinks in the denominator only, empty rows give ze
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ScoreMods", "dense_attention", "gather_kv_blocks"]
+__all__ = ["DenseKV", "KVSource", "PagedKV", "ScoreMods", "dense_attention"]
 
 # Scores of one query chunk are materialised; bound their size (elements) to bound memory.
 _MAX_SCORE_ELEMENTS = 1 << 24
+# Bytes of K (or V) copied out of the paged cache per load: about one core's L2, so the copy
+# is still cached when the matmul reads it (a whole-batch copy runs at memory speed instead).
+_LOAD_BYTES = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -39,37 +44,86 @@ class ScoreMods:
     sinks: torch.Tensor | None = None
 
 
-def gather_kv_blocks(
-    kv_cache: torch.Tensor, block_ids: torch.Tensor, workspace: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copy the blocks of a group of requests out of the paged cache, KV-head-major.
+class DenseKV:
+    """Keys and values already in memory: `[num_kv_heads, B, L, head_size]` each."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = k, v
+        self.num_kv_heads, self.batch, self.length, self.head_size = k.shape
+
+    def load(self, which: int, first_head: int, last_head: int) -> torch.Tensor:
+        """K (which=0) or V (1) of heads `[first_head, last_head)` as float32."""
+        return (self.k, self.v)[which][first_head:last_head].float()
+
+    def full(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k, self.v
+
+
+class PagedKV:
+    """Keys and values of B requests left in the paged cache, copied out on demand.
 
     Args:
         kv_cache: `[num_blocks, 2, block_size, num_kv_heads, head_size]`, any strides.
-        block_ids: int `[B, nblk]` physical block ids per request.
-        workspace: a 1-D buffer of the cache dtype with at least `2 * B * nblk * block_size *
-            num_kv_heads * head_size` elements to copy into. Reusing one matters on the CPU:
-            first-touch page faults on fresh memory cost more than the copy itself.
-
-    Returns:
-        `(k, v)`, each `[num_kv_heads, B, nblk * block_size, head_size]`, contiguous, cache dtype
-        (views of `workspace` when given).
+        block_ids: int `[B, nblk]` physical block ids per request (L = nblk * block_size).
+        k_scale, v_scale: float32 `[]` or `[num_kv_heads]` for fp8 caches (which hold
+            value / scale), else None.
+        workspace: callable `numel -> 1-D buffer` of the cache dtype to copy into. Reusing one
+            matters on the CPU: first-touch page faults on fresh memory cost more than the
+            copy itself.
     """
-    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
-    batch, nblk = block_ids.shape
-    shape = (2, num_kv_heads, batch * nblk, block_size, head_size)
-    numel = 2 * num_kv_heads * batch * nblk * block_size * head_size
-    out = None if workspace is None else workspace[:numel].view(shape)
-    # [2, num_kv_heads, num_blocks, block_size, head_size] view; one copy for K and V.
-    source = kv_cache.permute(1, 3, 0, 2, 4)
-    index = block_ids.reshape(-1).to(torch.long)
-    kv = (
-        torch.index_select(source, 2, index, out=out)
-        if out is not None
-        else source.index_select(2, index)
-    )
-    kv = kv.view(2, num_kv_heads, batch, nblk * block_size, head_size)
-    return kv[0], kv[1]
+
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        block_ids: torch.Tensor,
+        k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None,
+        workspace: Callable[[int], torch.Tensor],
+    ) -> None:
+        _, _, self.block_size, self.num_kv_heads, self.head_size = kv_cache.shape
+        self.batch, nblk = block_ids.shape
+        self.length = nblk * self.block_size
+        # [2, num_kv_heads, num_blocks, block_size, head_size] view: a gather along dim 2
+        # lands KV-head-major, ready for batched matmuls over (kv head, request).
+        self.source = kv_cache.permute(1, 3, 0, 2, 4)
+        self.index = block_ids.reshape(-1).to(torch.long)
+        self.scales = (k_scale, v_scale)
+        self.workspace = workspace
+
+    def _gather(self, kinds: slice, heads: slice) -> torch.Tensor:
+        """Copy `source[kinds, heads]` blocks; `[len(kinds), len(heads), B*nblk, bs, D]`."""
+        # Keep the 5-D view: index_select on some lower-rank slices of it copies the whole
+        # pool slice first.
+        source = self.source[kinds, heads]
+        shape = (*source.shape[:2], self.index.numel(), self.block_size, self.head_size)
+        numel = math.prod(shape)
+        out = self.workspace(numel)[:numel].view(shape)
+        return torch.index_select(source, 2, self.index, out=out)
+
+    def _dequantize(self, x: torch.Tensor, which: int, first_head: int, last_head: int):
+        scale = self.scales[which]
+        if scale is None:
+            return x.float()
+        if scale.dim():
+            scale = scale[first_head:last_head]
+        return x.float().mul_(scale.view(-1, 1, 1, 1))
+
+    def load(self, which: int, first_head: int, last_head: int) -> torch.Tensor:
+        """K (which=0) or V (1) of heads `[first_head, last_head)`: float32 `[h, B, L, D]`."""
+        heads = last_head - first_head
+        x = self._gather(slice(which, which + 1), slice(first_head, last_head))
+        x = x.view(heads, self.batch, self.length, self.head_size)
+        return self._dequantize(x, which, first_head, last_head)
+
+    def full(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every head, `[num_kv_heads, B, L, D]` each (dequantised for fp8)."""
+        kv = self._gather(slice(0, 2), slice(0, self.num_kv_heads))
+        kv = kv.view(2, self.num_kv_heads, self.batch, self.length, self.head_size)
+        heads = self.num_kv_heads
+        return self._dequantize(kv[0], 0, 0, heads), self._dequantize(kv[1], 1, 0, heads)
+
+
+KVSource = DenseKV | PagedKV
 
 
 def _allowed(
@@ -94,21 +148,29 @@ def _allowed(
 
 def _manual(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    kv: KVSource,
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
     allowed: torch.Tensor | None,
     mods: ScoreMods,
     use_sinks: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 math path; q `[KVH, B, G, Lq, D]`, k/v `[KVH, B, L, D]`.
+    """float32 math path; q `[KVH, B, G, Lq, D]`.
+
+    K and V are loaded a few KV heads at a time, sized so that each copy out of the paged
+    cache stays in the L2 cache while the matmul that consumes it runs.
 
     Returns out `[KVH, B, G, Lq, D]` and natural-log lse `[KVH, B, G, Lq]`.
     """
     kvh, batch, group, lq, d = q.shape
-    s = torch.matmul(q.reshape(kvh, batch, group * lq, d), k.transpose(-1, -2))
-    s = s.view(kvh, batch, group, lq, -1).mul_(mods.scale)
+    length = kv.length
+    heads_per_load = max(1, _LOAD_BYTES // max(1, batch * length * d * 4))
+    chunks = [(h, min(kvh, h + heads_per_load)) for h in range(0, kvh, heads_per_load)]
+    q = q.reshape(kvh, batch, group * lq, d)
+    s = torch.empty(kvh, batch, group * lq, length, dtype=torch.float32, device=q.device)
+    for h0, h1 in chunks:
+        torch.matmul(q[h0:h1], kv.load(0, h0, h1).transpose(-1, -2), out=s[h0:h1])
+    s = s.view(kvh, batch, group, lq, length).mul_(mods.scale)
     if mods.soft_cap is not None:
         s = s.div_(mods.soft_cap).tanh_().mul_(mods.soft_cap)
     if mods.alibi_slopes is not None:
@@ -126,16 +188,18 @@ def _manual(
     denom = p.sum(dim=-1, keepdim=True)
     if sinks is not None:
         denom = denom + (sinks - row_max).exp()
-    out = torch.matmul(p.view(kvh, batch, group * lq, -1), v).view(kvh, batch, group, lq, d)
-    out = out.div_(denom.clamp_min(torch.finfo(denom.dtype).tiny))
+    p = p.view(kvh, batch, group * lq, length)
+    out = torch.empty(kvh, batch, group * lq, d, dtype=torch.float32, device=q.device)
+    for h0, h1 in chunks:
+        torch.matmul(p[h0:h1], kv.load(1, h0, h1), out=out[h0:h1])
+    out = out.view(kvh, batch, group, lq, d).div_(denom.clamp_min(torch.finfo(denom.dtype).tiny))
     lse = (denom.log() + row_max).squeeze(-1)
     return out, lse
 
 
 def dense_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    kv: KVSource,
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
     k_valid: torch.Tensor | None,
@@ -149,7 +213,8 @@ def dense_attention(
 
     Args:
         q: `[B, Lq, num_heads, head_size]`.
-        k, v: `[num_kv_heads, B, L, head_size]` in the compute dtype (dequantised already).
+        kv: the keys and values, `[num_kv_heads, B, L, head_size]` (`DenseKV` in memory,
+            `PagedKV` still in the paged cache).
         q_pos: int64 `[B, Lq]` absolute position of each query.
         k_pos: int64 `[L]` absolute position of each key column (shared by the group).
         k_valid: bool `[B, L]`: which key columns exist for each request, or None (all).
@@ -163,7 +228,7 @@ def dense_attention(
         `(out [B, Lq, num_heads, head_size] in q's dtype, lse float32 [B, num_heads, Lq] or None)`.
     """
     batch, lq, num_heads, d = q.shape
-    kvh = k.shape[0]
+    kvh = kv.num_kv_heads
     group = num_heads // kvh
     plain = (
         mods.soft_cap is None
@@ -171,14 +236,15 @@ def dense_attention(
         and (mods.sinks is None or not use_sinks)
         and not need_lse
     )
-    if plain and batch == 1:
+    if plain and batch == 1 and lq > 1:
         # SDPA's fused kernels: no score matrix in memory. All rows have a key here: causal
         # rows see themselves, windows include the current key.
+        k, v = kv.full()
         allowed = _allowed(q_pos, k_pos, k_valid, causal, mods.sliding_window)
         # Lq == L with every key valid means a fresh sequence (keys and queries both start at
         # position 0), where SDPA's built-in causal mask is the same as ours and cheaper.
         fresh_causal = (
-            causal and lq == k.shape[2] and k_valid is None and mods.sliding_window is None
+            causal and lq == kv.length and k_valid is None and mods.sliding_window is None
         )
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),  # [1, H, Lq, D]
@@ -191,7 +257,6 @@ def dense_attention(
         )
         return out.transpose(1, 2), None
 
-    k32, v32 = k.float(), v.float()
     # q: [B, Lq, KVH, G, D] -> [KVH, B, G, Lq, D]
     q32 = q.float().view(batch, lq, kvh, group, d).permute(2, 0, 3, 1, 4)
     out = torch.empty(batch, lq, num_heads, d, dtype=q.dtype, device=q.device)
@@ -200,14 +265,14 @@ def dense_attention(
         if need_lse
         else None
     )
-    chunk = max(1, _MAX_SCORE_ELEMENTS // max(1, batch * num_heads * k.shape[2]))
+    chunk = max(1, _MAX_SCORE_ELEMENTS // max(1, batch * num_heads * kv.length))
+    if chunk < lq and isinstance(kv, PagedKV):
+        kv = DenseKV(*kv.full())  # gather once, not once per query chunk
     for start in range(0, lq, chunk):
         end = min(lq, start + chunk)
         qp = q_pos[:, start:end]
         allowed = _allowed(qp, k_pos, k_valid, causal, mods.sliding_window)
-        o, part_lse = _manual(
-            q32[:, :, :, start:end], k32, v32, qp, k_pos, allowed, mods, use_sinks
-        )
+        o, part_lse = _manual(q32[:, :, :, start:end], kv, qp, k_pos, allowed, mods, use_sinks)
         # [KVH, B, G, Lc, D] -> [B, Lc, KVH*G, D]
         out[:, start:end] = o.permute(1, 3, 0, 2, 4).reshape(batch, end - start, num_heads, d)
         if lse is not None:
