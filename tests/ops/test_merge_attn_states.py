@@ -306,7 +306,7 @@ BAD_INPUTS: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any]], type, st
     ("output_lse shape", lambda a: {"output_lse": torch.zeros(4, 5)}, ValueError, "output_lse"),
     (
         "output_lse dtype",
-        lambda a: {"output_lse": torch.zeros(4, 6).double()},
+        lambda a: {"output_lse": torch.zeros(4, 6).half()},
         TypeError,
         "output_lse",
     ),

@@ -94,6 +94,15 @@ class TorchAttentionBackend(AttentionBackend):
     def supports_cascade(cls) -> bool:
         return True
 
+    @classmethod
+    def supports_combination(cls, config, device) -> str | None:
+        # DESIGN.md defines the window causally (p - W < j <= p); bidirectional local
+        # attention would need a symmetric window nobody has specified yet.
+        bidirectional = config.use_non_causal or config.attn_type != AttentionType.DECODER
+        if config.has_sliding_window and bidirectional:
+            return "sliding window with non-causal or encoder attention not supported"
+        return None
+
 
 class Workspace:
     """A buffer the builder owns and every layer's gather reuses, grown when a step needs more.
@@ -137,7 +146,9 @@ class TorchAttentionMetadata:
         causal: False for bidirectional attention.
         num_decodes, num_decode_tokens: the leading requests run as one batched group.
         decode_*: that group's padded layout (device): query token ids `[num_decodes, Lq]`,
-            query validity, positions `[num_decodes, Lq]`, key lengths `[num_decodes]`.
+            the real (request, query) cells as flat row indices and their token ids, query
+            positions `[num_decodes, Lq]`, sequence lengths `[num_decodes]`;
+            `decode_is_single_token` when every decode has exactly one query token.
         decode_num_blocks: block-table columns the group reads (from `prefix_blocks` on).
         segments: every other request, one by one.
         all_segments: every request as a segment (encoder attention runs them all so).
@@ -154,11 +165,13 @@ class TorchAttentionMetadata:
     causal: bool
     num_decodes: int
     num_decode_tokens: int
+    decode_is_single_token: bool
     decode_max_query_len: int
     decode_token_ids: torch.Tensor
-    decode_query_valid: torch.Tensor
+    decode_valid_rows: torch.Tensor
+    decode_valid_token_ids: torch.Tensor
     decode_positions: torch.Tensor
-    decode_k_lens: torch.Tensor
+    decode_seq_lens: torch.Tensor
     decode_num_blocks: int
     segments: list[Segment]
     all_segments: list[Segment]
@@ -273,24 +286,28 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
     def _plan_decodes(
         self, cm: CommonAttentionMetadata, num_decodes: int, prefix_blocks: int, block_size: int
     ) -> dict[str, object]:
-        """Padded layout of the leading decode group, built on the device from shapes on the CPU."""
+        """Padded layout of the leading decode group, from the CPU mirrors (host-to-device
+        copies only)."""
         device = cm.query_start_loc.device
-        qlens_cpu = cm.query_lens_cpu[:num_decodes]
-        lq = int(qlens_cpu.max()) if num_decodes else 0
-        max_seq = int(cm.seq_lens_cpu[:num_decodes].max()) if num_decodes else 0
-        num_blocks = (max_seq + block_size - 1) // block_size - prefix_blocks
-        qsl = cm.query_start_loc[:num_decodes].long()
-        seq_lens = cm.seq_lens[:num_decodes].long()
-        q_lens = cm.query_start_loc[1 : num_decodes + 1].long() - qsl
-        offsets = torch.arange(lq, device=device)
-        valid = offsets.unsqueeze(0) < q_lens.unsqueeze(1)  # [num_decodes, Lq]
+        query_lens = cm.query_lens_cpu[:num_decodes].long()
+        seq_lens = cm.seq_lens_cpu[:num_decodes].long()
+        max_query_len = int(query_lens.max()) if num_decodes else 0
+        max_seq_len = int(seq_lens.max()) if num_decodes else 0
+        offsets = torch.arange(max_query_len)
+        valid = offsets.unsqueeze(0) < query_lens.unsqueeze(1)  # [num_decodes, Lq]
+        token_ids = cm.query_start_loc_cpu[:num_decodes].long().unsqueeze(1) + offsets
+        token_ids = token_ids.masked_fill(~valid, 0)
+        valid_rows = valid.flatten().nonzero().flatten()  # CPU tensor: no device sync
         return {
-            "decode_max_query_len": lq,
-            "decode_token_ids": (qsl.unsqueeze(1) + offsets).masked_fill(~valid, 0),
-            "decode_query_valid": valid,
-            "decode_positions": (seq_lens - q_lens).unsqueeze(1) + offsets,
-            "decode_k_lens": seq_lens,
-            "decode_num_blocks": max(num_blocks, 0),
+            # one token per request: query row r is request r's, no gather needed
+            "decode_is_single_token": bool(num_decodes) and bool((query_lens == 1).all()),
+            "decode_max_query_len": max_query_len,
+            "decode_token_ids": token_ids.to(device),
+            "decode_valid_rows": valid_rows.to(device),
+            "decode_valid_token_ids": token_ids.flatten()[valid_rows].to(device),
+            "decode_positions": ((seq_lens - query_lens).unsqueeze(1) + offsets).to(device),
+            "decode_seq_lens": seq_lens.to(device),
+            "decode_num_blocks": max(-(-max_seq_len // block_size) - prefix_blocks, 0),
         }
 
     def use_cascade_attention(
@@ -353,6 +370,11 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
         self.attn_type = AttentionType(attn_type)
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.sliding_window = sliding_window
+        if sliding_window is not None and self.attn_type != AttentionType.DECODER:
+            raise NotImplementedError(
+                f"TORCH impl: sliding window with {self.attn_type.value} attention not supported "
+                "(the window is defined causally)."
+            )
         group = num_heads // self.num_kv_heads
         shape = (self.num_kv_heads, 1, group)
         slopes = None
@@ -405,9 +427,11 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
         run = _Run(self, query, key, value, kv_cache, md, self._mods_on(query.device), layer)
         lse = None if output_lse is None else output_lse[:, :n]
         if md.common_prefix_len:
+            # Partial LSEs in float64: the merge weights amplify their rounding by |lse|.
+            run.lse_dtype = torch.float64
             prefix_out, prefix_lse = self._cascade_prefix(run)
             suffix_out = torch.empty_like(query[:n])
-            suffix_lse = torch.empty(self.num_heads, n, dtype=torch.float32, device=query.device)
+            suffix_lse = torch.empty(self.num_heads, n, dtype=torch.float64, device=query.device)
             run.decodes(suffix_out, suffix_lse, first_key=md.common_prefix_len, use_sinks=False)
             run.segments(suffix_out, suffix_lse, first_key=md.common_prefix_len, use_sinks=False)
             merge_attn_states(output[:n], prefix_out, prefix_lse, suffix_out, suffix_lse, lse)
@@ -430,6 +454,7 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
             run.mods,
             causal=md.causal,
             need_lse=True,
+            lse_dtype=run.lse_dtype,
         )
         return out[0], lse[0]
 
@@ -449,6 +474,11 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
             raise TypeError(
                 f"{api}: attn_metadata must come from TorchAttentionMetadataBuilder.build (got "
                 f"{type(md).__name__})."
+            )
+        if self.sliding_window is not None and not md.causal:
+            raise NotImplementedError(
+                f"{api}: sliding window with non-causal attention not supported (got "
+                "attn_metadata.causal=False); the window is defined causally."
             )
         heads = (self.num_heads, self.head_size)
         if query.dim() != 3 or tuple(query.shape[1:]) != heads:
@@ -544,6 +574,7 @@ class _Run:
     ) -> None:
         self.impl, self.query, self.key, self.value = impl, query, key, value
         self.kv_cache, self.md, self.mods = kv_cache, md, mods
+        self.lse_dtype = torch.float32
         self.encoder = impl.attn_type in _ENCODER_TYPES
         self.cross = impl.attn_type == AttentionType.ENCODER_DECODER
         self.fp8 = is_fp8_cache(impl.kv_cache_dtype)
@@ -582,25 +613,27 @@ class _Run:
         first_block = first_key // md.block_size
         kv = self.cache_keys(md.block_table[:nd, first_block : first_block + md.decode_num_blocks])
         k_pos = first_key + torch.arange(kv.length, device=self.query.device)
-        k_valid = k_pos.unsqueeze(0) < md.decode_k_lens.unsqueeze(1)
-        if md.decode_max_query_len == 1:
+        k_valid = k_pos.unsqueeze(0) < md.decode_seq_lens.unsqueeze(1)
+        if md.decode_is_single_token:
             q = self.query[:nd].unsqueeze(1)
         else:
             q = self.query[md.decode_token_ids]  # [nd, Lq, H, D]
         o, part_lse = dense_attention(
-            q, kv, md.decode_positions, k_pos, k_valid, self.mods,
-            causal=md.causal, use_sinks=use_sinks, need_lse=lse is not None,
+            q, kv, md.decode_positions, k_pos, k_valid, self.mods, causal=md.causal,
+            use_sinks=use_sinks, need_lse=lse is not None, lse_dtype=self.lse_dtype,
         )  # fmt: skip
-        if md.decode_max_query_len == 1:
+        if md.decode_is_single_token:
             out[:nd] = o[:, 0]
             if lse is not None:
                 lse[:, :nd] = part_lse[:, :, 0].T
             return
-        valid = md.decode_query_valid
-        ids = md.decode_token_ids[valid]
-        out[ids] = o[valid]
+        # o: [nd, Lq, H, D] -> rows of real queries; index tensors, no host sync
+        num_heads = o.shape[2]
+        rows, ids = md.decode_valid_rows, md.decode_valid_token_ids
+        out[ids] = o.flatten(0, 1)[rows]
         if lse is not None:
-            lse[:, ids] = part_lse.transpose(1, 2)[valid].T
+            # part_lse: [nd, H, Lq] -> [nd * Lq, H]
+            lse[:, ids] = part_lse.transpose(1, 2).reshape(-1, num_heads)[rows].T
 
     def segments(
         self, out: torch.Tensor, lse: torch.Tensor | None, *, first_key: int, use_sinks: bool
@@ -635,6 +668,7 @@ class _Run:
             o, part_lse = dense_attention(
                 q, kv, q_pos, k_pos, k_valid, self.mods,
                 causal=causal, use_sinks=use_sinks, need_lse=lse is not None,
+                lse_dtype=self.lse_dtype,
             )  # fmt: skip
             out[seg.q_start : seg.q_start + seg.q_len] = o[0]
             if lse is not None:

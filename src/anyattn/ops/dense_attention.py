@@ -155,21 +155,28 @@ def _manual(
     mods: ScoreMods,
     use_sinks: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 math path; q `[KVH, B, G, Lq, D]`.
+    """The explicit math path, in q's dtype (float32 or float64); q `[KVH, B, G, Lq, D]`.
 
     K and V are loaded a few KV heads at a time, sized so that each copy out of the paged
     cache stays in the L2 cache while the matmul that consumes it runs.
 
-    Returns out `[KVH, B, G, Lq, D]` and natural-log lse `[KVH, B, G, Lq]`.
+    Returns out `[KVH, B, G, Lq, D]` and natural-log lse float64 `[KVH, B, G, Lq]`.
     """
     kvh, batch, group, lq, d = q.shape
     length = kv.length
+    if length == 0:
+        # No keys at all: zero output; the LSE is the sink term alone, or -inf.
+        out = q.new_zeros(kvh, batch, group, lq, d)
+        lse = q.new_full((kvh, batch, group, lq), float("-inf"), dtype=torch.float64)
+        if use_sinks and mods.sinks is not None:
+            lse = lse.copy_(mods.sinks.double().expand(kvh, batch, group, lq))
+        return out, lse
     heads_per_load = max(1, _LOAD_BYTES // max(1, batch * length * d * 4))
     chunks = [(h, min(kvh, h + heads_per_load)) for h in range(0, kvh, heads_per_load)]
     q = q.reshape(kvh, batch, group * lq, d)
-    s = torch.empty(kvh, batch, group * lq, length, dtype=torch.float32, device=q.device)
+    s = torch.empty(kvh, batch, group * lq, length, dtype=q.dtype, device=q.device)
     for h0, h1 in chunks:
-        torch.matmul(q[h0:h1], kv.load(0, h0, h1).transpose(-1, -2), out=s[h0:h1])
+        torch.matmul(q[h0:h1], kv.load(0, h0, h1).to(q.dtype).transpose(-1, -2), out=s[h0:h1])
     s = s.view(kvh, batch, group, lq, length).mul_(mods.scale)
     if mods.soft_cap is not None:
         s = s.div_(mods.soft_cap).tanh_().mul_(mods.soft_cap)
@@ -189,11 +196,12 @@ def _manual(
     if sinks is not None:
         denom = denom + (sinks - row_max).exp()
     p = p.view(kvh, batch, group * lq, length)
-    out = torch.empty(kvh, batch, group * lq, d, dtype=torch.float32, device=q.device)
+    out = torch.empty(kvh, batch, group * lq, d, dtype=q.dtype, device=q.device)
     for h0, h1 in chunks:
-        torch.matmul(p[h0:h1], kv.load(1, h0, h1), out=out[h0:h1])
+        torch.matmul(p[h0:h1], kv.load(1, h0, h1).to(q.dtype), out=out[h0:h1])
     out = out.view(kvh, batch, group, lq, d).div_(denom.clamp_min(torch.finfo(denom.dtype).tiny))
-    lse = (denom.log() + row_max).squeeze(-1)
+    # float64: |lse| can be large, and merging partial results amplifies its rounding.
+    lse = (denom.double().log() + row_max.double()).squeeze(-1)
     return out, lse
 
 
@@ -208,6 +216,7 @@ def dense_attention(
     causal: bool,
     use_sinks: bool = True,
     need_lse: bool = False,
+    lse_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of B padded requests.
 
@@ -223,9 +232,10 @@ def dense_attention(
         use_sinks: add the layer's sinks to the denominator (False for a partial pass whose
             sink term is counted by another pass).
         need_lse: also return the natural-log LSE.
+        lse_dtype: float32, or float64 for partial results that will be merged in float64.
 
     Returns:
-        `(out [B, Lq, num_heads, head_size] in q's dtype, lse float32 [B, num_heads, Lq] or None)`.
+        `(out [B, Lq, num_heads, head_size] in q's dtype, lse [B, num_heads, Lq] or None)`.
     """
     batch, lq, num_heads, d = q.shape
     kvh = kv.num_kv_heads
@@ -236,7 +246,7 @@ def dense_attention(
         and (mods.sinks is None or not use_sinks)
         and not need_lse
     )
-    if plain and batch == 1 and lq > 1:
+    if plain and batch == 1 and lq > 1 and kv.length > 0:
         # SDPA's fused kernels: no score matrix in memory. All rows have a key here: causal
         # rows see themselves, windows include the current key.
         k, v = kv.full()
@@ -258,13 +268,12 @@ def dense_attention(
         return out.transpose(1, 2), None
 
     # q: [B, Lq, KVH, G, D] -> [KVH, B, G, Lq, D]
-    q32 = q.float().view(batch, lq, kvh, group, d).permute(2, 0, 3, 1, 4)
+    # Partial results that will be merged (float64 LSEs) are computed in float64 too: the
+    # merge cannot be more exact than its parts, and TORCH is the reference.
+    compute_dtype = torch.float64 if lse_dtype == torch.float64 else torch.float32
+    q32 = q.to(compute_dtype).view(batch, lq, kvh, group, d).permute(2, 0, 3, 1, 4)
     out = torch.empty(batch, lq, num_heads, d, dtype=q.dtype, device=q.device)
-    lse = (
-        torch.empty(batch, num_heads, lq, dtype=torch.float32, device=q.device)
-        if need_lse
-        else None
-    )
+    lse = torch.empty(batch, num_heads, lq, dtype=lse_dtype, device=q.device) if need_lse else None
     chunk = max(1, _MAX_SCORE_ELEMENTS // max(1, batch * num_heads * kv.length))
     if chunk < lq and isinstance(kv, PagedKV):
         kv = DenseKV(*kv.full())  # gather once, not once per query chunk

@@ -35,15 +35,17 @@ def merge_attn_states(
 ) -> None:
     """Write the merge of a prefix and a suffix attention result into `output`, in place.
 
-    Computes in float32. The result is formed completely before anything is written, so
-    `output` may be `prefix_output` or `suffix_output` (and `output_lse` one of the input LSEs).
+    Computes in float32 (float64 when an input LSE is float64). The result is formed completely
+    before anything is written, so `output` may be `prefix_output` or `suffix_output` (and
+    `output_lse` one of the input LSEs).
 
     Args:
         output: `[num_tokens, num_heads, head_size]`, float32 / float16 / bfloat16; written in
             its own dtype (it may differ from the inputs').
         prefix_output, suffix_output: `[num_tokens, num_heads, head_size]`, float32 / float16 /
             bfloat16, same dtype.
-        prefix_lse, suffix_lse: float32 `[num_heads, num_tokens]`; -inf (or +inf) marks a row
+        prefix_lse, suffix_lse: float32 (or float64, which merges in float64)
+            `[num_heads, num_tokens]`; -inf (or +inf) marks a row
             with no keys on that side.
         output_lse: optional float32 `[num_heads, num_tokens]` to receive the merged LSE.
         lse_base_on_e: True for natural-log LSEs; False when they are base 2 (`log2` of the sum
@@ -56,8 +58,11 @@ def merge_attn_states(
     _validate(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse)
     exp, log = (torch.exp, torch.log) if lse_base_on_e else (torch.exp2, torch.log2)
     # lse: [num_heads, num_tokens] -> [num_tokens, num_heads]
-    lse_p = _empty_as_neg_inf(prefix_lse.t())
-    lse_s = _empty_as_neg_inf(suffix_lse.t())
+    # float64 LSEs (callers that need fp32-exact merges) keep the whole merge in float64: the
+    # weights exp(lse - max) amplify LSE rounding by |lse|.
+    lse_dtype = torch.promote_types(prefix_lse.dtype, suffix_lse.dtype)
+    lse_p = _empty_as_neg_inf(prefix_lse.t().to(lse_dtype))
+    lse_s = _empty_as_neg_inf(suffix_lse.t().to(lse_dtype))
     lse_max = torch.maximum(lse_p, lse_s)
     # Rows empty on both sides would compute -inf - -inf = NaN; shift them by 0 instead.
     lse_max = torch.where(lse_max == -math.inf, 0.0, lse_max)
@@ -120,8 +125,8 @@ def _empty_as_neg_inf(lse: torch.Tensor) -> torch.Tensor:
 
 
 def _weighted(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    # weight: float32 [num_tokens, num_heads]; x: [num_tokens, num_heads, head_size]. The product
-    # promotes to float32 without a separate copy of x.
+    # weight: float32/64 [num_tokens, num_heads]; x: [num_tokens, num_heads, head_size]. The
+    # product promotes to the weight's dtype without a separate copy of x.
     weight = weight[..., None]
     return torch.where(weight > 0, weight * x, 0.0)
 
@@ -169,9 +174,10 @@ def _validate(
                 f"{_OP}: {name} must be [num_heads, num_tokens] (got {list(x.shape)}, expected "
                 f"[{num_heads}, {num_tokens}])."
             )
-        if x.dtype != torch.float32:
+        if x.dtype not in (torch.float32, torch.float64):
             raise TypeError(
-                f"{_OP}: {name} has the wrong dtype (got {x.dtype}, expected torch.float32)."
+                f"{_OP}: {name} has the wrong dtype (got {x.dtype}, expected torch.float32 or "
+                "torch.float64)."
             )
     for name, x in {**outputs, **lses}.items():
         if x.device != output.device:
