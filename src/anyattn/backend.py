@@ -15,6 +15,7 @@ Three roles, as in vLLM v1's attention layer:
 from __future__ import annotations
 
 import math
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, TypeVar
@@ -150,7 +151,13 @@ class AttentionBackend(ABC):
         Allocating `torch.empty([shape[i] for i in order])` and permuting by the inverse order
         gives a tensor of the logical shape with the strides of the layout.
         """
-        layout = KVCacheLayout(layout)
+        try:
+            layout = KVCacheLayout(layout)
+        except ValueError:
+            raise ValueError(
+                f"{cls.get_name()}.get_kv_cache_stride_order: unknown layout (got {layout!r}, "
+                f"expected one of {', '.join(x.value for x in KVCacheLayout)})."
+            ) from None
         if layout not in cls.supported_kv_cache_layouts():
             raise ValueError(
                 f"{cls.get_name()}.get_kv_cache_stride_order: layout not supported (got {layout}, "
@@ -713,7 +720,9 @@ def validate_impl_arguments(
             f"{api}: num_heads must be a multiple of num_kv_heads (got num_heads={num_heads}, "
             f"num_kv_heads={kv_heads})."
         )
-    if not isinstance(scale, int | float) or not math.isfinite(scale) or scale <= 0:
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1:
+        scale = scale.item()
+    if not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"{api}: scale must be a positive finite float (got {scale!r}).")
     if not backend.supports_head_size(head_size):
         raise ValueError(
@@ -741,6 +750,11 @@ def validate_impl_arguments(
     if alibi_slopes is not None:
         if not backend.supports_alibi():
             raise NotImplementedError(f"{api}: ALiBi not supported (got alibi_slopes).")
+        if not isinstance(alibi_slopes, Sequence | torch.Tensor):
+            raise TypeError(
+                f"{api}: alibi_slopes must be a list of floats or a tensor (got "
+                f"{type(alibi_slopes).__name__})."
+            )
         if len(alibi_slopes) != num_heads:
             raise ValueError(
                 f"{api}: alibi_slopes needs one slope per query head (got {len(alibi_slopes)}, "
@@ -757,6 +771,11 @@ def validate_impl_arguments(
             raise ValueError(
                 f"{api}: sliding_window must be a positive int or None (got {sliding_window!r})."
             )
+    if logits_soft_cap is not None and not isinstance(logits_soft_cap, numbers.Real):
+        raise TypeError(
+            f"{api}: logits_soft_cap must be a float or None (got "
+            f"{type(logits_soft_cap).__name__})."
+        )
     if logits_soft_cap is not None and logits_soft_cap != 0:
         if not backend.supports_logits_soft_cap():
             raise NotImplementedError(f"{api}: logits soft cap not supported.")

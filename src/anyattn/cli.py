@@ -171,6 +171,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     env = commands.add_parser("env", help="versions and devices that selection depends on")
     env.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+    from anyattn.engine.cli import add_generate_parser
+
+    add_generate_parser(commands, _positive_int)
     return parser
 
 
@@ -192,7 +196,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_backends(args)
     if args.command == "explain":
         return _cmd_explain(args)
+    if args.command == "generate":
+        return _cmd_generate(args)
     return _cmd_env(args)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from anyattn.engine.cli import run_generate
+
+    try:
+        return run_generate(args)
+    except (FileNotFoundError, ValueError, TypeError, NotImplementedError) as error:
+        # User mistakes (a missing model, bad sampling parameters, ...) get one line.
+        _error("generate", str(error))
+        return 1
 
 
 def _console() -> Console:

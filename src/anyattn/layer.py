@@ -63,7 +63,7 @@ class Attention(nn.Module):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self.layer_name = layer_name
-        self.attn_type = AttentionType(attn_type)
+        self.sliding_window = sliding_window
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.config = AttentionSelectorConfig(
             head_size=head_size,
@@ -80,8 +80,11 @@ class Attention(nn.Module):
             use_non_causal=use_non_causal,
             needs_lse=needs_lse,
         )
+        self.attn_type = self.config.attn_type  # validated there, with a clear message
         if isinstance(backend, type):
             reasons = backend.validate_configuration(self.config, device or DeviceInfo.current())
+            if backend.get_unavailable_reason():
+                reasons.append(f"not available here: {backend.get_unavailable_reason()}")
             if reasons:
                 raise ValueError(
                     f"Attention({layer_name}): backend {backend.get_name()} cannot serve this "

@@ -15,6 +15,8 @@ import functools
 import os
 from dataclasses import dataclass, field
 
+import torch
+
 from anyattn.config import AttentionSelectorConfig
 from anyattn.registry import (
     AttentionBackendEnum,
@@ -199,6 +201,22 @@ def _hints(
     return tuple(hints)
 
 
+def _device_info(device: DeviceInfo | str | torch.device | None) -> DeviceInfo:
+    """Accept a DeviceInfo, a torch.device, or text such as "cpu", "cuda", "sm90"."""
+    if device is None:
+        return DeviceInfo.current()
+    if isinstance(device, DeviceInfo):
+        return device
+    if isinstance(device, torch.device):
+        return DeviceInfo.current(device)
+    if isinstance(device, str):
+        return DeviceInfo.parse(device)
+    raise TypeError(
+        f"device: expected a DeviceInfo, torch.device or str such as 'cpu' or 'sm90' (got "
+        f"{type(device).__name__})."
+    )
+
+
 def _requested_name(backend: str | AttentionBackendEnum | None) -> tuple[str | None, str | None]:
     if isinstance(backend, AttentionBackendEnum):
         return backend.name, "argument"
@@ -230,14 +248,15 @@ def _explain_cached(
 
 def explain(
     config: AttentionSelectorConfig,
-    device: DeviceInfo | None = None,
+    device: DeviceInfo | str | torch.device | None = None,
     backend: str | AttentionBackendEnum | None = None,
 ) -> Explanation:
     """The selector's verdict on every registered backend, as data (cached on the config).
 
     Args:
         config: what the layer needs.
-        device: where it will run; defaults to this machine's first GPU, else the CPU.
+        device: where it will run (`DeviceInfo`, `torch.device`, or "cpu" / "cuda" / "sm90");
+            defaults to this machine's first GPU, else the CPU.
         backend: an explicitly requested backend name (else `ANYATTN_BACKEND`, if set).
 
     Raises:
@@ -247,20 +266,20 @@ def explain(
         raise TypeError(
             f"explain: config must be an AttentionSelectorConfig (got {type(config).__name__})."
         )
-    device = DeviceInfo.current() if device is None else device
-    return _explain_cached(config, device, *_requested_name(backend))
+    return _explain_cached(config, _device_info(device), *_requested_name(backend))
 
 
 def select_backend(
     config: AttentionSelectorConfig,
-    device: DeviceInfo | None = None,
+    device: DeviceInfo | str | torch.device | None = None,
     backend: str | AttentionBackendEnum | None = None,
 ) -> type:
     """The backend class to use for `config` on `device`.
 
     Args:
         config: what the layer needs.
-        device: where it will run; defaults to this machine's first GPU, else the CPU.
+        device: where it will run (`DeviceInfo`, `torch.device`, or "cpu" / "cuda" / "sm90");
+            defaults to this machine's first GPU, else the CPU.
         backend: a backend name to use instead of the priority list (else `ANYATTN_BACKEND`).
 
     Returns:

@@ -194,6 +194,10 @@ class DeviceInfo:
     @staticmethod
     def parse(text: str) -> DeviceInfo:
         """Parse "cpu", "cuda" (this machine's GPU), "sm80", "sm90", "sm100", "sm_89", "9.0"."""
+        if not isinstance(text, str):
+            raise TypeError(
+                f"device: expected text such as 'cpu' or 'sm90' (got {type(text).__name__})."
+            )
         spec = text.strip().lower()
         if spec == "cpu":
             return DeviceInfo.cpu()
@@ -209,7 +213,7 @@ class DeviceInfo:
             major_text, _, minor_text = digits.partition(".")
         else:
             major_text, minor_text = digits[:-1], digits[-1:]
-        if major_text.isdigit() and minor_text.isdigit() and int(major_text) >= 1:
+        if major_text.isdigit() and minor_text.isdigit() and 1 <= int(major_text) <= 20:
             return DeviceInfo.cuda(int(major_text), int(minor_text))
         raise ValueError(
             f"device: cannot read a device from {text!r} (expected cpu, cuda, or a compute "
