@@ -1,0 +1,299 @@
+"""Scheduler: continuous batching with chunked prefill, preemption by recompute, FCFS.
+
+A step's budget of `max_num_batched_tokens` new tokens goes first to running sequences with one
+token left (decodes), then to running ones part-way through their prompt (chunked prefill), each
+group in admission order, then to waiting ones, first come first served, while fewer than
+`max_num_seqs` run. A waiting sequence that does not fit stops admission: nobody overtakes it.
+
+When a running sequence needs a block and none is free, the most recently admitted running one
+is preempted by recompute: its blocks are freed, `num_computed_tokens` drops to 0 and it goes
+back to the front of the queue with the tokens it generated, which are recomputed like prompt
+tokens when it resumes (the prefix cache usually gives most back). A step that preempted admits
+nobody, so the freed blocks go to the sequences already running. Nothing deadlocks: a sequence
+that cannot fit with the whole pool to itself fails (finish reason "error", `seq.error` says why).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from anyattn.engine.block_manager import BlockManager
+from anyattn.engine.sequence import FINISH_REASONS, Sequence, SequenceStatus
+
+__all__ = ["ScheduledBatch", "Scheduler"]
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: which sequences compute how many new tokens.
+
+    Attributes:
+        seqs: sequences to run, decodes first; each computes `token_ids[num_computed_tokens :
+            num_computed_tokens + n]` for its n below, and its block table already covers them.
+        num_new_tokens: n for each of `seqs`, same order.
+        preempted: sequences preempted while this step was planned (now waiting again).
+        failed: sequences that failed since the previous step (finish reason "error").
+    """
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """New tokens in the step, over all sequences."""
+        return sum(self.num_new_tokens)
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Scheduler: {name} must be an int >= 1 (got {value!r}).")
+    return value
+
+
+class Scheduler:
+    """Decides each step's batch and applies its results.
+
+    Args:
+        block_manager: owns the KV blocks.
+        max_num_seqs: the most sequences running at once.
+        max_num_batched_tokens: the most new tokens in one step.
+        max_model_len: the longest a sequence may grow (prompt plus output).
+        enable_chunked_prefill: split prompts across steps to fit the token budget; when off,
+            a prompt is computed in one step, so the budget must hold `max_model_len` tokens.
+
+    Attributes:
+        waiting: queued sequences, next to admit first.
+        running: admitted sequences, in admission order.
+        num_preemptions: preemptions so far, cumulative.
+
+    Raises:
+        ValueError: a limit is not a positive int, or chunking is off and
+            max_num_batched_tokens < max_model_len (a long prompt could never be scheduled).
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = _positive("max_num_seqs", max_num_seqs)
+        self.max_num_batched_tokens = _positive("max_num_batched_tokens", max_num_batched_tokens)
+        self.max_model_len = _positive("max_model_len", max_model_len)
+        self.enable_chunked_prefill = enable_chunked_prefill
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"Scheduler: with chunked prefill off, max_num_batched_tokens must be >= "
+                f"max_model_len (got {max_num_batched_tokens} < {max_model_len}). Enable chunked "
+                "prefill or raise max_num_batched_tokens."
+            )
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._failed: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence, or fail it at once when it can never run.
+
+        An empty prompt, a prompt longer than `max_model_len`, or one needing more blocks than
+        the whole pool fails: finish reason "error", the reason in `seq.error`, reported in the
+        next `ScheduledBatch.failed`.
+
+        Raises:
+            ValueError: the sequence is not a fresh WAITING one.
+        """
+        if seq.status is not SequenceStatus.WAITING or seq.num_output_tokens or seq.block_table:
+            raise ValueError(
+                f"Scheduler.add: request {seq.request_id!r} is not new (status "
+                f"{seq.status.name}, {seq.num_output_tokens} output tokens). Add a new Sequence."
+            )
+        bm = self.block_manager
+        n = seq.num_prompt_tokens
+        rid = seq.request_id
+        if n == 0:
+            self._fail(seq, f"request {rid!r} has an empty prompt; give it at least one token.")
+        elif n > self.max_model_len:
+            self._fail(
+                seq,
+                f"request {rid!r} has a prompt of {n} tokens, longer than max_model_len "
+                f"{self.max_model_len}; shorten the prompt or raise max_model_len.",
+            )
+        elif bm.num_blocks_for(n) > bm.num_usable_blocks:
+            self._fail(seq, self._too_big_message(seq))
+        else:
+            self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        """True while sequences wait or run, or failures are still to be reported."""
+        return bool(self.waiting or self.running or self._failed)
+
+    def schedule(self) -> ScheduledBatch:
+        """Plan the next step (see the module docstring for the order and the rules)."""
+        batch = ScheduledBatch(failed=self._failed)
+        self._failed = []
+        budget = self.max_num_batched_tokens
+        scheduled: dict[Sequence, int] = {}  # in scheduling order
+        # Stable sort: decodes (one token left) first, each group in admission order.
+        for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_append(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim, batch)
+                # A victim scheduled earlier in this loop gives its tokens back. (With this
+                # order it has not been: a part-done prefill is always the newest running.)
+                budget += scheduled.pop(victim, 0)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.append(seq, num_new)
+                scheduled[seq] = num_new
+                budget -= num_new
+        if not batch.preempted:
+            self._admit(budget, scheduled)
+        batch.seqs = list(scheduled)
+        batch.num_new_tokens = list(scheduled.values())
+        return batch
+
+    def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
+        """Apply a computed step: advance, cache full blocks, append tokens, finish sequences.
+
+        Args:
+            batch: the step as `schedule` returned it.
+            sampled: for each of `batch.seqs`, the sampled token when the step computed all of
+                that sequence's known tokens, else None (a prefill chunk mid-prompt).
+
+        Returns:
+            The sequences that finished in this step (their blocks are already freed).
+
+        Raises:
+            ValueError: `sampled` does not match the batch.
+        """
+        if len(sampled) != len(batch.seqs):
+            raise ValueError(
+                f"Scheduler.update: sampled has {len(sampled)} entries, expected one per "
+                f"scheduled sequence ({len(batch.seqs)})."
+            )
+        for seq, num_new, token in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
+            completes = seq.num_computed_tokens + num_new == seq.num_tokens
+            if seq.status is SequenceStatus.RUNNING and completes != (token is not None):
+                expected = "a token" if completes else "None (mid-prefill chunk)"
+                raise ValueError(
+                    f"Scheduler.update: request {seq.request_id!r} expected {expected} "
+                    f"(got {token!r})."
+                )
+        finished = []
+        for seq, num_new, token in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # finished (aborted) between schedule and update
+            seq.num_computed_tokens += num_new
+            self.block_manager.commit(seq)
+            if token is None:
+                continue
+            seq.append_token(token)
+            params = seq.params
+            if not params.ignore_eos and token in seq.eos_token_ids:
+                self.finish(seq, "stop")
+            elif token in params.stop_token_ids:
+                self.finish(seq, "stop", stop_reason=token)
+            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                self.finish(seq, "length")
+            else:
+                continue
+            finished.append(seq)
+        return finished
+
+    def finish(
+        self,
+        seq: Sequence,
+        reason: str,
+        *,
+        stop_reason: int | str | None = None,
+        error: str | None = None,
+    ) -> None:
+        """Finish a sequence now: free its blocks and drop it from the queues.
+
+        Used for stop strings (found by the caller while detokenising) and aborts. On a
+        sequence that already finished, only `finish_reason` (and `stop_reason`) are replaced,
+        so a stop string found in the last token still reads "stop".
+
+        Args:
+            seq: the sequence.
+            reason: one of `FINISH_REASONS`: "stop", "length", "abort", "error".
+            stop_reason: the stop string or token id, if that is why.
+            error: the message, for reason "error".
+
+        Raises:
+            ValueError: unknown reason.
+        """
+        if reason not in FINISH_REASONS:
+            raise ValueError(
+                f"Scheduler.finish: reason must be one of {FINISH_REASONS} (got {reason!r})."
+            )
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if error is not None:
+            seq.error = error
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.free(seq)
+
+    def _admit(self, budget: int, scheduled: dict[Sequence, int]) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            # A sequence grown (while decoding) past the whole pool could otherwise be admitted
+            # chunk by chunk, outgrow the pool again and preempt itself forever.
+            if bm.num_blocks_for(seq.num_tokens) > bm.num_usable_blocks:
+                self.waiting.popleft()
+                self._fail(seq, self._too_big_message(seq))
+                continue
+            remaining = seq.num_tokens - bm.cached_prefix_len(seq)
+            num_new = min(remaining, budget)
+            if num_new < remaining and not self.enable_chunked_prefill:
+                break
+            if not bm.allocate(seq, num_new):
+                # Blocks come back as running sequences finish or are preempted; with nothing
+                # running the whole pool is free, and the size check above says it fits.
+                assert self.running, "an empty pool must hold a sequence that passed the check"
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled[seq] = num_new
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+        self.num_preemptions += 1
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        self.finish(seq, "error", error=message)
+        self._failed.append(seq)
+
+    def _too_big_message(self, seq: Sequence) -> str:
+        bm = self.block_manager
+        return (
+            f"request {seq.request_id!r} needs {bm.num_blocks_for(seq.num_tokens)} KV blocks of "
+            f"{bm.block_size} tokens for its {seq.num_tokens} tokens, but the pool has only "
+            f"{bm.num_usable_blocks}; it cannot run even alone. Give the KV cache more memory, "
+            "or shorten the prompt or max_tokens."
+        )

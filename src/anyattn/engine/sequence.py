@@ -1,0 +1,118 @@
+"""Sequence: one request as the engine tracks it, from waiting in the queue to finished."""
+
+from __future__ import annotations
+
+import enum
+
+from anyattn.engine.sampling_params import SamplingParams
+
+__all__ = ["FINISH_REASONS", "Sequence", "SequenceStatus"]
+
+# "stop": an eos token, a stop token id or a stop string; "length": max_tokens or max_model_len;
+# "abort": the caller gave up on it; "error": it could not run (the message is in `error`).
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is: queued (or preempted), being computed, or done."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Sequence:
+    """One request: its tokens, how far its K/V are computed, and the KV blocks that hold them.
+
+    The scheduler and block manager own the mutable state; the model runner reads
+    `token_ids`, `num_computed_tokens` and `block_table` to lay out a step.
+
+    Args:
+        request_id: the caller's id for the request (reported back, not interpreted).
+        prompt_token_ids: the prompt; copied.
+        params: how to sample and when to stop.
+        eos_token_ids: the model's end-of-sequence tokens (ignored when `params.ignore_eos`).
+
+    Attributes:
+        prompt_token_ids: the prompt tokens.
+        output_token_ids: generated tokens, in order (a stop or eos token included).
+        status: `SequenceStatus`.
+        finish_reason: None until finished, then one of `FINISH_REASONS`.
+        stop_reason: the stop token id or stop string that finished it, if any (None for eos).
+        error: why the request failed, when finish_reason is "error".
+        num_computed_tokens: leading tokens whose K/V are in the cache (prefix-cache hits
+            included). 0 again after a preemption: its blocks were freed.
+        num_cached_tokens: tokens reused from the prefix cache at the latest admission.
+        block_table: physical block ids (engine block size) covering the computed tokens and
+            those scheduled this step.
+        block_hashes: chained hashes of the full blocks of `token_ids`, filled lazily by the
+            block manager; kept across preemption because the tokens they cover never change.
+        num_committed_blocks: leading entries of `block_table` already offered to the prefix
+            cache (block manager bookkeeping).
+    """
+
+    def __init__(
+        self,
+        request_id: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.num_committed_blocks = 0
+        # prompt + output kept as one list so slicing a step's tokens needs no concatenation.
+        self._token_ids: list[int] = list(self.prompt_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt then output tokens. The list is the sequence's own: read it, do not mutate it."""
+        return self._token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self._token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Tokens in the prompt."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far."""
+        return len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        """The newest token (the one the next decode step feeds to the model)."""
+        return self._token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the sequence finished, for whatever reason."""
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        """Append one generated token (its K/V are computed by a later step)."""
+        self.output_token_ids.append(token_id)
+        self._token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(request_id={self.request_id!r}, status={self.status.name}, "
+            f"num_tokens={self.num_tokens}, num_computed_tokens={self.num_computed_tokens}, "
+            f"finish_reason={self.finish_reason!r})"
+        )
