@@ -55,12 +55,9 @@ def assert_one_error_line(stderr: str, start: str) -> None:
 # --- through the console script --------------------------------------------------------------
 
 
-def test_make_run():
-    makefile = (ROOT / "Makefile").read_text()
-    recipe = makefile.split("\nrun:", 1)[1].splitlines()[1].strip()
-    args = shlex.split(recipe)[1:]  # drop $(BIN)/anyattn
-    assert args[0] == "explain"
-    result = run_cli(*args)
+def test_explain_default_model_attention():
+    args = ["explain", "--head-size", "64", "--num-heads", "9", "--num-kv-heads", "3"]
+    result = run_cli(*args, "--dtype", "float32")
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     lines = result.stdout.splitlines()
@@ -68,6 +65,26 @@ def test_make_run():
     assert "chosen: TORCH" in lines
     assert "\x1b[" not in result.stdout  # piped: no colour codes
     assert max(len(line) for line in lines) <= 100
+
+
+@pytest.mark.slow
+def test_make_run_generates_a_chat_answer():
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = makefile.split("\nrun:", 1)[1].splitlines()[1].strip()
+    args = shlex.split(recipe)[1:]  # drop $(BIN)/anyattn
+    assert args[:2] == ["generate", "--chat"]
+    result = run_cli(*args, "--max-tokens", "12")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()  # the streamed answer
+    assert "attention backend: TORCH" in result.stderr
+    assert "tokens/s" in result.stderr.splitlines()[-1]
+
+
+def test_generate_with_a_missing_model_is_one_clear_line(tmp_path):
+    result = run_cli("generate", "hi", "--model", str(tmp_path / "nope.gguf"))
+    assert result.returncode == 1
+    assert result.stderr.startswith("anyattn generate: error: LLM: model path does not exist")
+    assert "Traceback" not in result.stderr
 
 
 def test_nothing_fits_exits_1():

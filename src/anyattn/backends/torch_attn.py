@@ -166,6 +166,8 @@ class TorchAttentionMetadata:
     num_decodes: int
     num_decode_tokens: int
     decode_is_single_token: bool
+    decode_max_seq_len: int
+    decode_has_uniform_seq_len: bool
     decode_max_query_len: int
     decode_token_ids: torch.Tensor
     decode_valid_rows: torch.Tensor
@@ -301,6 +303,10 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
         return {
             # one token per request: query row r is request r's, no gather needed
             "decode_is_single_token": bool(num_decodes) and bool((query_lens == 1).all()),
+            # equal lengths: keys trimmed to max_seq_len need no validity mask
+            "decode_max_seq_len": max_seq_len,
+            "decode_has_uniform_seq_len": bool(num_decodes)
+            and bool((seq_lens == max_seq_len).all()),
             "decode_max_query_len": max_query_len,
             "decode_token_ids": token_ids.to(device),
             "decode_valid_rows": valid_rows.to(device),
@@ -591,8 +597,9 @@ class _Run:
             and cache_torch_dtype(impl.kv_cache_dtype, query.dtype) == query.dtype
         )
 
-    def cache_keys(self, block_ids: torch.Tensor) -> PagedKV:
-        """K/V of `block_ids [B, nblk]`, left in the cache until the kernel loads them."""
+    def cache_keys(self, block_ids: torch.Tensor, length: int | None = None) -> PagedKV:
+        """K/V of `block_ids [B, nblk]` (first `length` positions), left in the cache until
+        the kernel loads them."""
         cache = self.kv_cache
         return PagedKV(
             cache,
@@ -600,6 +607,7 @@ class _Run:
             self.k_scale,
             self.v_scale,
             lambda numel: self.md.workspace.get(numel, cache.dtype, cache.device),
+            length,
         )
 
     def decodes(
@@ -611,15 +619,23 @@ class _Run:
         if nd == 0 or self.encoder:
             return
         first_block = first_key // md.block_size
-        kv = self.cache_keys(md.block_table[:nd, first_block : first_block + md.decode_num_blocks])
+        kv = self.cache_keys(
+            md.block_table[:nd, first_block : first_block + md.decode_num_blocks],
+            length=md.decode_max_seq_len - first_block * md.block_size,
+        )
         k_pos = first_key + torch.arange(kv.length, device=self.query.device)
-        k_valid = k_pos.unsqueeze(0) < md.decode_seq_lens.unsqueeze(1)
+        k_valid = None  # keys are trimmed to the longest sequence: equal lengths need no mask
+        if not md.decode_has_uniform_seq_len:
+            k_valid = k_pos.unsqueeze(0) < md.decode_seq_lens.unsqueeze(1)
+        # A single query token sits at its sequence's last position, so every valid key is
+        # causal already; only multi-token (spec-decode) queries need the causal mask.
+        causal = md.causal and not md.decode_is_single_token
         if md.decode_is_single_token:
             q = self.query[:nd].unsqueeze(1)
         else:
             q = self.query[md.decode_token_ids]  # [nd, Lq, H, D]
         o, part_lse = dense_attention(
-            q, kv, md.decode_positions, k_pos, k_valid, self.mods, causal=md.causal,
+            q, kv, md.decode_positions, k_pos, k_valid, self.mods, causal=causal,
             use_sinks=use_sinks, need_lse=lse is not None, lse_dtype=self.lse_dtype,
         )  # fmt: skip
         if md.decode_is_single_token:

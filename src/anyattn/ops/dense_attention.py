@@ -70,6 +70,8 @@ class PagedKV:
         workspace: callable `numel -> 1-D buffer` of the cache dtype to copy into. Reusing one
             matters on the CPU: first-touch page faults on fresh memory cost more than the
             copy itself.
+        length: keep only the first `length` key positions (default: all `nblk * block_size`);
+            trimming the last block's unused slots can spare a mask.
     """
 
     def __init__(
@@ -79,10 +81,13 @@ class PagedKV:
         k_scale: torch.Tensor | None,
         v_scale: torch.Tensor | None,
         workspace: Callable[[int], torch.Tensor],
+        length: int | None = None,
     ) -> None:
         _, _, self.block_size, self.num_kv_heads, self.head_size = kv_cache.shape
         self.batch, nblk = block_ids.shape
-        self.length = nblk * self.block_size
+        self.padded_length = nblk * self.block_size
+        self.length = self.padded_length if length is None else length
+        assert 0 <= self.length <= self.padded_length, "length beyond the gathered blocks"
         # [2, num_kv_heads, num_blocks, block_size, head_size] view: a gather along dim 2
         # lands KV-head-major, ready for batched matmuls over (kv head, request).
         self.source = kv_cache.permute(1, 3, 0, 2, 4)
@@ -112,13 +117,14 @@ class PagedKV:
         """K (which=0) or V (1) of heads `[first_head, last_head)`: float32 `[h, B, L, D]`."""
         heads = last_head - first_head
         x = self._gather(slice(which, which + 1), slice(first_head, last_head))
-        x = x.view(heads, self.batch, self.length, self.head_size)
+        x = x.view(heads, self.batch, self.padded_length, self.head_size)[:, :, : self.length]
         return self._dequantize(x, which, first_head, last_head)
 
     def full(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of every head, `[num_kv_heads, B, L, D]` each (dequantised for fp8)."""
         kv = self._gather(slice(0, 2), slice(0, self.num_kv_heads))
-        kv = kv.view(2, self.num_kv_heads, self.batch, self.length, self.head_size)
+        kv = kv.view(2, self.num_kv_heads, self.batch, self.padded_length, self.head_size)
+        kv = kv[:, :, :, : self.length]
         heads = self.num_kv_heads
         return self._dequantize(kv[0], 0, 0, heads), self._dequantize(kv[1], 1, 0, heads)
 
@@ -154,13 +160,15 @@ def _manual(
     allowed: torch.Tensor | None,
     mods: ScoreMods,
     use_sinks: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    need_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The explicit math path, in q's dtype (float32 or float64); q `[KVH, B, G, Lq, D]`.
 
     K and V are loaded a few KV heads at a time, sized so that each copy out of the paged
     cache stays in the L2 cache while the matmul that consumes it runs.
 
-    Returns out `[KVH, B, G, Lq, D]` and natural-log lse float64 `[KVH, B, G, Lq]`.
+    Returns out `[KVH, B, G, Lq, D]` and natural-log lse float64 `[KVH, B, G, Lq]` (None
+    unless `need_lse`).
     """
     kvh, batch, group, lq, d = q.shape
     length = kv.length
@@ -200,6 +208,8 @@ def _manual(
     for h0, h1 in chunks:
         torch.matmul(p[h0:h1], kv.load(1, h0, h1).to(q.dtype), out=out[h0:h1])
     out = out.view(kvh, batch, group, lq, d).div_(denom.clamp_min(torch.finfo(denom.dtype).tiny))
+    if not need_lse:
+        return out, None
     # float64: |lse| can be large, and merging partial results amplifies its rounding.
     lse = (denom.double().log() + row_max.double()).squeeze(-1)
     return out, lse
@@ -246,9 +256,11 @@ def dense_attention(
         and (mods.sinks is None or not use_sinks)
         and not need_lse
     )
-    if plain and batch == 1 and lq > 1 and kv.length > 0:
-        # SDPA's fused kernels: no score matrix in memory. All rows have a key here: causal
-        # rows see themselves, windows include the current key.
+    small = batch * kv.length * d * kvh <= _LOAD_BYTES // 4
+    if plain and kv.length > 0 and (small or (batch == 1 and lq > 1)):
+        # SDPA's fused kernels: no score matrix in memory (and few ops for small decode
+        # batches). All rows have a key here: causal rows see themselves, windows include the
+        # current key, and decode callers trim or mask keys past each sequence.
         k, v = kv.full()
         allowed = _allowed(q_pos, k_pos, k_valid, causal, mods.sliding_window)
         # Lq == L with every key valid means a fresh sequence (keys and queries both start at
@@ -257,8 +269,8 @@ def dense_attention(
             causal and lq == kv.length and k_valid is None and mods.sliding_window is None
         )
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),  # [1, H, Lq, D]
-            k.transpose(0, 1).to(q.dtype),  # [1, KVH, L, D]
+            q.transpose(1, 2),  # [B, H, Lq, D]
+            k.transpose(0, 1).to(q.dtype),  # [B, KVH, L, D]
             v.transpose(0, 1).to(q.dtype),
             attn_mask=None if allowed is None or fresh_causal else allowed.unsqueeze(1),
             is_causal=fresh_causal,
@@ -281,7 +293,9 @@ def dense_attention(
         end = min(lq, start + chunk)
         qp = q_pos[:, start:end]
         allowed = _allowed(qp, k_pos, k_valid, causal, mods.sliding_window)
-        o, part_lse = _manual(q32[:, :, :, start:end], kv, qp, k_pos, allowed, mods, use_sinks)
+        o, part_lse = _manual(
+            q32[:, :, :, start:end], kv, qp, k_pos, allowed, mods, use_sinks, need_lse
+        )
         # [KVH, B, G, Lc, D] -> [B, Lc, KVH*G, D]
         out[:, start:end] = o.permute(1, 3, 0, 2, 4).reshape(batch, end - start, num_heads, d)
         if lse is not None:

@@ -15,6 +15,8 @@ its largest finite value (448 for e4m3, 57344 for e5m2), as vLLM's kernels do, n
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from anyattn.types import CACHE_DTYPES, cache_torch_dtype, is_fp8_cache
@@ -71,6 +73,9 @@ def reshape_and_cache(
     block_size = kv_cache.shape[2]
     # slots: [num_tokens] int64, -1 for padding
     slots = slot_mapping[:num_tokens]
+    if slots.device.type == "cpu":
+        _write_on_cpu(key, value, kv_cache, slots, cache_dtype, k_scale, v_scale)
+        return
     is_real = slots >= 0
     # index_put_ cannot skip an index without a boolean mask, and a mask costs a device-to-host
     # sync. So each padding token repeats the write of the first real token (same slot, same
@@ -89,6 +94,26 @@ def reshape_and_cache(
         fallback_row = part[fallback_slot // block_size, fallback_slot % block_size]
         fallback_row = torch.where(has_real[:, None, None], rows[first], fallback_row)
         part[block, offset] = torch.where(is_real[:, None, None], rows, fallback_row)
+
+
+def _write_on_cpu(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    cache_dtype: torch.dtype,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
+    # On the CPU dropping padding with a mask costs nothing extra, and it saves the
+    # sync-free fallback writes the device path needs.
+    is_real = slots >= 0
+    if not bool(is_real.all()):
+        slots, key, value = slots[is_real], key[is_real], value[is_real]
+    block_size = kv_cache.shape[2]
+    block, offset = slots // block_size, slots % block_size
+    for index, (x, scale) in enumerate(((key, k_scale), (value, v_scale))):
+        kv_cache[:, index][block, offset] = _to_cache_dtype(x, scale, cache_dtype)
 
 
 def reshape_and_cache_ref(
@@ -307,6 +332,11 @@ def _validate_values(
 ) -> None:
     num_slots = kv_cache.shape[0] * kv_cache.shape[2]
     slots = slot_mapping[:num_tokens]
+    if slots.device.type == "cpu":
+        # On the CPU a few Python checks cost less than a dozen tiny tensor ops (this runs once
+        # per layer per step).
+        _validate_values_on_cpu(slots, num_slots, fp8, k_scale, v_scale)
+        return
     flags = [((slots < -1) | (slots >= num_slots)).any()]
     # Duplicates are neighbours once sorted; -1 (padding) may repeat.
     ordered = torch.sort(slots).values
@@ -320,6 +350,34 @@ def _validate_values(
             flags.append((scale != 1).any())
     # One device-to-host transfer for all value checks.
     bad_range, duplicate, bad_k_scale, bad_v_scale = torch.stack(flags).tolist()
+    _raise_for(bad_range, duplicate, bad_k_scale, bad_v_scale, num_slots, fp8)
+
+
+def _validate_values_on_cpu(
+    slots: torch.Tensor,
+    num_slots: int,
+    fp8: bool,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
+    values = slots.tolist()
+    real = [v for v in values if v != -1]
+    bad_range = bool(values) and (min(values) < -1 or max(values) >= num_slots)
+    duplicate = len(set(real)) != len(real)
+    bad_scales = []
+    for scale in (k_scale, v_scale):
+        scale_values = [] if scale is None else scale.reshape(-1).tolist()
+        if fp8:
+            bad_scales.append(not all(math.isfinite(x) and x > 0 for x in scale_values))
+        else:
+            bad_scales.append(any(x != 1 for x in scale_values))
+    _raise_for(bad_range, duplicate, *bad_scales, num_slots, fp8)
+
+
+def _raise_for(
+    bad_range: bool, duplicate: bool, bad_k_scale: bool, bad_v_scale: bool, num_slots: int,
+    fp8: bool,
+) -> None:  # fmt: skip
     if bad_range:
         raise ValueError(
             f"{_OP}: slot_mapping has a slot out of range (got a slot < -1 or >= num_blocks * "

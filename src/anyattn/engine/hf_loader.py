@@ -1,0 +1,198 @@
+"""Hugging Face folders: `config.json`, `*.safetensors` (one file or shards with an index) and
+the tokenizer.
+
+`load_hf_folder` checks everything it can before any tensor is read (the folder, the config,
+every shard's header), so that a bad download fails at once with the file to blame; tensors are
+then streamed one at a time, never all held in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from anyattn.engine.model_config import ModelConfig
+
+__all__ = ["SafetensorsWeights", "load_hf_folder", "load_tokenizer"]
+
+_INDEX = "model.safetensors.index.json"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class SafetensorsWeights(Iterator[tuple[str, torch.Tensor]]):
+    """The tensors of one or more safetensors files: a one-pass iterator of `(name, tensor)`
+    pairs on the CPU, in the stored dtype.
+
+    Every file's header is read (and checked) on construction; tensors are read lazily, file by
+    file. `len()` is the number of tensors (for a progress bar).
+
+    Raises:
+        ValueError: a file is truncated or corrupt (the message names it), at construction or,
+            for damage past the header, while iterating.
+    """
+
+    def __init__(self, files: list[Path]) -> None:
+        self.files = files
+        self._num_tensors = 0
+        for file in files:
+            with _open(file) as f:
+                self._num_tensors += len(f.keys())
+        self._tensors = self._read()
+
+    def __len__(self) -> int:
+        return self._num_tensors
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(self._tensors)
+
+    def _read(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for file in self.files:
+            with _open(file) as f:
+                for name in f.keys():
+                    try:
+                        tensor = f.get_tensor(name)
+                    except SafetensorError as exc:
+                        raise _corrupt(file, exc) from exc
+                    yield name, tensor
+
+
+def _open(file: Path) -> Any:
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except SafetensorError as exc:
+        raise _corrupt(file, exc) from exc
+
+
+def _corrupt(file: Path, exc: Exception) -> ValueError:
+    return ValueError(
+        f"load_hf_folder: cannot read {file} ({exc}); the file is truncated or corrupt. "
+        "Download it again."
+    )
+
+
+def load_hf_folder(path: str | os.PathLike) -> tuple[ModelConfig, SafetensorsWeights]:
+    """Read a Hugging Face model folder.
+
+    Args:
+        path: a folder with `config.json` and `model.safetensors`, or shards listed in
+            `model.safetensors.index.json` (any other `*.safetensors` files when no index).
+
+    Returns:
+        `(config, weights)`: the model's `ModelConfig`, and its tensors as an iterable of
+        `(Hugging Face name, CPU tensor in the stored dtype)`, for `model.load_weights`.
+
+    Raises:
+        FileNotFoundError: the folder, `config.json`, the safetensors files or a shard named in
+            the index do not exist.
+        ValueError: the path is not a folder, `config.json` is not valid JSON, the architecture
+            is not supported (the message lists the supported ones), or a safetensors file is
+            truncated or corrupt (the message names it).
+    """
+    folder = _folder("load_hf_folder", path)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(
+            f"load_hf_folder: no config.json in {folder} (expected a Hugging Face model folder "
+            "with config.json and *.safetensors)."
+        )
+    try:
+        config_dict = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"load_hf_folder: {config_path} is not valid JSON ({exc}).") from exc
+    if not isinstance(config_dict, dict):
+        raise ValueError(
+            f"load_hf_folder: {config_path} must hold a JSON object (got "
+            f"{type(config_dict).__name__})."
+        )
+    try:
+        config = ModelConfig.from_hf(config_dict)
+    except ValueError as exc:
+        raise ValueError(f"load_hf_folder: {config_path}: {exc}") from exc
+    return config, SafetensorsWeights(_safetensors_files(folder))
+
+
+def _folder(api: str, path: str | os.PathLike) -> Path:
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise FileNotFoundError(
+            f"{api}: no such folder {folder} (expected a Hugging Face model folder with "
+            "config.json and *.safetensors)."
+        )
+    if not folder.is_dir():
+        raise ValueError(
+            f"{api}: not a folder (got {folder}, expected a Hugging Face model folder; a .gguf "
+            "file goes to the GGUF loader)."
+        )
+    return folder
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / _INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (
+            json.JSONDecodeError,
+            UnicodeDecodeError,
+            KeyError,
+            TypeError,
+            AttributeError,
+        ) as exc:
+            raise ValueError(
+                f"load_hf_folder: {index} is not a safetensors index (expected JSON with a "
+                f"'weight_map' object; {type(exc).__name__}: {exc})."
+            ) from exc
+        files = [folder / name for name in names]
+        missing = [file.name for file in files if not file.is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"load_hf_folder: shards listed in {index} are missing (got none of "
+                f"{', '.join(missing)} in {folder}). Download them again."
+            )
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        other = sorted(p.name for p in folder.glob("*.bin")) + sorted(
+            p.name for p in folder.glob("*.pt")
+        )
+        hint = f" Found {', '.join(other)}: convert it to safetensors." if other else ""
+        raise FileNotFoundError(
+            f"load_hf_folder: no *.safetensors files in {folder} (expected model.safetensors or "
+            f"shards with {_INDEX}).{hint}"
+        )
+    return files
+
+
+def load_tokenizer(path: str | os.PathLike) -> Any:
+    """The tokenizer of a Hugging Face folder (its chat template included), via transformers'
+    `AutoTokenizer`, offline.
+
+    Raises:
+        FileNotFoundError: the folder or its tokenizer files do not exist.
+        ValueError: the tokenizer files cannot be loaded.
+        ImportError: transformers is not installed.
+    """
+    folder = _folder("load_tokenizer", path)
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"load_tokenizer: no tokenizer files in {folder} (expected one of "
+            f"{', '.join(_TOKENIZER_FILES)})."
+        )
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:
+        raise ImportError(
+            "load_tokenizer: transformers is not installed (needed to read Hugging Face "
+            "tokenizers). Install it with pip install 'anyattn[hf]'."
+        ) from exc
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"load_tokenizer: cannot load the tokenizer in {folder} ({exc}).") from exc

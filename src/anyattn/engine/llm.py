@@ -1,0 +1,351 @@
+"""`LLM`: the engine's front door, in the shape vLLM users know.
+
+    llm = LLM()                                   # the embedded SmolLM2-135M-Instruct GGUF
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+    print(outs[0].outputs[0].text)
+    for delta in llm.stream("Tell me a joke", SamplingParams(max_tokens=64)):
+        print(delta, end="", flush=True)
+
+One step: the scheduler picks requests and token counts, the model runner runs them through
+the model (attention via the selected backends), the sampler picks next tokens, and the
+scheduler records them and finishes requests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from anyattn.config import BatchLimits
+from anyattn.engine.block_manager import BlockManager
+from anyattn.engine.loader import load_model
+from anyattn.engine.model_runner import ModelRunner
+from anyattn.engine.sampler import Sampler
+from anyattn.engine.sampling_params import SamplingParams
+from anyattn.engine.scheduler import ScheduledBatch, Scheduler
+from anyattn.engine.sequence import Sequence as Request
+from anyattn.engine.sequence import SequenceStatus
+from anyattn.types import cache_torch_dtype, parse_dtype
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput"]
+
+_DEFAULT_KV_CACHE_MEMORY = 1 << 30
+
+
+@dataclass
+class CompletionOutput:
+    """One generated completion: its text, token ids and why it ended (None while running)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request; `outputs[0]` is its completion.
+
+    Attributes:
+        error: why the request failed (e.g. a prompt longer than the model's context).
+    """
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    error: str | None = None
+
+
+def _parse_memory(value: int | str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower().removesuffix("b").removesuffix("i")
+        units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+        scale = units.get(text[-1:], 1)
+        number = text[:-1] if text[-1:] in units else text
+        try:
+            parsed = float(number) * scale
+        except ValueError:
+            parsed = 0
+        if parsed >= 1:
+            return int(parsed)
+    raise ValueError(
+        f"LLM: kv_cache_memory must be a positive byte count such as 268435456 or '256MiB' "
+        f"(got {value!r})."
+    )
+
+
+class LLM:
+    """A model with a paged KV cache, continuous batching and a chosen attention backend.
+
+    Args:
+        model: a GGUF file or a Hugging Face folder (config.json + safetensors); default: the
+            embedded SmolLM2-135M-Instruct GGUF.
+        backend: an attention backend name to use for every layer instead of selecting one.
+        dtype: model dtype; default float32 on the CPU, bfloat16 on CUDA.
+        device: "cpu" or "cuda"; default CUDA when available.
+        block_size: KV block size; default 16.
+        kv_cache_memory: bytes for the KV cache of all layers (int or "512MiB"); capped at
+            what `max_num_seqs` sequences of `max_model_len` tokens can use.
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: per-step token budget (chunked prefill splits longer prompts).
+        max_model_len: longest prompt + output; default min(model's context, 4096).
+        enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
+        kv_cache_dtype: "auto" or an fp8 / half cache dtype.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        backend: str | None = None,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        block_size: int | None = None,
+        kv_cache_memory: int | str = _DEFAULT_KV_CACHE_MEMORY,
+        *,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 1024,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        default_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.dtype = default_dtype if dtype is None else parse_dtype(dtype, argument="LLM: dtype")
+        self.block_size = 16 if block_size is None else block_size
+        loaded = load_model(
+            model,
+            dtype=self.dtype,
+            device=self.device,
+            block_size=self.block_size,
+            backend=backend,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+        self.model, self.model_config, self.tokenizer = (
+            loaded.model,
+            loaded.config,
+            loaded.tokenizer,
+        )
+        self.model_path: Path = loaded.path
+        context = self.model_config.max_position_embeddings
+        self.max_model_len = min(context, 4096) if max_model_len is None else max_model_len
+        if self.max_model_len > context:
+            raise ValueError(
+                f"LLM: max_model_len exceeds the model's context (got {self.max_model_len}, "
+                f"expected <= {context})."
+            )
+        limits = BatchLimits(max_num_seqs, max(max_num_batched_tokens, 1), self.max_model_len)
+        num_blocks = self._num_blocks(_parse_memory(kv_cache_memory), kv_cache_dtype, limits)
+        self.runner = ModelRunner(
+            self.model,
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            limits=limits,
+            device=self.device,
+            dtype=self.dtype,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+        self.block_manager = BlockManager(num_blocks, self.block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=enable_chunked_prefill,
+        )
+        self.sampler = Sampler()
+        self._ids = itertools.count()
+        self._requests: dict[int, tuple[Request, RequestOutput, torch.Generator | None]] = {}
+        # the output of the latest `stream` call (token counts for callers that print rates)
+        self.last_stream_output: RequestOutput | None = None
+        eos = self.model_config.eos_token_ids
+        tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
+        self.eos_token_ids = tuple(sorted(set(eos) | ({tokenizer_eos} - {None})))
+
+    def _num_blocks(self, memory: int, kv_cache_dtype: str, limits: BatchLimits) -> int:
+        itemsize = torch.empty((), dtype=cache_torch_dtype(kv_cache_dtype, self.dtype)).itemsize
+        per_block = sum(
+            2 * self.block_size * layer.num_kv_heads * layer.head_size * itemsize
+            for layer in self.model.attention_layers()
+        )
+        useful = limits.max_num_reqs * -(-limits.max_model_len // self.block_size)
+        num_blocks = min(memory // per_block, useful) + 1  # + the null block
+        if num_blocks < 2:
+            raise ValueError(
+                f"LLM: kv_cache_memory holds no KV block (got {memory} bytes, one block of all "
+                f"layers needs {per_block})."
+            )
+        return num_blocks
+
+    @property
+    def backend_names(self) -> list[str]:
+        """The attention backends the layers run on."""
+        return self.runner.backend_names
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+        """Token ids of a prompt: a string (with the chat template when `chat`) or ids."""
+        if isinstance(prompt, str):
+            if chat:
+                messages = [{"role": "user", "content": prompt}]
+                ids = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True
+                )
+                return list(
+                    ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+                )
+            return list(self.tokenizer.encode(prompt))
+        ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise ValueError(
+                f"LLM: prompt token ids must be ints in [0, {vocab}) (got a list of {len(ids)} "
+                "with values outside it)."
+            )
+        return ids
+
+    def add_request(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, chat: bool = False
+    ) -> int:
+        """Queue one request; returns its id."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"LLM: params must be a SamplingParams (got {type(params).__name__}).")
+        token_ids = self.encode_prompt(prompt, chat)
+        request_id = next(self._ids)
+        request = Request(request_id, token_ids, params, self.eos_token_ids)
+        output = RequestOutput(
+            request_id, prompt if isinstance(prompt, str) else None, token_ids, [CompletionOutput()]
+        )
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        self._requests[request_id] = (request, output, generator)
+        self.scheduler.add(request)
+        return request_id
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- stepping ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns the outputs of requests that changed."""
+        batch = self.scheduler.schedule()
+        changed = [self._fail(seq) for seq in batch.failed]
+        if batch.seqs:
+            sampled = self._run(batch)
+            self.scheduler.update(batch, sampled)
+            for seq, token in zip(batch.seqs, sampled, strict=True):
+                if token is not None or seq.status == SequenceStatus.FINISHED:
+                    changed.append(self._refresh(seq))
+        return changed
+
+    def _run(self, batch: ScheduledBatch) -> list[int | None]:
+        seqs = batch.seqs
+        needs_sample = [
+            s.num_computed_tokens + n == s.num_tokens
+            for s, n in zip(seqs, batch.num_new_tokens, strict=True)
+        ]
+        out = self.runner.execute(
+            [s.token_ids for s in seqs],
+            [s.num_computed_tokens for s in seqs],
+            batch.num_new_tokens,
+            [s.block_table for s in seqs],
+            needs_sample,
+        )
+        sampled: list[int | None] = [None] * len(seqs)
+        if out.sample_rows:
+            entries = [self._requests[seqs[i].request_id] for i in out.sample_rows]
+            tokens = self.sampler(
+                out.logits.float(), [e[0].params for e in entries], [e[2] for e in entries]
+            )
+            for row, token in zip(out.sample_rows, tokens, strict=True):
+                sampled[row] = token
+        return sampled
+
+    def _fail(self, seq: Request) -> RequestOutput:
+        _, output, _ = self._requests[seq.request_id]
+        output.finished = True
+        output.error = seq.error
+        output.outputs[0].finish_reason = seq.finish_reason
+        return output
+
+    def _refresh(self, seq: Request) -> RequestOutput:
+        """Detokenise, apply stop strings, and mirror the request's state into its output."""
+        _, output, _ = self._requests[seq.request_id]
+        completion = output.outputs[0]
+        completion.token_ids = list(seq.output_token_ids)
+        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        for stop in seq.params.stop:
+            cut = text.find(stop)
+            if cut != -1:
+                text = text[:cut]
+                if seq.status != SequenceStatus.FINISHED:
+                    self.scheduler.finish(seq, "stop")
+        completion.text = text
+        completion.finish_reason = seq.finish_reason
+        output.finished = seq.status == SequenceStatus.FINISHED
+        return output
+
+    # --- convenience -------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat: bool = False,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order.
+
+        Args:
+            prompts: a string, a list of token ids, or a list of either.
+            params: one SamplingParams for all prompts, or one per prompt.
+            chat: wrap string prompts in the model's chat template.
+        """
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise ValueError(
+                f"LLM.generate: params must be one SamplingParams or one per prompt (got "
+                f"{len(params)} for {len(prompts)} prompts)."
+            )
+        ids = [self.add_request(p, sp, chat) for p, sp in zip(prompts, params, strict=True)]
+        while self.has_unfinished_requests():
+            self.step()
+        return [self._requests.pop(i)[1] for i in ids]
+
+    def stream(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, chat: bool = False
+    ) -> Iterator[str]:
+        """Generate one prompt, yielding text as it appears (holding back partial characters)."""
+        request_id = self.add_request(prompt, params, chat)
+        _, output, _ = self._requests[request_id]
+        self.last_stream_output = output
+        shown = 0
+        while not output.finished:
+            self.step()
+            text = output.outputs[0].text
+            # a trailing replacement character is half of a multi-byte character: wait for it
+            ready = len(text) if output.finished else len(text.rstrip("\ufffd"))
+            if ready > shown:
+                yield text[shown:ready]
+                shown = ready
+        self._requests.pop(request_id)
+        if output.error:
+            raise ValueError(output.error)

@@ -1,0 +1,89 @@
+"""Load a model, its config and its tokenizer from a GGUF file or a Hugging Face folder."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from anyattn.engine.default_model import default_model_path
+from anyattn.engine.model_config import ModelConfig
+from anyattn.engine.models import build_model
+
+__all__ = ["LoadedModel", "load_model"]
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with what describes it."""
+
+    model: torch.nn.Module
+    config: ModelConfig
+    tokenizer: object
+    path: Path
+
+
+def _with_progress(weights: Iterable[tuple[str, torch.Tensor]], label: str, total: int | None):
+    """Show a progress bar on a terminal; stay quiet when output is not one."""
+    if not sys.stderr.isatty():
+        yield from weights
+        return
+    from rich.progress import Progress
+
+    with Progress(transient=True) as progress:
+        task = progress.add_task(label, total=total)
+        for item in weights:
+            yield item
+            progress.advance(task)
+
+
+def _read(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Iterator, object, int | None]:
+    if path.is_file():
+        from anyattn.engine.gguf_loader import load_gguf_tokenizer, read_gguf
+
+        config_dict, weights = read_gguf(path, dtype=dtype)
+        config = ModelConfig.from_hf(config_dict)
+        return config, weights, load_gguf_tokenizer(path), None
+    from anyattn.engine.hf_loader import load_hf_folder, load_tokenizer
+
+    config, weights = load_hf_folder(path)
+    return config, weights, load_tokenizer(path), None
+
+
+def load_model(
+    path: str | os.PathLike | None,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int = 16,
+    backend: str | type | None = None,
+    kv_cache_dtype: str = "auto",
+) -> LoadedModel:
+    """Build the model for `path` (default: the embedded SmolLM2 GGUF) and load its weights.
+
+    Raises:
+        FileNotFoundError: the path does not exist (or the default model is not installed).
+        ValueError: a corrupt file or an unsupported architecture / quantisation.
+    """
+    resolved = default_model_path() if path is None else Path(path).expanduser()
+    if not resolved.exists():
+        raise FileNotFoundError(
+            f"LLM: model path does not exist (got {str(resolved)!r}, expected a .gguf file or "
+            "a Hugging Face folder with config.json and *.safetensors)."
+        )
+    config, weights, tokenizer, total = _read(resolved, dtype)
+    model = build_model(
+        config,
+        dtype=dtype,
+        device=device,
+        block_size=block_size,
+        backend=backend,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    model.load_weights(_with_progress(weights, f"loading {resolved.name}", total))
+    model.eval()
+    return LoadedModel(model, config, tokenizer, resolved)

@@ -1,0 +1,43 @@
+"""Model families over anyattn's attention layer, and `build_model` to pick one from a config.
+
+Every model has the `CausalLM` interface (`forward`, `compute_logits`, `attention_layers`,
+`load_weights`) and loads Hugging Face parameter names and layouts.
+"""
+
+from __future__ import annotations
+
+from anyattn.engine.model_config import ModelConfig
+from anyattn.engine.models.base import CausalLM
+from anyattn.engine.models.gemma2 import Gemma2ForCausalLM
+from anyattn.engine.models.llama import LlamaForCausalLM
+
+__all__ = ["MODEL_REGISTRY", "CausalLM", "Gemma2ForCausalLM", "LlamaForCausalLM", "build_model"]
+
+# Mistral is Llama with a sliding window and Qwen2 Llama with q/k/v biases: both are settings of
+# ModelConfig, not separate graphs.
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "gemma2": Gemma2ForCausalLM,
+}
+
+
+def build_model(config: ModelConfig, **kwargs: object) -> CausalLM:
+    """Instantiate the model class of `config.architecture` (parameters left uninitialised).
+
+    Args:
+        config: the model's `ModelConfig`.
+        **kwargs: the model constructor's keyword arguments (`dtype`, `device`, `block_size`,
+            `backend`, `kv_cache_dtype`, `max_positions`).
+
+    Raises:
+        ValueError: no model class for the architecture (the message lists the known ones).
+    """
+    model_cls = MODEL_REGISTRY.get(config.architecture)
+    if model_cls is None:
+        raise ValueError(
+            f"build_model: unsupported architecture (got {config.architecture!r}, expected one "
+            f"of {', '.join(MODEL_REGISTRY)})."
+        )
+    return model_cls(config, **kwargs)

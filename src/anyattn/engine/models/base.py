@@ -1,0 +1,171 @@
+"""`CausalLM`: the decoder-only skeleton every family shares.
+
+Token embedding, a stack of decoder layers (each family supplies its own), a final norm and an
+LM head (tied to the embedding or not), one RoPE table for all layers, and loading by Hugging
+Face parameter name. The model runner relies on this interface exactly: the constructor, and
+`forward`, `compute_logits`, `attention_layers`, `load_weights`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from anyattn.backend import AttentionBackend
+from anyattn.engine.model_config import ModelConfig
+from anyattn.engine.models.layers import RMSNorm, RotaryEmbedding, Slots, empty_param
+from anyattn.engine.models.weights import WeightSlot, load_into_slots
+from anyattn.layer import Attention
+from anyattn.types import DeviceInfo, parse_cache_dtype, parse_dtype
+
+__all__ = ["CausalLM"]
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model over anyattn's paged attention.
+
+    Subclasses set `has_unit_offset_norms` and implement `make_layer`; the rest is shared.
+
+    Args:
+        config: the model's `ModelConfig`.
+        dtype: parameter and activation dtype (float32, float16 or bfloat16).
+        device: where parameters, the RoPE table and activations live.
+        block_size: the engine's KV block size (each `Attention` selects its backend for it).
+        backend: a backend name or class for every layer; None lets the selector choose.
+        kv_cache_dtype: "auto" (the model dtype) or a KV-cache dtype of `anyattn.types`.
+        max_positions: length of the RoPE table, i.e. the largest position + 1 the model can
+            run (default: `config.max_position_embeddings`).
+
+    Raises:
+        ValueError: a bad dtype, or no backend serves a layer (from `Attention`).
+    """
+
+    has_unit_offset_norms = False
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        block_size: int = 16,
+        backend: str | type[AttentionBackend] | None = None,
+        kv_cache_dtype: str = "auto",
+        max_positions: int | None = None,
+    ) -> None:
+        super().__init__()
+        api = type(self).__name__
+        self.config = config
+        self.dtype = parse_dtype(dtype, argument=f"{api}: dtype")
+        self.device = torch.device(device)
+        kv_cache_dtype = parse_cache_dtype(kv_cache_dtype, argument=f"{api}: kv_cache_dtype")
+        factory = {"dtype": self.dtype, "device": self.device}
+        self.embed_weight = empty_param(config.vocab_size, config.hidden_size, **factory)
+        self.rotary = RotaryEmbedding(
+            config.head_dim,
+            config.rope_theta,
+            config.rope_scaling,
+            config.max_position_embeddings,
+            max_positions=max_positions or config.max_position_embeddings,
+            **factory,
+        )
+        attn_kwargs = {
+            "device_info": DeviceInfo.current(self.device),
+            "block_size": block_size,
+            "backend": backend,
+            "kv_cache_dtype": kv_cache_dtype,
+            **factory,
+        }
+        self.layers = nn.ModuleList(
+            [self.make_layer(i, attn_kwargs) for i in range(config.num_hidden_layers)]
+        )
+        self.layer_names = [layer.self_attn.attn.layer_name for layer in self.layers]
+        self.norm = RMSNorm(
+            config.hidden_size,
+            config.rms_norm_eps,
+            has_unit_offset=self.has_unit_offset_norms,
+            **factory,
+        )
+        self.lm_head_weight = (
+            self.embed_weight
+            if config.tie_word_embeddings
+            else empty_param(config.vocab_size, config.hidden_size, **factory)
+        )
+
+    def make_layer(self, index: int, attn_kwargs: dict[str, object]) -> nn.Module:
+        """Decoder layer `index`: `.self_attn.attn` is its `Attention`; it is called as
+        `layer(hidden, cos, sin, kv_cache, attn_metadata)` and has `weight_slots(prefix)`."""
+        raise NotImplementedError
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: int64 `[num_tokens]` -> `[num_tokens, hidden_size]`."""
+        return F.embedding(input_ids, self.embed_weight)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: Mapping[str, object],
+        kv_caches: Mapping[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """Run one step over the flat batch of new tokens.
+
+        Args:
+            input_ids: int64 `[num_tokens]`, requests back to back.
+            positions: int64 `[num_tokens]`, each token's position in its sequence
+                (< `max_positions`).
+            attn_metadata: layer name -> the metadata its group's builder built for this step.
+            kv_caches: layer name -> that layer's paged KV cache.
+
+        Returns:
+            Final hidden states `[num_tokens, hidden_size]` (after the last norm).
+        """
+        hidden = self.embed(input_ids)  # [num_tokens, hidden_size]
+        cos, sin = self.rotary(positions)  # [num_tokens, 1, head_size] each
+        for layer, name in zip(self.layers, self.layer_names, strict=True):
+            hidden = layer(hidden, cos, sin, kv_caches[name], attn_metadata[name])
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: `[n, hidden_size]` -> float32 logits `[n, vocab_size]`, final soft cap
+        applied."""
+        logits = F.linear(hidden, self.lm_head_weight).float()
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def attention_layers(self) -> list[Attention]:
+        """Every `Attention` layer, in order; names are `model.layers.<i>.self_attn.attn`."""
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def weight_slots(self) -> Slots:
+        """Every tensor the model needs, by Hugging Face name."""
+        yield from _slot("model.embed_tokens.weight", self.embed_weight)
+        for i, layer in enumerate(self.layers):
+            yield from layer.weight_slots(f"model.layers.{i}")
+        yield from self.norm.weight_slots("model.norm")
+        if not self.config.tie_word_embeddings:
+            yield from _slot("lm_head.weight", self.lm_head_weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy a checkpoint (Hugging Face names and layouts) into the model, casting to its
+        dtype. An LM head next to tied embeddings and cached rotary frequencies are skipped.
+
+        Raises:
+            ValueError: naming the missing, unexpected and mis-shaped tensors.
+        """
+        tied = self.config.tie_word_embeddings
+
+        def ignore(name: str) -> bool:
+            return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
+
+        slots = dict(self.weight_slots())
+        load_into_slots(f"{type(self).__name__}.load_weights", slots, weights, ignore)
+
+
+def _slot(name: str, param: torch.Tensor) -> Slots:
+    yield name, WeightSlot(param)

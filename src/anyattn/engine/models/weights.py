@@ -1,0 +1,89 @@
+"""Checkpoint tensors into model parameters, by Hugging Face name.
+
+Models fuse some projections (q/k/v into one matrix, gate/up into another) so that each runs as
+one matmul. A `WeightSlot` says where a checkpoint tensor lands: a view of a parameter (for a
+fused one, its rows) and an optional transform. `load_into_slots` copies a stream of
+`(name, tensor)` pairs into the slots and reports every mismatch at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["WeightSlot", "load_into_slots"]
+
+_MAX_NAMES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class WeightSlot:
+    """Where one checkpoint tensor goes.
+
+    Attributes:
+        target: a view of a parameter, of exactly the checkpoint tensor's shape.
+        transform: applied to the checkpoint tensor before the copy (e.g. Gemma's `1 + w`).
+    """
+
+    target: torch.Tensor
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+def load_into_slots(
+    api: str,
+    slots: Mapping[str, WeightSlot],
+    weights: Iterable[tuple[str, torch.Tensor]],
+    ignore: Callable[[str], bool] = lambda name: False,
+) -> None:
+    """Copy each `(name, tensor)` into `slots[name].target`, casting to the target's dtype.
+
+    Args:
+        api: the caller's name, for messages.
+        slots: every tensor the model needs, by checkpoint name.
+        weights: the checkpoint, streamed (each tensor is copied and then dropped).
+        ignore: names that may be present without a slot (e.g. an LM head tied to the
+            embeddings, cached rotary frequencies).
+
+    Raises:
+        ValueError: naming the missing, unexpected and mis-shaped tensors, all at once.
+    """
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    misshaped: list[str] = []
+    with torch.no_grad():
+        for name, tensor in weights:
+            slot = slots.get(name)
+            if slot is None:
+                if not ignore(name):
+                    unexpected.append(name)
+                continue
+            if tuple(tensor.shape) != tuple(slot.target.shape):
+                misshaped.append(
+                    f"{name} (got {tuple(tensor.shape)}, expected {tuple(slot.target.shape)})"
+                )
+                continue
+            slot.target.copy_(slot.transform(tensor) if slot.transform else tensor)
+            loaded.add(name)
+    missing = [name for name in slots if name not in loaded]
+    problems = [
+        f"{label}: {_names(names)}"
+        for label, names in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("mis-shaped", misshaped),
+        )
+        if names
+    ]
+    if problems:
+        raise ValueError(
+            f"{api}: the checkpoint does not match the model ({'; '.join(problems)}). Check that "
+            "the config and the weights come from the same model."
+        )
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(names[:_MAX_NAMES])
+    more = len(names) - _MAX_NAMES
+    return f"{shown} and {more} more" if more > 0 else shown

@@ -1,0 +1,205 @@
+"""Engine test set-up: tiny random Hugging Face models saved to disk, and a paged step runner.
+
+Fixtures:
+    tiny_hf_model: `tiny_hf_model(kind) -> (folder, hf_model)`: a random transformers model of
+        one of `TINY_MODELS` (fixed seed, fp32, eager attention) saved with `save_pretrained`
+        (safetensors) into a session temp folder, and the model itself as the reference.
+    paged_runner: `paged_runner(model, block_size=4, num_blocks=64) -> PagedRunner`.
+
+    hf_logits: `hf_logits(hf_model, token_ids)`: transformers' fp32 logits `[len, vocab]` of
+        one sequence (the reference every model test compares with).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from anyattn.config import AttentionSpec, BatchLimits
+from anyattn.kv_cache import allocate_kv_cache
+from anyattn.metadata import make_common_attn_metadata
+
+# Sizes shared by every tiny model: hidden 64, 4 query heads of 16, GQA 2:1, 3 layers.
+_SIZES = {
+    "vocab_size": 160,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-5,
+    # Larger than the usual 0.02 so that attention is far from uniform and RoPE, windows and
+    # soft caps change the logits visibly.
+    "initializer_range": 0.15,
+}
+
+# kind -> (transformers config class name, overrides)
+TINY_MODELS: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", {"num_key_value_heads": 1}),
+    # SmolLM2-style: tied embeddings; with Llama 3.1 RoPE scaling.
+    "llama_tied": (
+        "LlamaConfig",
+        {
+            "tie_word_embeddings": True,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 50000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        },
+    ),
+    "qwen2": ("Qwen2Config", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),
+    # A window shorter than the prompts.
+    "mistral": ("MistralConfig", {"sliding_window": 5}),
+    # Window 4 on even layers; caps low enough to bite on these activations.
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "num_hidden_layers": 4,
+            "sliding_window": 4,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 3.0,
+            "query_pre_attn_scalar": 24,
+        },
+    ),
+}
+
+
+def make_hf_model(kind: str, seed: int = 0) -> torch.nn.Module:
+    """A random fp32 transformers model of `kind`, eager attention, norms and biases randomised
+    too (their defaults, ones and zeros, would hide mistakes)."""
+    transformers = pytest.importorskip("transformers")
+    class_name, overrides = TINY_MODELS[kind]
+    config = getattr(transformers, class_name)(**{**_SIZES, **overrides})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", dtype=torch.float32
+    )
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = 0.1 * torch.randn(param.shape, generator=generator)
+            if "norm" in name or name.endswith(".bias"):
+                param.add_(noise)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[str], tuple[Path, torch.nn.Module]]:
+    cache: dict[str, tuple[Path, torch.nn.Module]] = {}
+
+    def get(kind: str) -> tuple[Path, torch.nn.Module]:
+        if kind not in cache:
+            model = make_hf_model(kind)
+            folder = tmp_path_factory.mktemp(f"hf_{kind}")
+            model.save_pretrained(folder)
+            cache[kind] = (folder, model)
+        return cache[kind]
+
+    return get
+
+
+@torch.inference_mode()
+def _hf_logits(hf_model: torch.nn.Module, token_ids: Sequence[int]) -> torch.Tensor:
+    return hf_model(input_ids=torch.tensor([list(token_ids)])).logits[0].float()
+
+
+@pytest.fixture
+def hf_logits() -> Callable[[torch.nn.Module, Sequence[int]], torch.Tensor]:
+    return _hf_logits
+
+
+class PagedRunner:
+    """Runs a model step by step over paged KV caches, as an engine would: blocks drawn from a
+    shuffled pool (block 0 kept as the null block), one metadata per KV-cache group.
+
+    Args:
+        model: an `anyattn.engine.models` model.
+        block_size: tokens per KV block.
+        num_blocks: blocks per layer cache.
+    """
+
+    def __init__(self, model: torch.nn.Module, block_size: int = 4, num_blocks: int = 64) -> None:
+        self.model = model
+        self.block_size = block_size
+        limits = BatchLimits(max_num_reqs=8, max_num_tokens=512, max_model_len=256)
+        self.caches: dict[str, torch.Tensor] = {}
+        groups: dict[tuple, list[str]] = {}
+        for layer in model.attention_layers():
+            self.caches[layer.layer_name] = allocate_kv_cache(
+                layer.backend,
+                num_blocks,
+                block_size,
+                layer.num_kv_heads,
+                layer.head_size,
+                model.dtype,
+            )
+            spec = AttentionSpec(
+                block_size,
+                layer.num_kv_heads,
+                layer.head_size,
+                model.dtype,
+                sliding_window=layer.impl.sliding_window,
+            )
+            groups.setdefault((layer.backend, spec), []).append(layer.layer_name)
+        self.builders = [
+            (backend.get_builder_cls()(spec, names, limits, "cpu"), names)
+            for (backend, spec), names in groups.items()
+        ]
+        generator = torch.Generator().manual_seed(1234)
+        self.free = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
+        self.blocks: dict[str, list[int]] = {}
+        self.num_computed: dict[str, int] = {}
+
+    @torch.inference_mode()
+    def step(self, chunks: Sequence[tuple[str, Sequence[int]]]) -> list[torch.Tensor]:
+        """Run each request's new tokens (in the given order, decodes first).
+
+        Args:
+            chunks: `(request id, new token ids)` per request.
+
+        Returns:
+            float32 logits `[len(new tokens), vocab_size]` per request, in order.
+        """
+        query_lens, seq_lens, input_ids, positions = [], [], [], []
+        for rid, tokens in chunks:
+            start = self.num_computed.get(rid, 0)
+            end = start + len(tokens)
+            blocks = self.blocks.setdefault(rid, [])
+            while len(blocks) * self.block_size < end:
+                blocks.append(self.free.pop())
+            self.num_computed[rid] = end
+            query_lens.append(len(tokens))
+            seq_lens.append(end)
+            input_ids.extend(tokens)
+            positions.extend(range(start, end))
+        width = max(len(self.blocks[rid]) for rid, _ in chunks)
+        block_table = torch.zeros(len(chunks), width, dtype=torch.int32)
+        for row, (rid, _) in enumerate(chunks):
+            block_table[row, : len(self.blocks[rid])] = torch.tensor(self.blocks[rid])
+        common = make_common_attn_metadata(query_lens, seq_lens, block_table, self.block_size)
+        attn_metadata = {}
+        for builder, names in self.builders:
+            metadata = builder.build(0, common)
+            attn_metadata.update(dict.fromkeys(names, metadata))
+        hidden = self.model(
+            torch.tensor(input_ids), torch.tensor(positions), attn_metadata, self.caches
+        )
+        logits = self.model.compute_logits(hidden)
+        return list(logits.split(query_lens))
+
+
+@pytest.fixture
+def paged_runner() -> Callable[..., PagedRunner]:
+    return PagedRunner
