@@ -319,6 +319,11 @@ class LLM:
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params] * len(prompts)
+        elif isinstance(params, str) or not isinstance(params, Sequence):
+            raise TypeError(
+                f"LLM.generate: params must be a SamplingParams or a list of them (got "
+                f"{type(params).__name__})."
+            )
         params = list(params)
         if len(params) != len(prompts):
             raise ValueError(

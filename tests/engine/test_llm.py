@@ -1,0 +1,206 @@
+"""The engine end to end: LLM over tiny random models (against transformers' greedy decoding),
+scheduling under pressure, prefix caching, chunked prefill, cascade, streaming, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from anyattn.engine.llm import LLM
+from anyattn.engine.sampling_params import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def _with_tokenizer(folder: Path, vocab_size: int, tmp_path: Path) -> Path:
+    """A copy of a tiny model folder with a word-level tokenizer ("t0 t1 ...") of its vocab."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    target = tmp_path / folder.name
+    if target.exists():
+        return target
+    shutil.copytree(folder, target)
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0")
+    fast.save_pretrained(target)
+    return target
+
+
+@pytest.fixture
+def tiny_llm(tiny_hf_model, tmp_path):
+    """`tiny_llm(kind, **llm_kwargs) -> (LLM, hf_model)`."""
+
+    def make(kind: str, max_position_embeddings: int | None = None, **kwargs):
+        folder, hf_model = tiny_hf_model(kind)
+        path = _with_tokenizer(folder, hf_model.config.vocab_size, tmp_path)
+        if max_position_embeddings is not None:  # a longer context than the reference model's
+            config = json.loads((path / "config.json").read_text())
+            config["max_position_embeddings"] = max_position_embeddings
+            path = path.with_name(f"{path.name}_ctx{max_position_embeddings}")
+            if not path.exists():
+                shutil.copytree(tmp_path / folder.name, path)
+            (path / "config.json").write_text(json.dumps(config))
+        kwargs.setdefault("block_size", 4)
+        return LLM(path, dtype=torch.float32, device="cpu", **kwargs), hf_model
+
+    return make
+
+
+def _hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = hf_model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+PROMPTS = [[5, 9, 17, 33, 2, 80, 41, 7, 7, 150, 3], [99], [12, 13, 14, 15, 16, 17, 18]]
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_tied", "qwen2", "mistral", "gemma2"])
+def test_greedy_tokens_match_transformers_over_mixed_chunked_steps(tiny_llm, kind):
+    # a budget of 7 tokens: prompts are chunked and decodes share steps with prefills
+    llm, hf_model = tiny_llm(kind, max_num_batched_tokens=7)
+    outputs = llm.generate(PROMPTS, GREEDY)
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        assert output.outputs[0].token_ids == _hf_greedy(hf_model, prompt, 8)
+        assert output.outputs[0].finish_reason == "length"
+
+
+def _greedy_ids(llm: LLM, prompts, max_tokens: int = 12) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def test_kv_pressure_preempts_and_changes_no_output(tiny_llm):
+    prompts = [[3 + i, 40 + i, 7, 9, 11, 60 + i, 2] * 2 for i in range(6)]
+    relaxed, _ = tiny_llm("llama")
+    expected = _greedy_ids(relaxed, prompts)
+    # 4-token blocks, 3 layers x 2 KV heads x 16 x 4 bytes x 2: 1536 bytes a block; 14 blocks
+    # hold about two of these 26-token sequences at a time
+    pressed, _ = tiny_llm("llama", kv_cache_memory=14 * 1536, max_num_seqs=6)
+    assert _greedy_ids(pressed, prompts) == expected
+    assert pressed.scheduler.num_preemptions > 0
+
+
+def test_prefix_caching_reuses_blocks_and_changes_no_output(tiny_llm):
+    shared = [11, 22, 33, 44, 55, 66, 77, 88, 99, 101, 102, 103]
+    prompts = [[*shared, i, i + 1] for i in range(4)]
+    plain, _ = tiny_llm("llama", enable_prefix_caching=False)
+    expected = _greedy_ids(plain, prompts)
+    cached, _ = tiny_llm("llama")
+    assert _greedy_ids(cached, prompts[:1]) == expected[:1]
+    before = cached.block_manager.num_cached_blocks_reused
+    assert _greedy_ids(cached, prompts[1:]) == expected[1:]
+    # each later prompt reuses the 3 full blocks of the shared 12-token prefix
+    assert cached.block_manager.num_cached_blocks_reused - before == 3 * 3
+
+
+def test_cascade_runs_for_a_long_shared_prefix_and_changes_no_output(tiny_llm, monkeypatch):
+    shared = [(7 * i) % 150 + 1 for i in range(264)]
+    prompts = [[*shared, i + 1, i + 2] for i in range(8)]
+    plain, _ = tiny_llm("llama", max_position_embeddings=512, enable_prefix_caching=False)
+    expected = _greedy_ids(plain, prompts, max_tokens=4)
+    cached, _ = tiny_llm("llama", max_position_embeddings=512)
+    _greedy_ids(cached, [[*shared, 40]], max_tokens=1)  # puts the prefix in the cache
+    prefix_lens = []
+    execute = cached.runner.execute
+
+    def spy(*args, **kwargs):
+        out = execute(*args, **kwargs)
+        prefix_lens.append(out.common_prefix_len)
+        return out
+
+    monkeypatch.setattr(cached.runner, "execute", spy)
+    got = _greedy_ids(cached, prompts, max_tokens=4)
+    assert max(prefix_lens) >= 256  # the shared prefix ran once per layer, as a cascade
+    for a, b in zip(got, expected, strict=True):
+        assert a == b
+
+
+def test_streaming_yields_the_final_text(tiny_llm):
+    llm, _ = tiny_llm("llama")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    pieces = list(llm.stream("t5 t6 t7", params))
+    assert len(pieces) >= 2  # text arrives before the last token is computed
+    final = llm.generate("t5 t6 t7", params)[0].outputs[0].text
+    assert "".join(pieces) == final
+
+
+def test_stop_strings_and_stop_token_ids(tiny_llm):
+    llm, _ = tiny_llm("llama")
+    free = llm.generate([PROMPTS[0]], GREEDY)[0].outputs[0]
+    third = free.token_ids[2]
+    by_id = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[third], ignore_eos=True)
+    out = llm.generate([PROMPTS[0]], by_id)[0].outputs[0]
+    assert out.token_ids == free.token_ids[:3] and out.finish_reason == "stop"
+    word = free.text.split()[1]
+    by_text = SamplingParams(temperature=0, max_tokens=8, stop=[word], ignore_eos=True)
+    out = llm.generate([PROMPTS[0]], by_text)[0].outputs[0]
+    assert word not in out.text and out.finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(tiny_llm):
+    llm, _ = tiny_llm("llama")
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=8)
+    alone = llm.generate([PROMPTS[0]], params)[0].outputs[0].token_ids
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    batched = llm.generate(PROMPTS, [params, greedy, greedy])[0].outputs[0].token_ids
+    assert alone == batched
+
+
+def test_a_prompt_longer_than_the_context_fails_alone(tiny_llm):
+    llm, _ = tiny_llm("llama", max_model_len=32)
+    outputs = llm.generate([[5] * 40, PROMPTS[1]], GREEDY)
+    assert outputs[0].error and "max_model_len" in outputs[0].error
+    assert outputs[0].outputs[0].finish_reason == "error"
+    assert len(outputs[1].outputs[0].token_ids) == 8 and outputs[1].error is None
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "error", "match"),
+    [
+        ([5, 1000], GREEDY, ValueError, "prompt token ids"),
+        ([5], "greedy", TypeError, "SamplingParams"),
+    ],
+)
+def test_bad_requests_are_refused(tiny_llm, prompt, params, error, match):
+    llm, _ = tiny_llm("llama")
+    with pytest.raises(error, match=match):
+        llm.generate([prompt], params)
+
+
+def test_invalid_sampling_parameters():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+
+
+def test_bad_model_paths(tmp_path, tiny_hf_model):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(tmp_path / "missing", device="cpu")
+    folder, _ = tiny_hf_model("llama")
+    odd = tmp_path / "odd"
+    shutil.copytree(folder, odd)
+    config = json.loads((odd / "config.json").read_text())
+    config["architectures"], config["model_type"] = ["GPT2LMHeadModel"], "gpt2"
+    (odd / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="LlamaForCausalLM, MistralForCausalLM"):
+        LLM(odd, device="cpu")
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF" + b"\0" * 10)
+    with pytest.raises(ValueError, match=r"corrupt\.gguf"):
+        LLM(corrupt, device="cpu")
