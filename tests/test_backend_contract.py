@@ -7,8 +7,9 @@ import itertools
 import pytest
 import torch
 
-from anyattn.backend import AttentionBackend, validate_impl_arguments
+from anyattn.backend import AttentionBackend
 from anyattn.config import AttentionSelectorConfig, AttentionSpec, BatchLimits
+from anyattn.impl_args import validate_impl_arguments
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.types import AttentionCGSupport, AttentionType, DeviceInfo, KVCacheLayout, MultipleOf
 

@@ -24,8 +24,8 @@ from anyattn.backend import (
     AttentionImpl,
     AttentionLayer,
     AttentionMetadataBuilder,
-    validate_impl_arguments,
 )
+from anyattn.impl_args import validate_impl_arguments
 from anyattn.metadata import CommonAttentionMetadata, split_decodes_and_prefills
 from anyattn.ops.dense_attention import DenseKV, PagedKV, ScoreMods, dense_attention
 from anyattn.ops.merge_attn_states import merge_attn_states

@@ -47,11 +47,18 @@ def _read(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Iterator, object
 
         config_dict, weights = read_gguf(path, dtype=dtype)
         config = ModelConfig.from_hf(config_dict)
-        return config, weights, load_gguf_tokenizer(path), None
+        return config, weights, load_gguf_tokenizer(path), _length(weights)
     from anyattn.engine.hf_loader import load_hf_folder, load_tokenizer
 
     config, weights = load_hf_folder(path)
-    return config, weights, load_tokenizer(path), None
+    return config, weights, load_tokenizer(path), _length(weights)
+
+
+def _length(weights: object) -> int | None:
+    try:
+        return len(weights)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def load_model(
