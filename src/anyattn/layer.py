@@ -30,7 +30,9 @@ class Attention(nn.Module):
         layer_name: unique name of the layer (KV-cache groups and KV sharing refer to it).
         block_size: the engine's block size (None: let the backend prefer one).
         backend: a backend class or name to use instead of selecting one.
-        device: where the layer runs (selection judges this device); default: this machine.
+        device: where the layer runs: a `torch.device` (or "cpu" / "cuda"), whose scale buffers
+            live there, or a `DeviceInfo` to judge selection for hardware one does not have
+            (buffers then stay on the CPU); default: this machine.
         needs_lse: the engine will merge partial results and needs LSEs.
 
     Attributes:
@@ -56,11 +58,17 @@ class Attention(nn.Module):
         sinks: torch.Tensor | None = None,
         block_size: int | None = None,
         backend: type[AttentionBackend] | str | None = None,
-        device: DeviceInfo | None = None,
+        device: DeviceInfo | torch.device | str | None = None,
         use_non_causal: bool = False,
         needs_lse: bool = False,
     ) -> None:
         super().__init__()
+        buffer_device = torch.device("cpu")
+        if isinstance(device, torch.device | str) and not _is_capability_text(device):
+            buffer_device = torch.device(device)
+            device = DeviceInfo.current(buffer_device)
+        elif isinstance(device, str):
+            device = DeviceInfo.parse(device)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self.layer_name = layer_name
         self.sliding_window = sliding_window
@@ -106,8 +114,9 @@ class Attention(nn.Module):
             kv_sharing_target_layer_name,
             sinks,
         )
-        self.register_buffer("k_scale", torch.tensor(1.0), persistent=False)
-        self.register_buffer("v_scale", torch.tensor(1.0), persistent=False)
+        one = torch.tensor(1.0, device=buffer_device)
+        self.register_buffer("k_scale", one, persistent=False)
+        self.register_buffer("v_scale", one.clone(), persistent=False)
 
     def forward(
         self,
@@ -141,3 +150,8 @@ class Attention(nn.Module):
         return self.impl.forward(
             self, query, key, value, kv_cache, attn_metadata, output, output_lse=output_lse
         )
+
+
+def _is_capability_text(device: torch.device | str) -> bool:
+    """True for "sm90"-style text, which names hardware rather than a torch device."""
+    return isinstance(device, str) and device.strip().lower().startswith("sm")

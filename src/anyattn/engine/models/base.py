@@ -19,7 +19,7 @@ from anyattn.engine.model_config import ModelConfig
 from anyattn.engine.models.layers import RMSNorm, RotaryEmbedding, Slots, empty_param
 from anyattn.engine.models.weights import WeightSlot, load_into_slots
 from anyattn.layer import Attention
-from anyattn.types import DeviceInfo, parse_cache_dtype, parse_dtype
+from anyattn.types import parse_cache_dtype, parse_dtype
 
 __all__ = ["CausalLM"]
 
@@ -73,7 +73,6 @@ class CausalLM(nn.Module):
             **factory,
         )
         attn_kwargs = {
-            "device_info": DeviceInfo.current(self.device),
             "block_size": block_size,
             "backend": backend,
             "kv_cache_dtype": kv_cache_dtype,

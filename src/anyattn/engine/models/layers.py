@@ -22,7 +22,6 @@ from torch import nn
 from anyattn.backend import AttentionBackend
 from anyattn.engine.models.weights import WeightSlot
 from anyattn.layer import Attention
-from anyattn.types import DeviceInfo
 
 __all__ = [
     "GatedMLP",
@@ -306,7 +305,6 @@ class SelfAttention(nn.Module):
         logits_soft_cap: soft cap of the attention scores, or None.
         layer_name: unique name of the `Attention` layer (KV caches and metadata are keyed by it).
         block_size, backend, kv_cache_dtype: passed to `Attention`, which selects the backend.
-        device_info: the device the backend is judged for.
     """
 
     def __init__(
@@ -324,7 +322,6 @@ class SelfAttention(nn.Module):
         layer_name: str,
         dtype: torch.dtype,
         device: torch.device | str,
-        device_info: DeviceInfo,
         block_size: int,
         backend: str | type[AttentionBackend] | None,
         kv_cache_dtype: str,
@@ -350,7 +347,7 @@ class SelfAttention(nn.Module):
             kv_cache_dtype=kv_cache_dtype,
             block_size=block_size,
             backend=backend,
-            device=device_info,
+            device=device,
         )
 
     def forward(
