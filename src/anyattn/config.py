@@ -82,7 +82,10 @@ class AttentionSelectorConfig:
             parse_cache_dtype(self.kv_cache_dtype, argument=f"{api}: kv_cache_dtype"),
         )
         try:
-            object.__setattr__(self, "attn_type", AttentionType(self.attn_type))
+            attn_type = self.attn_type
+            if isinstance(attn_type, str) and not isinstance(attn_type, AttentionType):
+                attn_type = attn_type.lower()
+            object.__setattr__(self, "attn_type", AttentionType(attn_type))
         except ValueError:
             valid = ", ".join(t.value for t in AttentionType)
             raise ValueError(

@@ -177,6 +177,12 @@ def _hints(
     variations: list[tuple[str, dict[str, object]]] = []
     if config.kv_cache_dtype != "auto":
         variations.append(("kv_cache_dtype='auto'", {"kv_cache_dtype": "auto"}))
+    if config.use_per_head_quant_scales and config.kv_cache_dtype in (
+        "auto",
+        "float16",
+        "bfloat16",
+    ):
+        variations.append(("kv_cache_dtype='fp8'", {"kv_cache_dtype": "fp8"}))
     if config.block_size is not None:
         variations.append(("block_size=None (the backend's preferred size)", {"block_size": None}))
     for dtype_name in ("bfloat16", "float16", "float32"):

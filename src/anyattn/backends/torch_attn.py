@@ -615,12 +615,12 @@ class _Run:
     ) -> None:
         """The leading decodes as one padded batch over keys `[first_key, seq_len)`."""
         md = self.md
-        nd = md.num_decodes
-        if nd == 0 or self.encoder:
+        num_decodes = md.num_decodes
+        if num_decodes == 0 or self.encoder:
             return
         first_block = first_key // md.block_size
         kv = self.cache_keys(
-            md.block_table[:nd, first_block : first_block + md.decode_num_blocks],
+            md.block_table[:num_decodes, first_block : first_block + md.decode_num_blocks],
             length=md.decode_max_seq_len - first_block * md.block_size,
         )
         k_pos = first_key + torch.arange(kv.length, device=self.query.device)
@@ -631,24 +631,24 @@ class _Run:
         # causal already; only multi-token (spec-decode) queries need the causal mask.
         causal = md.causal and not md.decode_is_single_token
         if md.decode_is_single_token:
-            q = self.query[:nd].unsqueeze(1)
+            q = self.query[:num_decodes].unsqueeze(1)
         else:
-            q = self.query[md.decode_token_ids]  # [nd, Lq, H, D]
+            q = self.query[md.decode_token_ids]  # [num_decodes, Lq, H, D]
         o, part_lse = dense_attention(
             q, kv, md.decode_positions, k_pos, k_valid, self.mods, causal=causal,
             use_sinks=use_sinks, need_lse=lse is not None, lse_dtype=self.lse_dtype,
         )  # fmt: skip
         if md.decode_is_single_token:
-            out[:nd] = o[:, 0]
+            out[:num_decodes] = o[:, 0]
             if lse is not None:
-                lse[:, :nd] = part_lse[:, :, 0].T
+                lse[:, :num_decodes] = part_lse[:, :, 0].T
             return
-        # o: [nd, Lq, H, D] -> rows of real queries; index tensors, no host sync
+        # o: [num_decodes, Lq, H, D] -> rows of real queries; index tensors, no host sync
         num_heads = o.shape[2]
         rows, ids = md.decode_valid_rows, md.decode_valid_token_ids
         out[ids] = o.flatten(0, 1)[rows]
         if lse is not None:
-            # part_lse: [nd, H, Lq] -> [nd * Lq, H]
+            # part_lse: [num_decodes, H, Lq] -> [num_decodes * Lq, H]
             lse[:, ids] = part_lse.transpose(1, 2).reshape(-1, num_heads)[rows].T
 
     def segments(
