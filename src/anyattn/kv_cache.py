@@ -18,7 +18,7 @@ def allocate_kv_cache(
     head_size: int,
     dtype: torch.dtype,
     kv_cache_dtype: str = "auto",
-    layout: KVCacheLayout | str = KVCacheLayout.NHD,
+    layout: KVCacheLayout | str | None = None,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """A zeroed KV cache for one layer.
@@ -30,11 +30,14 @@ def allocate_kv_cache(
     Args:
         dtype: the model dtype; the element dtype is `kv_cache_dtype` resolved against it.
         kv_cache_dtype: "auto" or one of `anyattn.types.CACHE_DTYPES`.
-        layout: NHD (tokens outer) or HND (heads outer) inside each block.
+        layout: NHD (tokens outer) or HND (heads outer) inside each block; None takes the
+            backend's preferred layout (the first of `supported_kv_cache_layouts()`).
     """
     shape = backend.get_kv_cache_shape(
         num_blocks, block_size, num_kv_heads, head_size, kv_cache_dtype
     )
+    if layout is None:
+        layout = backend.supported_kv_cache_layouts()[0]
     order = backend.get_kv_cache_stride_order(layout)
     physical = torch.zeros(
         [shape[i] for i in order], dtype=cache_torch_dtype(kv_cache_dtype, dtype), device=device
