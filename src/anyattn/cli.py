@@ -210,6 +210,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         # User mistakes (a missing model, bad sampling parameters, ...) get one line.
         _error("generate", str(error))
         return 1
+    except KeyboardInterrupt:
+        sys.stderr.write("\nanyattn generate: interrupted\n")
+        return 130
 
 
 def _console() -> Console:

@@ -140,7 +140,9 @@ class Attention(nn.Module):
         Returns:
             `[num_tokens, num_heads, head_size]`; rows past the step's real tokens are zeros.
         """
-        output = torch.zeros_like(query)
+        output = torch.empty_like(query)
+        # rows past the step's real tokens (padding) are not written by the impl
+        output[getattr(attn_metadata, "num_actual_tokens", 0) :].zero_()
         # Encoder self-attention keeps no cache; backends whose forward writes it do so there.
         writes_cache = self.attn_type not in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
         # Everything is checked before the cache is written: a rejected call changes nothing.

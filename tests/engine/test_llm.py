@@ -57,15 +57,13 @@ def tiny_llm(tiny_hf_model, tmp_path):
 
 
 def _hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
+    """Plain argmax decoding with transformers (a loop: generate() would stop or bend at EOS)."""
+    ids = list(prompt)
     with torch.inference_mode():
-        out = hf_model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_tokens,
-            min_new_tokens=max_tokens,
-            do_sample=False,
-        )
-    return out[0, len(prompt) :].tolist()
+        for _ in range(max_tokens):
+            logits = hf_model(input_ids=torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt) :]
 
 
 PROMPTS = [[5, 9, 17, 33, 2, 80, 41, 7, 7, 150, 3], [99], [12, 13, 14, 15, 16, 17, 18]]
@@ -152,6 +150,72 @@ def test_stop_strings_and_stop_token_ids(tiny_llm):
     by_text = SamplingParams(temperature=0, max_tokens=8, stop=[word], ignore_eos=True)
     out = llm.generate([PROMPTS[0]], by_text)[0].outputs[0]
     assert word not in out.text and out.finish_reason == "stop"
+
+
+def test_generate_runs_only_its_own_requests_and_leaves_nothing_behind(tiny_llm):
+    llm, _ = tiny_llm("llama")
+    long = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    abandoned = llm.stream("t5 t6 t7", long)
+    next(abandoned)
+    abandoned.close()  # closing a stream aborts its request
+    assert not llm.has_unfinished_requests() and not llm._requests
+    with pytest.raises(ValueError, match="prompt token ids"):
+        llm.generate([[1, 2, 3], [1000]], long)  # the bad second prompt queues nothing
+    assert not llm.has_unfinished_requests()
+    steps = []
+    step = llm.step
+    llm.step = lambda: steps.append(1) or step()
+    llm.generate([[5]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert len(steps) == 2 and not llm._requests
+
+
+def test_stream_holds_back_a_possible_stop_string_and_keeps_its_tail(tiny_llm):
+    llm, _ = tiny_llm("llama")
+    free = llm.generate("t5 t6 t7", GREEDY)[0].outputs[0].text
+    stop = " ".join(free.split()[2:4])
+    params = SamplingParams(temperature=0, max_tokens=8, stop=[stop], ignore_eos=True)
+    expected = llm.generate("t5 t6 t7", params)[0].outputs[0]
+    assert expected.finish_reason == "stop" and stop not in expected.text
+    assert "".join(llm.stream("t5 t6 t7", params)) == expected.text
+    # another call finishing the streamed request's steps does not cut its text short
+    stream = llm.stream("t5 t6 t7", GREEDY)
+    first = next(stream)
+    llm.generate("t8 t9", SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert first + "".join(stream) == free
+
+
+@pytest.mark.parametrize(
+    ("prompt", "error"),
+    [(None, TypeError), (b"t1", TypeError), ([[1.5, 2.0]], TypeError), ({"a": 1}, TypeError)],
+)
+def test_bad_prompt_types_are_refused(tiny_llm, prompt, error):
+    llm, _ = tiny_llm("llama")
+    with pytest.raises(error, match="LLM"):
+        llm.generate(prompt, GREEDY)
+    assert not llm.has_unfinished_requests()
+
+
+def test_array_and_tensor_prompts_are_token_ids(tiny_llm):
+    import numpy as np
+
+    llm, _ = tiny_llm("llama")
+    expected = _greedy_ids(llm, [PROMPTS[0]])
+    assert _greedy_ids(llm, [np.array(PROMPTS[0])]) == expected
+    assert _greedy_ids(llm, torch.tensor(PROMPTS[0])) == expected
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"device": "tpu"}, "device must be"),
+        ({"kv_cache_memory": "inf"}, "kv_cache_memory"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"block_size": 0}, "block_size"),
+    ],
+)
+def test_bad_engine_arguments_are_refused_before_loading(kwargs, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        LLM(tmp_path / "not-even-read", **kwargs)
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(tiny_llm):

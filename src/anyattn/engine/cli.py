@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 
 from rich.console import Console
 
@@ -13,7 +14,9 @@ __all__ = ["DEFAULT_PROMPT", "add_generate_parser", "run_generate"]
 DEFAULT_PROMPT = "What is a KV cache in a transformer? Answer in two sentences."
 
 
-def add_generate_parser(commands: argparse._SubParsersAction, positive_int) -> None:
+def add_generate_parser(
+    commands: argparse._SubParsersAction, positive_int: Callable[[str], int]
+) -> None:
     """Register the `generate` subcommand on the main parser's subcommands."""
     gen = commands.add_parser(
         "generate",
@@ -34,15 +37,20 @@ def add_generate_parser(commands: argparse._SubParsersAction, positive_int) -> N
     gen.add_argument("-v", "--verbose", action="store_true", help="explain the backend choice")
 
 
-def _explain_first_layer(llm, console: Console) -> None:
+def _explain_layers(llm, backend: str | None, console: Console) -> None:
+    """The selector's verdict for each distinct layer configuration of the model."""
     from anyattn.selector import explain
+    from anyattn.types import DeviceInfo
 
-    layer = llm.model.attention_layers()[0]
-    result = explain(layer.config)
-    for verdict in result.verdicts:
-        why = list(verdict.reasons) + ([verdict.unavailable] if verdict.unavailable else [])
-        mark = "chosen" if verdict.name == result.chosen else "; ".join(why) or "fits"
-        console.print(f"  {verdict.name}: {mark}", highlight=False)
+    device = DeviceInfo.current(llm.device)
+    configs = {layer.config: layer.layer_name for layer in llm.model.attention_layers()}
+    for config, first_layer in configs.items():
+        result = explain(config, device, backend)
+        console.print(f"selection for {first_layer} (and layers like it):")
+        for verdict in result.verdicts:
+            why = list(verdict.reasons) + ([verdict.unavailable] if verdict.unavailable else [])
+            mark = "chosen" if verdict.name == result.chosen else "; ".join(why) or "fits"
+            console.print(f"  {verdict.name}: {mark}")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -50,7 +58,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from anyattn.engine.llm import LLM
     from anyattn.engine.sampling_params import SamplingParams
 
-    err = Console(stderr=True, highlight=False)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
     params = SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -67,7 +75,7 @@ def run_generate(args: argparse.Namespace) -> int:
         f"{', '.join(llm.backend_names)} (loaded in {time.perf_counter() - start:.1f} s)"
     )
     if args.verbose:
-        _explain_first_layer(llm, err)
+        _explain_layers(llm, args.backend, err)
     prompts = args.prompts or [DEFAULT_PROMPT]
     if len(prompts) == 1:
         if args.chat:
@@ -87,8 +95,17 @@ def run_generate(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, chat=args.chat)
         elapsed = time.perf_counter() - start
+        failed = 0
         for output in outputs:
-            print(f"--- {output.prompt}\n{output.outputs[0].text}")
+            print(f"--- {output.prompt}")
+            if output.error:
+                failed += 1
+                err.print(f"anyattn generate: error: {output.error}")
+            else:
+                print(output.outputs[0].text)
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        if failed:
+            err.print(f"{tokens} tokens; {failed} of {len(outputs)} requests failed")
+            return 1
     err.print(f"{tokens} tokens in {elapsed:.2f} s: {tokens / max(elapsed, 1e-9):.1f} tokens/s")
     return 0

@@ -14,8 +14,10 @@ scheduler records them and finishes requests.
 from __future__ import annotations
 
 import itertools
+import math
+import numbers
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +37,7 @@ from anyattn.types import cache_torch_dtype, parse_dtype
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
 
 _DEFAULT_KV_CACHE_MEMORY = 1 << 30
+_DEFAULT_MAX_MODEL_LEN = 4096
 
 
 @dataclass
@@ -74,7 +77,7 @@ def _parse_memory(value: int | str) -> int:
             parsed = float(number) * scale
         except ValueError:
             parsed = 0
-        if parsed >= 1:
+        if math.isfinite(parsed) and parsed >= 1:
             return int(parsed)
     raise ValueError(
         f"LLM: kv_cache_memory must be a positive byte count such as 268435456 or '256MiB' "
@@ -117,10 +120,25 @@ class LLM:
         enable_chunked_prefill: bool = True,
         kv_cache_dtype: str = "auto",
     ) -> None:
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        # Every argument is checked before the (slow) model load.
+        if model is not None and not isinstance(model, str | os.PathLike):
+            raise TypeError(
+                f"LLM: model must be a path to a .gguf file or a Hugging Face folder (got "
+                f"{type(model).__name__})."
+            )
+        self.device = _parse_device(device)
         default_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.dtype = default_dtype if dtype is None else parse_dtype(dtype, argument="LLM: dtype")
         self.block_size = 16 if block_size is None else block_size
+        for name, value in (
+            ("block_size", self.block_size),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", 1 if max_model_len is None else max_model_len),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LLM: {name} must be a positive int (got {value!r}).")
+        memory = _parse_memory(kv_cache_memory)
         loaded = load_model(
             model,
             dtype=self.dtype,
@@ -128,6 +146,7 @@ class LLM:
             block_size=self.block_size,
             backend=backend,
             kv_cache_dtype=kv_cache_dtype,
+            max_positions=_DEFAULT_MAX_MODEL_LEN if max_model_len is None else max_model_len,
         )
         self.model, self.model_config, self.tokenizer = (
             loaded.model,
@@ -136,14 +155,16 @@ class LLM:
         )
         self.model_path: Path = loaded.path
         context = self.model_config.max_position_embeddings
-        self.max_model_len = min(context, 4096) if max_model_len is None else max_model_len
+        self.max_model_len = (
+            min(context, _DEFAULT_MAX_MODEL_LEN) if max_model_len is None else max_model_len
+        )
         if self.max_model_len > context:
             raise ValueError(
                 f"LLM: max_model_len exceeds the model's context (got {self.max_model_len}, "
                 f"expected <= {context})."
             )
-        limits = BatchLimits(max_num_seqs, max(max_num_batched_tokens, 1), self.max_model_len)
-        num_blocks = self._num_blocks(_parse_memory(kv_cache_memory), kv_cache_dtype, limits)
+        limits = BatchLimits(max_num_seqs, max_num_batched_tokens, self.max_model_len)
+        num_blocks = self._num_blocks(memory, kv_cache_dtype, limits)
         self.runner = ModelRunner(
             self.model,
             num_blocks=num_blocks,
@@ -193,39 +214,55 @@ class LLM:
     # --- requests ----------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
-        """Token ids of a prompt: a string (with the chat template when `chat`) or ids."""
+        """Token ids of a prompt: a string (with the chat template when `chat`) or token ids
+        (a list, a 1-D array or tensor of ints).
+
+        Raises:
+            TypeError: a prompt of another type, or token ids that are not integers.
+            ValueError: token ids outside the vocabulary, or `chat` with token ids.
+        """
         if isinstance(prompt, str):
-            if chat:
-                messages = [{"role": "user", "content": prompt}]
-                ids = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True
-                )
-                return list(
-                    ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-                )
-            return list(self.tokenizer.encode(prompt))
-        ids = list(prompt)
-        vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            if not chat:
+                return list(self.tokenizer.encode(prompt))
+            messages = [{"role": "user", "content": prompt}]
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True
+            )
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        if hasattr(prompt, "tolist") and getattr(prompt, "ndim", 1) == 1:
+            prompt = prompt.tolist()  # numpy arrays and tensors of ids
+        if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
+            raise TypeError(
+                f"LLM: a prompt must be a str or a list of token ids (got {type(prompt).__name__})."
+            )
+        if chat:
             raise ValueError(
-                f"LLM: prompt token ids must be ints in [0, {vocab}) (got a list of {len(ids)} "
-                "with values outside it)."
+                "LLM: chat=True needs text prompts (got token ids); apply the chat template "
+                "yourself or pass the text."
+            )
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+            raise TypeError("LLM: prompt token ids must be integers (got other values).")
+        ids = [int(t) for t in prompt]
+        vocab = self.model_config.vocab_size
+        if not all(0 <= t < vocab for t in ids):
+            raise ValueError(
+                f"LLM: prompt token ids must lie in [0, {vocab}) (got values outside it)."
             )
         return ids
 
     def add_request(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, chat: bool = False
     ) -> int:
-        """Queue one request; returns its id."""
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"LLM: params must be a SamplingParams (got {type(params).__name__}).")
-        token_ids = self.encode_prompt(prompt, chat)
+        """Queue one request; returns its id. Drive it with `step()`; read its state from the
+        returned outputs. `abort_request` drops it."""
+        params = _check_params(params)
+        return self._add(prompt, self.encode_prompt(prompt, chat), params)
+
+    def _add(self, prompt: object, token_ids: list[int], params: SamplingParams) -> int:
         request_id = next(self._ids)
         request = Request(request_id, token_ids, params, self.eos_token_ids)
-        output = RequestOutput(
-            request_id, prompt if isinstance(prompt, str) else None, token_ids, [CompletionOutput()]
-        )
+        text = prompt if isinstance(prompt, str) else None
+        output = RequestOutput(request_id, text, token_ids, [CompletionOutput()])
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -233,7 +270,19 @@ class LLM:
         self.scheduler.add(request)
         return request_id
 
+    def abort_request(self, request_id: int) -> None:
+        """Stop a request now (finish reason "abort") and forget it; unknown ids are ignored."""
+        entry = self._requests.pop(request_id, None)
+        if entry is None:
+            return
+        request, output, _ = entry
+        if request.status != SequenceStatus.FINISHED:
+            self.scheduler.finish(request, "abort")
+        output.finished = True
+        output.outputs[0].finish_reason = request.finish_reason
+
     def has_unfinished_requests(self) -> bool:
+        """Whether any queued request still has work (or a failure to report)."""
         return self.scheduler.has_unfinished()
 
     # --- stepping ----------------------------------------------------------------------------
@@ -291,7 +340,7 @@ class LLM:
             if cut != -1:
                 text = text[:cut]
                 if seq.status != SequenceStatus.FINISHED:
-                    self.scheduler.finish(seq, "stop")
+                    self.scheduler.finish(seq, "stop", stop_reason=stop)
         completion.text = text
         completion.finish_reason = seq.finish_reason
         output.finished = seq.status == SequenceStatus.FINISHED
@@ -305,17 +354,29 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         chat: bool = False,
     ) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in prompt order.
+        """Run prompts to completion.
 
         Args:
             prompts: a string, a list of token ids, or a list of either.
             params: one SamplingParams for all prompts, or one per prompt.
             chat: wrap string prompts in the model's chat template.
+
+        Returns:
+            One `RequestOutput` per prompt, in prompt order; a request that failed (e.g. a
+            prompt longer than `max_model_len`) has `error` set, the others finish.
+
+        Raises:
+            TypeError / ValueError: a bad prompt or params; nothing is queued then.
         """
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
+        if isinstance(prompts, str) or _is_token_ids(prompts):
             prompts = [prompts]
+        if isinstance(prompts, Mapping | bytes | bytearray) or not (
+            isinstance(prompts, Sequence) or hasattr(prompts, "__iter__")
+        ):
+            raise TypeError(
+                f"LLM.generate: prompts must be a str, token ids, or a list of those (got "
+                f"{type(prompts).__name__})."
+            )
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params] * len(prompts)
@@ -324,33 +385,95 @@ class LLM:
                 f"LLM.generate: params must be a SamplingParams or a list of them (got "
                 f"{type(params).__name__})."
             )
-        params = list(params)
+        params = [_check_params(p) for p in params]
         if len(params) != len(prompts):
             raise ValueError(
                 f"LLM.generate: params must be one SamplingParams or one per prompt (got "
                 f"{len(params)} for {len(prompts)} prompts)."
             )
-        ids = [self.add_request(p, sp, chat) for p, sp in zip(prompts, params, strict=True)]
-        while self.has_unfinished_requests():
-            self.step()
-        return [self._requests.pop(i)[1] for i in ids]
+        # Encode every prompt before queueing any, so that a bad one leaves nothing behind.
+        encoded = [self.encode_prompt(p, chat) for p in prompts]
+        ids = [self._add(p, e, sp) for p, e, sp in zip(prompts, encoded, params, strict=True)]
+        outputs = [self._requests[i][1] for i in ids]
+        try:
+            while not all(o.finished for o in outputs):
+                self.step()
+        finally:
+            for request_id in ids:  # on an interrupt, stop what is still running
+                self.abort_request(request_id)
+        return outputs
 
     def stream(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, chat: bool = False
     ) -> Iterator[str]:
-        """Generate one prompt, yielding text as it appears (holding back partial characters)."""
+        """Generate one prompt, yielding its text as it appears.
+
+        Text that could still turn out to be the start of a stop string, or half of a
+        multi-byte character, is held back until it is settled. Closing the iterator early
+        aborts the request.
+
+        Raises:
+            TypeError / ValueError: a bad prompt or params; ValueError when the request fails
+            (e.g. a prompt longer than `max_model_len`).
+        """
+        params = _check_params(params)
         request_id = self.add_request(prompt, params, chat)
         _, output, _ = self._requests[request_id]
         self.last_stream_output = output
+        hold = max((len(stop) - 1 for stop in params.stop), default=0)
         shown = 0
-        while not output.finished:
-            self.step()
-            text = output.outputs[0].text
-            # a trailing replacement character is half of a multi-byte character: wait for it
-            ready = len(text) if output.finished else len(text.rstrip("\ufffd"))
-            if ready > shown:
-                yield text[shown:ready]
-                shown = ready
-        self._requests.pop(request_id)
+        try:
+            while True:
+                if not output.finished:
+                    self.step()
+                text = output.outputs[0].text
+                if output.finished:
+                    ready = len(text)
+                else:
+                    ready = max(len(text.rstrip("\ufffd")) - hold, shown)
+                if ready > shown:
+                    yield text[shown:ready]
+                    shown = ready
+                if output.finished:
+                    break
+        finally:
+            self.abort_request(request_id)
         if output.error:
             raise ValueError(output.error)
+
+
+def _parse_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"LLM: device must be 'cpu' or 'cuda' (got {device!r}).")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"LLM: device {device!r} asked for, but torch sees no CUDA GPU here (got torch "
+            f"{torch.__version__}). Use device='cpu'."
+        )
+    return parsed
+
+
+def _check_params(params: SamplingParams | None) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"LLM: params must be a SamplingParams (got {type(params).__name__}).")
+    return params
+
+
+def _is_token_ids(prompts: object) -> bool:
+    """A single prompt given as ids: a 1-D array/tensor, or a non-empty list of integers."""
+    if getattr(prompts, "ndim", None) == 1:
+        return True
+    return (
+        isinstance(prompts, Sequence)
+        and not isinstance(prompts, str)
+        and len(prompts) > 0
+        and isinstance(prompts[0], numbers.Integral)
+    )

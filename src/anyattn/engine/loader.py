@@ -69,8 +69,11 @@ def load_model(
     block_size: int = 16,
     backend: str | type | None = None,
     kv_cache_dtype: str = "auto",
+    max_positions: int | None = None,
 ) -> LoadedModel:
     """Build the model for `path` (default: the embedded SmolLM2 GGUF) and load its weights.
+
+    `max_positions` bounds the RoPE table (default: the model's whole context).
 
     Raises:
         FileNotFoundError: the path does not exist (or the default model is not installed).
@@ -90,6 +93,8 @@ def load_model(
         block_size=block_size,
         backend=backend,
         kv_cache_dtype=kv_cache_dtype,
+        # the RoPE table needs only the positions the engine will use
+        max_positions=min(config.max_position_embeddings, max_positions or 1 << 62),
     )
     model.load_weights(_with_progress(weights, f"loading {resolved.name}", total))
     model.eval()
