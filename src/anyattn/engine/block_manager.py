@@ -244,7 +244,9 @@ class BlockManager:
         else:
             block_id, _ = self._evictable.popitem(last=False)
             block_hash = self._hashes[block_id]
-            assert block_hash is not None and self._cached[block_hash] == block_id
+            assert block_hash is not None and self._cached[block_hash] == block_id, (
+                f"evictable block {block_id} is not the cached block of its hash"
+            )
             del self._cached[block_hash]
             self._hashes[block_id] = None
             self.num_evictions += 1

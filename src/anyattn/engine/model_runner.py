@@ -131,8 +131,10 @@ class ModelRunner:
     def _log_cudagraph_support(self) -> None:
         if self.device.type != "cuda":
             return
-        levels = {g.backend.get_name(): g.backend.get_cudagraph_support(g.spec, self.limits)
-                  for g in self.groups}  # fmt: skip
+        levels = {
+            group.backend.get_name(): group.backend.get_cudagraph_support(group.spec, self.limits)
+            for group in self.groups
+        }
         weakest = min(levels.values())
         if weakest == AttentionCGSupport.NEVER:
             names = ", ".join(n for n, lvl in levels.items() if lvl == AttentionCGSupport.NEVER)
@@ -166,18 +168,26 @@ class ModelRunner:
         return min(shared * self.block_size, min(contexts) // self.block_size * self.block_size)
 
     def execute(
-        self, token_ids: Seq[Seq[int]], num_computed: Seq[int], num_new: Seq[int],
-        block_tables: Seq[Seq[int]], needs_sample: Seq[bool],
-    ) -> StepOutput:  # fmt: skip
+        self,
+        token_ids: Seq[Seq[int]],
+        num_computed: Seq[int],
+        num_new: Seq[int],
+        block_tables: Seq[Seq[int]],
+        needs_sample: Seq[bool],
+    ) -> StepOutput:
         """Run one step.
 
         Args:
             token_ids: every request's known tokens (prompt + output so far).
             num_computed: tokens of each request already in the KV cache.
-            num_new: tokens of each request to run this step.
+            num_new: tokens of each request to run this step (its query length).
             block_tables: each request's physical blocks (engine block size), covering
                 `num_computed + num_new` tokens.
             needs_sample: whether the request's step ends at its last known token.
+
+        Returns:
+            A `StepOutput`: the order the step ran the requests in, the requests to sample and
+            their float32 logits `[num_sampled, vocab_size]`, and the cascade prefix length.
         """
         order = self._order(list(num_new))
         query_lens = [num_new[i] for i in order]
