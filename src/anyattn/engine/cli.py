@@ -11,7 +11,7 @@ from rich.console import Console
 
 __all__ = ["DEFAULT_PROMPT", "add_generate_parser", "run_generate"]
 
-DEFAULT_PROMPT = "What is a KV cache in a transformer? Answer in two sentences."
+DEFAULT_PROMPT = "Give me three tips for writing clear Python code."
 
 
 def add_generate_parser(
