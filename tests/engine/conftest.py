@@ -6,12 +6,16 @@ Fixtures:
         (safetensors) into a session temp folder, and the model itself as the reference.
     paged_runner: `paged_runner(model, block_size=4, num_blocks=64) -> PagedRunner`.
 
+    tiny_llm: `tiny_llm(kind, **llm_kwargs) -> (LLM, hf_model)` over such a folder with a
+        word-level tokenizer ("t0 t1 ..."), so text prompts work.
     hf_logits: `hf_logits(hf_model, token_ids)`: transformers' fp32 logits `[len, vocab]` of
         one sequence (the reference every model test compares with).
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -203,3 +207,46 @@ class PagedRunner:
 @pytest.fixture
 def paged_runner() -> Callable[..., PagedRunner]:
     return PagedRunner
+
+
+def with_tokenizer(folder: Path, vocab_size: int, tmp_path: Path) -> Path:
+    """A copy of a tiny model folder with a word-level tokenizer ("t0 t1 ...") of its vocab."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    target = tmp_path / folder.name
+    if target.exists():
+        return target
+    shutil.copytree(folder, target)
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = pytest.importorskip("transformers").PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="t0"
+    )
+    fast.save_pretrained(target)
+    return target
+
+
+@pytest.fixture
+def tiny_llm(tiny_hf_model, tmp_path):
+    """`tiny_llm(kind, max_position_embeddings=None, **llm_kwargs) -> (LLM, hf_model)`: an LLM
+    over a tiny random model folder (with a word-level tokenizer), block size 4, fp32, CPU."""
+
+    def make(kind: str, max_position_embeddings: int | None = None, **kwargs):
+        folder, hf_model = tiny_hf_model(kind)
+        path = with_tokenizer(folder, hf_model.config.vocab_size, tmp_path)
+        if max_position_embeddings is not None:  # a longer context than the reference model's
+            config = json.loads((path / "config.json").read_text())
+            config["max_position_embeddings"] = max_position_embeddings
+            path = path.with_name(f"{path.name}_ctx{max_position_embeddings}")
+            if not path.exists():
+                shutil.copytree(tmp_path / folder.name, path)
+            (path / "config.json").write_text(json.dumps(config))
+        kwargs.setdefault("block_size", 4)
+        kwargs.setdefault("dtype", torch.float32)
+        kwargs.setdefault("device", "cpu")
+        from anyattn.engine.llm import LLM
+
+        return LLM(path, **kwargs), hf_model
+
+    return make

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,44 +15,6 @@ from anyattn.engine.sampling_params import SamplingParams
 transformers = pytest.importorskip("transformers")
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-
-
-def _with_tokenizer(folder: Path, vocab_size: int, tmp_path: Path) -> Path:
-    """A copy of a tiny model folder with a word-level tokenizer ("t0 t1 ...") of its vocab."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    target = tmp_path / folder.name
-    if target.exists():
-        return target
-    shutil.copytree(folder, target)
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0")
-    fast.save_pretrained(target)
-    return target
-
-
-@pytest.fixture
-def tiny_llm(tiny_hf_model, tmp_path):
-    """`tiny_llm(kind, **llm_kwargs) -> (LLM, hf_model)`."""
-
-    def make(kind: str, max_position_embeddings: int | None = None, **kwargs):
-        folder, hf_model = tiny_hf_model(kind)
-        path = _with_tokenizer(folder, hf_model.config.vocab_size, tmp_path)
-        if max_position_embeddings is not None:  # a longer context than the reference model's
-            config = json.loads((path / "config.json").read_text())
-            config["max_position_embeddings"] = max_position_embeddings
-            path = path.with_name(f"{path.name}_ctx{max_position_embeddings}")
-            if not path.exists():
-                shutil.copytree(tmp_path / folder.name, path)
-            (path / "config.json").write_text(json.dumps(config))
-        kwargs.setdefault("block_size", 4)
-        kwargs.setdefault("dtype", torch.float32)
-        kwargs.setdefault("device", "cpu")
-        return LLM(path, **kwargs), hf_model
-
-    return make
 
 
 def _hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:

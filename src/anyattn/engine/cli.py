@@ -43,7 +43,9 @@ def _explain_layers(llm, backend: str | None, console: Console) -> None:
     from anyattn.types import DeviceInfo
 
     device = DeviceInfo.current(llm.device)
-    configs = {layer.config: layer.layer_name for layer in llm.model.attention_layers()}
+    configs: dict[object, str] = {}
+    for layer in llm.model.attention_layers():
+        configs.setdefault(layer.config, layer.layer_name)  # the first layer of each config
     for config, first_layer in configs.items():
         result = explain(config, device, backend)
         console.print(f"selection for {first_layer} (and layers like it):")
