@@ -168,6 +168,8 @@ class TorchAttentionMetadata:
         prefix_blocks: block ids of that prefix `[common_prefix_len // block_size]` (device).
         token_positions: int64 `[num_actual_tokens]` absolute position of each query (cascade).
         workspace: the builder's gather buffer, reused by every layer.
+        step_cache: tensors derived from this metadata alone (key positions and masks), made
+            by the first layer that needs them and reused by the others.
     """
 
     num_actual_tokens: int
@@ -193,6 +195,7 @@ class TorchAttentionMetadata:
     prefix_blocks: torch.Tensor | None = None
     token_positions: torch.Tensor | None = None
     workspace: Workspace = field(default_factory=Workspace)
+    step_cache: dict = field(default_factory=dict)
 
 
 class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetadata]):
@@ -635,10 +638,15 @@ class _Run:
             md.block_table[:num_decodes, first_block : first_block + md.decode_num_blocks],
             length=md.decode_max_seq_len - first_block * md.block_size,
         )
-        k_pos = first_key + torch.arange(kv.length, device=self.query.device)
-        k_valid = None  # keys are trimmed to the longest sequence: equal lengths need no mask
-        if not md.decode_has_uniform_seq_len:
-            k_valid = k_pos.unsqueeze(0) < md.decode_seq_lens.unsqueeze(1)
+        # Key positions and validity are the same for every layer of the step: made once.
+        cached = md.step_cache.get(("decode_keys", first_key))
+        if cached is None:
+            k_pos = first_key + torch.arange(kv.length, device=self.query.device)
+            k_valid = None  # keys trimmed to the longest sequence: equal lengths need no mask
+            if not md.decode_has_uniform_seq_len:
+                k_valid = k_pos.unsqueeze(0) < md.decode_seq_lens.unsqueeze(1)
+            cached = md.step_cache[("decode_keys", first_key)] = (k_pos, k_valid)
+        k_pos, k_valid = cached
         # A single query token sits at its sequence's last position, so every valid key is
         # causal already; only multi-token (spec-decode) queries need the causal mask.
         causal = md.causal and not md.decode_is_single_token

@@ -139,16 +139,16 @@ def _allowed(
     causal: bool,
     sliding_window: int | None,
 ) -> torch.Tensor | None:
-    """bool `[B, Lq, L]` of allowed (query, key) pairs, or None when all are allowed."""
+    """bool `[B, Lq or 1, L]` of allowed (query, key) pairs, or None when all are allowed."""
     allowed = None
-    rel = k_pos.view(1, 1, -1) - q_pos.unsqueeze(-1)  # j - p: [B, Lq, L]
     if causal or sliding_window is not None:
+        rel = k_pos.view(1, 1, -1) - q_pos.unsqueeze(-1)  # j - p: [B, Lq, L]
         allowed = rel <= 0
-    if sliding_window is not None:
-        allowed &= rel > -sliding_window
+        if sliding_window is not None:
+            allowed &= rel > -sliding_window
     if k_valid is not None:
-        valid = k_valid.unsqueeze(1)
-        allowed = valid.expand(rel.shape) if allowed is None else allowed & valid
+        valid = k_valid.unsqueeze(1)  # [B, 1, L], broadcast over the queries
+        allowed = valid if allowed is None else allowed & valid
     return allowed
 
 
