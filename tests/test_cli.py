@@ -17,18 +17,7 @@ from anyattn.cli import main
 from anyattn.config import AttentionSelectorConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-FLAGS = [
-    "use_mla",
-    "has_sink",
-    "use_sparse",
-    "has_sliding_window",
-    "has_alibi",
-    "has_logits_soft_cap",
-    "use_non_causal",
-    "use_per_head_quant_scales",
-    "use_batch_invariant",
-    "needs_lse",
-]
+FLAGS = list(AttentionSelectorConfig.flag_names())
 
 
 def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:

@@ -10,18 +10,7 @@ import torch
 from anyattn.config import AttentionSelectorConfig, AttentionSpec, BatchLimits, MLAAttentionSpec
 from anyattn.types import AttentionType
 
-BOOL_FIELDS = [
-    "use_mla",
-    "has_sink",
-    "use_sparse",
-    "has_sliding_window",
-    "has_alibi",
-    "has_logits_soft_cap",
-    "use_non_causal",
-    "use_per_head_quant_scales",
-    "use_batch_invariant",
-    "needs_lse",
-]
+BOOL_FIELDS = list(AttentionSelectorConfig.flag_names())
 
 
 def test_selector_config_defaults():

@@ -104,6 +104,11 @@ class AttentionSelectorConfig:
             if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
                 raise TypeError(f"{api}: {f.name} must be a bool (got {getattr(self, f.name)!r}).")
 
+    @classmethod
+    def flag_names(cls) -> tuple[str, ...]:
+        """The boolean feature fields (`use_mla`, `has_sink`, ...), in declaration order."""
+        return tuple(f.name for f in fields(cls) if f.type == "bool")
+
     def replace(self, **changes: object) -> AttentionSelectorConfig:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)

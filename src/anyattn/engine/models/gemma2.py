@@ -38,19 +38,7 @@ class Gemma2DecoderLayer(nn.Module):
         for name in _NORMS:
             norm = RMSNorm(config.hidden_size, config.rms_norm_eps, has_unit_offset=True, **factory)
             self.add_module(name, norm)
-        self.self_attn = SelfAttention(
-            hidden_size=config.hidden_size,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
-            head_size=config.head_dim,
-            scale=config.attention_scale,
-            has_qkv_bias=config.attention_bias,
-            has_o_bias=config.o_proj_bias,
-            sliding_window=config.layer_sliding_windows[index],
-            logits_soft_cap=config.attn_logit_softcapping,
-            layer_name=f"model.layers.{index}.self_attn.attn",
-            **attn_kwargs,
-        )
+        self.self_attn = SelfAttention.from_config(config, index, attn_kwargs)
         self.mlp = GatedMLP(
             config.hidden_size, config.intermediate_size, config.hidden_act, **factory
         )

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from anyattn.backend import AttentionBackend
+from anyattn.engine.model_config import ModelConfig
 from anyattn.engine.models.weights import WeightSlot
 from anyattn.layer import Attention
 
@@ -348,6 +349,25 @@ class SelfAttention(nn.Module):
             block_size=block_size,
             backend=backend,
             device=device,
+        )
+
+    @classmethod
+    def from_config(
+        cls, config: ModelConfig, index: int, attn_kwargs: dict[str, object]
+    ) -> SelfAttention:
+        """The attention block of decoder layer `index` (its window from the config)."""
+        return cls(
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_size=config.head_dim,
+            scale=config.attention_scale,
+            has_qkv_bias=config.attention_bias,
+            has_o_bias=config.o_proj_bias,
+            sliding_window=config.layer_sliding_windows[index],
+            logits_soft_cap=config.attn_logit_softcapping,
+            layer_name=f"model.layers.{index}.self_attn.attn",
+            **attn_kwargs,
         )
 
     def forward(

@@ -24,19 +24,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         factory = {"dtype": attn_kwargs["dtype"], "device": attn_kwargs["device"]}
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.self_attn = SelfAttention(
-            hidden_size=config.hidden_size,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
-            head_size=config.head_dim,
-            scale=config.attention_scale,
-            has_qkv_bias=config.attention_bias,
-            has_o_bias=config.o_proj_bias,
-            sliding_window=config.layer_sliding_windows[index],
-            logits_soft_cap=config.attn_logit_softcapping,
-            layer_name=f"model.layers.{index}.self_attn.attn",
-            **attn_kwargs,
-        )
+        self.self_attn = SelfAttention.from_config(config, index, attn_kwargs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
         self.mlp = GatedMLP(
             config.hidden_size,
