@@ -10,6 +10,10 @@ the log-sum-exp (LSE) of its scores. With `m = max(lse_p, lse_s)`,
 is exactly attention over the union of the keys. An empty side has LSE -inf (a `+inf` LSE is read
 as -inf too) and contributes nothing, whatever its output rows hold; a row empty on both sides
 gets zeros and LSE -inf, never NaN.
+
+On CUDA, when triton is importable, the merge is one Triton kernel launch (one program per
+(token, head)); the PyTorch path serves the CPU and CUDA without triton. `impl=` forces either
+one (tests run the kernel on the CPU under `TRITON_INTERPRET=1`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,12 @@ from __future__ import annotations
 import math
 
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is an optional extra
+    triton = None
 
 __all__ = ["merge_attn_states", "merge_attn_states_ref"]
 
@@ -32,6 +42,8 @@ def merge_attn_states(
     suffix_lse: torch.Tensor,
     output_lse: torch.Tensor | None = None,
     lse_base_on_e: bool = True,
+    *,
+    impl: str = "auto",
 ) -> None:
     """Write the merge of a prefix and a suffix attention result into `output`, in place.
 
@@ -50,12 +62,21 @@ def merge_attn_states(
         output_lse: optional float32 `[num_heads, num_tokens]` to receive the merged LSE.
         lse_base_on_e: True for natural-log LSEs; False when they are base 2 (`log2` of the sum
             of `exp2` scores), and `output_lse` is then written in base 2 as well.
+        impl: "auto" (the Triton kernel on CUDA when triton is importable, else PyTorch),
+            "torch" or "triton" (on the CPU it needs `TRITON_INTERPRET=1` set before triton is
+            imported).
 
     Raises:
         TypeError: a non-tensor argument or a wrong dtype.
-        ValueError: shapes that disagree, or tensors on different devices.
+        ValueError: shapes that disagree, tensors on different devices, an unknown `impl`.
+        RuntimeError: `impl="triton"` without triton installed.
     """
     _validate(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse)
+    if _use_triton(impl, output):
+        _merge_with_triton(
+            output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse, lse_base_on_e
+        )
+        return
     exp, log = (torch.exp, torch.log) if lse_base_on_e else (torch.exp2, torch.log2)
     # lse: [num_heads, num_tokens] -> [num_tokens, num_heads]
     # float64 LSEs (callers that need fp32-exact merges) keep the whole merge in float64: the
@@ -118,6 +139,147 @@ def merge_attn_states_ref(
                 merged_lse = lse_max + math.log(total, base)
             if output_lse is not None:
                 output_lse[head, token] = merged_lse
+
+
+def _use_triton(impl: str, output: torch.Tensor) -> bool:
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(
+            f"{_OP}: unknown impl (got {impl!r}, expected 'auto', 'torch' or 'triton')."
+        )
+    if impl == "triton" and triton is None:
+        raise RuntimeError(
+            f"{_OP}: impl='triton' needs triton (got no importable triton). Install the "
+            "'triton' extra or pass impl='auto'."
+        )
+    if impl != "auto":
+        return impl == "triton"
+    return triton is not None and output.device.type == "cuda"
+
+
+def _merge_with_triton(
+    output: torch.Tensor,
+    prefix_output: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_output: torch.Tensor,
+    suffix_lse: torch.Tensor,
+    output_lse: torch.Tensor | None,
+    lse_base_on_e: bool,
+) -> None:
+    num_tokens, num_heads, head_size = output.shape
+    if num_tokens == 0 or num_heads == 0:
+        return
+    block_d = triton.next_power_of_2(head_size)
+    has_output_lse = output_lse is not None
+    # Never written when has_output_lse is False: the pointer only needs a valid tensor.
+    out_lse = output_lse if output_lse is not None else prefix_lse
+    _merge_attn_states_kernel[(num_tokens, num_heads)](
+        output,
+        prefix_output,
+        prefix_lse,
+        suffix_output,
+        suffix_lse,
+        out_lse,
+        head_size,
+        *output.stride(),
+        *prefix_output.stride(),
+        *suffix_output.stride(),
+        *prefix_lse.stride(),
+        *suffix_lse.stride(),
+        *out_lse.stride(),
+        HAS_OUTPUT_LSE=has_output_lse,
+        BASE_E=lse_base_on_e,
+        F64=torch.float64 in (prefix_lse.dtype, suffix_lse.dtype),
+        BLOCK_D=block_d,
+        num_warps=1 if block_d <= 256 else 2 if block_d <= 1024 else 4,
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _merge_attn_states_kernel(
+        out_ptr,
+        prefix_ptr,
+        prefix_lse_ptr,
+        suffix_ptr,
+        suffix_lse_ptr,
+        out_lse_ptr,
+        head_size,
+        stride_o_token,
+        stride_o_head,
+        stride_o_dim,
+        stride_p_token,
+        stride_p_head,
+        stride_p_dim,
+        stride_s_token,
+        stride_s_head,
+        stride_s_dim,
+        stride_pl_head,
+        stride_pl_token,
+        stride_sl_head,
+        stride_sl_token,
+        stride_ol_head,
+        stride_ol_token,
+        HAS_OUTPUT_LSE: tl.constexpr,
+        BASE_E: tl.constexpr,
+        F64: tl.constexpr,  # an LSE is float64: merge in float64, as the PyTorch path does
+        BLOCK_D: tl.constexpr,
+    ):
+        # One program per (token, head): one row of head_size values.
+        token = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
+        lse_p = tl.load(prefix_lse_ptr + head * stride_pl_head + token * stride_pl_token)
+        lse_s = tl.load(suffix_lse_ptr + head * stride_sl_head + token * stride_sl_token)
+        if F64:
+            lse_p = lse_p.to(tl.float64)
+            lse_s = lse_s.to(tl.float64)
+        else:
+            lse_p = lse_p.to(tl.float32)
+            lse_s = lse_s.to(tl.float32)
+        # An empty side has LSE -inf; +inf is read as -inf too.
+        lse_p = tl.where(lse_p == float("inf"), float("-inf"), lse_p)
+        lse_s = tl.where(lse_s == float("inf"), float("-inf"), lse_s)
+        lse_max = tl.maximum(lse_p, lse_s)
+        # Rows empty on both sides would compute -inf - -inf = NaN; shift them by 0 instead.
+        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+        if BASE_E:
+            weight_p = tl.exp(lse_p - lse_max)
+            weight_s = tl.exp(lse_s - lse_max)
+        else:
+            weight_p = tl.exp2(lse_p - lse_max)
+            weight_s = tl.exp2(lse_s - lse_max)
+        total = weight_p + weight_s
+        inv_total = 1.0 / tl.where(total > 0, total, 1.0)
+        scale_p = weight_p * inv_total
+        scale_s = weight_s * inv_total
+
+        dims = tl.arange(0, BLOCK_D)
+        mask = dims < head_size
+        x_p = tl.load(
+            prefix_ptr + token * stride_p_token + head * stride_p_head + dims * stride_p_dim,
+            mask=mask,
+        )
+        x_s = tl.load(
+            suffix_ptr + token * stride_s_token + head * stride_s_head + dims * stride_s_dim,
+            mask=mask,
+        )
+        # A side of weight 0 adds exactly 0, even where its rows hold garbage (inf, NaN).
+        out = tl.where(scale_p > 0, scale_p * x_p.to(scale_p.dtype), 0.0)
+        out += tl.where(scale_s > 0, scale_s * x_s.to(scale_s.dtype), 0.0)
+        tl.store(
+            out_ptr + token * stride_o_token + head * stride_o_head + dims * stride_o_dim,
+            out.to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
+        if HAS_OUTPUT_LSE:
+            if BASE_E:
+                merged = lse_max + tl.log(total)  # log(0) = -inf for rows empty on both sides
+            else:
+                merged = lse_max + tl.log2(total)
+            tl.store(
+                out_lse_ptr + head * stride_ol_head + token * stride_ol_token,
+                merged.to(out_lse_ptr.dtype.element_ty),
+            )
 
 
 def _empty_as_neg_inf(lse: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,10 @@ every write goes through that view, so both layouts work. Token `t` goes to
 written. fp8 caches hold `(x.float() / scale).to(fp8)`, where `scale` (float32, shape `[]` or
 `[num_kv_heads]`) is `k_scale` for K and `v_scale` for V; values beyond the fp8 range saturate to
 its largest finite value (448 for e4m3, 57344 for e5m2), as vLLM's kernels do, never inf or NaN.
+
+On CUDA, when triton is importable, the write is one Triton kernel launch (one program per
+token); the vectorised PyTorch path serves the CPU and CUDA without triton. `impl=` forces
+either one (tests run the kernel on the CPU under `TRITON_INTERPRET=1`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,12 @@ import math
 import torch
 
 from anyattn.types import CACHE_DTYPES, cache_torch_dtype, is_fp8_cache
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is an optional extra
+    triton = None
 
 __all__ = ["dequantize_cache", "reshape_and_cache", "reshape_and_cache_ref"]
 
@@ -35,6 +45,8 @@ def reshape_and_cache(
     kv_cache_dtype: str = "auto",
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    impl: str = "auto",
 ) -> None:
     """Write `key`/`value` into `kv_cache` at the slots of `slot_mapping`, in place.
 
@@ -56,19 +68,28 @@ def reshape_and_cache(
             cache's device. Required, finite and > 0 for fp8 caches. For other caches they may
             be None or all ones (the engine always carries 1.0 scales) and are then ignored;
             any other value is rejected, since it would be silently dropped.
+        impl: "auto" (the Triton kernel on CUDA when triton is importable, else PyTorch),
+            "torch" or "triton" (on the CPU it needs `TRITON_INTERPRET=1` set before triton is
+            imported).
 
     Raises:
         TypeError: a non-tensor argument or a wrong dtype.
         ValueError: wrong shapes, mixed devices, an unknown `kv_cache_dtype`, a slot out of
-            range or used twice, missing fp8 scales or scales with a bad value.
+            range or used twice, missing fp8 scales or scales with a bad value, an unknown
+            `impl`.
+        RuntimeError: `impl="triton"` without triton installed.
 
     Validation reads `slot_mapping` (and the scales) on the host in one transfer: on CUDA that
     is one device-to-host sync per call. While a CUDA graph is being captured the value checks
     are skipped (a sync is illegal there); the write itself never syncs.
     """
     cache_dtype = _validate(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+    use_triton = _use_triton(impl, kv_cache, cache_dtype)
     num_tokens = key.shape[0]
     if num_tokens == 0:
+        return
+    if use_triton:
+        _write_with_triton(key, value, kv_cache, slot_mapping, cache_dtype, k_scale, v_scale)
         return
     block_size = kv_cache.shape[2]
     # slots: [num_tokens] int64, -1 for padding
@@ -94,6 +115,167 @@ def reshape_and_cache(
         fallback_row = part[fallback_slot // block_size, fallback_slot % block_size]
         fallback_row = torch.where(has_real[:, None, None], rows[first], fallback_row)
         part[block, offset] = torch.where(is_real[:, None, None], rows, fallback_row)
+
+
+def _use_triton(impl: str, kv_cache: torch.Tensor, cache_dtype: str) -> bool:
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(
+            f"{_OP}: unknown impl (got {impl!r}, expected 'auto', 'torch' or 'triton')."
+        )
+    if impl == "triton" and triton is None:
+        raise RuntimeError(
+            f"{_OP}: impl='triton' needs triton (got no importable triton). Install the "
+            "'triton' extra or pass impl='auto'."
+        )
+    if impl != "auto":
+        return impl == "triton"
+    if triton is None or kv_cache.device.type != "cuda":
+        return False
+    # Triton casts to fp8 e4m3 only from sm89 (Ada, Hopper) on.
+    e4m3 = kv_cache.dtype == torch.float8_e4m3fn
+    return not e4m3 or torch.cuda.get_device_capability(kv_cache.device) >= (8, 9)
+
+
+def _write_with_triton(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cache_dtype: str,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
+    num_tokens, num_kv_heads, head_size = key.shape
+    fp8 = is_fp8_cache(cache_dtype)
+    if fp8:
+        assert k_scale is not None and v_scale is not None
+        scales: tuple[torch.Tensor, torch.Tensor] = (k_scale, v_scale)
+    else:
+        # Never read: the pointers only need a valid tensor.
+        scales = (slot_mapping, slot_mapping)
+    block_h = triton.next_power_of_2(num_kv_heads)
+    block_d = triton.next_power_of_2(head_size)
+    tile = block_h * block_d
+    num_warps = 1 if tile <= 256 else 2 if tile <= 1024 else 4 if tile <= 4096 else 8
+    _reshape_and_cache_kernel[(num_tokens,)](
+        key,
+        value,
+        kv_cache,
+        slot_mapping,
+        scales[0],
+        scales[1],
+        num_kv_heads,
+        head_size,
+        kv_cache.shape[2],
+        *key.stride(),
+        *value.stride(),
+        *kv_cache.stride(),
+        slot_mapping.stride(0),
+        FP8=fp8,
+        FP8_MAX=torch.finfo(kv_cache.dtype).max if fp8 else 0.0,
+        K_SCALE_PER_HEAD=fp8 and k_scale is not None and k_scale.dim() == 1,
+        V_SCALE_PER_HEAD=fp8 and v_scale is not None and v_scale.dim() == 1,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _store_rows(
+        x_ptr,
+        cache_ptr,
+        scale_ptr,
+        token,
+        cache_row,  # int64 offset of (block, K/V, offset, 0, 0) in the cache
+        heads,
+        dims,
+        head_mask,
+        mask,
+        stride_x_token,
+        stride_x_head,
+        stride_x_dim,
+        stride_c_head,
+        stride_c_dim,
+        FP8: tl.constexpr,
+        FP8_MAX: tl.constexpr,
+        SCALE_PER_HEAD: tl.constexpr,
+    ):
+        # x: [BLOCK_H, BLOCK_D] rows of one token, in the model dtype
+        x = tl.load(
+            x_ptr
+            + token * stride_x_token
+            + heads[:, None] * stride_x_head
+            + dims[None, :] * stride_x_dim,
+            mask=mask,
+        )
+        if FP8:
+            if SCALE_PER_HEAD:
+                scale = tl.load(scale_ptr + heads, mask=head_mask, other=1.0)[:, None]
+            else:
+                scale = tl.load(scale_ptr)
+            y = x.to(tl.float32) / scale
+            y = tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        else:
+            # float32 holds every model-dtype value exactly: one rounding, as in torch's cast.
+            y = x.to(tl.float32)
+        offsets = cache_row + heads[:, None] * stride_c_head + dims[None, :] * stride_c_dim
+        tl.store(cache_ptr + offsets, y.to(cache_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _reshape_and_cache_kernel(
+        key_ptr,
+        value_ptr,
+        cache_ptr,
+        slot_ptr,
+        k_scale_ptr,
+        v_scale_ptr,
+        num_kv_heads,
+        head_size,
+        block_size,
+        stride_k_token,
+        stride_k_head,
+        stride_k_dim,
+        stride_v_token,
+        stride_v_head,
+        stride_v_dim,
+        stride_c_block,
+        stride_c_kv,
+        stride_c_offset,
+        stride_c_head,
+        stride_c_dim,
+        stride_slot,
+        FP8: tl.constexpr,
+        FP8_MAX: tl.constexpr,
+        K_SCALE_PER_HEAD: tl.constexpr,
+        V_SCALE_PER_HEAD: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        # One program per token: all heads of its K and V rows.
+        token = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slot_ptr + token * stride_slot)  # int64: no 32-bit offset overflow
+        if slot >= 0:
+            block = slot // block_size
+            offset = slot % block_size
+            row = block * stride_c_block + offset * stride_c_offset
+            heads = tl.arange(0, BLOCK_H)
+            dims = tl.arange(0, BLOCK_D)
+            head_mask = heads < num_kv_heads
+            mask = head_mask[:, None] & (dims[None, :] < head_size)
+            _store_rows(
+                key_ptr, cache_ptr, k_scale_ptr, token, row, heads, dims, head_mask, mask,
+                stride_k_token, stride_k_head, stride_k_dim, stride_c_head, stride_c_dim,
+                FP8, FP8_MAX, K_SCALE_PER_HEAD,
+            )  # fmt: skip
+            _store_rows(
+                value_ptr, cache_ptr, v_scale_ptr, token, row + stride_c_kv, heads, dims,
+                head_mask, mask,
+                stride_v_token, stride_v_head, stride_v_dim, stride_c_head, stride_c_dim,
+                FP8, FP8_MAX, V_SCALE_PER_HEAD,
+            )  # fmt: skip
 
 
 def _write_on_cpu(
