@@ -34,6 +34,9 @@ class AttentionBackendEnum(enum.Enum):
     """Built-in backends and the class path of each (imported lazily)."""
 
     TORCH = "anyattn.backends.torch_attn:TorchAttentionBackend"
+    TRITON = "anyattn.backends.triton_attn:TritonAttentionBackend"
+    FLASHINFER = "anyattn.backends.flashinfer:FlashInferBackend"
+    FLASH_ATTN = "anyattn.backends.flash_attn:FlashAttentionBackend"
 
     def get_path(self) -> str:
         """The class path in use: a registered override, else the built-in one."""

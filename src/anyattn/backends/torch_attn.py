@@ -25,7 +25,7 @@ from anyattn.backend import (
     AttentionLayer,
     AttentionMetadataBuilder,
 )
-from anyattn.impl_args import validate_impl_arguments
+from anyattn.impl_args import check_forward_inputs, validate_impl_arguments
 from anyattn.metadata import CommonAttentionMetadata, split_decodes_and_prefills
 from anyattn.ops.dense_attention import DenseKV, PagedKV, ScoreMods, dense_attention
 from anyattn.ops.merge_attn_states import merge_attn_states
@@ -501,82 +501,20 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
                 f"{api}: sliding window with non-causal attention not supported (got "
                 "attn_metadata.causal=False); the window is defined causally."
             )
-        heads = (self.num_heads, self.head_size)
-        if query.dim() != 3 or tuple(query.shape[1:]) != heads:
-            raise ValueError(
-                f"{api}: query must be [num_tokens, {heads[0]}, {heads[1]}] (got "
-                f"{tuple(query.shape)})."
-            )
-        if query.dtype not in TorchAttentionBackend.supported_dtypes:
-            raise ValueError(
-                f"{api}: query dtype not supported (got {query.dtype}, expected float32, "
-                "float16 or bfloat16)."
-            )
-        if output.shape != query.shape or output.dtype != query.dtype:
-            raise ValueError(
-                f"{api}: output must match query in shape and dtype (got {tuple(output.shape)} "
-                f"{output.dtype}, expected {tuple(query.shape)} {query.dtype})."
-            )
-        if md.num_actual_tokens > query.shape[0]:
-            raise ValueError(
-                f"{api}: query has fewer rows than the metadata's tokens (got {query.shape[0]}, "
-                f"expected >= {md.num_actual_tokens})."
-            )
-        if (key is None) != (value is None):
-            raise ValueError(f"{api}: key and value must both be given or both be None.")
-        kv_shape = (self.num_kv_heads, self.head_size)
-        for name, tensor in (("key", key), ("value", value)):
-            if tensor is None:
-                continue
-            if tensor.dim() != 3 or tuple(tensor.shape[1:]) != kv_shape:
-                raise ValueError(
-                    f"{api}: {name} must be [num_tokens, {kv_shape[0]}, {kv_shape[1]}] (got "
-                    f"{tuple(tensor.shape)})."
-                )
-            if tensor.dtype != query.dtype:
-                raise ValueError(
-                    f"{api}: {name} dtype differs from query (got {tensor.dtype}, expected "
-                    f"{query.dtype})."
-                )
-            if (
-                self.attn_type != AttentionType.ENCODER_DECODER
-                and tensor.shape[0] != query.shape[0]
-            ):
-                raise ValueError(
-                    f"{api}: {name} and query differ in tokens (got {tensor.shape[0]} and "
-                    f"{query.shape[0]})."
-                )
-        if self.attn_type in _ENCODER_TYPES:
-            if key is None:
-                raise ValueError(f"{api}: {self.attn_type.value} attention needs key and value.")
-        else:
-            cache_dtype = cache_torch_dtype(self.kv_cache_dtype, query.dtype)
-            expected = ("num_blocks", 2, md.block_size, *kv_shape)
-            if kv_cache.dim() != 5 or tuple(kv_cache.shape[1:]) != expected[1:]:
-                raise ValueError(
-                    f"{api}: kv_cache must be {list(expected)} (got {tuple(kv_cache.shape)}). "
-                    "Allocate it with anyattn.kv_cache.allocate_kv_cache."
-                )
-            if kv_cache.dtype != cache_dtype:
-                raise ValueError(
-                    f"{api}: kv_cache dtype does not match kv_cache_dtype "
-                    f"{self.kv_cache_dtype!r} (got {kv_cache.dtype}, expected {cache_dtype})."
-                )
-            if kv_cache.device != query.device:
-                raise ValueError(
-                    f"{api}: kv_cache and query are on different devices (got {kv_cache.device} "
-                    f"and {query.device})."
-                )
-        if output_lse is not None and (
-            output_lse.dtype != torch.float32
-            or output_lse.dim() != 2
-            or output_lse.shape[0] != self.num_heads
-            or output_lse.shape[1] < md.num_actual_tokens
-        ):
-            raise ValueError(
-                f"{api}: output_lse must be float32 [{self.num_heads}, num_tokens] (got "
-                f"{output_lse.dtype} {tuple(output_lse.shape)})."
-            )
+        check_forward_inputs(
+            api,
+            self,
+            TorchAttentionBackend.supported_dtypes,
+            query,
+            key,
+            value,
+            kv_cache,
+            block_size=md.block_size,
+            num_actual_tokens=md.num_actual_tokens,
+            output=output,
+            output_lse=output_lse,
+            reads_cache=self.attn_type not in _ENCODER_TYPES,
+        )
 
 
 class _Run:

@@ -1,0 +1,434 @@
+"""TRITON: our own paged-attention kernels, for any NVIDIA GPU that runs Triton.
+
+The whole step (decodes, fresh prefills, chunked prefills with context) is one launch of
+`anyattn.ops.unified_attention`, reading K/V from the paged cache in NHD or HND layout with
+GQA packing; decode batches too small to fill the GPU split each request's keys across programs
+(flash-decoding) and merge the splits in a second launch. Features: causal and non-causal,
+sliding window, ALiBi, soft cap, sinks, fp8 KV with per-tensor or per-KV-head scales, LSE.
+
+Plan/run split: `build` reads only the CPU mirrors (to pick the tile shape and the number of
+KV splits) and hands the kernel views of the common metadata's device tensors, so it never
+waits on the GPU. CUDA graphs: ALWAYS. The launch depends only on tensor sizes and the
+builder's choices, never on device values; the kernel finds each program's request on the GPU
+from `query_start_loc`, so a graph captured for a batch shape replays correctly for any
+contents of that shape (split-KV workspace rows are builder-owned and sized at start-up).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from anyattn.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+)
+from anyattn.impl_args import check_forward_inputs, validate_impl_arguments
+from anyattn.metadata import CommonAttentionMetadata
+from anyattn.ops.unified_attention import (
+    UnifiedAttentionParams,
+    split_kv_workspace_shape,
+    unified_attention,
+)
+from anyattn.types import AttentionCGSupport, AttentionType, DeviceInfo, KVCacheLayout
+
+__all__ = [
+    "TritonAttentionBackend",
+    "TritonAttentionImpl",
+    "TritonAttentionMetadata",
+    "TritonAttentionMetadataBuilder",
+]
+
+_API = "TRITON forward"
+# Split-KV: aim for this many programs on the GPU, at most this many splits, and at least
+# this many keys per split (measured on the H200: 8 x 32768 is best at 4 splits, 64 x 4096 at
+# one; see benchmarks/RESULTS.md).
+_TARGET_PROGRAMS = 256
+_MAX_SPLITS = 16
+_MIN_KEYS_PER_SPLIT = 1024
+# Decode batches up to this many tokens may split (the workspace is sized for them).
+_MAX_SPLIT_TOKENS = 256
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Declarations of the TRITON backend."""
+
+    supported_dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    supported_kv_cache_dtypes = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+    supported_device_types = ("cuda",)
+    supported_attn_types = (AttentionType.DECODER,)
+    forward_includes_kv_cache_update = False
+
+    @staticmethod
+    def get_name() -> str:
+        return "TRITON"
+
+    @staticmethod
+    def get_impl_cls() -> type[TritonAttentionImpl]:
+        return TritonAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[TritonAttentionMetadataBuilder]:
+        return TritonAttentionMetadataBuilder
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        # Any multiple of 8 up to 256: the kernel pads the head to a power of two with masks.
+        return list(range(8, 257, 8))
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        # Both run at the same speed on the H200 (benchmarks/RESULTS.md); NHD is what
+        # FlashInfer and FlashAttention use, so caches can be shared with them.
+        return (KVCacheLayout.NHD, KVCacheLayout.HND)
+
+    @classmethod
+    def supports_compute_capability(cls, capability: tuple[int, int]) -> bool:
+        return capability >= (8, 0)
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_alibi(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_logits_soft_cap(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_per_head_quant_scales(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_lse(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_combination(cls, config, device: DeviceInfo) -> str | None:
+        if config.has_sliding_window and config.use_non_causal:
+            return "sliding window with non-causal attention not supported (defined causally)"
+        capability = device.capability
+        if config.kv_cache_dtype in ("fp8", "fp8_e4m3") and capability and capability < (8, 9):
+            return "fp8 e4m3 KV cache needs compute capability >= 8.9 (Triton's e4m3 casts)"
+        return None
+
+    @classmethod
+    def get_unavailable_reason(cls) -> str | None:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "triton is not installed: pip install 'anyattn[triton]'"
+        return None
+
+
+class SplitWorkspace:
+    """The float32 buffers of split-KV partial results, owned by the builder and shared by
+    every layer. Grown outside graph capture only (the runner's warm-up runs first)."""
+
+    def __init__(self, max_tokens: int, device: torch.device) -> None:
+        self.max_tokens = max_tokens
+        self.device = device
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def get(self, num_heads: int, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(partial_out, partial_lse)` for `max_tokens` rows and `_MAX_SPLITS` splits."""
+        out_shape, lse_shape = split_kv_workspace_shape(
+            self.max_tokens, num_heads, head_size, _MAX_SPLITS
+        )
+        bufs = self._buffers
+        if bufs is not None and all(
+            have >= need for have, need in zip(bufs[0].shape, out_shape, strict=True)
+        ):
+            return bufs  # the kernel indexes through strides: a larger buffer serves too
+        if bufs is not None:  # layers with other head counts share the group: cover both
+            out_shape = tuple(map(max, out_shape, bufs[0].shape))
+            lse_shape = out_shape[:3]
+        bufs = self._buffers = (
+            torch.empty(out_shape, dtype=torch.float32, device=self.device),
+            torch.empty(lse_shape, dtype=torch.float32, device=self.device),
+        )
+        return bufs
+
+
+@dataclass
+class TritonAttentionMetadata:
+    """What `TritonAttentionImpl.forward` needs for one step.
+
+    Attributes:
+        num_actual_tokens: real tokens; output rows past them are untouched.
+        num_reqs: requests of the launch (padding requests included).
+        max_query_len: longest query (chooses the tile shape).
+        block_size: tokens per block of `block_table`.
+        query_start_loc: int32 `[num_reqs + 1]` (device).
+        seq_lens: int32 `[num_reqs]` (device).
+        block_table: int32 `[num_reqs, max_blocks]` (device).
+        slot_mapping: int64 `[num_tokens]` (device).
+        causal: False for bidirectional attention.
+        num_splits: KV splits per request (1 = no split-KV).
+        workspace: the builder's split-KV buffers.
+        kernel_path: which kernel path runs, for logs and benchmarks.
+    """
+
+    num_actual_tokens: int
+    num_reqs: int
+    max_query_len: int
+    block_size: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    causal: bool
+    num_splits: int
+    workspace: SplitWorkspace
+    kernel_path: str
+
+
+def choose_num_splits(
+    num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int, num_tokens: int
+) -> int:
+    """KV splits for a step: more than one only for decode-like batches (one query tile per
+    request) whose `num_reqs * num_kv_heads` programs leave the GPU idle, and never fewer than
+    `_MIN_KEYS_PER_SPLIT` keys per split."""
+    if max_query_len > 4 or num_tokens > _MAX_SPLIT_TOKENS or num_reqs == 0:
+        return 1
+    programs = num_reqs * num_kv_heads
+    splits = 1
+    while splits < _MAX_SPLITS and programs * splits < _TARGET_PROGRAMS:
+        splits *= 2
+    while splits > 1 and max_seq_len < splits * _MIN_KEYS_PER_SPLIT:
+        splits //= 2
+    return splits
+
+
+class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMetadata]):
+    """Plans a TRITON step from the CPU mirrors; never syncs with the device."""
+
+    _cudagraph_support = AttentionCGSupport.ALWAYS
+
+    def __init__(self, kv_cache_spec, layer_names, limits, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, limits, device)
+        max_tokens = min(limits.max_num_tokens, _MAX_SPLIT_TOKENS)
+        self._workspace = SplitWorkspace(max_tokens, torch.device(device))
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> TritonAttentionMetadata:
+        cm = common_attn_metadata
+        if common_prefix_len:
+            raise ValueError(
+                "TritonAttentionMetadataBuilder.build: cascade attention not supported (got "
+                f"common_prefix_len={common_prefix_len}, expected 0); TRITON reads a shared "
+                "prefix once per request from L2 instead."
+            )
+        return self._make(cm, cm.max_seq_len)
+
+    def build_for_cudagraph_capture(
+        self, common_attn_metadata: CommonAttentionMetadata
+    ) -> TritonAttentionMetadata:
+        """Metadata for capture: the split choice assumes the longest sequence the engine
+        allows, since the graph will replay over any lengths."""
+        return self._make(common_attn_metadata, self.limits.max_model_len)
+
+    def _make(self, cm: CommonAttentionMetadata, max_seq_len: int) -> TritonAttentionMetadata:
+        num_reqs = cm.num_reqs
+        splits = choose_num_splits(
+            num_reqs,
+            self.kv_cache_spec.num_kv_heads,
+            cm.max_query_len,
+            max_seq_len,
+            cm.num_actual_tokens,
+        )
+        path = "unified" if splits == 1 else f"unified split-kv x{splits}"
+        return TritonAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            num_reqs=num_reqs,
+            max_query_len=cm.max_query_len,
+            block_size=self.kv_cache_spec.block_size,
+            query_start_loc=cm.query_start_loc,
+            seq_lens=cm.seq_lens,
+            block_table=cm.block_table_tensor,
+            slot_mapping=cm.slot_mapping,
+            causal=cm.causal,
+            num_splits=splits,
+            workspace=self._workspace,
+            kernel_path=path,
+        )
+
+
+class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
+    """The TRITON backend's forward: one `unified_attention` launch per layer and step."""
+
+    can_return_lse_for_decode = True
+    lse_base_on_e = True
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: AttentionType | str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        self.num_kv_heads = validate_impl_arguments(
+            TritonAttentionBackend,
+            num_heads=num_heads,
+            head_size=head_size,
+            scale=scale,
+            num_kv_heads=num_kv_heads,
+            alibi_slopes=alibi_slopes,
+            sliding_window=sliding_window,
+            kv_cache_dtype=kv_cache_dtype,
+            logits_soft_cap=logits_soft_cap,
+            attn_type=attn_type,
+            sinks=sinks,
+        )
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = AttentionType(attn_type)
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap or None
+        self._alibi_slopes = (
+            None if alibi_slopes is None else torch.tensor(alibi_slopes, dtype=torch.float32)
+        )
+        self._sinks = None if sinks is None else sinks.detach().float()
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """ALiBi slopes and sinks on `device` (moved once, then kept)."""
+        if self._alibi_slopes is not None and self._alibi_slopes.device != device:
+            self._alibi_slopes = self._alibi_slopes.to(device)
+        if self._sinks is not None and self._sinks.device != device:
+            self._sinks = self._sinks.to(device)
+        return self._alibi_slopes, self._sinks
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: TritonAttentionMetadata,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+        output_lse: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """See `AttentionImpl.forward`. Writes `output[:num_actual_tokens]` (and `output_lse`)."""
+        md = attn_metadata
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError(
+                f"{_API}: fused output quantisation not supported (got output_scale). "
+                "Quantise the output after the call."
+            )
+        self.validate_inputs(query, key, value, kv_cache, md, output, output_lse)
+        if md.num_actual_tokens == 0:
+            return output
+        alibi_slopes, sinks = self._on(query.device)
+        k_scale = v_scale = None
+        if kv_cache.element_size() == 1:
+            k_scale = _scale(layer, "k_scale", self.num_kv_heads, query.device)
+            v_scale = _scale(layer, "v_scale", self.num_kv_heads, query.device)
+        params = UnifiedAttentionParams(
+            scale=self.scale,
+            causal=md.causal,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
+            alibi_slopes=alibi_slopes,
+            sinks=sinks,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+        workspace = None
+        if md.num_splits > 1:
+            workspace = md.workspace.get(self.num_heads, self.head_size)
+        unified_attention(
+            query,
+            kv_cache,
+            output,
+            md.query_start_loc,
+            md.seq_lens,
+            md.block_table,
+            md.num_reqs,
+            md.max_query_len,
+            params,
+            output_lse=output_lse,
+            num_splits=md.num_splits,
+            workspace=workspace,
+        )
+        return output
+
+    def validate_inputs(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        md: TritonAttentionMetadata,
+        output: torch.Tensor,
+        output_lse: torch.Tensor | None = None,
+    ) -> None:
+        """See `AttentionImpl.validate_inputs`; shapes, dtypes and devices of every input."""
+        if not isinstance(md, TritonAttentionMetadata):
+            raise TypeError(
+                f"{_API}: attn_metadata must come from TritonAttentionMetadataBuilder.build (got "
+                f"{type(md).__name__})."
+            )
+        if self.sliding_window is not None and not md.causal:
+            raise NotImplementedError(
+                f"{_API}: sliding window with non-causal attention not supported (got "
+                "attn_metadata.causal=False); the window is defined causally."
+            )
+        check_forward_inputs(
+            _API,
+            self,
+            TritonAttentionBackend.supported_dtypes,
+            query,
+            key,
+            value,
+            kv_cache,
+            block_size=md.block_size,
+            num_actual_tokens=md.num_actual_tokens,
+            output=output,
+            output_lse=output_lse,
+        )
+
+
+def _scale(
+    layer: AttentionLayer, name: str, num_kv_heads: int, device: torch.device
+) -> torch.Tensor:
+    scale = getattr(layer, name, None)
+    if not isinstance(scale, torch.Tensor) or tuple(scale.shape) not in ((), (1,), (num_kv_heads,)):
+        got = tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise ValueError(
+            f"{_API}: layer.{name} must be a float32 tensor of shape [] or [{num_kv_heads}] "
+            f"for an fp8 KV cache (got {got})."
+        )
+    if scale.device != device or scale.dtype != torch.float32:
+        scale = scale.to(device=device, dtype=torch.float32)
+    return scale.reshape(-1)

@@ -1,0 +1,725 @@
+"""Paged attention for a whole mixed batch in one Triton launch (plus a reduce for split-KV).
+
+One program handles one *query tile* of one request and one KV head: `TILE_M` rows made of
+`BLOCK_Q` consecutive query tokens times the `num_heads // num_kv_heads` query heads that share
+the KV head (GQA packing: every K/V tile read from the cache serves all of them). It walks the
+request's keys `TILE_N` at a time, translating key positions through the block table, so tiles
+are independent of the cache block size, and keeps an online softmax in fp32 (exp2 domain).
+
+Tiles map to requests without any host-side table: request r owns tile ids
+`[query_start_loc[r] // BLOCK_Q + r, query_start_loc[r + 1] // BLOCK_Q + r + 1)`, so
+`num_tokens // BLOCK_Q + num_reqs` programs cover any batch and each finds its request with a
+binary search. That keeps the launch a pure function of tensor sizes: CUDA-graph safe.
+
+Split-KV (flash-decoding): with `num_splits > 1` each request's key range is cut into that
+many chunks, each program writes a partial output and its LSE into a float32 workspace, and a
+second kernel merges them. Used for decode batches too small to fill the GPU.
+
+Semantics are DESIGN.md's: `s = scale * q.k`, soft cap, ALiBi `slope * (j - p)`, causal
+`j <= p`, window `p - W < j`, sinks in the denominator only; a row with no key gives zeros and
+LSE -inf (or the sink's logit when the layer has sinks).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is an optional extra
+    triton = None
+
+__all__ = [
+    "UnifiedAttentionParams",
+    "split_kv_workspace_shape",
+    "unified_attention",
+    "unified_attention_ref",
+]
+
+_OP = "unified_attention"
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True, slots=True)
+class UnifiedAttentionParams:
+    """Per-layer constants of the kernel (the impl's constructor arguments).
+
+    Attributes:
+        scale: softmax scale.
+        causal: keep keys `j <= p`.
+        sliding_window: W (keys `p - W < j <= p`), or None.
+        logits_soft_cap: cap, or None.
+        alibi_slopes: float32 `[num_heads]` on the query's device, or None.
+        sinks: float32 `[num_heads]` sink logits on the query's device, or None.
+        k_scale, v_scale: float32 `[]` or `[num_kv_heads]` dequantisation scales of an fp8
+            cache (ignored for other caches).
+    """
+
+    scale: float
+    causal: bool = True
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    alibi_slopes: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Config:
+    tile_m: int
+    block_q: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _choose_config(max_query_len: int, num_queries_per_kv: int, head_pad: int) -> _Config:
+    """Tile shapes: decode-like batches use the smallest tensor-core tile (16 rows), batches
+    with long queries 128 rows (64 for wide heads) so each K/V tile serves many queries."""
+    min_m = max(16, triton.next_power_of_2(num_queries_per_kv))
+    if max_query_len * num_queries_per_kv <= 16:
+        tile_m, tile_n, warps, stages = min_m, 64, 4, 3
+    elif max_query_len * num_queries_per_kv <= 64:
+        tile_m, tile_n, warps, stages = max(min_m, 64), 64, 4, 3
+    else:
+        tile_m = max(min_m, 128 if head_pad <= 128 else 64)
+        tile_n, warps, stages = 64, 8, 3
+    return _Config(tile_m, tile_m // num_queries_per_kv, tile_n, warps, stages)
+
+
+def split_kv_workspace_shape(
+    max_num_tokens: int, num_heads: int, head_size: int, num_splits: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of the float32 split-KV workspace: partial outputs and their LSEs.
+
+    Returns:
+        `((max_num_tokens, num_heads, num_splits, head_size), (max_num_tokens, num_heads,
+        num_splits))`.
+    """
+    return (
+        (max_num_tokens, num_heads, num_splits, head_size),
+        (max_num_tokens, num_heads, num_splits),
+    )
+
+
+def unified_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    output: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    num_reqs: int,
+    max_query_len: int,
+    params: UnifiedAttentionParams,
+    *,
+    output_lse: torch.Tensor | None = None,
+    num_splits: int = 1,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tiles: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """Attention of every request of a step over the paged KV cache, in one launch.
+
+    Args:
+        query: `[num_tokens, num_heads, head_size]` float32 / float16 / bfloat16; rows past
+            `query_start_loc[num_reqs]` are padding (never read into results).
+        kv_cache: `(num_blocks, 2, block_size, num_kv_heads, head_size)` in any stride order
+            (NHD or HND), the query's dtype or an fp8 dtype (then `params.k_scale/v_scale`).
+        output: like `query` (its dtype may differ); rows of real tokens are written in place,
+            padding rows are left untouched.
+        query_start_loc: int32 `[>= num_reqs + 1]` on the device.
+        seq_lens: int32 `[>= num_reqs]`: context + new tokens per request.
+        block_table: int32 `[>= num_reqs, max_blocks]` physical block ids (block-size units).
+        num_reqs: requests the launch covers (may count padding requests).
+        max_query_len: the longest query of the step (chooses the tile shape only).
+        params: the layer's constants.
+        output_lse: float32 `[num_heads, num_tokens]` for the natural-log LSE, or None.
+        num_splits: >1 cuts each request's keys into that many chunks (flash-decoding).
+        workspace: float32 `(partial_out, partial_lse)` of `split_kv_workspace_shape` with at
+            least `num_tokens` rows and `num_splits` splits; required when `num_splits > 1`.
+        tiles: `(TILE_M, TILE_N, num_warps, num_stages)` to override the tile choice (tuning).
+
+    Returns:
+        `output`.
+    """
+    if triton is None:
+        raise RuntimeError(
+            f"{_OP}: needs triton (got no importable triton). Install the 'triton' extra."
+        )
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    if num_tokens == 0 or num_reqs == 0:
+        return output
+    queries_per_kv = num_heads // num_kv_heads
+    head_pad = max(16, triton.next_power_of_2(head_size))
+    cfg = _choose_config(max_query_len, queries_per_kv, head_pad)
+    if tiles is not None:
+        tile_m = max(tiles[0], triton.next_power_of_2(queries_per_kv))
+        cfg = _Config(tile_m, tile_m // queries_per_kv, tiles[1], tiles[2], tiles[3])
+    key_cache, value_cache = kv_cache[:, 0], kv_cache[:, 1]
+    is_fp8 = kv_cache.element_size() == 1
+    dummy = seq_lens  # a valid pointer for arguments a constexpr flag disables
+    k_scale = params.k_scale if is_fp8 and params.k_scale is not None else None
+    v_scale = params.v_scale if is_fp8 and params.v_scale is not None else None
+    if num_splits > 1:
+        assert workspace is not None, "split-KV needs the builder's workspace"
+        partial_out, partial_lse = workspace
+        assert partial_out.shape[0] >= num_tokens and partial_out.shape[2] >= num_splits
+    else:
+        partial_out = partial_lse = output
+    num_tiles = num_tokens // cfg.block_q + num_reqs
+    _unified_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
+        query,
+        key_cache,
+        value_cache,
+        output,
+        output_lse if output_lse is not None else dummy,
+        partial_out,
+        partial_lse,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        params.alibi_slopes if params.alibi_slopes is not None else dummy,
+        params.sinks if params.sinks is not None else dummy,
+        k_scale if k_scale is not None else dummy,
+        v_scale if v_scale is not None else dummy,
+        num_reqs,
+        params.scale,
+        params.logits_soft_cap or 0.0,
+        params.sliding_window or 0,
+        *query.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        *output.stride(),
+        *(output_lse.stride() if output_lse is not None else (0, 0)),
+        *(partial_out.stride() if num_splits > 1 else (0, 0, 0, 0)),
+        *(partial_lse.stride() if num_splits > 1 else (0, 0, 0)),
+        block_table.stride(0),
+        _scale_stride(k_scale),
+        _scale_stride(v_scale),
+        HEAD_SIZE=head_size,
+        HEAD_PAD=head_pad,
+        QUERIES_PER_KV=queries_per_kv,
+        BLOCK_SIZE=kv_cache.shape[2],
+        TILE_M=cfg.tile_m,
+        BLOCK_Q=cfg.block_q,
+        TILE_N=cfg.tile_n,
+        NUM_SPLITS=num_splits,
+        IS_CAUSAL=params.causal,
+        HAS_WINDOW=params.sliding_window is not None,
+        HAS_SOFTCAP=params.logits_soft_cap is not None,
+        HAS_ALIBI=params.alibi_slopes is not None,
+        HAS_SINKS=params.sinks is not None,
+        HAS_KV_SCALE=k_scale is not None,
+        HAS_LSE=output_lse is not None,
+        IEEE_DOT=query.dtype == torch.float32,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if num_splits > 1:
+        _reduce_splits_kernel[(num_tokens, num_heads)](
+            output,
+            output_lse if output_lse is not None else dummy,
+            partial_out,
+            partial_lse,
+            query_start_loc,
+            num_reqs,
+            *output.stride(),
+            *(output_lse.stride() if output_lse is not None else (0, 0)),
+            *partial_out.stride(),
+            *partial_lse.stride(),
+            HEAD_SIZE=head_size,
+            HEAD_PAD=head_pad,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HAS_LSE=output_lse is not None,
+            num_warps=4,
+        )
+    return output
+
+
+def _scale_stride(scale: torch.Tensor | None) -> int:
+    """0 for a per-tensor scale (every KV head reads element 0), else the per-head stride."""
+    return 0 if scale is None or scale.numel() == 1 else scale.stride(-1)
+
+
+def unified_attention_ref(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    output: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    num_reqs: int,
+    params: UnifiedAttentionParams,
+    *,
+    output_lse: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The same computation in plain PyTorch (float32, one request at a time), for tests."""
+    num_heads = query.shape[1]
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    group = num_heads // num_kv_heads
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for r in range(num_reqs):
+        q = query[starts[r] : starts[r + 1]].float()  # [Lq, H, D]
+        query_len, seq_len = q.shape[0], lens[r]
+        pos = torch.arange(seq_len, device=query.device)
+        blocks = block_table[r, pos // block_size].long()
+        k = kv_cache[blocks, 0, pos % block_size].float()  # [L, Hkv, D]
+        v = kv_cache[blocks, 1, pos % block_size].float()
+        if kv_cache.element_size() == 1 and params.k_scale is not None:
+            k = k * params.k_scale.float().reshape(-1, 1)
+            v = v * params.v_scale.float().reshape(-1, 1)
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q, k) * params.scale  # [H, Lq, L]
+        if params.logits_soft_cap is not None:
+            s = params.logits_soft_cap * torch.tanh(s / params.logits_soft_cap)
+        q_pos = seq_len - query_len + torch.arange(query_len, device=query.device)
+        rel = pos[None, :] - q_pos[:, None]  # [Lq, L]: j - p
+        if params.alibi_slopes is not None:
+            s = s + params.alibi_slopes.float().reshape(-1, 1, 1) * rel
+        allowed = torch.ones_like(rel, dtype=torch.bool)
+        if params.causal:
+            allowed &= rel <= 0
+        if params.sliding_window is not None:
+            allowed &= rel > -params.sliding_window
+        s = s.masked_fill(~allowed, float("-inf"))
+        if params.sinks is not None:
+            sink = params.sinks.float().reshape(-1, 1, 1).expand(-1, query_len, 1)
+            s = torch.cat([s, sink], dim=-1)
+        lse = torch.logsumexp(s, dim=-1)  # [H, Lq]
+        p = torch.exp(s - lse.clamp_min(-1e30)[..., None]).nan_to_num(0.0)[..., :seq_len]
+        out = torch.einsum("hqk,khd->qhd", p, v)
+        output[starts[r] : starts[r + 1]] = out.to(output.dtype)
+        if output_lse is not None:
+            output_lse[:, starts[r] : starts[r + 1]] = lse
+    return output
+
+
+if triton is not None:
+    _INTERPRETED = tl.constexpr(_INTERPRETED)
+
+    @triton.jit
+    def _find_request(query_start_loc, num_reqs, tile_id, BLOCK_Q: tl.constexpr):
+        """The request whose tile ids contain `tile_id` (binary search, see module doc)."""
+        lo = 0
+        hi = num_reqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            first_tile = tl.load(query_start_loc + mid) // BLOCK_Q + mid
+            if first_tile <= tile_id:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo - 1
+
+    @triton.jit
+    def _attend_tile(
+        acc,
+        m_i,
+        l_i,
+        q,
+        key_cache,
+        value_cache,
+        block_table_row,
+        tile,
+        kv_head,
+        seq_len,
+        q_pos,
+        slopes,
+        qk_scale,
+        soft_cap,
+        window,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_kd,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        stride_vd,
+        HEAD_SIZE: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        TILE_N: tl.constexpr,
+        MASKED: tl.constexpr,
+        IS_CAUSAL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr,
+        HAS_ALIBI: tl.constexpr,
+        IEEE_DOT: tl.constexpr,
+    ):
+        """One key tile of the online softmax."""
+        offs_d = tl.arange(0, HEAD_PAD)
+        d_ok = offs_d < HEAD_SIZE
+        offs_n = tl.arange(0, TILE_N)
+        keys = tile * TILE_N + offs_n  # [TILE_N] absolute key positions
+        key_ok = keys < seq_len
+        blocks = tl.load(block_table_row + keys // BLOCK_SIZE, mask=key_ok, other=0)
+        blocks = blocks.to(tl.int64)
+        within = (keys % BLOCK_SIZE).to(tl.int64)
+        k_off = (
+            blocks[None, :] * stride_kb
+            + within[None, :] * stride_ks
+            + kv_head * stride_kh
+            + offs_d[:, None] * stride_kd
+        )  # [HEAD_PAD, TILE_N]
+        v_off = (
+            blocks[:, None] * stride_vb
+            + within[:, None] * stride_vs
+            + kv_head * stride_vh
+            + offs_d[None, :] * stride_vd
+        )  # [TILE_N, HEAD_PAD]
+        if MASKED:
+            k = tl.load(key_cache + k_off, mask=d_ok[:, None] & key_ok[None, :], other=0.0)
+            v = tl.load(value_cache + v_off, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            k = tl.load(key_cache + k_off, mask=d_ok[:, None], other=0.0)
+            v = tl.load(value_cache + v_off, mask=d_ok[None, :], other=0.0)
+        k = k.to(q.dtype)
+        if IEEE_DOT:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        if HAS_SOFTCAP or HAS_ALIBI:
+            s = s * qk_scale  # scale * k_scale
+            if HAS_SOFTCAP:
+                # cap * tanh(s / cap), with tanh(x) = 1 - 2 / (exp(2x) + 1): exact at +-inf.
+                s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0))
+            if HAS_ALIBI:
+                s += slopes[:, None] * (keys[None, :] - q_pos[:, None]).to(tl.float32)
+            s = s * 1.4426950408889634  # to the exp2 domain
+        else:
+            s = s * (qk_scale * 1.4426950408889634)  # one multiply: scale and exp2 domain
+        if MASKED:
+            allowed = key_ok[None, :]
+            if IS_CAUSAL:
+                allowed = allowed & (keys[None, :] <= q_pos[:, None])
+            if HAS_WINDOW:
+                allowed = allowed & (keys[None, :] > q_pos[:, None] - window)
+            s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row that has seen no key yet keeps m = -inf; subtract 0 there, never -inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = v.to(q.dtype)
+        if IEEE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+        return acc, m_i, l_i
+
+    @triton.jit
+    def _attend_tiles(
+        acc,
+        m_i,
+        l_i,
+        q,
+        key_cache,
+        value_cache,
+        block_table_row,
+        tile_lo,
+        tile_hi,
+        kv_head,
+        seq_len,
+        q_pos,
+        slopes,
+        qk_scale,
+        soft_cap,
+        window,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_kd,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        stride_vd,
+        HEAD_SIZE: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        TILE_N: tl.constexpr,
+        MASKED: tl.constexpr,
+        IS_CAUSAL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr,
+        HAS_ALIBI: tl.constexpr,
+        IEEE_DOT: tl.constexpr,
+    ):
+        """Online softmax over key tiles [tile_lo, tile_hi); MASKED=False only for tiles every
+        row sees completely (keys below the tile's first causal position)."""
+        if _INTERPRETED:
+            # The interpreter cannot take a runtime range bound (a 1-element array) with
+            # NumPy 2; a while loop reads the same. Compiled code keeps the pipelined for loop.
+            tile = tile_lo
+            while tile < tile_hi:
+                acc, m_i, l_i = _attend_tile(
+                    acc, m_i, l_i, q, key_cache, value_cache, block_table_row, tile, kv_head,
+                    seq_len, q_pos, slopes, qk_scale, soft_cap, window,
+                    stride_kb, stride_ks, stride_kh, stride_kd,
+                    stride_vb, stride_vs, stride_vh, stride_vd,
+                    HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, MASKED, IS_CAUSAL, HAS_WINDOW,
+                    HAS_SOFTCAP, HAS_ALIBI, IEEE_DOT,
+                )  # fmt: skip
+                tile += 1
+        else:
+            for tile in range(tile_lo, tile_hi):
+                acc, m_i, l_i = _attend_tile(
+                    acc, m_i, l_i, q, key_cache, value_cache, block_table_row, tile, kv_head,
+                    seq_len, q_pos, slopes, qk_scale, soft_cap, window,
+                    stride_kb, stride_ks, stride_kh, stride_kd,
+                    stride_vb, stride_vs, stride_vh, stride_vd,
+                    HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, MASKED, IS_CAUSAL, HAS_WINDOW,
+                    HAS_SOFTCAP, HAS_ALIBI, IEEE_DOT,
+                )  # fmt: skip
+        return acc, m_i, l_i
+
+    @triton.jit
+    def _unified_attention_kernel(
+        query,
+        key_cache,
+        value_cache,
+        output,
+        output_lse,
+        partial_out,
+        partial_lse,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        alibi_slopes,
+        sinks,
+        k_scale,
+        v_scale,
+        num_reqs,
+        scale,
+        soft_cap,
+        window,
+        stride_qt,
+        stride_qh,
+        stride_qd,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_kd,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        stride_vd,
+        stride_ot,
+        stride_oh,
+        stride_od,
+        stride_lh,
+        stride_lt,
+        stride_pt,
+        stride_ph,
+        stride_ps,
+        stride_pd,
+        stride_plt,
+        stride_plh,
+        stride_pls,
+        stride_bt,
+        stride_ks_scale,
+        stride_vs_scale,
+        HEAD_SIZE: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
+        QUERIES_PER_KV: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        TILE_M: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        TILE_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        IS_CAUSAL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr,
+        HAS_ALIBI: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
+        HAS_KV_SCALE: tl.constexpr,
+        HAS_LSE: tl.constexpr,
+        IEEE_DOT: tl.constexpr,
+    ):
+        # Longest tiles first (the last query tiles of causal requests see the most keys).
+        tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        req = _find_request(query_start_loc, num_reqs, tile_id, BLOCK_Q)
+        q_start = tl.load(query_start_loc + req)
+        query_len = tl.load(query_start_loc + req + 1) - q_start
+        q_tile = tile_id - (q_start // BLOCK_Q + req)
+        if q_tile * BLOCK_Q >= query_len:
+            return
+        seq_len = tl.load(seq_lens + req)
+        context_len = seq_len - query_len
+
+        # Rows: token-major, then the query heads of this KV head (GQA packing).
+        rows = tl.arange(0, TILE_M)
+        row_token = q_tile * BLOCK_Q + rows // QUERIES_PER_KV  # index among the new tokens
+        row_head = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
+        row_ok = (rows < BLOCK_Q * QUERIES_PER_KV) & (row_token < query_len)
+        q_pos = context_len + row_token
+        offs_d = tl.arange(0, HEAD_PAD)
+        d_ok = offs_d < HEAD_SIZE
+        tok = (q_start + row_token).to(tl.int64)
+        q = tl.load(
+            query
+            + tok[:, None] * stride_qt
+            + row_head[:, None] * stride_qh
+            + offs_d[None, :] * stride_qd,
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+
+        qk_scale = scale
+        if HAS_KV_SCALE:
+            qk_scale = qk_scale * tl.load(k_scale + kv_head * stride_ks_scale)
+        slopes = tl.zeros([TILE_M], dtype=tl.float32)
+        if HAS_ALIBI:
+            slopes = tl.load(alibi_slopes + row_head, mask=row_ok, other=0.0)
+
+        # Keys this tile can see: [key_lo, key_hi).
+        first_pos = context_len + q_tile * BLOCK_Q
+        last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len) - 1
+        key_hi = seq_len
+        if IS_CAUSAL:
+            key_hi = last_pos + 1
+        key_lo = 0
+        if HAS_WINDOW:
+            key_lo = tl.maximum(first_pos - window + 1, 0)
+        tile_lo = key_lo // TILE_N
+        tile_hi = tl.cdiv(key_hi, TILE_N)
+        if NUM_SPLITS > 1:
+            per_split = tl.cdiv(tile_hi - tile_lo, NUM_SPLITS)
+            tile_lo = tile_lo + split * per_split
+            tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
+
+        m_i = tl.full([TILE_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([TILE_M], dtype=tl.float32)
+        if HAS_SINKS:
+            if split == 0:  # the sink joins the denominator once, in the first split
+                m_i = (
+                    tl.load(sinks + row_head, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+                )
+                l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
+        acc = tl.zeros([TILE_M, HEAD_PAD], dtype=tl.float32)
+        block_table_row = block_table + req.to(tl.int64) * stride_bt
+
+        # Tiles wholly below every row's causal limit (and with no window) need no mask.
+        tile_full = tile_lo
+        if IS_CAUSAL and not HAS_WINDOW:
+            tile_full = tl.maximum(tl.minimum((first_pos + 1) // TILE_N, tile_hi), tile_lo)
+        for masked in tl.static_range(2):
+            lo = tile_lo if masked == 0 else tile_full
+            hi = tile_full if masked == 0 else tile_hi
+            acc, m_i, l_i = _attend_tiles(
+                acc, m_i, l_i, q, key_cache, value_cache, block_table_row, lo, hi,
+                kv_head, seq_len, q_pos, slopes, qk_scale, soft_cap, window,
+                stride_kb, stride_ks, stride_kh, stride_kd,
+                stride_vb, stride_vs, stride_vh, stride_vd,
+                HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, masked == 1, IS_CAUSAL, HAS_WINDOW,
+                HAS_SOFTCAP, HAS_ALIBI, IEEE_DOT,
+            )  # fmt: skip
+
+        has_mass = l_i > 0.0
+        out = acc / tl.where(has_mass, l_i, 1.0)[:, None]
+        if HAS_KV_SCALE:
+            out = out * tl.load(v_scale + kv_head * stride_vs_scale)
+        lse2 = tl.where(has_mass, m_i + tl.log2(tl.where(has_mass, l_i, 1.0)), float("-inf"))
+        if NUM_SPLITS > 1:
+            p_off = tok * stride_pt + row_head * stride_ph + split * stride_ps
+            tl.store(
+                partial_out + p_off[:, None] + offs_d[None, :] * stride_pd,
+                out,
+                mask=row_ok[:, None] & d_ok[None, :],
+            )
+            l_off = tok * stride_plt + row_head * stride_plh + split * stride_pls
+            tl.store(partial_lse + l_off, lse2, mask=row_ok)
+        else:
+            tl.store(
+                output
+                + tok[:, None] * stride_ot
+                + row_head[:, None] * stride_oh
+                + offs_d[None, :] * stride_od,
+                out.to(output.dtype.element_ty),
+                mask=row_ok[:, None] & d_ok[None, :],
+            )
+            if HAS_LSE:
+                tl.store(
+                    output_lse + row_head * stride_lh + tok * stride_lt,
+                    lse2 * 0.6931471805599453,
+                    mask=row_ok,
+                )
+
+    @triton.jit
+    def _reduce_splits_kernel(
+        output,
+        output_lse,
+        partial_out,
+        partial_lse,
+        query_start_loc,
+        num_reqs,
+        stride_ot,
+        stride_oh,
+        stride_od,
+        stride_lh,
+        stride_lt,
+        stride_pt,
+        stride_ph,
+        stride_ps,
+        stride_pd,
+        stride_plt,
+        stride_plh,
+        stride_pls,
+        HEAD_SIZE: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        SPLITS_PAD: tl.constexpr,
+        HAS_LSE: tl.constexpr,
+    ):
+        """Merge the splits of one (token, head): weights exp2(lse_s - max)."""
+        token = tl.program_id(0)
+        head = tl.program_id(1)
+        if token >= tl.load(query_start_loc + num_reqs):
+            return  # padding rows stay untouched
+        token64 = token.to(tl.int64)
+        splits = tl.arange(0, SPLITS_PAD)
+        lse = tl.load(
+            partial_lse + token64 * stride_plt + head * stride_plh + splits * stride_pls,
+            mask=splits < NUM_SPLITS,
+            other=float("-inf"),
+        )
+        m = tl.max(lse, axis=0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(lse - m_safe)  # empty splits weigh 0
+        total = tl.sum(w, axis=0)
+        offs_d = tl.arange(0, HEAD_PAD)
+        ok = (splits[:, None] < NUM_SPLITS) & (offs_d[None, :] < HEAD_SIZE) & (w[:, None] > 0)
+        parts = tl.load(
+            partial_out
+            + token64 * stride_pt
+            + head * stride_ph
+            + splits[:, None] * stride_ps
+            + offs_d[None, :] * stride_pd,
+            mask=ok,
+            other=0.0,
+        )
+        out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+        tl.store(
+            output + token64 * stride_ot + head * stride_oh + offs_d * stride_od,
+            out.to(output.dtype.element_ty),
+            mask=offs_d < HEAD_SIZE,
+        )
+        if HAS_LSE:
+            lse_out = tl.where(
+                total > 0, m_safe + tl.log2(tl.where(total > 0, total, 1.0)), float("-inf")
+            )
+            tl.store(
+                output_lse + head * stride_lh + token64 * stride_lt, lse_out * 0.6931471805599453
+            )
