@@ -166,30 +166,44 @@ def sweep_decode(quick: bool) -> None:
 
 
 def sweep_prefill(quick: bool) -> None:
-    variants = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3),
-                (128, 32, 4, 3), (256, 64, 8, 2)]  # fmt: skip
+    """Paged-gather vs TMA-from-input variants (the latter checked equal to the former)."""
+    from anyattn.ops.reshape_and_cache import reshape_and_cache
+
+    paged_variants = [(128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 4, 3)]
+    input_variants = [(128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3),
+                      (128, 128, 8, 2, True), (128, 64, 4, 2, True)]  # fmt: skip
     if quick:
-        variants = variants[:2]
+        paged_variants, input_variants = paged_variants[:1], input_variants[:2]
     for batch, length in ((16, 1024), (4, 4096), (1, 16384)):
         q, kv, qsl, sl, bt = paged([length] * batch, [length] * batch, "NHD")
-        tflop = 4 * batch * H * length * length * D / 2 / 1e12
-        p = UnifiedAttentionParams(scale=D**-0.5)
-        out = torch.empty_like(q)
-        row = []
-        for tiles in variants:
-            try:
-                ms = bench(lambda: unified_attention(
-                    q, kv, out, qsl, sl, bt, batch, length, p, tiles=tiles))  # fmt: skip
-                row.append((tflop / ms * 1e3, tiles))
-            except Exception as e:  # e.g. out of shared memory
-                print(f"  {tiles}: {type(e).__name__}")
-        row.sort(reverse=True)
         k = torch.randn(batch * length, HKV, D, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
+        pos = torch.arange(length, device="cuda")
+        slots = (bt[:, pos // BS].long() * BS + pos % BS).reshape(-1)
+        reshape_and_cache(k, v, kv, slots)
+        tflop = 4 * batch * H * length * length * D / 2 / 1e12
+        p = UnifiedAttentionParams(scale=D**-0.5)
+        ref = torch.empty_like(q)
+        unified_attention(q, kv, ref, qsl, sl, bt, batch, length, p)
+        row = []
+        for tiles in paged_variants + [(*t, "in") for t in input_variants]:
+            from_input = tiles[-1] == "in"
+            t = tiles[:-1] if from_input else tiles
+            kw = {"key": k, "value": v} if from_input else {}
+            out = torch.empty_like(q)
+            try:
+                unified_attention(q, kv, out, qsl, sl, bt, batch, length, p, tiles=t, **kw)
+                err = (out.float() - ref.float()).abs().max().item()
+                ms = bench(lambda: unified_attention(
+                    q, kv, out, qsl, sl, bt, batch, length, p, tiles=t, **kw))  # fmt: skip
+                row.append((tflop / ms * 1e3, tiles, err))
+            except Exception as e:  # e.g. out of shared memory
+                print(f"  {tiles}: {type(e).__name__}: {str(e)[:200]}")
+        row.sort(reverse=True, key=lambda x: x[0])
         peer_txt = ""
         for name, fn in prefill_peers(q, k, v, qsl, length).items():
             peer_txt += f" {name}={tflop / bench(fn) * 1e3:.0f}"
-        best = ", ".join(f"{t:.0f}TF {c}" for t, c in row[:4])
+        best = ", ".join(f"{t:.0f}TF {c} e{e:.2g}" for t, c, e in row)
         print(f"prefill {batch}x{length}: {best} |{peer_txt}")
 
 

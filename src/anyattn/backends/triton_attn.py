@@ -51,6 +51,8 @@ _MAX_SPLITS = 16
 _MIN_KEYS_PER_SPLIT = 1024
 # Decode batches up to this many tokens may split (the workspace is sized for them).
 _MAX_SPLIT_TOKENS = 256
+# Fresh prefills read the new K/V through TMA rather than gathering pages (Hopper+).
+_TMA_INPUTS = True
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -179,6 +181,8 @@ class TritonAttentionMetadata:
         slot_mapping: int64 `[num_tokens]` (device).
         causal: False for bidirectional attention.
         num_splits: KV splits per request (1 = no split-KV).
+        is_fresh_prefill: every request starts this step (no context): keys may be read from
+            the step's new K/V instead of the pages.
         workspace: the builder's split-KV buffers.
         kernel_path: which kernel path runs, for logs and benchmarks.
     """
@@ -193,6 +197,7 @@ class TritonAttentionMetadata:
     slot_mapping: torch.Tensor
     causal: bool
     num_splits: int
+    is_fresh_prefill: bool
     workspace: SplitWorkspace
     kernel_path: str
 
@@ -256,6 +261,8 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
             cm.num_actual_tokens,
         )
         path = "unified" if splits == 1 else f"unified split-kv x{splits}"
+        context = cm.num_computed_tokens_cpu[:num_reqs]
+        is_fresh = num_reqs > 0 and cm.max_query_len > 1 and not bool(context.any())
         return TritonAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             num_reqs=num_reqs,
@@ -267,6 +274,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
             slot_mapping=cm.slot_mapping,
             causal=cm.causal,
             num_splits=splits,
+            is_fresh_prefill=is_fresh,
             workspace=self._workspace,
             kernel_path=path,
         )
@@ -317,6 +325,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             None if alibi_slopes is None else torch.tensor(alibi_slopes, dtype=torch.float32)
         )
         self._sinks = None if sinks is None else sinks.detach().float()
+        self._has_tma: bool | None = None
 
     def _on(self, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """ALiBi slopes and sinks on `device` (moved once, then kept)."""
@@ -367,6 +376,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         workspace = None
         if md.num_splits > 1:
             workspace = md.workspace.get(self.num_heads, self.head_size)
+        from_input = md.is_fresh_prefill and self._can_read_input(query, key, value, kv_cache)
         unified_attention(
             query,
             kv_cache,
@@ -380,8 +390,35 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             output_lse=output_lse,
             num_splits=md.num_splits,
             workspace=workspace,
+            key=key if from_input else None,
+            value=value if from_input else None,
         )
         return output
+
+    def _can_read_input(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+    ) -> bool:
+        """Whether a fresh prefill may read the new K/V through TMA: they equal what was cached
+        (own cache of the model dtype), Hopper or newer, and TMA's alignment rules hold."""
+        if key is None or value is None or not query.is_cuda or not _TMA_INPUTS:
+            return False
+        if self.kv_sharing_target_layer_name is not None or kv_cache.dtype != query.dtype:
+            return False
+        if self.head_size & (self.head_size - 1) or self.head_size < 16:
+            return False
+        if self._has_tma is None:
+            self._has_tma = torch.cuda.get_device_capability(query.device) >= (9, 0)
+        return self._has_tma and all(
+            x.stride(2) == 1
+            and x.stride(1) == self.head_size
+            and (x.stride(0) * x.element_size()) % 16 == 0
+            and x.data_ptr() % 16 == 0
+            for x in (key, value)
+        )
 
     def validate_inputs(
         self,

@@ -78,17 +78,26 @@ class _Config:
     num_stages: int
 
 
-def _choose_config(max_query_len: int, num_queries_per_kv: int, head_pad: int) -> _Config:
-    """Tile shapes: decode-like batches use the smallest tensor-core tile (16 rows), batches
-    with long queries 128 rows (64 for wide heads) so each K/V tile serves many queries."""
+def _choose_config(
+    max_query_len: int, num_queries_per_kv: int, head_pad: int, from_input: bool
+) -> _Config:
+    """Tile shapes, from the H200 sweep in benchmarks/RESULTS.md: decode-like batches use the
+    smallest tensor-core tile (16 rows) and long key tiles; batches with long queries 128 rows
+    (64 for wide heads) so each K/V tile serves many queries, with longer key tiles and
+    deeper pipelines where the keys come through TMA."""
     min_m = max(16, triton.next_power_of_2(num_queries_per_kv))
-    if max_query_len * num_queries_per_kv <= 16:
-        tile_m, tile_n, warps, stages = min_m, 64, 4, 3
-    elif max_query_len * num_queries_per_kv <= 64:
-        tile_m, tile_n, warps, stages = max(min_m, 64), 64, 4, 3
+    rows = max_query_len * num_queries_per_kv
+    if rows <= 16:
+        return _Config(min_m, min_m // num_queries_per_kv, 128 if head_pad <= 128 else 64, 4, 3)
+    if rows <= 64:
+        tile_m = max(min_m, 64)
+        return _Config(tile_m, tile_m // num_queries_per_kv, 64, 4, 3)
+    tile_m = max(min_m, 128 if head_pad <= 128 else 64)
+    long_keys = max_query_len >= 4096 and head_pad <= 128
+    if from_input:
+        tile_n, warps, stages = (128 if long_keys else 64), 8, 3
     else:
-        tile_m = max(min_m, 128 if head_pad <= 128 else 64)
-        tile_n, warps, stages = 64, 8, 3
+        tile_n, warps, stages = (128, 8, 2) if long_keys else (32, 4, 3)
     return _Config(tile_m, tile_m // num_queries_per_kv, tile_n, warps, stages)
 
 
@@ -121,7 +130,9 @@ def unified_attention(
     output_lse: torch.Tensor | None = None,
     num_splits: int = 1,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-    tiles: tuple[int, int, int, int] | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+    tiles: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Attention of every request of a step over the paged KV cache, in one launch.
 
@@ -142,7 +153,12 @@ def unified_attention(
         num_splits: >1 cuts each request's keys into that many chunks (flash-decoding).
         workspace: float32 `(partial_out, partial_lse)` of `split_kv_workspace_shape` with at
             least `num_tokens` rows and `num_splits` splits; required when `num_splits > 1`.
-        tiles: `(TILE_M, TILE_N, num_warps, num_stages)` to override the tile choice (tuning).
+        key, value: `[num_tokens, num_kv_heads, head_size]`, the step's new K/V, given only
+            when every request is a fresh prefill (no context) whose keys equal what was just
+            cached (model-dtype cache, not a shared layer): the kernel then reads them with
+            TMA instead of gathering pages (CUDA, power-of-two head sizes).
+        tiles: `(TILE_M, TILE_N, num_warps, num_stages[, warp_specialize])` to override the
+            tile choice (tuning).
 
     Returns:
         `output`.
@@ -157,10 +173,14 @@ def unified_attention(
         return output
     queries_per_kv = num_heads // num_kv_heads
     head_pad = max(16, triton.next_power_of_2(head_size))
-    cfg = _choose_config(max_query_len, queries_per_kv, head_pad)
+    cfg = _choose_config(max_query_len, queries_per_kv, head_pad, key is not None)
     if tiles is not None:
         tile_m = max(tiles[0], triton.next_power_of_2(queries_per_kv))
         cfg = _Config(tile_m, tile_m // queries_per_kv, tiles[1], tiles[2], tiles[3])
+    warp_specialize = bool(tiles[4]) if tiles is not None and len(tiles) > 4 else False
+    k_desc = v_desc = None
+    if key is not None:
+        k_desc, v_desc = _input_descriptors(key, value, cfg.tile_n, head_pad)
     key_cache, value_cache = kv_cache[:, 0], kv_cache[:, 1]
     is_fp8 = kv_cache.element_size() == 1
     dummy = seq_lens  # a valid pointer for arguments a constexpr flag disables
@@ -177,6 +197,8 @@ def unified_attention(
         query,
         key_cache,
         value_cache,
+        k_desc,
+        v_desc,
         output,
         output_lse if output_lse is not None else dummy,
         partial_out,
@@ -218,6 +240,8 @@ def unified_attention(
         HAS_KV_SCALE=k_scale is not None,
         HAS_LSE=output_lse is not None,
         IEEE_DOT=query.dtype == torch.float32,
+        KV_FROM_INPUT=key is not None,
+        WARP_SPECIALIZE=warp_specialize,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -241,6 +265,20 @@ def unified_attention(
             num_warps=4,
         )
     return output
+
+
+def _input_descriptors(key: torch.Tensor, value: torch.Tensor, tile_n: int, head_pad: int):
+    """TMA descriptors over the new K/V as 2-D `[num_tokens, num_kv_heads * head_size]`."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    num_tokens, num_kv_heads, head_size = key.shape
+    assert head_size == head_pad, "TMA input path needs a power-of-two head size"
+    return tuple(
+        TensorDescriptor.from_tensor(
+            x.reshape(num_tokens, num_kv_heads * head_size), [tile_n, head_size]
+        )
+        for x in (key, value)
+    )
 
 
 def _scale_stride(scale: torch.Tensor | None) -> int:
@@ -344,6 +382,9 @@ if triton is not None:
         stride_vs,
         stride_vh,
         stride_vd,
+        k_desc,
+        v_desc,
+        kv_row0,
         HEAD_SIZE: tl.constexpr,
         HEAD_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
@@ -354,6 +395,7 @@ if triton is not None:
         HAS_SOFTCAP: tl.constexpr,
         HAS_ALIBI: tl.constexpr,
         IEEE_DOT: tl.constexpr,
+        KV_FROM_INPUT: tl.constexpr,
     ):
         """One key tile of the online softmax."""
         offs_d = tl.arange(0, HEAD_PAD)
@@ -361,27 +403,33 @@ if triton is not None:
         offs_n = tl.arange(0, TILE_N)
         keys = tile * TILE_N + offs_n  # [TILE_N] absolute key positions
         key_ok = keys < seq_len
-        blocks = tl.load(block_table_row + keys // BLOCK_SIZE, mask=key_ok, other=0)
-        blocks = blocks.to(tl.int64)
-        within = (keys % BLOCK_SIZE).to(tl.int64)
-        k_off = (
-            blocks[None, :] * stride_kb
-            + within[None, :] * stride_ks
-            + kv_head * stride_kh
-            + offs_d[:, None] * stride_kd
-        )  # [HEAD_PAD, TILE_N]
-        v_off = (
-            blocks[:, None] * stride_vb
-            + within[:, None] * stride_vs
-            + kv_head * stride_vh
-            + offs_d[None, :] * stride_vd
-        )  # [TILE_N, HEAD_PAD]
-        if MASKED:
-            k = tl.load(key_cache + k_off, mask=d_ok[:, None] & key_ok[None, :], other=0.0)
-            v = tl.load(value_cache + v_off, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        if KV_FROM_INPUT:
+            # A fresh prefill's keys are its own new tokens: TMA tiles of the input K/V.
+            row = kv_row0 + tile * TILE_N
+            k = tl.trans(k_desc.load([row, kv_head * HEAD_SIZE]))  # [HEAD_PAD, TILE_N]
+            v = v_desc.load([row, kv_head * HEAD_SIZE])  # [TILE_N, HEAD_PAD]
         else:
-            k = tl.load(key_cache + k_off, mask=d_ok[:, None], other=0.0)
-            v = tl.load(value_cache + v_off, mask=d_ok[None, :], other=0.0)
+            blocks = tl.load(block_table_row + keys // BLOCK_SIZE, mask=key_ok, other=0)
+            blocks = blocks.to(tl.int64)
+            within = (keys % BLOCK_SIZE).to(tl.int64)
+            k_off = (
+                blocks[None, :] * stride_kb
+                + within[None, :] * stride_ks
+                + kv_head * stride_kh
+                + offs_d[:, None] * stride_kd
+            )  # [HEAD_PAD, TILE_N]
+            v_off = (
+                blocks[:, None] * stride_vb
+                + within[:, None] * stride_vs
+                + kv_head * stride_vh
+                + offs_d[None, :] * stride_vd
+            )  # [TILE_N, HEAD_PAD]
+            if MASKED:
+                k = tl.load(key_cache + k_off, mask=d_ok[:, None] & key_ok[None, :], other=0.0)
+                v = tl.load(value_cache + v_off, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+            else:
+                k = tl.load(key_cache + k_off, mask=d_ok[:, None], other=0.0)
+                v = tl.load(value_cache + v_off, mask=d_ok[None, :], other=0.0)
         k = k.to(q.dtype)
         if IEEE_DOT:
             s = tl.dot(q, k, input_precision="ieee")
@@ -444,6 +492,9 @@ if triton is not None:
         stride_vs,
         stride_vh,
         stride_vd,
+        k_desc,
+        v_desc,
+        kv_row0,
         HEAD_SIZE: tl.constexpr,
         HEAD_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
@@ -454,6 +505,8 @@ if triton is not None:
         HAS_SOFTCAP: tl.constexpr,
         HAS_ALIBI: tl.constexpr,
         IEEE_DOT: tl.constexpr,
+        KV_FROM_INPUT: tl.constexpr,
+        WARP_SPECIALIZE: tl.constexpr,
     ):
         """Online softmax over key tiles [tile_lo, tile_hi); MASKED=False only for tiles every
         row sees completely (keys below the tile's first causal position)."""
@@ -466,20 +519,20 @@ if triton is not None:
                     acc, m_i, l_i, q, key_cache, value_cache, block_table_row, tile, kv_head,
                     seq_len, q_pos, slopes, qk_scale, soft_cap, window,
                     stride_kb, stride_ks, stride_kh, stride_kd,
-                    stride_vb, stride_vs, stride_vh, stride_vd,
+                    stride_vb, stride_vs, stride_vh, stride_vd, k_desc, v_desc, kv_row0,
                     HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, MASKED, IS_CAUSAL, HAS_WINDOW,
-                    HAS_SOFTCAP, HAS_ALIBI, IEEE_DOT,
+                    HAS_SOFTCAP, HAS_ALIBI, IEEE_DOT, KV_FROM_INPUT,
                 )  # fmt: skip
                 tile += 1
         else:
-            for tile in range(tile_lo, tile_hi):
+            for tile in tl.range(tile_lo, tile_hi, warp_specialize=WARP_SPECIALIZE):
                 acc, m_i, l_i = _attend_tile(
                     acc, m_i, l_i, q, key_cache, value_cache, block_table_row, tile, kv_head,
                     seq_len, q_pos, slopes, qk_scale, soft_cap, window,
                     stride_kb, stride_ks, stride_kh, stride_kd,
-                    stride_vb, stride_vs, stride_vh, stride_vd,
+                    stride_vb, stride_vs, stride_vh, stride_vd, k_desc, v_desc, kv_row0,
                     HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, MASKED, IS_CAUSAL, HAS_WINDOW,
-                    HAS_SOFTCAP, HAS_ALIBI, IEEE_DOT,
+                    HAS_SOFTCAP, HAS_ALIBI, IEEE_DOT, KV_FROM_INPUT,
                 )  # fmt: skip
         return acc, m_i, l_i
 
@@ -488,6 +541,8 @@ if triton is not None:
         query,
         key_cache,
         value_cache,
+        k_desc,
+        v_desc,
         output,
         output_lse,
         partial_out,
@@ -545,6 +600,8 @@ if triton is not None:
         HAS_KV_SCALE: tl.constexpr,
         HAS_LSE: tl.constexpr,
         IEEE_DOT: tl.constexpr,
+        KV_FROM_INPUT: tl.constexpr,
+        WARP_SPECIALIZE: tl.constexpr,
     ):
         # Longest tiles first (the last query tiles of causal requests see the most keys).
         tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -610,6 +667,7 @@ if triton is not None:
                 l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
         acc = tl.zeros([TILE_M, HEAD_PAD], dtype=tl.float32)
         block_table_row = block_table + req.to(tl.int64) * stride_bt
+        kv_row0 = q_start  # KV_FROM_INPUT: a fresh prefill's key j is input row q_start + j
 
         # Tiles wholly below every row's causal limit (and with no window) need no mask.
         tile_full = tile_lo
@@ -622,9 +680,9 @@ if triton is not None:
                 acc, m_i, l_i, q, key_cache, value_cache, block_table_row, lo, hi,
                 kv_head, seq_len, q_pos, slopes, qk_scale, soft_cap, window,
                 stride_kb, stride_ks, stride_kh, stride_kd,
-                stride_vb, stride_vs, stride_vh, stride_vd,
+                stride_vb, stride_vs, stride_vh, stride_vd, k_desc, v_desc, kv_row0,
                 HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, masked == 1, IS_CAUSAL, HAS_WINDOW,
-                HAS_SOFTCAP, HAS_ALIBI, IEEE_DOT,
+                HAS_SOFTCAP, HAS_ALIBI, IEEE_DOT, KV_FROM_INPUT, WARP_SPECIALIZE,
             )  # fmt: skip
 
         has_mass = l_i > 0.0
