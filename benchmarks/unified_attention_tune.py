@@ -169,9 +169,11 @@ def sweep_prefill(quick: bool) -> None:
     """Paged-gather vs TMA-from-input variants (the latter checked equal to the former)."""
     from anyattn.ops.reshape_and_cache import reshape_and_cache
 
-    paged_variants = [(128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 4, 3)]
-    input_variants = [(128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3),
-                      (128, 128, 8, 2, True), (128, 64, 4, 2, True)]  # fmt: skip
+    paged_variants = [(128, 128, 8, 2), (128, 32, 4, 3)]
+    input_variants = [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3),
+                      (128, 64, 8, 4), (128, 64, 4, 3), (128, 64, 4, 2, True),
+                      (128, 64, 4, 3, True), (128, 128, 4, 2, True), (128, 64, 8, 3, True),
+                      (128, 128, 8, 3, True), (64, 64, 4, 2, True)]  # fmt: skip
     if quick:
         paged_variants, input_variants = paged_variants[:1], input_variants[:2]
     for batch, length in ((16, 1024), (4, 4096), (1, 16384)):
@@ -207,6 +209,31 @@ def sweep_prefill(quick: bool) -> None:
         print(f"prefill {batch}x{length}: {best} |{peer_txt}")
 
 
+def sweep_mixed(quick: bool) -> None:
+    """48 decodes of 4096 context + 2 chunked prefills of 512 new tokens (1536 context), one
+    launch: which tile shape serves both kinds best."""
+    variants = [(16, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3),
+                (128, 32, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)]  # fmt: skip
+    if quick:
+        variants = variants[:2]
+    q_lens, seq_lens = [1] * 48 + [512] * 2, [4096] * 48 + [2048] * 2
+    q, kv, qsl, sl, bt = paged(q_lens, seq_lens, "NHD")
+    gb = (48 * 4096 + 2 * 2048) * HKV * D * 2 * 2 / 1e9
+    p = UnifiedAttentionParams(scale=D**-0.5)
+    ref = torch.empty_like(q)
+    unified_attention(q, kv, ref, qsl, sl, bt, 50, 512, p)
+    row = []
+    for tiles in variants:
+        out = torch.empty_like(q)
+        unified_attention(q, kv, out, qsl, sl, bt, 50, 512, p, tiles=tiles)
+        err = (out.float() - ref.float()).abs().max().item()
+        ms = bench(lambda: unified_attention(q, kv, out, qsl, sl, bt, 50, 512, p, tiles=tiles))
+        row.append((ms * 1e3, tiles, err))
+    row.sort(key=lambda x: x[0])
+    print("mixed 48x4096 + 2x512: " + ", ".join(
+        f"{us:.0f}us ({gb / us * 1e3:.2f}TB/s) {t} e{e:.2g}" for us, t, e in row))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -222,6 +249,8 @@ def main() -> None:
         sweep_decode(args.quick)
     if "prefill" not in args.skip:
         sweep_prefill(args.quick)
+    if "mixed" not in args.skip:
+        sweep_mixed(args.quick)
 
 
 if __name__ == "__main__":

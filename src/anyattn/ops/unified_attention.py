@@ -82,22 +82,20 @@ def _choose_config(
     max_query_len: int, num_queries_per_kv: int, head_pad: int, from_input: bool
 ) -> _Config:
     """Tile shapes, from the H200 sweep in benchmarks/RESULTS.md: decode-like batches use the
-    smallest tensor-core tile (16 rows) and long key tiles; batches with long queries 128 rows
-    (64 for wide heads) so each K/V tile serves many queries, with longer key tiles and
-    deeper pipelines where the keys come through TMA."""
+    smallest tensor-core tile (16 rows) and long key tiles; mixed batches and prefills up to
+    4096 tokens 64-row tiles; longer prefills 128 x 128 tiles."""
     min_m = max(16, triton.next_power_of_2(num_queries_per_kv))
     rows = max_query_len * num_queries_per_kv
     if rows <= 16:
         return _Config(min_m, min_m // num_queries_per_kv, 128 if head_pad <= 128 else 64, 4, 3)
-    if rows <= 64:
-        tile_m = max(min_m, 64)
-        return _Config(tile_m, tile_m // num_queries_per_kv, 64, 4, 3)
-    tile_m = max(min_m, 128 if head_pad <= 128 else 64)
     long_keys = max_query_len >= 4096 and head_pad <= 128
-    if from_input:
-        tile_n, warps, stages = (128 if long_keys else 64), 8, 3
-    else:
-        tile_n, warps, stages = (128, 8, 2) if long_keys else (32, 4, 3)
+    if long_keys:  # long prefills: the biggest tiles; TMA feeds a deeper pipeline
+        tile_m, tile_n, warps, stages = 128, 128, 8, (3 if from_input else 2)
+    elif head_pad <= 128:  # mixed batches, shorter prefills: more programs in flight
+        tile_m, tile_n, warps, stages = 64, 64, 4, 3
+    else:  # wide heads: keep Q + staged K/V tiles within shared memory
+        tile_m, tile_n, warps, stages = 64, 32, 4, 2
+    tile_m = max(min_m, tile_m)
     return _Config(tile_m, tile_m // num_queries_per_kv, tile_n, warps, stages)
 
 

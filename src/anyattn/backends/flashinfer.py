@@ -1,0 +1,811 @@
+"""FLASHINFER: FlashInfer 0.7.2.post1's batch attention wrappers behind the anyattn contract.
+
+Plan/run split, as FlashInfer's own API has it: the builder turns each step into the index
+arrays FlashInfer's planners take (`flashinfer_plan.plan_step`, pure numpy on the CPU mirrors)
+and calls the wrappers' `plan()` in `build` with CPU index tensors and device page ids gathered
+from the block table on the device, so no host-device synchronisation happens there. `forward`
+only calls `run()`. A step is served by up to three wrappers, decodes first:
+
+- decodes (one query token): `BatchDecodeWithPagedKVCacheWrapper`, tensor cores on (the fa2
+  prefill kernel, which serves any GQA ratio and shares its compiled module with the prefills);
+- fresh prefills (no context): `BatchPrefillWithRaggedKVCacheWrapper` over the step's own K/V;
+- prefills with context: `BatchPrefillWithPagedKVCacheWrapper` over the paged cache.
+
+fp8 caches send every prefill to the paged wrapper (the inputs' K/V are not what the cache
+holds); so do fresh prefills that sit between prefills with context (see `split_batch`).
+Non-causal steps plan both prefill wrappers with `causal=False`; a single-token decode sees
+every key either way. Sliding windows of W keys are FlashInfer's `window_left = W - 1`.
+Prefills use FlashInfer's own kernel choice on Hopper (fa3 where it applies) and fa2 elsewhere,
+where its "auto" could pick kernels whose planning reads device memory.
+
+What the wrappers need per layer (query heads, scale, soft cap) is not in the KV-cache spec, so
+plans are kept per layer signature: a builder plans in `build` for every signature it knows
+(`register_layer`, or learnt from the first forward of such a layer, which then plans once from
+the step's CPU arrays). Plans are FlashInfer state: metadata is valid until the builder's next
+`build`; a forward on older metadata plans again.
+
+Caches use the standard logical shape `(num_blocks, 2, block_size, num_kv_heads, head_size)`
+in NHD or HND memory order: the wrappers are built for "NHD" and handed the logical view, whose
+page / token / head strides FlashInfer's kernels read from the tensor.
+
+LSEs come back in base 2 (`lse_base_on_e = False`), as FlashInfer's kernels compute them.
+fp8 caches take one per-tensor `k_scale` / `v_scale` per layer: FlashInfer folds them into the
+softmax scale and the output as Python floats, read once per scale tensor (one host read at the
+layer's first forward; do it before capturing CUDA graphs).
+
+Not declared, because FlashInfer 0.7.2's fa2/fa3 kernels would drop or change them: attention
+sinks (their paged/ragged runs do not pass `sinks` on), ALiBi (the kernels use FlashInfer's own
+slopes and measure distance from the query's row in its chunk, which changes the LSE), per-head
+fp8 scales, encoder and cross attention, cascade attention. Kernels are compiled by FlashInfer's
+JIT on first use of each dtype / head size / feature family (tens of seconds each).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from anyattn.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+)
+from anyattn.backends.flashinfer_plan import StepArrays, plan_step
+from anyattn.impl_args import validate_impl_arguments
+from anyattn.metadata import CommonAttentionMetadata
+from anyattn.types import (
+    DTYPES,
+    AttentionCGSupport,
+    AttentionType,
+    KVCacheLayout,
+    MultipleOf,
+    cache_torch_dtype,
+    is_fp8_cache,
+)
+
+__all__ = [
+    "FlashInferBackend",
+    "FlashInferImpl",
+    "FlashInferMetadata",
+    "FlashInferMetadataBuilder",
+]
+
+FLASHINFER_VERSION = "0.7.2.post1"
+PIP_COMMAND = "pip install 'anyattn[flashinfer]'"
+# FlashInfer's recommended float workspace (split-KV partial results), shared by every wrapper
+# of a builder: layers run one after another on one stream.
+WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+def _installed_flashinfer() -> tuple[bool, str | None]:
+    """Whether `flashinfer` is importable here, and its distribution's version (None when it
+    has no package metadata, e.g. a source tree), without importing it."""
+    if importlib.util.find_spec("flashinfer") is None:
+        return False, None
+    try:
+        return True, importlib.metadata.version("flashinfer-python")
+    except importlib.metadata.PackageNotFoundError:
+        return True, None
+
+
+def _import_flashinfer() -> Any:
+    import flashinfer  # optional and CUDA-only: imported when first needed
+
+    return flashinfer
+
+
+class FlashInferBackend(AttentionBackend):
+    """Declarations of the FLASHINFER backend (see the module docstring)."""
+
+    supported_dtypes = (torch.float16, torch.bfloat16)
+    supported_kv_cache_dtypes = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+    supported_device_types = ("cuda",)
+    supported_attn_types = (AttentionType.DECODER,)
+    min_compute_capability = (8, 0)
+    forward_includes_kv_cache_update = False
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASHINFER"
+
+    @staticmethod
+    def get_impl_cls() -> type[FlashInferImpl]:
+        return FlashInferImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[FlashInferMetadataBuilder]:
+        return FlashInferMetadataBuilder
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        # The head dims FlashInfer 0.7.2 builds ahead of time for fa2 and fa3 (aot.py).
+        return [64, 128, 256]
+
+    @classmethod
+    def get_supported_kernel_block_sizes(cls) -> list[int | MultipleOf]:
+        return [16, 32, 64]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.NHD, KVCacheLayout.HND)
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_logits_soft_cap(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_lse(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_combination(cls, config, device) -> str | None:
+        cache = config.kv_cache_dtype
+        if cache in ("float16", "bfloat16") and DTYPES[cache] != config.dtype:
+            return (
+                f"kv_cache_dtype {cache} with dtype {str(config.dtype).removeprefix('torch.')} "
+                "not supported (FlashInfer's 16-bit kernels need the cache in the model dtype)"
+            )
+        if config.has_sliding_window and config.use_non_causal:
+            return "sliding window with non-causal attention not supported"
+        return None
+
+    @classmethod
+    def get_unavailable_reason(cls) -> str | None:
+        importable, version = _installed_flashinfer()
+        if not importable:
+            return f"flashinfer is not installed; {PIP_COMMAND}"
+        if version is not None and version != FLASHINFER_VERSION:
+            return (
+                f"flashinfer-python {version} is installed, FLASHINFER is written for "
+                f"{FLASHINFER_VERSION}; {PIP_COMMAND}"
+            )
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class _PlanKey:
+    """What a wrapper's plan depends on besides the step and the KV-cache spec."""
+
+    num_heads: int
+    scale: float
+    logits_soft_cap: float  # 0.0: none
+
+
+@dataclass
+class _Planned:
+    """The wrappers planned for one layer signature and one step (None: part absent)."""
+
+    decode: Any = None
+    ragged: Any = None
+    paged: Any = None
+
+    def wrappers(self) -> list[Any]:
+        return [w for w in (self.decode, self.ragged, self.paged) if w is not None]
+
+
+@dataclass
+class _Step:
+    """A build's plan inputs and the plans made from them (internal)."""
+
+    builder: FlashInferMetadataBuilder
+    generation: int
+    arrays: StepArrays
+    decode_pages: torch.Tensor | None
+    paged_pages: torch.Tensor | None
+    causal: bool
+    cudagraph_size: int | None
+    planned: dict[_PlanKey, _Planned] = field(default_factory=dict)
+
+
+@dataclass
+class FlashInferMetadata:
+    """What `FlashInferImpl.forward` needs for one step.
+
+    Attributes:
+        num_actual_tokens: real tokens; output rows past it are untouched (except the padding
+            rows of a CUDA-graph decode batch, see `decode_rows`).
+        slot_mapping: int64 `[num_tokens]` (device), for the cache write.
+        causal: False for bidirectional attention.
+        num_decodes, num_decode_tokens: the leading single-token requests.
+        decode_rows: query rows the decode wrapper runs: `num_decode_tokens`, or the padded
+            batch size of a CUDA-graph decode step (its padding rows are written too).
+        ragged_tokens, paged_tokens: `[start, end)` token rows of the fresh prefills (ragged
+            wrapper) and of the other prefills (paged wrapper).
+        cudagraph_size: the captured batch size this step is planned for, or None.
+        block_size, num_kv_heads, head_size, dtype, cache_dtype, window_left: the KV-cache
+            spec the step was planned for (`window_left = sliding_window - 1`, -1 for none).
+    """
+
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor
+    causal: bool
+    num_decodes: int
+    num_decode_tokens: int
+    decode_rows: int
+    ragged_tokens: tuple[int, int]
+    paged_tokens: tuple[int, int]
+    cudagraph_size: int | None
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    cache_dtype: torch.dtype
+    window_left: int
+    step: _Step = field(repr=False)
+
+
+@dataclass
+class _Wrappers:
+    """A layer signature's eager wrappers, made on first use."""
+
+    decode: Any = None
+    ragged: Any = None
+    paged: Any = None
+
+
+class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
+    """Plans FlashInfer's wrappers for each step from the CPU mirrors (see the module docstring).
+
+    CUDA graphs: `build_for_cudagraph_capture` plans a batch of N single-token decodes into
+    the CUDA-graph decode wrapper of size N, whose index buffers are fixed. A later step of
+    single-token decodes whose `slot_mapping` has N rows (N requests, dummies included, or
+    fewer requests padded to N rows) is planned into the same wrapper, so the captured graph
+    replays the new plan; FlashInfer plans it for N requests, the missing ones without keys.
+    """
+
+    _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    # Prefill kernels: None = FlashInfer's "auto" on Hopper (fa3 where it applies), "fa2" on
+    # other GPUs; or "fa2" / "fa3" / "auto" everywhere.
+    prefill_backend: ClassVar[str | None] = None
+
+    def __init__(self, kv_cache_spec, layer_names, limits, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, limits, device)
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
+        spec = kv_cache_spec
+        self._cache_dtype = spec.cache_dtype
+        self._allow_ragged = not is_fp8_cache(spec.kv_cache_dtype)
+        self._window_left = spec.sliding_window - 1 if spec.sliding_window else -1
+        self._layer_keys: dict[_PlanKey, None] = {}
+        self._eager: dict[_PlanKey, _Wrappers] = {}
+        self._graph: dict[tuple[_PlanKey, int], Any] = {}
+        self._graph_sizes: set[int] = set()
+        self._planned_by: dict[int, int] = {}  # id(wrapper) -> generation of its last plan
+        self._generation = 0
+        self._workspace: torch.Tensor | None = None
+
+    def register_layer(self, impl: FlashInferImpl) -> None:
+        """Plan for `impl`'s layer signature in every later `build` (otherwise the first
+        forward of such a layer plans it once, from the step's CPU arrays)."""
+        self._layer_keys.setdefault(impl.plan_key, None)
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> FlashInferMetadata:
+        return self._build(
+            common_prefix_len, common_attn_metadata, self._replay_size(common_attn_metadata)
+        )
+
+    def build_for_cudagraph_capture(
+        self, common_attn_metadata: CommonAttentionMetadata
+    ) -> FlashInferMetadata:
+        """Plan a batch of single-token decodes into the CUDA-graph wrappers of its size.
+
+        Later decode-only steps padded to this size (`len(slot_mapping)`) reuse them.
+        """
+        cm = common_attn_metadata
+        api = "FlashInferMetadataBuilder.build_for_cudagraph_capture"
+        if cm.num_reqs == 0 or cm.num_actual_tokens != cm.num_reqs:
+            raise ValueError(
+                f"{api}: CUDA graphs capture batches of single-token decodes only (got "
+                f"{cm.num_reqs} requests with {cm.num_actual_tokens} tokens)."
+            )
+        if cm.num_reqs > self.limits.max_num_reqs:
+            raise ValueError(
+                f"{api}: batch larger than the limits allow (got {cm.num_reqs} requests, "
+                f"expected <= max_num_reqs {self.limits.max_num_reqs})."
+            )
+        self._graph_sizes.add(cm.num_reqs)
+        return self._build(0, cm, cm.num_reqs)
+
+    def _replay_size(self, cm: CommonAttentionMetadata) -> int | None:
+        """The captured batch size a decode-only step is padded to, or None (eager)."""
+        size = int(cm.slot_mapping.shape[0])
+        if size not in self._graph_sizes or cm.num_reqs > size:
+            return None
+        return size if cm.num_actual_tokens == cm.num_reqs else None
+
+    def _build(
+        self, common_prefix_len: int, cm: CommonAttentionMetadata, cudagraph_size: int | None
+    ) -> FlashInferMetadata:
+        api = "FlashInferMetadataBuilder.build"
+        if common_prefix_len:
+            raise ValueError(
+                f"{api}: cascade attention not supported (got common_prefix_len="
+                f"{common_prefix_len}, expected 0). FLASHINFER's use_cascade_attention is False."
+            )
+        if cm.encoder_seq_lens_cpu is not None:
+            raise ValueError(f"{api}: cross attention not supported (got encoder_seq_lens).")
+        cm.validate(api)
+        spec = self.kv_cache_spec
+        n = cm.num_reqs
+        arrays = plan_step(
+            cm.query_start_loc_cpu[: n + 1].numpy(),
+            cm.seq_lens_cpu[:n].numpy(),
+            spec.block_size,
+            cm.block_table_tensor.shape[1],
+            decode_threshold=self.reorder_batch_threshold or 1,
+            allow_ragged=self._allow_ragged,
+            cudagraph_num_reqs=cudagraph_size,
+        )
+        if cudagraph_size is not None:
+            capacity = cudagraph_size * -(-self.limits.max_model_len // spec.block_size)
+            if arrays.decode.gather_index.shape[0] > capacity:
+                raise ValueError(
+                    f"{api}: a CUDA-graph decode step needs more pages than max_model_len "
+                    f"allows (got {arrays.decode.gather_index.shape[0]}, expected <= {capacity}). "
+                    "Keep seq_lens within BatchLimits.max_model_len."
+                )
+        decode_pages, paged_pages = _gather_pages(cm.block_table_tensor, arrays)
+        self._generation += 1
+        step = _Step(
+            self, self._generation, arrays, decode_pages, paged_pages, cm.causal, cudagraph_size
+        )
+        split = arrays.split
+        md = FlashInferMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            slot_mapping=cm.slot_mapping,
+            causal=cm.causal,
+            num_decodes=split.num_decodes,
+            num_decode_tokens=split.num_decode_tokens,
+            decode_rows=cudagraph_size or split.num_decode_tokens,
+            ragged_tokens=split.ragged_tokens,
+            paged_tokens=split.paged_tokens,
+            cudagraph_size=cudagraph_size,
+            block_size=spec.block_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            dtype=spec.dtype,
+            cache_dtype=self._cache_dtype,
+            window_left=self._window_left,
+            step=step,
+        )
+        for key in self._layer_keys:
+            self._plan(key, step)
+        return md
+
+    # --- plans ------------------------------------------------------------------------------
+
+    def planned(self, md: FlashInferMetadata, key: _PlanKey) -> _Planned:
+        """The wrappers planned for `key` and `md`'s step, planning them now if needed."""
+        step = md.step
+        planned = step.planned.get(key)
+        if planned is not None and all(
+            self._planned_by.get(id(w)) == step.generation for w in planned.wrappers()
+        ):
+            return planned
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "FLASHINFER forward: this layer's wrappers are not planned for the step being "
+                "captured (got a layer signature or metadata the builder has not planned). "
+                "Call builder.register_layer(impl) or run one eager step before capturing, and "
+                "capture with the metadata of the latest build."
+            )
+        self._layer_keys.setdefault(key, None)
+        return self._plan(key, step)
+
+    def _plan(self, key: _PlanKey, step: _Step) -> _Planned:
+        spec = self.kv_cache_spec
+        arrays = step.arrays
+        common = dict(
+            window_left=self._window_left,
+            logits_soft_cap=key.logits_soft_cap or None,
+            sm_scale=key.scale,
+            q_data_type=spec.dtype,
+            o_data_type=spec.dtype,
+            non_blocking=True,
+        )
+        heads = (key.num_heads, spec.num_kv_heads, spec.head_size)
+        planned = _Planned()
+        if arrays.decode is not None:
+            d = arrays.decode
+            wrapper = (
+                self._graph_decode(key, step.cudagraph_size)
+                if step.cudagraph_size
+                else self._wrappers(key, "decode")
+            )
+            wrapper.plan(
+                torch.from_numpy(d.paged_kv_indptr),
+                step.decode_pages,
+                torch.from_numpy(d.paged_kv_last_page_len),
+                *heads,
+                spec.block_size,
+                kv_data_type=self._cache_dtype,
+                **common,
+            )
+            planned.decode = wrapper
+        if arrays.ragged_qo_indptr is not None:
+            wrapper = self._wrappers(key, "ragged")
+            wrapper.plan(
+                torch.from_numpy(arrays.ragged_qo_indptr),
+                torch.from_numpy(arrays.ragged_kv_indptr),
+                *heads,
+                causal=step.causal,
+                kv_data_type=spec.dtype,
+                **common,
+            )
+            planned.ragged = wrapper
+        if arrays.paged is not None:
+            p = arrays.paged
+            wrapper = self._wrappers(key, "paged")
+            wrapper.plan(
+                torch.from_numpy(p.qo_indptr),
+                torch.from_numpy(p.paged_kv_indptr),
+                step.paged_pages,
+                torch.from_numpy(p.paged_kv_last_page_len),
+                *heads,
+                spec.block_size,
+                causal=step.causal,
+                kv_data_type=self._cache_dtype,
+                seq_lens=torch.from_numpy(p.seq_lens),
+                **common,
+            )
+            planned.paged = wrapper
+        for wrapper in planned.wrappers():
+            self._planned_by[id(wrapper)] = step.generation
+        step.planned[key] = planned
+        return planned
+
+    # --- wrappers ---------------------------------------------------------------------------
+
+    def _float_workspace(self) -> torch.Tensor:
+        if self._workspace is None:
+            # FlashInfer asks for a zeroed buffer on first use.
+            self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        return self._workspace
+
+    def _prefill_kernels(self) -> str:
+        if self.prefill_backend is not None:
+            return self.prefill_backend
+        major, _ = torch.cuda.get_device_capability(self.device)
+        return "auto" if major == 9 else "fa2"
+
+    def _wrappers(self, key: _PlanKey, part: str) -> Any:
+        wrappers = self._eager.setdefault(key, _Wrappers())
+        wrapper = getattr(wrappers, part)
+        if wrapper is None:
+            fi = _import_flashinfer()
+            workspace = self._float_workspace()
+            if part == "decode":
+                wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+                    workspace, "NHD", use_tensor_cores=True, backend="fa2"
+                )
+            elif part == "ragged":
+                wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(
+                    workspace, "NHD", backend=self._prefill_kernels()
+                )
+            else:
+                wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
+                    workspace, "NHD", backend=self._prefill_kernels()
+                )
+            setattr(wrappers, part, wrapper)
+        return wrapper
+
+    def _graph_decode(self, key: _PlanKey, size: int) -> Any:
+        """The CUDA-graph decode wrapper of one batch size: index buffers sized for `size`
+        requests of up to `max_model_len` tokens, fixed for the wrapper's life."""
+        wrapper = self._graph.get((key, size))
+        if wrapper is None:
+            fi = _import_flashinfer()
+            block_size = self.kv_cache_spec.block_size
+            max_pages = size * -(-self.limits.max_model_len // block_size)
+            int32 = dict(dtype=torch.int32, device=self.device)
+            wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+                self._float_workspace(),
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=True,
+                paged_kv_indptr_buffer=torch.zeros(size + 1, **int32),
+                paged_kv_indices_buffer=torch.zeros(max_pages, **int32),
+                paged_kv_last_page_len_buffer=torch.zeros(size, **int32),
+                backend="fa2",
+            )
+            self._graph[(key, size)] = wrapper
+        return wrapper
+
+
+def _gather_pages(
+    block_table: torch.Tensor, arrays: StepArrays
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The decode and paged-prefill page ids, gathered from the block table on its device
+    (one host-to-device copy of the gather index, one gather; no synchronisation)."""
+    parts = [p for p in (arrays.decode, arrays.paged) if p is not None]
+    if not parts:
+        return None, None
+    index = torch.from_numpy(np.concatenate([p.gather_index for p in parts]))
+    index = index.to(block_table.device, non_blocking=True)
+    pages = torch.index_select(block_table.reshape(-1), 0, index)
+    sizes = [p.gather_index.shape[0] for p in parts]
+    chunks = iter(torch.split(pages, sizes))
+    decode = next(chunks) if arrays.decode is not None else None
+    paged = next(chunks) if arrays.paged is not None else None
+    return decode, paged
+
+
+class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
+    """The FLASHINFER backend's forward: runs the wrappers the builder planned for the step."""
+
+    can_return_lse_for_decode = True
+    # FlashInfer's kernels return log2-sum-exp2 of the log2e-scaled scores.
+    lse_base_on_e = False
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: AttentionType | str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        self.num_kv_heads = validate_impl_arguments(
+            FlashInferBackend,
+            num_heads=num_heads,
+            head_size=head_size,
+            scale=scale,
+            num_kv_heads=num_kv_heads,
+            alibi_slopes=alibi_slopes,
+            sliding_window=sliding_window,
+            kv_cache_dtype=kv_cache_dtype,
+            logits_soft_cap=logits_soft_cap,
+            attn_type=attn_type,
+            sinks=sinks,
+        )
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale.item() if isinstance(scale, torch.Tensor) else scale)
+        self.sliding_window = sliding_window
+        self.kv_cache_dtype = kv_cache_dtype
+        self.logits_soft_cap = float(logits_soft_cap) if logits_soft_cap else None
+        self.attn_type = AttentionType(attn_type)
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.plan_key = _PlanKey(num_heads, self.scale, self.logits_soft_cap or 0.0)
+        self._scales: dict[str, tuple[tuple[int, int, int], float]] = {}
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: FlashInferMetadata,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+        output_lse: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """See `AttentionImpl.forward`. Writes `output[:num_actual_tokens]` (and `output_lse`,
+        base 2) with up to three wrapper runs: decodes, fresh prefills, other prefills."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError(
+                "FLASHINFER forward: fused output quantisation not supported (got "
+                "output_scale). Quantise the output after the call."
+            )
+        md = attn_metadata
+        self.validate_inputs(query, key, value, kv_cache, md, output, output_lse)
+        if md.num_actual_tokens == 0:
+            return output
+        planned = md.step.builder.planned(md, self.plan_key)
+        k_scale, v_scale = self._kv_scales(layer)
+        want_lse = output_lse is not None
+        if md.decode_rows:
+            rows = (0, md.decode_rows)
+            result = planned.decode.run(
+                query[: rows[1]],
+                kv_cache,
+                k_scale=k_scale,
+                v_scale=v_scale,
+                out=output[: rows[1]],
+                return_lse=want_lse,
+            )
+            _write_lse(output_lse, rows, result)
+        start, end = md.ragged_tokens
+        if end > start:
+            fresh_key, fresh_value = self._fresh_kv(
+                key, value, kv_cache, md.slot_mapping, start, end
+            )
+            result = planned.ragged.run(
+                query[start:end],
+                fresh_key,
+                fresh_value,
+                out=output[start:end],
+                return_lse=want_lse,
+            )
+            _write_lse(output_lse, md.ragged_tokens, result)
+        start, end = md.paged_tokens
+        if end > start:
+            result = planned.paged.run(
+                query[start:end],
+                kv_cache,
+                k_scale=k_scale,
+                v_scale=v_scale,
+                out=output[start:end],
+                return_lse=want_lse,
+            )
+            _write_lse(output_lse, md.paged_tokens, result)
+        return output
+
+    def _fresh_kv(
+        self,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        start: int,
+        end: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V rows `[start, end)` of fresh prefills: the inputs, or for a layer that reads
+        another layer's cache (or gets no key) the cache rows the step wrote."""
+        if key is not None and value is not None and self.kv_sharing_target_layer_name is None:
+            return key[start:end], value[start:end]
+        slots = slot_mapping[start:end]
+        block_size = kv_cache.shape[2]
+        # [m, 2, num_kv_heads, head_size]: the advanced indices lead the result
+        rows = kv_cache[slots // block_size, :, slots % block_size]
+        return rows[:, 0], rows[:, 1]
+
+    def _kv_scales(self, layer: AttentionLayer) -> tuple[float | None, float | None]:
+        if not is_fp8_cache(self.kv_cache_dtype):
+            return None, None
+        return self._scale(layer, "k_scale"), self._scale(layer, "v_scale")
+
+    def _scale(self, layer: AttentionLayer, name: str) -> float:
+        """The layer's per-tensor fp8 scale as a float (FlashInfer takes Python floats), read
+        from the device once per scale tensor and kept while the tensor is unchanged."""
+        scale = getattr(layer, name, None)
+        if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
+            got = tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__
+            raise ValueError(
+                f"FLASHINFER forward: layer.{name} must be a float32 tensor of shape [] (got "
+                f"{got}). FlashInfer takes one per-tensor scale; per-head scales are not "
+                "supported."
+            )
+        identity = (id(scale), scale._version, scale.data_ptr())
+        cached = self._scales.get(name)
+        if cached is not None and cached[0] == identity:
+            return cached[1]
+        if scale.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"FLASHINFER forward: layer.{name} has not been read yet and cannot be read "
+                "while a CUDA graph is being captured (got a new scale tensor). Run one eager "
+                "forward before capturing."
+            )
+        value = float(scale.item())
+        self._scales[name] = (identity, value)
+        return value
+
+    def validate_inputs(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        md: FlashInferMetadata,
+        output: torch.Tensor,
+        output_lse: torch.Tensor | None = None,
+    ) -> None:
+        """See `AttentionImpl.validate_inputs`; shapes, dtypes and the metadata's spec."""
+        api = "FLASHINFER forward"
+        if not isinstance(md, FlashInferMetadata):
+            raise TypeError(
+                f"{api}: attn_metadata must come from FlashInferMetadataBuilder.build (got "
+                f"{type(md).__name__})."
+            )
+        spec = (md.num_kv_heads, md.head_size)
+        if spec != (self.num_kv_heads, self.head_size):
+            raise ValueError(
+                f"{api}: the metadata was built for another KV-cache spec (got num_kv_heads, "
+                f"head_size {spec}, expected {(self.num_kv_heads, self.head_size)})."
+            )
+        window_left = self.sliding_window - 1 if self.sliding_window else -1
+        if window_left != md.window_left:
+            raise ValueError(
+                f"{api}: sliding_window differs from the KV-cache spec the step was planned for "
+                f"(got {self.sliding_window}, expected {md.window_left + 1 or None}). Group "
+                "layers by sliding window."
+            )
+        heads = (self.num_heads, self.head_size)
+        if query.dim() != 3 or tuple(query.shape[1:]) != heads:
+            raise ValueError(
+                f"{api}: query must be [num_tokens, {heads[0]}, {heads[1]}] (got "
+                f"{tuple(query.shape)})."
+            )
+        if query.dtype != md.dtype:
+            raise ValueError(
+                f"{api}: query dtype differs from the KV-cache spec's dtype (got {query.dtype}, "
+                f"expected {md.dtype})."
+            )
+        if output.shape != query.shape or output.dtype != query.dtype:
+            raise ValueError(
+                f"{api}: output must match query in shape and dtype (got {tuple(output.shape)} "
+                f"{output.dtype}, expected {tuple(query.shape)} {query.dtype})."
+            )
+        if not output.is_contiguous():
+            raise ValueError(f"{api}: output must be contiguous (got strides {output.stride()}).")
+        rows = max(md.num_actual_tokens, md.decode_rows)
+        if query.shape[0] < rows:
+            raise ValueError(
+                f"{api}: query has fewer rows than the step (got {query.shape[0]}, expected "
+                f">= {rows})."
+            )
+        if (key is None) != (value is None):
+            raise ValueError(f"{api}: key and value must both be given or both be None.")
+        for name, tensor in (("key", key), ("value", value)):
+            if tensor is None:
+                continue
+            expected = (query.shape[0], self.num_kv_heads, self.head_size)
+            if tuple(tensor.shape) != expected:
+                raise ValueError(
+                    f"{api}: {name} must be {list(expected)} (got {tuple(tensor.shape)})."
+                )
+            if tensor.dtype != query.dtype:
+                raise ValueError(
+                    f"{api}: {name} dtype differs from query (got {tensor.dtype}, expected "
+                    f"{query.dtype})."
+                )
+        cache_dtype = cache_torch_dtype(self.kv_cache_dtype, query.dtype)
+        expected_cache = ("num_blocks", 2, md.block_size, self.num_kv_heads, self.head_size)
+        if kv_cache.dim() != 5 or tuple(kv_cache.shape[1:]) != expected_cache[1:]:
+            raise ValueError(
+                f"{api}: kv_cache must be {list(expected_cache)} (got {tuple(kv_cache.shape)}). "
+                "Allocate it with anyattn.kv_cache.allocate_kv_cache."
+            )
+        if kv_cache.dtype != cache_dtype or cache_dtype != md.cache_dtype:
+            raise ValueError(
+                f"{api}: kv_cache dtype does not match kv_cache_dtype {self.kv_cache_dtype!r} "
+                f"and the KV-cache spec (got {kv_cache.dtype}, expected {md.cache_dtype})."
+            )
+        if kv_cache.device != query.device or kv_cache.stride(-1) != 1:
+            raise ValueError(
+                f"{api}: kv_cache must be on the query's device with contiguous heads (got "
+                f"{kv_cache.device}, head stride {kv_cache.stride(-1)})."
+            )
+        if output_lse is not None and (
+            output_lse.dtype != torch.float32
+            or output_lse.dim() != 2
+            or output_lse.shape[0] != self.num_heads
+            or output_lse.shape[1] < rows
+        ):
+            raise ValueError(
+                f"{api}: output_lse must be float32 [{self.num_heads}, num_tokens] (got "
+                f"{output_lse.dtype} {tuple(output_lse.shape)})."
+            )
+
+
+def _write_lse(output_lse: torch.Tensor | None, rows: tuple[int, int], result: Any) -> None:
+    """Copy a wrapper's base-2 LSE `[rows, num_heads]` into `output_lse[:, rows]`."""
+    if output_lse is not None:
+        _, lse = result
+        output_lse[:, rows[0] : rows[1]].copy_(lse.t())

@@ -1,0 +1,348 @@
+"""What FlashInfer's planners need for one step, computed from the step's CPU mirrors.
+
+Pure functions of numpy arrays (`query_start_loc_cpu`, `seq_lens_cpu`, ...): no torch, no
+device, so that they run in `build` without touching the GPU and are tested exactly on the CPU.
+
+FlashInfer describes a paged batch in CSR form (its "page table layout"):
+
+- `qo_indptr` int32 `[n + 1]`: request i's query rows are `[qo_indptr[i], qo_indptr[i + 1])`;
+- `paged_kv_indptr` int32 `[n + 1]`: request i's pages are
+  `paged_kv_indices[paged_kv_indptr[i] : paged_kv_indptr[i + 1]]`;
+- `paged_kv_indices` int32 `[paged_kv_indptr[-1]]`: physical page (kernel block) ids;
+- `paged_kv_last_page_len` int32 `[n]`: tokens in request i's last page, in
+  `[1, block_size]` (a request without pages is planned with 1, as FlashInfer's own examples do;
+  its kernels read an empty page range as length 0).
+
+The page ids live in the device block table, which has no CPU mirror; `paged_kv_gather_index`
+gives the flat positions in `block_table.reshape(-1)` to gather them from on the device.
+
+A step is split into three parts, in token order decodes first (the builder asks for that
+layout through `reorder_batch_threshold`): decodes (query length <= threshold) for the paged
+decode wrapper, fresh prefills (no context) for the ragged prefill wrapper, which reads K/V
+from the step's own inputs, and prefills with context for the paged prefill wrapper. Each
+wrapper needs its requests contiguous in the token dimension; when fresh and context prefills
+interleave, the fresh prefills outside one contiguous run go through the paged wrapper too
+(their K/V are in the cache by then), see `split_batch`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "BatchSplit",
+    "PagedArrays",
+    "StepArrays",
+    "pad_requests",
+    "paged_kv_gather_index",
+    "paged_kv_indices",
+    "paged_kv_indptr",
+    "plan_step",
+    "qo_indptr",
+    "ragged_kv_indptr",
+    "split_batch",
+]
+
+Range = tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSplit:
+    """Which requests (and their token rows) each FlashInfer wrapper serves.
+
+    Ranges are half-open `[start, end)`; request ranges index the batch, token ranges the flat
+    token dimension. Decodes always lead: `decode_reqs == (0, num_decodes)`.
+    """
+
+    num_decodes: int
+    num_decode_tokens: int
+    ragged_reqs: Range
+    paged_reqs: Range
+    ragged_tokens: Range
+    paged_tokens: Range
+
+
+def split_batch(
+    query_start_loc: np.ndarray,
+    context_lens: np.ndarray,
+    decode_threshold: int = 1,
+    allow_ragged: bool = True,
+) -> BatchSplit:
+    """Split a step into decodes, ragged (fresh) prefills and paged prefills.
+
+    Decodes are the leading requests whose query length is at most `decode_threshold` (the
+    batch is laid out decodes first; a decode after a prefill is served as a prefill). Among
+    the prefills after them, the ragged part is one contiguous run of fresh prefills
+    (`context_lens == 0`): all of them when no prefill has context, else the leading or the
+    trailing run of fresh prefills, whichever has more tokens (the leading one on a tie). Every
+    other prefill goes to the paged part, which is contiguous too.
+
+    Args:
+        query_start_loc: `[n + 1]` offsets of each request's query rows (starts at 0).
+        context_lens: `[n]` tokens in the cache before this step.
+        decode_threshold: longest query that counts as a decode.
+        allow_ragged: False sends every prefill to the paged part (fp8 caches: the inputs'
+            K/V are not what the cache holds).
+    """
+    loc = np.asarray(query_start_loc, dtype=np.int64)
+    context = np.asarray(context_lens, dtype=np.int64)
+    n = context.shape[0]
+    if loc.shape[0] != n + 1:
+        raise ValueError(
+            f"split_batch: query_start_loc must have num_reqs + 1 entries (got "
+            f"{loc.shape[0]}, expected {n + 1})."
+        )
+    query_lens = np.diff(loc)
+    not_decode = np.flatnonzero(query_lens > decode_threshold)
+    num_decodes = int(not_decode[0]) if not_decode.size else n
+    fresh = context[num_decodes:] == 0
+    first, last = num_decodes, num_decodes  # the ragged run [first, last)
+    if allow_ragged and fresh.size:
+        has_context = np.flatnonzero(~fresh)
+        if not has_context.size:
+            first, last = num_decodes, n
+        else:
+            lead_end = num_decodes + int(has_context[0])
+            trail_start = num_decodes + int(has_context[-1]) + 1
+            lead_tokens = loc[lead_end] - loc[num_decodes]
+            trail_tokens = loc[n] - loc[trail_start]
+            if lead_tokens >= trail_tokens:
+                first, last = num_decodes, lead_end
+            else:
+                first, last = trail_start, n
+    # The paged part is what remains of the prefills: after a leading run, before a trailing one.
+    paged = (last, n) if first == num_decodes else (num_decodes, first)
+    ragged = (first, last)
+    return BatchSplit(
+        num_decodes=num_decodes,
+        num_decode_tokens=int(loc[num_decodes]),
+        ragged_reqs=ragged,
+        paged_reqs=paged,
+        ragged_tokens=(int(loc[ragged[0]]), int(loc[ragged[1]])),
+        paged_tokens=(int(loc[paged[0]]), int(loc[paged[1]])),
+    )
+
+
+def qo_indptr(query_start_loc: np.ndarray, reqs: Range) -> np.ndarray:
+    """int32 `[m + 1]` query-row offsets of requests `reqs`, starting at 0."""
+    start, end = reqs
+    loc = np.asarray(query_start_loc, dtype=np.int64)[start : end + 1]
+    return (loc - loc[0]).astype(np.int32)
+
+
+def ragged_kv_indptr(
+    query_start_loc: np.ndarray, context_lens: np.ndarray, reqs: Range
+) -> np.ndarray:
+    """int32 `[m + 1]` key-row offsets of fresh prefills `reqs` in the step's own K/V rows.
+
+    A fresh prefill attends to exactly its new tokens, so this equals `qo_indptr`.
+
+    Raises:
+        ValueError: a request in `reqs` has context (its keys are not all in the inputs).
+    """
+    start, end = reqs
+    if np.any(np.asarray(context_lens)[start:end] != 0):
+        raise ValueError(
+            "ragged_kv_indptr: every request of the ragged part must be a fresh prefill (got a "
+            "request with context). Send prefills with context to the paged part."
+        )
+    return qo_indptr(query_start_loc, reqs)
+
+
+def paged_kv_indptr(seq_lens: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Page offsets and last-page lengths of requests holding `seq_lens` tokens.
+
+    Returns:
+        `(paged_kv_indptr, paged_kv_last_page_len)`: int32 `[n + 1]` (starts at 0) and int32
+        `[n]` in `[1, block_size]` (1 for a request with no tokens, which gets no pages).
+    """
+    if block_size < 1:
+        raise ValueError(f"paged_kv_indptr: block_size must be >= 1 (got {block_size}).")
+    seq = np.asarray(seq_lens, dtype=np.int64)
+    num_pages = -(-seq // block_size)
+    indptr = np.zeros(seq.shape[0] + 1, dtype=np.int32)
+    np.cumsum(num_pages, out=indptr[1:])
+    last = np.where(num_pages > 0, seq - (num_pages - 1) * block_size, 1)
+    return indptr, last.astype(np.int32)
+
+
+def paged_kv_gather_index(
+    seq_lens: np.ndarray, block_size: int, first_row: int, num_cols: int
+) -> np.ndarray:
+    """Flat positions in `block_table.reshape(-1)` of each request's pages, request by request.
+
+    Request i (block-table row `first_row + i`) holds `ceil(seq_lens[i] / block_size)` pages,
+    read from the first columns of its row.
+
+    Args:
+        num_cols: columns of the (contiguous) block table.
+
+    Returns:
+        int64 `[total_pages]`.
+
+    Raises:
+        ValueError: a request needs more pages than the table has columns.
+    """
+    seq = np.asarray(seq_lens, dtype=np.int64)
+    num_pages = -(-seq // block_size)
+    if num_pages.size and int(num_pages.max()) > num_cols:
+        raise ValueError(
+            f"paged_kv_gather_index: block_table too narrow for the longest sequence (got "
+            f"{num_cols} columns, expected >= {int(num_pages.max())} for block_size "
+            f"{block_size})."
+        )
+    total = int(num_pages.sum())
+    rows = np.repeat(np.arange(seq.shape[0], dtype=np.int64), num_pages)
+    starts = np.cumsum(num_pages) - num_pages  # first page of each request in the flat list
+    cols = np.arange(total, dtype=np.int64) - np.repeat(starts, num_pages)
+    return (rows + first_row) * num_cols + cols
+
+
+def paged_kv_indices(
+    block_table: np.ndarray, seq_lens: np.ndarray, block_size: int, first_row: int = 0
+) -> np.ndarray:
+    """int32 page ids of requests `first_row, ...` (the CPU form of the device gather)."""
+    table = np.ascontiguousarray(block_table)
+    index = paged_kv_gather_index(seq_lens, block_size, first_row, table.shape[1])
+    return table.reshape(-1)[index].astype(np.int32)
+
+
+def pad_requests(
+    indptr: np.ndarray, last_page_len: np.ndarray, num_reqs: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Append empty requests (no pages, last-page length 1) up to `num_reqs` requests.
+
+    CUDA-graph wrappers are planned for the captured batch size; padding requests read no keys.
+    """
+    missing = num_reqs - last_page_len.shape[0]
+    if missing < 0:
+        raise ValueError(
+            f"pad_requests: more requests than the padded size (got {last_page_len.shape[0]}, "
+            f"expected <= {num_reqs})."
+        )
+    indptr = np.concatenate([indptr, np.full(missing, indptr[-1], dtype=np.int32)])
+    last_page_len = np.concatenate([last_page_len, np.ones(missing, dtype=np.int32)])
+    return indptr.astype(np.int32), last_page_len.astype(np.int32)
+
+
+@dataclass(frozen=True, slots=True)
+class PagedArrays:
+    """One paged wrapper's plan inputs (decode or prefill part).
+
+    Attributes:
+        qo_indptr: int32 `[m + 1]` query rows (prefill part; None for decodes, whose wrapper
+            builds its own).
+        paged_kv_indptr: int32 `[m + 1]`.
+        paged_kv_last_page_len: int32 `[m]`.
+        seq_lens: int32 `[m]` keys per request (padding requests: 0).
+        gather_index: int64 `[paged_kv_indptr[-1]]` positions in `block_table.reshape(-1)`.
+    """
+
+    qo_indptr: np.ndarray | None
+    paged_kv_indptr: np.ndarray
+    paged_kv_last_page_len: np.ndarray
+    seq_lens: np.ndarray
+    gather_index: np.ndarray
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.paged_kv_last_page_len.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class StepArrays:
+    """Everything FlashInfer's planners need for one step (see `plan_step`).
+
+    Attributes:
+        split: the decode / ragged / paged split.
+        decode: the decode wrapper's arrays (padded to the CUDA-graph batch size), or None.
+        paged: the paged prefill wrapper's arrays, or None.
+        ragged_qo_indptr, ragged_kv_indptr: int32 `[m + 1]` of the ragged part, or None.
+    """
+
+    split: BatchSplit
+    decode: PagedArrays | None
+    paged: PagedArrays | None
+    ragged_qo_indptr: np.ndarray | None
+    ragged_kv_indptr: np.ndarray | None
+
+
+def _paged_arrays(
+    query_start_loc: np.ndarray,
+    seq_lens: np.ndarray,
+    block_size: int,
+    num_cols: int,
+    reqs: Range,
+    with_qo: bool,
+    padded_num_reqs: int | None = None,
+) -> PagedArrays:
+    start, end = reqs
+    seq = np.asarray(seq_lens, dtype=np.int64)[start:end]
+    indptr, last = paged_kv_indptr(seq, block_size)
+    gather = paged_kv_gather_index(seq, block_size, start, num_cols)
+    seq32 = seq.astype(np.int32)
+    if padded_num_reqs is not None:
+        indptr, last = pad_requests(indptr, last, padded_num_reqs)
+        seq32 = np.concatenate([seq32, np.zeros(padded_num_reqs - (end - start), np.int32)])
+    return PagedArrays(
+        qo_indptr=qo_indptr(query_start_loc, reqs) if with_qo else None,
+        paged_kv_indptr=indptr,
+        paged_kv_last_page_len=last,
+        seq_lens=seq32,
+        gather_index=gather,
+    )
+
+
+def plan_step(
+    query_start_loc: np.ndarray,
+    seq_lens: np.ndarray,
+    block_size: int,
+    num_cols: int,
+    *,
+    decode_threshold: int = 1,
+    allow_ragged: bool = True,
+    cudagraph_num_reqs: int | None = None,
+) -> StepArrays:
+    """The split and every wrapper's plan inputs for one step.
+
+    Args:
+        query_start_loc: int `[n + 1]` (the CPU mirror, real requests only).
+        seq_lens: int `[n]` context + new tokens.
+        block_size: kernel block (page) size.
+        num_cols: columns of the block table.
+        decode_threshold, allow_ragged: see `split_batch`.
+        cudagraph_num_reqs: plan the decodes padded to this many requests (a CUDA-graph batch);
+            the step must then be decodes only.
+
+    Raises:
+        ValueError: bad lengths, a table too narrow, or a padded plan for a step with prefills.
+    """
+    loc = np.asarray(query_start_loc, dtype=np.int64)
+    seq = np.asarray(seq_lens, dtype=np.int64)
+    query_lens = np.diff(loc)
+    if np.any(query_lens < 1):
+        raise ValueError("plan_step: every request needs at least one query token.")
+    context = seq - query_lens
+    if np.any(context < 0):
+        raise ValueError("plan_step: a request has seq_len shorter than its query length.")
+    split = split_batch(loc, context, decode_threshold, allow_ragged)
+    if cudagraph_num_reqs is not None and split.num_decodes != seq.shape[0]:
+        raise ValueError(
+            f"plan_step: a CUDA-graph plan needs a batch of decodes only (got "
+            f"{seq.shape[0] - split.num_decodes} prefills). Run steps with prefills eagerly."
+        )
+    decode = None
+    if split.num_decodes or cudagraph_num_reqs:
+        decode = _paged_arrays(
+            loc, seq, block_size, num_cols, (0, split.num_decodes), False, cudagraph_num_reqs
+        )
+    paged = None
+    if split.paged_reqs[1] > split.paged_reqs[0]:
+        paged = _paged_arrays(loc, seq, block_size, num_cols, split.paged_reqs, True)
+    ragged_qo = ragged_kv = None
+    if split.ragged_reqs[1] > split.ragged_reqs[0]:
+        ragged_qo = qo_indptr(loc, split.ragged_reqs)
+        ragged_kv = ragged_kv_indptr(loc, context, split.ragged_reqs)
+    return StepArrays(split, decode, paged, ragged_qo, ragged_kv)

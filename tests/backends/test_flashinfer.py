@@ -1,0 +1,490 @@
+"""FLASHINFER: declarations and selection (CPU, the library present or absent), the builder's
+step split and CUDA-graph bookkeeping (CPU, no layer planned), and on the GPU with FlashInfer
+0.7.2.post1: the conformance kit in bf16 and fp16 (fp8 caches included), CUDA-graph capture and
+replay of decode batches, `build` under `torch.cuda.set_sync_debug_mode("error")`, plans of
+stale metadata, and base-2 LSEs against the oracle's."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import anyattn.backends.flashinfer as fi_backend
+from anyattn import registry
+from anyattn.backends.flashinfer import (
+    PIP_COMMAND,
+    FlashInferBackend,
+    FlashInferImpl,
+    FlashInferMetadataBuilder,
+)
+from anyattn.config import AttentionSelectorConfig, AttentionSpec, BatchLimits
+from anyattn.kv_cache import allocate_kv_cache
+from anyattn.metadata import make_common_attn_metadata
+from anyattn.selector import NoBackendError, explain, select_backend
+from anyattn.testing import (
+    KitLayer,
+    attention_oracle,
+    build_batch,
+    check_backend,
+    error_bound,
+    get_spec,
+    max_abs_error,
+    plan_cases,
+    read_kv,
+)
+from anyattn.types import AttentionCGSupport, AttentionType, DeviceInfo, KVCacheLayout
+
+SM80, SM90, SM100 = (DeviceInfo.parse(s) for s in ("sm80", "sm90", "sm100"))
+
+
+def config(**changes) -> AttentionSelectorConfig:
+    return AttentionSelectorConfig(**{"head_size": 128, "dtype": torch.bfloat16, **changes})
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    """`installed(importable, version)`: what the availability check sees on this machine."""
+
+    def install(importable: bool = True, version: str | None = fi_backend.FLASHINFER_VERSION):
+        monkeypatch.setattr(fi_backend, "_installed_flashinfer", lambda: (importable, version))
+
+    return install
+
+
+@pytest.fixture
+def others_unavailable(make_backend, register):
+    """Fake FLASH_ATTN, TRITON and FLEX_ATTENTION that fit but are not installed here."""
+    for name in ("FLASH_ATTN", "TRITON", "FLEX_ATTENTION"):
+        register(name, make_backend(name, devices=("cuda",), unavailable=f"pip install {name}"))
+
+
+# --- declarations ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", [SM80, SM90, SM100], ids=str)
+def test_plain_decoder_configs_fit(device):
+    for head_size in (64, 128, 256):
+        for dtype in (torch.float16, torch.bfloat16):
+            for cache in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
+                cfg = config(head_size=head_size, dtype=dtype, kv_cache_dtype=cache)
+                assert FlashInferBackend.validate_configuration(cfg, device) == []
+    features = config(has_sliding_window=True, has_logits_soft_cap=True, needs_lse=True)
+    assert FlashInferBackend.validate_configuration(features, device) == []
+    assert FlashInferBackend.validate_configuration(config(use_non_causal=True), device) == []
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"head_size": 96}, "head_size 96 not supported (supported: 64, 128, 256)"),
+        ({"head_size": 80}, "head_size 80 not supported (supported: 64, 128, 256)"),
+        ({"dtype": torch.float32}, "dtype float32 not supported (supported: float16, bfloat16)"),
+        ({"block_size": 8}, "block_size 8 not supported (kernel block sizes: 16, 32, 64)"),
+        ({"block_size": 24}, "block_size 24 not supported (kernel block sizes: 16, 32, 64)"),
+        ({"attn_type": "encoder"}, "attn_type encoder not supported (supported: decoder)"),
+        ({"attn_type": "encoder_only"}, "attn_type encoder_only not supported"),
+        ({"attn_type": "encoder_decoder"}, "attn_type encoder_decoder not supported"),
+        ({"has_alibi": True}, "ALiBi (has_alibi) not supported"),
+        ({"has_sink": True}, "attention sinks (has_sink) not supported"),
+        ({"use_mla": True}, "MLA (use_mla) not supported"),
+        ({"use_sparse": True}, "sparse attention (use_sparse) not supported"),
+        ({"use_batch_invariant": True}, "batch invariance (use_batch_invariant) not supported"),
+        (
+            {"kv_cache_dtype": "fp8", "use_per_head_quant_scales": True},
+            "per-head quant scales (use_per_head_quant_scales) not supported",
+        ),
+        (
+            {"kv_cache_dtype": "float16"},
+            "kv_cache_dtype float16 with dtype bfloat16 not supported (FlashInfer's 16-bit "
+            "kernels need the cache in the model dtype)",
+        ),
+        (
+            {"has_sliding_window": True, "use_non_causal": True},
+            "sliding window with non-causal attention not supported",
+        ),
+    ],
+)
+def test_what_flashinfer_cannot_serve_is_a_reason(changes, reason):
+    reasons = FlashInferBackend.validate_configuration(config(**changes), SM90)
+    assert any(r.startswith(reason) for r in reasons), reasons
+
+
+def test_devices_and_compute_capability():
+    assert FlashInferBackend.validate_configuration(config(), DeviceInfo.parse("sm75")) == [
+        "compute capability sm75 not supported (needs sm80 or newer)"
+    ]
+    assert FlashInferBackend.validate_configuration(config(), DeviceInfo.cpu()) == [
+        "device cpu not supported (supported: cuda)"
+    ]
+
+
+def test_kv_cache_shape_layouts_and_block_sizes():
+    assert FlashInferBackend.get_kv_cache_shape(10, 16, 2, 128) == (10, 2, 16, 2, 128)
+    assert FlashInferBackend.get_kv_cache_stride_order("NHD") == (0, 1, 2, 3, 4)
+    assert FlashInferBackend.get_kv_cache_stride_order("HND") == (0, 1, 3, 2, 4)
+    assert FlashInferBackend.supported_kv_cache_layouts() == (KVCacheLayout.NHD, KVCacheLayout.HND)
+    with pytest.raises(ValueError, match="block_size not supported"):
+        FlashInferBackend.get_kv_cache_shape(10, 8, 2, 128)
+    # larger engine blocks are split into the largest kernel block that divides them
+    assert [FlashInferBackend.get_kernel_block_size(b) for b in (16, 32, 48, 64, 128)] == [
+        16, 32, 16, 64, 64,
+    ]  # fmt: skip
+
+
+def test_impl_and_builder_declarations():
+    assert FlashInferImpl.lse_base_on_e is False
+    assert FlashInferBackend.get_cudagraph_support() == (
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    )
+    assert FlashInferBackend.forward_includes_kv_cache_update is False
+    assert not FlashInferBackend.supports_cascade()
+    described = FlashInferBackend.describe()
+    assert described["features"]["lse"] and not described["features"]["sink"]
+
+
+def test_impl_rejects_what_is_not_declared():
+    with pytest.raises(NotImplementedError, match="ALiBi"):
+        FlashInferImpl(4, 64, 0.125, 2, alibi_slopes=[0.5, 0.25, 0.125, 0.0625])
+    with pytest.raises(NotImplementedError, match="sinks"):
+        FlashInferImpl(4, 64, 0.125, 2, sinks=torch.zeros(4))
+    with pytest.raises(ValueError, match="head_size not supported"):
+        FlashInferImpl(4, 96, 0.125, 2)
+    with pytest.raises(NotImplementedError, match="attn_type encoder"):
+        FlashInferImpl(4, 64, 0.125, 2, attn_type=AttentionType.ENCODER)
+    impl = FlashInferImpl(4, 64, 0.125, 2, sliding_window=33, logits_soft_cap=30.0)
+    assert (impl.num_kv_heads, impl.sliding_window, impl.logits_soft_cap) == (2, 33, 30.0)
+
+
+# --- availability and selection -----------------------------------------------------------------
+
+
+def test_unavailable_reason_carries_the_pip_command(installed):
+    installed(importable=False, version=None)
+    reason = FlashInferBackend.get_unavailable_reason()
+    assert reason == f"flashinfer is not installed; {PIP_COMMAND}"
+    assert "pip install 'anyattn[flashinfer]'" in reason
+    installed(version="0.6.0")
+    assert FlashInferBackend.get_unavailable_reason() == (
+        f"flashinfer-python 0.6.0 is installed, FLASHINFER is written for 0.7.2.post1; "
+        f"{PIP_COMMAND}"
+    )
+    installed()
+    assert FlashInferBackend.get_unavailable_reason() is None
+    installed(version=None)  # importable without package metadata
+    assert FlashInferBackend.get_unavailable_reason() is None
+
+
+def test_registered_under_its_name():
+    assert registry.get_backend_class("FLASHINFER") is FlashInferBackend
+    assert registry.AttentionBackendEnum.FLASHINFER.value == (
+        "anyattn.backends.flashinfer:FlashInferBackend"
+    )
+
+
+@pytest.mark.parametrize("device", ["sm80", "sm90", "sm100"])
+def test_selected_when_installed(installed, others_unavailable, device):
+    installed()
+    assert select_backend(config(), DeviceInfo.parse(device)) is FlashInferBackend
+    verdict = next(v for v in explain(config(), device).verdicts if v.name == "FLASHINFER")
+    assert verdict.fits and verdict.reasons == () and verdict.unavailable is None
+
+
+@pytest.mark.parametrize("device", ["sm80", "sm90", "sm100"])
+def test_not_selected_when_missing_and_the_reason_says_how_to_install(
+    installed, others_unavailable, device
+):
+    installed(importable=False, version=None)
+    result = explain(config(), device)
+    verdict = next(v for v in result.verdicts if v.name == "FLASHINFER")
+    assert verdict.reasons == ()  # the capabilities fit; only the package is missing
+    assert PIP_COMMAND in verdict.unavailable
+    assert result.chosen == "TORCH"
+    with pytest.raises(NoBackendError, match=r"pip install 'anyattn\[flashinfer\]'"):
+        select_backend(config(), device, backend="FLASHINFER")
+
+
+def test_blackwell_prefers_flashinfer_over_flash_attn(installed, make_backend, register):
+    installed()
+    register("FLASH_ATTN", make_backend("FLASH_ATTN", devices=("cuda",)))
+    assert explain(config(), SM100).chosen == "FLASHINFER"
+    assert explain(config(), SM90).chosen == "FLASH_ATTN"
+    # a capability FlashInfer lacks moves the choice on, with the reason recorded
+    result = explain(config(has_alibi=True), SM100)
+    assert result.chosen != "FLASHINFER"
+    verdict = next(v for v in result.verdicts if v.name == "FLASHINFER")
+    assert verdict.reasons == ("ALiBi (has_alibi) not supported",)
+
+
+# --- the builder on the CPU (no layer planned, so FlashInfer is not needed) -------------------
+
+
+def cpu_builder(kv_cache_dtype="auto", capture_sizes=(), sliding_window=None):
+    spec = AttentionSpec(16, 2, 64, torch.bfloat16, kv_cache_dtype, sliding_window)
+    limits = BatchLimits(8, 512, 256, cudagraph_capture_sizes=capture_sizes)
+    return FlashInferMetadataBuilder(spec, ["layer.0"], limits, "cpu")
+
+
+TABLE = torch.arange(1, 41, dtype=torch.int32).view(8, 5)
+
+
+def test_build_splits_decodes_fresh_and_context_prefills():
+    builder = cpu_builder()
+    assert builder.reorder_batch_threshold == 1
+    md = builder.build(0, make_common_attn_metadata([1, 1, 5, 17], [40, 3, 70, 17], TABLE[:4], 16))
+    assert (md.num_decodes, md.num_decode_tokens, md.decode_rows) == (2, 2, 2)
+    assert (md.paged_tokens, md.ragged_tokens) == ((2, 7), (7, 24))
+    assert (md.window_left, md.cudagraph_size, md.causal) == (-1, None, True)
+    assert md.step.decode_pages.tolist() == [1, 2, 3, 6]
+    assert md.step.paged_pages.tolist() == [11, 12, 13, 14, 15]
+    assert md.step.planned == {}
+
+
+def test_build_fp8_sends_fresh_prefills_to_the_paged_wrapper():
+    md = cpu_builder("fp8").build(0, make_common_attn_metadata([1, 17], [40, 17], TABLE[:2], 16))
+    assert (md.ragged_tokens, md.paged_tokens) == ((1, 1), (1, 18))
+    assert md.cache_dtype == torch.float8_e4m3fn
+
+
+def test_build_rejects_cascade_cross_attention_and_narrow_tables():
+    builder = cpu_builder()
+    cm = make_common_attn_metadata([1, 1], [40, 33], TABLE[:2], 16)
+    with pytest.raises(ValueError, match="cascade attention not supported"):
+        builder.build(32, cm)
+    cross = make_common_attn_metadata([1], [3], TABLE[:1], 16, encoder_seq_lens=[7])
+    with pytest.raises(ValueError, match="cross attention not supported"):
+        builder.build(0, cross)
+    cm.seq_lens_cpu[0] = 100
+    cm.num_computed_tokens_cpu[0] = 99
+    with pytest.raises(ValueError, match="block_table too narrow"):
+        builder.build(0, cm)
+
+
+def test_cudagraph_capture_and_padded_replay_steps():
+    builder = cpu_builder(capture_sizes=(4, 8))
+    with pytest.raises(ValueError, match="single-token decodes only"):
+        builder.build_for_cudagraph_capture(
+            make_common_attn_metadata([1, 3], [5, 9], TABLE[:2], 16)
+        )
+    md = builder.build_for_cudagraph_capture(
+        make_common_attn_metadata([1] * 4, [1, 2, 3, 4], TABLE[:4], 16)
+    )
+    assert (md.cudagraph_size, md.decode_rows) == (4, 4)
+    # three decodes padded to the captured size replay it; unpadded steps run eagerly
+    padded = make_common_attn_metadata([1] * 3, [9, 40, 2], TABLE[:3], 16, num_padded_tokens=4)
+    md = builder.build(0, padded)
+    assert (md.cudagraph_size, md.decode_rows, md.num_actual_tokens) == (4, 4, 3)
+    assert md.step.arrays.decode.paged_kv_indptr.tolist() == [0, 1, 4, 5, 5]
+    eager = make_common_attn_metadata([1] * 3, [9, 40, 2], TABLE[:3], 16)
+    assert builder.build(0, eager).cudagraph_size is None
+    mixed = make_common_attn_metadata([1, 2], [9, 40], TABLE[:2], 16, num_padded_tokens=4)
+    assert builder.build(0, mixed).cudagraph_size is None
+
+
+def test_validate_inputs_checks_the_step_against_the_layer():
+    md = cpu_builder(sliding_window=33).build(
+        0, make_common_attn_metadata([1, 4], [9, 4], TABLE[:2], 16)
+    )
+    query = torch.zeros(5, 4, 64, dtype=torch.bfloat16)
+    cache = allocate_kv_cache(FlashInferBackend, 41, 16, 2, 64, torch.bfloat16)
+    impl = FlashInferImpl(4, 64, 0.125, 2, sliding_window=33)
+    impl.validate_inputs(query, None, None, cache, md, torch.empty_like(query))
+    with pytest.raises(ValueError, match="sliding_window differs"):
+        FlashInferImpl(4, 64, 0.125, 2).validate_inputs(
+            query, None, None, cache, md, torch.empty_like(query)
+        )
+    with pytest.raises(ValueError, match="query dtype differs"):
+        impl.validate_inputs(query.half(), None, None, cache, md, torch.empty_like(query.half()))
+    with pytest.raises(ValueError, match="kv_cache dtype"):
+        impl.validate_inputs(query, None, None, cache.half(), md, torch.empty_like(query))
+    with pytest.raises(ValueError, match="output_lse must be"):
+        impl.validate_inputs(
+            query, None, None, cache, md, torch.empty_like(query), torch.empty(4, 5).double()
+        )
+
+
+# --- GPU ---------------------------------------------------------------------------------------
+
+
+def _gpu(test):
+    """Marks a test as needing a CUDA GPU and FlashInfer 0.7.2.post1."""
+    test = pytest.mark.gpu(test)
+    return pytest.mark.skipif(
+        FlashInferBackend.get_unavailable_reason() is not None,
+        reason=f"needs FlashInfer {fi_backend.FLASHINFER_VERSION}",
+    )(test)
+
+
+DTYPES = [torch.bfloat16, torch.float16]
+# Every feature FLASHINFER declares; the kit runs one pytest test per feature and dtype.
+KIT_FEATURES = (
+    "decode", "prefill", "mixed", "chunked", "odd_lengths", "gqa", "mqa", "head_sizes",
+    "block_sizes", "layouts", "padding", "kv_sharing", "non_causal", "sliding_window",
+    "soft_cap", "fp8", "lse",
+)  # fmt: skip
+NOT_DECLARED = {
+    "encoder", "encoder_only", "encoder_decoder", "alibi", "sinks", "per_head_scales", "cascade",
+}  # fmt: skip
+HEADS, KV_HEADS, HEAD_SIZE, SCALE = 8, 2, 128, 0.1
+
+
+@_gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("feature", KIT_FEATURES)
+def test_conformance_kit(feature, dtype):
+    report = check_backend(FlashInferBackend, "cuda", dtype, features=[feature])
+    report.assert_passed()
+    assert report.not_declared == [], report.summary()
+
+
+@_gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kit_covers_every_declared_feature(dtype):
+    cases, not_declared = plan_cases(FlashInferBackend, "cuda", dtype)
+    assert {c.feature for c in cases} == set(KIT_FEATURES)
+    assert {line.split(":")[0] for line in not_declared} == NOT_DECLARED
+
+
+def _batch(spec_name: str = "mixed"):
+    """A kit batch with the step's K/V not yet written, and an impl for it."""
+    batch = build_batch(
+        FlashInferBackend, get_spec(spec_name), num_heads=HEADS, num_kv_heads=KV_HEADS,
+        head_size=HEAD_SIZE, dtype=torch.bfloat16, device="cuda", seed=7,
+    )  # fmt: skip
+    impl = FlashInferImpl(HEADS, HEAD_SIZE, SCALE, KV_HEADS)
+    layer = KitLayer("layer.0", batch.k_scale, batch.v_scale)
+    slots = batch.common_attn_metadata.slot_mapping
+    impl.do_kv_cache_update(layer, batch.key, batch.value, batch.kv_cache, slots)
+    return batch, impl
+
+
+def _run(impl, batch, md, with_lse=False):
+    layer = KitLayer("layer.0", batch.k_scale, batch.v_scale)
+    output = torch.full_like(batch.query, math.nan)
+    lse = torch.full((HEADS, batch.query.shape[0]), math.nan, device="cuda") if with_lse else None
+    impl.forward(
+        layer, batch.query, batch.key, batch.value, batch.kv_cache, md, output, output_lse=lse
+    )
+    return output, lse
+
+
+def _assert_matches_oracle(batch, output):
+    """The STYLE.md tolerance rule against the float64 oracle; returns the oracle's LSE."""
+    n = batch.num_actual_tokens
+    lengths = (batch.spec.query_lens, batch.kv_lens)
+    args = (batch.query[:n], batch.oracle_key, batch.oracle_value, *lengths)
+    ref64, lse64 = attention_oracle(*args, scale=SCALE, causal=batch.causal)
+    low = torch.bfloat16
+    ref_lowp, _ = attention_oracle(*args, scale=SCALE, causal=batch.causal, compute_dtype=low)
+    assert max_abs_error(output[:n], ref64) <= error_bound(ref64, ref_lowp, torch.bfloat16)
+    return lse64
+
+
+@_gpu
+def test_lse_is_base_2():
+    batch, impl = _batch()
+    md = batch.attn_metadata
+    # every wrapper runs: decodes, fresh prefills (ragged), a prefill with context (paged)
+    assert md.num_decodes and md.ragged_tokens[1] > md.ragged_tokens[0]
+    assert md.paged_tokens[1] > md.paged_tokens[0]
+    output, lse = _run(impl, batch, md, with_lse=True)
+    lse64 = _assert_matches_oracle(batch, output)
+    n = batch.num_actual_tokens
+    assert torch.allclose(lse[:, :n].double(), lse64 / math.log(2.0), atol=2e-3, rtol=1e-4)
+    assert not torch.allclose(lse[:, :n].double(), lse64, atol=0.1)
+
+
+@_gpu
+def test_build_never_synchronises_with_the_device():
+    batch, impl = _batch()
+    _run(impl, batch, batch.attn_metadata)  # compiles kernels, makes wrappers, learns the layer
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        md = batch.builder.build(0, batch.common_attn_metadata)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert impl.plan_key in md.step.planned  # planned in build, not in forward
+    output, _ = _run(impl, batch, md)
+    _assert_matches_oracle(batch, output)
+
+
+@_gpu
+def test_stale_metadata_is_planned_again():
+    batch, impl = _batch("chunked_prefill")
+    batch.builder.register_layer(impl)
+    md = batch.builder.build(0, batch.common_attn_metadata)
+    # a later build plans the same wrappers for another batch: md's plans are stale
+    table = batch.block_table[:1]
+    other = make_common_attn_metadata([1], [50], table, batch.block_size, device="cuda")
+    batch.builder.build(0, other)
+    output, _ = _run(impl, batch, md)
+    _assert_matches_oracle(batch, output)
+
+
+@_gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_cudagraph_decode_replay_matches_eager_and_the_oracle(layout):
+    torch.manual_seed(0)
+    block_size, size, width = 16, 8, 32
+    dtype = torch.bfloat16
+    spec = AttentionSpec(block_size, KV_HEADS, HEAD_SIZE, dtype)
+    limits = BatchLimits(size, 256, block_size * width, cudagraph_capture_sizes=(4, size))
+    builder = FlashInferMetadataBuilder(spec, ["layer.0"], limits, "cuda")
+    impl = FlashInferImpl(HEADS, HEAD_SIZE, SCALE, KV_HEADS)
+    builder.register_layer(impl)
+    num_blocks = size * width + 1
+    cache = allocate_kv_cache(
+        FlashInferBackend, num_blocks, block_size, KV_HEADS, HEAD_SIZE, dtype, layout=layout,
+        device="cuda",
+    )  # fmt: skip
+    cache.normal_()
+    one = torch.tensor(1.0, device="cuda")
+    layer = KitLayer("layer.0", one, one)
+
+    def decodes(seq_lens, padded=None, dummies=0):
+        """Decodes over random blocks; `padded` pads the slot mapping, `dummies` appends
+        requests of one token in the null block (the engine's graph padding)."""
+        ids = (torch.randperm(num_blocks - 1) + 1).int()[: len(seq_lens) * width]
+        table = torch.cat([ids.view(len(seq_lens), width), torch.zeros(dummies, width).int()])
+        query_lens, all_seq_lens = [1] * len(table), seq_lens + [1] * dummies
+        cm = make_common_attn_metadata(
+            query_lens, all_seq_lens, table, block_size, "cuda", num_padded_tokens=padded
+        )
+        return cm, table[: len(seq_lens)]
+
+    query = torch.randn(size, HEADS, HEAD_SIZE, device="cuda", dtype=dtype)
+    output = torch.zeros_like(query)
+    md = builder.build_for_cudagraph_capture(decodes([1, 17, 100, 3, 64, 500, 16, 33])[0])
+    impl.forward(layer, query, None, None, cache, md, output)  # warm-up outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        impl.forward(layer, query, None, None, cache, md, output)
+    eager_limits = BatchLimits(size, 256, block_size * width)
+    eager_builder = FlashInferMetadataBuilder(spec, ["layer.0"], eager_limits, "cuda")
+    steps = [
+        ([37, 200, 5, 129, 64], {"padded": size}),
+        ([300] * size, {}),
+        ([1, 2, 3], {"padded": size}),
+        ([77, 18, 250], {"dummies": size - 3}),  # the engine's padding: dummy requests
+    ]
+    for seq_lens, padding in steps:
+        n = len(seq_lens)
+        cm, table = decodes(seq_lens, **padding)
+        assert builder.build(0, cm).cudagraph_size == size
+        query.copy_(torch.randn_like(query))
+        graph.replay()
+        key, value = read_kv(cache, table, seq_lens)
+        args = (query[:n], key.double(), value.double(), [1] * n, seq_lens)
+        ref64, _ = attention_oracle(*args, scale=SCALE)
+        ref_lowp, _ = attention_oracle(*args, scale=SCALE, compute_dtype=dtype)
+        assert max_abs_error(output[:n], ref64) <= error_bound(ref64, ref_lowp, dtype)
+        # the same step run eagerly, by a builder without graphs
+        eager_md = eager_builder.build(
+            0, make_common_attn_metadata([1] * n, seq_lens, table, block_size, "cuda")
+        )
+        eager_out = torch.zeros(n, HEADS, HEAD_SIZE, device="cuda", dtype=dtype)
+        impl.forward(layer, query[:n].clone(), None, None, cache, eager_md, eager_out)
+        torch.testing.assert_close(output[:n], eager_out, atol=2e-2, rtol=2e-2)

@@ -1,0 +1,278 @@
+"""FLASHINFER planning arrays, exactly: the decode / ragged / paged split, FlashInfer's CSR page
+table (indptr, indices, last-page lengths), CUDA-graph padding; hand-built cases and random
+batches against a loop-by-loop reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from anyattn.backends.flashinfer_plan import (
+    BatchSplit,
+    pad_requests,
+    paged_kv_gather_index,
+    paged_kv_indices,
+    paged_kv_indptr,
+    plan_step,
+    qo_indptr,
+    ragged_kv_indptr,
+    split_batch,
+)
+
+
+def loc_of(query_lens):
+    return np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+
+
+def split(query_lens, context_lens, **kwargs) -> BatchSplit:
+    return split_batch(loc_of(query_lens), np.asarray(context_lens), **kwargs)
+
+
+# --- split_batch -------------------------------------------------------------------------------
+
+
+def test_split_all_decodes():
+    s = split([1, 1, 1], [5, 0, 3])
+    assert s == BatchSplit(3, 3, (3, 3), (3, 3), (3, 3), (3, 3))
+
+
+def test_split_decodes_then_fresh_prefills_go_ragged():
+    s = split([1, 1, 17, 5], [39, 2, 0, 0])
+    assert s == BatchSplit(2, 2, (2, 4), (4, 4), (2, 24), (24, 24))
+
+
+def test_split_prefills_with_context_go_paged():
+    s = split([1, 9, 4], [39, 30, 1])
+    assert s == BatchSplit(1, 1, (1, 1), (1, 3), (1, 1), (1, 14))
+
+
+def test_split_interleaved_takes_the_larger_leading_run():
+    # prefills: fresh 10, context 3, fresh 4 -> leading run (10 tokens) is ragged
+    s = split([1, 10, 3, 4], [5, 0, 7, 0])
+    assert s == BatchSplit(1, 1, (1, 2), (2, 4), (1, 11), (11, 18))
+
+
+def test_split_interleaved_takes_the_larger_trailing_run():
+    # prefills: fresh 2, context 3, fresh 8 + fresh 9 -> trailing run (17 tokens) is ragged
+    s = split([1, 2, 3, 8, 9], [5, 0, 7, 0, 0])
+    assert s == BatchSplit(1, 1, (3, 5), (1, 3), (6, 23), (1, 6))
+
+
+def test_split_tie_takes_the_leading_run():
+    s = split([4, 3, 4], [0, 7, 0])
+    assert s == BatchSplit(0, 0, (0, 1), (1, 3), (0, 4), (4, 11))
+
+
+def test_split_without_ragged_sends_every_prefill_to_the_paged_wrapper():
+    s = split([1, 17, 5], [39, 0, 0], allow_ragged=False)
+    assert s == BatchSplit(1, 1, (1, 1), (1, 3), (1, 1), (1, 23))
+
+
+def test_split_a_decode_after_a_prefill_is_served_as_a_prefill():
+    s = split([1, 5, 1], [3, 0, 9])
+    assert s == BatchSplit(1, 1, (1, 2), (2, 3), (1, 6), (6, 7))
+
+
+def test_split_decode_threshold():
+    s = split([2, 3, 1, 4], [10, 10, 10, 10], decode_threshold=3)
+    assert (s.num_decodes, s.num_decode_tokens, s.paged_reqs) == (3, 6, (3, 4))
+
+
+def test_split_rejects_mismatched_lengths():
+    with pytest.raises(ValueError, match="num_reqs \\+ 1"):
+        split_batch(np.array([0, 1, 2]), np.array([0]))
+
+
+# --- page table --------------------------------------------------------------------------------
+
+
+def test_paged_kv_indptr_and_last_page_len():
+    indptr, last = paged_kv_indptr(np.array([1, 16, 17, 33, 0]), 16)
+    assert indptr.tolist() == [0, 1, 2, 4, 7, 7]
+    assert last.tolist() == [1, 16, 1, 1, 1]
+    assert indptr.dtype == np.int32 and last.dtype == np.int32
+
+
+def test_paged_kv_indices_read_each_rows_first_pages():
+    table = np.array([[7, 3, 0, 0], [9, 0, 0, 0], [4, 8, 2, 0]], dtype=np.int32)
+    indices = paged_kv_indices(table, np.array([17, 1, 48]), 16)
+    assert indices.tolist() == [7, 3, 9, 4, 8, 2]
+    # rows 1 and 2 only: positions start at row 1 of the flat table
+    index = paged_kv_gather_index(np.array([1, 48]), 16, first_row=1, num_cols=4)
+    assert index.tolist() == [4, 8, 9, 10]
+    assert paged_kv_indices(table, np.array([1, 48]), 16, first_row=1).tolist() == [9, 4, 8, 2]
+
+
+def test_paged_kv_gather_index_rejects_a_narrow_table():
+    with pytest.raises(ValueError, match="block_table too narrow"):
+        paged_kv_gather_index(np.array([65]), 16, first_row=0, num_cols=4)
+
+
+def test_qo_and_ragged_indptr():
+    loc = loc_of([1, 1, 17, 5])
+    assert qo_indptr(loc, (2, 4)).tolist() == [0, 17, 22]
+    assert ragged_kv_indptr(loc, np.array([3, 4, 0, 0]), (2, 4)).tolist() == [0, 17, 22]
+    with pytest.raises(ValueError, match="fresh prefill"):
+        ragged_kv_indptr(loc, np.array([3, 4, 0, 2]), (2, 4))
+
+
+def test_pad_requests_appends_empty_requests():
+    indptr, last = pad_requests(np.array([0, 2, 3], np.int32), np.array([5, 16], np.int32), 4)
+    assert indptr.tolist() == [0, 2, 3, 3, 3]
+    assert last.tolist() == [5, 16, 1, 1]
+    with pytest.raises(ValueError, match="padded size"):
+        pad_requests(indptr, last, 3)
+
+
+# --- plan_step ---------------------------------------------------------------------------------
+
+
+def test_plan_step_mixed_batch():
+    # decodes (seq 40, 3), a fresh prefill of 17, a chunk of 5 on 65 tokens of context
+    loc = loc_of([1, 1, 17, 5])
+    arrays = plan_step(loc, np.array([40, 3, 17, 70]), 16, num_cols=5)
+    assert arrays.split == BatchSplit(2, 2, (2, 3), (3, 4), (2, 19), (19, 24))
+    d = arrays.decode
+    assert d.qo_indptr is None
+    assert d.paged_kv_indptr.tolist() == [0, 3, 4]
+    assert d.paged_kv_last_page_len.tolist() == [8, 3]
+    assert d.seq_lens.tolist() == [40, 3]
+    assert d.gather_index.tolist() == [0, 1, 2, 5]
+    p = arrays.paged
+    assert p.qo_indptr.tolist() == [0, 5]
+    assert p.paged_kv_indptr.tolist() == [0, 5]
+    assert p.paged_kv_last_page_len.tolist() == [6]
+    assert p.gather_index.tolist() == [15, 16, 17, 18, 19]
+    assert arrays.ragged_qo_indptr.tolist() == [0, 17]
+    assert arrays.ragged_kv_indptr.tolist() == [0, 17]
+
+
+def test_plan_step_fp8_plans_every_prefill_paged():
+    arrays = plan_step(loc_of([1, 17]), np.array([40, 17]), 16, num_cols=3, allow_ragged=False)
+    assert arrays.ragged_qo_indptr is None and arrays.ragged_kv_indptr is None
+    assert arrays.paged.qo_indptr.tolist() == [0, 17]
+    assert arrays.paged.paged_kv_last_page_len.tolist() == [1]
+
+
+def test_plan_step_cudagraph_pads_the_decodes():
+    arrays = plan_step(loc_of([1, 1, 1]), np.array([5, 40, 16]), 16, num_cols=3,
+                       cudagraph_num_reqs=8)  # fmt: skip
+    d = arrays.decode
+    assert d.paged_kv_indptr.tolist() == [0, 1, 4, 5, 5, 5, 5, 5, 5]
+    assert d.paged_kv_last_page_len.tolist() == [5, 8, 16, 1, 1, 1, 1, 1]
+    assert d.seq_lens.tolist() == [5, 40, 16, 0, 0, 0, 0, 0]
+    assert d.num_reqs == 8
+    assert d.gather_index.tolist() == [0, 3, 4, 5, 6]
+    assert arrays.paged is None and arrays.ragged_qo_indptr is None
+
+
+def test_plan_step_rejects_bad_batches():
+    with pytest.raises(ValueError, match="decodes only"):
+        plan_step(loc_of([1, 4]), np.array([5, 4]), 16, num_cols=2, cudagraph_num_reqs=4)
+    with pytest.raises(ValueError, match="at least one query token"):
+        plan_step(loc_of([1, 0]), np.array([5, 4]), 16, num_cols=2)
+    with pytest.raises(ValueError, match="shorter than its query"):
+        plan_step(loc_of([6]), np.array([5]), 16, num_cols=2)
+
+
+# --- random batches against a loop-by-loop reference -------------------------------------------
+
+
+def reference_plan(query_lens, seq_lens, table, block_size, split_):
+    """FlashInfer's CSR arrays for each part, one request at a time."""
+    out = {}
+    parts = {"decode": (0, split_.num_decodes), "paged": split_.paged_reqs}
+    for name, (start, end) in parts.items():
+        indptr, indices, last, qo = [0], [], [], [0]
+        for r in range(start, end):
+            pages = -(-seq_lens[r] // block_size)
+            indices += [int(table[r, c]) for c in range(pages)]
+            indptr.append(len(indices))
+            last.append(seq_lens[r] - (pages - 1) * block_size)
+            qo.append(qo[-1] + query_lens[r])
+        out[name] = (indptr, indices, last, qo)
+    return out
+
+
+@st.composite
+def batches(draw):
+    block_size = draw(st.sampled_from([16, 32, 64]))
+    n = draw(st.integers(1, 12))
+    query_lens, seq_lens = [], []
+    for _ in range(n):
+        kind = draw(st.sampled_from(["decode", "fresh", "chunk"]))
+        if kind == "decode":
+            q, context = 1, draw(st.integers(0, 300))
+        elif kind == "fresh":
+            q, context = draw(st.integers(1, 200)), 0
+        else:
+            q, context = draw(st.integers(2, 200)), draw(st.integers(1, 300))
+        query_lens.append(q)
+        seq_lens.append(q + context)
+    if draw(st.booleans()):  # decodes first, as the builder asks
+        order = sorted(range(n), key=lambda r: query_lens[r] != 1)
+        query_lens = [query_lens[r] for r in order]
+        seq_lens = [seq_lens[r] for r in order]
+    return block_size, query_lens, seq_lens, draw(st.booleans()), draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=200, deadline=None)
+@given(batches())
+def test_random_batches_match_the_reference(batch):
+    block_size, query_lens, seq_lens, allow_ragged, seed = batch
+    n = len(query_lens)
+    num_cols = max(-(-s // block_size) for s in seq_lens) + 1
+    table = np.random.default_rng(seed).permutation(n * num_cols + 7)[: n * num_cols] + 1
+    table = table.reshape(n, num_cols).astype(np.int32)
+    loc = loc_of(query_lens)
+    arrays = plan_step(loc, np.array(seq_lens), block_size, num_cols, allow_ragged=allow_ragged)
+    s = arrays.split
+    context = [seq - q for q, seq in zip(query_lens, seq_lens, strict=True)]
+
+    # decodes lead; ragged and paged together are exactly the prefills, each contiguous
+    assert all(q == 1 for q in query_lens[: s.num_decodes])
+    assert s.num_decodes == n or query_lens[s.num_decodes] > 1
+    ragged, paged = set(range(*s.ragged_reqs)), set(range(*s.paged_reqs))
+    assert not ragged & paged and ragged | paged == set(range(s.num_decodes, n))
+    assert all(context[r] == 0 for r in ragged)
+    assert allow_ragged or not ragged
+    if allow_ragged:
+        # the ragged run is the larger of the leading and trailing runs of fresh prefills
+        prefills = list(range(s.num_decodes, n))
+        lead = trail = 0
+        for r in prefills:
+            if context[r]:
+                break
+            lead += query_lens[r]
+        for r in reversed(prefills):
+            if context[r]:
+                break
+            trail += query_lens[r]
+        ragged_tokens = s.ragged_tokens[1] - s.ragged_tokens[0]
+        if all(context[r] == 0 for r in prefills):
+            assert not paged
+        else:
+            assert ragged_tokens == max(lead, trail)
+    for reqs, tokens in ((s.ragged_reqs, s.ragged_tokens), (s.paged_reqs, s.paged_tokens)):
+        assert tokens == (int(loc[reqs[0]]), int(loc[reqs[1]]))
+
+    expected = reference_plan(query_lens, seq_lens, table, block_size, s)
+    for name, part in (("decode", arrays.decode), ("paged", arrays.paged)):
+        indptr, indices, last, qo = expected[name]
+        if part is None:
+            assert indptr == [0]
+            continue
+        assert part.paged_kv_indptr.tolist() == indptr
+        assert table.reshape(-1)[part.gather_index].tolist() == indices
+        assert part.paged_kv_last_page_len.tolist() == last
+        assert all(1 <= x <= block_size for x in last)
+        if name == "paged":
+            assert part.qo_indptr.tolist() == qo
+    if ragged:
+        lens = [query_lens[r] for r in range(*s.ragged_reqs)]
+        assert arrays.ragged_qo_indptr.tolist() == loc_of(lens).tolist()
+        assert arrays.ragged_kv_indptr.tolist() == loc_of(lens).tolist()
+    else:
+        assert arrays.ragged_qo_indptr is None
