@@ -1,0 +1,863 @@
+"""FLASH_ATTN: FlashAttention's varlen kernel over the paged KV cache.
+
+Wraps `flash_attn_varlen_func` of whichever FlashAttention is installed: FA4 (`flash_attn.cute`,
+`pip install 'anyattn[flash-attn]'`), else FA3, else FA2. `flash_attn_versions` reads each
+installed entry point's signature and declares only what it takes; while none is installed the
+declarations are FA4's (what the pinned extra installs) and `get_unavailable_reason()` gives the
+pip command. Every layer picks the newest installed version that serves its head size, ALiBi,
+sinks, fp8 KV and the GPU's compute capability.
+
+One kernel call serves a whole mixed batch (decodes, fresh and chunked prefills) with no
+reordering: queries by `cu_seqlens_q = query_start_loc`, keys through the page table
+(`block_table_tensor`) up to `seqused_k = seq_lens` (FA2: `cu_seqlens_k`), bounded by the
+metadata's `max_query_len` / `max_seq_len`. Bottom-right causal alignment puts query `i` of a
+request at position `context + i`; a window of W keys is `window_size = (W - 1, 0)`; LSEs are in
+natural log and count the sink (FA4 folds it into the softmax denominator).
+
+Plan/run split: `build` only slices the step's device tensors and, for cascade and CUDA-graph
+decode batches, fills builder-owned buffers from the CPU mirrors (host-to-device copies that do
+not wait, device-to-device copies); it never reads a device value.
+
+Cascade attention (`common_prefix_len > 0`): a prefix pass runs every query of the step as one
+request against the shared prefix blocks (non-causal: every query follows them); a suffix pass
+runs each request against its remaining blocks; `merge_attn_states` joins the two by their LSEs.
+Sinks go to the suffix pass only, so they are counted once.
+
+CUDA graphs (UNIFORM_SINGLE_TOKEN_DECODE): a batch of single-token decodes of at most the
+largest capture size is copied into buffers the builder owns (sized from `BatchLimits`), laid
+out for the smallest capture size that holds it: padding requests have no query token and no
+keys, and `max_seqlen_k` is `max_model_len`, so a graph captured for that size replays for any
+such batch (a runner that pads the batch itself, with dummy requests, gets the same addresses).
+Such metadata stays valid until the builder's next build. Under replay, output rows between the
+real tokens and the captured size hold unspecified values.
+
+KV cache: `(num_blocks, 2, block_size, num_kv_heads, head_size)`, NHD or HND (FA4 marks every
+stride of K/V dynamic and only needs the head dim contiguous and 16-byte aligned strides; its
+cp.async page loader addresses rows through those strides). With pages of the kernel's TILE_N
+(128 for most head sizes) FA4 loads whole pages by TMA, including rows past a request's length:
+they must hold finite values, which zero-initialised caches (`allocate_kv_cache`) guarantee.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from anyattn.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+)
+from anyattn.backends import flash_attn_versions as versions
+from anyattn.backends.flash_attn_plan import (
+    cascade_block_tables,
+    cascade_is_worthwhile,
+    cu_seqlens_from_lens,
+    padded_num_reqs,
+    plan_cascade,
+)
+from anyattn.impl_args import validate_impl_arguments
+from anyattn.metadata import CommonAttentionMetadata
+from anyattn.ops.merge_attn_states import merge_attn_states
+from anyattn.types import (
+    AttentionCGSupport,
+    AttentionType,
+    KVCacheLayout,
+    MultipleOf,
+    cache_torch_dtype,
+    is_fp8_cache,
+)
+
+__all__ = [
+    "FlashAttentionBackend",
+    "FlashAttentionImpl",
+    "FlashAttentionMetadata",
+    "FlashAttentionMetadataBuilder",
+    "FlashAttnPass",
+]
+
+_ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+_FP8_E4M3_MAX = 448.0
+
+
+class _DeclaredByInstalledVersion(abc.ABCMeta):
+    """Class attributes that follow the installed FlashAttention (metaclass properties win over
+    the base class's plain attributes, so every reader sees the same answer)."""
+
+    @property
+    def supported_kv_cache_dtypes(cls) -> tuple[str, ...]:
+        names = [d for i in versions.declared_interfaces() for d in i.kv_cache_dtypes]
+        return tuple(dict.fromkeys(names))
+
+    @property
+    def supported_attn_types(cls) -> tuple[AttentionType, ...]:
+        types = {t for i in versions.declared_interfaces() for t in i.attn_types}
+        return tuple(t for t in AttentionType if t in types)
+
+    @property
+    def min_compute_capability(cls) -> tuple[int, int]:
+        return min(i.min_capability for i in versions.declared_interfaces())
+
+
+def _any(attribute: str) -> bool:
+    return any(getattr(i, attribute) for i in versions.declared_interfaces())
+
+
+class FlashAttentionBackend(AttentionBackend, metaclass=_DeclaredByInstalledVersion):
+    """Declarations of the FLASH_ATTN backend: the union over the installed versions; joint
+    constraints per version (head size by compute capability, ...) in `validate_configuration`."""
+
+    supported_dtypes = (torch.float16, torch.bfloat16)
+    supported_device_types = ("cuda",)
+    forward_includes_kv_cache_update = False
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASH_ATTN"
+
+    @staticmethod
+    def get_impl_cls() -> type[FlashAttentionImpl]:
+        return FlashAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[FlashAttentionMetadataBuilder]:
+        return FlashAttentionMetadataBuilder
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.NHD, KVCacheLayout.HND)
+
+    @classmethod
+    def get_supported_kernel_block_sizes(cls) -> list[int | MultipleOf]:
+        bases = sorted({i.block_size_multiple for i in versions.declared_interfaces()})
+        # A multiple of a larger base is a multiple of a smaller one that divides it.
+        kept = [b for b in bases if not any(b % s == 0 for s in bases if s < b)]
+        return [MultipleOf(b) for b in kept]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return sorted({s for i in versions.declared_interfaces() for s in i.head_sizes()})
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return _any("sink_arg")
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return _any("has_window")
+
+    @classmethod
+    def supports_alibi(cls) -> bool:
+        return _any("has_alibi")
+
+    @classmethod
+    def supports_logits_soft_cap(cls) -> bool:
+        return _any("has_softcap")
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_per_head_quant_scales(cls) -> bool:
+        return _any("has_descales")
+
+    @classmethod
+    def supports_lse(cls) -> bool:
+        return _any("lse_arg")
+
+    @classmethod
+    def supports_cascade(cls) -> bool:
+        return cls.supports_lse()  # the merge needs both passes' LSEs
+
+    @classmethod
+    def supports_combination(cls, config, device) -> str | None:
+        bidirectional = config.use_non_causal or config.attn_type != AttentionType.DECODER
+        if config.has_sliding_window and bidirectional:
+            return "sliding window with non-causal or encoder attention not supported"
+        if not is_fp8_cache(config.kv_cache_dtype) and config.cache_dtype != config.dtype:
+            return (
+                f"kv_cache_dtype {config.kv_cache_dtype} with dtype "
+                f"{str(config.dtype).removeprefix('torch.')} not supported (the kernels take "
+                "queries and keys of one dtype)"
+            )
+        return None
+
+    @classmethod
+    def get_unavailable_reason(cls) -> str | None:
+        return versions.unavailable_reason()
+
+    @classmethod
+    def validate_configuration(cls, config, device) -> list[str]:
+        """The declared checks, then (when they pass on a CUDA device) whether one version takes
+        everything together, e.g. head size 256 with sinks on sm100."""
+        reasons = super().validate_configuration(config, device)
+        if reasons or not device.is_cuda:
+            return reasons
+        request = versions.FlashAttnRequest.from_config(config, device)
+        chosen, why = versions.choose_interface(versions.declared_interfaces(), request)
+        if chosen is None:
+            reasons.append(f"no FlashAttention version takes this combination ({'; '.join(why)})")
+        return reasons
+
+
+@dataclass
+class FlashAttnPass:
+    """The varlen arguments of one kernel call.
+
+    Attributes:
+        cu_seqlens_q: int32 `[batch + 1]` (device): query offsets.
+        seq_lens: int32 `[batch]` (device): keys per request (`seqused_k`); None for
+            encoder attention (contiguous keys by `cu_seqlens_k`).
+        cu_seqlens_k: int32 `[batch + 1]` (device) for entry points without `seqused_k` and
+            for encoder attention.
+        page_table: int32 `[batch, max_blocks]` (device); None for encoder attention.
+        max_seqlen_q, max_seqlen_k: bounds on the lengths.
+        causal: bottom-right causal masking.
+    """
+
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor | None
+    cu_seqlens_k: torch.Tensor | None
+    page_table: torch.Tensor | None
+    max_seqlen_q: int
+    max_seqlen_k: int
+    causal: bool
+
+
+@dataclass
+class FlashAttentionMetadata:
+    """What `FlashAttentionImpl.forward` needs for one step.
+
+    Attributes:
+        num_actual_tokens: real tokens; output rows past it are untouched (eager).
+        num_reqs: real requests.
+        block_size: tokens per block of the page tables.
+        slot_mapping: int64 `[num_tokens]` (device), for the layer's cache write.
+        causal: the step's causal flag.
+        query_start_loc: int32 `[batch + 1]` (device); encoder attention uses it for keys too.
+        max_query_len: the longest query.
+        main: the whole batch (the suffix pass under cascade).
+        prefix: the cascade prefix pass, else None.
+        common_prefix_len: shared prefix tokens (0: no cascade).
+        uses_persistent_buffers: the tensors are the builder's CUDA-graph buffers.
+    """
+
+    num_actual_tokens: int
+    num_reqs: int
+    block_size: int
+    slot_mapping: torch.Tensor
+    causal: bool
+    query_start_loc: torch.Tensor
+    max_query_len: int
+    main: FlashAttnPass
+    prefix: FlashAttnPass | None = None
+    common_prefix_len: int = 0
+    uses_persistent_buffers: bool = False
+
+
+class _DecodeBuffers:
+    """The builder's persistent buffers, sized from `BatchLimits`, that hold the CUDA-graph
+    decode layout (int32, on the builder's device)."""
+
+    def __init__(self, max_num_reqs: int, max_blocks: int, device: torch.device) -> None:
+        int32 = dict(dtype=torch.int32, device=device)
+        self.arange = torch.arange(max_num_reqs + 1, **int32)
+        self.query_start_loc = torch.zeros(max_num_reqs + 1, **int32)
+        self.seq_lens = torch.zeros(max_num_reqs, **int32)
+        self.cu_seqlens_k = torch.zeros(max_num_reqs + 1, **int32)
+        self.block_table = torch.zeros(max_num_reqs, max_blocks, **int32)
+
+
+class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
+    """Slices the step's tensors for FlashAttention; never syncs with the device. See the
+    module docstring for the cascade and CUDA-graph layouts."""
+
+    _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    def __init__(self, kv_cache_spec, layer_names, limits, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, limits, device)
+        self.block_size = kv_cache_spec.block_size
+        # FA2's varlen call has no seqused_k: key lengths go in as cumulative offsets.
+        self._needs_cu_seqlens_k = any(
+            i.seq_lens_arg is None for i in versions.declared_interfaces()
+        )
+        self._max_blocks = -(-limits.max_model_len // self.block_size)
+        self._buffers: _DecodeBuffers | None = None  # made by the first decode-layout build
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> FlashAttentionMetadata:
+        cm = common_attn_metadata
+        api = "FlashAttentionMetadataBuilder.build"
+        cross = cm.encoder_seq_lens is not None
+        max_k = int(cm.encoder_seq_lens_cpu[: cm.num_reqs].max()) if cross and cm.num_reqs else 0
+        self._check_table_width(cm, max_k if cross else cm.max_seq_len, api)
+        if common_prefix_len:
+            if cross or self.kv_cache_spec.sliding_window is not None:
+                raise ValueError(
+                    f"{api}: cascade attention needs decoder attention without a sliding window "
+                    f"(got common_prefix_len={common_prefix_len}). Pass 0."
+                )
+            return self._build_cascade(common_prefix_len, cm, api)
+        sizes = self.limits.cudagraph_capture_sizes
+        if not cross and sizes and cm.num_reqs <= max(sizes) and self._is_single_decode(cm):
+            return self._build_decode(cm, padded_num_reqs(cm.num_reqs, sizes))
+        return self._build_plain(cm, cross, max_k)
+
+    def build_for_cudagraph_capture(
+        self, common_attn_metadata: CommonAttentionMetadata
+    ) -> FlashAttentionMetadata:
+        """Metadata in the builder's persistent buffers, for capturing a decode graph.
+
+        Raises:
+            ValueError: not a batch of single-token decodes within `max_num_reqs` (the level
+                is UNIFORM_SINGLE_TOKEN_DECODE).
+        """
+        cm = common_attn_metadata
+        api = "FlashAttentionMetadataBuilder.build_for_cudagraph_capture"
+        if not self._is_single_decode(cm) or cm.encoder_seq_lens is not None:
+            raise ValueError(
+                f"{api}: CUDA graphs are supported for batches of single-token decodes (got "
+                f"{cm.num_reqs} requests, {cm.num_actual_tokens} tokens, max_query_len "
+                f"{cm.max_query_len}). Capture decode batches only."
+            )
+        self._check_table_width(cm, cm.max_seq_len, api)
+        sizes = self.limits.cudagraph_capture_sizes
+        return self._build_decode(cm, padded_num_reqs(cm.num_reqs, sizes))
+
+    def _is_single_decode(self, cm: CommonAttentionMetadata) -> bool:
+        # every query length is >= 1, so a maximum of 1 with one token per request means all 1
+        return (
+            0 < cm.num_reqs <= self.limits.max_num_reqs
+            and cm.max_query_len == 1
+            and cm.num_actual_tokens == cm.num_reqs
+            and cm.max_seq_len <= self._max_blocks * self.block_size
+        )
+
+    def _check_table_width(self, cm: CommonAttentionMetadata, max_k: int, api: str) -> None:
+        needed = -(-max_k // self.block_size)
+        if needed > cm.block_table_tensor.shape[1] or cm.block_table_tensor.shape[0] < cm.num_reqs:
+            raise ValueError(
+                f"{api}: block_table too small for the batch (got shape "
+                f"{tuple(cm.block_table_tensor.shape)}, expected >= [{cm.num_reqs}, {needed}] "
+                f"for block_size {self.block_size})."
+            )
+
+    def _upload(self, cpu: torch.Tensor) -> torch.Tensor:
+        # From pageable memory the copy is staged at once; the host never waits on the device.
+        return cpu.to(self.device, non_blocking=True)
+
+    def _metadata(
+        self, cm: CommonAttentionMetadata, main: FlashAttnPass, **kw
+    ) -> FlashAttentionMetadata:
+        return FlashAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            num_reqs=cm.num_reqs,
+            block_size=self.block_size,
+            slot_mapping=cm.slot_mapping,
+            causal=cm.causal,
+            query_start_loc=kw.pop("query_start_loc", main.cu_seqlens_q),
+            max_query_len=cm.max_query_len,
+            main=main,
+            **kw,
+        )
+
+    def _build_plain(
+        self, cm: CommonAttentionMetadata, cross: bool, max_cross_len: int
+    ) -> FlashAttentionMetadata:
+        num_reqs = cm.num_reqs
+        lens, lens_cpu = (
+            (cm.encoder_seq_lens, cm.encoder_seq_lens_cpu)
+            if cross
+            else (cm.seq_lens, cm.seq_lens_cpu)
+        )
+        cu_k = None
+        if self._needs_cu_seqlens_k:
+            cu_k = self._upload(cu_seqlens_from_lens(lens_cpu[:num_reqs]))
+        main = FlashAttnPass(
+            cu_seqlens_q=cm.query_start_loc[: num_reqs + 1],
+            seq_lens=lens[:num_reqs],
+            cu_seqlens_k=cu_k,
+            page_table=cm.block_table_tensor[:num_reqs],
+            max_seqlen_q=cm.max_query_len,
+            max_seqlen_k=max_cross_len if cross else cm.max_seq_len,
+            causal=cm.causal and not cross,
+        )
+        return self._metadata(cm, main)
+
+    def _build_decode(self, cm: CommonAttentionMetadata, padded: int) -> FlashAttentionMetadata:
+        if self._buffers is None:
+            self._buffers = _DecodeBuffers(self.limits.max_num_reqs, self._max_blocks, self.device)
+        buf, n = self._buffers, cm.num_reqs
+        # Device-side copies and fills only: a captured graph reads these same addresses.
+        buf.seq_lens[:n].copy_(cm.seq_lens[:n], non_blocking=True)
+        buf.seq_lens[n:padded].zero_()
+        torch.clamp(buf.arange[: padded + 1], max=n, out=buf.query_start_loc[: padded + 1])
+        width = -(-cm.max_seq_len // self.block_size)
+        buf.block_table[:n, :width].copy_(cm.block_table_tensor[:n, :width], non_blocking=True)
+        cu_k = None
+        if self._needs_cu_seqlens_k:
+            torch.cumsum(buf.seq_lens[:padded], 0, out=buf.cu_seqlens_k[1 : padded + 1])
+            cu_k = buf.cu_seqlens_k[: padded + 1]
+        main = FlashAttnPass(
+            cu_seqlens_q=buf.query_start_loc[: padded + 1],
+            seq_lens=buf.seq_lens[:padded],
+            cu_seqlens_k=cu_k,
+            page_table=buf.block_table[:padded],
+            max_seqlen_q=1,
+            # a bound every replay of the graph satisfies
+            max_seqlen_k=self.limits.max_model_len,
+            causal=cm.causal,
+        )
+        return self._metadata(cm, main, uses_persistent_buffers=True)
+
+    def _build_cascade(
+        self, common_prefix_len: int, cm: CommonAttentionMetadata, api: str
+    ) -> FlashAttentionMetadata:
+        num_reqs = cm.num_reqs
+        plan = plan_cascade(
+            common_prefix_len,
+            self.block_size,
+            cm.seq_lens_cpu[:num_reqs],
+            cm.num_computed_tokens_cpu[:num_reqs],
+            cm.num_actual_tokens,
+            api=api,
+        )
+        prefix_table, suffix_table = cascade_block_tables(
+            cm.block_table_tensor, num_reqs, plan.prefix_blocks
+        )
+        needs_cu = self._needs_cu_seqlens_k
+        prefix = FlashAttnPass(
+            cu_seqlens_q=self._upload(plan.prefix_cu_seqlens_q),
+            seq_lens=self._upload(plan.prefix_seq_lens),
+            cu_seqlens_k=self._upload(plan.prefix_cu_seqlens_k) if needs_cu else None,
+            page_table=prefix_table,
+            max_seqlen_q=plan.num_tokens,
+            max_seqlen_k=common_prefix_len,
+            causal=False,  # every query of the step comes after the shared prefix
+        )
+        suffix = FlashAttnPass(
+            cu_seqlens_q=cm.query_start_loc[: num_reqs + 1],
+            seq_lens=self._upload(plan.suffix_seq_lens),
+            cu_seqlens_k=self._upload(plan.suffix_cu_seqlens_k) if needs_cu else None,
+            # a copy on the device: some versions want the page table contiguous
+            page_table=suffix_table.contiguous(),
+            max_seqlen_q=cm.max_query_len,
+            max_seqlen_k=plan.suffix_max_seq_len,
+            causal=cm.causal,
+        )
+        return self._metadata(cm, suffix, prefix=prefix, common_prefix_len=common_prefix_len)
+
+    def use_cascade_attention(
+        self,
+        common_prefix_len: int,
+        query_lens: np.ndarray,
+        num_query_heads: int,
+        num_kv_heads: int,
+        use_alibi: bool,
+        use_sliding_window: bool,
+        use_local_attention: bool,
+        num_sms: int,
+        dcp_world_size: int,
+    ) -> bool:
+        """Cascade pays off when many requests share a long prefix (see
+        `flash_attn_plan.cascade_is_worthwhile`); position-dependent modifiers, context
+        parallelism and versions without LSE rule it out."""
+        if use_alibi or use_sliding_window or use_local_attention or dcp_world_size > 1:
+            return False
+        if self.kv_cache_spec.sliding_window is not None or common_prefix_len % self.block_size:
+            return False
+        if not FlashAttentionBackend.supports_cascade():
+            return False
+        return cascade_is_worthwhile(
+            common_prefix_len, query_lens, num_query_heads, num_kv_heads, num_sms
+        )
+
+
+class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
+    """The FLASH_ATTN backend's forward; see the module docstring."""
+
+    can_return_lse_for_decode = True
+    lse_base_on_e = True
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: AttentionType | str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        self.num_kv_heads = validate_impl_arguments(
+            FlashAttentionBackend,
+            num_heads=num_heads,
+            head_size=head_size,
+            scale=scale,
+            num_kv_heads=num_kv_heads,
+            alibi_slopes=alibi_slopes,
+            sliding_window=sliding_window,
+            kv_cache_dtype=kv_cache_dtype,
+            logits_soft_cap=logits_soft_cap,
+            attn_type=attn_type,
+            sinks=sinks,
+        )
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = AttentionType(attn_type)
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = float(logits_soft_cap) if logits_soft_cap else None
+        self.alibi_slopes = (
+            None if alibi_slopes is None else torch.as_tensor(alibi_slopes, dtype=torch.float32)
+        )
+        self.sinks = None if sinks is None else sinks.detach().float()
+        if sliding_window is not None and self.attn_type is not AttentionType.DECODER:
+            raise NotImplementedError(
+                f"FLASH_ATTN impl: sliding window with {self.attn_type.value} attention not "
+                "supported (the window is defined causally)."
+            )
+        self._request = versions.FlashAttnRequest(
+            head_size=head_size,
+            kv_cache_dtype=kv_cache_dtype,
+            attn_type=self.attn_type,
+            has_alibi=alibi_slopes is not None,
+            has_sink=sinks is not None,
+            has_logits_soft_cap=self.logits_soft_cap is not None,
+            has_sliding_window=sliding_window is not None,
+        )
+        installed = versions.installed_interfaces()
+        if not installed:
+            raise ImportError(f"FLASH_ATTN impl: {versions.unavailable_reason()}.")
+        chosen, why = versions.choose_interface(installed, self._request)
+        if chosen is None:
+            raise NotImplementedError(
+                f"FLASH_ATTN impl: no installed FlashAttention takes this layer ({'; '.join(why)})."
+            )
+        self._any_device_interface = chosen
+        self._interfaces: dict[torch.device, versions.FlashAttnInterface] = {}
+
+    def _interface_for(self, device: torch.device) -> versions.FlashAttnInterface:
+        """The version for `device`'s compute capability, chosen once per device."""
+        interface = self._interfaces.get(device)
+        if interface is None:
+            capability = None
+            if device.type == "cuda":
+                capability = torch.cuda.get_device_capability(device)
+            request = replace(self._request, capability=capability)
+            interface, why = versions.choose_interface(versions.installed_interfaces(), request)
+            if interface is None:
+                raise NotImplementedError(
+                    f"FLASH_ATTN forward: no installed FlashAttention runs this layer on "
+                    f"{device} ({'; '.join(why)})."
+                )
+            self._interfaces[device] = interface
+        return interface
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: FlashAttentionMetadata,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+        output_lse: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """See `AttentionImpl.forward`. Writes `output[:num_actual_tokens]` (and `output_lse`)."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError(
+                "FLASH_ATTN forward: fused output quantisation not supported (got output_scale). "
+                "Quantise the output after the call."
+            )
+        md = attn_metadata
+        self.validate_inputs(query, key, value, kv_cache, md, output, output_lse)
+        n = md.num_actual_tokens
+        if n == 0:
+            return output
+        interface = self._interface_for(query.device)
+        lse = None if output_lse is None else output_lse[:, :n]
+        if self.attn_type in _ENCODER_TYPES:
+            # Bidirectional self-attention over the step's own keys: no cache.
+            qsl = md.query_start_loc
+            pass_ = FlashAttnPass(qsl, None, qsl, None, md.max_query_len, md.max_query_len, False)
+            out, part_lse = self._attend(
+                interface, query[:n], key[:n], value[:n], pass_, self.sinks, lse is not None
+            )
+            self._store(output[:n], out, lse, part_lse)
+            return output
+        # [num_blocks, block_size, num_kv_heads, head_size] views, strides of the layout
+        k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]
+        q, descales = query[:n], {}
+        if is_fp8_cache(self.kv_cache_dtype):
+            q, descales = self._quantize_query(layer, q)
+        if md.prefix is None:
+            out_arg = output[:n] if interface.has_out and not descales else None
+            out, part_lse = self._attend(
+                interface, q, k_cache, v_cache, md.main, self.sinks, lse is not None,
+                out=out_arg, descales=descales,
+            )  # fmt: skip
+            self._store(output[:n], out, lse, part_lse)
+            return output
+        prefix_out, prefix_lse = self._attend(
+            interface, q, k_cache, v_cache, md.prefix, None, True, descales=descales
+        )
+        suffix_out, suffix_lse = self._attend(
+            interface, q, k_cache, v_cache, md.main, self.sinks, True, descales=descales
+        )
+        merge_attn_states(output[:n], prefix_out, prefix_lse, suffix_out, suffix_lse, lse)
+        return output
+
+    def _attend(
+        self,
+        interface: versions.FlashAttnInterface,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pass_: FlashAttnPass,
+        sinks: torch.Tensor | None,
+        return_lse: bool,
+        *,
+        out: torch.Tensor | None = None,
+        descales: dict[str, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One kernel call (every FlashAttention call of the backend goes through here)."""
+        device = q.device
+        # Paged keys by per-request lengths where the entry point takes them; contiguous
+        # (encoder) keys and FA2 by cumulative offsets.
+        if pass_.page_table is not None and interface.seq_lens_arg:
+            lens = {"seq_lens": pass_.seq_lens}
+        else:
+            lens = {"cu_seqlens_k": pass_.cu_seqlens_k}
+        batch = pass_.cu_seqlens_q.shape[0] - 1
+        out, lse = interface.call(
+            q=q,
+            k=k,
+            v=v,
+            cu_seqlens_q=pass_.cu_seqlens_q,
+            max_seqlen_q=pass_.max_seqlen_q,
+            max_seqlen_k=pass_.max_seqlen_k,
+            page_table=pass_.page_table,
+            softmax_scale=self.scale,
+            causal=pass_.causal,
+            window=self.sliding_window,
+            softcap=self.logits_soft_cap,
+            sinks=None if sinks is None else _on(self, "sinks", device),
+            alibi_slopes=None if self.alibi_slopes is None else _on(self, "alibi_slopes", device),
+            return_lse=return_lse,
+            out=out,
+            **lens,
+            **{
+                name: d.expand(batch, self.num_kv_heads).contiguous()
+                for name, d in (descales or {}).items()
+            },
+        )
+        if return_lse and (lse is None or tuple(lse.shape) != (self.num_heads, q.shape[0])):
+            got = None if lse is None else tuple(lse.shape)
+            raise RuntimeError(
+                f"FLASH_ATTN forward: {interface.label} returned an LSE of an unexpected shape "
+                f"(got {got}, expected {(self.num_heads, q.shape[0])})."
+            )
+        return out, lse
+
+    @staticmethod
+    def _store(
+        output: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        part_lse: torch.Tensor | None,
+    ) -> None:
+        if out.data_ptr() != output.data_ptr():
+            output.copy_(out)
+        if lse is not None:
+            lse.copy_(part_lse)
+
+    def _quantize_query(
+        self, layer: AttentionLayer, q: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """fp8 caches (FA3): its kernels take q, k, v all in e4m3, so the query is quantised
+        per tensor with a device-side scale (no host sync); `*_descale` undo the scales."""
+        amax = q.abs().amax().float().clamp(min=1e-12)
+        q_scale = amax / _FP8_E4M3_MAX  # [] on the device
+        q8 = (q.float() / q_scale).to(torch.float8_e4m3fn)
+        descales = {"q_descale": q_scale.expand(self.num_kv_heads)}
+        for name in ("k_scale", "v_scale"):
+            scale = getattr(layer, name).to(device=q.device, dtype=torch.float32)
+            descales[f"{name[0]}_descale"] = scale.expand(self.num_kv_heads)
+        return q8, descales
+
+    def validate_inputs(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        md: FlashAttentionMetadata,
+        output: torch.Tensor,
+        output_lse: torch.Tensor | None = None,
+    ) -> None:
+        """See `AttentionImpl.validate_inputs`; shapes, dtypes, devices and feature joints."""
+        api = "FLASH_ATTN forward"
+        if not isinstance(md, FlashAttentionMetadata):
+            raise TypeError(
+                f"{api}: attn_metadata must come from FlashAttentionMetadataBuilder.build (got "
+                f"{type(md).__name__})."
+            )
+        self._check_features(md, output_lse, api)
+        interface = self._interface_for(query.device)
+        if md.block_size % interface.block_size_multiple:
+            raise ValueError(
+                f"{api}: {interface.label} needs blocks of a multiple of "
+                f"{interface.block_size_multiple} tokens (got block_size {md.block_size})."
+            )
+        heads = (self.num_heads, self.head_size)
+        if query.dim() != 3 or tuple(query.shape[1:]) != heads:
+            raise ValueError(
+                f"{api}: query must be [num_tokens, {heads[0]}, {heads[1]}] (got "
+                f"{tuple(query.shape)})."
+            )
+        if query.dtype not in FlashAttentionBackend.supported_dtypes:
+            raise ValueError(
+                f"{api}: query dtype not supported (got {query.dtype}, expected float16 or "
+                "bfloat16)."
+            )
+        if output.shape != query.shape or output.dtype != query.dtype:
+            raise ValueError(
+                f"{api}: output must match query in shape and dtype (got {tuple(output.shape)} "
+                f"{output.dtype}, expected {tuple(query.shape)} {query.dtype})."
+            )
+        if md.num_actual_tokens > query.shape[0]:
+            raise ValueError(
+                f"{api}: query has fewer rows than the metadata's tokens (got {query.shape[0]}, "
+                f"expected >= {md.num_actual_tokens})."
+            )
+        self._check_key_value(query, key, value, md, api)
+        if self.attn_type not in _ENCODER_TYPES:
+            self._check_cache(query, kv_cache, md, api)
+        if output_lse is not None and (
+            output_lse.dtype != torch.float32
+            or output_lse.dim() != 2
+            or output_lse.shape[0] != self.num_heads
+            or output_lse.shape[1] < md.num_actual_tokens
+        ):
+            raise ValueError(
+                f"{api}: output_lse must be float32 [{self.num_heads}, num_tokens] (got "
+                f"{output_lse.dtype} {tuple(output_lse.shape)})."
+            )
+
+    def _check_features(
+        self, md: FlashAttentionMetadata, output_lse: torch.Tensor | None, api: str
+    ) -> None:
+        bidirectional = not md.causal or self.attn_type is not AttentionType.DECODER
+        if self.sliding_window is not None and bidirectional:
+            raise NotImplementedError(
+                f"{api}: sliding window with non-causal attention not supported (got "
+                "attn_metadata.causal=False); the window is defined causally."
+            )
+        if self.alibi_slopes is not None and bidirectional:
+            raise NotImplementedError(
+                f"{api}: ALiBi with non-causal attention not supported (got "
+                "attn_metadata.causal=False); FA2 biases by -slope * |i - j|."
+            )
+        if md.prefix is not None and (self.alibi_slopes is not None or self.sliding_window):
+            raise NotImplementedError(
+                f"{api}: cascade attention with ALiBi or a sliding window not supported (got "
+                f"common_prefix_len={md.common_prefix_len}). Build without a common prefix."
+            )
+        if (output_lse is not None or md.prefix is not None) and (
+            self._any_device_interface.lse_arg is None
+        ):
+            raise NotImplementedError(
+                f"{api}: {self._any_device_interface.label} returns no LSE (got output_lse or a "
+                "cascade prefix)."
+            )
+
+    def _check_key_value(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        md: FlashAttentionMetadata,
+        api: str,
+    ) -> None:
+        if (key is None) != (value is None):
+            raise ValueError(f"{api}: key and value must both be given or both be None.")
+        kv_shape = (self.num_kv_heads, self.head_size)
+        for name, tensor in (("key", key), ("value", value)):
+            if tensor is None:
+                continue
+            if tensor.dim() != 3 or tuple(tensor.shape[1:]) != kv_shape:
+                raise ValueError(
+                    f"{api}: {name} must be [num_tokens, {kv_shape[0]}, {kv_shape[1]}] (got "
+                    f"{tuple(tensor.shape)})."
+                )
+            if tensor.dtype != query.dtype:
+                raise ValueError(
+                    f"{api}: {name} dtype differs from query (got {tensor.dtype}, expected "
+                    f"{query.dtype})."
+                )
+            if self.attn_type is not AttentionType.ENCODER_DECODER and (
+                tensor.shape[0] != query.shape[0]
+            ):
+                raise ValueError(
+                    f"{api}: {name} and query differ in tokens (got {tensor.shape[0]} and "
+                    f"{query.shape[0]})."
+                )
+        if self.attn_type in _ENCODER_TYPES and key is None:
+            raise ValueError(f"{api}: {self.attn_type.value} attention needs key and value.")
+
+    def _check_cache(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, md: FlashAttentionMetadata, api: str
+    ) -> None:
+        cache_dtype = cache_torch_dtype(self.kv_cache_dtype, query.dtype)
+        expected = ("num_blocks", 2, md.block_size, self.num_kv_heads, self.head_size)
+        if kv_cache.dim() != 5 or tuple(kv_cache.shape[1:]) != expected[1:]:
+            raise ValueError(
+                f"{api}: kv_cache must be {list(expected)} (got {tuple(kv_cache.shape)}). "
+                "Allocate it with anyattn.kv_cache.allocate_kv_cache."
+            )
+        if kv_cache.dtype != cache_dtype:
+            raise ValueError(
+                f"{api}: kv_cache dtype does not match kv_cache_dtype {self.kv_cache_dtype!r} "
+                f"(got {kv_cache.dtype}, expected {cache_dtype})."
+            )
+        if not is_fp8_cache(self.kv_cache_dtype) and cache_dtype != query.dtype:
+            raise ValueError(
+                f"{api}: kv_cache dtype differs from the query's (got {cache_dtype} and "
+                f"{query.dtype}, expected one dtype). Use kv_cache_dtype='auto'."
+            )
+        if kv_cache.device != query.device:
+            raise ValueError(
+                f"{api}: kv_cache and query are on different devices (got {kv_cache.device} "
+                f"and {query.device})."
+            )
+        if kv_cache.stride(-1) != 1:
+            raise ValueError(
+                f"{api}: kv_cache needs a contiguous head dimension (got strides "
+                f"{kv_cache.stride()}). Allocate it in NHD or HND order."
+            )
+
+
+def _on(impl: FlashAttentionImpl, name: str, device: torch.device) -> torch.Tensor:
+    """`impl.<name>` on `device`, moved there once and kept."""
+    tensor = getattr(impl, name)
+    if tensor.device != device:
+        tensor = tensor.to(device)
+        setattr(impl, name, tensor)
+    return tensor

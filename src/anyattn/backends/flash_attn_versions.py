@@ -1,0 +1,505 @@
+"""Which FlashAttention is installed, what its entry point takes, and which version serves a layer.
+
+Three generations ship under different module names, with different arguments:
+
+- FA4: `flash_attn.cute.flash_attn_varlen_func` (`pip install 'anyattn[flash-attn]'`);
+- FA3: `flash_attn_interface` (Hopper build): `flash_attn_varlen_func` when it takes a page
+  table (vLLM's fork), else `flash_attn_with_kvcache` (upstream);
+- FA2: `flash_attn.flash_attn_interface.flash_attn_varlen_func` (`pip install flash-attn`).
+
+A feature is declared only when the installed entry point has the argument that carries it, read
+with `inspect.signature` at run time: paged KV (`page_table` / `block_table`), per-request key
+lengths (`seqused_k` / `cache_seqlens`, else `cu_seqlens_k`), sinks (`learnable_sink` / `s_aux`),
+soft cap (`softcap`), sliding window (`window_size`), ALiBi (`alibi_slopes`), fp8 KV
+(`q_descale`, `k_descale`, `v_descale`), LSE (`return_lse` / `return_softmax_lse` /
+`return_attn_probs`). What no signature says (compute capabilities, head sizes, page sizes) is
+written per version below, with its source.
+
+Nothing here imports a FlashAttention module until `installed_interfaces()` is first called;
+the result is cached for the process (tests replace that function).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import importlib
+import inspect
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from anyattn.types import AttentionType
+
+if TYPE_CHECKING:
+    from anyattn.config import AttentionSelectorConfig
+    from anyattn.types import DeviceInfo
+
+__all__ = [
+    "PIP_COMMAND",
+    "FlashAttnInterface",
+    "FlashAttnRequest",
+    "FlashAttnVersion",
+    "choose_interface",
+    "declared_interfaces",
+    "detect",
+    "installed_interfaces",
+    "interface_from_function",
+    "reference_fa4_interface",
+    "unavailable_reason",
+]
+
+PIP_COMMAND = "pip install 'anyattn[flash-attn]'"
+
+_ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+_PAGE_ARGS = ("page_table", "block_table")
+_SEQ_LENS_ARGS = ("seqused_k", "cache_seqlens")
+_SINK_ARGS = ("learnable_sink", "s_aux")
+_LSE_ARGS = ("return_lse", "return_softmax_lse", "return_attn_probs")
+_DESCALE_ARGS = ("q_descale", "k_descale", "v_descale")
+
+
+class FlashAttnVersion(enum.IntEnum):
+    """A FlashAttention generation."""
+
+    FA2 = 2
+    FA3 = 3
+    FA4 = 4
+
+    @property
+    def label(self) -> str:
+        return f"FA{self.value}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    modules: tuple[str, ...]
+    entries: tuple[str, ...]
+
+
+# Preference order: newest first.
+_SOURCES: dict[FlashAttnVersion, _Source] = {
+    FlashAttnVersion.FA4: _Source(("flash_attn.cute",), ("flash_attn_varlen_func",)),
+    FlashAttnVersion.FA3: _Source(
+        ("flash_attn_interface", "flash_attn_3.flash_attn_interface"),
+        ("flash_attn_varlen_func", "flash_attn_with_kvcache"),
+    ),
+    FlashAttnVersion.FA2: _Source(
+        ("flash_attn.flash_attn_interface",), ("flash_attn_varlen_func",)
+    ),
+}
+
+# The parameters of flash_attn.cute.flash_attn_varlen_func in flash-attn-4 4.0.0b36
+# (flash_attn/cute/interface.py:4214): what `pip install 'anyattn[flash-attn]'` provides, used for
+# the declarations while no FlashAttention is installed.
+_FA4_REFERENCE_PARAMS = frozenset(
+    "q k v qv cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k min_seqlen_k seqused_q "
+    "seqused_k gather_kv_indices page_table softmax_scale causal window_size learnable_sink "
+    "softcap num_splits pack_gqa deterministic score_mod score_mod_bwd mask_mod "
+    "block_sparse_tensors aux_tensors aux_scalars return_lse scheduler_metadata "
+    "seqlen_k_per_split disable_scheduler_metadata gather_bwd_recompute_p "
+    "gather_bwd_token_chunk".split()
+)
+
+
+def _supports_capability(version: FlashAttnVersion, capability: tuple[int, int]) -> bool:
+    major = capability[0]
+    if version is FlashAttnVersion.FA4:
+        # interface.py:1611 "paged KV not supported on SM 8.0", :1754 "Paged KV not supported on
+        # SM 12.0"; sm90 and the sm100/sm110 families take paged KV.
+        return major in (9, 10, 11)
+    if version is FlashAttnVersion.FA3:
+        return major == 9  # Hopper-only build
+    return major >= 8  # FA2: Ampere and newer
+
+
+_CAPABILITY_TEXT = {
+    FlashAttnVersion.FA4: "sm90, sm100 and sm110 (paged KV)",
+    FlashAttnVersion.FA3: "sm90 only",
+    FlashAttnVersion.FA2: "sm80 and newer",
+}
+_MIN_CAPABILITY = {
+    FlashAttnVersion.FA4: (9, 0),
+    FlashAttnVersion.FA3: (9, 0),
+    FlashAttnVersion.FA2: (8, 0),
+}
+
+
+def _head_sizes(version: FlashAttnVersion, capability: tuple[int, int] | None) -> list[int]:
+    if version is FlashAttnVersion.FA4:
+        # Paged KV not loaded by TMA (page size != the kernel's TILE_N) asserts "Paged KV does not
+        # support irregular head dim": head_size a multiple of 16 (flash_fwd_sm90.py:66,
+        # flash_fwd_sm100.py:265). Range: 8..256 on sm90; 8..128 or 256 on sm100/sm110
+        # (interface.py:121 _validate_head_dims).
+        sizes = list(range(16, 257, 16))
+        if capability is not None and capability[0] in (10, 11):
+            sizes = [s for s in sizes if s <= 128 or s == 256]
+        return sizes
+    # FA2 and FA3: multiples of 8 up to 256 (16-byte aligned rows).
+    return list(range(8, 257, 8))
+
+
+_HEAD_SIZE_TEXT = {
+    FlashAttnVersion.FA4: "multiples of 16 up to 256 on sm90; up to 128, and 256, on sm100/sm110",
+    FlashAttnVersion.FA3: "multiples of 8 up to 256",
+    FlashAttnVersion.FA2: "multiples of 8 up to 256",
+}
+# Page sizes: FA4's cp.async path takes any page size (paged_kv.py divides by it); FA3 documents
+# "page_block_size can be arbitrary"; upstream FA2 documents "page_block_size must be a multiple
+# of 256". 16 keeps rows of two 8-token halves aligned for every kernel tile.
+_BLOCK_SIZE_MULTIPLE = {
+    FlashAttnVersion.FA4: 16,
+    FlashAttnVersion.FA3: 16,
+    FlashAttnVersion.FA2: 256,
+}
+
+
+@dataclass(frozen=True)
+class FlashAttnInterface:
+    """One installed (or described) FlashAttention entry point and what it takes.
+
+    Attributes:
+        version: the generation.
+        module, entry: where the function lives (`module.entry`).
+        params: the entry point's parameter names, from its signature.
+        fn: the function itself; None for a described interface that cannot run here.
+    """
+
+    version: FlashAttnVersion
+    module: str
+    entry: str
+    params: frozenset[str]
+    fn: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
+
+    def _first(self, names: Sequence[str]) -> str | None:
+        return next((n for n in names if n in self.params), None)
+
+    @property
+    def label(self) -> str:
+        return f"{self.version.label} ({self.module}.{self.entry})"
+
+    @property
+    def page_table_arg(self) -> str | None:
+        return self._first(_PAGE_ARGS)
+
+    @property
+    def seq_lens_arg(self) -> str | None:
+        """Argument for per-request key lengths; None: pass `cu_seqlens_k` instead."""
+        return self._first(_SEQ_LENS_ARGS)
+
+    @property
+    def sink_arg(self) -> str | None:
+        return self._first(_SINK_ARGS)
+
+    @property
+    def lse_arg(self) -> str | None:
+        return self._first(_LSE_ARGS)
+
+    @property
+    def takes_cache_as_k_cache(self) -> bool:
+        """`flash_attn_with_kvcache` names the cache `k_cache`/`v_cache` (its `k`/`v` are new
+        tokens to append, which we never pass)."""
+        return "k_cache" in self.params
+
+    @property
+    def has_softcap(self) -> bool:
+        return "softcap" in self.params
+
+    @property
+    def has_window(self) -> bool:
+        return "window_size" in self.params
+
+    @property
+    def has_alibi(self) -> bool:
+        return "alibi_slopes" in self.params
+
+    @property
+    def has_descales(self) -> bool:
+        return all(name in self.params for name in _DESCALE_ARGS)
+
+    @property
+    def has_out(self) -> bool:
+        return "out" in self.params
+
+    @property
+    def has_cu_seqlens_k(self) -> bool:
+        return "cu_seqlens_k" in self.params
+
+    @property
+    def min_capability(self) -> tuple[int, int]:
+        return _MIN_CAPABILITY[self.version]
+
+    @property
+    def block_size_multiple(self) -> int:
+        return _BLOCK_SIZE_MULTIPLE[self.version]
+
+    @property
+    def kv_cache_dtypes(self) -> tuple[str, ...]:
+        base = ("auto", "float16", "bfloat16")
+        # fp8 needs descales; FA3's fp8 kernels are e4m3 only.
+        if self.has_descales and self.version is FlashAttnVersion.FA3:
+            return (*base, "fp8", "fp8_e4m3")
+        return base
+
+    @property
+    def attn_types(self) -> tuple[AttentionType, ...]:
+        paged = (AttentionType.DECODER, AttentionType.ENCODER_DECODER)
+        # Encoder self-attention reads contiguous K/V through cu_seqlens_k.
+        return (*paged, *_ENCODER_TYPES) if self.has_cu_seqlens_k else paged
+
+    def supports_capability(self, capability: tuple[int, int]) -> bool:
+        return _supports_capability(self.version, capability)
+
+    def head_sizes(self, capability: tuple[int, int] | None = None) -> list[int]:
+        """Head sizes for `capability` (None: any capability this version runs on)."""
+        return _head_sizes(self.version, capability)
+
+    def missing_essentials(self) -> list[str]:
+        """Why this entry point cannot run paged varlen attention at all (empty: it can)."""
+        missing = []
+        if self.page_table_arg is None:
+            missing.append("no page table argument (page_table / block_table)")
+        if self.seq_lens_arg is None and not self.has_cu_seqlens_k:
+            missing.append("no key lengths argument (seqused_k / cache_seqlens / cu_seqlens_k)")
+        for name in ("cu_seqlens_q", "max_seqlen_q", "softmax_scale", "causal"):
+            if name not in self.params:
+                missing.append(f"no {name} argument")
+        return missing
+
+    def reasons(self, request: FlashAttnRequest) -> list[str]:
+        """Why this version cannot serve `request` (empty: it can)."""
+        reasons = list(self.missing_essentials())
+        cap = request.capability
+        if cap is not None and not self.supports_capability(cap):
+            reasons.append(
+                f"compute capability sm{cap[0]}{cap[1]} not supported (runs on "
+                f"{_CAPABILITY_TEXT[self.version]})"
+            )
+        if request.head_size not in self.head_sizes(cap):
+            reasons.append(
+                f"head_size {request.head_size} not supported ({_HEAD_SIZE_TEXT[self.version]})"
+            )
+        if request.block_size is not None and request.block_size % self.block_size_multiple:
+            reasons.append(
+                f"block_size {request.block_size} not supported (needs a multiple of "
+                f"{self.block_size_multiple})"
+            )
+        if request.kv_cache_dtype not in self.kv_cache_dtypes:
+            reasons.append(
+                f"kv_cache_dtype {request.kv_cache_dtype} not supported (takes "
+                f"{', '.join(self.kv_cache_dtypes)})"
+            )
+        if request.attn_type not in self.attn_types:
+            reasons.append(f"attn_type {request.attn_type.value} not supported (no cu_seqlens_k)")
+        bidirectional = request.use_non_causal or request.attn_type is not AttentionType.DECODER
+        wanted = (
+            (request.has_alibi, self.has_alibi, "ALiBi (no alibi_slopes argument)"),
+            (request.has_sink, self.sink_arg, "sinks (no learnable_sink / s_aux argument)"),
+            (request.has_logits_soft_cap, self.has_softcap, "soft cap (no softcap argument)"),
+            (request.has_sliding_window, self.has_window, "sliding window (no window_size)"),
+            (request.needs_lse, self.lse_arg, "LSE (no return_lse-style argument)"),
+            (request.use_per_head_quant_scales, self.has_descales, "per-head scales (no descales)"),
+        )
+        reasons.extend(f"{label} not supported" for want, has, label in wanted if want and not has)
+        if request.has_alibi and self.has_alibi and bidirectional:
+            # FA2 adds -slope * |i - j|; DESIGN.md's slope * (j - p) differs for keys after p.
+            reasons.append("ALiBi with bidirectional attention not supported (biases by -|i - j|)")
+        return reasons
+
+    def call(self, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the entry point with generic arguments mapped to this version's names.
+
+        Generic arguments: `q, k, v` (k/v the paged cache views or contiguous keys),
+        `cu_seqlens_q, max_seqlen_q, max_seqlen_k, seq_lens, cu_seqlens_k, page_table,
+        softmax_scale, causal, window (W or None), softcap, sinks, alibi_slopes,
+        q_descale, k_descale, v_descale, return_lse, out`. None values are left at the
+        entry point's default.
+
+        Returns:
+            `(out, lse)`; lse is None unless `return_lse`.
+        """
+        if self.fn is None:
+            raise RuntimeError(
+                f"FLASH_ATTN: {self.label} is described, not installed (got a call). "
+                f"Install it with {PIP_COMMAND}."
+            )
+        call_kwargs = self.map_arguments(**kwargs)
+        result = self.fn(**call_kwargs)
+        out = result[0] if isinstance(result, tuple | list) else result
+        lse = result[1] if kwargs.get("return_lse") else None
+        return out, lse
+
+    def map_arguments(self, **kwargs: Any) -> dict[str, Any]:
+        """The keyword arguments `call` passes to the entry point (see `call`)."""
+        k, v = kwargs.pop("k"), kwargs.pop("v")
+        mapped: dict[str, Any] = {"q": kwargs.pop("q")}
+        if self.takes_cache_as_k_cache:
+            mapped["k_cache"], mapped["v_cache"] = k, v
+        else:
+            mapped["k"], mapped["v"] = k, v
+        window = kwargs.pop("window", None)
+        if window is not None:
+            mapped["window_size"] = (window - 1, 0)
+        renames = {
+            "page_table": self.page_table_arg,
+            "seq_lens": self.seq_lens_arg,
+            "sinks": self.sink_arg,
+            "return_lse": self.lse_arg,
+        }
+        for name, value in kwargs.items():
+            if value is None or (name == "return_lse" and not value):
+                continue
+            target = renames.get(name, name)
+            if target is None or target not in self.params:
+                if name == "max_seqlen_k":
+                    continue  # a bound some entry points do not take
+                raise TypeError(
+                    f"FLASH_ATTN: {self.label} takes no argument for {name!r} (got a value). "
+                    "This is a declaration bug: the version chooser should have rejected it."
+                )
+            mapped[target] = value
+        return mapped
+
+
+def interface_from_function(
+    version: FlashAttnVersion, module: str, entry: str, fn: Callable[..., Any] | None
+) -> FlashAttnInterface:
+    """Describe `fn` by its signature (no parameters when the signature cannot be read)."""
+    try:
+        params = frozenset(inspect.signature(fn).parameters) if fn is not None else frozenset()
+    except (TypeError, ValueError):
+        params = frozenset()
+    return FlashAttnInterface(version, module, entry, params, fn)
+
+
+def reference_fa4_interface() -> FlashAttnInterface:
+    """FA4 4.0.0b36 as `pip install 'anyattn[flash-attn]'` installs it (not runnable here)."""
+    return FlashAttnInterface(
+        FlashAttnVersion.FA4, "flash_attn.cute", "flash_attn_varlen_func", _FA4_REFERENCE_PARAMS
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Detection:
+    """What importing each FlashAttention found.
+
+    Attributes:
+        interfaces: one per importable version, newest first (usable or not).
+        errors: `"<module>: <why not importable>"` for the versions not found.
+    """
+
+    interfaces: tuple[FlashAttnInterface, ...]
+    errors: tuple[str, ...]
+
+
+def _detect_version(version: FlashAttnVersion) -> FlashAttnInterface | str:
+    source = _SOURCES[version]
+    problems = []
+    for module_name in source.modules:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError:
+            problems.append(f"{module_name}: not installed")
+            continue
+        except Exception as error:  # CUDA extensions fail in many ways (OSError, RuntimeError)
+            problems.append(f"{module_name}: {type(error).__name__}: {error}")
+            continue
+        found = [
+            interface_from_function(version, module_name, entry, getattr(module, entry))
+            for entry in source.entries
+            if callable(getattr(module, entry, None))
+        ]
+        if not found:
+            problems.append(f"{module_name} has no {' / '.join(source.entries)}")
+            continue
+        return next((i for i in found if not i.missing_essentials()), found[0])
+    return "; ".join(problems)
+
+
+@functools.cache
+def detect() -> Detection:
+    """Import each FlashAttention once and describe what it offers (cached)."""
+    interfaces, errors = [], []
+    for version in _SOURCES:
+        found = _detect_version(version)
+        (errors if isinstance(found, str) else interfaces).append(found)
+    return Detection(tuple(interfaces), tuple(errors))
+
+
+def installed_interfaces() -> tuple[FlashAttnInterface, ...]:
+    """The installed entry points that can run paged varlen attention, newest first."""
+    return tuple(i for i in detect().interfaces if not i.missing_essentials())
+
+
+def declared_interfaces(
+    installed: Iterable[FlashAttnInterface] | None = None,
+) -> tuple[FlashAttnInterface, ...]:
+    """What the backend declares: the usable installed versions, else FA4 as its pinned extra
+    installs it (so that one can ask what FLASH_ATTN would do before installing it)."""
+    usable = tuple(installed_interfaces() if installed is None else installed)
+    return usable or (reference_fa4_interface(),)
+
+
+def unavailable_reason(installed: Iterable[FlashAttnInterface] | None = None) -> str | None:
+    """Why no FlashAttention can run here (with the pip command), or None."""
+    if tuple(installed_interfaces() if installed is None else installed):
+        return None
+    detection = detect()
+    found = [f"{i.label}: {', '.join(i.missing_essentials())}" for i in detection.interfaces]
+    problems = [p for error in detection.errors for p in error.split("; ")]
+    missing = [p.removesuffix(": not installed") for p in problems if p.endswith("not installed")]
+    others = [p for p in problems if not p.endswith("not installed")]
+    if missing:
+        others.append(f"{', '.join(missing)}: not installed")
+    details = "; ".join([*found, *others]) or "nothing found"
+    return f"no usable FlashAttention here ({details}). Install it with: {PIP_COMMAND}"
+
+
+@dataclass(frozen=True, slots=True)
+class FlashAttnRequest:
+    """What a layer needs of a FlashAttention version (`capability` None: any device)."""
+
+    head_size: int
+    capability: tuple[int, int] | None = None
+    block_size: int | None = None
+    kv_cache_dtype: str = "auto"
+    attn_type: AttentionType = AttentionType.DECODER
+    has_alibi: bool = False
+    has_sink: bool = False
+    has_logits_soft_cap: bool = False
+    has_sliding_window: bool = False
+    needs_lse: bool = False
+    use_non_causal: bool = False
+    use_per_head_quant_scales: bool = False
+
+    @classmethod
+    def from_config(cls, config: AttentionSelectorConfig, device: DeviceInfo) -> FlashAttnRequest:
+        return cls(
+            head_size=config.head_size,
+            capability=device.capability,
+            block_size=config.block_size,
+            kv_cache_dtype=config.kv_cache_dtype,
+            attn_type=config.attn_type,
+            has_alibi=config.has_alibi,
+            has_sink=config.has_sink,
+            has_logits_soft_cap=config.has_logits_soft_cap,
+            has_sliding_window=config.has_sliding_window,
+            needs_lse=config.needs_lse,
+            use_non_causal=config.use_non_causal,
+            use_per_head_quant_scales=config.use_per_head_quant_scales,
+        )
+
+
+def choose_interface(
+    interfaces: Iterable[FlashAttnInterface], request: FlashAttnRequest
+) -> tuple[FlashAttnInterface | None, list[str]]:
+    """The newest version that serves `request`, or None and `"<label>: <reasons>"` per version."""
+    why = []
+    for interface in sorted(interfaces, key=lambda i: -i.version):
+        reasons = interface.reasons(request)
+        if not reasons:
+            return interface, []
+        why.append(f"{interface.label}: {', '.join(reasons)}")
+    return None, why

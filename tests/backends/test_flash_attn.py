@@ -1,0 +1,386 @@
+"""FLASH_ATTN on the CPU: version detection from signatures, declarations and selection for
+sm80/sm90/sm100 with each version present or absent, and the builder + impl run through the
+conformance kit over CPU stand-ins with the real entry points' signatures (`fa_fakes`)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from fa_fakes import fa2, fa3, fa3_varlen_upstream, fa4, fa4_varlen, install
+
+from anyattn.backends import flash_attn_versions as versions
+from anyattn.backends.flash_attn import (
+    FlashAttentionBackend,
+    FlashAttentionImpl,
+    FlashAttentionMetadataBuilder,
+)
+from anyattn.config import AttentionSelectorConfig, AttentionSpec, BatchLimits
+from anyattn.kv_cache import allocate_kv_cache
+from anyattn.layer import Attention
+from anyattn.metadata import make_common_attn_metadata
+from anyattn.registry import AttentionBackendEnum
+from anyattn.selector import explain
+from anyattn.testing import assign_blocks, plan_cases, run_case
+from anyattn.types import AttentionCGSupport, AttentionType, DeviceInfo, MultipleOf
+
+SM80, SM90, SM100, SM120 = (DeviceInfo.parse(s) for s in ("sm80", "sm90", "sm100", "sm120"))
+FV = versions.FlashAttnVersion
+
+
+def _config(**changes) -> AttentionSelectorConfig:
+    fields = dict(head_size=128, dtype=torch.bfloat16, block_size=16, num_heads=8, num_kv_heads=2)
+    return AttentionSelectorConfig(**{**fields, **changes})
+
+
+def _reasons(device: DeviceInfo, **changes) -> list[str]:
+    return FlashAttentionBackend.validate_configuration(_config(**changes), device)
+
+
+# --- detection ---------------------------------------------------------------------------------
+
+
+def test_the_registry_names_the_backend():
+    assert AttentionBackendEnum.FLASH_ATTN.get_class() is FlashAttentionBackend
+
+
+def test_signatures_are_read_at_run_time():
+    fa4_ = fa4()
+    assert fa4_.params == versions.reference_fa4_interface().params
+    assert (fa4_.page_table_arg, fa4_.seq_lens_arg, fa4_.sink_arg, fa4_.lse_arg) == (
+        "page_table", "seqused_k", "learnable_sink", "return_lse",
+    )  # fmt: skip
+    assert fa4_.has_softcap and fa4_.has_window and fa4_.has_cu_seqlens_k
+    assert not (fa4_.has_alibi or fa4_.has_descales or fa4_.has_out)
+    fa2_ = fa2()
+    assert (fa2_.page_table_arg, fa2_.seq_lens_arg, fa2_.lse_arg) == (
+        "block_table", None, "return_attn_probs",
+    )  # fmt: skip
+    assert fa2_.has_alibi and fa2_.sink_arg is None and not fa2_.has_descales
+    fa3_ = fa3()
+    assert (fa3_.page_table_arg, fa3_.seq_lens_arg, fa3_.lse_arg) == (
+        "page_table", "cache_seqlens", "return_softmax_lse",
+    )  # fmt: skip
+    assert fa3_.has_descales and fa3_.takes_cache_as_k_cache and not fa3_.has_cu_seqlens_k
+
+
+def test_an_entry_point_without_a_page_table_is_not_usable(monkeypatch):
+    upstream = versions.interface_from_function(
+        FV.FA3, "flash_attn_interface", "flash_attn_varlen_func", fa3_varlen_upstream
+    )
+    assert upstream.missing_essentials() == ["no page table argument (page_table / block_table)"]
+    install(monkeypatch, upstream)
+    assert versions.installed_interfaces() == ()
+    reason = FlashAttentionBackend.get_unavailable_reason()
+    assert "no page table argument" in reason and versions.PIP_COMMAND in reason
+
+
+def test_arguments_map_to_each_versions_names():
+    common = dict(q=1, k=2, v=3, cu_seqlens_q=4, max_seqlen_q=5, max_seqlen_k=6, page_table=7,
+                  softmax_scale=0.5, causal=True, window=8, softcap=None,
+                  return_lse=True)  # fmt: skip
+    assert fa4().map_arguments(**common, seq_lens=9, sinks=10) == dict(
+        q=1, k=2, v=3, cu_seqlens_q=4, max_seqlen_q=5, max_seqlen_k=6, page_table=7,
+        softmax_scale=0.5, causal=True, window_size=(7, 0), return_lse=True, seqused_k=9,
+        learnable_sink=10,
+    )  # fmt: skip
+    mapped = fa2().map_arguments(**common, cu_seqlens_k=11, alibi_slopes=12)
+    assert (mapped["block_table"], mapped["cu_seqlens_k"], mapped["alibi_slopes"]) == (7, 11, 12)
+    assert mapped["return_attn_probs"] is True
+    mapped = fa3().map_arguments(**common, seq_lens=9)
+    assert (mapped["k_cache"], mapped["v_cache"], mapped["cache_seqlens"]) == (2, 3, 9)
+    assert "k" not in mapped and "max_seqlen_k" not in mapped  # with_kvcache takes no bound
+    with pytest.raises(TypeError, match="declaration bug"):
+        fa4().map_arguments(**common, alibi_slopes=12)
+
+
+# --- declarations and selection ----------------------------------------------------------------
+
+
+def test_fa4_declarations(monkeypatch):
+    install(monkeypatch, fa4())
+    b = FlashAttentionBackend
+    assert b.get_unavailable_reason() is None
+    assert b.supported_dtypes == (torch.float16, torch.bfloat16)
+    assert b.supported_kv_cache_dtypes == ("auto", "float16", "bfloat16")
+    assert b.get_supported_head_sizes() == list(range(16, 257, 16))
+    assert b.get_supported_kernel_block_sizes() == [MultipleOf(16)]
+    assert [str(x) for x in b.supported_kv_cache_layouts()] == ["NHD", "HND"]
+    assert b.supported_attn_types == tuple(AttentionType)
+    assert b.min_compute_capability == (9, 0)
+    features = b.describe()["features"]
+    assert features == dict(sink=True, sliding_window=True, alibi=False, logits_soft_cap=True,
+                            non_causal=True, per_head_quant_scales=False, batch_invariance=False,
+                            lse=True, cascade=True, mla=False, sparse=False)  # fmt: skip
+    assert b.get_cudagraph_support() == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    assert b.get_kv_cache_shape(10, 32, 2, 128) == (10, 2, 32, 2, 128)
+    with pytest.raises(ValueError, match="block_size not supported"):
+        b.get_kv_cache_shape(10, 8, 2, 128)
+
+
+def test_fa4_selection_by_device(monkeypatch):
+    install(monkeypatch, fa4())
+    assert _reasons(SM90) == [] and _reasons(SM100) == []
+    assert _reasons(SM90, head_size=256, has_sink=True, needs_lse=True) == []
+    assert _reasons(SM80) == ["compute capability sm80 not supported (needs sm90 or newer)"]
+    (reason,) = _reasons(SM120)
+    assert "FA4 (flash_attn.cute.flash_attn_varlen_func): compute capability sm120" in reason
+    (reason,) = _reasons(SM100, head_size=192)
+    assert "head_size 192 not supported" in reason
+    assert _reasons(SM90, head_size=192) == []
+    assert _reasons(SM90, head_size=72) == [
+        "head_size 72 not supported (supported: " + ", ".join(map(str, range(16, 257, 16))) + ")"
+    ]
+    assert _reasons(SM90, dtype=torch.float32) == [
+        "dtype float32 not supported (supported: float16, bfloat16)"
+    ]
+    assert _reasons(SM90, has_alibi=True) == ["ALiBi (has_alibi) not supported"]
+    assert _reasons(SM90, kv_cache_dtype="fp8") == [
+        "kv_cache_dtype fp8 not supported (supported: auto, float16, bfloat16)"
+    ]
+    assert _reasons(SM90, has_sliding_window=True, use_non_causal=True) == [
+        "sliding window with non-causal or encoder attention not supported"
+    ]
+    assert _reasons(SM90, dtype=torch.float16, kv_cache_dtype="bfloat16") == [
+        "kv_cache_dtype bfloat16 with dtype float16 not supported (the kernels take queries and "
+        "keys of one dtype)"
+    ]
+    assert _reasons(DeviceInfo.cpu())[0].startswith("device cpu not supported")
+
+
+def test_fa2_declarations_and_selection(monkeypatch):
+    install(monkeypatch, fa2())
+    b = FlashAttentionBackend
+    assert b.get_supported_kernel_block_sizes() == [MultipleOf(256)]
+    assert b.min_compute_capability == (8, 0)
+    assert b.supports_alibi() and not b.supports_sink() and b.supports_lse()
+    assert _reasons(SM80, block_size=256, has_alibi=True) == []
+    assert _reasons(SM80, block_size=16) == [
+        "block_size 16 not supported (kernel block sizes: multiple of 256)"
+    ]
+    assert _reasons(SM80, block_size=256, has_sink=True) == [
+        "attention sinks (has_sink) not supported"
+    ]
+    (reason,) = _reasons(SM90, block_size=256, has_alibi=True, use_non_causal=True)
+    assert "ALiBi with bidirectional attention not supported" in reason
+
+
+def test_fa3_declarations_and_selection(monkeypatch):
+    install(monkeypatch, fa3())
+    b = FlashAttentionBackend
+    assert b.supported_kv_cache_dtypes == ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3")
+    assert b.supported_attn_types == (AttentionType.DECODER, AttentionType.ENCODER_DECODER)
+    assert b.supports_per_head_quant_scales() and not b.supports_sink()
+    assert _reasons(SM90, kv_cache_dtype="fp8_e4m3", use_per_head_quant_scales=True) == []
+    assert _reasons(SM80) == ["compute capability sm80 not supported (needs sm90 or newer)"]
+    (reason,) = _reasons(SM100)
+    assert "FA3 (flash_attn_interface.flash_attn_with_kvcache): compute capability sm100" in reason
+    assert _reasons(SM90, attn_type="encoder") == [
+        "attn_type encoder not supported (supported: decoder, encoder_decoder)"
+    ]
+
+
+def test_with_two_versions_the_layer_decides(monkeypatch):
+    install(monkeypatch, fa4(), fa2())
+    b = FlashAttentionBackend
+    assert b.get_supported_kernel_block_sizes() == [MultipleOf(16)]
+    assert b.supports_alibi() and b.supports_sink()
+    request = versions.FlashAttnRequest(head_size=128, capability=(8, 0), block_size=256)
+    assert versions.choose_interface(versions.installed_interfaces(), request)[0].version == FV.FA2
+    request = versions.FlashAttnRequest(head_size=128, capability=(9, 0), block_size=256)
+    assert versions.choose_interface(versions.installed_interfaces(), request)[0].version == FV.FA4
+    assert _reasons(SM90, block_size=256, has_alibi=True) == []  # FA2 takes it
+    assert _reasons(SM80, block_size=16) != []  # FA4 has no sm80 paged path, FA2 wants 256
+    (reason,) = _reasons(SM90, block_size=256, has_alibi=True, has_sink=True)
+    assert "FA4" in reason and "ALiBi" in reason and "FA2" in reason and "sinks" in reason
+
+
+def test_absent_flash_attention_declares_fa4_and_names_the_pip_command(monkeypatch):
+    install(monkeypatch)
+    b = FlashAttentionBackend
+    reason = b.get_unavailable_reason()
+    assert reason.endswith("Install it with: pip install 'anyattn[flash-attn]'")
+    assert _reasons(SM90) == []  # capabilities are FA4's, availability is separate
+    assert b.get_supported_head_sizes() == list(range(16, 257, 16))
+    verdicts = {v.name: v for v in explain(_config(), SM90).verdicts}
+    assert verdicts["FLASH_ATTN"].reasons == () and "anyattn[flash-attn]" in (
+        verdicts["FLASH_ATTN"].unavailable
+    )
+    with pytest.raises(ImportError, match=r"pip install 'anyattn\[flash-attn\]'"):
+        FlashAttentionImpl(8, 128, 0.1, 2)
+
+
+def test_impl_rejects_what_the_installed_version_does_not_take(monkeypatch):
+    install(monkeypatch, fa4())
+    with pytest.raises(NotImplementedError, match="ALiBi"):
+        FlashAttentionImpl(4, 64, 0.1, 2, alibi_slopes=[0.5, 0.25, 0.125, 0.0625])
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        FlashAttentionImpl(4, 64, 0.1, 2, sliding_window=8, attn_type="encoder")
+    with pytest.raises(ValueError, match="head_size"):
+        FlashAttentionImpl(4, 72, 0.1, 2)
+    install(monkeypatch, fa2())
+    with pytest.raises(NotImplementedError, match="sinks"):
+        FlashAttentionImpl(4, 64, 0.1, 2, sinks=torch.zeros(4))
+
+
+# --- the conformance kit over CPU stand-ins ----------------------------------------------------
+
+
+def _kit_cases(monkeypatch, dtype, features=None):
+    # The stand-ins run on the CPU; the backend declares CUDA only.
+    monkeypatch.setattr(FlashAttentionBackend, "supported_device_types", ("cpu", "cuda"))
+    cases, not_declared = plan_cases(FlashAttentionBackend, "cpu", dtype, features, quick=True)
+    assert cases, not_declared
+    return cases, not_declared
+
+
+def _assert_cases_pass(cases, dtype):
+    for case in cases:
+        failed = [r for r in run_case(FlashAttentionBackend, case, "cpu", dtype) if not r.passed]
+        assert not failed, [(r.name, r.max_error, r.bound, r.detail) for r in failed]
+
+
+def test_fa4_path_passes_the_kit_on_cpu(monkeypatch):
+    install(monkeypatch, fa4())
+    cases, not_declared = _kit_cases(monkeypatch, torch.float16)
+    assert sorted(n.split(":")[0] for n in not_declared) == ["alibi", "fp8", "per_head_scales"]
+    assert {c.feature for c in cases} >= {"cascade", "sinks", "encoder_decoder", "layouts"}
+    _assert_cases_pass(cases, torch.float16)
+
+
+def test_fa2_path_passes_the_kit_on_cpu(monkeypatch):
+    install(monkeypatch, fa2())
+    features = ["mixed", "alibi", "sliding_window", "lse", "encoder"]
+    cases, _ = _kit_cases(monkeypatch, torch.float16, features)
+    assert {c.block_size for c in cases} == {256}
+    _assert_cases_pass(cases, torch.float16)
+
+
+def test_fa3_path_passes_the_kit_on_cpu(monkeypatch):
+    install(monkeypatch, fa3())
+    features = ["decode", "mixed", "chunked", "lse", "cascade", "encoder_decoder", "soft_cap"]
+    cases, _ = _kit_cases(monkeypatch, torch.bfloat16, features)
+    _assert_cases_pass(cases, torch.bfloat16)
+
+
+def test_fa3_fp8_cache_quantises_the_query_per_tensor(monkeypatch):
+    """FA3 takes q, k and v in e4m3: the query is quantised too, so the result is within the
+    query's fp8 rounding of the oracle, not the cache's alone."""
+    install(monkeypatch, fa3())
+    cases, _ = _kit_cases(monkeypatch, torch.bfloat16, ["fp8", "per_head_scales"])
+    assert [c.name for c in cases] == ["fp8/fp8", "fp8/fp8_e4m3", "per_head_scales"]
+    for case in cases:
+        (result,) = run_case(FlashAttentionBackend, case, "cpu", torch.bfloat16)
+        assert result.max_error < 0.15, (case.name, result.max_error, result.detail)
+
+
+# --- cascade, counted --------------------------------------------------------------------------
+
+
+HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 8, 2, 64, 16
+
+
+def _shared_prefix_step(num_reqs=16, prefix=512, seed=0, block_size=BLOCK):
+    gen = torch.Generator().manual_seed(seed)
+    query_lens = [1 if r % 4 else 3 for r in range(num_reqs)]
+    seq_lens = [prefix + 5 + 3 * r + q for r, q in enumerate(query_lens)]
+    table, num_blocks = assign_blocks(seq_lens, block_size, common_prefix_len=prefix, generator=gen)
+    cm = make_common_attn_metadata(query_lens, seq_lens, table, block_size)
+    return cm, num_blocks, gen
+
+
+@pytest.mark.parametrize(("interface", "block_size"), [(fa4, 16), (fa2, 256)])
+def test_cascade_runs_a_prefix_pass_and_matches_the_plain_path(monkeypatch, interface, block_size):
+    install(monkeypatch, interface())
+    cm, num_blocks, gen = _shared_prefix_step(block_size=block_size)
+    spec = AttentionSpec(block_size, KV_HEADS, HEAD_SIZE, torch.float16)
+    builder = FlashAttentionMetadataBuilder(spec, ["layer.0"], BatchLimits(16, 256, 1024), "cpu")
+    query_lens = cm.query_lens_cpu.numpy()
+    assert builder.use_cascade_attention(512, query_lens, 32, 8, False, False, False, 132, 1)
+    calls = []
+    original = FlashAttentionImpl._attend
+
+    def counting(self, interface, q, k, v, pass_, *args, **kwargs):
+        calls.append((pass_.page_table.shape[0], pass_.causal, pass_.max_seqlen_k))
+        return original(self, interface, q, k, v, pass_, *args, **kwargs)
+
+    monkeypatch.setattr(FlashAttentionImpl, "_attend", counting)
+    layer = Attention(HEADS, HEAD_SIZE, 0.125, KV_HEADS, dtype=torch.float16,
+                      backend=FlashAttentionBackend, device="sm90")  # fmt: skip
+    cache = allocate_kv_cache(FlashAttentionBackend, num_blocks, block_size, KV_HEADS, HEAD_SIZE,
+                              torch.float16)  # fmt: skip
+    cache.copy_(torch.randn(cache.shape, generator=gen).half())
+    n = cm.num_actual_tokens
+    q = torch.randn(n, HEADS, HEAD_SIZE, generator=gen).half()
+    lse_plain, lse_cascade = torch.empty(HEADS, n), torch.empty(HEADS, n)
+    plain = layer(q, None, None, cache, builder.build(0, cm), output_lse=lse_plain)
+    assert calls == [(16, True, cm.max_seq_len)]
+    cascade = layer(q, None, None, cache, builder.build(512, cm), output_lse=lse_cascade)
+    assert calls[1:] == [(1, False, 512), (16, True, cm.max_seq_len - 512)]
+    torch.testing.assert_close(cascade, plain, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse_cascade, lse_plain, atol=1e-5, rtol=1e-5)
+
+
+# --- rejected calls ----------------------------------------------------------------------------
+
+
+def _small_step(monkeypatch):
+    install(monkeypatch, fa4())
+    spec = AttentionSpec(BLOCK, KV_HEADS, HEAD_SIZE, torch.float16)
+    builder = FlashAttentionMetadataBuilder(spec, ["layer.0"], BatchLimits(4, 64, 64), "cpu")
+    cm = make_common_attn_metadata([1, 5], [9, 5], torch.tensor([[3], [7]], dtype=torch.int32),
+                                   BLOCK)  # fmt: skip
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(6, HEADS, HEAD_SIZE, generator=gen).half()
+    k = torch.randn(6, KV_HEADS, HEAD_SIZE, generator=gen).half()
+    cache = allocate_kv_cache(FlashAttentionBackend, 10, BLOCK, KV_HEADS, HEAD_SIZE, torch.float16)
+    layer = Attention(HEADS, HEAD_SIZE, 0.125, KV_HEADS, dtype=torch.float16,
+                      backend=FlashAttentionBackend, device="sm90")  # fmt: skip
+    return layer, builder.build(0, cm), q, k, cache
+
+
+@pytest.mark.parametrize(
+    ("case", "error", "match"),
+    [("fp32_query", ValueError, "query dtype"), ("cache_dtype", ValueError, "kv_cache dtype"),
+     ("lse_shape", ValueError, "output_lse"), ("key_tokens", ValueError, "differ in tokens")],
+)  # fmt: skip
+def test_rejected_call_leaves_the_cache_unchanged(monkeypatch, case, error, match):
+    layer, md, q, k, cache = _small_step(monkeypatch)
+    v, lse = k.clone(), None
+    if case == "fp32_query":
+        q, k, v = q.float(), k.float(), v.float()
+    elif case == "cache_dtype":
+        cache = cache.bfloat16()
+    elif case == "lse_shape":
+        lse = torch.empty(HEADS + 1, 6)
+    elif case == "key_tokens":
+        k, v = k[:5], v[:5]
+    before = cache.clone()
+    with pytest.raises(error, match=match):
+        layer(q, k, v, cache, md, output_lse=lse)
+    assert torch.equal(cache, before)
+
+
+def test_output_rows_past_the_real_tokens_are_untouched(monkeypatch):
+    layer, md, q, _, cache = _small_step(monkeypatch)
+    output = torch.full((8, HEADS, HEAD_SIZE), math.nan, dtype=torch.float16)
+    q8 = torch.cat([q, q[:2]])
+    layer.impl.forward(layer, q8, None, None, cache, md, output)
+    assert not output[:6].isnan().any() and output[6:].isnan().all()
+
+
+def test_unsupported_output_quantisation_is_refused(monkeypatch):
+    layer, md, q, _, cache = _small_step(monkeypatch)
+    with pytest.raises(NotImplementedError, match="output quantisation"):
+        layer.impl.forward(layer, q, None, None, cache, md, torch.empty_like(q),
+                           output_scale=torch.tensor(1.0))  # fmt: skip
+
+
+def test_fa4_stand_in_matches_its_signature():
+    """The stand-in must keep FA4's parameter list, or the tests above test nothing real."""
+    import inspect
+
+    assert frozenset(inspect.signature(fa4_varlen).parameters) == (
+        versions.reference_fa4_interface().params
+    )
