@@ -106,6 +106,50 @@ def check_split_kv_forced_and_forbidden(device: str, dtype: torch.dtype) -> None
         torch.testing.assert_close(results[splits], results[1], atol=2e-3, rtol=2e-3)
 
 
+def check_fresh_prefill_from_inputs(device: str, dtype: torch.dtype) -> None:
+    """Fresh prefills reading K/V from the inputs (TMA descriptors) equal the page-gather path
+    and the reference; NaN in padding rows past the last request leaks into nothing."""
+    from anyattn.ops.reshape_and_cache import reshape_and_cache
+
+    query_lens = [5, 20, 33]
+    query, kv, qsl, sl, table = random_batch(query_lens, query_lens, device, dtype)
+    gen = torch.Generator().manual_seed(3)
+    num_tokens = sum(query_lens)
+    key = torch.randn(num_tokens + 4, 2, 32, generator=gen).to(device=device, dtype=dtype)
+    value = torch.randn(num_tokens + 4, 2, 32, generator=gen).to(device=device, dtype=dtype)
+    key[num_tokens:] = float("nan")
+    value[num_tokens:] = float("nan")
+    slots = []
+    for r, n in enumerate(query_lens):
+        pos = torch.arange(n)
+        slots.append(table[r, pos // 16].long().cpu() * 16 + pos % 16)
+    reshape_and_cache(key[:num_tokens], value[:num_tokens], kv, torch.cat(slots).to(device))
+    params = UnifiedAttentionParams(
+        scale=32**-0.5, alibi_slopes=torch.rand(4, device=device), logits_soft_cap=20.0
+    )
+    expected = torch.zeros(query.shape, dtype=torch.float32, device=device)
+    for causal in (True, False):
+        params = dataclasses.replace(params, causal=causal)
+        unified_attention_ref(query, kv, expected, qsl, sl, table, 3, params)
+        gathered, from_input = torch.zeros_like(query), torch.zeros_like(query)
+        unified_attention(query, kv, gathered, qsl, sl, table, 3, 33, params)
+        unified_attention(
+            query, kv, from_input, qsl, sl, table, 3, 33, params,
+            key=key[:num_tokens].contiguous(), value=value[:num_tokens].contiguous(),
+        )  # fmt: skip
+        tol = 2e-3 if dtype == torch.float16 else 1e-5
+        torch.testing.assert_close(from_input.float(), expected, atol=tol, rtol=tol)
+        torch.testing.assert_close(from_input, gathered, atol=tol, rtol=tol)
+    # Four padding rows whose K/V are NaN, inside the range the last request's tile reads.
+    padded_query = torch.cat([query, torch.zeros_like(query[:4])])
+    out = torch.zeros_like(padded_query)
+    unified_attention(
+        padded_query, kv, out, qsl, sl, table, 3, 33, params, key=key, value=value
+    )  # fmt: skip
+    assert not out[:num_tokens].isnan().any()
+    torch.testing.assert_close(out[:num_tokens], from_input, atol=0, rtol=0)
+
+
 def run_interpreter_cases() -> list[str]:
     """The CPU cases (run with TRITON_INTERPRET=1); returns failure messages."""
     failures = []
@@ -113,10 +157,11 @@ def run_interpreter_cases() -> list[str]:
         report = check_backend(InterpretedTriton, "cpu", dtype, quick=True)
         if not report.passed:
             failures.append(f"kit {dtype}: {[c.name for c in report.failures]}")
-        try:
-            check_split_kv_forced_and_forbidden("cpu", dtype)
-        except AssertionError as error:
-            failures.append(f"split-kv {dtype}: {error}")
+        for check in (check_split_kv_forced_and_forbidden, check_fresh_prefill_from_inputs):
+            try:
+                check("cpu", dtype)
+            except AssertionError as error:
+                failures.append(f"{check.__name__} {dtype}: {error}")
     return failures
 
 
@@ -205,6 +250,10 @@ def test_builder_plans_from_cpu_mirrors_and_refuses_cascade() -> None:
     assert capture.num_splits == choose_num_splits(8, 8, 1, 32768, 8)
     with pytest.raises(ValueError, match="cascade"):
         builder.build(16, cm)
+    # A fresh batch may read K/V from the inputs eagerly, never in a graph (replays have context).
+    fresh = make_common_attn_metadata([2] * 4, [2] * 4, table[:4], 16)
+    assert builder.build(0, fresh).is_fresh_prefill
+    assert not builder.build_for_cudagraph_capture(fresh).is_fresh_prefill
 
 
 # --- GPU --------------------------------------------------------------------------------------
@@ -223,6 +272,15 @@ def test_split_kv_forced_and_forbidden_on_cuda() -> None:
     pytest.importorskip("triton")
     for dtype in (torch.float16, torch.float32):
         check_split_kv_forced_and_forbidden("cuda", dtype)
+
+
+@pytest.mark.gpu
+def test_fresh_prefill_from_inputs_on_cuda() -> None:
+    pytest.importorskip("triton")
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA needs sm90+")
+    for dtype in (torch.float16, torch.float32):
+        check_fresh_prefill_from_inputs("cuda", dtype)
 
 
 def _graph_case(query_lens: list[int], seq_lens: list[int], seed: int):

@@ -156,6 +156,12 @@ class SplitWorkspace:
             have >= need for have, need in zip(bufs[0].shape, out_shape, strict=True)
         ):
             return bufs  # the kernel indexes through strides: a larger buffer serves too
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "TRITON forward: the split-KV workspace must grow during CUDA-graph capture "
+                f"(got {num_heads} heads x {head_size}); run one eager step of each captured "
+                "shape first (the engine's warm-up does)."
+            )
         if bufs is not None:  # layers with other head counts share the group: cover both
             out_shape = tuple(map(max, out_shape, bufs[0].shape))
             lse_shape = out_shape[:3]
@@ -242,16 +248,18 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
                 f"common_prefix_len={common_prefix_len}, expected 0); TRITON reads a shared "
                 "prefix once per request from L2 instead."
             )
-        return self._make(cm, cm.max_seq_len)
+        return self._make(cm, cm.max_seq_len, for_capture=False)
 
     def build_for_cudagraph_capture(
         self, common_attn_metadata: CommonAttentionMetadata
     ) -> TritonAttentionMetadata:
         """Metadata for capture: the split choice assumes the longest sequence the engine
         allows, since the graph will replay over any lengths."""
-        return self._make(common_attn_metadata, self.limits.max_model_len)
+        return self._make(common_attn_metadata, self.limits.max_model_len, for_capture=True)
 
-    def _make(self, cm: CommonAttentionMetadata, max_seq_len: int) -> TritonAttentionMetadata:
+    def _make(
+        self, cm: CommonAttentionMetadata, max_seq_len: int, for_capture: bool
+    ) -> TritonAttentionMetadata:
         num_reqs = cm.num_reqs
         splits = choose_num_splits(
             num_reqs,
@@ -260,9 +268,14 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
             max_seq_len,
             cm.num_actual_tokens,
         )
-        path = "unified" if splits == 1 else f"unified split-kv x{splits}"
         context = cm.num_computed_tokens_cpu[:num_reqs]
-        is_fresh = num_reqs > 0 and cm.max_query_len > 1 and not bool(context.any())
+        # A graph replays over batches with context: never bake the input-K/V path into one.
+        is_fresh = (
+            not for_capture and num_reqs > 0 and cm.max_query_len > 1 and not bool(context.any())
+        )
+        path = "unified" if splits == 1 else f"unified split-kv x{splits}"
+        if is_fresh:
+            path += " (fresh prefill: K/V via TMA where the impl can)"
         return TritonAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             num_reqs=num_reqs,
@@ -322,7 +335,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap or None
         self._alibi_slopes = (
-            None if alibi_slopes is None else torch.tensor(alibi_slopes, dtype=torch.float32)
+            None if alibi_slopes is None else torch.as_tensor(alibi_slopes).float().flatten()
         )
         self._sinks = None if sinks is None else sinks.detach().float()
         self._has_tma: bool | None = None
@@ -376,22 +389,24 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         workspace = None
         if md.num_splits > 1:
             workspace = md.workspace.get(self.num_heads, self.head_size)
+        n = md.num_actual_tokens
         from_input = md.is_fresh_prefill and self._can_read_input(query, key, value, kv_cache)
+        # Views of the real rows: padding rows are neither read nor written.
         unified_attention(
-            query,
+            query[:n],
             kv_cache,
-            output,
+            output[:n],
             md.query_start_loc,
             md.seq_lens,
             md.block_table,
             md.num_reqs,
             md.max_query_len,
             params,
-            output_lse=output_lse,
+            output_lse=None if output_lse is None else output_lse[:, :n],
             num_splits=md.num_splits,
             workspace=workspace,
-            key=key if from_input else None,
-            value=value if from_input else None,
+            key=key[:n] if from_input else None,
+            value=value[:n] if from_input else None,
         )
         return output
 
@@ -406,12 +421,16 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         (own cache of the model dtype), Hopper or newer, and TMA's alignment rules hold."""
         if key is None or value is None or not query.is_cuda or not _TMA_INPUTS:
             return False
+        if torch.cuda.is_current_stream_capturing():
+            return False  # a graph replays over batches with context
         if self.kv_sharing_target_layer_name is not None or kv_cache.dtype != query.dtype:
             return False
         if self.head_size & (self.head_size - 1) or self.head_size < 16:
             return False
         if self._has_tma is None:
-            self._has_tma = torch.cuda.get_device_capability(query.device) >= (9, 0)
+            self._has_tma = torch.version.hip is None and (
+                torch.cuda.get_device_capability(query.device) >= (9, 0)
+            )
         return self._has_tma and all(
             x.stride(2) == 1
             and x.stride(1) == self.head_size

@@ -79,21 +79,27 @@ class _Config:
 
 
 def _choose_config(
-    max_query_len: int, num_queries_per_kv: int, head_pad: int, from_input: bool
+    max_query_len: int,
+    num_queries_per_kv: int,
+    head_pad: int,
+    from_input: bool,
+    cache_element_size: int = 2,
 ) -> _Config:
     """Tile shapes, from the H200 sweep in benchmarks/RESULTS.md: decode-like batches use the
     smallest tensor-core tile (16 rows) and long key tiles; mixed batches and prefills up to
     4096 tokens 64-row tiles; longer prefills 128 x 128 tiles."""
     min_m = max(16, triton.next_power_of_2(num_queries_per_kv))
     rows = max_query_len * num_queries_per_kv
+    # fp32 caches hold half the keys per byte of shared memory: halve the key tiles.
+    wide = head_pad * cache_element_size > 256
     if rows <= 16:
-        return _Config(min_m, min_m // num_queries_per_kv, 128 if head_pad <= 128 else 64, 4, 3)
-    long_keys = max_query_len >= 4096 and head_pad <= 128
+        return _Config(min_m, min_m // num_queries_per_kv, 64 if wide else 128, 4, 3)
+    long_keys = max_query_len >= 4096 and not wide
     if long_keys:  # long prefills: the biggest tiles; TMA feeds a deeper pipeline
         tile_m, tile_n, warps, stages = 128, 128, 8, (3 if from_input else 2)
-    elif head_pad <= 128:  # mixed batches, shorter prefills: more programs in flight
+    elif not wide:  # mixed batches, shorter prefills: more programs in flight
         tile_m, tile_n, warps, stages = 64, 64, 4, 3
-    else:  # wide heads: keep Q + staged K/V tiles within shared memory
+    else:  # wide heads or fp32: keep Q + staged K/V tiles within shared memory
         tile_m, tile_n, warps, stages = 64, 32, 4, 2
     tile_m = max(min_m, tile_m)
     return _Config(tile_m, tile_m // num_queries_per_kv, tile_n, warps, stages)
@@ -165,13 +171,16 @@ def unified_attention(
         raise RuntimeError(
             f"{_OP}: needs triton (got no importable triton). Install the 'triton' extra."
         )
+    _validate(query, kv_cache, output, output_lse, num_splits, workspace, key, value)
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = kv_cache.shape[3]
     if num_tokens == 0 or num_reqs == 0:
         return output
     queries_per_kv = num_heads // num_kv_heads
     head_pad = max(16, triton.next_power_of_2(head_size))
-    cfg = _choose_config(max_query_len, queries_per_kv, head_pad, key is not None)
+    cfg = _choose_config(
+        max_query_len, queries_per_kv, head_pad, key is not None, kv_cache.element_size()
+    )
     if tiles is not None:
         tile_m = max(tiles[0], triton.next_power_of_2(queries_per_kv))
         cfg = _Config(tile_m, tile_m // queries_per_kv, tiles[1], tiles[2], tiles[3])
@@ -185,9 +194,7 @@ def unified_attention(
     k_scale = params.k_scale if is_fp8 and params.k_scale is not None else None
     v_scale = params.v_scale if is_fp8 and params.v_scale is not None else None
     if num_splits > 1:
-        assert workspace is not None, "split-KV needs the builder's workspace"
         partial_out, partial_lse = workspace
-        assert partial_out.shape[0] >= num_tokens and partial_out.shape[2] >= num_splits
     else:
         partial_out = partial_lse = output
     num_tiles = num_tokens // cfg.block_q + num_reqs
@@ -265,12 +272,94 @@ def unified_attention(
     return output
 
 
+def _validate(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    output: torch.Tensor,
+    output_lse: torch.Tensor | None,
+    num_splits: int,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+) -> None:
+    """Shapes the kernel relies on, checked before the launch (nothing is written first)."""
+    if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise ValueError(
+            f"{_OP}: query must be [num_tokens, num_heads, head_size] and kv_cache "
+            f"[num_blocks, 2, block_size, num_kv_heads, head_size] (got {tuple(query.shape)} and "
+            f"{tuple(kv_cache.shape)})."
+        )
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    if kv_cache.shape[4] != head_size or num_heads % num_kv_heads:
+        raise ValueError(
+            f"{_OP}: query heads must be a multiple of the cache's KV heads with the same "
+            f"head_size (got query {tuple(query.shape)}, kv_cache {tuple(kv_cache.shape)})."
+        )
+    if output.shape != query.shape or output.device != query.device:
+        raise ValueError(
+            f"{_OP}: output must have the query's shape and device (got {tuple(output.shape)} "
+            f"on {output.device}, expected {tuple(query.shape)} on {query.device})."
+        )
+    if kv_cache.device != query.device:
+        raise ValueError(
+            f"{_OP}: kv_cache and query are on different devices (got {kv_cache.device} and "
+            f"{query.device})."
+        )
+    if output_lse is not None and (
+        output_lse.dtype != torch.float32
+        or output_lse.dim() != 2
+        or output_lse.shape[0] != num_heads
+        or output_lse.shape[1] < num_tokens
+    ):
+        raise ValueError(
+            f"{_OP}: output_lse must be float32 [{num_heads}, >= {num_tokens}] (got "
+            f"{output_lse.dtype} {tuple(output_lse.shape)})."
+        )
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"{_OP}: num_splits must be an int >= 1 (got {num_splits!r}).")
+    if num_splits > 1:
+        need_out, need_lse = split_kv_workspace_shape(num_tokens, num_heads, head_size, num_splits)
+        ok = (
+            workspace is not None
+            and len(workspace) == 2
+            and all(t.dtype == torch.float32 and t.device == query.device for t in workspace)
+            and workspace[0].dim() == 4
+            and workspace[1].dim() == 3
+            and all(h >= n for h, n in zip(workspace[0].shape, need_out, strict=True))
+            and all(h >= n for h, n in zip(workspace[1].shape, need_lse, strict=True))
+        )
+        if not ok:
+            got = None if workspace is None else [tuple(t.shape) for t in workspace]
+            raise ValueError(
+                f"{_OP}: num_splits={num_splits} needs a float32 workspace of at least "
+                f"{need_out} and {need_lse} on {query.device} (got {got}). Use "
+                "split_kv_workspace_shape to size it."
+            )
+    if key is not None:
+        pow2 = head_size >= 16 and head_size & (head_size - 1) == 0
+        for name, x in (("key", key), ("value", value)):
+            if (
+                x is None
+                or x.shape != (num_tokens, num_kv_heads, head_size)
+                or x.dtype != query.dtype
+                or not pow2
+                or x.stride(2) != 1
+                or x.stride(1) != head_size
+            ):
+                raise ValueError(
+                    f"{_OP}: reading K/V from the inputs needs {name} of shape "
+                    f"[{num_tokens}, {num_kv_heads}, {head_size}] in {query.dtype}, rows of "
+                    "contiguous heads and a power-of-two head_size >= 16 (got "
+                    f"{None if x is None else (tuple(x.shape), x.dtype, x.stride())})."
+                )
+
+
 def _input_descriptors(key: torch.Tensor, value: torch.Tensor, tile_n: int, head_pad: int):
     """TMA descriptors over the new K/V as 2-D `[num_tokens, num_kv_heads * head_size]`."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     num_tokens, num_kv_heads, head_size = key.shape
-    assert head_size == head_pad, "TMA input path needs a power-of-two head size"
     return tuple(
         TensorDescriptor.from_tensor(
             x.reshape(num_tokens, num_kv_heads * head_size), [tile_n, head_size]
@@ -406,6 +495,8 @@ if triton is not None:
             row = kv_row0 + tile * TILE_N
             k = tl.trans(k_desc.load([row, kv_head * HEAD_SIZE]))  # [HEAD_PAD, TILE_N]
             v = v_desc.load([row, kv_head * HEAD_SIZE])  # [TILE_N, HEAD_PAD]
+            if MASKED:  # rows past the request belong to others: 0 * NaN would leak
+                v = tl.where((keys < seq_len)[:, None], v, 0.0)
         else:
             blocks = tl.load(block_table_row + keys // BLOCK_SIZE, mask=key_ok, other=0)
             blocks = blocks.to(tl.int64)
