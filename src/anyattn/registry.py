@@ -34,6 +34,7 @@ class AttentionBackendEnum(enum.Enum):
     """Built-in backends and the class path of each (imported lazily)."""
 
     TORCH = "anyattn.backends.torch_attn:TorchAttentionBackend"
+    FLEX_ATTENTION = "anyattn.backends.flex_attention:FlexAttentionBackend"
     TRITON = "anyattn.backends.triton_attn:TritonAttentionBackend"
     FLASHINFER = "anyattn.backends.flashinfer:FlashInferBackend"
     FLASH_ATTN = "anyattn.backends.flash_attn:FlashAttentionBackend"

@@ -1,0 +1,752 @@
+"""FLEX_ATTENTION: PyTorch's FlexAttention (`torch.nn.attention.flex_attention`), compiled.
+
+One compiled `flex_attention` call per layer and step covers the whole batch (decodes, fresh
+and chunked prefills, encoder and cross attention), on the CPU (Inductor's C++ template) and on
+CUDA GPUs (its Triton template).
+
+How a step is laid out for the kernel (the plan, built from the CPU mirrors only):
+
+- Keys: each request's keys are copied out of the paged cache, token by token, into
+  contiguous workspaces `[num_kv_heads, kv_rows, head_size]` for K and for V (any block size,
+  NHD or HND, fp8 dequantised on the way). Row 0 is reserved (the sink slot, K = V = 0);
+  request r's keys follow at `kv_start[r] ...`. Encoder attention copies the step's own
+  key/value there.
+- Queries: GQA is folded into the rows. The kernel sees one head per KV head and
+  `rows = num_tokens * G` (G = query heads per KV head), row `t * G + g` being token t's g-th
+  query head, so the G heads of a decode token share one tile of keys.
+- Masks: token t of request r keeps keys `lo[t] <= kv <= hi[t]` in workspace coordinates
+  (causal: `hi` is the token's own position; non-causal: the request's last key; a window of W
+  raises `lo`). The `BlockMask` (128 x 128 tiles, partial and full tiles apart) is computed
+  with numpy from those bounds; tiles no row needs are skipped by the kernel. It is made by the
+  first layer of a step that needs it and shared by the others.
+- Score mods: the scale, soft cap `cap * tanh(s / cap)`, then ALiBi `s + slope * (j - p)`; a
+  sink is the reserved key 0, whose score is the sink logit and whose value is zero, so it
+  enters the denominator only (and the LSE, as DESIGN.md asks). Which mods a layer has is
+  static; their values (scale, cap, slopes, sinks) are tensors, so layers differing only in
+  them share a graph.
+
+Compilation. A configuration is (device type, dtype, head size, KV heads, which score mods,
+LSE or not); each has its own compiled function, so torch.compile's limit of 8 graphs per
+function never sends one back to the slow eager path. Row and key counts are padded to buckets
+(`flex_attention_plan.pad_rows`, `pad_keys`) and compiled as dynamic sizes: after its first
+step a configuration does not recompile, whatever the batch and sequence lengths
+(tests/backends/test_flex_attention.py counts it).
+
+First-call cost on the CPU, measured on a 2-core x86 machine with torch 2.13: about 40 s for
+the first configuration of a cold process (Inductor's start-up and precompiled header
+included; about 34 s with a warm header), 7-8 s for each further configuration; later steps of
+a compiled configuration cost only their run. Inductor's on-disk caches (TORCHINDUCTOR_CACHE_DIR)
+shorten later processes.
+
+Limits, all declared: LSE output only on CUDA (Inductor's CPU template has no LSE); no cascade;
+sliding window only causal (as TORCH); head sizes multiples of 16 up to 256 (Triton's dot
+needs 16; the CPU template takes more, but one declaration serves both); no CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from anyattn.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+)
+from anyattn.backends.flex_attention_plan import (
+    TILE,
+    StepLayout,
+    block_lists,
+    lay_out_step,
+    pad_keys,
+    pad_rows,
+    tile_masks,
+    window_lo,
+)
+from anyattn.impl_args import validate_impl_arguments
+from anyattn.metadata import CommonAttentionMetadata
+from anyattn.types import (
+    AttentionCGSupport,
+    AttentionType,
+    KVCacheLayout,
+    cache_torch_dtype,
+    is_fp8_cache,
+)
+
+__all__ = [
+    "FlexAttentionBackend",
+    "FlexAttentionImpl",
+    "FlexAttentionMetadata",
+    "FlexAttentionMetadataBuilder",
+]
+
+_ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+
+
+class FlexAttentionBackend(AttentionBackend):
+    """Declarations of the FLEX_ATTENTION backend (see the module docstring)."""
+
+    supported_dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    supported_kv_cache_dtypes = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+    supported_device_types = ("cpu", "cuda")
+    supported_attn_types = tuple(AttentionType)
+    # The Triton template is tuned for and tested on Ampere and newer.
+    min_compute_capability = (8, 0)
+    forward_includes_kv_cache_update = False
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLEX_ATTENTION"
+
+    @staticmethod
+    def get_impl_cls() -> type[FlexAttentionImpl]:
+        return FlexAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[FlexAttentionMetadataBuilder]:
+        return FlexAttentionMetadataBuilder
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        # Keys are copied token by token: NHD keeps a token's heads in one contiguous row.
+        return (KVCacheLayout.NHD, KVCacheLayout.HND)
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(range(16, 257, 16))
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_alibi(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_logits_soft_cap(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_per_head_quant_scales(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_lse(cls) -> bool:
+        """On CUDA only; `supports_combination` rejects `needs_lse` on the CPU."""
+        return True
+
+    @classmethod
+    def supports_combination(cls, config, device) -> str | None:
+        reasons = []
+        if config.needs_lse and device.type == "cpu":
+            reasons.append(
+                "returning LSE (needs_lse) not supported on cpu (Inductor's CPU FlexAttention "
+                "has no LSE output)"
+            )
+        bidirectional = config.use_non_causal or config.attn_type != AttentionType.DECODER
+        if config.has_sliding_window and bidirectional:
+            reasons.append("sliding window with non-causal or encoder attention not supported")
+        return "; ".join(reasons) or None
+
+    @classmethod
+    def get_unavailable_reason(cls) -> str | None:
+        return _unavailable_reason()
+
+
+@functools.cache
+def _unavailable_reason() -> str | None:
+    if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
+        return (
+            "torch.nn.attention.flex_attention is missing (torch >= 2.5 needed): "
+            "pip install 'torch>=2.5'"
+        )
+    if not torch._dynamo.is_dynamo_supported():
+        return "torch.compile is not supported on this Python version"
+    if torch.cuda.is_available():
+        if importlib.util.find_spec("triton") is None:
+            return "Triton is missing (torch.compile needs it on CUDA): pip install triton"
+        return None
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception:
+        return "no C++ compiler for torch.compile on the CPU: install g++ (or set CXX)"
+    return None
+
+
+class _Workspace:
+    """Zero-initialised buffers reused by every layer of a builder's steps, grown on demand.
+
+    Rows past what a step writes keep earlier (finite) values or zeros: the kernel computes
+    masked keys of a partly used tile, and a NaN there would leak through `0 * NaN`.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        numel = int(np.prod(shape))
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = self._buffers[name] = torch.zeros(numel, dtype=dtype, device=device)
+        return buf[:numel].view(shape)
+
+
+@dataclass
+class _Plan:
+    """What one (causal, window, G, sink) combination of a step needs on the device."""
+
+    num_rows: int
+    block_mask: object  # its mask_mod reads the first / last kept key of each row
+    q_key_pos: torch.Tensor  # int32 [num_rows]: the row's own position, key coordinates
+    group_index: torch.Tensor  # int32 [num_rows]: query head within its KV head's group
+
+
+@dataclass
+class FlexAttentionMetadata:
+    """What `FlexAttentionImpl.forward` needs for one step.
+
+    Attributes:
+        num_actual_tokens: real tokens; output rows past it are untouched.
+        block_size: tokens per block of the block table.
+        slot_mapping: int64 `[num_tokens]` (device).
+        causal: the step's causal flag (decoder layers only).
+        layout: where keys and queries sit in workspace coordinates (CPU, see
+            `flex_attention_plan.lay_out_step`).
+        kv_rows_padded: the bucketed key length the kernel sees.
+        kv_block_ids, kv_offsets: int64 `[num_key_rows - 1]` (device): cache block and offset
+            of each workspace key row from 1 on (None when the step has no keys).
+        workspace: the builder's buffers.
+        step_cache: plans made by the first layer that needs them, reused by the others.
+    """
+
+    num_actual_tokens: int
+    block_size: int
+    slot_mapping: torch.Tensor
+    causal: bool
+    layout: StepLayout
+    kv_rows_padded: int
+    kv_block_ids: torch.Tensor | None
+    kv_offsets: torch.Tensor | None
+    workspace: _Workspace = field(default_factory=_Workspace)
+    step_cache: dict = field(default_factory=dict)
+
+
+class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadata]):
+    """Lays a step out for FlexAttention from the CPU mirrors; never syncs with the device.
+
+    No batch reordering is needed: one kernel call covers decodes and prefills alike.
+    """
+
+    _cudagraph_support = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names, limits, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, limits, device)
+        self._workspace = _Workspace()
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> FlexAttentionMetadata:
+        api = "FlexAttentionMetadataBuilder.build"
+        cm = common_attn_metadata
+        cm.validate(api)
+        if common_prefix_len:
+            raise ValueError(
+                f"{api}: cascade attention not supported (got common_prefix_len="
+                f"{common_prefix_len}, expected 0). FLEX_ATTENTION declares no cascade."
+            )
+        block_size = self.kv_cache_spec.block_size
+        num_reqs = cm.num_reqs
+        cross = cm.encoder_seq_lens_cpu is not None
+        key_lens = (cm.encoder_seq_lens_cpu if cross else cm.seq_lens_cpu)[:num_reqs].numpy()
+        needed = int(-(-int(key_lens.max()) // block_size)) if num_reqs else 0
+        if needed > cm.block_table_tensor.shape[1]:
+            raise ValueError(
+                f"{api}: block_table too narrow for the longest sequence (got "
+                f"{cm.block_table_tensor.shape[1]} columns, expected >= {needed} for "
+                f"block_size {block_size})."
+            )
+        layout = lay_out_step(
+            cm.query_start_loc_cpu[: num_reqs + 1].numpy(),
+            key_lens,
+            cm.num_computed_tokens_cpu[:num_reqs].numpy(),
+        )
+        kv_block_ids = kv_offsets = None
+        if layout.num_key_rows > 1:
+            kv_block_ids, kv_offsets = _key_slots(layout, cm.block_table_tensor, block_size)
+        return FlexAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            block_size=block_size,
+            slot_mapping=cm.slot_mapping,
+            causal=cm.causal,
+            layout=layout,
+            kv_rows_padded=pad_keys(layout.num_key_rows),
+            kv_block_ids=kv_block_ids,
+            kv_offsets=kv_offsets,
+            workspace=self._workspace,
+        )
+
+
+def _key_slots(
+    layout: StepLayout, block_table: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache block and offset of every workspace key row from 1 on, int64 `[num_key_rows - 1]`,
+    computed on the block table's device (per-key work stays off the host; no sync)."""
+    device = block_table.device
+    num_keys = layout.num_key_rows - 1
+    key_lens = _to_device(layout.key_lens, device)
+    first_row = _to_device(layout.key_start - 1, device)
+    request = torch.repeat_interleave(
+        torch.arange(key_lens.shape[0], device=device), key_lens, output_size=num_keys
+    )
+    position = torch.arange(num_keys, device=device) - first_row[request]
+    return block_table[request, position // block_size].long(), position % block_size
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device`; CUDA copies go from pinned memory without blocking the host."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def _make_plan(
+    md: FlexAttentionMetadata,
+    causal: bool,
+    window: int | None,
+    group: int,
+    has_sink: bool,
+    device: torch.device,
+) -> _Plan:
+    """Per-row key bounds and the BlockMask for one (causal, window, group, sink) combination."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    layout = md.layout
+    lo = window_lo(layout, window)
+    hi = layout.hi_causal if causal else layout.hi_full
+    num_rows = pad_rows(md.num_actual_tokens * group)
+    shape = (num_rows // TILE, md.kv_rows_padded // TILE)
+    partial, full = tile_masks(lo, hi, layout.query_start_loc, group, shape, has_sink)
+
+    def rows(per_token: np.ndarray, fill: int) -> torch.Tensor:
+        """Per-token values repeated for the token's `group` rows (on the device), padding
+        rows `fill`."""
+        out = torch.full((num_rows,), fill, dtype=torch.int32, device=device)
+        tokens = _to_device(per_token.astype(np.int32), device)
+        out[: per_token.shape[0] * group] = tokens.repeat_interleave(group)
+        return out
+
+    row_lo, row_hi = rows(lo, 1), rows(hi, 0)  # padding rows keep nothing
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = (kv_idx >= row_lo[q_idx]) & (kv_idx <= row_hi[q_idx])
+        return keep | (kv_idx == 0) if has_sink else keep
+
+    lists = [_to_device(x, device) for x in (*block_lists(partial), *block_lists(full))]
+    for tensor in lists:
+        # Tile counts vary with the step: keep them symbolic so no step size recompiles.
+        torch._dynamo.mark_dynamic(tensor, 2)
+        if tensor.dim() == 4:
+            torch._dynamo.mark_dynamic(tensor, 3)
+    extra = {"compute_q_blocks": False} if _FROM_KV_BLOCKS_TAKES_COMPUTE_Q else {}
+    block_mask = BlockMask.from_kv_blocks(
+        *lists,
+        BLOCK_SIZE=TILE,
+        mask_mod=mask_mod,
+        seq_lengths=(num_rows, md.kv_rows_padded),
+        **extra,
+    )
+    return _Plan(
+        num_rows=num_rows,
+        block_mask=block_mask,
+        q_key_pos=rows(layout.q_key_pos, 0),
+        group_index=torch.arange(num_rows, dtype=torch.int32, device=device) % group,
+    )
+
+
+def _from_kv_blocks_takes_compute_q() -> bool:
+    import inspect
+
+    try:
+        from torch.nn.attention.flex_attention import BlockMask
+    except ImportError:
+        return False
+    return "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
+
+
+# Without it, from_kv_blocks also builds the transposed (backward-only) lists on the device.
+_FROM_KV_BLOCKS_TAKES_COMPUTE_Q = _from_kv_blocks_takes_compute_q()
+
+
+def _attend(query, key, value, block_mask, score_mod, scale):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(
+        query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale
+    )
+
+
+def _attend_with_lse(query, key, value, block_mask, score_mod, scale):
+    from torch.nn.attention import flex_attention as flex
+
+    if hasattr(flex, "AuxRequest"):
+        out, aux = flex.flex_attention(
+            query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
+            return_aux=flex.AuxRequest(lse=True),
+        )  # fmt: skip
+        return out, aux.lse
+    return flex.flex_attention(
+        query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
+        return_lse=True,
+    )  # fmt: skip
+
+
+# Compiled callables only, one per static configuration (see the module docstring).
+_COMPILED: dict[tuple, Callable] = {}
+
+
+def _compiled_attend(config: tuple, with_lse: bool) -> Callable:
+    fn = _COMPILED.get((config, with_lse))
+    if fn is None:
+        template = _attend_with_lse if with_lse else _attend
+        # A code object of its own: torch.compile's graph limit (8) counts per code object.
+        name = f"{template.__name__}_{len(_COMPILED)}"
+        code = template.__code__.replace(co_name=name, co_qualname=name)
+        copy = types.FunctionType(code, template.__globals__, name)
+        fn = _COMPILED[(config, with_lse)] = torch.compile(copy, dynamic=True, fullgraph=True)
+    return fn
+
+
+class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
+    """The FLEX_ATTENTION forward; see the module docstring."""
+
+    # On CUDA; the CPU returns no LSE (FlexAttentionBackend.supports_combination says so).
+    can_return_lse_for_decode = True
+    lse_base_on_e = True
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: AttentionType | str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        self.num_kv_heads = validate_impl_arguments(
+            FlexAttentionBackend,
+            num_heads=num_heads,
+            head_size=head_size,
+            scale=scale,
+            num_kv_heads=num_kv_heads,
+            alibi_slopes=alibi_slopes,
+            sliding_window=sliding_window,
+            kv_cache_dtype=kv_cache_dtype,
+            logits_soft_cap=logits_soft_cap,
+            attn_type=attn_type,
+            sinks=sinks,
+        )
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = AttentionType(attn_type)
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.sliding_window = sliding_window
+        if sliding_window is not None and self.attn_type != AttentionType.DECODER:
+            raise NotImplementedError(
+                f"FLEX_ATTENTION impl: sliding window with {self.attn_type.value} attention not "
+                "supported (the window is defined causally)."
+            )
+        self.group = num_heads // self.num_kv_heads
+        shape = (self.num_kv_heads, self.group)
+        # Per-layer values travel as tensors, so layers differing only in them share a graph.
+        # The scale too: flex_attention's own `scale` argument is baked into the graph.
+        self._mods: dict[str, torch.Tensor] = {"scale": torch.tensor(self.scale)}
+        if logits_soft_cap:
+            self._mods["soft_cap"] = torch.tensor(float(logits_soft_cap), dtype=torch.float32)
+        if alibi_slopes is not None:
+            slopes = torch.as_tensor(alibi_slopes, dtype=torch.float32)
+            self._mods["alibi_slopes"] = slopes.view(shape)
+        if sinks is not None:
+            self._mods["sinks"] = sinks.detach().float().view(shape)
+
+    def _mods_on(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The score-mod tensors on `device` (moved once, then kept)."""
+        for name, tensor in self._mods.items():
+            if tensor.device != device:
+                self._mods[name] = tensor.to(device)
+        return self._mods
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: FlexAttentionMetadata,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+        output_lse: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """See `AttentionImpl.forward`. Writes `output[:num_actual_tokens]` (and `output_lse`,
+        CUDA only)."""
+        md = attn_metadata
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError(
+                "FLEX_ATTENTION forward: fused output quantisation not supported (got "
+                "output_scale). Quantise the output after the call."
+            )
+        self.validate_inputs(query, key, value, kv_cache, md, output, output_lse)
+        n = md.num_actual_tokens
+        if n == 0:
+            return output
+        device, group, kv_heads, size = query.device, self.group, self.num_kv_heads, self.head_size
+        mods = self._mods_on(device)
+        has_sink = "sinks" in mods
+        plan = self._plan(md, has_sink, device)
+        # K, V: [1, KVH, kv_rows, D], contiguous (strides tied to sizes, as torch.compile likes)
+        k, v = (x.unsqueeze(0) for x in self._load_kv(layer, key, value, kv_cache, md, query.dtype))
+        # query [n, H, D] -> rows t * G + g of each KV head: [KVH, rows, D]
+        q = md.workspace.get("query", (kv_heads, plan.num_rows, size), query.dtype, device)
+        q[:, : n * group].view(kv_heads, n, group, size).copy_(
+            query[:n].view(n, kv_heads, group, size).transpose(0, 1)
+        )
+        config = (device.type, query.dtype, size, kv_heads, *sorted(mods))
+        attend = _compiled_attend(config, with_lse=output_lse is not None)
+        result = attend(q.unsqueeze(0), k, v, plan.block_mask, _score_mod(mods, plan), 1.0)
+        out, lse = result if output_lse is not None else (result, None)
+        # out: [1, KVH, rows, D] -> [n, H, D]
+        output[:n].view(n, kv_heads, group, size).copy_(
+            out[0, :, : n * group].view(kv_heads, n, group, size).transpose(0, 1)
+        )
+        if lse is not None:
+            # lse: [1, KVH, rows] -> [H, n]
+            output_lse[:, :n].view(kv_heads, group, n).copy_(
+                lse[0, :, : n * group].view(kv_heads, n, group).transpose(1, 2)
+            )
+        return output
+
+    def _plan(self, md: FlexAttentionMetadata, has_sink: bool, device: torch.device) -> _Plan:
+        """The step's plan for this layer's settings, made by the first layer that needs it."""
+        causal = md.causal and self.attn_type == AttentionType.DECODER
+        key = ("plan", causal, self.sliding_window, self.group, has_sink, device)
+        plan = md.step_cache.get(key)
+        if plan is None:
+            plan = md.step_cache[key] = _make_plan(
+                md, causal, self.sliding_window, self.group, has_sink, device
+            )
+        return plan
+
+    def _load_kv(
+        self,
+        layer: AttentionLayer,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        md: FlexAttentionMetadata,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's keys and values in workspace rows, `[KVH, kv_rows_padded, D]` each, of
+        the model dtype; row 0 is the sink slot (zeros)."""
+        encoder = self.attn_type in _ENCODER_TYPES
+        device = key.device if encoder else kv_cache.device
+        shape = (self.num_kv_heads, md.kv_rows_padded, self.head_size)
+        k_rows = md.workspace.get("key", shape, dtype, device)
+        v_rows = md.workspace.get("value", shape, dtype, device)
+        k_rows[:, 0].zero_()
+        v_rows[:, 0].zero_()  # the sink's value must be zero
+        rows = md.layout.num_key_rows
+        if encoder:
+            # Encoder attention reads the step's own K/V; its rows follow the token order.
+            k_rows[:, 1:rows] = key[: rows - 1].transpose(0, 1)
+            v_rows[:, 1:rows] = value[: rows - 1].transpose(0, 1)
+            return k_rows, v_rows
+        if rows == 1:
+            return k_rows, v_rows
+        fp8 = is_fp8_cache(self.kv_cache_dtype)
+        for which, (name, target) in enumerate((("k_scale", k_rows), ("v_scale", v_rows))):
+            # [keys, KVH, D], straight out of the pages (any layout, any block size)
+            stored = kv_cache[md.kv_block_ids, which, md.kv_offsets]
+            if fp8:
+                scale = _scale(layer, name, self.num_kv_heads, device)
+                stored = stored.float() * scale.view(-1, 1)
+            target[:, 1:rows] = stored.transpose(0, 1)
+        return k_rows, v_rows
+
+    def validate_inputs(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        md: FlexAttentionMetadata,
+        output: torch.Tensor,
+        output_lse: torch.Tensor | None = None,
+    ) -> None:
+        """See `AttentionImpl.validate_inputs`; shapes, dtypes and devices of every input."""
+        api = "FLEX_ATTENTION forward"
+        if not isinstance(md, FlexAttentionMetadata):
+            raise TypeError(
+                f"{api}: attn_metadata must come from FlexAttentionMetadataBuilder.build (got "
+                f"{type(md).__name__})."
+            )
+        if self.sliding_window is not None and not md.causal:
+            raise NotImplementedError(
+                f"{api}: sliding window with non-causal attention not supported (got "
+                "attn_metadata.causal=False); the window is defined causally."
+            )
+        heads = (self.num_heads, self.head_size)
+        if query.dim() != 3 or tuple(query.shape[1:]) != heads:
+            raise ValueError(
+                f"{api}: query must be [num_tokens, {heads[0]}, {heads[1]}] (got "
+                f"{tuple(query.shape)})."
+            )
+        if query.dtype not in FlexAttentionBackend.supported_dtypes:
+            raise ValueError(
+                f"{api}: query dtype not supported (got {query.dtype}, expected float32, "
+                "float16 or bfloat16)."
+            )
+        if output.shape != query.shape or output.dtype != query.dtype:
+            raise ValueError(
+                f"{api}: output must match query in shape and dtype (got {tuple(output.shape)} "
+                f"{output.dtype}, expected {tuple(query.shape)} {query.dtype})."
+            )
+        if md.num_actual_tokens > query.shape[0]:
+            raise ValueError(
+                f"{api}: query has fewer rows than the metadata's tokens (got {query.shape[0]}, "
+                f"expected >= {md.num_actual_tokens})."
+            )
+        self._validate_key_value(api, query, key, value)
+        if self.attn_type in _ENCODER_TYPES:
+            if key is None:
+                raise ValueError(f"{api}: {self.attn_type.value} attention needs key and value.")
+        else:
+            self._validate_cache(api, query, kv_cache, md)
+        if output_lse is not None:
+            if query.device.type != "cuda":
+                raise NotImplementedError(
+                    f"{api}: output_lse not supported on {query.device.type} (Inductor's CPU "
+                    "FlexAttention returns no LSE). Use the TORCH backend when LSEs are needed "
+                    "on the CPU."
+                )
+            if (
+                output_lse.dtype != torch.float32
+                or output_lse.dim() != 2
+                or output_lse.shape[0] != self.num_heads
+                or output_lse.shape[1] < md.num_actual_tokens
+            ):
+                raise ValueError(
+                    f"{api}: output_lse must be float32 [{self.num_heads}, num_tokens] (got "
+                    f"{output_lse.dtype} {tuple(output_lse.shape)})."
+                )
+
+    def _validate_key_value(
+        self, api: str, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None
+    ) -> None:
+        if (key is None) != (value is None):
+            raise ValueError(f"{api}: key and value must both be given or both be None.")
+        kv_shape = (self.num_kv_heads, self.head_size)
+        for name, tensor in (("key", key), ("value", value)):
+            if tensor is None:
+                continue
+            if tensor.dim() != 3 or tuple(tensor.shape[1:]) != kv_shape:
+                raise ValueError(
+                    f"{api}: {name} must be [num_tokens, {kv_shape[0]}, {kv_shape[1]}] (got "
+                    f"{tuple(tensor.shape)})."
+                )
+            if tensor.dtype != query.dtype:
+                raise ValueError(
+                    f"{api}: {name} dtype differs from query (got {tensor.dtype}, expected "
+                    f"{query.dtype})."
+                )
+            if (
+                self.attn_type != AttentionType.ENCODER_DECODER
+                and tensor.shape[0] != query.shape[0]
+            ):
+                raise ValueError(
+                    f"{api}: {name} and query differ in tokens (got {tensor.shape[0]} and "
+                    f"{query.shape[0]})."
+                )
+
+    def _validate_cache(
+        self, api: str, query: torch.Tensor, kv_cache: torch.Tensor, md: FlexAttentionMetadata
+    ) -> None:
+        cache_dtype = cache_torch_dtype(self.kv_cache_dtype, query.dtype)
+        expected = ("num_blocks", 2, md.block_size, self.num_kv_heads, self.head_size)
+        if kv_cache.dim() != 5 or tuple(kv_cache.shape[1:]) != expected[1:]:
+            raise ValueError(
+                f"{api}: kv_cache must be {list(expected)} (got {tuple(kv_cache.shape)}). "
+                "Allocate it with anyattn.kv_cache.allocate_kv_cache."
+            )
+        if kv_cache.dtype != cache_dtype:
+            raise ValueError(
+                f"{api}: kv_cache dtype does not match kv_cache_dtype {self.kv_cache_dtype!r} "
+                f"(got {kv_cache.dtype}, expected {cache_dtype})."
+            )
+        if kv_cache.device != query.device:
+            raise ValueError(
+                f"{api}: kv_cache and query are on different devices (got {kv_cache.device} "
+                f"and {query.device})."
+            )
+
+
+def _score_mod(mods: dict[str, torch.Tensor], plan: _Plan) -> Callable:
+    """Scale, soft cap, ALiBi, then the sink logit at key 0: DESIGN.md's order."""
+    scale, soft_cap = mods["scale"], mods.get("soft_cap")
+    slopes, sinks = mods.get("alibi_slopes"), mods.get("sinks")
+    q_key_pos, group_index = plan.q_key_pos, plan.group_index
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        score = score * scale
+        if soft_cap is not None:
+            score = soft_cap * torch.tanh(score / soft_cap)
+        if slopes is not None:
+            # key position minus query position: both in workspace coordinates
+            score = score + slopes[h, group_index[q_idx]] * (kv_idx - q_key_pos[q_idx])
+        if sinks is not None:
+            score = torch.where(kv_idx == 0, sinks[h, group_index[q_idx]], score)
+        return score
+
+    return score_mod
+
+
+def _scale(
+    layer: AttentionLayer, name: str, num_kv_heads: int, device: torch.device
+) -> torch.Tensor:
+    scale = getattr(layer, name, None)
+    if not isinstance(scale, torch.Tensor) or tuple(scale.shape) not in ((), (1,), (num_kv_heads,)):
+        got = tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise ValueError(
+            f"FLEX_ATTENTION forward: layer.{name} must be a float32 tensor of shape [] or "
+            f"[{num_kv_heads}] for an fp8 KV cache (got {got})."
+        )
+    return scale.to(device=device, dtype=torch.float32)

@@ -1,0 +1,407 @@
+"""FLEX_ATTENTION: the conformance kit on the CPU (compiled FlexAttention) and, marked `gpu`, on
+CUDA; recompiles bounded over steps of changing sizes; tile masks exactly; declarations and
+selection.
+
+Compilation dominates the CPU time (about 40 s for the first graph of a cold process, 7-8 s for
+each further one). The backend keeps its compiled functions for the whole process, so the
+tests below stay on configurations the fp32 kit run compiles anyway wherever they can.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from anyattn import selector
+from anyattn.backends import flex_attention_plan as plan
+from anyattn.backends.flex_attention import (
+    FlexAttentionBackend,
+    FlexAttentionImpl,
+    FlexAttentionMetadataBuilder,
+)
+from anyattn.config import AttentionSelectorConfig, AttentionSpec, BatchLimits
+from anyattn.metadata import make_common_attn_metadata
+from anyattn.registry import AttentionBackendEnum
+from anyattn.testing import (
+    BatchSpec,
+    Case,
+    ConformanceReport,
+    KitLayer,
+    build_batch,
+    check_backend,
+    get_spec,
+    run_case,
+)
+from anyattn.types import AttentionCGSupport, DeviceInfo, KVCacheLayout
+
+needs_flex = pytest.mark.skipif(
+    FlexAttentionBackend.get_unavailable_reason() is not None,
+    reason=f"FLEX_ATTENTION unavailable: {FlexAttentionBackend.get_unavailable_reason()}",
+)
+
+# What the CPU cannot run: LSE (Inductor's CPU template has none; the kit's sinks case checks
+# the LSE, so sinks run below without it) and cascade (not declared).
+_CPU_NOT_DECLARED = ("sinks: case sinks", "lse: case mixed_lse", "cascade:")
+
+
+def _conforms(device: str, dtype: torch.dtype, features=None) -> ConformanceReport:
+    report = check_backend(FlexAttentionBackend, device, dtype, features=features)
+    report.assert_passed()
+    return report
+
+
+# --- the kit on the CPU ----------------------------------------------------------------------
+
+
+@needs_flex
+def test_conforms_on_cpu_float32():
+    report = _conforms("cpu", torch.float32)
+    assert len(report.not_declared) == len(_CPU_NOT_DECLARED), report.summary()
+    for entry, prefix in zip(sorted(report.not_declared), sorted(_CPU_NOT_DECLARED), strict=True):
+        assert entry.startswith(prefix), report.summary()
+
+
+@needs_flex
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_conforms_on_cpu_half_precision(dtype):
+    # One graph per dtype: a decode-heavy mix and the odd lengths up to 1025 keys.
+    _conforms("cpu", dtype, features=["mixed", "odd_lengths"])
+
+
+@needs_flex
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case("sinks", "sinks", get_spec("mixed"), use_sinks=True),
+        # every score mod at once, in DESIGN.md's order, with a window and sinks
+        Case(
+            "all_mods",
+            "sinks",
+            get_spec("odd_lengths"),
+            use_sinks=True,
+            use_alibi=True,
+            logits_soft_cap=2.0,
+            sliding_window=7,
+        ),
+    ],
+    ids=lambda c: c.name,
+)
+def test_sinks_on_cpu_without_lse(case):
+    (result,) = run_case(FlexAttentionBackend, case, "cpu", torch.float32)
+    assert result.passed, result
+
+
+# --- recompiles ------------------------------------------------------------------------------
+
+_SIZED_STEPS = (
+    BatchSpec("one_decode", (1,), (5,)),
+    BatchSpec("decodes", (1,) * 8, (10, 300, 700, 1000, 33, 64, 129, 2000)),
+    BatchSpec("prefill", (200,), (200,)),
+    BatchSpec("long_prefill", (900,), (900,)),
+    BatchSpec("chunk_and_decodes", (300, 1, 1, 9), (2500, 17, 1200, 40)),
+    BatchSpec("many_decodes", (1,) * 40, tuple(range(3, 1203, 30))),
+)
+
+
+def _step_cases() -> list[Case]:
+    cases = [Case(f"sized/{spec.name}", "decode", spec) for spec in _SIZED_STEPS]
+    # Masks are data, not code: a window and bidirectional attention reuse the same graph.
+    chunk = get_spec("chunked_prefill")
+    cases.append(Case("sized/window", "sliding_window", chunk, sliding_window=33))
+    cases.append(Case("sized/non_causal", "non_causal", chunk, causal=False))
+    return cases
+
+
+def _padded_shapes(case: Case) -> tuple[int, int]:
+    group = case.num_heads // case.num_kv_heads
+    return plan.pad_rows(case.spec.num_tokens * group), plan.pad_keys(1 + sum(case.spec.seq_lens))
+
+
+def _assert_recompiles_bounded(device: str, dtype: torch.dtype) -> None:
+    cases = _step_cases()
+    assert len({_padded_shapes(c) for c in cases}) >= 6, "steps must differ in padded size"
+    first, *rest = cases
+    # The first step may compile (or reuse the kit's graph of the same configuration).
+    (result,) = run_case(FlexAttentionBackend, first, device, dtype)
+    assert result.passed, result
+    graphs = counters["stats"]["unique_graphs"]
+    for case in rest:
+        (result,) = run_case(FlexAttentionBackend, case, device, dtype)
+        assert result.passed, result
+    assert counters["stats"]["unique_graphs"] == graphs, (
+        f"{counters['stats']['unique_graphs'] - graphs} recompiles over {len(rest)} steps of "
+        "other sizes"
+    )
+
+
+@needs_flex
+def test_steps_of_other_sizes_do_not_recompile():
+    _assert_recompiles_bounded("cpu", torch.float32)
+
+
+def test_buckets_are_few_and_never_tie_rows_to_keys():
+    rows = {plan.pad_rows(n) for n in range(1, 1 << 16, 7)}
+    assert len(rows) <= 6 + 8 * 3  # powers of two to 8192, then eighths of each octave
+    for n in range(1, 1 << 15, 13):
+        assert n <= plan.pad_rows(n) <= max(2 * n, 2 * plan.TILE)
+        assert plan.pad_rows(n) % (2 * plan.TILE) == 0
+        # keys: an odd number of tiles, so never equal to a row count or a tile count of rows
+        assert plan.pad_keys(n) >= n and (plan.pad_keys(n) // plan.TILE) % 2 == 1
+
+
+# --- tile masks ------------------------------------------------------------------------------
+
+
+def _tile_masks_brute(lo, hi, group, shape, has_sink):
+    rows, keys = shape[0] * plan.TILE, shape[1] * plan.TILE
+    keep = np.zeros((rows, keys), dtype=bool)
+    for t in range(lo.shape[0]):
+        keep[t * group : (t + 1) * group, lo[t] : hi[t] + 1] = True
+        if has_sink:
+            keep[t * group : (t + 1) * group, 0] = True
+    tiles = keep.reshape(shape[0], plan.TILE, shape[1], plan.TILE)
+    return tiles.any(axis=(1, 3)), tiles.all(axis=(1, 3))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tile_masks_visit_exactly_the_tiles_with_kept_keys(seed):
+    rng = np.random.default_rng(seed)
+    group = int(rng.choice([1, 3, 4, 8]))
+    query_lens = rng.integers(1, 90, size=int(rng.integers(1, 6)))
+    contexts = rng.integers(0, 400, size=query_lens.shape[0])
+    causal, window = bool(rng.integers(2)), (int(rng.integers(1, 200)) if seed % 2 else None)
+    start = np.concatenate(([0], np.cumsum(query_lens)))
+    layout = plan.lay_out_step(start, query_lens + contexts, contexts)
+    lo = plan.window_lo(layout, window if causal else None)
+    hi = layout.hi_causal if causal else layout.hi_full
+    num_tokens = int(query_lens.sum())
+    shape = (plan.pad_rows(num_tokens * group) // plan.TILE, plan.pad_keys(layout.num_key_rows))
+    shape = (shape[0], shape[1] // plan.TILE)
+    has_sink = seed % 3 == 0
+    partial, full = plan.tile_masks(lo, hi, layout.query_start_loc, group, shape, has_sink)
+    needed, all_kept = _tile_masks_brute(lo, hi, group, shape, has_sink)
+    assert not (partial & full).any()
+    # The kept keys of consecutive tokens of a request are contiguous ranges, so the tiles
+    # visited are exactly those with a kept key, and a full tile has no masked entry.
+    assert ((partial | full) == needed).all()
+    assert (all_kept >= full).all()
+    num, indices = plan.block_lists(partial)
+    assert num.shape == (1, 1, shape[0]) and indices.shape == (1, 1, *shape)
+    for r in range(shape[0]):
+        assert indices[0, 0, r, : num[0, 0, r]].tolist() == np.flatnonzero(partial[r]).tolist()
+
+
+def test_lay_out_step_exactly():
+    # a decode at position 19 of 20 keys, a fresh prefill of 3, a chunk of 2 after 4 keys
+    layout = plan.lay_out_step(np.array([0, 1, 4, 6]), np.array([20, 3, 6]), np.array([19, 0, 4]))
+    assert layout.num_key_rows == 1 + 20 + 3 + 6  # row 0: the sink slot
+    assert layout.lo.tolist() == [1, 21, 21, 21, 24, 24]
+    assert layout.q_key_pos.tolist() == [20, 21, 22, 23, 28, 29]
+    assert layout.hi_causal.tolist() == layout.q_key_pos.tolist()
+    assert layout.hi_full.tolist() == [20, 23, 23, 23, 29, 29]
+    assert layout.key_start.tolist() == [1, 21, 24]
+    assert plan.window_lo(layout, 2).tolist() == [19, 21, 21, 22, 27, 28]
+    empty = plan.lay_out_step(np.array([0]), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    assert empty.num_key_rows == 1 and empty.lo.shape == (0,)
+
+
+# --- the builder -----------------------------------------------------------------------------
+
+
+def _builder(block_size: int = 16) -> FlexAttentionMetadataBuilder:
+    spec = AttentionSpec(block_size, 2, 64, torch.float32)
+    return FlexAttentionMetadataBuilder(spec, ["layer.0"], BatchLimits(64, 4096, 4096), "cpu")
+
+
+def test_builder_reads_only_cpu_mirrors():
+    """Device tensors on the meta device hold no values: any read of them would raise."""
+    table = (torch.randperm(40)[:12] + 1).view(4, 3).int()
+    cm = make_common_attn_metadata([1, 1, 9, 4], [20, 33, 9, 40], table, 16, device="meta")
+    md = _builder().build(0, cm)
+    assert md.layout.num_key_rows == 1 + 20 + 33 + 9 + 40
+    assert md.kv_block_ids.device.type == "meta" and md.kv_block_ids.shape == (102,)
+    # on the CPU the slots are exact: request r's key j sits in block table[r, j // 16]
+    cm = make_common_attn_metadata([1, 1, 9, 4], [20, 33, 9, 40], table, 16)
+    md = _builder().build(0, cm)
+    expected = [
+        (table[r, j // 16], j % 16) for r, n in enumerate([20, 33, 9, 40]) for j in range(n)
+    ]
+    assert list(zip(md.kv_block_ids.tolist(), md.kv_offsets.tolist(), strict=True)) == [
+        (int(b), o) for b, o in expected
+    ]
+    assert md.kv_rows_padded == plan.pad_keys(103)
+    # request 2 (a fresh prefill of 9) keeps workspace rows from 1 + 20 + 33 = 54 on
+    assert md.layout.lo[2] == 54 and md.layout.q_key_pos[2:11].tolist() == list(range(54, 63))
+
+
+def test_builder_rejects_cascade_and_narrow_block_tables():
+    cm = make_common_attn_metadata([1], [9], torch.tensor([[3]], dtype=torch.int32), 16)
+    with pytest.raises(ValueError, match="cascade attention not supported"):
+        _builder().build(16, cm)
+    cm.seq_lens_cpu[0] = 40
+    cm.num_computed_tokens_cpu[0] = 39
+    with pytest.raises(ValueError, match="block_table too narrow"):
+        _builder().build(0, cm)
+
+
+# --- declarations and selection --------------------------------------------------------------
+
+
+def _config(**changes) -> AttentionSelectorConfig:
+    return AttentionSelectorConfig(**{"head_size": 64, "dtype": torch.bfloat16, **changes})
+
+
+def test_registered_and_selected_after_torch_on_cpu():
+    assert AttentionBackendEnum.FLEX_ATTENTION.get_class() is FlexAttentionBackend
+    explanation = selector.explain(_config(dtype=torch.float32), DeviceInfo.cpu())
+    verdicts = {v.name: v for v in explanation.verdicts}
+    assert explanation.chosen == "TORCH"
+    assert verdicts["FLEX_ATTENTION"].priority == verdicts["TORCH"].priority + 1
+    assert verdicts["FLEX_ATTENTION"].reasons == ()
+    picked = selector.select_backend(_config(), DeviceInfo.cpu(), backend="FLEX_ATTENTION")
+    assert picked is FlexAttentionBackend
+
+
+def test_lse_is_declared_for_cuda_only():
+    config = _config(needs_lse=True, has_sink=True)
+    assert FlexAttentionBackend.validate_configuration(config, DeviceInfo.cuda(9, 0)) == []
+    (reason,) = FlexAttentionBackend.validate_configuration(config, DeviceInfo.cpu())
+    assert "needs_lse" in reason and "cpu" in reason
+    explanation = selector.explain(config, DeviceInfo.cpu())
+    flex_verdict = next(v for v in explanation.verdicts if v.name == "FLEX_ATTENTION")
+    assert not flex_verdict.fits
+
+
+@pytest.mark.parametrize(
+    ("changes", "fragment"),
+    [
+        ({"head_size": 72}, "head_size 72"),
+        ({"head_size": 8}, "head_size 8"),
+        ({"head_size": 512}, "head_size 512"),
+        ({"has_sliding_window": True, "use_non_causal": True}, "sliding window"),
+        ({"has_sliding_window": True, "attn_type": "encoder"}, "sliding window"),
+        ({"use_mla": True}, "MLA"),
+        ({"use_sparse": True}, "sparse"),
+        ({"use_batch_invariant": True}, "batch invariance"),
+    ],
+)
+def test_rejected_configurations(changes, fragment):
+    reasons = FlexAttentionBackend.validate_configuration(_config(**changes), DeviceInfo.cuda(9))
+    assert any(fragment in r for r in reasons), reasons
+
+
+def test_accepted_configurations_and_declarations():
+    for changes in (
+        {"head_size": 80},
+        {"head_size": 256, "dtype": torch.float32},
+        {"kv_cache_dtype": "fp8_e5m2", "use_per_head_quant_scales": True},
+        {"has_sink": True, "has_alibi": True, "has_logits_soft_cap": True},
+        {"has_sliding_window": True, "block_size": 5},
+        {"attn_type": "encoder_decoder"},
+        {"use_non_causal": True},
+    ):
+        for device in (DeviceInfo.cpu(), DeviceInfo.cuda(8, 0), DeviceInfo.cuda(10, 0)):
+            config = _config(**changes)
+            assert FlexAttentionBackend.validate_configuration(config, device) == [], changes
+    too_old = FlexAttentionBackend.validate_configuration(_config(), DeviceInfo.cuda(7, 5))
+    assert any("sm75" in r for r in too_old)
+    assert FlexAttentionBackend.get_cudagraph_support() is AttentionCGSupport.NEVER
+    assert not FlexAttentionBackend.supports_cascade()
+    assert FlexAttentionBackend.get_kv_cache_shape(10, 16, 2, 64) == (10, 2, 16, 2, 64)
+    assert FlexAttentionBackend.get_kv_cache_stride_order(KVCacheLayout.HND) == (0, 1, 3, 2, 4)
+    assert FlexAttentionImpl.lse_base_on_e
+
+
+# --- rejected calls --------------------------------------------------------------------------
+
+
+def _small_batch():
+    return build_batch(
+        FlexAttentionBackend,
+        BatchSpec("small", (1, 5), (9, 5)),
+        num_heads=4,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=torch.float32,
+    )
+
+
+def _impl(**changes) -> FlexAttentionImpl:
+    return FlexAttentionImpl(4, 64, 0.125, 2, **changes)
+
+
+def test_rejected_calls_name_the_problem():
+    batch = _small_batch()
+    layer = KitLayer("layer.0", batch.k_scale, batch.v_scale)
+    args = (layer, batch.query, batch.key, batch.value, batch.kv_cache, batch.attn_metadata)
+    output = torch.empty_like(batch.query)
+    lse = torch.empty(4, batch.query.shape[0])
+    with pytest.raises(NotImplementedError, match="output_lse not supported on cpu"):
+        _impl().forward(*args, output, output_lse=lse)
+    with pytest.raises(NotImplementedError, match="output quantisation"):
+        _impl().forward(*args, output, output_scale=torch.tensor(1.0))
+    with pytest.raises(TypeError, match="FlexAttentionMetadataBuilder"):
+        _impl().forward(*args[:5], object(), output)
+    with pytest.raises(ValueError, match="kv_cache dtype"):
+        _impl().forward(*args[:4], batch.kv_cache.half(), batch.attn_metadata, output)
+    with pytest.raises(ValueError, match="head_size not supported"):
+        FlexAttentionImpl(4, 72, 0.125, 2)
+    with pytest.raises(NotImplementedError, match="sliding window with encoder"):
+        _impl(sliding_window=8, attn_type="encoder")
+    non_causal = dataclasses.replace(batch.attn_metadata, causal=False)
+    with pytest.raises(NotImplementedError, match="non-causal"):
+        _impl(sliding_window=8).forward(*args[:5], non_causal, output)
+
+
+# --- on the GPU ------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_conforms_on_cuda(dtype):
+    report = _conforms("cuda", dtype)
+    # Everything but cascade runs on CUDA, sinks and LSE included.
+    assert [e.split(":")[0] for e in report.not_declared] == ["cascade"], report.summary()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_size", [16, 80, 96, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_other_head_sizes_on_cuda(head_size, dtype):
+    case = Case(f"head_size{head_size}", "head_sizes", get_spec("mixed"), head_size=head_size)
+    case_lse = dataclasses.replace(case, name=f"{case.name}_sinks", use_sinks=True, check_lse=True)
+    for result in run_case(FlexAttentionBackend, case, "cuda", dtype) + run_case(
+        FlexAttentionBackend, case_lse, "cuda", dtype
+    ):
+        assert result.passed, result
+
+
+@pytest.mark.gpu
+def test_steps_of_other_sizes_do_not_recompile_on_cuda():
+    _assert_recompiles_bounded("cuda", torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_build_never_waits_for_the_gpu():
+    gen = torch.Generator().manual_seed(0)
+    query_lens = [1] * 200 + [37, 300]
+    seq_lens = [int(x) for x in torch.randint(1, 2000, (200,), generator=gen)] + [37, 900]
+    width = math.ceil(max(seq_lens) / 16)
+    table = (torch.randperm(len(seq_lens) * width, generator=gen) + 1).int().view(-1, width)
+    cm = make_common_attn_metadata(query_lens, seq_lens, table, 16, device="cuda")
+    spec = AttentionSpec(16, 2, 64, torch.bfloat16)
+    limits = BatchLimits(256, 4096, 4096)
+    builder = FlexAttentionMetadataBuilder(spec, ["layer.0"], limits, torch.device("cuda"))
+    builder.build(0, cm)  # first build may allocate and warm up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        md = builder.build(0, cm)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert md.kv_block_ids.device.type == "cuda" and md.layout.num_key_rows == 1 + sum(seq_lens)
