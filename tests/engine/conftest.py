@@ -45,6 +45,8 @@ _SIZES = {
 # kind -> (transformers config class name, overrides)
 TINY_MODELS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", {"num_key_value_heads": 1}),
+    # Heads of 64, a size every GPU backend takes (the CUDA-graph tests run it).
+    "llama_h64": ("LlamaConfig", {"hidden_size": 256, "head_dim": 64}),
     # SmolLM2-style: tied embeddings; with Llama 3.1 RoPE scaling.
     "llama_tied": (
         "LlamaConfig",

@@ -196,6 +196,25 @@ def test_a_prompt_longer_than_the_context_fails_alone(tiny_llm):
     assert len(outputs[1].outputs[0].token_ids) == 8 and outputs[1].error is None
 
 
+def test_a_request_larger_than_the_kv_pool_fails_alone(tiny_llm):
+    # 14 blocks of 4 tokens (see the KV-pressure test): 56 tokens in all
+    llm, _ = tiny_llm("llama", kv_cache_memory=14 * 1536)
+    too_long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, [GREEDY, too_long, GREEDY])
+    assert outputs[1].outputs[0].finish_reason == "error"
+    assert outputs[1].outputs[0].token_ids == []
+    assert outputs[1].error.startswith(
+        "request 1 may grow to 61 tokens (prompt 1 + max_tokens 60), which need 16 KV blocks of "
+        "4 tokens, but the pool has only 14: it could never finish"
+    )
+    assert outputs[0].error is None and outputs[2].error is None
+    assert [outputs[i].outputs[0].token_ids for i in (0, 2)] == _greedy_ids(
+        llm, [PROMPTS[0], PROMPTS[2]], 8
+    )
+    with pytest.raises(ValueError, match="could never finish"):
+        list(llm.stream(PROMPTS[0], SamplingParams(max_tokens=60)))
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "error", "match"),
     [
@@ -239,9 +258,9 @@ def test_engine_on_cuda_matches_the_cpu_run(tiny_llm, dtype, caplog):
     cpu, _ = tiny_llm("llama")
     expected = _greedy_ids(cpu, PROMPTS)
     with caplog.at_level("INFO", logger="anyattn.engine.model_runner"):
-        gpu, _ = tiny_llm("llama", device="cuda", dtype=dtype)
+        gpu, _ = tiny_llm("llama", device="cuda", dtype=dtype, backend="TORCH")
     # TORCH cannot be captured in a CUDA graph: the runner says so and runs eager
-    assert "CUDA graphs off" in caplog.text and "TORCH" in caplog.text
+    assert "CUDA graphs off: TORCH supports NEVER" in caplog.text
     got = _greedy_ids(gpu, PROMPTS)
     if dtype == torch.float32:
         assert got == expected

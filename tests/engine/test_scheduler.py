@@ -295,20 +295,34 @@ def test_over_long_prompt_fails_while_others_finish() -> None:
     assert result.outputs == {0: alone[0], 3: alone[1]}
 
 
-def test_request_that_can_never_fit_fails_instead_of_deadlocking() -> None:
+def test_request_that_can_never_fit_fails_at_once_while_others_finish() -> None:
     # 3 usable blocks of 2 tokens = 6 slots.
-    huge = (prompt(1, 7), greedy(3))  # its prompt alone needs 4 blocks: fails at once
-    grows = (prompt(2, 4), greedy(10, ignore_eos=True))  # outgrows the pool while decoding
+    huge = (prompt(1, 7), greedy(3))  # its prompt alone needs 4 blocks
+    grows = (prompt(2, 4), greedy(10, ignore_eos=True))  # 4 + 10 tokens would need 7 blocks
     small = (prompt(3, 1), greedy(2, ignore_eos=True))
     result = run([huge, grows, small], num_blocks=4, block_size=2)
-    assert [s.request_id for s in result.batches[0].failed] == [0]
-    assert "needs 4 KV blocks of 2 tokens" in (result.seqs[0].error or "")
+    # rejected before taking a block or running a step: nothing was computed for them
+    assert [s.request_id for s in result.batches[0].failed] == [0, 1]
+    assert all(s.request_id == 2 for b in result.batches for s in b.seqs)
+    assert "may grow to 10 tokens (prompt 7 + max_tokens 3), which need 5 KV blocks of 2 " in (
+        result.seqs[0].error or ""
+    )
     grown = result.seqs[1]
-    assert grown.finish_reason == "error"
-    assert "it cannot run even alone" in (grown.error or "")
-    assert grown.num_tokens == 7 and len(grown.output_token_ids) == 3
+    assert grown.finish_reason == "error" and grown.output_token_ids == []
+    assert grown.error == (
+        "request 1 may grow to 14 tokens (prompt 4 + max_tokens 10), which need 7 KV blocks of 2 "
+        "tokens, but the pool has only 3: it could never finish, even alone. Lower max_tokens, "
+        "shorten the prompt, or give the KV cache more memory."
+    )
     assert result.seqs[2].finish_reason == "length"
     assert result.outputs[2] == run([small]).outputs[0]
+    # max_model_len caps the growth: 3 + 100 tokens stop at 6, which fit
+    capped = run([(prompt(4, 3), greedy(100, ignore_eos=True))], num_blocks=4, block_size=2,
+                 max_model_len=6)  # fmt: skip
+    assert capped.seqs[0].finish_reason == "length" and capped.seqs[0].num_tokens == 6
+    over = run([(prompt(4, 3), greedy(100, ignore_eos=True))], num_blocks=4, block_size=2,
+               max_model_len=7)  # fmt: skip
+    assert "may grow to 7 tokens (max_model_len) (prompt 3" in (over.seqs[0].error or "")
 
 
 @st.composite
@@ -360,9 +374,10 @@ def test_random_mixes_terminate_with_invariants_and_unpressured_outputs(mix: dic
     event(f"prefix hits: {bm.num_cached_blocks_reused > 0}, evictions: {bm.num_evictions > 0}")
     for seq, ref in zip(result.seqs, reference.seqs, strict=True):
         if seq.finish_reason == "error" and ref.finish_reason != "error":
-            # Only a pool too small for the sequence alone may fail it.
-            assert bm.num_blocks_for(seq.num_tokens) > bm.num_usable_blocks, seq.error
-            assert seq.output_token_ids == ref.output_token_ids[: seq.num_output_tokens]
+            # Only a pool too small for the sequence alone may fail it, and then at once.
+            longest = min(seq.num_prompt_tokens + seq.params.max_tokens, mix["max_model_len"])
+            assert bm.num_blocks_for(longest) > bm.num_usable_blocks, seq.error
+            assert seq.output_token_ids == []
         else:
             assert seq.output_token_ids == ref.output_token_ids
             assert (seq.finish_reason, seq.stop_reason) == (ref.finish_reason, ref.stop_reason)

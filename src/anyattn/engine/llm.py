@@ -25,6 +25,7 @@ import torch
 
 from anyattn.config import BatchLimits
 from anyattn.engine.block_manager import BlockManager
+from anyattn.engine.detokenizer import IncrementalDetokenizer
 from anyattn.engine.loader import load_model
 from anyattn.engine.model_runner import ModelRunner
 from anyattn.engine.sampler import Sampler
@@ -65,6 +66,17 @@ class RequestOutput:
     error: str | None = None
 
 
+@dataclass
+class _Tracked:
+    """What the engine keeps per request: the scheduler's view, the caller's view, the
+    request's random generator (None when unseeded) and its detokenizer."""
+
+    request: Request
+    output: RequestOutput
+    generator: torch.Generator | None
+    detokenizer: IncrementalDetokenizer
+
+
 def _parse_memory(value: int | str) -> int:
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
@@ -102,6 +114,8 @@ class LLM:
         max_model_len: longest prompt + output; default min(model's context, 4096).
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
         kv_cache_dtype: "auto" or an fp8 / half cache dtype.
+        enforce_eager: never capture CUDA graphs (on CUDA, decode steps otherwise replay graphs
+            captured at start-up when the attention backends allow it).
     """
 
     def __init__(
@@ -119,6 +133,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         kv_cache_dtype: str = "auto",
+        enforce_eager: bool = False,
     ) -> None:
         # Every argument is checked before the (slow) model load.
         if model is not None and not isinstance(model, str | os.PathLike):
@@ -173,6 +188,7 @@ class LLM:
             device=self.device,
             dtype=self.dtype,
             kv_cache_dtype=kv_cache_dtype,
+            enforce_eager=enforce_eager,
         )
         self.block_manager = BlockManager(num_blocks, self.block_size, enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -184,7 +200,7 @@ class LLM:
         )
         self.sampler = Sampler()
         self._ids = itertools.count()
-        self._requests: dict[int, tuple[Request, RequestOutput, torch.Generator | None]] = {}
+        self._requests: dict[int, _Tracked] = {}
         # the output of the latest `stream` call (token counts for callers that print rates)
         self.last_stream_output: RequestOutput | None = None
         eos = self.model_config.eos_token_ids
@@ -266,7 +282,8 @@ class LLM:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        self._requests[request_id] = (request, output, generator)
+        detokenizer = IncrementalDetokenizer(self.tokenizer)
+        self._requests[request_id] = _Tracked(request, output, generator, detokenizer)
         self.scheduler.add(request)
         return request_id
 
@@ -275,7 +292,7 @@ class LLM:
         entry = self._requests.pop(request_id, None)
         if entry is None:
             return
-        request, output, _ = entry
+        request, output = entry.request, entry.output
         if request.status != SequenceStatus.FINISHED:
             self.scheduler.finish(request, "abort")
         output.finished = True
@@ -316,31 +333,44 @@ class LLM:
         if out.sample_rows:
             entries = [self._requests[seqs[i].request_id] for i in out.sample_rows]
             tokens = self.sampler(
-                out.logits.float(), [e[0].params for e in entries], [e[2] for e in entries]
+                out.logits.float(),
+                [e.request.params for e in entries],
+                [e.generator for e in entries],
             )
             for row, token in zip(out.sample_rows, tokens, strict=True):
                 sampled[row] = token
         return sampled
 
     def _fail(self, seq: Request) -> RequestOutput:
-        _, output, _ = self._requests[seq.request_id]
+        output = self._requests[seq.request_id].output
         output.finished = True
         output.error = seq.error
         output.outputs[0].finish_reason = seq.finish_reason
         return output
 
     def _refresh(self, seq: Request) -> RequestOutput:
-        """Detokenise, apply stop strings, and mirror the request's state into its output."""
-        _, output, _ = self._requests[seq.request_id]
+        """Detokenise the new tokens, apply stop strings, and mirror the request's state into
+        its output. Costs what the new tokens cost, not what the whole output does."""
+        entry = self._requests[seq.request_id]
+        output, detokenizer = entry.output, entry.detokenizer
         completion = output.outputs[0]
-        completion.token_ids = list(seq.output_token_ids)
-        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        new_ids = seq.output_token_ids[len(detokenizer.token_ids) :]
+        completion.token_ids.extend(new_ids)
+        searched = len(detokenizer.text)
+        detokenizer.append(new_ids)
+        if seq.status == SequenceStatus.FINISHED:
+            detokenizer.flush()
+        text = detokenizer.text
+        # A stop string can end only in the text settled now; it may start a little before.
+        cut, stop_reason = len(text), None
         for stop in seq.params.stop:
-            cut = text.find(stop)
-            if cut != -1:
-                text = text[:cut]
-                if seq.status != SequenceStatus.FINISHED:
-                    self.scheduler.finish(seq, "stop", stop_reason=stop)
+            found = text.find(stop, max(searched - len(stop) + 1, 0), cut + len(stop) - 1)
+            if found != -1:
+                cut, stop_reason = found, stop
+        if stop_reason is not None:
+            if seq.status != SequenceStatus.FINISHED:
+                self.scheduler.finish(seq, "stop", stop_reason=stop_reason)
+            text = text[:cut]
         completion.text = text
         completion.finish_reason = seq.finish_reason
         output.finished = seq.status == SequenceStatus.FINISHED
@@ -394,7 +424,7 @@ class LLM:
         # Encode every prompt before queueing any, so that a bad one leaves nothing behind.
         encoded = [self.encode_prompt(p, chat) for p in prompts]
         ids = [self._add(p, e, sp) for p, e, sp in zip(prompts, encoded, params, strict=True)]
-        outputs = [self._requests[i][1] for i in ids]
+        outputs = [self._requests[i].output for i in ids]
         try:
             while not all(o.finished for o in outputs):
                 self.step()
@@ -418,7 +448,7 @@ class LLM:
         """
         params = _check_params(params)
         request_id = self.add_request(prompt, params, chat)
-        _, output, _ = self._requests[request_id]
+        output = self._requests[request_id].output
         self.last_stream_output = output
         hold = max((len(stop) - 1 for stop in params.stop), default=0)
         shown = 0

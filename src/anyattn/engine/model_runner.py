@@ -5,6 +5,10 @@ KV-cache groups are the attention layers that share one backend and one `Attenti
 (a plain model has one; Gemma2's sliding and global layers make two). Every group reads the same
 block table and slot mapping (in engine blocks); a backend whose kernel block is smaller gets
 the table expanded to kernel blocks, which leaves slot numbers unchanged.
+
+On CUDA, uniform decode steps replay CUDA graphs captured at start-up when every group's backend
+allows it (`anyattn.engine.cuda_graphs` has the contract); every other step runs eagerly. One
+log line says whether graphs are on, or why not.
 """
 
 from __future__ import annotations
@@ -18,6 +22,12 @@ import torch
 
 from anyattn.backend import AttentionBackend, AttentionMetadataBuilder
 from anyattn.config import AttentionSpec, BatchLimits
+from anyattn.engine.cuda_graphs import (
+    CudaGraphPlan,
+    CudaGraphRunner,
+    default_capture_sizes,
+    plan_cuda_graphs,
+)
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.layer import Attention
 from anyattn.metadata import (
@@ -63,17 +73,23 @@ class StepOutput:
 
 
 class ModelRunner:
-    """Owns the KV caches and the builders; `execute` runs one scheduled step.
+    """Owns the KV caches, the builders and the CUDA graphs; `execute` runs one scheduled step.
 
     Args:
         model: a model from `anyattn.engine.models` (`attention_layers()`, `forward`,
             `compute_logits`).
         num_blocks: engine blocks per layer cache (block 0 is the null block).
         block_size: engine block size.
-        limits: the engine's batch limits (passed to every builder).
+        limits: the engine's batch limits (passed to every builder). On CUDA, empty
+            `cudagraph_capture_sizes` become the defaults (powers of two up to `max_num_reqs`).
         device: where the model and caches live.
         dtype: the model dtype.
         kv_cache_dtype: "auto" or an fp8 / half cache dtype.
+        enforce_eager: never use CUDA graphs.
+
+    Attributes:
+        cuda_graphs: the `CudaGraphRunner` when decode steps run in CUDA graphs, else None.
+        cuda_graph_plan: what was decided about CUDA graphs, and why (`.message`).
     """
 
     def __init__(
@@ -86,13 +102,24 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         kv_cache_dtype: str = "auto",
+        enforce_eager: bool = False,
     ) -> None:
         self.model = model
         self.block_size = block_size
-        self.limits = limits
         self.device = torch.device(device)
         self.dtype = dtype
-        self.groups = self._make_groups(model.attention_layers(), kv_cache_dtype)
+        specs = self._group_specs(model.attention_layers(), kv_cache_dtype)
+        self.cuda_graph_plan, self.limits = self._plan_cuda_graphs(specs, limits, enforce_eager)
+        self.groups = [
+            KVCacheGroup(
+                backend,
+                spec,
+                names,
+                backend.get_builder_cls()(spec, names, self.limits, self.device),
+                spec.block_size,
+            )
+            for (backend, spec), names in specs.items()
+        ]
         self.kv_caches: dict[str, torch.Tensor] = {}
         for group in self.groups:
             kernel_blocks = num_blocks * (block_size // group.kernel_block_size)
@@ -107,10 +134,48 @@ class ModelRunner:
                     kv_cache_dtype,
                     device=self.device,
                 )
-        self._log_cudagraph_support()
+        self.cuda_graphs: CudaGraphRunner | None = None
+        if self.cuda_graph_plan.enabled:  # captured now that the caches have their addresses
+            self.cuda_graphs = CudaGraphRunner(
+                model,
+                self.groups,
+                self.kv_caches,
+                plan=self.cuda_graph_plan,
+                block_size=block_size,
+                max_model_len=self.limits.max_model_len,
+                device=self.device,
+            )
+            self.cuda_graphs.capture()
 
-    def _make_groups(self, layers: list[Attention], kv_cache_dtype: str) -> list[KVCacheGroup]:
-        by_key: dict[tuple, list[str]] = {}
+    def _plan_cuda_graphs(
+        self,
+        specs: dict[tuple[type[AttentionBackend], AttentionSpec], list[str]],
+        limits: BatchLimits,
+        enforce_eager: bool,
+    ) -> tuple[CudaGraphPlan, BatchLimits]:
+        """The plan (logged: INFO on CUDA, DEBUG elsewhere) and the limits the builders get,
+        whose capture sizes are exactly the captured ones (some builders pad to them)."""
+        if self.device.type == "cuda" and not limits.cudagraph_capture_sizes:
+            sizes = default_capture_sizes(limits.max_num_reqs, limits.max_num_tokens)
+            limits = replace(limits, cudagraph_capture_sizes=sizes)
+        levels: dict[str, AttentionCGSupport] = {}
+        for backend, spec in specs:
+            level = backend.get_builder_cls().get_cudagraph_support(spec, limits)
+            name = backend.get_name()
+            levels[name] = min(level, levels.get(name, level))
+        plan = plan_cuda_graphs(
+            levels, device_type=self.device.type, enforce_eager=enforce_eager, limits=limits
+        )
+        log_level = logging.INFO if self.device.type == "cuda" else logging.DEBUG
+        logger.log(log_level, "%s", plan.message)
+        captured = tuple(sorted({t for t, _ in plan.graph_keys}))
+        return plan, replace(limits, cudagraph_capture_sizes=captured)
+
+    def _group_specs(
+        self, layers: list[Attention], kv_cache_dtype: str
+    ) -> dict[tuple[type[AttentionBackend], AttentionSpec], list[str]]:
+        """(backend, spec) -> layer names, in layer order."""
+        by_key: dict[tuple[type[AttentionBackend], AttentionSpec], list[str]] = {}
         for layer in layers:
             kernel = layer.backend.get_kernel_block_size(self.block_size)
             spec = AttentionSpec(
@@ -122,23 +187,7 @@ class ModelRunner:
                 sliding_window=layer.sliding_window,
             )
             by_key.setdefault((layer.backend, spec), []).append(layer.layer_name)
-        groups = []
-        for (backend, spec), names in by_key.items():
-            builder = backend.get_builder_cls()(spec, names, self.limits, self.device)
-            groups.append(KVCacheGroup(backend, spec, names, builder, spec.block_size))
-        return groups
-
-    def _log_cudagraph_support(self) -> None:
-        if self.device.type != "cuda":
-            return
-        levels = {
-            group.backend.get_name(): group.backend.get_cudagraph_support(group.spec, self.limits)
-            for group in self.groups
-        }
-        weakest = min(levels.values())
-        if weakest == AttentionCGSupport.NEVER:
-            names = ", ".join(n for n, lvl in levels.items() if lvl == AttentionCGSupport.NEVER)
-            logger.info("CUDA graphs off, running eager: backend %s supports NEVER", names)
+        return by_key
 
     @property
     def backend_names(self) -> list[str]:
@@ -189,6 +238,10 @@ class ModelRunner:
             A `StepOutput`: the order the step ran the requests in, the requests to sample and
             their float32 logits `[num_sampled, vocab_size]`, and the cascade prefix length.
         """
+        if self.cuda_graphs is not None:
+            key = self.cuda_graphs.graph_key(num_new, block_tables)
+            if key is not None:
+                return self._execute_graph(key, token_ids, num_computed, block_tables, needs_sample)
         order = self._order(list(num_new))
         query_lens = [num_new[i] for i in order]
         seq_lens = [num_computed[i] + num_new[i] for i in order]
@@ -220,6 +273,27 @@ class ModelRunner:
             rows = [row for row, i in enumerate(order) if needs_sample[i]]
             logits = self.model.compute_logits(hidden[last[rows].to(self.device)])
         return StepOutput(order, [order[r] for r in rows], logits, used_prefix)
+
+    def _execute_graph(
+        self,
+        key: tuple[int, int],
+        token_ids: Seq[Seq[int]],
+        num_computed: Seq[int],
+        block_tables: Seq[Seq[int]],
+        needs_sample: Seq[bool],
+    ) -> StepOutput:
+        """A uniform decode step in a CUDA graph; requests keep their order."""
+        assert self.cuda_graphs is not None
+        query_len = key[1]
+        with torch.inference_mode():
+            hidden = self.cuda_graphs.run(key, token_ids, num_computed, block_tables)
+            if query_len > 1:  # each request's last token
+                hidden = hidden[query_len - 1 :: query_len]
+            rows = [r for r, needed in enumerate(needs_sample) if needed]
+            if len(rows) < len(needs_sample):
+                hidden = hidden[torch.tensor(rows, device=self.device)]
+            logits = self.model.compute_logits(hidden)
+        return StepOutput(list(range(len(token_ids))), rows, logits)
 
     def _build(
         self, common: CommonAttentionMetadata, prefix_len: int, query_lens: np.ndarray

@@ -9,8 +9,10 @@ When a running sequence needs a block and none is free, the most recently admitt
 is preempted by recompute: its blocks are freed, `num_computed_tokens` drops to 0 and it goes
 back to the front of the queue with the tokens it generated, which are recomputed like prompt
 tokens when it resumes (the prefix cache usually gives most back). A step that preempted admits
-nobody, so the freed blocks go to the sequences already running. Nothing deadlocks: a sequence
-that cannot fit with the whole pool to itself fails (finish reason "error", `seq.error` says why).
+nobody, so the freed blocks go to the sequences already running. Nothing deadlocks: a request
+that could not run to its end with the whole pool to itself (its prompt plus `max_tokens`, at
+most `max_model_len` tokens) fails when it is added, before it takes a block (finish reason
+"error", `seq.error` says why), so every admitted sequence fits alone and finishes.
 """
 
 from __future__ import annotations
@@ -101,9 +103,11 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence, or fail it at once when it can never run.
 
-        An empty prompt, a prompt longer than `max_model_len`, or one needing more blocks than
-        the whole pool fails: finish reason "error", the reason in `seq.error`, reported in the
-        next `ScheduledBatch.failed`.
+        An empty prompt, a prompt longer than `max_model_len`, or a request that may grow to
+        more tokens than the whole pool holds (prompt + `max_tokens`, capped at
+        `max_model_len`; it could never finish) fails: finish reason "error", the reason in
+        `seq.error`, reported in the next `ScheduledBatch.failed`. Other requests are not
+        affected.
 
         Raises:
             ValueError: the sequence is not a fresh WAITING one.
@@ -124,7 +128,7 @@ class Scheduler:
                 f"request {rid!r} has a prompt of {n} tokens, longer than max_model_len "
                 f"{self.max_model_len}; shorten the prompt or raise max_model_len.",
             )
-        elif bm.num_blocks_for(n) > bm.num_usable_blocks:
+        elif bm.num_blocks_for(self._longest(seq)) > bm.num_usable_blocks:
             self._fail(seq, self._too_big_message(seq))
         else:
             self.waiting.append(seq)
@@ -255,19 +259,13 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            # A sequence grown (while decoding) past the whole pool could otherwise be admitted
-            # chunk by chunk, outgrow the pool again and preempt itself forever.
-            if bm.num_blocks_for(seq.num_tokens) > bm.num_usable_blocks:
-                self.waiting.popleft()
-                self._fail(seq, self._too_big_message(seq))
-                continue
             remaining = seq.num_tokens - bm.cached_prefix_len(seq)
             num_new = min(remaining, budget)
             if num_new < remaining and not self.enable_chunked_prefill:
                 break
             if not bm.allocate(seq, num_new):
                 # Blocks come back as running sequences finish or are preempted; with nothing
-                # running the whole pool is free, and the size check above says it fits.
+                # running the whole pool is free, and `add` checked that it fits.
                 assert self.running, "an empty pool must hold a sequence that passed the check"
                 break
             self.waiting.popleft()
@@ -289,11 +287,18 @@ class Scheduler:
         self.finish(seq, "error", error=message)
         self._failed.append(seq)
 
+    def _longest(self, seq: Sequence) -> int:
+        """The most tokens `seq` can reach before it finishes for "length"."""
+        return min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
+
     def _too_big_message(self, seq: Sequence) -> str:
         bm = self.block_manager
+        longest = self._longest(seq)
+        capped = " (max_model_len)" if longest == self.max_model_len else ""
         return (
-            f"request {seq.request_id!r} needs {bm.num_blocks_for(seq.num_tokens)} KV blocks of "
-            f"{bm.block_size} tokens for its {seq.num_tokens} tokens, but the pool has only "
-            f"{bm.num_usable_blocks}; it cannot run even alone. Give the KV cache more memory, "
-            "or shorten the prompt or max_tokens."
+            f"request {seq.request_id!r} may grow to {longest} tokens{capped} (prompt "
+            f"{seq.num_prompt_tokens} + max_tokens {seq.params.max_tokens}), which need "
+            f"{bm.num_blocks_for(longest)} KV blocks of {bm.block_size} tokens, but the pool "
+            f"has only {bm.num_usable_blocks}: it could never finish, even alone. Lower "
+            "max_tokens, shorten the prompt, or give the KV cache more memory."
         )

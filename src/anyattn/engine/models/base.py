@@ -16,7 +16,13 @@ from torch import nn
 
 from anyattn.backend import AttentionBackend
 from anyattn.engine.model_config import ModelConfig
-from anyattn.engine.models.layers import RMSNorm, RotaryEmbedding, Slots, empty_param
+from anyattn.engine.models.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    Slots,
+    empty_linear_weight,
+    empty_param,
+)
 from anyattn.engine.models.weights import WeightSlot, load_into_slots
 from anyattn.layer import Attention
 from anyattn.types import parse_cache_dtype, parse_dtype
@@ -63,7 +69,10 @@ class CausalLM(nn.Module):
         self.device = torch.device(device)
         kv_cache_dtype = parse_cache_dtype(kv_cache_dtype, argument=f"{api}: kv_cache_dtype")
         factory = {"dtype": self.dtype, "device": self.device}
-        self.embed_weight = empty_param(config.vocab_size, config.hidden_size, **factory)
+        # Laid out for the LM head (`empty_linear_weight`) when it is tied to it: an embedding
+        # lookup gathers a few strided rows, the head reads all of it every step.
+        make_embed = empty_linear_weight if config.tie_word_embeddings else empty_param
+        self.embed_weight = make_embed(config.vocab_size, config.hidden_size, **factory)
         self.rotary = RotaryEmbedding(
             config.head_dim,
             config.rope_theta,
@@ -91,7 +100,7 @@ class CausalLM(nn.Module):
         self.lm_head_weight = (
             self.embed_weight
             if config.tie_word_embeddings
-            else empty_param(config.vocab_size, config.hidden_size, **factory)
+            else empty_linear_weight(config.vocab_size, config.hidden_size, **factory)
         )
 
     def make_layer(self, index: int, attn_kwargs: dict[str, object]) -> nn.Module:

@@ -41,6 +41,23 @@ def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> 
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def empty_linear_weight(
+    out_features: int, in_features: int, *, dtype: torch.dtype, device: torch.device | str
+) -> nn.Parameter:
+    """An uninitialised `[out_features, in_features]` weight for `F.linear`.
+
+    On the CPU it is stored column-major (its transpose is contiguous). `F.linear` multiplies by
+    the transpose, which the BLAS then reads as a plain row-major `[in, out]` matrix instead of a
+    transposed one: a batch-8 decode step of SmolLM2-135M measured 84 ms instead of 93 (2-core
+    Xeon, fp32), batch 1 and a 512-token prefill the same or slightly faster. The logical shape,
+    and so the loaders and `F.linear`, are unchanged. CUDA keeps the row-major layout.
+    """
+    if torch.device(device).type != "cpu":
+        return empty_param(out_features, in_features, dtype=dtype, device=device)
+    storage = torch.empty(in_features, out_features, dtype=dtype, device=device)
+    return nn.Parameter(storage.t(), requires_grad=False)
+
+
 class RMSNorm(nn.Module):
     """`weight * x / sqrt(mean(x^2) + eps)`, computed in fp32 and cast back to `x.dtype`.
 
@@ -265,10 +282,12 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.intermediate_size = intermediate_size
         self.act = _ACTIVATIONS[hidden_act]
-        self.gate_up_weight = empty_param(
+        self.gate_up_weight = empty_linear_weight(
             2 * intermediate_size, hidden_size, dtype=dtype, device=device
         )
-        self.down_weight = empty_param(hidden_size, intermediate_size, dtype=dtype, device=device)
+        self.down_weight = empty_linear_weight(
+            hidden_size, intermediate_size, dtype=dtype, device=device
+        )
         self.gate_up_bias = self.down_bias = None
         if has_bias:
             self.gate_up_bias = empty_param(2 * intermediate_size, dtype=dtype, device=device)
@@ -332,9 +351,9 @@ class SelfAttention(nn.Module):
         self.q_size = num_heads * head_size
         self.kv_size = num_kv_heads * head_size
         qkv_size = self.q_size + 2 * self.kv_size
-        self.qkv_weight = empty_param(qkv_size, hidden_size, dtype=dtype, device=device)
+        self.qkv_weight = empty_linear_weight(qkv_size, hidden_size, dtype=dtype, device=device)
         self.qkv_bias = empty_param(qkv_size, dtype=dtype, device=device) if has_qkv_bias else None
-        self.o_weight = empty_param(hidden_size, self.q_size, dtype=dtype, device=device)
+        self.o_weight = empty_linear_weight(hidden_size, self.q_size, dtype=dtype, device=device)
         self.o_bias = empty_param(hidden_size, dtype=dtype, device=device) if has_o_bias else None
         self.attn = Attention(
             num_heads,

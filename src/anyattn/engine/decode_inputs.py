@@ -1,0 +1,248 @@
+"""Persistent, padded inputs of uniform decode steps (the buffers CUDA graphs read).
+
+`DecodeBuffers` holds the step inputs at fixed addresses, sized for the largest batch;
+`fill_decode_inputs` writes a batch padded with dummy requests into the CPU copy;
+`StaticDecodeInputs` copies it to the device and builds every group's metadata over views of
+the buffers. The padding rules and the builder's side of the contract are in
+`anyattn.engine.cuda_graphs`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from anyattn.metadata import CommonAttentionMetadata, expand_block_table
+
+if TYPE_CHECKING:
+    from anyattn.engine.model_runner import KVCacheGroup
+
+__all__ = ["DecodeBuffers", "StaticDecodeInputs", "fill_decode_inputs"]
+
+
+@dataclass
+class DecodeBuffers:
+    """Persistent step inputs, sized for the largest capture (CPU or device).
+
+    Attributes:
+        input_ids: int64 `[max_num_tokens]`.
+        positions: int64 `[max_num_tokens]`.
+        query_start_loc: int32 `[max_num_reqs + 1]`.
+        seq_lens: int32 `[max_num_reqs]`.
+        num_computed_tokens: int32 `[max_num_reqs]` (read from the CPU copy only).
+        block_table: int32 `[max_num_reqs, max_blocks]`, engine block ids.
+        slot_mapping: int64 `[max_num_tokens]`.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    num_computed_tokens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+
+    @classmethod
+    def allocate(
+        cls,
+        max_num_reqs: int,
+        max_num_tokens: int,
+        max_blocks: int,
+        device: torch.device | str = "cpu",
+        pin_memory: bool = False,
+    ) -> DecodeBuffers:
+        """Zeroed buffers; `pin_memory` for the CPU side of asynchronous copies."""
+
+        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+
+        return cls(
+            input_ids=zeros(max_num_tokens, dtype=torch.int64),
+            positions=zeros(max_num_tokens, dtype=torch.int64),
+            query_start_loc=zeros(max_num_reqs + 1, dtype=torch.int32),
+            seq_lens=zeros(max_num_reqs, dtype=torch.int32),
+            num_computed_tokens=zeros(max_num_reqs, dtype=torch.int32),
+            block_table=zeros(max_num_reqs, max_blocks, dtype=torch.int32),
+            slot_mapping=zeros(max_num_tokens, dtype=torch.int64),
+        )
+
+
+def fill_decode_inputs(
+    host: DecodeBuffers,
+    token_ids: Sequence[Sequence[int]],
+    num_computed: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    query_len: int,
+    num_padded_reqs: int,
+    block_size: int,
+) -> int:
+    """Write a uniform decode batch, padded with dummy requests, into CPU buffers.
+
+    Request r (of R) runs `token_ids[r][num_computed[r] : num_computed[r] + query_len]` at those
+    positions. Requests R .. num_padded_reqs - 1 are dummies (see the module docstring).
+    Only the first `num_padded_reqs` rows (`* query_len` tokens) are written.
+
+    Args:
+        host: CPU buffers (`DecodeBuffers`).
+        token_ids: each request's known tokens.
+        num_computed: tokens of each request already in the KV cache.
+        block_tables: each request's engine blocks, covering `num_computed + query_len` tokens.
+        query_len: new tokens per request (1, or 1 + k under speculative decoding).
+        num_padded_reqs: N >= R.
+        block_size: the engine block size.
+
+    Returns:
+        The longest sequence (context + new tokens) among the real requests.
+    """
+    num_reqs = len(token_ids)
+    n, q = num_padded_reqs, query_len
+    assert num_reqs <= n, "a padded batch cannot be smaller than the real one"
+    ids = host.input_ids.numpy()
+    positions = host.positions.numpy()
+    slots = host.slot_mapping.numpy()
+    table = host.block_table.numpy()
+    seq_lens = host.seq_lens.numpy()
+    context = host.num_computed_tokens.numpy()
+    host.query_start_loc.numpy()[: n + 1] = np.arange(0, (n + 1) * q, q, dtype=np.int32)
+    table[:n] = 0
+    offsets = np.arange(q)
+    max_seq_len = 0
+    for r in range(num_reqs):
+        start = num_computed[r]
+        rows = slice(r * q, (r + 1) * q)
+        ids[rows] = token_ids[r][start : start + q]
+        pos = start + offsets
+        positions[rows] = pos
+        blocks = block_tables[r]
+        table[r, : len(blocks)] = blocks
+        slots[rows] = table[r, pos // block_size].astype(np.int64) * block_size + pos % block_size
+        seq_lens[r] = start + q
+        context[r] = start
+        max_seq_len = max(max_seq_len, start + q)
+    dummies = slice(num_reqs * q, n * q)
+    ids[dummies] = 0
+    positions[dummies] = np.tile(offsets, n - num_reqs)
+    slots[dummies] = -1
+    seq_lens[num_reqs:n] = q
+    context[num_reqs:n] = 0
+    return max_seq_len
+
+
+class StaticDecodeInputs:
+    """The persistent inputs of graph steps: buffers, padding, metadata views, builds.
+
+    Device-agnostic (the CPU tests run the padded step eagerly through it); `CudaGraphRunner`
+    uses one on CUDA with pinned host buffers.
+
+    Args:
+        groups: the runner's KV-cache groups (builder, layer names, kernel block size).
+        block_size: the engine block size.
+        max_num_reqs, max_num_tokens: the largest padded batch.
+        max_model_len: longest sequence; sets the block-table width.
+        device: where the device buffers live.
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[KVCacheGroup],
+        *,
+        block_size: int,
+        max_num_reqs: int,
+        max_num_tokens: int,
+        max_model_len: int,
+        device: torch.device,
+    ) -> None:
+        self.groups = list(groups)
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_blocks = -(-max_model_len // block_size)
+        device = torch.device(device)
+        shape = (max_num_reqs, max_num_tokens, self.max_blocks)
+        self.host = DecodeBuffers.allocate(*shape, pin_memory=device.type == "cuda")
+        self.dev = DecodeBuffers.allocate(*shape, device=device)
+        # Groups with a smaller kernel block read their own expanded table, also persistent.
+        self.kernel_tables: dict[int, torch.Tensor] = {
+            index: torch.zeros(
+                max_num_reqs,
+                self.max_blocks * (block_size // group.kernel_block_size),
+                dtype=torch.int32,
+                device=device,
+            )
+            for index, group in enumerate(self.groups)
+            if group.kernel_block_size != block_size
+        }
+
+    def prepare(
+        self,
+        token_ids: Sequence[Sequence[int]],
+        num_computed: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        query_len: int,
+        num_padded_reqs: int,
+        *,
+        max_seq_len: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
+        """Fill the buffers for a padded uniform decode batch (`fill_decode_inputs`) and copy
+        them to the device.
+
+        Args:
+            max_seq_len: the metadata's `max_seq_len` (capture passes `max_model_len`); default
+                the longest real sequence.
+
+        Returns:
+            `(input_ids, positions, common)`: views of the device buffers, and the step's
+            metadata whose tensors are views of the buffers.
+        """
+        num_reqs, num_tokens = num_padded_reqs, num_padded_reqs * query_len
+        longest = fill_decode_inputs(
+            self.host, token_ids, num_computed, block_tables, query_len, num_reqs, self.block_size
+        )
+        host, dev = self.host, self.dev
+        for name, length in (
+            ("input_ids", num_tokens),
+            ("positions", num_tokens),
+            ("slot_mapping", num_tokens),
+            ("query_start_loc", num_reqs + 1),
+            ("seq_lens", num_reqs),
+            ("block_table", num_reqs),
+        ):
+            getattr(dev, name)[:length].copy_(getattr(host, name)[:length], non_blocking=True)
+        for index, table in self.kernel_tables.items():
+            kernel_block_size = self.groups[index].kernel_block_size
+            expanded = expand_block_table(
+                dev.block_table[:num_reqs], self.block_size, kernel_block_size
+            )
+            table[:num_reqs].copy_(expanded)
+        common = CommonAttentionMetadata(
+            query_start_loc=dev.query_start_loc[: num_reqs + 1],
+            query_start_loc_cpu=host.query_start_loc[: num_reqs + 1],
+            seq_lens=dev.seq_lens[:num_reqs],
+            seq_lens_cpu=host.seq_lens[:num_reqs],
+            num_computed_tokens_cpu=host.num_computed_tokens[:num_reqs],
+            num_reqs=num_reqs,
+            num_actual_tokens=num_tokens,
+            max_query_len=query_len,
+            max_seq_len=longest if max_seq_len is None else max_seq_len,
+            block_table_tensor=dev.block_table[:num_reqs],
+            slot_mapping=dev.slot_mapping[:num_tokens],
+        )
+        return dev.input_ids[:num_tokens], dev.positions[:num_tokens], common
+
+    def build(self, common: CommonAttentionMetadata, *, for_capture: bool) -> dict[str, object]:
+        """Layer name -> metadata: `build_for_cudagraph_capture` or `build(0, ...)` per group."""
+        metadata: dict[str, object] = {}
+        for index, group in enumerate(self.groups):
+            group_common = common
+            if index in self.kernel_tables:
+                table = self.kernel_tables[index][: common.num_reqs]
+                group_common = replace(common, block_table_tensor=table)
+            if for_capture:
+                built = group.builder.build_for_cudagraph_capture(group_common)
+            else:
+                built = group.builder.build(0, group_common)
+            metadata.update(dict.fromkeys(group.layer_names, built))
+        return metadata
