@@ -323,11 +323,13 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
             "decode_has_uniform_seq_len": bool(num_decodes)
             and bool((seq_lens == max_seq_len).all()),
             "decode_max_query_len": max_query_len,
-            "decode_token_ids": token_ids.to(device),
-            "decode_valid_rows": valid_rows.to(device),
-            "decode_valid_token_ids": token_ids.flatten()[valid_rows].to(device),
-            "decode_positions": ((seq_lens - query_lens).unsqueeze(1) + offsets).to(device),
-            "decode_seq_lens": seq_lens.to(device),
+            "decode_token_ids": token_ids.to(device, non_blocking=True),
+            "decode_valid_rows": valid_rows.to(device, non_blocking=True),
+            "decode_valid_token_ids": token_ids.flatten()[valid_rows].to(device, non_blocking=True),
+            "decode_positions": ((seq_lens - query_lens).unsqueeze(1) + offsets).to(
+                device, non_blocking=True
+            ),
+            "decode_seq_lens": seq_lens.to(device, non_blocking=True),
             "decode_num_blocks": max(-(-max_seq_len // block_size) - prefix_blocks, 0),
         }
 
