@@ -18,7 +18,7 @@ from anyattn.types import AttentionType, cache_torch_dtype, parse_cache_dtype
 if TYPE_CHECKING:
     from anyattn.backend import AttentionBackend, AttentionImpl
 
-__all__ = ["check_forward_inputs", "validate_impl_arguments"]
+__all__ = ["check_forward_inputs", "layer_kv_scale", "validate_impl_arguments"]
 
 
 def validate_impl_arguments(
@@ -230,3 +230,23 @@ def check_forward_inputs(
             f"{api}: output_lse must be float32 [{impl.num_heads}, num_tokens] (got "
             f"{output_lse.dtype} {tuple(output_lse.shape)})."
         )
+
+
+def layer_kv_scale(
+    api: str, layer: object, name: str, num_kv_heads: int, device: torch.device
+) -> torch.Tensor:
+    """`layer.k_scale` or `layer.v_scale` of an fp8 cache as float32 on `device`.
+
+    Raises:
+        ValueError: missing, or not of shape `[]`, `[1]` or `[num_kv_heads]`.
+    """
+    scale = getattr(layer, name, None)
+    if not isinstance(scale, torch.Tensor) or tuple(scale.shape) not in ((), (1,), (num_kv_heads,)):
+        got = tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise ValueError(
+            f"{api}: layer.{name} must be a float32 tensor of shape [] or [{num_kv_heads}] "
+            f"for an fp8 KV cache (got {got})."
+        )
+    if scale.device != device or scale.dtype != torch.float32:
+        scale = scale.to(device=device, dtype=torch.float32)
+    return scale

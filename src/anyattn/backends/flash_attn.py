@@ -60,7 +60,7 @@ from anyattn.backends.flash_attn_plan import (
     padded_num_reqs,
     plan_cascade,
 )
-from anyattn.impl_args import validate_impl_arguments
+from anyattn.impl_args import check_forward_inputs, validate_impl_arguments
 from anyattn.metadata import CommonAttentionMetadata
 from anyattn.ops.merge_attn_states import merge_attn_states
 from anyattn.types import (
@@ -726,40 +726,22 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
                 f"{api}: {interface.label} needs blocks of a multiple of "
                 f"{interface.block_size_multiple} tokens (got block_size {md.block_size})."
             )
-        heads = (self.num_heads, self.head_size)
-        if query.dim() != 3 or tuple(query.shape[1:]) != heads:
-            raise ValueError(
-                f"{api}: query must be [num_tokens, {heads[0]}, {heads[1]}] (got "
-                f"{tuple(query.shape)})."
-            )
-        if query.dtype not in FlashAttentionBackend.supported_dtypes:
-            raise ValueError(
-                f"{api}: query dtype not supported (got {query.dtype}, expected float16 or "
-                "bfloat16)."
-            )
-        if output.shape != query.shape or output.dtype != query.dtype:
-            raise ValueError(
-                f"{api}: output must match query in shape and dtype (got {tuple(output.shape)} "
-                f"{output.dtype}, expected {tuple(query.shape)} {query.dtype})."
-            )
-        if md.num_actual_tokens > query.shape[0]:
-            raise ValueError(
-                f"{api}: query has fewer rows than the metadata's tokens (got {query.shape[0]}, "
-                f"expected >= {md.num_actual_tokens})."
-            )
-        self._check_key_value(query, key, value, md, api)
+        check_forward_inputs(
+            api,
+            self,
+            FlashAttentionBackend.supported_dtypes,
+            query,
+            key,
+            value,
+            kv_cache,
+            block_size=md.block_size,
+            num_actual_tokens=md.num_actual_tokens,
+            output=output,
+            output_lse=output_lse,
+            reads_cache=self.attn_type not in _ENCODER_TYPES,
+        )
         if self.attn_type not in _ENCODER_TYPES:
-            self._check_cache(query, kv_cache, md, api)
-        if output_lse is not None and (
-            output_lse.dtype != torch.float32
-            or output_lse.dim() != 2
-            or output_lse.shape[0] != self.num_heads
-            or output_lse.shape[1] < md.num_actual_tokens
-        ):
-            raise ValueError(
-                f"{api}: output_lse must be float32 [{self.num_heads}, num_tokens] (got "
-                f"{output_lse.dtype} {tuple(output_lse.shape)})."
-            )
+            self._check_cache(query, kv_cache, api)
 
     def _check_features(
         self, md: FlashAttentionMetadata, output_lse: torch.Tensor | None, api: str
@@ -788,64 +770,14 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
                 "cascade prefix)."
             )
 
-    def _check_key_value(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
-        md: FlashAttentionMetadata,
-        api: str,
-    ) -> None:
-        if (key is None) != (value is None):
-            raise ValueError(f"{api}: key and value must both be given or both be None.")
-        kv_shape = (self.num_kv_heads, self.head_size)
-        for name, tensor in (("key", key), ("value", value)):
-            if tensor is None:
-                continue
-            if tensor.dim() != 3 or tuple(tensor.shape[1:]) != kv_shape:
-                raise ValueError(
-                    f"{api}: {name} must be [num_tokens, {kv_shape[0]}, {kv_shape[1]}] (got "
-                    f"{tuple(tensor.shape)})."
-                )
-            if tensor.dtype != query.dtype:
-                raise ValueError(
-                    f"{api}: {name} dtype differs from query (got {tensor.dtype}, expected "
-                    f"{query.dtype})."
-                )
-            if self.attn_type is not AttentionType.ENCODER_DECODER and (
-                tensor.shape[0] != query.shape[0]
-            ):
-                raise ValueError(
-                    f"{api}: {name} and query differ in tokens (got {tensor.shape[0]} and "
-                    f"{query.shape[0]})."
-                )
-        if self.attn_type in _ENCODER_TYPES and key is None:
-            raise ValueError(f"{api}: {self.attn_type.value} attention needs key and value.")
-
-    def _check_cache(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, md: FlashAttentionMetadata, api: str
-    ) -> None:
+    def _check_cache(self, query: torch.Tensor, kv_cache: torch.Tensor, api: str) -> None:
+        """What FlashAttention adds to the shared checks: one dtype for q/k/v unless the cache
+        is fp8 (then descales), and a contiguous head dimension."""
         cache_dtype = cache_torch_dtype(self.kv_cache_dtype, query.dtype)
-        expected = ("num_blocks", 2, md.block_size, self.num_kv_heads, self.head_size)
-        if kv_cache.dim() != 5 or tuple(kv_cache.shape[1:]) != expected[1:]:
-            raise ValueError(
-                f"{api}: kv_cache must be {list(expected)} (got {tuple(kv_cache.shape)}). "
-                "Allocate it with anyattn.kv_cache.allocate_kv_cache."
-            )
-        if kv_cache.dtype != cache_dtype:
-            raise ValueError(
-                f"{api}: kv_cache dtype does not match kv_cache_dtype {self.kv_cache_dtype!r} "
-                f"(got {kv_cache.dtype}, expected {cache_dtype})."
-            )
         if not is_fp8_cache(self.kv_cache_dtype) and cache_dtype != query.dtype:
             raise ValueError(
                 f"{api}: kv_cache dtype differs from the query's (got {cache_dtype} and "
                 f"{query.dtype}, expected one dtype). Use kv_cache_dtype='auto'."
-            )
-        if kv_cache.device != query.device:
-            raise ValueError(
-                f"{api}: kv_cache and query are on different devices (got {kv_cache.device} "
-                f"and {query.device})."
             )
         if kv_cache.stride(-1) != 1:
             raise ValueError(

@@ -57,7 +57,7 @@ from anyattn.backend import (
     AttentionMetadataBuilder,
 )
 from anyattn.backends.flashinfer_plan import StepArrays, plan_step
-from anyattn.impl_args import validate_impl_arguments
+from anyattn.impl_args import check_forward_inputs, validate_impl_arguments
 from anyattn.metadata import CommonAttentionMetadata
 from anyattn.types import (
     DTYPES,
@@ -65,7 +65,6 @@ from anyattn.types import (
     AttentionType,
     KVCacheLayout,
     MultipleOf,
-    cache_torch_dtype,
     is_fp8_cache,
 )
 
@@ -736,71 +735,35 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
                 f"(got {self.sliding_window}, expected {md.window_left + 1 or None}). Group "
                 "layers by sliding window."
             )
-        heads = (self.num_heads, self.head_size)
-        if query.dim() != 3 or tuple(query.shape[1:]) != heads:
-            raise ValueError(
-                f"{api}: query must be [num_tokens, {heads[0]}, {heads[1]}] (got "
-                f"{tuple(query.shape)})."
-            )
         if query.dtype != md.dtype:
             raise ValueError(
                 f"{api}: query dtype differs from the KV-cache spec's dtype (got {query.dtype}, "
                 f"expected {md.dtype})."
             )
-        if output.shape != query.shape or output.dtype != query.dtype:
+        rows = max(md.num_actual_tokens, md.decode_rows)  # graph steps run padded rows too
+        check_forward_inputs(
+            api,
+            self,
+            FlashInferBackend.supported_dtypes,
+            query,
+            key,
+            value,
+            kv_cache,
+            block_size=md.block_size,
+            num_actual_tokens=rows,
+            output=output,
+            output_lse=output_lse,
+        )
+        # What the step was planned for, and what the wrappers need beyond the shared checks.
+        if kv_cache.dtype != md.cache_dtype:
             raise ValueError(
-                f"{api}: output must match query in shape and dtype (got {tuple(output.shape)} "
-                f"{output.dtype}, expected {tuple(query.shape)} {query.dtype})."
+                f"{api}: kv_cache dtype differs from the KV-cache spec the step was planned for "
+                f"(got {kv_cache.dtype}, expected {md.cache_dtype})."
             )
-        if not output.is_contiguous():
-            raise ValueError(f"{api}: output must be contiguous (got strides {output.stride()}).")
-        rows = max(md.num_actual_tokens, md.decode_rows)
-        if query.shape[0] < rows:
+        if not output.is_contiguous() or kv_cache.stride(-1) != 1:
             raise ValueError(
-                f"{api}: query has fewer rows than the step (got {query.shape[0]}, expected "
-                f">= {rows})."
-            )
-        if (key is None) != (value is None):
-            raise ValueError(f"{api}: key and value must both be given or both be None.")
-        for name, tensor in (("key", key), ("value", value)):
-            if tensor is None:
-                continue
-            expected = (query.shape[0], self.num_kv_heads, self.head_size)
-            if tuple(tensor.shape) != expected:
-                raise ValueError(
-                    f"{api}: {name} must be {list(expected)} (got {tuple(tensor.shape)})."
-                )
-            if tensor.dtype != query.dtype:
-                raise ValueError(
-                    f"{api}: {name} dtype differs from query (got {tensor.dtype}, expected "
-                    f"{query.dtype})."
-                )
-        cache_dtype = cache_torch_dtype(self.kv_cache_dtype, query.dtype)
-        expected_cache = ("num_blocks", 2, md.block_size, self.num_kv_heads, self.head_size)
-        if kv_cache.dim() != 5 or tuple(kv_cache.shape[1:]) != expected_cache[1:]:
-            raise ValueError(
-                f"{api}: kv_cache must be {list(expected_cache)} (got {tuple(kv_cache.shape)}). "
-                "Allocate it with anyattn.kv_cache.allocate_kv_cache."
-            )
-        if kv_cache.dtype != cache_dtype or cache_dtype != md.cache_dtype:
-            raise ValueError(
-                f"{api}: kv_cache dtype does not match kv_cache_dtype {self.kv_cache_dtype!r} "
-                f"and the KV-cache spec (got {kv_cache.dtype}, expected {md.cache_dtype})."
-            )
-        if kv_cache.device != query.device or kv_cache.stride(-1) != 1:
-            raise ValueError(
-                f"{api}: kv_cache must be on the query's device with contiguous heads (got "
-                f"{kv_cache.device}, head stride {kv_cache.stride(-1)})."
-            )
-        if output_lse is not None and (
-            output_lse.dtype != torch.float32
-            or output_lse.dim() != 2
-            or output_lse.shape[0] != self.num_heads
-            or output_lse.shape[1] < rows
-        ):
-            raise ValueError(
-                f"{api}: output_lse must be float32 [{self.num_heads}, num_tokens] (got "
-                f"{output_lse.dtype} {tuple(output_lse.shape)})."
+                f"{api}: output must be contiguous and kv_cache's head dimension too (got "
+                f"strides {output.stride()} and {kv_cache.stride()})."
             )
 
 

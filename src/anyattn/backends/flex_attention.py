@@ -70,13 +70,12 @@ from anyattn.backends.flex_attention_plan import (
     tile_masks,
     window_lo,
 )
-from anyattn.impl_args import validate_impl_arguments
+from anyattn.impl_args import check_forward_inputs, layer_kv_scale, validate_impl_arguments
 from anyattn.metadata import CommonAttentionMetadata
 from anyattn.types import (
     AttentionCGSupport,
     AttentionType,
     KVCacheLayout,
-    cache_torch_dtype,
     is_fp8_cache,
 )
 
@@ -86,6 +85,8 @@ __all__ = [
     "FlexAttentionMetadata",
     "FlexAttentionMetadataBuilder",
 ]
+
+_API = "FLEX_ATTENTION forward"
 
 _ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
 
@@ -597,7 +598,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
             # [keys, KVH, D], straight out of the pages (any layout, any block size)
             stored = kv_cache[md.kv_block_ids, which, md.kv_offsets]
             if fp8:
-                scale = _scale(layer, name, self.num_kv_heads, device)
+                scale = layer_kv_scale(_API, layer, name, self.num_kv_heads, device)
                 stored = stored.float() * scale.view(-1, 1)
             target[:, 1:rows] = stored.transpose(0, 1)
         return k_rows, v_rows
@@ -613,7 +614,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         output_lse: torch.Tensor | None = None,
     ) -> None:
         """See `AttentionImpl.validate_inputs`; shapes, dtypes and devices of every input."""
-        api = "FLEX_ATTENTION forward"
+        api = _API
         if not isinstance(md, FlexAttentionMetadata):
             raise TypeError(
                 f"{api}: attn_metadata must come from FlexAttentionMetadataBuilder.build (got "
@@ -624,98 +625,25 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
                 f"{api}: sliding window with non-causal attention not supported (got "
                 "attn_metadata.causal=False); the window is defined causally."
             )
-        heads = (self.num_heads, self.head_size)
-        if query.dim() != 3 or tuple(query.shape[1:]) != heads:
-            raise ValueError(
-                f"{api}: query must be [num_tokens, {heads[0]}, {heads[1]}] (got "
-                f"{tuple(query.shape)})."
-            )
-        if query.dtype not in FlexAttentionBackend.supported_dtypes:
-            raise ValueError(
-                f"{api}: query dtype not supported (got {query.dtype}, expected float32, "
-                "float16 or bfloat16)."
-            )
-        if output.shape != query.shape or output.dtype != query.dtype:
-            raise ValueError(
-                f"{api}: output must match query in shape and dtype (got {tuple(output.shape)} "
-                f"{output.dtype}, expected {tuple(query.shape)} {query.dtype})."
-            )
-        if md.num_actual_tokens > query.shape[0]:
-            raise ValueError(
-                f"{api}: query has fewer rows than the metadata's tokens (got {query.shape[0]}, "
-                f"expected >= {md.num_actual_tokens})."
-            )
-        self._validate_key_value(api, query, key, value)
-        if self.attn_type in _ENCODER_TYPES:
-            if key is None:
-                raise ValueError(f"{api}: {self.attn_type.value} attention needs key and value.")
-        else:
-            self._validate_cache(api, query, kv_cache, md)
-        if output_lse is not None:
-            if query.device.type != "cuda":
-                raise NotImplementedError(
-                    f"{api}: output_lse not supported on {query.device.type} (Inductor's CPU "
-                    "FlexAttention returns no LSE). Use the TORCH backend when LSEs are needed "
-                    "on the CPU."
-                )
-            if (
-                output_lse.dtype != torch.float32
-                or output_lse.dim() != 2
-                or output_lse.shape[0] != self.num_heads
-                or output_lse.shape[1] < md.num_actual_tokens
-            ):
-                raise ValueError(
-                    f"{api}: output_lse must be float32 [{self.num_heads}, num_tokens] (got "
-                    f"{output_lse.dtype} {tuple(output_lse.shape)})."
-                )
-
-    def _validate_key_value(
-        self, api: str, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None
-    ) -> None:
-        if (key is None) != (value is None):
-            raise ValueError(f"{api}: key and value must both be given or both be None.")
-        kv_shape = (self.num_kv_heads, self.head_size)
-        for name, tensor in (("key", key), ("value", value)):
-            if tensor is None:
-                continue
-            if tensor.dim() != 3 or tuple(tensor.shape[1:]) != kv_shape:
-                raise ValueError(
-                    f"{api}: {name} must be [num_tokens, {kv_shape[0]}, {kv_shape[1]}] (got "
-                    f"{tuple(tensor.shape)})."
-                )
-            if tensor.dtype != query.dtype:
-                raise ValueError(
-                    f"{api}: {name} dtype differs from query (got {tensor.dtype}, expected "
-                    f"{query.dtype})."
-                )
-            if (
-                self.attn_type != AttentionType.ENCODER_DECODER
-                and tensor.shape[0] != query.shape[0]
-            ):
-                raise ValueError(
-                    f"{api}: {name} and query differ in tokens (got {tensor.shape[0]} and "
-                    f"{query.shape[0]})."
-                )
-
-    def _validate_cache(
-        self, api: str, query: torch.Tensor, kv_cache: torch.Tensor, md: FlexAttentionMetadata
-    ) -> None:
-        cache_dtype = cache_torch_dtype(self.kv_cache_dtype, query.dtype)
-        expected = ("num_blocks", 2, md.block_size, self.num_kv_heads, self.head_size)
-        if kv_cache.dim() != 5 or tuple(kv_cache.shape[1:]) != expected[1:]:
-            raise ValueError(
-                f"{api}: kv_cache must be {list(expected)} (got {tuple(kv_cache.shape)}). "
-                "Allocate it with anyattn.kv_cache.allocate_kv_cache."
-            )
-        if kv_cache.dtype != cache_dtype:
-            raise ValueError(
-                f"{api}: kv_cache dtype does not match kv_cache_dtype {self.kv_cache_dtype!r} "
-                f"(got {kv_cache.dtype}, expected {cache_dtype})."
-            )
-        if kv_cache.device != query.device:
-            raise ValueError(
-                f"{api}: kv_cache and query are on different devices (got {kv_cache.device} "
-                f"and {query.device})."
+        check_forward_inputs(
+            api,
+            self,
+            FlexAttentionBackend.supported_dtypes,
+            query,
+            key,
+            value,
+            kv_cache,
+            block_size=md.block_size,
+            num_actual_tokens=md.num_actual_tokens,
+            output=output,
+            output_lse=output_lse,
+            reads_cache=self.attn_type not in _ENCODER_TYPES,
+        )
+        if output_lse is not None and query.device.type != "cuda":
+            raise NotImplementedError(
+                f"{api}: output_lse not supported on {query.device.type} (Inductor's CPU "
+                "FlexAttention returns no LSE). Use the TORCH backend when LSEs are needed "
+                "on the CPU."
             )
 
 
@@ -737,16 +665,3 @@ def _score_mod(mods: dict[str, torch.Tensor], plan: _Plan) -> Callable:
         return score
 
     return score_mod
-
-
-def _scale(
-    layer: AttentionLayer, name: str, num_kv_heads: int, device: torch.device
-) -> torch.Tensor:
-    scale = getattr(layer, name, None)
-    if not isinstance(scale, torch.Tensor) or tuple(scale.shape) not in ((), (1,), (num_kv_heads,)):
-        got = tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__
-        raise ValueError(
-            f"FLEX_ATTENTION forward: layer.{name} must be a float32 tensor of shape [] or "
-            f"[{num_kv_heads}] for an fp8 KV cache (got {got})."
-        )
-    return scale.to(device=device, dtype=torch.float32)

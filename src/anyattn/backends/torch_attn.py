@@ -25,7 +25,7 @@ from anyattn.backend import (
     AttentionLayer,
     AttentionMetadataBuilder,
 )
-from anyattn.impl_args import check_forward_inputs, validate_impl_arguments
+from anyattn.impl_args import check_forward_inputs, layer_kv_scale, validate_impl_arguments
 from anyattn.metadata import CommonAttentionMetadata, split_decodes_and_prefills
 from anyattn.ops.dense_attention import DenseKV, PagedKV, ScoreMods, dense_attention
 from anyattn.ops.merge_attn_states import merge_attn_states
@@ -541,8 +541,12 @@ class _Run:
         self.fp8 = is_fp8_cache(impl.kv_cache_dtype)
         self.k_scale = self.v_scale = None
         if self.fp8 and not self.encoder:
-            self.k_scale = _scale(layer, "k_scale", impl.num_kv_heads, query.device)
-            self.v_scale = _scale(layer, "v_scale", impl.num_kv_heads, query.device)
+            self.k_scale = layer_kv_scale(
+                "TORCH forward", layer, "k_scale", impl.num_kv_heads, query.device
+            )
+            self.v_scale = layer_kv_scale(
+                "TORCH forward", layer, "v_scale", impl.num_kv_heads, query.device
+            )
         # A fresh prefill may read its new K/V from the inputs: for a non-fp8 cache of the
         # model dtype they equal what was cached. Shared-KV layers always read the cache.
         self.fresh_from_inputs = (
@@ -649,16 +653,3 @@ class _Run:
             out[seg.q_start : seg.q_start + seg.q_len] = o[0]
             if lse is not None:
                 lse[:, seg.q_start : seg.q_start + seg.q_len] = part_lse[0]
-
-
-def _scale(
-    layer: AttentionLayer, name: str, num_kv_heads: int, device: torch.device
-) -> torch.Tensor:
-    scale = getattr(layer, name, None)
-    if not isinstance(scale, torch.Tensor) or tuple(scale.shape) not in ((), (1,), (num_kv_heads,)):
-        got = tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__
-        raise ValueError(
-            f"TORCH forward: layer.{name} must be a float32 tensor of shape [] or "
-            f"[{num_kv_heads}] for an fp8 KV cache (got {got})."
-        )
-    return scale.to(device=device, dtype=torch.float32)

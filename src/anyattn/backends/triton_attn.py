@@ -26,7 +26,7 @@ from anyattn.backend import (
     AttentionLayer,
     AttentionMetadataBuilder,
 )
-from anyattn.impl_args import check_forward_inputs, validate_impl_arguments
+from anyattn.impl_args import check_forward_inputs, layer_kv_scale, validate_impl_arguments
 from anyattn.metadata import CommonAttentionMetadata
 from anyattn.ops.unified_attention import (
     UnifiedAttentionParams,
@@ -374,8 +374,8 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         alibi_slopes, sinks = self._on(query.device)
         k_scale = v_scale = None
         if kv_cache.element_size() == 1:
-            k_scale = _scale(layer, "k_scale", self.num_kv_heads, query.device)
-            v_scale = _scale(layer, "v_scale", self.num_kv_heads, query.device)
+            k_scale = layer_kv_scale(_API, layer, "k_scale", self.num_kv_heads, query.device)
+            v_scale = layer_kv_scale(_API, layer, "v_scale", self.num_kv_heads, query.device)
         params = UnifiedAttentionParams(
             scale=self.scale,
             causal=md.causal,
@@ -473,18 +473,3 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             output=output,
             output_lse=output_lse,
         )
-
-
-def _scale(
-    layer: AttentionLayer, name: str, num_kv_heads: int, device: torch.device
-) -> torch.Tensor:
-    scale = getattr(layer, name, None)
-    if not isinstance(scale, torch.Tensor) or tuple(scale.shape) not in ((), (1,), (num_kv_heads,)):
-        got = tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__
-        raise ValueError(
-            f"{_API}: layer.{name} must be a float32 tensor of shape [] or [{num_kv_heads}] "
-            f"for an fp8 KV cache (got {got})."
-        )
-    if scale.device != device or scale.dtype != torch.float32:
-        scale = scale.to(device=device, dtype=torch.float32)
-    return scale.reshape(-1)
