@@ -150,6 +150,72 @@ def check_fresh_prefill_from_inputs(device: str, dtype: torch.dtype) -> None:
     torch.testing.assert_close(out[:num_tokens], from_input, atol=0, rtol=0)
 
 
+# (name, query_lens, seq_lens, batch kwargs, params kwargs, tiles): shapes the kit's catalogue
+# does not reach: tiles smaller than a block and than a request, odd block sizes, GQA ratios
+# and head sizes that are not powers of two, windows of 1, every score modifier at once.
+AWKWARD = [
+    ("tiny tiles, block 3", [1, 7, 40, 1], [90, 7, 100, 1], {"block_size": 3}, {}, (16, 16, 4, 1)),
+    ("every modifier", [1, 7, 40, 1], [90, 7, 100, 1], {"block_size": 5},
+     {"cap": 2.0, "alibi": True, "sinks": True}, (16, 16, 4, 1)),
+    ("window 1", [1, 7, 40], [90, 7, 100], {}, {"sliding_window": 1}, (16, 16, 4, 1)),
+    ("gqa 3, head 40", [1, 7, 40], [90, 7, 100], {"num_heads": 3, "num_kv_heads": 1,
+     "head_size": 40}, {}, None),
+    ("gqa 7, head 24", [1, 9, 1], [30, 9, 1], {"num_heads": 14, "num_kv_heads": 2,
+     "head_size": 24}, {"sinks": True}, None),
+    ("mha, 64-row tiles", [1, 70, 3], [90, 70, 100], {"num_heads": 2, "num_kv_heads": 2}, {},
+     (64, 16, 4, 1)),
+]  # fmt: skip
+
+
+def check_awkward_shapes(device: str, dtype: torch.dtype) -> None:
+    """The kernel against the reference run in float64, with and without split-KV."""
+    for name, query_lens, seq_lens, batch_kw, mods, tiles in AWKWARD:
+        query, kv, qsl, sl, table = random_batch(query_lens, seq_lens, device, dtype, **batch_kw)
+        num_heads = query.shape[1]
+        gen = torch.Generator().manual_seed(5)
+        params = UnifiedAttentionParams(
+            scale=query.shape[2] ** -0.5,
+            sliding_window=mods.get("sliding_window"),
+            logits_soft_cap=mods.get("cap"),
+            alibi_slopes=torch.rand(num_heads, generator=gen).to(device)
+            if "alibi" in mods
+            else None,
+            sinks=torch.randn(num_heads, generator=gen).to(device) if "sinks" in mods else None,
+        )
+        expected = torch.zeros(query.shape, dtype=torch.float64, device=device)
+        expected_lse = torch.zeros(num_heads, query.shape[0], dtype=torch.float64, device=device)
+        ref_params = dataclasses.replace(
+            params,
+            alibi_slopes=None if params.alibi_slopes is None else params.alibi_slopes.double(),
+            sinks=None if params.sinks is None else params.sinks.double(),
+        )
+        unified_attention_ref(
+            query.double(), kv.double(), expected, qsl, sl, table, len(query_lens), ref_params,
+            output_lse=expected_lse,
+        )  # fmt: skip
+        for splits in (1, 3):
+            out_shape, lse_shape = split_kv_workspace_shape(
+                query.shape[0], num_heads, query.shape[2], splits
+            )
+            workspace = (
+                torch.empty(out_shape, device=device),
+                torch.empty(lse_shape, device=device),
+            )
+            out = torch.zeros_like(query)
+            lse = torch.zeros(num_heads, query.shape[0], device=device)
+            unified_attention(
+                query, kv, out, qsl, sl, table, len(query_lens), max(query_lens), params,
+                output_lse=lse, num_splits=splits, workspace=workspace, tiles=tiles,
+            )  # fmt: skip
+            tol = 2e-3 if dtype == torch.float16 else 2e-5
+            torch.testing.assert_close(
+                out.double(), expected, atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}"
+            )
+            torch.testing.assert_close(
+                lse.double(), expected_lse, atol=1e-4, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+            )
+
+
 def run_interpreter_cases() -> list[str]:
     """The CPU cases (run with TRITON_INTERPRET=1); returns failure messages."""
     failures = []
@@ -157,7 +223,12 @@ def run_interpreter_cases() -> list[str]:
         report = check_backend(InterpretedTriton, "cpu", dtype, quick=True)
         if not report.passed:
             failures.append(f"kit {dtype}: {[c.name for c in report.failures]}")
-        for check in (check_split_kv_forced_and_forbidden, check_fresh_prefill_from_inputs):
+        checks = (
+            check_split_kv_forced_and_forbidden,
+            check_fresh_prefill_from_inputs,
+            check_awkward_shapes,
+        )
+        for check in checks:
             try:
                 check("cpu", dtype)
             except AssertionError as error:

@@ -385,21 +385,23 @@ def unified_attention_ref(
     *,
     output_lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The same computation in plain PyTorch (float32, one request at a time), for tests."""
+    """The same computation in plain PyTorch, one request at a time, for tests: in float32, or
+    float64 when the query is float64."""
+    acc = torch.promote_types(query.dtype, torch.float32)
     num_heads = query.shape[1]
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     group = num_heads // num_kv_heads
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     for r in range(num_reqs):
-        q = query[starts[r] : starts[r + 1]].float()  # [Lq, H, D]
+        q = query[starts[r] : starts[r + 1]].to(acc)  # [Lq, H, D]
         query_len, seq_len = q.shape[0], lens[r]
         pos = torch.arange(seq_len, device=query.device)
         blocks = block_table[r, pos // block_size].long()
-        k = kv_cache[blocks, 0, pos % block_size].float()  # [L, Hkv, D]
-        v = kv_cache[blocks, 1, pos % block_size].float()
+        k = kv_cache[blocks, 0, pos % block_size].to(acc)  # [L, Hkv, D]
+        v = kv_cache[blocks, 1, pos % block_size].to(acc)
         if kv_cache.element_size() == 1 and params.k_scale is not None:
-            k = k * params.k_scale.float().reshape(-1, 1)
-            v = v * params.v_scale.float().reshape(-1, 1)
+            k = k * params.k_scale.to(acc).reshape(-1, 1)
+            v = v * params.v_scale.to(acc).reshape(-1, 1)
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         s = torch.einsum("qhd,khd->hqk", q, k) * params.scale  # [H, Lq, L]
@@ -408,7 +410,7 @@ def unified_attention_ref(
         q_pos = seq_len - query_len + torch.arange(query_len, device=query.device)
         rel = pos[None, :] - q_pos[:, None]  # [Lq, L]: j - p
         if params.alibi_slopes is not None:
-            s = s + params.alibi_slopes.float().reshape(-1, 1, 1) * rel
+            s = s + params.alibi_slopes.to(acc).reshape(-1, 1, 1) * rel
         allowed = torch.ones_like(rel, dtype=torch.bool)
         if params.causal:
             allowed &= rel <= 0
@@ -416,7 +418,7 @@ def unified_attention_ref(
             allowed &= rel > -params.sliding_window
         s = s.masked_fill(~allowed, float("-inf"))
         if params.sinks is not None:
-            sink = params.sinks.float().reshape(-1, 1, 1).expand(-1, query_len, 1)
+            sink = params.sinks.to(acc).reshape(-1, 1, 1).expand(-1, query_len, 1)
             s = torch.cat([s, sink], dim=-1)
         lse = torch.logsumexp(s, dim=-1)  # [H, Lq]
         p = torch.exp(s - lse.clamp_min(-1e30)[..., None]).nan_to_num(0.0)[..., :seq_len]
