@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, TypeVar
 import numpy as np
 import torch
 
+from anyattn.impl_args import validate_impl_arguments
 from anyattn.types import (
     AttentionCGSupport,
     AttentionType,
@@ -482,6 +483,50 @@ class AttentionImpl(AttentionImplBase[M], Generic[M]):
         kv_sharing_target_layer_name: str | None = None,
         sinks: torch.Tensor | None = None,
     ) -> None: ...
+
+    def init_common_arguments(
+        self,
+        backend: type[AttentionBackend],
+        *,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None,
+        attn_type: AttentionType | str,
+        kv_sharing_target_layer_name: str | None,
+        sinks: torch.Tensor | None,
+    ) -> None:
+        """The first step of every impl's `__init__`: check the constructor arguments against
+        `backend`'s declarations (`validate_impl_arguments`) and keep the ones every impl uses:
+        `num_heads, num_kv_heads, head_size, scale, kv_cache_dtype, attn_type,
+        kv_sharing_target_layer_name, sliding_window, logits_soft_cap` (None when 0 or None).
+        ALiBi slopes and sinks are the impl's to keep, in the form its kernel wants.
+        """
+        self.num_kv_heads = validate_impl_arguments(
+            backend,
+            num_heads=num_heads,
+            head_size=head_size,
+            scale=scale,
+            num_kv_heads=num_kv_heads,
+            alibi_slopes=alibi_slopes,
+            sliding_window=sliding_window,
+            kv_cache_dtype=kv_cache_dtype,
+            logits_soft_cap=logits_soft_cap,
+            attn_type=attn_type,
+            sinks=sinks,
+        )
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = AttentionType(attn_type)
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = float(logits_soft_cap) if logits_soft_cap else None
 
     @abstractmethod
     def forward(

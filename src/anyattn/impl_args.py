@@ -95,6 +95,12 @@ def validate_impl_arguments(
     if sliding_window is not None:
         if not backend.supports_sliding_window():
             raise NotImplementedError(f"{api}: sliding window not supported.")
+        if attn_type != AttentionType.DECODER:
+            # DESIGN.md defines the window causally (p - W < j <= p).
+            raise NotImplementedError(
+                f"{api}: sliding window with {attn_type.value} attention not supported (the "
+                "window is defined causally)."
+            )
         if (
             isinstance(sliding_window, bool)
             or not isinstance(sliding_window, int)

@@ -60,7 +60,7 @@ from anyattn.backends.flash_attn_plan import (
     padded_num_reqs,
     plan_cascade,
 )
-from anyattn.impl_args import check_forward_inputs, validate_impl_arguments
+from anyattn.impl_args import check_forward_inputs
 from anyattn.metadata import CommonAttentionMetadata
 from anyattn.ops.merge_attn_states import merge_attn_states
 from anyattn.types import (
@@ -502,7 +502,7 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
         kv_sharing_target_layer_name: str | None = None,
         sinks: torch.Tensor | None = None,
     ) -> None:
-        self.num_kv_heads = validate_impl_arguments(
+        self.init_common_arguments(
             FlashAttentionBackend,
             num_heads=num_heads,
             head_size=head_size,
@@ -513,23 +513,13 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
             kv_cache_dtype=kv_cache_dtype,
             logits_soft_cap=logits_soft_cap,
             attn_type=attn_type,
+            kv_sharing_target_layer_name=kv_sharing_target_layer_name,
             sinks=sinks,
         )
-        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
-        self.kv_cache_dtype = kv_cache_dtype
-        self.attn_type = AttentionType(attn_type)
-        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        self.sliding_window = sliding_window
-        self.logits_soft_cap = float(logits_soft_cap) if logits_soft_cap else None
         self.alibi_slopes = (
             None if alibi_slopes is None else torch.as_tensor(alibi_slopes, dtype=torch.float32)
         )
         self.sinks = None if sinks is None else sinks.detach().float()
-        if sliding_window is not None and self.attn_type is not AttentionType.DECODER:
-            raise NotImplementedError(
-                f"FLASH_ATTN impl: sliding window with {self.attn_type.value} attention not "
-                "supported (the window is defined causally)."
-            )
         self._request = versions.FlashAttnRequest(
             head_size=head_size,
             kv_cache_dtype=kv_cache_dtype,

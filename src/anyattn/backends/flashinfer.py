@@ -57,7 +57,7 @@ from anyattn.backend import (
     AttentionMetadataBuilder,
 )
 from anyattn.backends.flashinfer_plan import StepArrays, plan_step
-from anyattn.impl_args import check_forward_inputs, validate_impl_arguments
+from anyattn.impl_args import check_forward_inputs
 from anyattn.metadata import CommonAttentionMetadata
 from anyattn.types import (
     DTYPES,
@@ -568,7 +568,7 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
         kv_sharing_target_layer_name: str | None = None,
         sinks: torch.Tensor | None = None,
     ) -> None:
-        self.num_kv_heads = validate_impl_arguments(
+        self.init_common_arguments(
             FlashInferBackend,
             num_heads=num_heads,
             head_size=head_size,
@@ -579,16 +579,9 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
             kv_cache_dtype=kv_cache_dtype,
             logits_soft_cap=logits_soft_cap,
             attn_type=attn_type,
+            kv_sharing_target_layer_name=kv_sharing_target_layer_name,
             sinks=sinks,
         )
-        self.num_heads = num_heads
-        self.head_size = head_size
-        self.scale = float(scale.item() if isinstance(scale, torch.Tensor) else scale)
-        self.sliding_window = sliding_window
-        self.kv_cache_dtype = kv_cache_dtype
-        self.logits_soft_cap = float(logits_soft_cap) if logits_soft_cap else None
-        self.attn_type = AttentionType(attn_type)
-        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.plan_key = _PlanKey(num_heads, self.scale, self.logits_soft_cap or 0.0)
         self._scales: dict[str, tuple[tuple[int, int, int], float]] = {}
 

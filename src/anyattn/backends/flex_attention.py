@@ -70,7 +70,7 @@ from anyattn.backends.flex_attention_plan import (
     tile_masks,
     window_lo,
 )
-from anyattn.impl_args import check_forward_inputs, layer_kv_scale, validate_impl_arguments
+from anyattn.impl_args import check_forward_inputs, layer_kv_scale
 from anyattn.metadata import CommonAttentionMetadata
 from anyattn.types import (
     AttentionCGSupport,
@@ -460,7 +460,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         kv_sharing_target_layer_name: str | None = None,
         sinks: torch.Tensor | None = None,
     ) -> None:
-        self.num_kv_heads = validate_impl_arguments(
+        self.init_common_arguments(
             FlexAttentionBackend,
             num_heads=num_heads,
             head_size=head_size,
@@ -471,20 +471,9 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
             kv_cache_dtype=kv_cache_dtype,
             logits_soft_cap=logits_soft_cap,
             attn_type=attn_type,
+            kv_sharing_target_layer_name=kv_sharing_target_layer_name,
             sinks=sinks,
         )
-        self.num_heads = num_heads
-        self.head_size = head_size
-        self.scale = float(scale)
-        self.kv_cache_dtype = kv_cache_dtype
-        self.attn_type = AttentionType(attn_type)
-        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        self.sliding_window = sliding_window
-        if sliding_window is not None and self.attn_type != AttentionType.DECODER:
-            raise NotImplementedError(
-                f"FLEX_ATTENTION impl: sliding window with {self.attn_type.value} attention not "
-                "supported (the window is defined causally)."
-            )
         self.group = num_heads // self.num_kv_heads
         shape = (self.num_kv_heads, self.group)
         # Per-layer values travel as tensors, so layers differing only in them share a graph.

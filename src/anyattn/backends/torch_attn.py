@@ -25,7 +25,7 @@ from anyattn.backend import (
     AttentionLayer,
     AttentionMetadataBuilder,
 )
-from anyattn.impl_args import check_forward_inputs, layer_kv_scale, validate_impl_arguments
+from anyattn.impl_args import check_forward_inputs, layer_kv_scale
 from anyattn.metadata import CommonAttentionMetadata, split_decodes_and_prefills
 from anyattn.ops.dense_attention import DenseKV, PagedKV, ScoreMods, dense_attention
 from anyattn.ops.merge_attn_states import merge_attn_states
@@ -373,7 +373,7 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
         kv_sharing_target_layer_name: str | None = None,
         sinks: torch.Tensor | None = None,
     ) -> None:
-        self.num_kv_heads = validate_impl_arguments(
+        self.init_common_arguments(
             TorchAttentionBackend,
             num_heads=num_heads,
             head_size=head_size,
@@ -384,20 +384,9 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
             kv_cache_dtype=kv_cache_dtype,
             logits_soft_cap=logits_soft_cap,
             attn_type=attn_type,
+            kv_sharing_target_layer_name=kv_sharing_target_layer_name,
             sinks=sinks,
         )
-        self.num_heads = num_heads
-        self.head_size = head_size
-        self.scale = float(scale)
-        self.kv_cache_dtype = kv_cache_dtype
-        self.attn_type = AttentionType(attn_type)
-        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        self.sliding_window = sliding_window
-        if sliding_window is not None and self.attn_type != AttentionType.DECODER:
-            raise NotImplementedError(
-                f"TORCH impl: sliding window with {self.attn_type.value} attention not supported "
-                "(the window is defined causally)."
-            )
         group = num_heads // self.num_kv_heads
         shape = (self.num_kv_heads, 1, group)
         slopes = None

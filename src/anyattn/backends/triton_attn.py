@@ -26,7 +26,7 @@ from anyattn.backend import (
     AttentionLayer,
     AttentionMetadataBuilder,
 )
-from anyattn.impl_args import check_forward_inputs, layer_kv_scale, validate_impl_arguments
+from anyattn.impl_args import check_forward_inputs, layer_kv_scale
 from anyattn.metadata import CommonAttentionMetadata
 from anyattn.ops.unified_attention import (
     UnifiedAttentionParams,
@@ -313,7 +313,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         kv_sharing_target_layer_name: str | None = None,
         sinks: torch.Tensor | None = None,
     ) -> None:
-        self.num_kv_heads = validate_impl_arguments(
+        self.init_common_arguments(
             TritonAttentionBackend,
             num_heads=num_heads,
             head_size=head_size,
@@ -324,16 +324,9 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             kv_cache_dtype=kv_cache_dtype,
             logits_soft_cap=logits_soft_cap,
             attn_type=attn_type,
+            kv_sharing_target_layer_name=kv_sharing_target_layer_name,
             sinks=sinks,
         )
-        self.num_heads = num_heads
-        self.head_size = head_size
-        self.scale = float(scale)
-        self.kv_cache_dtype = kv_cache_dtype
-        self.attn_type = AttentionType(attn_type)
-        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        self.sliding_window = sliding_window
-        self.logits_soft_cap = logits_soft_cap or None
         self._alibi_slopes = (
             None if alibi_slopes is None else torch.as_tensor(alibi_slopes).float().flatten()
         )
