@@ -22,6 +22,8 @@ import math
 
 import torch
 
+from anyattn.ops.impl_choice import use_triton
+
 try:
     import triton
     import triton.language as tl
@@ -72,7 +74,7 @@ def merge_attn_states(
         RuntimeError: `impl="triton"` without triton installed.
     """
     _validate(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse)
-    if _use_triton(impl, output):
+    if use_triton(_OP, impl, output.device):
         _merge_with_triton(
             output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse, lse_base_on_e
         )
@@ -139,21 +141,6 @@ def merge_attn_states_ref(
                 merged_lse = lse_max + math.log(total, base)
             if output_lse is not None:
                 output_lse[head, token] = merged_lse
-
-
-def _use_triton(impl: str, output: torch.Tensor) -> bool:
-    if impl not in ("auto", "torch", "triton"):
-        raise ValueError(
-            f"{_OP}: unknown impl (got {impl!r}, expected 'auto', 'torch' or 'triton')."
-        )
-    if impl == "triton" and triton is None:
-        raise RuntimeError(
-            f"{_OP}: impl='triton' needs triton (got no importable triton). Install the "
-            "'triton' extra or pass impl='auto'."
-        )
-    if impl != "auto":
-        return impl == "triton"
-    return triton is not None and output.device.type == "cuda"
 
 
 def _merge_with_triton(

@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from anyattn.ops.impl_choice import use_triton
 from anyattn.types import CACHE_DTYPES, cache_torch_dtype, is_fp8_cache
 
 try:
@@ -118,19 +119,9 @@ def reshape_and_cache(
 
 
 def _use_triton(impl: str, kv_cache: torch.Tensor, cache_dtype: str) -> bool:
-    if impl not in ("auto", "torch", "triton"):
-        raise ValueError(
-            f"{_OP}: unknown impl (got {impl!r}, expected 'auto', 'torch' or 'triton')."
-        )
-    if impl == "triton" and triton is None:
-        raise RuntimeError(
-            f"{_OP}: impl='triton' needs triton (got no importable triton). Install the "
-            "'triton' extra or pass impl='auto'."
-        )
-    if impl != "auto":
-        return impl == "triton"
-    if triton is None or kv_cache.device.type != "cuda":
-        return False
+    chosen = use_triton(_OP, impl, kv_cache.device)
+    if not chosen or impl != "auto":
+        return chosen
     # Triton casts to fp8 e4m3 only from sm89 (Ada, Hopper) on.
     e4m3 = kv_cache.dtype == torch.float8_e4m3fn
     return not e4m3 or torch.cuda.get_device_capability(kv_cache.device) >= (8, 9)
