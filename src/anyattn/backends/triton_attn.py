@@ -11,7 +11,8 @@ KV splits) and hands the kernel views of the common metadata's device tensors, s
 waits on the GPU. CUDA graphs: ALWAYS. The launch depends only on tensor sizes and the
 builder's choices, never on device values; the kernel finds each program's request on the GPU
 from `query_start_loc`, so a graph captured for a batch shape replays correctly for any
-contents of that shape (split-KV workspace rows are builder-owned and sized at start-up).
+contents of that shape (the split-KV workspace is builder-owned; the eager warm-up step before
+capture sizes it, and it refuses to grow during capture).
 """
 
 from __future__ import annotations
