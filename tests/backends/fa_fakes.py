@@ -107,6 +107,33 @@ def fa4_varlen(
     return out, (lse if return_lse else None)
 
 
+def fa4_forward(
+    q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
+    max_seqlen_q=None, max_seqlen_k=None, min_seqlen_k=None, page_table=None,
+    softmax_scale=None, causal=False, softcap=None, window_size_left=None,
+    window_size_right=None, learnable_sink=None, tile_mn=None, mma_pv_is_rs=None,
+    intra_wg_overlap=None, num_threads=384, num_splits=1, pack_gqa=None, _arch=None,
+    score_mod=None, mask_mod=None, block_sparse_tensors=None, return_lse=False, out=None,
+    lse=None, aux_tensors=None, aux_scalars=None, q_descale=None, k_descale=None,
+    v_descale=None, gather_kv_indices=None, scheduler_metadata=None, seqlen_k_per_split=None,
+    disable_scheduler_metadata=False, gather_bwd_recompute_p=False,
+):  # fmt: skip
+    """FA4's forward (`flash_attn.cute.interface._flash_attn_fwd`, interface.py:678): writes
+    into `out` when given; returns `(out, lse, p, row_max, o_lo)`."""
+    window = tuple(-1 if w is None else w for w in (window_size_left, window_size_right))
+    result, row_lse = _reference(
+        q, k, v, cu_seqlens_q, seq_lens=seqused_k, cu_seqlens_k=cu_seqlens_k,
+        page_table=page_table, scale=softmax_scale, causal=causal, window=window,
+        softcap=softcap or 0.0, sinks=learnable_sink,
+    )  # fmt: skip
+    if out is None:
+        out = result
+    else:
+        assert out.shape == result.shape and out.dtype == result.dtype
+        out.copy_(result)
+    return out, (row_lse if return_lse else None), None, None, None
+
+
 def fa2_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
@@ -159,6 +186,12 @@ def fa4() -> versions.FlashAttnInterface:
     return versions.interface_from_function(
         FV.FA4, "flash_attn.cute", "flash_attn_varlen_func", fa4_varlen
     )
+
+
+def fa4_through_forward() -> versions.FlashAttnInterface:
+    """FA4 as detected when its forward takes `out`: declared by the public call, run through
+    the forward."""
+    return versions.fa4_forward_interface(fa4(), fa4_forward)
 
 
 def fa2() -> versions.FlashAttnInterface:

@@ -8,7 +8,16 @@ import math
 
 import pytest
 import torch
-from fa_fakes import fa2, fa3, fa3_varlen_upstream, fa4, fa4_varlen, install
+from fa_fakes import (
+    fa2,
+    fa3,
+    fa3_varlen_upstream,
+    fa4,
+    fa4_forward,
+    fa4_through_forward,
+    fa4_varlen,
+    install,
+)
 
 from anyattn.backends import flash_attn_versions as versions
 from anyattn.backends.flash_attn import (
@@ -247,6 +256,60 @@ def test_fa4_path_passes_the_kit_on_cpu(monkeypatch):
     assert sorted(n.split(":")[0] for n in not_declared) == ["alibi", "fp8", "per_head_scales"]
     assert {c.feature for c in cases} >= {"cascade", "sinks", "encoder_decoder", "layouts"}
     _assert_cases_pass(cases, torch.float16)
+
+
+def test_fa4_forward_path_passes_the_kit_on_cpu(monkeypatch):
+    install(monkeypatch, fa4_through_forward())
+    features = ["mixed", "sliding_window", "soft_cap", "sinks", "lse", "cascade", "encoder"]
+    cases, _ = _kit_cases(monkeypatch, torch.float16, features)
+    _assert_cases_pass(cases, torch.float16)
+
+
+def test_fa4_forward_writes_the_layer_output_in_place(monkeypatch):
+    """No copy: the output rows handed to FA4's forward are the layer's own."""
+    seen = []
+
+    def forward(**kwargs):
+        seen.append(kwargs)
+        return fa4_forward(**kwargs)
+
+    layer, md, q, k, cache = _small_step(monkeypatch)
+    install(monkeypatch, versions.fa4_forward_interface(fa4(), forward))
+    layer.impl.do_kv_cache_update(layer, k, k.clone(), cache, md.slot_mapping)
+    output = torch.full_like(q, math.nan)
+    layer.impl.forward(layer, q, k, k.clone(), cache, md, output)
+    (call,) = seen
+    assert call["out"].data_ptr() == output.data_ptr() and call["out"].shape == q.shape
+    assert (call["window_size_left"], call["window_size_right"]) == (None, None)
+    assert "window_size" not in call and not output.isnan().any()
+
+
+@pytest.mark.parametrize("forward_params", ["complete", "no_out", "missing"])
+def test_fa4_detection_prefers_the_forward_that_takes_out(monkeypatch, forward_params):
+    import types
+
+    def no_out(q, k, v, window_size_left=None, window_size_right=None):
+        raise AssertionError("never called")
+
+    cute = types.SimpleNamespace(flash_attn_varlen_func=fa4_varlen)
+    interface = types.SimpleNamespace(
+        **({"complete": {"_flash_attn_fwd": fa4_forward}, "no_out": {"_flash_attn_fwd": no_out}}
+           .get(forward_params, {}))
+    )  # fmt: skip
+    modules = {"flash_attn.cute": cute, "flash_attn.cute.interface": interface}
+
+    def import_module(name):
+        if name not in modules:
+            raise ModuleNotFoundError(name)
+        return modules[name]
+
+    monkeypatch.setattr(versions.importlib, "import_module", import_module)
+    found = versions._detect_version(FV.FA4)
+    assert found.params >= versions.reference_fa4_interface().params
+    if forward_params == "complete":
+        assert found.has_out and found.entry == "_flash_attn_fwd"
+    else:
+        assert not found.has_out and found.fn is fa4_varlen
 
 
 def test_fa2_path_passes_the_kit_on_cpu(monkeypatch):
