@@ -829,10 +829,16 @@ def time_build(
     reps: int,
     num_reqs: int = 256,
     seq_len: int = 2048,
+    fast_decode_plan: bool = True,
 ) -> BuildResult:
     """Host microseconds of `builder.build` for `num_reqs` decodes of `seq_len` keys, under
     `torch.cuda.set_sync_debug_mode("error")` on CUDA (a sync raises and is reported; the time
-    is then taken without the check)."""
+    is then taken without the check).
+
+    A builder that plans per layer (`register_layer`, FLASHINFER) has one layer registered, as
+    an engine's model runner does, so its library's planning is in the time; after the first
+    call, steady state. `fast_decode_plan=False` times FLASHINFER re-planning with FlashInfer's
+    own `plan()` every step instead of `replan_decode`."""
     device = torch.device(device)
     try:
         cls = resolve_backend(name, shape, device)
@@ -848,6 +854,15 @@ def time_build(
         limits = BatchLimits(max_num_reqs=num_reqs, max_num_tokens=num_reqs, max_model_len=seq_len)
         kv_spec = AttentionSpec(kbs, shape.num_kv_heads, shape.head_size, shape.dtype)
         builder = cls.get_builder_cls()(kv_spec, ["bench.0"], limits, device)
+        if hasattr(builder, "register_layer"):
+            builder.register_layer(
+                cls.get_impl_cls()(
+                    shape.num_heads, shape.head_size, shape.scale, shape.num_kv_heads
+                )
+            )
+        if not fast_decode_plan:
+            builder.fast_decode_plan = False
+            name = f"{name} (plan() every step)"
 
         def build() -> object:
             return builder.build(0, common)
@@ -1131,6 +1146,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if "build" in args.only:
             builds = [time_build(n, shape, device, options.build_reps) for n in args.backends]
+            if "FLASHINFER" in args.backends:
+                builds.append(
+                    time_build(
+                        "FLASHINFER", shape, device, options.build_reps, fast_decode_plan=False
+                    )
+                )
             print(
                 "### build() host time: 256 decodes of 2048 keys, median of "
                 f"{options.build_reps} calls, torch.cuda.set_sync_debug_mode('error') active\n\n"

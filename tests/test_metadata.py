@@ -317,3 +317,37 @@ def test_validate_rejects_device_mirrors():
     m.seq_lens_cpu = m.seq_lens_cpu.cuda()
     with pytest.raises(ValueError, match="seq_lens_cpu must be a CPU tensor"):
         m.validate()
+
+
+def test_validate_rejects_mirrors_off_the_cpu():
+    m = valid()
+    m.num_computed_tokens_cpu = torch.tensor([4, 0], dtype=torch.int32, device="meta")
+    with pytest.raises(
+        ValueError, match=r"num_computed_tokens_cpu must be a CPU tensor \(got meta"
+    ):
+        m.validate()
+
+
+def with_mirror_dtype(m: CommonAttentionMetadata, dtype: torch.dtype) -> CommonAttentionMetadata:
+    return dataclasses.replace(
+        m,
+        query_start_loc_cpu=m.query_start_loc_cpu.to(dtype),
+        seq_lens_cpu=m.seq_lens_cpu.to(dtype),
+        num_computed_tokens_cpu=m.num_computed_tokens_cpu.to(dtype),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int16, torch.uint8])
+def test_validate_any_integer_mirror_dtype(dtype):
+    # differences are taken without wrapping around, unsigned mirrors included
+    with_mirror_dtype(valid(), dtype).validate()
+    cases = [
+        ({"query_start_loc_cpu": torch.tensor([0, 3, 2])}, "start at 0 and never decrease"),
+        ({"num_actual_tokens": 5}, "num_actual_tokens disagrees"),
+        ({"seq_lens_cpu": torch.tensor([5, 2])}, "seq_len shorter than its query length"),
+        ({"num_computed_tokens_cpu": torch.tensor([4, 1])}, "num_computed_tokens_cpu must equal"),
+    ]
+    for changes, message in cases:
+        broken = with_mirror_dtype(dataclasses.replace(valid(), **changes), dtype)
+        with pytest.raises(ValueError, match=message):
+            broken.validate()

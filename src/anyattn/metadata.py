@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -88,32 +89,39 @@ class CommonAttentionMetadata:
             ("num_computed_tokens_cpu", self.num_computed_tokens_cpu, num_reqs),
         )
         for name, tensor, min_len in checks:
-            if tensor.device.type != "cpu":
+            if not tensor.is_cpu:
                 raise ValueError(f"{api}: {name} must be a CPU tensor (got {tensor.device}).")
-            if tensor.dim() != 1 or tensor.shape[0] < min_len:
+            if tensor.ndim != 1 or tensor.shape[0] < min_len:
                 raise ValueError(
                     f"{api}: {name} must be 1-D with at least {min_len} entries "
                     f"(got shape {tuple(tensor.shape)})."
                 )
-        if self.block_table_tensor.dim() != 2 or self.block_table_tensor.shape[0] < num_reqs:
+        if self.block_table_tensor.ndim != 2 or self.block_table_tensor.shape[0] < num_reqs:
             raise ValueError(
                 f"{api}: block_table_tensor must be [num_reqs, max_blocks] with num_reqs >= "
                 f"{num_reqs} (got shape {tuple(self.block_table_tensor.shape)})."
             )
         if self.slot_mapping.dtype != torch.int64:
             raise ValueError(f"{api}: slot_mapping must be int64 (got {self.slot_mapping.dtype}).")
-        loc = self.query_start_loc_cpu[: num_reqs + 1]
-        if num_reqs and (loc[0] != 0 or bool((loc[1:] < loc[:-1]).any())):
+        # The value checks run on numpy views of the CPU mirrors: a torch op on a small CPU
+        # tensor costs microseconds of dispatch, a numpy one a fraction of that. Differences are
+        # taken in int64 so that no mirror dtype wraps around.
+        loc = self.query_start_loc_cpu.numpy()[: num_reqs + 1]
+        query_lens = np.subtract(loc[1:], loc[:-1], dtype=np.int64)
+        if num_reqs and (loc[0] != 0 or query_lens.min() < 0):
             raise ValueError(f"{api}: query_start_loc must start at 0 and never decrease.")
-        if int(loc[-1]) != self.num_actual_tokens:
+        num_tokens = int(loc[-1])
+        if num_tokens != self.num_actual_tokens:
             raise ValueError(
                 f"{api}: num_actual_tokens disagrees with query_start_loc (got "
-                f"{self.num_actual_tokens}, expected {int(loc[-1])})."
+                f"{self.num_actual_tokens}, expected {num_tokens})."
             )
-        context = self.seq_lens_cpu[:num_reqs] - self.query_lens_cpu
-        if bool((context < 0).any()):
+        if not num_reqs:
+            return
+        context = np.subtract(self.seq_lens_cpu.numpy()[:num_reqs], query_lens, dtype=np.int64)
+        if context.min() < 0:
             raise ValueError(f"{api}: a request has seq_len shorter than its query length.")
-        if not torch.equal(context.to(torch.int32), self.num_computed_tokens_cpu[:num_reqs].int()):
+        if (context != self.num_computed_tokens_cpu.numpy()[:num_reqs]).any():
             raise ValueError(
                 f"{api}: num_computed_tokens_cpu must equal seq_lens - query lens per request."
             )

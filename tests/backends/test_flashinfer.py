@@ -488,3 +488,63 @@ def test_cudagraph_decode_replay_matches_eager_and_the_oracle(layout):
         eager_out = torch.zeros(n, HEADS, HEAD_SIZE, device="cuda", dtype=dtype)
         impl.forward(layer, query[:n].clone(), None, None, cache, eager_md, eager_out)
         torch.testing.assert_close(output[:n], eager_out, atol=2e-2, rtol=2e-2)
+
+
+@_gpu
+def test_fast_decode_replan_matches_flashinfers_plan():
+    """Decode wrappers set up once by FlashInfer's plan() are re-planned by `replan_decode` for
+    later batches: same outputs, bit for bit, as plan() gives, and the oracle's."""
+    batch, impl = _batch("many_decodes")
+    kv_lens = batch.kv_lens
+    gen = torch.Generator().manual_seed(3)
+
+    def step(builder, num_reqs):
+        cm = make_common_attn_metadata(
+            [1] * num_reqs, kv_lens[:num_reqs], batch.block_table[:num_reqs], batch.block_size,
+            device="cuda",
+        )  # fmt: skip
+        md = builder.build(0, cm)
+        output = torch.full_like(batch.query, math.nan)
+        layer = KitLayer("layer.0", batch.k_scale, batch.v_scale)
+        impl.forward(layer, batch.query[:num_reqs], None, None, batch.kv_cache, md,
+                     output[:num_reqs])  # fmt: skip
+        return output[:num_reqs]
+
+    spec = AttentionSpec(batch.block_size, KV_HEADS, HEAD_SIZE, torch.bfloat16)
+    limits = BatchLimits(16, 256, 1024)
+    fast = FlashInferMetadataBuilder(spec, ["layer.0"], limits, "cuda")
+    slow = FlashInferMetadataBuilder(spec, ["layer.0"], limits, "cuda")
+    slow.fast_decode_plan = False
+    for builder in (fast, slow):
+        builder.register_layer(impl)
+    sizes = [len(kv_lens)] + [
+        int(n) for n in torch.randint(1, len(kv_lens) + 1, (4,), generator=gen)
+    ]
+    for num_reqs in sizes:
+        got, want = step(fast, num_reqs), step(slow, num_reqs)
+        assert torch.equal(got, want), num_reqs
+        lengths = ([1] * num_reqs, list(kv_lens[:num_reqs]))
+        keys = sum(kv_lens[:num_reqs])
+        args = (batch.query[:num_reqs], batch.oracle_key[:keys], batch.oracle_value[:keys])
+        ref64, _ = attention_oracle(*args, *lengths, scale=SCALE, causal=True)
+        ref_lowp, _ = attention_oracle(
+            *args, *lengths, scale=SCALE, causal=True, compute_dtype=torch.bfloat16
+        )
+        assert max_abs_error(got, ref64) <= error_bound(ref64, ref_lowp, torch.bfloat16)
+    assert fast.fast_decode_plans == len(sizes) - 1 and slow.fast_decode_plans == 0
+
+
+def test_fast_replan_only_for_the_wrappers_and_version_it_reproduces():
+    from types import SimpleNamespace
+
+    from anyattn.backends.flashinfer_replan import REPLAN_VERSION, can_replan
+
+    planned = dict(use_tensor_cores=True, _backend="fa2", _uses_cudnn=False, _jit_module=None,
+                   _cached_module=object(), _plan_info=[0], _q_len_per_req=1)  # fmt: skip
+    assert REPLAN_VERSION == fi_backend.FLASHINFER_VERSION
+    assert can_replan(SimpleNamespace(**planned), REPLAN_VERSION)
+    assert not can_replan(SimpleNamespace(**planned), "0.7.3")
+    for name, value in [("use_tensor_cores", False), ("_backend", "fa3"), ("_uses_cudnn", True),
+                        ("_plan_info", None), ("_q_len_per_req", 2)]:  # fmt: skip
+        assert not can_replan(SimpleNamespace(**{**planned, name: value}), REPLAN_VERSION), name
+    assert not can_replan(SimpleNamespace(use_tensor_cores=True), REPLAN_VERSION)

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from anyattn.backends.flashinfer import _gather_pages
 from anyattn.backends.flashinfer_plan import (
     BatchSplit,
     pad_requests,
@@ -276,3 +278,115 @@ def test_random_batches_match_the_reference(batch):
         assert arrays.ragged_kv_indptr.tolist() == loc_of(lens).tolist()
     else:
         assert arrays.ragged_qo_indptr is None
+
+
+# --- the gather index's fast layouts, against a loop-by-loop reference --------------------------
+
+
+def reference_gather_index(seq_lens, block_size, first_row, num_cols):
+    index = []
+    for i, seq in enumerate(seq_lens):
+        index += [(first_row + i) * num_cols + c for c in range(-(-seq // block_size))]
+    return index
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "num_cols"),
+    [
+        ([2048] * 6, 128),  # whole rows: one run of the table
+        ([2048] * 6, 130),  # the same pages per request, narrower than the table
+        ([2033, 2048, 2040], 128),  # the same pages per request, ragged last pages
+        ([1, 16, 17, 2048], 128),  # ragged
+        ([0, 0, 0], 4),  # no pages
+        ([0, 32, 0, 48], 3),  # requests without pages among others
+        ([], 4),
+        ([32], 2),
+    ],
+)
+@pytest.mark.parametrize("first_row", [0, 3])
+def test_paged_kv_gather_index_layouts(seq_lens, num_cols, first_row):
+    index = paged_kv_gather_index(np.array(seq_lens, np.int32), 16, first_row, num_cols)
+    assert index.dtype == np.int64
+    assert index.tolist() == reference_gather_index(seq_lens, 16, first_row, num_cols)
+
+
+def test_paged_kv_indptr_of_empty_and_negative_lengths_keeps_last_page_len_1():
+    indptr, last = paged_kv_indptr(np.array([0, 5, -20, 32], np.int32), 16)
+    assert indptr.tolist() == [0, 0, 1, 0, 2]  # as ceil(seq / 16), cumulated
+    assert last.tolist() == [1, 5, 1, 16]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    block_size=st.sampled_from([1, 16, 64]),
+    pages=st.lists(st.integers(0, 9), max_size=10),
+    uniform=st.booleans(),
+    extra_cols=st.integers(0, 2),
+    first_row=st.integers(0, 3),
+    data=st.data(),
+)
+def test_random_gather_index_matches_the_reference(
+    block_size, pages, uniform, extra_cols, first_row, data
+):
+    if uniform and pages:
+        pages = [pages[0]] * len(pages)
+    # a sequence of p pages holds (p - 1) * block_size + 1 ... p * block_size tokens
+    seq_lens = [
+        0 if p == 0 else (p - 1) * block_size + data.draw(st.integers(1, block_size)) for p in pages
+    ]
+    num_cols = max(pages, default=0) + extra_cols
+    index = paged_kv_gather_index(np.array(seq_lens, np.int64), block_size, first_row, num_cols)
+    assert index.dtype == np.int64
+    assert index.tolist() == reference_gather_index(seq_lens, block_size, first_row, num_cols)
+    indptr, last = paged_kv_indptr(np.array(seq_lens, np.int64), block_size)
+    assert indptr.tolist() == np.concatenate([[0], np.cumsum(pages)]).tolist()
+    assert last.tolist() == [
+        1 if p == 0 else s - (p - 1) * block_size for p, s in zip(pages, seq_lens, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("num_cols", [128, 129])
+def test_plan_step_large_uniform_decode_batch(num_cols):
+    # the 256 x 2048 decode batch of the build() host-time target, with and without whole rows
+    seq_lens = np.full(256, 2048, np.int32)
+    arrays = plan_step(loc_of([1] * 256), seq_lens, 16, num_cols)
+    d = arrays.decode
+    assert d.paged_kv_indptr.tolist() == list(range(0, 128 * 257, 128))
+    assert d.paged_kv_last_page_len.tolist() == [16] * 256
+    assert d.seq_lens.tolist() == [2048] * 256
+    assert d.gather_index.tolist() == reference_gather_index([2048] * 256, 16, 0, num_cols)
+    assert arrays.paged is None and arrays.ragged_qo_indptr is None
+
+
+# --- the builder's device gather of these indices (flashinfer._gather_pages) --------------------
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    query_lens=st.lists(st.sampled_from([1, 1, 1, 3]), min_size=1, max_size=8),
+    context=st.lists(st.integers(0, 70), min_size=8, max_size=8),
+    whole_rows=st.booleans(),
+    allow_ragged=st.booleans(),
+)
+def test_gather_pages_matches_a_plain_index_select(query_lens, context, whole_rows, allow_ragged):
+    n = len(query_lens)
+    seq_lens = [q + c for q, c in zip(query_lens, context, strict=False)]
+    num_cols = max(-(-s // 16) for s in seq_lens)
+    if whole_rows:  # every request fills its row: the index is one run of the table
+        seq_lens = [16 * num_cols] * n
+    else:
+        num_cols += 1
+    table = torch.randperm(n * num_cols + 5, dtype=torch.int32)[: n * num_cols] + 1
+    table = table.view(n, num_cols)
+    arrays = plan_step(loc_of(query_lens), np.array(seq_lens), 16, num_cols,
+                       allow_ragged=allow_ragged)  # fmt: skip
+    decode, paged = _gather_pages(table, arrays)
+    flat = table.reshape(-1)
+    for part, pages in ((arrays.decode, decode), (arrays.paged, paged)):
+        if part is None:
+            assert pages is None
+            continue
+        expected = flat[torch.from_numpy(part.gather_index)]
+        assert pages.dtype == torch.int32 and pages.is_contiguous()
+        assert torch.equal(pages, expected)
+        assert pages.untyped_storage().data_ptr() != table.untyped_storage().data_ptr()

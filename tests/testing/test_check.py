@@ -49,6 +49,14 @@ def test_error_bound_is_twice_the_lowp_error_plus_the_dtype_floor() -> None:
     assert floor > 0 and error_bound(ref64, ref64, torch.float32) < floor
 
 
+def test_error_bound_allows_float32_kernels_four_times_the_lowp_error() -> None:
+    """float32: exp2 with the hardware's approximate ex2 (see tolerance.py's docstring)."""
+    ref64 = torch.tensor([0.1, 1.0, -2.0], dtype=torch.float64)
+    ref_lowp = ref64 + torch.tensor([0.0, 1e-6, 0.0], dtype=torch.float64)
+    floor = error_bound(ref64, ref64, torch.float32)
+    assert error_bound(ref64, ref_lowp, torch.float32) == pytest.approx(4e-6 + floor)
+
+
 # --- report -----------------------------------------------------------------------------------
 
 

@@ -4,7 +4,9 @@ Plan/run split, as FlashInfer's own API has it: the builder turns each step into
 arrays FlashInfer's planners take (`flashinfer_plan.plan_step`, pure numpy on the CPU mirrors)
 and calls the wrappers' `plan()` in `build` with CPU index tensors and device page ids gathered
 from the block table on the device, so no host-device synchronisation happens there. `forward`
-only calls `run()`. A step is served by up to three wrappers, decodes first:
+only calls `run()`. A decode wrapper that `plan()` has set up once for a layer signature is
+re-planned for later steps by `flashinfer_replan.replan_decode`, which does only the
+batch-dependent part of `plan()` (the index buffers and FlashInfer's C++ planner). A step is served by up to three wrappers, decodes first:
 
 - decodes (one query token): `BatchDecodeWithPagedKVCacheWrapper`, tensor cores on (the fa2
   prefill kernel, which serves any GQA ratio and shares its compiled module with the prefills);
@@ -57,6 +59,7 @@ from anyattn.backend import (
     AttentionMetadataBuilder,
 )
 from anyattn.backends.flashinfer_plan import StepArrays, plan_step
+from anyattn.backends.flashinfer_replan import can_replan, replan_decode
 from anyattn.impl_args import check_forward_inputs
 from anyattn.metadata import CommonAttentionMetadata
 from anyattn.types import (
@@ -270,6 +273,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     # Prefill kernels: None = FlashInfer's "auto" on Hopper (fa3 where it applies), "fa2" on
     # other GPUs; or "fa2" / "fa3" / "auto" everywhere.
     prefill_backend: ClassVar[str | None] = None
+    # Decode wrappers already set up by FlashInfer's plan() for their layer signature are
+    # re-planned by `flashinfer_replan.replan_decode` (the batch-dependent part only).
+    fast_decode_plan: ClassVar[bool] = True
 
     def __init__(self, kv_cache_spec, layer_names, limits, device) -> None:
         super().__init__(kv_cache_spec, layer_names, limits, device)
@@ -285,6 +291,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         self._planned_by: dict[int, int] = {}  # id(wrapper) -> generation of its last plan
         self._generation = 0
         self._workspace: torch.Tensor | None = None
+        self._installed_version = _installed_flashinfer()[1]
+        self.fast_decode_plans = 0  # decode plans made by `replan_decode` (for tests)
 
     def register_layer(self, impl: FlashInferImpl) -> None:
         """Plan for `impl`'s layer signature in every later `build` (otherwise the first
@@ -429,15 +437,28 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 if step.cudagraph_size
                 else self._wrappers(key, "decode")
             )
-            wrapper.plan(
-                torch.from_numpy(d.paged_kv_indptr),
-                step.decode_pages,
-                torch.from_numpy(d.paged_kv_last_page_len),
-                *heads,
-                spec.block_size,
-                kv_data_type=self._cache_dtype,
-                **common,
-            )
+            if self.fast_decode_plan and can_replan(wrapper, self._installed_version):
+                replan_decode(
+                    wrapper,
+                    d,
+                    step.decode_pages,
+                    num_qo_heads=key.num_heads,
+                    num_kv_heads=spec.num_kv_heads,
+                    head_size=spec.head_size,
+                    page_size=spec.block_size,
+                    window_left=self._window_left,
+                )
+                self.fast_decode_plans += 1
+            else:
+                wrapper.plan(
+                    torch.from_numpy(d.paged_kv_indptr),
+                    step.decode_pages,
+                    torch.from_numpy(d.paged_kv_last_page_len),
+                    *heads,
+                    spec.block_size,
+                    kv_data_type=self._cache_dtype,
+                    **common,
+                )
             planned.decode = wrapper
         if arrays.ragged_qo_indptr is not None:
             wrapper = self._wrappers(key, "ragged")
@@ -533,18 +554,30 @@ def _gather_pages(
     block_table: torch.Tensor, arrays: StepArrays
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The decode and paged-prefill page ids, gathered from the block table on its device
-    (one host-to-device copy of the gather index, one gather; no synchronisation)."""
-    parts = [p for p in (arrays.decode, arrays.paged) if p is not None]
-    if not parts:
+    (at most one host-to-device copy, of the gather index, and one gather; no synchronisation).
+    """
+    decode, paged = arrays.decode, arrays.paged
+    if decode is None and paged is None:
         return None, None
-    index = torch.from_numpy(np.concatenate([p.gather_index for p in parts]))
-    index = index.to(block_table.device, non_blocking=True)
-    pages = torch.index_select(block_table.reshape(-1), 0, index)
-    sizes = [p.gather_index.shape[0] for p in parts]
-    chunks = iter(torch.split(pages, sizes))
-    decode = next(chunks) if arrays.decode is not None else None
-    paged = next(chunks) if arrays.paged is not None else None
-    return decode, paged
+    if decode is None or paged is None:
+        index = (paged if decode is None else decode).gather_index
+    else:
+        index = np.concatenate([decode.gather_index, paged.gather_index])
+    table = block_table.reshape(-1)
+    size = index.shape[0]
+    # The positions strictly increase (`paged_kv_gather_index`), so equal end points mean one
+    # run of the table, e.g. decodes reading whole rows: a device copy, no index to send.
+    if size and int(index[-1]) - int(index[0]) + 1 == size:
+        pages = table[int(index[0]) : int(index[-1]) + 1].clone()
+    else:
+        device_index = torch.from_numpy(index).to(block_table.device, non_blocking=True)
+        pages = torch.index_select(table, 0, device_index)
+    if paged is None:
+        return pages, None
+    if decode is None:
+        return None, pages
+    num_decode_pages = decode.gather_index.shape[0]
+    return pages[:num_decode_pages], pages[num_decode_pages:]
 
 
 class FlashInferImpl(AttentionImpl[FlashInferMetadata]):

@@ -88,19 +88,29 @@ def split_batch(
     """
     loc = np.asarray(query_start_loc, dtype=np.int64)
     context = np.asarray(context_lens, dtype=np.int64)
+    return _split(loc, loc[1:] - loc[:-1], context, decode_threshold, allow_ragged)
+
+
+def _split(
+    loc: np.ndarray,
+    query_lens: np.ndarray,
+    context: np.ndarray,
+    decode_threshold: int,
+    allow_ragged: bool,
+) -> BatchSplit:
+    """`split_batch` on int64 arrays, with the query lengths already taken."""
     n = context.shape[0]
     if loc.shape[0] != n + 1:
         raise ValueError(
             f"split_batch: query_start_loc must have num_reqs + 1 entries (got "
             f"{loc.shape[0]}, expected {n + 1})."
         )
-    query_lens = np.diff(loc)
-    not_decode = np.flatnonzero(query_lens > decode_threshold)
-    num_decodes = int(not_decode[0]) if not_decode.size else n
-    fresh = context[num_decodes:] == 0
+    num_decodes = n
+    if n and query_lens.max() > decode_threshold:
+        num_decodes = int(np.flatnonzero(query_lens > decode_threshold)[0])
     first, last = num_decodes, num_decodes  # the ragged run [first, last)
-    if allow_ragged and fresh.size:
-        has_context = np.flatnonzero(~fresh)
+    if allow_ragged and num_decodes < n:
+        has_context = np.flatnonzero(context[num_decodes:])
         if not has_context.size:
             first, last = num_decodes, n
         else:
@@ -158,14 +168,25 @@ def paged_kv_indptr(seq_lens: np.ndarray, block_size: int) -> tuple[np.ndarray, 
         `(paged_kv_indptr, paged_kv_last_page_len)`: int32 `[n + 1]` (starts at 0) and int32
         `[n]` in `[1, block_size]` (1 for a request with no tokens, which gets no pages).
     """
+    indptr, last, _ = _page_table(np.asarray(seq_lens, dtype=np.int64), block_size)
+    return indptr, last
+
+
+def _page_table(seq: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`paged_kv_indptr` of int64 `seq`, and the pages of each request (int64 `[n]`)."""
     if block_size < 1:
         raise ValueError(f"paged_kv_indptr: block_size must be >= 1 (got {block_size}).")
-    seq = np.asarray(seq_lens, dtype=np.int64)
-    num_pages = -(-seq // block_size)
-    indptr = np.zeros(seq.shape[0] + 1, dtype=np.int32)
-    np.cumsum(num_pages, out=indptr[1:])
-    last = np.where(num_pages > 0, seq - (num_pages - 1) * block_size, 1)
-    return indptr, last.astype(np.int32)
+    # Few numpy calls, each on a whole batch: at a few hundred requests their fixed cost is
+    # what the host pays.
+    num_pages = (seq + (block_size - 1)) // block_size
+    indptr = np.empty(seq.shape[0] + 1, dtype=np.int32)
+    indptr[0] = 0
+    indptr[1:] = num_pages.cumsum()
+    last = seq - (num_pages - 1) * block_size
+    has_pages = num_pages > 0
+    if np.count_nonzero(has_pages) != has_pages.shape[0]:
+        last[~has_pages] = 1
+    return indptr, last.astype(np.int32), num_pages
 
 
 def paged_kv_gather_index(
@@ -174,7 +195,8 @@ def paged_kv_gather_index(
     """Flat positions in `block_table.reshape(-1)` of each request's pages, request by request.
 
     Request i (block-table row `first_row + i`) holds `ceil(seq_lens[i] / block_size)` pages,
-    read from the first columns of its row.
+    read from the first columns of its row. The positions strictly increase, so the index is
+    one contiguous run of the table exactly when its length equals `last - first + 1`.
 
     Args:
         num_cols: columns of the (contiguous) block table.
@@ -186,18 +208,40 @@ def paged_kv_gather_index(
         ValueError: a request needs more pages than the table has columns.
     """
     seq = np.asarray(seq_lens, dtype=np.int64)
-    num_pages = -(-seq // block_size)
-    if num_pages.size and int(num_pages.max()) > num_cols:
+    num_pages = (seq + (block_size - 1)) // block_size
+    indptr = np.zeros(seq.shape[0] + 1, dtype=np.int64)
+    indptr[1:] = num_pages.cumsum()
+    return _gather_index(num_pages, indptr, block_size, first_row, num_cols)
+
+
+def _gather_index(
+    num_pages: np.ndarray, indptr: np.ndarray, block_size: int, first_row: int, num_cols: int
+) -> np.ndarray:
+    """`paged_kv_gather_index` from each request's pages and their offsets (`[n + 1]`).
+
+    A large decode batch has tens of thousands of pages, and each pass over them costs
+    microseconds of host time, so the common layouts take one pass: every request reading
+    whole rows (one run of the table), or every request reading the same number of pages.
+    """
+    n = num_pages.shape[0]
+    most = int(num_pages.max()) if n else 0
+    if most > num_cols:
         raise ValueError(
             f"paged_kv_gather_index: block_table too narrow for the longest sequence (got "
-            f"{num_cols} columns, expected >= {int(num_pages.max())} for block_size "
-            f"{block_size})."
+            f"{num_cols} columns, expected >= {most} for block_size {block_size})."
         )
-    total = int(num_pages.sum())
-    rows = np.repeat(np.arange(seq.shape[0], dtype=np.int64), num_pages)
-    starts = np.cumsum(num_pages) - num_pages  # first page of each request in the flat list
-    cols = np.arange(total, dtype=np.int64) - np.repeat(starts, num_pages)
-    return (rows + first_row) * num_cols + cols
+    total = int(indptr[-1])
+    first = first_row * num_cols
+    if total == n * most:  # every request has `most` pages
+        if most == num_cols:
+            return np.arange(first, first + total, dtype=np.int64)
+        row_starts = np.arange(first, first + n * num_cols, num_cols, dtype=np.int64)
+        return np.add.outer(row_starts, np.arange(most, dtype=np.int64)).reshape(-1)
+    # Page j of the flat list, in request i, sits at column j - indptr[i] of row first_row + i.
+    shift = np.arange(first, first + n * num_cols, num_cols, dtype=np.int64) - indptr[:-1]
+    index = np.arange(total, dtype=np.int64)
+    index += np.repeat(shift, num_pages)
+    return index
 
 
 def paged_kv_indices(
@@ -279,9 +323,9 @@ def _paged_arrays(
     padded_num_reqs: int | None = None,
 ) -> PagedArrays:
     start, end = reqs
-    seq = np.asarray(seq_lens, dtype=np.int64)[start:end]
-    indptr, last = paged_kv_indptr(seq, block_size)
-    gather = paged_kv_gather_index(seq, block_size, start, num_cols)
+    seq = seq_lens[start:end]
+    indptr, last, num_pages = _page_table(seq, block_size)
+    gather = _gather_index(num_pages, indptr, block_size, start, num_cols)
     seq32 = seq.astype(np.int32)
     if padded_num_reqs is not None:
         indptr, last = pad_requests(indptr, last, padded_num_reqs)
@@ -321,13 +365,13 @@ def plan_step(
     """
     loc = np.asarray(query_start_loc, dtype=np.int64)
     seq = np.asarray(seq_lens, dtype=np.int64)
-    query_lens = np.diff(loc)
-    if np.any(query_lens < 1):
+    query_lens = loc[1:] - loc[:-1]
+    if query_lens.size and query_lens.min() < 1:
         raise ValueError("plan_step: every request needs at least one query token.")
     context = seq - query_lens
-    if np.any(context < 0):
+    if context.size and context.min() < 0:
         raise ValueError("plan_step: a request has seq_len shorter than its query length.")
-    split = split_batch(loc, context, decode_threshold, allow_ragged)
+    split = _split(loc, query_lens, context, decode_threshold, allow_ragged)
     if cudagraph_num_reqs is not None and split.num_decodes != seq.shape[0]:
         raise ValueError(
             f"plan_step: a CUDA-graph plan needs a batch of decodes only (got "

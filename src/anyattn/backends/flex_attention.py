@@ -6,11 +6,13 @@ CUDA GPUs (its Triton template).
 
 How a step is laid out for the kernel (the plan, built from the CPU mirrors only):
 
-- Keys: each request's keys are copied out of the paged cache, token by token, into
+- Keys: each layer copies each request's keys out of the paged cache, token by token, into
   contiguous workspaces `[num_kv_heads, kv_rows, head_size]` for K and for V (any block size,
-  NHD or HND, fp8 dequantised on the way). Row 0 is reserved (the sink slot, K = V = 0);
-  request r's keys follow at `kv_start[r] ...`. Encoder attention copies the step's own
-  key/value there.
+  NHD or HND, fp8 dequantised on the way) with `ops.gather_kv_rows`: one Triton launch on
+  CUDA, which reads the block table and the device `seq_lens` directly, so no per-key index
+  array is ever made and the builder does no device work at all. Row 0 is reserved (the sink
+  slot, K = V = 0); request r's keys follow at `key_start[r] ...`. Encoder attention copies
+  the step's own key/value there.
 - Queries: GQA is folded into the rows. The kernel sees one head per KV head and
   `rows = num_tokens * G` (G = query heads per KV head), row `t * G + g` being token t's g-th
   query head, so the G heads of a decode token share one tile of keys.
@@ -72,6 +74,7 @@ from anyattn.backends.flex_attention_plan import (
 )
 from anyattn.impl_args import check_forward_inputs, layer_kv_scale
 from anyattn.metadata import CommonAttentionMetadata
+from anyattn.ops.gather_kv_rows import gather_kv_rows
 from anyattn.types import (
     AttentionCGSupport,
     AttentionType,
@@ -232,8 +235,10 @@ class FlexAttentionMetadata:
         layout: where keys and queries sit in workspace coordinates (CPU, see
             `flex_attention_plan.lay_out_step`).
         kv_rows_padded: the bucketed key length the kernel sees.
-        kv_block_ids, kv_offsets: int64 `[num_key_rows - 1]` (device): cache block and offset
-            of each workspace key row from 1 on (None when the step has no keys).
+        block_table: int32 `[>= num_reqs, max_blocks]` (device), the step's block table.
+        key_lens: int32 `[num_reqs]` (device): keys per request (`seq_lens`, or the encoder
+            lengths for cross attention); a view, made without any device work.
+        max_key_len: the longest request's keys (host).
         workspace: the builder's buffers.
         step_cache: plans made by the first layer that needs them, reused by the others.
     """
@@ -244,8 +249,9 @@ class FlexAttentionMetadata:
     causal: bool
     layout: StepLayout
     kv_rows_padded: int
-    kv_block_ids: torch.Tensor | None
-    kv_offsets: torch.Tensor | None
+    block_table: torch.Tensor
+    key_lens: torch.Tensor
+    max_key_len: int
     workspace: _Workspace = field(default_factory=_Workspace)
     step_cache: dict = field(default_factory=dict)
 
@@ -253,7 +259,10 @@ class FlexAttentionMetadata:
 class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadata]):
     """Lays a step out for FlexAttention from the CPU mirrors; never syncs with the device.
 
-    No batch reordering is needed: one kernel call covers decodes and prefills alike.
+    `build` launches nothing on the device either: its host work is a few numpy calls over the
+    requests (on the per-step path of every engine step), and the device tensors it passes on
+    (block table, key lengths) are the common metadata's own. No batch reordering is needed:
+    one kernel call covers decodes and prefills alike.
     """
 
     _cudagraph_support = AttentionCGSupport.NEVER
@@ -278,23 +287,29 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
             )
         block_size = self.kv_cache_spec.block_size
         num_reqs = cm.num_reqs
-        cross = cm.encoder_seq_lens_cpu is not None
-        key_lens = (cm.encoder_seq_lens_cpu if cross else cm.seq_lens_cpu)[:num_reqs].numpy()
-        needed = int(-(-int(key_lens.max()) // block_size)) if num_reqs else 0
-        if needed > cm.block_table_tensor.shape[1]:
+        key_lens, key_lens_cpu = cm.seq_lens, cm.seq_lens_cpu
+        if cm.encoder_seq_lens_cpu is not None:  # cross attention
+            key_lens, key_lens_cpu = cm.encoder_seq_lens, cm.encoder_seq_lens_cpu
+            if key_lens is None:
+                raise ValueError(
+                    f"{api}: cross attention needs encoder_seq_lens on the device (got only "
+                    "encoder_seq_lens_cpu). Set both, as make_common_attn_metadata does."
+                )
+        # Host work only, in numpy (slicing arrays is cheaper than slicing tensors); the keys
+        # themselves are copied by each layer's forward, straight from the block table.
+        key_lens_np = key_lens_cpu.numpy()[:num_reqs]
+        max_key_len = int(key_lens_np.max()) if num_reqs else 0
+        width = cm.block_table_tensor.shape[1]
+        if max_key_len > width * block_size:
             raise ValueError(
-                f"{api}: block_table too narrow for the longest sequence (got "
-                f"{cm.block_table_tensor.shape[1]} columns, expected >= {needed} for "
-                f"block_size {block_size})."
+                f"{api}: block_table too narrow for the longest sequence (got {width} columns, "
+                f"expected >= {-(-max_key_len // block_size)} for block_size {block_size})."
             )
         layout = lay_out_step(
-            cm.query_start_loc_cpu[: num_reqs + 1].numpy(),
-            key_lens,
-            cm.num_computed_tokens_cpu[:num_reqs].numpy(),
+            cm.query_start_loc_cpu.numpy()[: num_reqs + 1],
+            key_lens_np,
+            cm.num_computed_tokens_cpu.numpy()[:num_reqs],
         )
-        kv_block_ids = kv_offsets = None
-        if layout.num_key_rows > 1:
-            kv_block_ids, kv_offsets = _key_slots(layout, cm.block_table_tensor, block_size)
         return FlexAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             block_size=block_size,
@@ -302,26 +317,11 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
             causal=cm.causal,
             layout=layout,
             kv_rows_padded=pad_keys(layout.num_key_rows),
-            kv_block_ids=kv_block_ids,
-            kv_offsets=kv_offsets,
+            block_table=cm.block_table_tensor,
+            key_lens=key_lens[:num_reqs],
+            max_key_len=max_key_len,
             workspace=self._workspace,
         )
-
-
-def _key_slots(
-    layout: StepLayout, block_table: torch.Tensor, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cache block and offset of every workspace key row from 1 on, int64 `[num_key_rows - 1]`,
-    computed on the block table's device (per-key work stays off the host; no sync)."""
-    device = block_table.device
-    num_keys = layout.num_key_rows - 1
-    key_lens = _to_device(layout.key_lens, device)
-    first_row = _to_device(layout.key_start - 1, device)
-    request = torch.repeat_interleave(
-        torch.arange(key_lens.shape[0], device=device), key_lens, output_size=num_keys
-    )
-    position = torch.arange(num_keys, device=device) - first_row[request]
-    return block_table[request, position // block_size].long(), position % block_size
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -569,27 +569,35 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         the model dtype; row 0 is the sink slot (zeros)."""
         encoder = self.attn_type in _ENCODER_TYPES
         device = key.device if encoder else kv_cache.device
-        shape = (self.num_kv_heads, md.kv_rows_padded, self.head_size)
-        k_rows = md.workspace.get("key", shape, dtype, device)
-        v_rows = md.workspace.get("value", shape, dtype, device)
-        k_rows[:, 0].zero_()
-        v_rows[:, 0].zero_()  # the sink's value must be zero
+        # K and V in one buffer: one op clears both sink rows.
+        shape = (2, self.num_kv_heads, md.kv_rows_padded, self.head_size)
+        kv_rows = md.workspace.get("kv", shape, dtype, device)
+        kv_rows[:, :, 0].zero_()  # the sink's value must be zero
+        k_rows, v_rows = kv_rows[0], kv_rows[1]
         rows = md.layout.num_key_rows
         if encoder:
             # Encoder attention reads the step's own K/V; its rows follow the token order.
             k_rows[:, 1:rows] = key[: rows - 1].transpose(0, 1)
             v_rows[:, 1:rows] = value[: rows - 1].transpose(0, 1)
             return k_rows, v_rows
-        if rows == 1:
-            return k_rows, v_rows
-        fp8 = is_fp8_cache(self.kv_cache_dtype)
-        for which, (name, target) in enumerate((("k_scale", k_rows), ("v_scale", v_rows))):
-            # [keys, KVH, D], straight out of the pages (any layout, any block size)
-            stored = kv_cache[md.kv_block_ids, which, md.kv_offsets]
-            if fp8:
-                scale = layer_kv_scale(_API, layer, name, self.num_kv_heads, device)
-                stored = stored.float() * scale.view(-1, 1)
-            target[:, 1:rows] = stored.transpose(0, 1)
+        scales = (None, None)
+        if is_fp8_cache(self.kv_cache_dtype):
+            scales = tuple(
+                layer_kv_scale(_API, layer, name, self.num_kv_heads, device)
+                for name in ("k_scale", "v_scale")
+            )
+        gather_kv_rows(
+            kv_cache,
+            md.block_table,
+            md.key_lens,
+            k_rows,
+            v_rows,
+            num_keys=rows - 1,
+            max_key_len=md.max_key_len,
+            first_row=1,
+            k_scale=scales[0],
+            v_scale=scales[1],
+        )
         return k_rows, v_rows
 
     def validate_inputs(

@@ -63,8 +63,9 @@ class StepLayout:
 
     Attributes:
         num_key_rows: key rows in use: 1 (the sink slot) + every request's keys.
-        query_start_loc: int64 `[num_reqs + 1]`.
-        key_start, key_lens: int64 `[num_reqs]`: each request's first key row and its keys.
+        query_start_loc: `[num_reqs + 1]`, as given (int32 or int64).
+        key_start: int64 `[num_reqs]`: each request's first key row.
+        key_lens: `[num_reqs]`: each request's keys, as given (int32 or int64).
         lo: int64 `[num_tokens]`: first key row each query token keeps (its request's first).
         hi_causal: int64 `[num_tokens]`: last key row kept under causal attention (the token's
             own position).
@@ -96,22 +97,28 @@ def lay_out_step(
         key_lens: `[num_reqs]` keys per request (seq_lens; encoder lengths for cross attention).
         context_lens: `[num_reqs]` tokens before this step (the position of the first query).
     """
-    q_start = np.asarray(query_start_loc, dtype=np.int64)
-    key_lens = np.asarray(key_lens, dtype=np.int64)
-    context = np.asarray(context_lens, dtype=np.int64)
-    num_reqs = key_lens.shape[0]
-    key_start = (1 + np.concatenate(([0], np.cumsum(key_lens)))[:num_reqs]).astype(np.int64)
-    request = np.repeat(np.arange(num_reqs), np.diff(q_start))
-    num_tokens = request.shape[0]
-    q_key_pos = key_start[request] + context[request] + (np.arange(num_tokens) - q_start[request])
+    q_start = np.asarray(query_start_loc)
+    key_lens = np.asarray(key_lens)
+    # This runs on the per-step host path, where each numpy call costs about a microsecond:
+    # per-request values are written in place into one array, then repeated once per token.
+    per_request = np.empty((3, key_lens.shape[0]), dtype=np.int64)
+    key_start, key_end, offset = per_request
+    key_lens.cumsum(out=key_end)  # each request's last key row (methods skip a wrapper)
+    np.subtract(key_end, key_lens, out=key_start)
+    key_start += 1
+    # A token's own key row is its index in the step plus its request's offset.
+    np.add(key_start, context_lens, out=offset)
+    offset -= q_start[:-1]
+    lo, hi_full, q_key_pos = per_request.repeat(q_start[1:] - q_start[:-1], axis=1)
+    q_key_pos += np.arange(q_key_pos.shape[0])
     return StepLayout(
-        num_key_rows=1 + int(key_lens.sum()),
+        num_key_rows=1 + (int(key_end[-1]) if key_end.shape[0] else 0),
         query_start_loc=q_start,
         key_start=key_start,
         key_lens=key_lens,
-        lo=key_start[request],
+        lo=lo,
         hi_causal=q_key_pos,
-        hi_full=(key_start + key_lens - 1)[request],
+        hi_full=hi_full,
         q_key_pos=q_key_pos,
     )
 

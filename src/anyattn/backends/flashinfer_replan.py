@@ -1,0 +1,156 @@
+"""Re-planning FlashInfer's tensor-core decode wrapper for a new batch, in a few microseconds.
+
+`BatchDecodeWithPagedKVCacheWrapper.plan()` re-derives on every call what depends only on the
+layer (dtypes, backend choice, compiled-module lookup, checks), converts its inputs with host
+copies, and only then runs the C++ planner. For a decode wrapper that `plan()` has already set up
+for a layer signature, a new step changes only the batch: the index buffers the kernel reads,
+the host arrays the C++ planner reads, and the plan info that planner returns. `replan_decode`
+does exactly that part of FlashInfer 0.7.2.post1's `plan()` (the fa2 tensor-core branch of
+`flashinfer/decode.py`, which is what FLASHINFER's decode wrappers use), the way FlashInfer's
+own `fast_decode_plan` does for speculative decoding, but with host arrays from the builder so
+nothing is read back from the device.
+
+It depends on that version's private wrapper fields; `can_replan` checks them and the installed
+version, and the builder falls back to `plan()` whenever it says no.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import torch
+
+from anyattn.backends.flashinfer_plan import PagedArrays
+
+__all__ = ["REPLAN_VERSION", "can_replan", "replan_decode"]
+
+# The FlashInfer release whose `plan()` internals `replan_decode` reproduces.
+REPLAN_VERSION = "0.7.2.post1"
+
+
+def can_replan(wrapper: Any, installed_version: str | None) -> bool:
+    """Whether `wrapper` is a decode wrapper that FlashInfer's `plan()` has set up on the fa2
+    tensor-core path of the version `replan_decode` reproduces."""
+    try:
+        return (
+            installed_version == REPLAN_VERSION
+            and wrapper.use_tensor_cores
+            and wrapper._backend == "fa2"
+            and not wrapper._uses_cudnn
+            and wrapper._jit_module is None
+            and getattr(wrapper, "_cached_module", None) is not None
+            and getattr(wrapper, "_plan_info", None) is not None
+            and getattr(wrapper, "_q_len_per_req", 1) == 1
+        )
+    except AttributeError:
+        return False
+
+
+def replan_decode(
+    wrapper: Any,
+    arrays: PagedArrays,
+    pages: torch.Tensor,
+    *,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    page_size: int,
+    window_left: int,
+) -> None:
+    """Plan `wrapper` (see `can_replan`) for a new batch of single-token decodes.
+
+    Args:
+        wrapper: a `BatchDecodeWithPagedKVCacheWrapper` planned before by its `plan()` with the
+            same heads, head size, page size, window, soft cap, scale and dtypes.
+        arrays: the decode part of the step (`flashinfer_plan.plan_step`): int32 host
+            `paged_kv_indptr [B + 1]`, `paged_kv_last_page_len [B]`.
+        pages: int32 `[paged_kv_indptr[-1]]` page ids on the wrapper's device.
+        num_qo_heads, num_kv_heads, head_size, page_size, window_left: as given to `plan()`.
+
+    Raises:
+        ValueError: a CUDA-graph wrapper's fixed batch size or page capacity does not fit.
+    """
+    indptr, last_page_len = arrays.paged_kv_indptr, arrays.paged_kv_last_page_len
+    batch = int(last_page_len.shape[0])
+    # FlashInfer's `get_seq_lens`: full pages before the last one, then the last one's tokens.
+    kv_lens = np.maximum(np.diff(indptr) - 1, 0) * page_size + last_page_len
+    device = wrapper.device
+    if wrapper.is_cuda_graph_enabled:
+        if (
+            batch != wrapper._fixed_batch_size
+            or pages.shape[0] > wrapper._paged_kv_indices_buf.shape[0]
+        ):
+            raise ValueError(
+                "replan_decode: the batch does not fit this CUDA-graph wrapper (got "
+                f"{batch} requests and {pages.shape[0]} pages, expected "
+                f"{wrapper._fixed_batch_size} requests and <= "
+                f"{wrapper._paged_kv_indices_buf.shape[0]} pages)."
+            )
+        # The captured kernels read these buffers: write into them, never replace them.
+        wrapper._paged_kv_indptr_buf.copy_(torch.from_numpy(indptr), non_blocking=True)
+        wrapper._paged_kv_last_page_len_buf.copy_(
+            torch.from_numpy(last_page_len), non_blocking=True
+        )
+        wrapper._paged_kv_indices_buf[: pages.shape[0]].copy_(pages, non_blocking=True)
+    else:
+        # One host-to-device copy for both small arrays (pageable source: the copy is staged
+        # by the driver, the host does not wait for the device).
+        staged = torch.from_numpy(np.concatenate([indptr, last_page_len])).to(
+            device, non_blocking=True
+        )
+        wrapper._paged_kv_indptr_buf = staged[: batch + 1]
+        wrapper._paged_kv_last_page_len_buf = staged[batch + 1 :]
+        wrapper._paged_kv_indices_buf = pages
+        wrapper._qo_indptr_buf = _device_range(batch + 1, device)
+    # The fa2 planner's arguments, in `plan()`'s order for one query token per request.
+    wrapper._plan_info = wrapper._cached_module.plan(
+        wrapper._float_workspace_buffer,
+        wrapper._int_workspace_buffer,
+        wrapper._pin_memory_int_workspace_buffer,
+        _host_range(batch + 1),  # qo_indptr
+        torch.from_numpy(indptr),
+        torch.from_numpy(kv_lens.astype(np.int32, copy=False)),
+        batch,  # total query rows
+        batch,
+        num_qo_heads,
+        num_kv_heads,
+        page_size,
+        wrapper.is_cuda_graph_enabled,
+        head_size,  # head_dim_qk
+        head_size,  # head_dim_vo
+        False,  # causal: one query token sees every key
+        window_left,
+        -1,  # fixed_split_size: the planner's choice
+        False,  # disable_split_kv
+        0,  # num_colocated_ctas
+        0,  # uniform_q_len (only for several query tokens per request)
+    )
+    wrapper._batch_size = batch
+    wrapper._max_kv_len = int(kv_lens.max()) if batch else 0
+
+
+_RANGE_LEN = 1 << 16
+
+
+@functools.cache
+def _host_arange() -> torch.Tensor:
+    return torch.arange(_RANGE_LEN, dtype=torch.int32)
+
+
+def _host_range(n: int) -> torch.Tensor:
+    """int32 `[0, n)` on the host (cached; a slice is free)."""
+    return _host_arange()[:n] if n <= _RANGE_LEN else torch.arange(n, dtype=torch.int32)
+
+
+@functools.cache
+def _device_arange(device: torch.device) -> torch.Tensor:
+    return torch.arange(_RANGE_LEN, dtype=torch.int32, device=device)
+
+
+def _device_range(n: int, device: torch.device) -> torch.Tensor:
+    """int32 `[0, n)` on `device` (cached up to 65536; a slice is free)."""
+    if n > _RANGE_LEN:
+        return torch.arange(n, dtype=torch.int32, device=device)
+    return _device_arange(torch.device(device))[:n]
