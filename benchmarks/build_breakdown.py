@@ -1,0 +1,116 @@
+"""Where the host time of `build` goes, part by part, for the batch of issue 6's build target
+(256 decodes of 2048 keys, block 16, bf16, 32 query / 8 KV heads, head_size 128).
+
+`benchmarks/kernels.py` times each backend's whole `build`; this splits FLASHINFER's and
+FLEX_ATTENTION's into their steps, each timed alone (median of `--reps` calls, after a warm-up),
+so that the cost left over can be attributed. FLASHINFER's parts: `cm.validate`, `plan_step`
+(numpy), `_gather_pages` (device gather), `replan_decode` (index buffers + FlashInfer's C++
+planner), and the C++ planner call alone.
+
+Run on a CUDA machine with FlashInfer 0.7.2.post1: `python3 benchmarks/build_breakdown.py`.
+Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from anyattn.backends import flashinfer as fi_backend
+from anyattn.backends.flashinfer_plan import plan_step
+from anyattn.backends.flashinfer_replan import replan_decode
+from anyattn.backends.flex_attention import FlexAttentionMetadataBuilder
+from anyattn.backends.flex_attention_plan import lay_out_step
+from anyattn.config import AttentionSpec, BatchLimits
+from anyattn.metadata import make_common_attn_metadata
+from anyattn.testing import assign_blocks
+
+
+def median_us(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=300)
+    parser.add_argument("--num-reqs", type=int, default=256)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    args = parser.parse_args()
+    n, seq_len, block_size = args.num_reqs, args.seq_len, 16
+    device = torch.device("cuda")
+    table, _ = assign_blocks([seq_len] * n, block_size)
+    cm = make_common_attn_metadata([1] * n, [seq_len] * n, table, block_size, device)
+    spec = AttentionSpec(block_size, 8, 128, torch.bfloat16)
+    limits = BatchLimits(max_num_reqs=n, max_num_tokens=n, max_model_len=seq_len)
+    rows: list[tuple[str, float]] = []
+
+    builder = fi_backend.FlashInferMetadataBuilder(spec, ["l"], limits, device)
+    impl = fi_backend.FlashInferImpl(32, 128, 128**-0.5, 8)
+    builder.register_layer(impl)
+    md = builder.build(0, cm)  # plan() once: compiles, sets the wrapper up
+    md = builder.build(0, cm)
+    wrapper = md.step.planned[impl.plan_key].decode
+    qsl, seq = cm.query_start_loc_cpu[: n + 1].numpy(), cm.seq_lens_cpu[:n].numpy()
+
+    def arrays():
+        return plan_step(qsl, seq, block_size, cm.block_table_tensor.shape[1])
+
+    step_arrays = arrays()
+    pages = fi_backend._gather_pages(cm.block_table_tensor, step_arrays)[0]
+
+    def replan():
+        replan_decode(wrapper, step_arrays.decode, pages, num_qo_heads=32, num_kv_heads=8,
+                      head_size=128, page_size=block_size, window_left=-1)  # fmt: skip
+
+    rows += [
+        ("FLASHINFER build (whole)", median_us(lambda: builder.build(0, cm), args.reps)),
+        ("  cm.validate", median_us(lambda: cm.validate("x"), args.reps)),
+        ("  plan_step (numpy)", median_us(arrays, args.reps)),
+        ("  _gather_pages", median_us(
+            lambda: fi_backend._gather_pages(cm.block_table_tensor, step_arrays), args.reps)),
+        ("  replan_decode", median_us(replan, args.reps)),
+    ]  # fmt: skip
+    plan_args = _last_plan_args(wrapper, step_arrays.decode, block_size)
+    rows.append(("    C++ planner alone", median_us(
+        lambda: wrapper._cached_module.plan(*plan_args), args.reps)))  # fmt: skip
+
+    flex = FlexAttentionMetadataBuilder(spec, ["l"], limits, device)
+    nct = cm.num_computed_tokens_cpu[:n].numpy()
+    rows += [
+        ("FLEX_ATTENTION build (whole)", median_us(lambda: flex.build(0, cm), args.reps)),
+        ("  lay_out_step (numpy)", median_us(lambda: lay_out_step(qsl, seq, nct), args.reps)),
+    ]
+    print(f"| part ({n} decodes x {seq_len} keys) | host us (median of {args.reps}) |")
+    print("|---|---|")
+    for name, us in rows:
+        print(f"| {name} | {us:.1f} |")
+    return 0
+
+
+def _last_plan_args(wrapper, decode, page_size: int) -> list:
+    """The C++ planner's arguments as `replan_decode` passes them."""
+    import numpy as np
+
+    batch = decode.paged_kv_last_page_len.shape[0]
+    kv_lens = np.maximum(np.diff(decode.paged_kv_indptr) - 1, 0) * page_size
+    kv_lens = (kv_lens + decode.paged_kv_last_page_len).astype(np.int32)
+    return [
+        wrapper._float_workspace_buffer, wrapper._int_workspace_buffer,
+        wrapper._pin_memory_int_workspace_buffer, torch.arange(batch + 1, dtype=torch.int32),
+        torch.from_numpy(decode.paged_kv_indptr), torch.from_numpy(kv_lens), batch, batch, 32,
+        8, page_size, wrapper.is_cuda_graph_enabled, 128, 128, False, -1, -1, False, 0, 0,
+    ]  # fmt: skip
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
