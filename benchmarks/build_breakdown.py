@@ -70,7 +70,9 @@ def main() -> int:
 
     def replan():
         replan_decode(wrapper, step_arrays.decode, pages, num_qo_heads=32, num_kv_heads=8,
-                      head_size=128, page_size=block_size, window_left=-1)  # fmt: skip
+                      head_size=128, page_size=block_size, window_left=-1,
+                      arange_host=builder._arange_host,
+                      arange_device=builder._arange_on_device())  # fmt: skip
 
     rows += [
         ("FLASHINFER build (whole)", median_us(lambda: builder.build(0, cm), args.reps)),

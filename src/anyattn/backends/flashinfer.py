@@ -6,7 +6,9 @@ and calls the wrappers' `plan()` in `build` with CPU index tensors and device pa
 from the block table on the device, so no host-device synchronisation happens there. `forward`
 only calls `run()`. A decode wrapper that `plan()` has set up once for a layer signature is
 re-planned for later steps by `flashinfer_replan.replan_decode`, which does only the
-batch-dependent part of `plan()` (the index buffers and FlashInfer's C++ planner). A step is served by up to three wrappers, decodes first:
+batch-dependent part of `plan()` (the index buffers and FlashInfer's C++ planner).
+
+A step is served by up to three wrappers, decodes first:
 
 - decodes (one query token): `BatchDecodeWithPagedKVCacheWrapper`, tensor cores on (the fa2
   prefill kernel, which serves any GQA ratio and shares its compiled module with the prefills);
@@ -293,6 +295,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         self._workspace: torch.Tensor | None = None
         self._installed_version = _installed_flashinfer()[1]
         self.fast_decode_plans = 0  # decode plans made by `replan_decode` (for tests)
+        # Query offsets of one token per request, for `replan_decode`; any decode batch fits.
+        self._arange_host = torch.arange(limits.max_num_reqs + 1, dtype=torch.int32)
+        self._arange_device: torch.Tensor | None = None
 
     def register_layer(self, impl: FlashInferImpl) -> None:
         """Plan for `impl`'s layer signature in every later `build` (otherwise the first
@@ -447,6 +452,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                     head_size=spec.head_size,
                     page_size=spec.block_size,
                     window_left=self._window_left,
+                    arange_host=self._arange_host,
+                    arange_device=self._arange_on_device(),
                 )
                 self.fast_decode_plans += 1
             else:
@@ -493,6 +500,11 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         return planned
 
     # --- wrappers ---------------------------------------------------------------------------
+
+    def _arange_on_device(self) -> torch.Tensor:
+        if self._arange_device is None:
+            self._arange_device = self._arange_host.to(self.device)
+        return self._arange_device
 
     def _float_workspace(self) -> torch.Tensor:
         if self._workspace is None:

@@ -16,7 +16,6 @@ version, and the builder falls back to `plan()` whenever it says no.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
@@ -58,6 +57,8 @@ def replan_decode(
     head_size: int,
     page_size: int,
     window_left: int,
+    arange_host: torch.Tensor,
+    arange_device: torch.Tensor,
 ) -> None:
     """Plan `wrapper` (see `can_replan`) for a new batch of single-token decodes.
 
@@ -68,6 +69,8 @@ def replan_decode(
             `paged_kv_indptr [B + 1]`, `paged_kv_last_page_len [B]`.
         pages: int32 `[paged_kv_indptr[-1]]` page ids on the wrapper's device.
         num_qo_heads, num_kv_heads, head_size, page_size, window_left: as given to `plan()`.
+        arange_host, arange_device: int32 `[0, 1, ...]` of at least B + 1 entries, on the host
+            and on the wrapper's device (the caller keeps them; one query row per request).
 
     Raises:
         ValueError: a CUDA-graph wrapper's fixed batch size or page capacity does not fit.
@@ -76,6 +79,11 @@ def replan_decode(
     batch = int(last_page_len.shape[0])
     # FlashInfer's `get_seq_lens`: full pages before the last one, then the last one's tokens.
     kv_lens = np.maximum(np.diff(indptr) - 1, 0) * page_size + last_page_len
+    if arange_host.shape[0] <= batch or arange_device.shape[0] <= batch:
+        raise ValueError(
+            f"replan_decode: arange_host / arange_device too short (got "
+            f"{arange_host.shape[0]} and {arange_device.shape[0]}, expected > {batch})."
+        )
     device = wrapper.device
     if wrapper.is_cuda_graph_enabled:
         if (
@@ -103,13 +111,13 @@ def replan_decode(
         wrapper._paged_kv_indptr_buf = staged[: batch + 1]
         wrapper._paged_kv_last_page_len_buf = staged[batch + 1 :]
         wrapper._paged_kv_indices_buf = pages
-        wrapper._qo_indptr_buf = _device_range(batch + 1, device)
+        wrapper._qo_indptr_buf = arange_device[: batch + 1]
     # The fa2 planner's arguments, in `plan()`'s order for one query token per request.
     wrapper._plan_info = wrapper._cached_module.plan(
         wrapper._float_workspace_buffer,
         wrapper._int_workspace_buffer,
         wrapper._pin_memory_int_workspace_buffer,
-        _host_range(batch + 1),  # qo_indptr
+        arange_host[: batch + 1],  # qo_indptr
         torch.from_numpy(indptr),
         torch.from_numpy(kv_lens.astype(np.int32, copy=False)),
         batch,  # total query rows
@@ -129,28 +137,3 @@ def replan_decode(
     )
     wrapper._batch_size = batch
     wrapper._max_kv_len = int(kv_lens.max()) if batch else 0
-
-
-_RANGE_LEN = 1 << 16
-
-
-@functools.cache
-def _host_arange() -> torch.Tensor:
-    return torch.arange(_RANGE_LEN, dtype=torch.int32)
-
-
-def _host_range(n: int) -> torch.Tensor:
-    """int32 `[0, n)` on the host (cached; a slice is free)."""
-    return _host_arange()[:n] if n <= _RANGE_LEN else torch.arange(n, dtype=torch.int32)
-
-
-@functools.cache
-def _device_arange(device: torch.device) -> torch.Tensor:
-    return torch.arange(_RANGE_LEN, dtype=torch.int32, device=device)
-
-
-def _device_range(n: int, device: torch.device) -> torch.Tensor:
-    """int32 `[0, n)` on `device` (cached up to 65536; a slice is free)."""
-    if n > _RANGE_LEN:
-        return torch.arange(n, dtype=torch.int32, device=device)
-    return _device_arange(torch.device(device))[:n]
