@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from anyattn.ops import reshape_and_cache as rac_module
 from anyattn.ops.reshape_and_cache import (
     dequantize_cache,
     reshape_and_cache,
@@ -519,6 +520,176 @@ def test_cache_on_another_device() -> None:
         reshape_and_cache(**args)
 
 
+# --- value checks are remembered per tensor --------------------------------------------------
+
+
+@pytest.fixture
+def value_reads(monkeypatch: pytest.MonkeyPatch) -> list[set[str]]:
+    """Records, per value check on the CPU, which of slot_mapping / k_scale / v_scale it read."""
+    reads: list[set[str]] = []
+    find = rac_module._find_bad_values_on_cpu
+
+    def spy(
+        slots: torch.Tensor | None,
+        num_slots: int,
+        fp8: bool,
+        k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None,
+    ) -> tuple[bool, bool, bool, bool]:
+        given = {"slot_mapping": slots, "k_scale": k_scale, "v_scale": v_scale}
+        reads.append({name for name, x in given.items() if x is not None})
+        return find(slots, num_slots, fp8, k_scale, v_scale)
+
+    monkeypatch.setattr(rac_module, "_find_bad_values_on_cpu", spy)
+    return reads
+
+
+def call_and_compare(args: dict[str, Any]) -> None:
+    """Run the op on args (in place) and check its cache against the reference."""
+    expected = args["kv_cache"].clone()
+    reshape_and_cache_ref(**args | {"kv_cache": expected})
+    reshape_and_cache(**args)
+    assert same_bits(args["kv_cache"], expected)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_unchanged_tensors_are_checked_once(
+    kv_cache_dtype: str, value_reads: list[set[str]]
+) -> None:
+    args = valid_args(kv_cache_dtype)
+    call_and_compare(args)
+    scales = {"k_scale", "v_scale"} if is_fp8_cache(kv_cache_dtype) else set()
+    assert value_reads == [{"slot_mapping"} | scales]
+    call_and_compare(args)  # a later layer of the step: nothing re-read, still written
+    call_and_compare(args | {"key": -args["key"]})
+    assert len(value_reads) == 1
+    # The next step: a new slot_mapping, the same scales.
+    call_and_compare(args | {"slot_mapping": slots(0, 1, 2, 3, -1)})
+    assert value_reads[1:] == [{"slot_mapping"}]
+
+
+def test_unit_scales_are_checked_once(value_reads: list[set[str]]) -> None:
+    args = valid_args() | {"k_scale": one(), "v_scale": torch.ones(NUM_KV_HEADS)}
+    call_and_compare(args)
+    call_and_compare(args)
+    assert value_reads == [{"slot_mapping", "k_scale", "v_scale"}]
+    args["v_scale"][1] = 2.0
+    before = args["kv_cache"].clone()
+    with pytest.raises(ValueError, match=r"^reshape_and_cache: v_scale is not 1"):
+        reshape_and_cache(**args)
+    assert same_bits(args["kv_cache"], before)
+    assert value_reads[1:] == [{"v_scale"}]
+
+
+def _set_out_of_range(slot_mapping: torch.Tensor) -> None:
+    slot_mapping[0] = 10**9
+
+
+def _set_duplicate(slot_mapping: torch.Tensor) -> None:
+    slot_mapping[4] = slot_mapping[1]
+
+
+def _refill_with_copy(slot_mapping: torch.Tensor) -> None:
+    # A persistent engine buffer refilled for the next step.
+    slot_mapping.copy_(slots(4, 5, -1, 9, 16))
+
+
+def _write_through_view(slot_mapping: torch.Tensor) -> None:
+    slot_mapping[3:][0] = -2
+
+
+def _write_unseen_then_bump(slot_mapping: torch.Tensor) -> None:
+    # torch does not see a write through numpy; the documented fix is to bump the version.
+    slot_mapping.numpy()[4] = 5
+    torch.autograd.graph.increment_version(slot_mapping)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (_set_out_of_range, "slot_mapping has a slot out of range"),
+        (_set_duplicate, "slot_mapping gives the same slot to two tokens"),
+        (_refill_with_copy, "slot_mapping has a slot out of range"),
+        (_write_through_view, "slot_mapping has a slot out of range"),
+        (_write_unseen_then_bump, "slot_mapping gives the same slot to two tokens"),
+    ],
+)
+def test_changed_slot_mapping_is_checked_again(
+    change: Callable[[torch.Tensor], None], message: str
+) -> None:
+    args = valid_args()
+    call_and_compare(args)
+    change(args["slot_mapping"])
+    before = args["kv_cache"].clone()
+    with pytest.raises(ValueError, match=rf"^reshape_and_cache: {message} \(got"):
+        reshape_and_cache(**args)
+    assert same_bits(args["kv_cache"], before)
+
+
+def test_refilled_slot_mapping_is_read_again(value_reads: list[set[str]]) -> None:
+    args = valid_args()
+    call_and_compare(args)
+    args["slot_mapping"].copy_(slots(0, -1, 2, 3, 12))
+    call_and_compare(args)
+    call_and_compare(args)
+    assert value_reads == [{"slot_mapping"}, {"slot_mapping"}]
+
+
+def test_smaller_cache_or_more_tokens_are_checked_again(value_reads: list[set[str]]) -> None:
+    gen = torch.Generator().manual_seed(11)
+    args = valid_args()
+    # Slot 40 and the entry past num_tokens are valid only for the bigger cache (64 slots).
+    args["slot_mapping"] = slot_mapping = slots(4, 5, -1, 40, 15, 60)
+    small = args["kv_cache"]
+    big = make_cache(4 * NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, small.dtype, "NHD", gen)
+    call_and_compare(args | {"kv_cache": big})
+    before = small.clone()
+    with pytest.raises(ValueError, match=r"^reshape_and_cache: slot_mapping has a slot out of"):
+        reshape_and_cache(**args)
+    assert same_bits(small, before)
+    assert value_reads == [{"slot_mapping"}, {"slot_mapping"}]
+
+    # Valid for 16 slots and 5 tokens: then also for 64 slots or fewer tokens, not for 6 tokens.
+    slot_mapping[3] = 9
+    call_and_compare(args)
+    call_and_compare(args | {"kv_cache": big})
+    call_and_compare(args | {"key": args["key"][:3], "value": args["value"][:3]})
+    assert len(value_reads) == 3
+    six = {name: torch.cat([args[name], args[name][:1]]) for name in ("key", "value")}
+    with pytest.raises(ValueError, match=r"^reshape_and_cache: slot_mapping has a slot out of"):
+        reshape_and_cache(**args | six)
+    assert value_reads[3:] == [{"slot_mapping"}]
+
+
+def test_fp8_scales_are_checked_again_when_changed_or_used_otherwise(
+    value_reads: list[set[str]],
+) -> None:
+    args = valid_args("fp8")
+    call_and_compare(args)
+    before = args["kv_cache"].clone()
+    args["k_scale"].fill_(0.0)  # the layer's scale, changed in place
+    with pytest.raises(ValueError, match=r"^reshape_and_cache: k_scale has a bad value"):
+        reshape_and_cache(**args)
+    assert same_bits(args["kv_cache"], before)
+    assert value_reads[1:] == [{"k_scale"}]
+    # v_scale (0.5) passed the fp8 check; as a scale of a non-fp8 cache it must be 1.
+    plain = valid_args() | {"v_scale": args["v_scale"]}
+    before = plain["kv_cache"].clone()
+    with pytest.raises(ValueError, match=r"^reshape_and_cache: v_scale is not 1"):
+        reshape_and_cache(**plain)
+    assert same_bits(plain["kv_cache"], before)
+
+
+def test_inference_tensors_are_checked_every_call(value_reads: list[set[str]]) -> None:
+    args = valid_args("fp8")
+    with torch.inference_mode():  # no version counter, so no record
+        args["slot_mapping"] = args["slot_mapping"].clone()
+        args["k_scale"] = args["k_scale"].clone()
+    call_and_compare(args)
+    call_and_compare(args)
+    assert value_reads == [{"slot_mapping", "k_scale", "v_scale"}, {"slot_mapping", "k_scale"}]
+
+
 # --- GPU ---------------------------------------------------------------------------------------
 
 
@@ -564,4 +735,42 @@ def test_cuda_graph_capture_and_replay() -> None:
         reshape_and_cache(key, value, cache, slot_mapping)
     graph.replay()
     torch.cuda.synchronize()
+    assert same_bits(cache, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["auto", "torch"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e5m2"])
+def test_cuda_checked_tensors_do_not_sync(impl: str, kv_cache_dtype: str) -> None:
+    gen = torch.Generator().manual_seed(12)
+    num_tokens, block_size, num_kv_heads, head_size = 40, 16, 4, 64
+    num_blocks = num_blocks_for(num_tokens, block_size)
+    dtype = cache_torch_dtype(kv_cache_dtype, torch.float16)
+    cache = make_cache(
+        num_blocks, block_size, num_kv_heads, head_size, dtype, "HND", gen, device="cuda"
+    )
+    key = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen).half().cuda()
+    value = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen).half().cuda()
+    slot_mapping = make_slots(num_tokens, num_blocks, block_size, 3, gen).cuda()
+    # Unit scales for the plain cache, as an engine passes them.
+    k_scale = torch.rand(num_kv_heads, generator=gen) + 0.5
+    k_scale = (k_scale if is_fp8_cache(kv_cache_dtype) else one()).cuda()
+    args = (key, value, cache, slot_mapping, kv_cache_dtype, k_scale, one().cuda())
+    expected = cache.clone()
+    reshape_and_cache_ref(key, value, expected, *args[3:])
+    reshape_and_cache(*args, impl=impl)  # checks the values: one sync
+    unchecked = slot_mapping.clone()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        reshape_and_cache(*args, impl=impl)  # a later layer of the step
+        reshape_and_cache(*args, impl=impl)
+        with pytest.raises(RuntimeError):  # the check of a new tensor does sync
+            reshape_and_cache(key, value, cache, unchecked, *args[4:], impl=impl)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert same_bits(cache, expected)
+    slot_mapping[-1] = num_blocks * block_size  # in place: checked again, rejected
+    with pytest.raises(ValueError, match="slot_mapping has a slot out of range"):
+        reshape_and_cache(*args, impl=impl)
     assert same_bits(cache, expected)

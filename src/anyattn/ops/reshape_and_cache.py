@@ -15,11 +15,26 @@ its largest finite value (448 for e4m3, 57344 for e5m2), as vLLM's kernels do, n
 On CUDA, when triton is importable, the write is one Triton kernel launch (one program per
 token); the vectorised PyTorch path serves the CPU and CUDA without triton. `impl=` forces
 either one (tests run the kernel on the CPU under `TRITON_INTERPRET=1`).
+
+Checking values (slots in range and distinct, scale values) needs them on the host: on CUDA a
+device-to-host sync, which stalls a host that should run ahead of the GPU. Every layer of a step
+passes the same `slot_mapping`, and each layer the same scales step after step, so a successful
+check is recorded on the checked tensor itself, in the private attribute `_anyattn_checked` (a
+`_Checked`: which check, and the tensor's `_version`, data_ptr, shape and stride at the time); a
+later call on the unchanged tensor skips that check. An eager step thus syncs once (its first
+layer) instead of once per layer, and scales are read once. The record lives on the tensor, not in
+a module-level cache (no global state; it goes with the tensor). torch bumps `_version` on every
+in-place write it performs (`copy_` into a persistent buffer, index writes, writes through a
+view), so a changed tensor is checked again; writes torch does not see (through `.numpy()`,
+`.data`, DLPack, or a kernel writing through `data_ptr()`) must be followed by
+`torch.autograd.graph.increment_version(tensor)`. Inference tensors (created under
+`torch.inference_mode()`) have no version counter: they are checked on every call.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -36,6 +51,8 @@ __all__ = ["dequantize_cache", "reshape_and_cache", "reshape_and_cache_ref"]
 
 _OP = "reshape_and_cache"
 _MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The tensor attribute holding a `_Checked` record (see the module docstring).
+_CHECKED_ATTR = "_anyattn_checked"
 
 
 def reshape_and_cache(
@@ -80,9 +97,10 @@ def reshape_and_cache(
             `impl`.
         RuntimeError: `impl="triton"` without triton installed.
 
-    Validation reads `slot_mapping` (and the scales) on the host in one transfer: on CUDA that
-    is one device-to-host sync per call. While a CUDA graph is being captured the value checks
-    are skipped (a sync is illegal there); the write itself never syncs.
+    Validation reads `slot_mapping` (and the scales) on the host in one transfer: on CUDA one
+    device-to-host sync, made only when one of them has not been checked unchanged before (see
+    the module docstring), so a step's later layers do not sync. While a CUDA graph is being
+    captured the value checks are skipped (a sync is illegal there); the write never syncs.
     """
     cache_dtype = _validate(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
     use_triton = _use_triton(impl, kv_cache, cache_dtype)
@@ -504,36 +522,102 @@ def _validate_values(
     v_scale: torch.Tensor | None,
 ) -> None:
     num_slots = kv_cache.shape[0] * kv_cache.shape[2]
-    slots = slot_mapping[:num_tokens]
-    if slots.device.type == "cpu":
-        # On the CPU a few Python checks cost less than a dozen tiny tensor ops (this runs once
-        # per layer per step).
-        _validate_values_on_cpu(slots, num_slots, fp8, k_scale, v_scale)
+    scale_check = "fp8 scale" if fp8 else "unit scale"
+    # What is not known valid yet (None: nothing to check).
+    is_slots_known = _is_known_valid(slot_mapping, "slot_mapping", num_tokens, num_slots)
+    slots = None if is_slots_known else slot_mapping[:num_tokens]
+    scales = [
+        None if scale is None or _is_known_valid(scale, scale_check) else scale
+        for scale in (k_scale, v_scale)
+    ]
+    if slots is None and scales == [None, None]:
         return
-    flags = [((slots < -1) | (slots >= num_slots)).any()]
-    # Duplicates are neighbours once sorted; -1 (padding) may repeat.
-    ordered = torch.sort(slots).values
-    flags.append(((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)).any())
-    for scale in (k_scale, v_scale):
-        if scale is None:
-            flags.append(torch.zeros((), dtype=torch.bool, device=slots.device))
-        elif fp8:
-            flags.append(~(torch.isfinite(scale) & (scale > 0)).all())
-        else:
-            flags.append((scale != 1).any())
-    # One device-to-host transfer for all value checks.
-    bad_range, duplicate, bad_k_scale, bad_v_scale = torch.stack(flags).tolist()
-    _raise_for(bad_range, duplicate, bad_k_scale, bad_v_scale, num_slots, fp8)
+    if kv_cache.device.type == "cpu":
+        # On the CPU a few Python checks cost less than a dozen tiny tensor ops.
+        bad = _find_bad_values_on_cpu(slots, num_slots, fp8, *scales)
+    else:
+        bad = _find_bad_values_on_device(slots, num_slots, fp8, *scales)
+    _raise_for(*bad, num_slots, fp8)
+    if slots is not None:
+        _mark_valid(slot_mapping, "slot_mapping", num_tokens, num_slots)
+    for scale in scales:
+        if scale is not None:
+            _mark_valid(scale, scale_check)
 
 
-def _validate_values_on_cpu(
-    slots: torch.Tensor,
+@dataclass(frozen=True, slots=True)
+class _Checked:
+    """A successful value check, recorded on the checked tensor as `_anyattn_checked`."""
+
+    check: str  # "slot_mapping", "fp8 scale" (finite, > 0) or "unit scale" (all 1)
+    state: tuple[object, ...]  # `_tensor_state` when checked
+    num_tokens: int = 0  # slot_mapping: its first num_tokens entries are valid
+    num_slots: int = 0  # ... for a cache of num_slots slots
+
+
+def _tensor_state(x: torch.Tensor) -> tuple[object, ...] | None:
+    # None: an inference tensor has no version counter, so a change to it cannot be seen.
+    if x.is_inference():
+        return None
+    return (x._version, x.data_ptr(), tuple(x.shape), x.stride())
+
+
+def _is_known_valid(x: torch.Tensor, check: str, num_tokens: int = 0, num_slots: int = 0) -> bool:
+    record = getattr(x, _CHECKED_ATTR, None)
+    state = _tensor_state(x)
+    # Slots valid for n tokens and m slots stay valid for fewer tokens or a bigger cache.
+    return (
+        isinstance(record, _Checked)
+        and state is not None
+        and (record.check, record.state) == (check, state)
+        and num_tokens <= record.num_tokens
+        and num_slots >= record.num_slots
+    )
+
+
+def _mark_valid(x: torch.Tensor, check: str, num_tokens: int = 0, num_slots: int = 0) -> None:
+    state = _tensor_state(x)
+    if state is not None:
+        setattr(x, _CHECKED_ATTR, _Checked(check, state, num_tokens, num_slots))
+
+
+def _find_bad_values_on_device(
+    slots: torch.Tensor | None,
     num_slots: int,
     fp8: bool,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
-) -> None:
-    values = slots.tolist()
+) -> tuple[bool, bool, bool, bool]:
+    """`(bad_range, duplicate, bad_k_scale, bad_v_scale)`; None arguments are not checked."""
+    flags: dict[str, torch.Tensor] = {}
+    if slots is not None:
+        flags["range"] = ((slots < -1) | (slots >= num_slots)).any()
+        # Duplicates are neighbours once sorted; -1 (padding) may repeat.
+        ordered = torch.sort(slots).values
+        flags["duplicate"] = ((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)).any()
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is not None and fp8:
+            flags[name] = ~(torch.isfinite(scale) & (scale > 0)).all()
+        elif scale is not None:
+            flags[name] = (scale != 1).any()
+    if not flags:
+        return False, False, False, False
+    # One device-to-host transfer for every check still to make.
+    found = dict(zip(flags, torch.stack(list(flags.values())).tolist(), strict=True))
+    names = ("range", "duplicate", "k_scale", "v_scale")
+    bad_range, duplicate, bad_k_scale, bad_v_scale = (found.get(name, False) for name in names)
+    return bad_range, duplicate, bad_k_scale, bad_v_scale
+
+
+def _find_bad_values_on_cpu(
+    slots: torch.Tensor | None,
+    num_slots: int,
+    fp8: bool,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> tuple[bool, bool, bool, bool]:
+    """As `_find_bad_values_on_device`, with Python checks on host values."""
+    values = [] if slots is None else slots.tolist()
     real = [v for v in values if v != -1]
     bad_range = bool(values) and (min(values) < -1 or max(values) >= num_slots)
     duplicate = len(set(real)) != len(real)
@@ -544,7 +628,7 @@ def _validate_values_on_cpu(
             bad_scales.append(not all(math.isfinite(x) and x > 0 for x in scale_values))
         else:
             bad_scales.append(any(x != 1 for x in scale_values))
-    _raise_for(bad_range, duplicate, *bad_scales, num_slots, fp8)
+    return bad_range, duplicate, bad_scales[0], bad_scales[1]
 
 
 def _raise_for(
