@@ -1,6 +1,7 @@
 """FLASHINFER planning arrays, exactly: the decode / ragged / paged split, FlashInfer's CSR page
 table (indptr, indices, last-page lengths), CUDA-graph padding; hand-built cases and random
-batches against a loop-by-loop reference."""
+batches against a loop-by-loop reference, and the single-token decode fast path against the
+general path."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from anyattn.backends import flashinfer_plan
 from anyattn.backends.flashinfer import _gather_pages
 from anyattn.backends.flashinfer_plan import (
     BatchSplit,
+    _plan_any,
     pad_requests,
     paged_kv_gather_index,
     paged_kv_indices,
@@ -141,12 +144,13 @@ def test_plan_step_mixed_batch():
     assert d.paged_kv_indptr.tolist() == [0, 3, 4]
     assert d.paged_kv_last_page_len.tolist() == [8, 3]
     assert d.seq_lens.tolist() == [40, 3]
-    assert d.gather_index.tolist() == [0, 1, 2, 5]
+    assert d.gather_positions(5).tolist() == [0, 1, 2, 5]
     p = arrays.paged
     assert p.qo_indptr.tolist() == [0, 5]
     assert p.paged_kv_indptr.tolist() == [0, 5]
     assert p.paged_kv_last_page_len.tolist() == [6]
-    assert p.gather_index.tolist() == [15, 16, 17, 18, 19]
+    assert p.gather_index == (slice(3, 4), slice(0, 5))  # one request: a rectangle
+    assert p.gather_positions(5).tolist() == [15, 16, 17, 18, 19]
     assert arrays.ragged_qo_indptr.tolist() == [0, 17]
     assert arrays.ragged_kv_indptr.tolist() == [0, 17]
 
@@ -166,7 +170,7 @@ def test_plan_step_cudagraph_pads_the_decodes():
     assert d.paged_kv_last_page_len.tolist() == [5, 8, 16, 1, 1, 1, 1, 1]
     assert d.seq_lens.tolist() == [5, 40, 16, 0, 0, 0, 0, 0]
     assert d.num_reqs == 8
-    assert d.gather_index.tolist() == [0, 3, 4, 5, 6]
+    assert d.gather_positions(3).tolist() == [0, 3, 4, 5, 6]
     assert arrays.paged is None and arrays.ragged_qo_indptr is None
 
 
@@ -267,7 +271,9 @@ def test_random_batches_match_the_reference(batch):
             assert indptr == [0]
             continue
         assert part.paged_kv_indptr.tolist() == indptr
-        assert table.reshape(-1)[part.gather_index].tolist() == indices
+        assert table.reshape(-1)[part.gather_positions(num_cols)].tolist() == indices
+        if isinstance(part.gather_index, tuple):  # a rectangle of the table, read row by row
+            assert table[part.gather_index].reshape(-1).tolist() == indices
         assert part.paged_kv_last_page_len.tolist() == last
         assert all(1 <= x <= block_size for x in last)
         if name == "paged":
@@ -306,7 +312,7 @@ def reference_gather_index(seq_lens, block_size, first_row, num_cols):
 @pytest.mark.parametrize("first_row", [0, 3])
 def test_paged_kv_gather_index_layouts(seq_lens, num_cols, first_row):
     index = paged_kv_gather_index(np.array(seq_lens, np.int32), 16, first_row, num_cols)
-    assert index.dtype == np.int64
+    assert index.dtype == np.int32
     assert index.tolist() == reference_gather_index(seq_lens, 16, first_row, num_cols)
 
 
@@ -336,7 +342,7 @@ def test_random_gather_index_matches_the_reference(
     ]
     num_cols = max(pages, default=0) + extra_cols
     index = paged_kv_gather_index(np.array(seq_lens, np.int64), block_size, first_row, num_cols)
-    assert index.dtype == np.int64
+    assert index.dtype == np.int32
     assert index.tolist() == reference_gather_index(seq_lens, block_size, first_row, num_cols)
     indptr, last = paged_kv_indptr(np.array(seq_lens, np.int64), block_size)
     assert indptr.tolist() == np.concatenate([[0], np.cumsum(pages)]).tolist()
@@ -354,7 +360,10 @@ def test_plan_step_large_uniform_decode_batch(num_cols):
     assert d.paged_kv_indptr.tolist() == list(range(0, 128 * 257, 128))
     assert d.paged_kv_last_page_len.tolist() == [16] * 256
     assert d.seq_lens.tolist() == [2048] * 256
-    assert d.gather_index.tolist() == reference_gather_index([2048] * 256, 16, 0, num_cols)
+    assert d.gather_index == (slice(0, 256), slice(0, 128))  # no index to build or send
+    assert d.gather_positions(num_cols).tolist() == reference_gather_index(
+        [2048] * 256, 16, 0, num_cols
+    )
     assert arrays.paged is None and arrays.ragged_qo_indptr is None
 
 
@@ -365,19 +374,27 @@ def test_plan_step_large_uniform_decode_batch(num_cols):
 @given(
     query_lens=st.lists(st.sampled_from([1, 1, 1, 3]), min_size=1, max_size=8),
     context=st.lists(st.integers(0, 70), min_size=8, max_size=8),
-    whole_rows=st.booleans(),
+    layout=st.sampled_from(["whole rows", "same pages", "any"]),
     allow_ragged=st.booleans(),
+    wide_table=st.booleans(),
 )
-def test_gather_pages_matches_a_plain_index_select(query_lens, context, whole_rows, allow_ragged):
+def test_gather_pages_matches_a_plain_index_select(
+    query_lens, context, layout, allow_ragged, wide_table
+):
     n = len(query_lens)
     seq_lens = [q + c for q, c in zip(query_lens, context, strict=False)]
     num_cols = max(-(-s // 16) for s in seq_lens)
-    if whole_rows:  # every request fills its row: the index is one run of the table
+    if layout == "whole rows":  # every request fills its row: the pages are one run
         seq_lens = [16 * num_cols] * n
     else:
+        if layout == "same pages":  # a rectangle of the table, narrower than it
+            seq_lens = [max(s, 16 * (num_cols - 1) + 1) for s in seq_lens]
         num_cols += 1
-    table = torch.randperm(n * num_cols + 5, dtype=torch.int32)[: n * num_cols] + 1
-    table = table.view(n, num_cols)
+    pool = torch.randperm((n + 2) * (num_cols + 3) + 5, dtype=torch.int32) + 1
+    if wide_table:  # rows padded past num_reqs, a view of a wider buffer (not contiguous)
+        table = pool[: (n + 2) * (num_cols + 3)].view(n + 2, num_cols + 3)[:, :num_cols]
+    else:
+        table = pool[: n * num_cols].view(n, num_cols)
     arrays = plan_step(loc_of(query_lens), np.array(seq_lens), 16, num_cols,
                        allow_ragged=allow_ragged)  # fmt: skip
     decode, paged = _gather_pages(table, arrays)
@@ -386,7 +403,115 @@ def test_gather_pages_matches_a_plain_index_select(query_lens, context, whole_ro
         if part is None:
             assert pages is None
             continue
-        expected = flat[torch.from_numpy(part.gather_index)]
+        expected = flat[torch.from_numpy(part.gather_positions(num_cols)).long()]
         assert pages.dtype == torch.int32 and pages.is_contiguous()
         assert torch.equal(pages, expected)
         assert pages.untyped_storage().data_ptr() != table.untyped_storage().data_ptr()
+
+
+# --- the single-token decode fast path of plan_step, against the general path ------------------
+
+
+def outcome(fn, *args, **kwargs):
+    """The result, or the error's type and message."""
+    try:
+        return fn(*args, **kwargs)
+    except ValueError as error:
+        return type(error), str(error)
+
+
+def assert_same_step(a, b):
+    """Two `StepArrays` hold the same values, dtypes and layouts."""
+    assert a.split == b.split
+    for x, y in (
+        (a.ragged_qo_indptr, b.ragged_qo_indptr),
+        (a.ragged_kv_indptr, b.ragged_kv_indptr),
+    ):
+        assert (x is None and y is None) or (x.dtype == y.dtype and np.array_equal(x, y))
+    for x, y in ((a.decode, b.decode), (a.paged, b.paged)):
+        assert (x is None) == (y is None)
+        if x is None:
+            continue
+        for name in ("qo_indptr", "paged_kv_indptr", "paged_kv_last_page_len", "seq_lens"):
+            u, v = getattr(x, name), getattr(y, name)
+            assert (u is None and v is None) or (u.dtype == v.dtype and np.array_equal(u, v))
+        if isinstance(x.gather_index, tuple):
+            assert x.gather_index == y.gather_index
+        else:
+            assert x.gather_index.dtype == y.gather_index.dtype
+            assert np.array_equal(x.gather_index, y.gather_index)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    block_size=st.sampled_from([1, 16, 64]),
+    seq_lens=st.lists(st.integers(0, 300), max_size=12),
+    same_pages=st.booleans(),
+    extra_cols=st.integers(-1, 2),
+    padding=st.sampled_from([None, 0, 1, 5, -1]),
+    dtype=st.sampled_from([np.int32, np.int64]),
+    first_token=st.integers(0, 3),
+)
+def test_decode_fast_path_equals_the_general_path(
+    block_size, seq_lens, same_pages, extra_cols, padding, dtype, first_token
+):
+    # seq_len 0 is shorter than the query (an error); a table one column short is one too
+    n = len(seq_lens)
+    if same_pages and n:
+        seq_lens = [-(-seq_lens[0] // block_size) * block_size] * n
+    num_cols = max(max((-(-s // block_size) for s in seq_lens), default=0) + extra_cols, 0)
+    padded = None if padding is None else max(n + padding, 0)
+    loc, seq = (loc_of([1] * n) + first_token).astype(dtype), np.array(seq_lens, dtype)
+    fast = outcome(plan_step, loc, seq, block_size, num_cols, cudagraph_num_reqs=padded)
+    general = outcome(
+        _plan_any,
+        loc.astype(np.int64),
+        seq.astype(np.int64),
+        np.ones(n, np.int64),
+        block_size,
+        num_cols,
+        1,
+        True,
+        padded,
+    )
+    if isinstance(fast, tuple) or isinstance(general, tuple):
+        assert fast == general
+    else:
+        assert_same_step(fast, general)
+
+
+def test_decode_batches_take_the_fast_path(monkeypatch):
+    def no_split(*args):
+        raise AssertionError("the general path ran")
+
+    monkeypatch.setattr(flashinfer_plan, "_split", no_split)
+    arrays = plan_step(loc_of([1] * 3), np.array([5, 40, 16]), 16, num_cols=3)
+    assert arrays.split == BatchSplit(3, 3, (3, 3), (3, 3), (3, 3), (3, 3))
+    with pytest.raises(AssertionError, match="general path"):
+        plan_step(loc_of([1, 2]), np.array([5, 40]), 16, num_cols=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens"),
+    [
+        ([1, 1, 1, 1], [80, 80, 80, 80]),  # whole rows: a rectangle as wide as the table
+        ([1, 1], [80, 20]),  # a whole row, then the next one's start: one run of the table
+        ([1, 1, 1, 1], [40, 48, 33, 47]),  # the same pages: a rectangle narrower than the table
+        ([1, 1, 1, 1], [5, 64, 17, 1]),  # an int32 index
+        ([1, 1, 9, 3], [5, 64, 40, 70]),  # decodes and paged prefills: one index for both
+    ],
+)
+def test_gather_pages_on_the_gpu(query_lens, seq_lens):
+    # rectangles and runs are copied, other pages gathered with an int32 index, on the device
+    num_cols = 5
+    # a view of a wider buffer, as an engine's persistent block table is
+    table = (torch.randperm(40, dtype=torch.int32)[:24] + 1).view(4, 6)[:, :num_cols]
+    arrays = plan_step(loc_of(query_lens), np.array(seq_lens), 16, num_cols, allow_ragged=False)
+    on_gpu = _gather_pages(table.cuda(), arrays)
+    on_cpu = _gather_pages(table, arrays)
+    for gpu_pages, cpu_pages in zip(on_gpu, on_cpu, strict=True):
+        assert (gpu_pages is None) == (cpu_pages is None)
+        if gpu_pages is not None:
+            assert gpu_pages.is_cuda and gpu_pages.dtype == torch.int32
+            assert torch.equal(gpu_pages.cpu(), cpu_pages)

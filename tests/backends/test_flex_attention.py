@@ -15,6 +15,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 from anyattn import selector
@@ -218,6 +220,52 @@ def test_lay_out_step_exactly():
     assert same.lo.tolist() == [1, 29, 29, 29, 32, 32]
     assert same.q_key_pos.tolist() == [p + 8 * (p > 20) for p in layout.q_key_pos.tolist()]
     assert same.hi_full.tolist() == [20, 31, 31, 31, 37, 37]
+
+
+def _lay_out_by_hand(query_lens, key_lens, contexts):
+    """`lay_out_step`'s per-token arrays, one token at a time."""
+    lo, hi_full, q_key_pos, row = [], [], [], 1
+    for q, keys, context in zip(query_lens, key_lens, contexts, strict=True):
+        for i in range(q):
+            lo.append(row)
+            hi_full.append(row + keys - 1)
+            q_key_pos.append(row + context + i)
+        row += keys
+    return lo, hi_full, q_key_pos
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lens=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 300)), max_size=10),
+    decodes=st.booleans(),
+    dtype=st.sampled_from([np.int32, np.int64]),
+)
+def test_lay_out_step_random_batches(lens, decodes, dtype):
+    # single-token decodes (the fast path) or any query lengths, zero included
+    query_lens = [1 if decodes else q for q, _ in lens]
+    contexts = [c for _, c in lens]
+    key_lens = [q + c for q, c in zip(query_lens, contexts, strict=True)]
+    start = np.concatenate([[0], np.cumsum(query_lens, dtype=np.int64)]).astype(dtype)
+    layout = plan.lay_out_step(start, np.array(key_lens, dtype), np.array(contexts, dtype))
+    lo, hi_full, q_key_pos = _lay_out_by_hand(query_lens, key_lens, contexts)
+    assert layout.num_key_rows == 1 + sum(key_lens)
+    for name, expected in (("lo", lo), ("hi_full", hi_full), ("q_key_pos", q_key_pos)):
+        assert getattr(layout, name).dtype == np.int64
+        assert getattr(layout, name).tolist() == expected
+    assert layout.hi_causal.tolist() == q_key_pos
+    assert layout.key_start.tolist() == [1 + sum(key_lens[:r]) for r in range(len(key_lens))]
+    if decodes and lens:
+        # the general path: the same batch with a trailing request of no tokens and no keys
+        general = plan.lay_out_step(
+            np.append(start, start[-1]),
+            np.array([*key_lens, 0], dtype),
+            np.array([*contexts, 0], dtype),
+        )
+        assert general.num_key_rows == layout.num_key_rows
+        for name in ("lo", "hi_causal", "hi_full", "q_key_pos"):
+            x, y = getattr(layout, name), getattr(general, name)
+            assert x.dtype == y.dtype and np.array_equal(x, y)
+        assert np.array_equal(layout.key_start, general.key_start[:-1])
 
 
 # --- the builder -----------------------------------------------------------------------------

@@ -368,10 +368,11 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         )
         if cudagraph_size is not None:
             capacity = cudagraph_size * -(-self.limits.max_model_len // spec.block_size)
-            if arrays.decode.gather_index.shape[0] > capacity:
+            num_pages = int(arrays.decode.paged_kv_indptr[-1])
+            if num_pages > capacity:
                 raise ValueError(
                     f"{api}: a CUDA-graph decode step needs more pages than max_model_len "
-                    f"allows (got {arrays.decode.gather_index.shape[0]}, expected <= {capacity}). "
+                    f"allows (got {num_pages}, expected <= {capacity}). "
                     "Keep seq_lens within BatchLimits.max_model_len."
                 )
         decode_pages, paged_pages = _gather_pages(cm.block_table_tensor, arrays)
@@ -566,30 +567,39 @@ def _gather_pages(
     block_table: torch.Tensor, arrays: StepArrays
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The decode and paged-prefill page ids, gathered from the block table on its device
-    (at most one host-to-device copy, of the gather index, and one gather; no synchronisation).
+    (no synchronisation; an index goes to the device only for pages that are neither a
+    rectangle of the table nor one run of it, the two parts' indices in one copy).
     """
     decode, paged = arrays.decode, arrays.paged
-    if decode is None and paged is None:
-        return None, None
-    if decode is None or paged is None:
-        index = (paged if decode is None else decode).gather_index
-    else:
+    if (
+        decode is not None
+        and paged is not None
+        and isinstance(decode.gather_index, np.ndarray)
+        and isinstance(paged.gather_index, np.ndarray)
+    ):
         index = np.concatenate([decode.gather_index, paged.gather_index])
+        pages = _gather(block_table, index)
+        num_decode_pages = decode.gather_index.shape[0]
+        return pages[:num_decode_pages], pages[num_decode_pages:]
+    return (
+        None if decode is None else _gather(block_table, decode.gather_index),
+        None if paged is None else _gather(block_table, paged.gather_index),
+    )
+
+
+def _gather(block_table: torch.Tensor, where: np.ndarray | tuple[slice, slice]) -> torch.Tensor:
+    """int32 `[num_pages]`: a copy of the pages at `where` (`PagedArrays.gather_index`), never a
+    view of the table."""
+    if isinstance(where, tuple):  # a rectangle of the table: one device copy, no index to send
+        return block_table[where].clone(memory_format=torch.contiguous_format).view(-1)
     table = block_table.reshape(-1)
-    size = index.shape[0]
+    size = where.shape[0]
     # The positions strictly increase (`paged_kv_gather_index`), so equal end points mean one
-    # run of the table, e.g. decodes reading whole rows: a device copy, no index to send.
-    if size and int(index[-1]) - int(index[0]) + 1 == size:
-        pages = table[int(index[0]) : int(index[-1]) + 1].clone()
-    else:
-        device_index = torch.from_numpy(index).to(block_table.device, non_blocking=True)
-        pages = torch.index_select(table, 0, device_index)
-    if paged is None:
-        return pages, None
-    if decode is None:
-        return None, pages
-    num_decode_pages = decode.gather_index.shape[0]
-    return pages[:num_decode_pages], pages[num_decode_pages:]
+    # run of the table: a device copy, no index to send.
+    if size and int(where[-1]) - int(where[0]) + 1 == size:
+        return table[int(where[0]) : int(where[-1]) + 1].clone()
+    device_index = torch.from_numpy(where).to(block_table.device, non_blocking=True)
+    return torch.index_select(table, 0, device_index)
 
 
 class FlashInferImpl(AttentionImpl[FlashInferMetadata]):

@@ -14,7 +14,9 @@ FlashInfer describes a paged batch in CSR form (its "page table layout"):
   its kernels read an empty page range as length 0).
 
 The page ids live in the device block table, which has no CPU mirror; `paged_kv_gather_index`
-gives the flat positions in `block_table.reshape(-1)` to gather them from on the device.
+gives the flat positions in `block_table.reshape(-1)` to gather them from on the device, and
+`PagedArrays.gather_index` gives just the table's rectangle instead when every request reads
+the same number of pages (a large decode batch then needs no index at all).
 
 A step is split into three parts, in token order decodes first (the builder asks for that
 layout through `reorder_batch_threshold`): decodes (query length <= threshold) for the paged
@@ -183,10 +185,20 @@ def _page_table(seq: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarra
     indptr[0] = 0
     indptr[1:] = num_pages.cumsum()
     last = seq - (num_pages - 1) * block_size
-    has_pages = num_pages > 0
-    if np.count_nonzero(has_pages) != has_pages.shape[0]:
-        last[~has_pages] = 1
+    if seq.shape[0] and _smallest(num_pages) < 1:
+        last[num_pages < 1] = 1
     return indptr, last.astype(np.int32), num_pages
+
+
+def _smallest(values: np.ndarray) -> np.integer:
+    """`values.min()` of a non-empty array, without `ndarray.min`'s Python-level wrapper
+    (`argmin` is one C call: half the host time at a few hundred entries)."""
+    return values[values.argmin()]
+
+
+def _largest(values: np.ndarray) -> np.integer:
+    """`values.max()` of a non-empty array, as `_smallest`."""
+    return values[values.argmax()]
 
 
 def paged_kv_gather_index(
@@ -202,7 +214,7 @@ def paged_kv_gather_index(
         num_cols: columns of the (contiguous) block table.
 
     Returns:
-        int64 `[total_pages]`.
+        `[total_pages]`, int32 (int64 for a table of 2**31 entries or more).
 
     Raises:
         ValueError: a request needs more pages than the table has columns.
@@ -211,37 +223,54 @@ def paged_kv_gather_index(
     num_pages = (seq + (block_size - 1)) // block_size
     indptr = np.zeros(seq.shape[0] + 1, dtype=np.int64)
     indptr[1:] = num_pages.cumsum()
-    return _gather_index(num_pages, indptr, block_size, first_row, num_cols)
+    return _positions(_gather_index(num_pages, indptr, block_size, first_row, num_cols), num_cols)
 
 
 def _gather_index(
     num_pages: np.ndarray, indptr: np.ndarray, block_size: int, first_row: int, num_cols: int
-) -> np.ndarray:
-    """`paged_kv_gather_index` from each request's pages and their offsets (`[n + 1]`).
+) -> np.ndarray | tuple[slice, slice]:
+    """Where the pages of requests `first_row, ...` sit in the block table (see
+    `PagedArrays.gather_index`), from each request's pages and their offsets (`[n + 1]`).
 
     A large decode batch has tens of thousands of pages, and each pass over them costs
-    microseconds of host time, so the common layouts take one pass: every request reading
-    whole rows (one run of the table), or every request reading the same number of pages.
+    microseconds of host time (and the index's copy to the device more), so when every request
+    reads the same number of pages, whole rows included, there is no index: the device copies
+    that rectangle of the table. Otherwise the index takes one pass, in int32 where it fits.
     """
     n = num_pages.shape[0]
-    most = int(num_pages.max()) if n else 0
+    most = int(_largest(num_pages)) if n else 0
     if most > num_cols:
         raise ValueError(
             f"paged_kv_gather_index: block_table too narrow for the longest sequence (got "
             f"{num_cols} columns, expected >= {most} for block_size {block_size})."
         )
     total = int(indptr[-1])
-    first = first_row * num_cols
-    if total == n * most:  # every request has `most` pages
-        if most == num_cols:
-            return np.arange(first, first + total, dtype=np.int64)
-        row_starts = np.arange(first, first + n * num_cols, num_cols, dtype=np.int64)
-        return np.add.outer(row_starts, np.arange(most, dtype=np.int64)).reshape(-1)
+    if total == n * most:  # every request has `most` pages (none when `most` is negative)
+        return slice(first_row, first_row + n), slice(0, max(most, 0))
     # Page j of the flat list, in request i, sits at column j - indptr[i] of row first_row + i.
-    shift = np.arange(first, first + n * num_cols, num_cols, dtype=np.int64) - indptr[:-1]
-    index = np.arange(total, dtype=np.int64)
+    dtype = _index_dtype(first_row + n, num_cols)
+    first = first_row * num_cols
+    shift = np.arange(first, first + n * num_cols, num_cols, dtype=dtype)
+    shift -= indptr[:-1]
+    index = np.arange(total, dtype=dtype)
     index += np.repeat(shift, num_pages)
     return index
+
+
+def _positions(where: np.ndarray | tuple[slice, slice], num_cols: int) -> np.ndarray:
+    """A `_gather_index` result as flat positions in a table of `num_cols` columns."""
+    if isinstance(where, np.ndarray):
+        return where
+    rows, cols = where
+    row_starts = np.arange(rows.start, rows.stop, dtype=_index_dtype(rows.stop, num_cols))
+    row_starts *= num_cols
+    return np.add.outer(row_starts, np.arange(cols.stop, dtype=row_starts.dtype)).reshape(-1)
+
+
+def _index_dtype(num_rows: int, num_cols: int) -> type[np.integer]:
+    """int32 for positions in a table of `num_rows` x `num_cols` entries, unless they need
+    int64: half the bytes to write and to copy to the device."""
+    return np.int32 if num_rows * num_cols <= np.iinfo(np.int32).max else np.int64
 
 
 def paged_kv_indices(
@@ -266,9 +295,13 @@ def pad_requests(
             f"pad_requests: more requests than the padded size (got {last_page_len.shape[0]}, "
             f"expected <= {num_reqs})."
         )
-    indptr = np.concatenate([indptr, np.full(missing, indptr[-1], dtype=np.int32)])
-    last_page_len = np.concatenate([last_page_len, np.ones(missing, dtype=np.int32)])
-    return indptr.astype(np.int32), last_page_len.astype(np.int32)
+    n = last_page_len.shape[0]
+    padded_indptr = np.empty(num_reqs + 1, dtype=np.int32)
+    padded_indptr[: n + 1] = indptr
+    padded_indptr[n + 1 :] = indptr[-1]
+    padded_last = np.ones(num_reqs, dtype=np.int32)
+    padded_last[:n] = last_page_len
+    return padded_indptr, padded_last
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,18 +314,27 @@ class PagedArrays:
         paged_kv_indptr: int32 `[m + 1]`.
         paged_kv_last_page_len: int32 `[m]`.
         seq_lens: int32 `[m]` keys per request (padding requests: 0).
-        gather_index: int64 `[paged_kv_indptr[-1]]` positions in `block_table.reshape(-1)`.
+        gather_index: where the pages sit in the block table, in request order: either the
+            `[paged_kv_indptr[-1]]` positions in `block_table.reshape(-1)` (int32, or int64
+            for a table of 2**31 entries or more), or, when every request reads the same
+            number of pages, the `(rows, columns)` slices of that rectangle of the table:
+            `block_table[gather_index]` read row by row, with no index to build or copy.
     """
 
     qo_indptr: np.ndarray | None
     paged_kv_indptr: np.ndarray
     paged_kv_last_page_len: np.ndarray
     seq_lens: np.ndarray
-    gather_index: np.ndarray
+    gather_index: np.ndarray | tuple[slice, slice]
 
     @property
     def num_reqs(self) -> int:
         return int(self.paged_kv_last_page_len.shape[0])
+
+    def gather_positions(self, num_cols: int) -> np.ndarray:
+        """`gather_index` as positions in `block_table.reshape(-1)` of a table of `num_cols`
+        columns, rectangle or not (for tests and host-side checks; builds the index)."""
+        return _positions(self.gather_index, num_cols)
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,10 +368,12 @@ def _paged_arrays(
     seq = seq_lens[start:end]
     indptr, last, num_pages = _page_table(seq, block_size)
     gather = _gather_index(num_pages, indptr, block_size, start, num_cols)
-    seq32 = seq.astype(np.int32)
-    if padded_num_reqs is not None:
+    if padded_num_reqs is None:
+        seq32 = seq.astype(np.int32)
+    else:
         indptr, last = pad_requests(indptr, last, padded_num_reqs)
-        seq32 = np.concatenate([seq32, np.zeros(padded_num_reqs - (end - start), np.int32)])
+        seq32 = np.zeros(padded_num_reqs, dtype=np.int32)
+        seq32[: end - start] = seq
     return PagedArrays(
         qo_indptr=qo_indptr(query_start_loc, reqs) if with_qo else None,
         paged_kv_indptr=indptr,
@@ -366,10 +410,39 @@ def plan_step(
     loc = np.asarray(query_start_loc, dtype=np.int64)
     seq = np.asarray(seq_lens, dtype=np.int64)
     query_lens = loc[1:] - loc[:-1]
-    if query_lens.size and query_lens.min() < 1:
+    if query_lens.size and _smallest(query_lens) < 1:
         raise ValueError("plan_step: every request needs at least one query token.")
+    n = seq.shape[0]
+    if loc.shape[0] == n + 1 and loc[-1] - loc[0] == n and decode_threshold >= 1:
+        # n queries of at least one token each, n tokens in all: every request is a
+        # single-token decode, the engine's usual step (and every CUDA-graph step), so the
+        # split is known without `_split`'s scans.
+        return _plan_decodes(loc, seq, block_size, num_cols, cudagraph_num_reqs)
+    return _plan_any(
+        loc,
+        seq,
+        query_lens,
+        block_size,
+        num_cols,
+        decode_threshold,
+        allow_ragged,
+        cudagraph_num_reqs,
+    )
+
+
+def _plan_any(
+    loc: np.ndarray,
+    seq: np.ndarray,
+    query_lens: np.ndarray,
+    block_size: int,
+    num_cols: int,
+    decode_threshold: int,
+    allow_ragged: bool,
+    cudagraph_num_reqs: int | None,
+) -> StepArrays:
+    """`plan_step` of any batch (int64 `loc`, `seq`, `query_lens`, each query >= 1 token)."""
     context = seq - query_lens
-    if context.size and context.min() < 0:
+    if context.size and _smallest(context) < 0:
         raise ValueError("plan_step: a request has seq_len shorter than its query length.")
     split = _split(loc, query_lens, context, decode_threshold, allow_ragged)
     if cudagraph_num_reqs is not None and split.num_decodes != seq.shape[0]:
@@ -390,3 +463,24 @@ def plan_step(
         ragged_qo = qo_indptr(loc, split.ragged_reqs)
         ragged_kv = ragged_kv_indptr(loc, context, split.ragged_reqs)
     return StepArrays(split, decode, paged, ragged_qo, ragged_kv)
+
+
+def _plan_decodes(
+    loc: np.ndarray,
+    seq: np.ndarray,
+    block_size: int,
+    num_cols: int,
+    cudagraph_num_reqs: int | None,
+) -> StepArrays:
+    """`plan_step` of a batch of single-token decodes (int64 `loc`, `seq`): what the general
+    path returns for it, with only the decode wrapper's arrays to compute."""
+    n = seq.shape[0]
+    if n and _smallest(seq) < 1:  # context = seq - 1
+        raise ValueError("plan_step: a request has seq_len shorter than its query length.")
+    num_tokens = int(loc[n])
+    empty = (n, n)
+    split = BatchSplit(n, num_tokens, empty, empty, (num_tokens,) * 2, (num_tokens,) * 2)
+    decode = None
+    if n or cudagraph_num_reqs:
+        decode = _paged_arrays(loc, seq, block_size, num_cols, (0, n), False, cudagraph_num_reqs)
+    return StepArrays(split, decode, None, None, None)

@@ -59,7 +59,8 @@ def pad_keys(num_key_rows: int) -> int:
 
 @dataclass(frozen=True)
 class StepLayout:
-    """Where one step's keys and queries sit, in workspace coordinates.
+    """Where one step's keys and queries sit, in workspace coordinates (read-only arrays, some
+    shared: `hi_causal` is `q_key_pos`, and for single-token decodes `lo` is `key_start`).
 
     Attributes:
         num_key_rows: key rows in use: 1 (the sink slot) + every request's keys.
@@ -99,20 +100,35 @@ def lay_out_step(
     """
     q_start = np.asarray(query_start_loc)
     key_lens = np.asarray(key_lens)
+    num_reqs = key_lens.shape[0]
     # This runs on the per-step host path, where each numpy call costs about a microsecond:
     # per-request values are written in place into one array, then repeated once per token.
-    per_request = np.empty((3, key_lens.shape[0]), dtype=np.int64)
-    key_start, key_end, offset = per_request
-    key_lens.cumsum(out=key_end)  # each request's last key row (methods skip a wrapper)
+    per_request = np.empty((3, num_reqs), dtype=np.int64)
+    key_start, key_end, offset = per_request[0], per_request[1], per_request[2]
+    # each request's last key row (the ufunc itself: `cumsum` adds a wrapper and a cast)
+    np.add.accumulate(key_lens, dtype=np.int64, out=key_end)
     np.subtract(key_end, key_lens, out=key_start)
     key_start += 1
     # A token's own key row is its index in the step plus its request's offset.
     np.add(key_start, context_lens, out=offset)
-    offset -= q_start[:-1]
-    lo, hi_full, q_key_pos = per_request.repeat(q_start[1:] - q_start[:-1], axis=1)
-    q_key_pos += np.arange(q_key_pos.shape[0])
+    query_lens = q_start[1:] - q_start[:-1]
+    if (
+        num_reqs
+        and q_start.shape[0] == num_reqs + 1
+        and q_start[-1] - q_start[0] == num_reqs
+        and query_lens[query_lens.argmin()] == 1
+    ):
+        # Every query is one token (n of them, the least 1; `argmin` is one C call where `min`
+        # adds a Python wrapper): the engine's usual decode step. Token i is request i, so the
+        # per-request rows are the per-token ones, shared rather than repeated.
+        offset -= q_start[0]
+        lo, hi_full, q_key_pos = key_start, key_end, offset
+    else:
+        offset -= q_start[:-1]
+        lo, hi_full, q_key_pos = per_request.repeat(query_lens, axis=1)
+        q_key_pos += np.arange(q_key_pos.shape[0])
     return StepLayout(
-        num_key_rows=1 + (int(key_end[-1]) if key_end.shape[0] else 0),
+        num_key_rows=1 + (int(key_end[-1]) if num_reqs else 0),
         query_start_loc=q_start,
         key_start=key_start,
         key_lens=key_lens,
