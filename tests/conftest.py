@@ -3,10 +3,14 @@
 Fixtures:
     make_backend: build a fake `AttentionBackend` class from a few declarations (no kernels).
     register: register a backend name for the current test only.
+    triton_interpreter: run a test file as a script under `TRITON_INTERPRET=1`.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator, Sequence
 
 import pytest
@@ -133,3 +137,30 @@ def register() -> Iterator[Callable[[str, str | type], str | type]]:
     yield _register
     for name in names:
         registry.unregister_backend(name)
+
+
+@pytest.fixture
+def triton_interpreter() -> Callable[..., str]:
+    """`run(path, timeout=300)`: run the test file `path` as a script with `TRITON_INTERPRET=1`
+    and return its stdout; the test fails with the script's output if it exits non-zero.
+
+    A fresh process because Triton reads the variable when it is imported, and this pytest
+    process has imported it already. Skips when triton (or numpy, which the interpreter needs)
+    is missing.
+    """
+    pytest.importorskip("triton")
+    pytest.importorskip("numpy")
+
+    def run(path: str, timeout: int = 300) -> str:
+        result = subprocess.run(
+            [sys.executable, "-W", "ignore", path],
+            env={**os.environ, "TRITON_INTERPRET": "1"},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        assert result.returncode == 0, (result.stdout + result.stderr)[-8000:]
+        return result.stdout
+
+    return run

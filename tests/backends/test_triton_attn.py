@@ -10,9 +10,8 @@ there, bf16 and fp8 rounding on the GPU.
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -236,17 +235,8 @@ def run_interpreter_cases() -> list[str]:
     return failures
 
 
-def test_kernels_under_interpreter() -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-W", "ignore", __file__],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+def test_kernels_under_interpreter(triton_interpreter: Callable[..., str]) -> None:
+    triton_interpreter(__file__, timeout=900)
 
 
 # --- declarations and selection (CPU) ---------------------------------------------------------
