@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from anyattn.ops import reshape_and_cache as rac_module
+from anyattn.ops import slot_checks
 from anyattn.ops.reshape_and_cache import (
     dequantize_cache,
     reshape_and_cache,
@@ -527,7 +527,7 @@ def test_cache_on_another_device() -> None:
 def value_reads(monkeypatch: pytest.MonkeyPatch) -> list[set[str]]:
     """Records, per value check on the CPU, which of slot_mapping / k_scale / v_scale it read."""
     reads: list[set[str]] = []
-    find = rac_module._find_bad_values_on_cpu
+    find = slot_checks._find_bad_values_on_cpu
 
     def spy(
         slots: torch.Tensor | None,
@@ -540,7 +540,7 @@ def value_reads(monkeypatch: pytest.MonkeyPatch) -> list[set[str]]:
         reads.append({name for name, x in given.items() if x is not None})
         return find(slots, num_slots, fp8, k_scale, v_scale)
 
-    monkeypatch.setattr(rac_module, "_find_bad_values_on_cpu", spy)
+    monkeypatch.setattr(slot_checks, "_find_bad_values_on_cpu", spy)
     return reads
 
 
