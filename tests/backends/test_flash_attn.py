@@ -284,6 +284,26 @@ def test_fa4_forward_writes_the_layer_output_in_place(monkeypatch):
     assert "window_size" not in call and not output.isnan().any()
 
 
+def test_fa4_forward_gets_no_out_it_could_not_write(monkeypatch):
+    """An output view FA4's forward would reject (not 16-byte aligned) is filled by a copy."""
+    seen = []
+
+    def forward(**kwargs):
+        seen.append(kwargs.get("out"))
+        return fa4_forward(**kwargs)
+
+    layer, md, q, k, cache = _small_step(monkeypatch)
+    install(monkeypatch, versions.fa4_forward_interface(fa4(), forward))
+    layer.impl.do_kv_cache_update(layer, k, k.clone(), cache, md.slot_mapping)
+    aligned = torch.full_like(q, math.nan)
+    layer.impl.forward(layer, q, k, k.clone(), cache, md, aligned)
+    storage = torch.full((q.numel() + 1,), math.nan, dtype=q.dtype)
+    shifted = storage[1:].view(q.shape)  # 2 bytes past an aligned start
+    layer.impl.forward(layer, q, k, k.clone(), cache, md, shifted)
+    assert seen[0] is not None and seen[1] is None
+    assert torch.equal(shifted, aligned)
+
+
 @pytest.mark.parametrize("forward_params", ["complete", "no_out", "missing"])
 def test_fa4_detection_prefers_the_forward_that_takes_out(monkeypatch, forward_params):
     import types

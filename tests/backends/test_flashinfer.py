@@ -548,3 +548,22 @@ def test_fast_replan_only_for_the_wrappers_and_version_it_reproduces():
                         ("_plan_info", None), ("_q_len_per_req", 2)]:  # fmt: skip
         assert not can_replan(SimpleNamespace(**{**planned, name: value}), REPLAN_VERSION), name
     assert not can_replan(SimpleNamespace(use_tensor_cores=True), REPLAN_VERSION)
+
+
+@_gpu
+def test_eager_decode_batches_past_max_num_reqs_use_flashinfers_plan():
+    """The re-plan's query offsets cover max_num_reqs requests; a larger eager decode batch is
+    planned by FlashInfer's `plan()` every time, with the right result."""
+    batch, impl = _batch("many_decodes")
+    kv_lens, num_reqs = batch.kv_lens, len(batch.kv_lens)
+    spec = AttentionSpec(batch.block_size, KV_HEADS, HEAD_SIZE, torch.bfloat16)
+    builder = FlashInferMetadataBuilder(spec, ["layer.0"], BatchLimits(4, 256, 1024), "cuda")
+    builder.register_layer(impl)
+    cm = make_common_attn_metadata(
+        [1] * num_reqs, kv_lens, batch.block_table[:num_reqs], batch.block_size, device="cuda"
+    )
+    for _ in range(2):
+        md = builder.build(0, cm)
+        output, _ = _run(impl, batch, md)
+        _assert_matches_oracle(batch, output)
+    assert builder.fast_decode_plans == 0

@@ -508,3 +508,22 @@ def test_decode_batch_build_launches_nothing_on_the_device():
         torch.cuda.set_sync_debug_mode("default")
     assert md.layout.num_key_rows == 1 + num_reqs * seq_len and md.max_key_len == seq_len
     assert seen.ops == []
+
+
+def test_layout_keeps_its_own_copy_of_the_step():
+    """The engine refills its mirrors for the next step before this step's first forward
+    reads the layout: the layout must not share their memory."""
+    loc, key_lens, context = np.array([0, 1, 2]), np.array([5, 9]), np.array([4, 8])
+    layout = plan.lay_out_step(loc, key_lens, context)
+    before = (layout.query_start_loc.copy(), layout.key_lens.copy())
+    loc[:], key_lens[:], context[:] = 7, 7, 7
+    assert np.array_equal(layout.query_start_loc, before[0])
+    assert np.array_equal(layout.key_lens, before[1])
+
+
+def test_builder_refuses_more_requests_than_the_key_gather_takes():
+    from anyattn.ops.gather_kv_rows import MAX_NUM_REQS
+
+    spec = AttentionSpec(16, 2, 64, torch.float32)
+    with pytest.raises(ValueError, match="max_num_reqs"):
+        FlexAttentionMetadataBuilder(spec, ["l"], BatchLimits(MAX_NUM_REQS + 1, 1 << 17, 64), "cpu")

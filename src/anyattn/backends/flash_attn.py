@@ -482,6 +482,17 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         )
 
 
+def _aligned(x: torch.Tensor) -> bool:
+    """Whether FlashAttention can write `x` directly: a contiguous last dimension and 16-byte
+    aligned start and strides (FA4's forward asserts this of `out`; else we copy)."""
+    size = x.element_size()
+    return (
+        x.stride(-1) == 1
+        and x.data_ptr() % 16 == 0
+        and all(stride * size % 16 == 0 for stride in x.stride()[:-1])
+    )
+
+
 class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
     """The FLASH_ATTN backend's forward; see the module docstring."""
 
@@ -598,7 +609,8 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
         if is_fp8_cache(self.kv_cache_dtype):
             q, descales = self._quantize_query(layer, q)
         if md.prefix is None:
-            out_arg = output[:n] if interface.has_out and not descales else None
+            rows = output[:n]
+            out_arg = rows if interface.has_out and not descales and _aligned(rows) else None
             out, part_lse = self._attend(
                 interface, q, k_cache, v_cache, md.main, self.sinks, lse is not None,
                 out=out_arg, descales=descales,

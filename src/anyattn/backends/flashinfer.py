@@ -295,7 +295,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         self._workspace: torch.Tensor | None = None
         self._installed_version = _installed_flashinfer()[1]
         self.fast_decode_plans = 0  # decode plans made by `replan_decode` (for tests)
-        # Query offsets of one token per request, for `replan_decode`; any decode batch fits.
+        # Query offsets of one token per request, for `replan_decode` (larger eager batches,
+        # past max_num_reqs, are planned by FlashInfer's `plan()`).
         self._arange_host = torch.arange(limits.max_num_reqs + 1, dtype=torch.int32)
         self._arange_device: torch.Tensor | None = None
 
@@ -443,7 +444,11 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 if step.cudagraph_size
                 else self._wrappers(key, "decode")
             )
-            if self.fast_decode_plan and can_replan(wrapper, self._installed_version):
+            if (
+                self.fast_decode_plan
+                and d.num_reqs < self._arange_host.shape[0]
+                and can_replan(wrapper, self._installed_version)
+            ):
                 replan_decode(
                     wrapper,
                     d,
@@ -504,7 +509,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 
     def _arange_on_device(self) -> torch.Tensor:
         if self._arange_device is None:
-            self._arange_device = self._arange_host.to(self.device)
+            # Made on the device: a copy from pageable host memory would block the host.
+            n = self._arange_host.shape[0]
+            self._arange_device = torch.arange(n, dtype=torch.int32, device=self.device)
         return self._arange_device
 
     def _float_workspace(self) -> torch.Tensor:

@@ -74,7 +74,7 @@ from anyattn.backends.flex_attention_plan import (
 )
 from anyattn.impl_args import check_forward_inputs, layer_kv_scale
 from anyattn.metadata import CommonAttentionMetadata
-from anyattn.ops.gather_kv_rows import gather_kv_rows
+from anyattn.ops.gather_kv_rows import MAX_NUM_REQS, gather_kv_rows
 from anyattn.types import (
     AttentionCGSupport,
     AttentionType,
@@ -269,6 +269,12 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
 
     def __init__(self, kv_cache_spec, layer_names, limits, device) -> None:
         super().__init__(kv_cache_spec, layer_names, limits, device)
+        if limits.max_num_reqs > MAX_NUM_REQS:
+            raise ValueError(
+                "FlexAttentionMetadataBuilder: too many requests per step for the key gather "
+                f"(got max_num_reqs={limits.max_num_reqs}, expected <= {MAX_NUM_REQS}). "
+                "Lower BatchLimits.max_num_reqs."
+            )
         self._workspace = _Workspace()
 
     def build(

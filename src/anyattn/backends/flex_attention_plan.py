@@ -98,8 +98,10 @@ def lay_out_step(
         key_lens: `[num_reqs]` keys per request (seq_lens; encoder lengths for cross attention).
         context_lens: `[num_reqs]` tokens before this step (the position of the first query).
     """
-    q_start = np.asarray(query_start_loc)
-    key_lens = np.asarray(key_lens)
+    # Copies: the layout is read again at the step's first forward, and the caller's arrays
+    # are often views of an engine's mirrors that it refills for the next step.
+    q_start = np.array(query_start_loc)
+    key_lens = np.array(key_lens)
     num_reqs = key_lens.shape[0]
     # This runs on the per-step host path, where each numpy call costs about a microsecond:
     # per-request values are written in place into one array, then repeated once per token.

@@ -29,7 +29,7 @@ try:
 except ImportError:  # triton is an optional extra
     triton = None
 
-__all__ = ["gather_kv_rows", "gather_kv_rows_ref"]
+__all__ = ["MAX_NUM_REQS", "gather_kv_rows", "gather_kv_rows_ref"]
 
 _OP = "gather_kv_rows"
 _ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -37,7 +37,7 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Elements of one (keys x head_size) tile per head; requests are summed this many at a time.
 _TILE_ELEMENTS = 4096
 _BLOCK_R = 256
-_MAX_REQS = 65535  # CUDA's limit on the grid's second dimension
+MAX_NUM_REQS = 65535  # CUDA's limit on the grid's second dimension
 
 
 def gather_kv_rows(
@@ -356,11 +356,11 @@ def _validate(
             f"{key_lens.dim()})."
         )
     num_reqs = key_lens.shape[0]
-    if block_table.shape[0] < num_reqs or num_reqs > _MAX_REQS:
+    if block_table.shape[0] < num_reqs or num_reqs > MAX_NUM_REQS:
         raise ValueError(
             f"{_OP}: block_table has too few rows or there are too many requests (got "
             f"{block_table.shape[0]} rows for {num_reqs} requests, expected >= num_reqs and "
-            f"num_reqs <= {_MAX_REQS})."
+            f"num_reqs <= {MAX_NUM_REQS})."
         )
     if k_rows.dtype not in _ROW_DTYPES:
         raise TypeError(
