@@ -20,11 +20,13 @@ from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 from anyattn import selector
+from anyattn.backends import flex_attention
 from anyattn.backends import flex_attention_plan as plan
 from anyattn.backends.flex_attention import (
     FlexAttentionBackend,
     FlexAttentionImpl,
     FlexAttentionMetadataBuilder,
+    _make_plan,
 )
 from anyattn.config import AttentionSelectorConfig, AttentionSpec, BatchLimits
 from anyattn.metadata import make_common_attn_metadata
@@ -159,15 +161,57 @@ def test_buckets_are_few_and_never_tie_rows_to_keys():
 # --- tile masks ------------------------------------------------------------------------------
 
 
-def _tile_masks_brute(lo, hi, group, shape, has_sink):
-    rows, keys = shape[0] * plan.TILE, shape[1] * plan.TILE
-    keep = np.zeros((rows, keys), dtype=bool)
+def _keep_brute(lo, hi, group, shape, has_sink):
+    """bool `[rows, keys]` over the padded grid: the keys each query row keeps."""
+    keep = np.zeros((shape[0] * plan.TILE, shape[1] * plan.TILE), dtype=bool)
     for t in range(lo.shape[0]):
         keep[t * group : (t + 1) * group, lo[t] : hi[t] + 1] = True
         if has_sink:
             keep[t * group : (t + 1) * group, 0] = True
+    return keep
+
+
+def _tile_masks_brute(lo, hi, group, shape, has_sink):
+    """`(partial, full)`: a full tile keeps all its keys (key tile 0, the sink slot's, is never
+    called full), a partial one some of them."""
+    keep = _keep_brute(lo, hi, group, shape, has_sink)
     tiles = keep.reshape(shape[0], plan.TILE, shape[1], plan.TILE)
-    return tiles.any(axis=(1, 3)), tiles.all(axis=(1, 3))
+    full = tiles.all(axis=(1, 3))
+    full[:, 0] = False
+    return tiles.any(axis=(1, 3)) & ~full, full
+
+
+def _block_lists_reference(tiles):
+    """FlexAttention's lists of a bool tile mask: a stable argsort puts marked tiles first."""
+    num = tiles.sum(axis=1, dtype=np.int32)
+    indices = np.argsort(~tiles, axis=1, kind="stable").astype(np.int32)
+    return num[None, None], indices[None, None]
+
+
+def _check_tiles(lo, hi, layout, group, has_sink):
+    """tile_runs, tile_masks and block_lists of one step against the brute force, exactly."""
+    num_rows = plan.pad_rows(lo.shape[0] * group)
+    shape = (num_rows // plan.TILE, plan.pad_keys(layout.num_key_rows) // plan.TILE)
+    runs = plan.tile_runs(lo, hi, layout.query_start_loc, group, has_sink)
+    masks = plan.tile_masks(lo, hi, layout.query_start_loc, group, shape, has_sink)
+    expected = _tile_masks_brute(lo, hi, group, shape, has_sink)
+    for marked, mask, want in zip(runs, masks, expected, strict=True):
+        # The kept keys of consecutive tokens of a request are contiguous ranges, so the tiles
+        # visited are exactly those with a kept key, and a full tile has no masked entry.
+        assert np.array_equal(mask, want)
+        # runs: sorted by row tile, then key tile; apart (neither overlapping nor touching)
+        tile, first, last = marked.tile, marked.first, marked.last
+        same_tile = tile[1:] == tile[:-1]
+        assert (tile[1:] >= tile[:-1]).all() and (first <= last).all()
+        assert (first[1:][same_tile] > last[:-1][same_tile] + 1).all()
+        want_num, want_indices = _block_lists_reference(want)
+        out = np.full(shape[0], -1, dtype=np.int32), np.full(shape[0] * shape[1], -1, np.int32)
+        for lists in (plan.block_lists(marked, shape), plan.block_lists(marked, shape, out)):
+            num, indices = lists
+            assert num.dtype == indices.dtype == np.int32
+            assert num.shape == (1, 1, shape[0]) and indices.shape == (1, 1, *shape)
+            assert np.array_equal(num, want_num) and np.array_equal(indices, want_indices)
+        assert np.shares_memory(num, out[0]) and np.shares_memory(indices, out[1])
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -181,21 +225,114 @@ def test_tile_masks_visit_exactly_the_tiles_with_kept_keys(seed):
     layout = plan.lay_out_step(start, query_lens + contexts, contexts)
     lo = plan.window_lo(layout, window if causal else None)
     hi = layout.hi_causal if causal else layout.hi_full
-    num_tokens = int(query_lens.sum())
-    shape = (plan.pad_rows(num_tokens * group) // plan.TILE, plan.pad_keys(layout.num_key_rows))
-    shape = (shape[0], shape[1] // plan.TILE)
-    has_sink = seed % 3 == 0
-    partial, full = plan.tile_masks(lo, hi, layout.query_start_loc, group, shape, has_sink)
-    needed, all_kept = _tile_masks_brute(lo, hi, group, shape, has_sink)
-    assert not (partial & full).any()
-    # The kept keys of consecutive tokens of a request are contiguous ranges, so the tiles
-    # visited are exactly those with a kept key, and a full tile has no masked entry.
-    assert ((partial | full) == needed).all()
-    assert (all_kept >= full).all()
-    num, indices = plan.block_lists(partial)
-    assert num.shape == (1, 1, shape[0]) and indices.shape == (1, 1, *shape)
-    for r in range(shape[0]):
-        assert indices[0, 0, r, : num[0, 0, r]].tolist() == np.flatnonzero(partial[r]).tolist()
+    _check_tiles(lo, hi, layout, group, has_sink=seed % 3 == 0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(st.integers(0, 40), st.integers(0, 300), st.integers(0, 300)), max_size=6
+    ),
+    decodes=st.booleans(),
+    group=st.sampled_from([1, 2, 3, 4, 8]),
+    mode=st.sampled_from(["causal", "window", "bidirectional", "cross"]),
+    window=st.integers(1, 300),
+    has_sink=st.booleans(),
+)
+def test_tile_runs_and_block_lists_match_the_brute_force(
+    requests, decodes, group, mode, window, has_sink
+):
+    # (query tokens, context, encoder keys) per request; requests without query tokens too
+    query_lens = np.array([1 if decodes else q for q, _, _ in requests], dtype=np.int64)
+    contexts = np.array([c for _, c, _ in requests], dtype=np.int64)
+    key_lens = query_lens + contexts
+    if mode == "cross":
+        key_lens = np.array([e for _, _, e in requests], dtype=np.int64)
+    start = np.concatenate(([0], np.cumsum(query_lens)))
+    layout = plan.lay_out_step(start, key_lens, contexts)
+    lo = plan.window_lo(layout, window if mode == "window" else None)
+    hi = layout.hi_causal if mode in ("causal", "window") else layout.hi_full
+    _check_tiles(lo, hi, layout, group, has_sink)
+
+
+def _plan_batch():
+    """A mixed step (decodes, a fresh and a chunked prefill) and its metadata."""
+    table = (torch.randperm(200)[: 5 * 17] + 1).int().view(5, 17)
+    return make_common_attn_metadata([1, 1, 37, 1, 200], [9, 260, 37, 129, 260], table, 16)
+
+
+def _block_mask_lists(block_mask):
+    return (
+        block_mask.kv_num_blocks,
+        block_mask.kv_indices,
+        block_mask.full_kv_num_blocks,
+        block_mask.full_kv_indices,
+    )
+
+
+# (causal, window, group, has_sink); group 3 does not divide the rows, 16 is the broadcast fill
+_PLAN_SETTINGS = ((True, None, 4, False), (True, 33, 3, True), (False, None, 16, True))
+
+
+def test_plan_tensors_exactly():
+    """The plan's mask, positions, query heads and block lists, exactly."""
+    md = _builder().build(0, _plan_batch())
+    layout, num_keys = md.layout, md.kv_rows_padded
+    for causal, window, group, has_sink in _PLAN_SETTINGS:
+        made = _make_plan(md, causal, window, group, has_sink, torch.device("cpu"))
+        lo = plan.window_lo(layout, window)
+        hi = layout.hi_causal if causal else layout.hi_full
+        num_rows, used = made.num_rows, md.num_actual_tokens * group
+        assert num_rows == plan.pad_rows(used)
+        shape = (num_rows // plan.TILE, num_keys // plan.TILE)
+        keep = _keep_brute(lo, hi, group, shape, has_sink)
+        keep[:, 0] |= has_sink  # padding rows too: they see the sink only
+        rows, keys = torch.arange(num_rows)[:, None], torch.arange(num_keys)[None, :]
+        assert np.array_equal(made.block_mask.mask_mod(0, 0, rows, keys).numpy(), keep)
+        position = np.zeros(num_rows, dtype=np.int32)
+        position[:used] = np.repeat(layout.q_key_pos, group)
+        assert made.q_key_pos.dtype == made.group_index.dtype == torch.int32
+        assert np.array_equal(made.q_key_pos.numpy(), position)
+        assert np.array_equal(made.group_index.numpy(), np.arange(num_rows) % group)
+        lists = _block_mask_lists(made.block_mask)
+        partial, full = _tile_masks_brute(lo, hi, group, shape, has_sink)
+        expected = (*_block_lists_reference(partial), *_block_lists_reference(full))
+        for tensor, want in zip(lists, expected, strict=True):
+            assert tensor.dtype == torch.int32 and np.array_equal(tensor.numpy(), want)
+        # Inductor's CPU template fails on tensors at symbolic storage offsets (see _make_plan)
+        assert all(t.storage_offset() == 0 for t in (*lists, made.q_key_pos, made.group_index))
+
+
+def test_plan_off_the_cpu_copies_one_host_buffer():
+    """Off the CPU (the meta device stands in for a GPU here) the plan fills one host buffer
+    and copies each of its sections once, to tensors of their own at storage offset 0."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if not any(r.alias_info is not None for r in func._schema.returns):  # not a view
+                self.ops.append(str(func))
+            return result
+
+    md = _builder().build(0, _plan_batch())
+    for causal, window, group, has_sink in _PLAN_SETTINGS:
+        with Ops() as seen:
+            made = _make_plan(md, causal, window, group, has_sink, torch.device("meta"))
+        # the host buffer, then one copy per tensor (the compute_q fallback transposes the
+        # lists too)
+        if flex_attention._FROM_KV_BLOCKS_TAKES_COMPUTE_Q:
+            assert seen.ops == ["aten.empty.memory_format"] + ["aten._to_copy.default"] * 8
+        tensors = (*_block_mask_lists(made.block_mask), made.q_key_pos, made.group_index)
+        on_cpu = _make_plan(md, causal, window, group, has_sink, torch.device("cpu"))
+        want = (*_block_mask_lists(on_cpu.block_mask), on_cpu.q_key_pos, on_cpu.group_index)
+        assert [t.shape for t in tensors] == [t.shape for t in want]
+        assert all(t.device.type == "meta" and t.dtype == torch.int32 for t in tensors)
+        assert all(t.storage_offset() == 0 for t in tensors)
 
 
 def test_lay_out_step_exactly():
@@ -508,6 +645,58 @@ def test_decode_batch_build_launches_nothing_on_the_device():
         torch.cuda.set_sync_debug_mode("default")
     assert md.layout.num_key_rows == 1 + num_reqs * seq_len and md.max_key_len == seq_len
     assert seen.ops == []
+
+
+@pytest.mark.gpu
+def test_plan_copies_one_pinned_buffer_on_cuda():
+    """On CUDA the plan's tensors are copies of the sections of one pinned host buffer (one
+    copy each, no other device op), with the values of the CPU plan (test_conforms_on_cuda
+    runs the kernel on them)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            tensors = [a for a in (*args, result) if isinstance(a, torch.Tensor)]
+            is_view = any(r.alias_info is not None for r in func._schema.returns)
+            if any(t.is_cuda for t in tensors) and not is_view:
+                self.ops.append(str(func))
+            return result
+
+    cm = _plan_batch()
+    md_cpu = _builder().build(0, cm)
+    cm_cuda = make_common_attn_metadata(
+        [1, 1, 37, 1, 200], [9, 260, 37, 129, 260], cm.block_table_tensor, 16, device="cuda"
+    )
+    spec = AttentionSpec(16, 2, 64, torch.float32)
+    builder = FlexAttentionMetadataBuilder(spec, ["layer.0"], BatchLimits(64, 4096, 4096), "cuda")
+    md = builder.build(0, cm_cuda)
+    for causal, window, group, has_sink in _PLAN_SETTINGS:
+        with Copies() as seen:
+            made = _make_plan(md, causal, window, group, has_sink, torch.device("cuda"))
+        copies = [op for op in seen.ops if "copy" in op]
+        assert copies == ["aten._to_copy.default"] * 8, seen.ops
+        if flex_attention._FROM_KV_BLOCKS_TAKES_COMPUTE_Q:  # (else it transposes the lists)
+            assert len(seen.ops) == 8, seen.ops
+        want = _make_plan(md_cpu, causal, window, group, has_sink, torch.device("cpu"))
+        tensors, want_tensors = (
+            (*_block_mask_lists(p.block_mask), p.q_key_pos, p.group_index) for p in (made, want)
+        )
+        assert all(t.storage_offset() == 0 for t in tensors)
+        for tensor, expected in zip(tensors, want_tensors, strict=True):
+            assert tensor.is_cuda and tensor.dtype == torch.int32
+            assert tensor.shape == expected.shape and torch.equal(tensor.cpu(), expected)
+            assert tensor.data_ptr() % 64 == 0  # aligned: Inductor copies misaligned inputs
+        rows = torch.arange(made.num_rows, device="cuda")[:, None]
+        keys = torch.arange(md.kv_rows_padded, device="cuda")[None, :]
+        assert torch.equal(
+            made.block_mask.mask_mod(0, 0, rows, keys).cpu(),
+            want.block_mask.mask_mod(0, 0, rows.cpu(), keys.cpu()),
+        )
 
 
 def test_layout_keeps_its_own_copy_of_the_step():

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import itertools
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,11 +66,12 @@ from anyattn.backend import (
 from anyattn.backends.flex_attention_plan import (
     TILE,
     StepLayout,
+    TileRuns,
     block_lists,
     lay_out_step,
     pad_keys,
     pad_rows,
-    tile_masks,
+    tile_runs,
     window_lo,
 )
 from anyattn.impl_args import check_forward_inputs, layer_kv_scale
@@ -332,14 +334,6 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
         )
 
 
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on `device`; CUDA copies go from pinned memory without blocking the host."""
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
 def _make_plan(
     md: FlexAttentionMetadata,
     causal: bool,
@@ -356,23 +350,14 @@ def _make_plan(
     hi = layout.hi_causal if causal else layout.hi_full
     num_rows = pad_rows(md.num_actual_tokens * group)
     shape = (num_rows // TILE, md.kv_rows_padded // TILE)
-    partial, full = tile_masks(lo, hi, layout.query_start_loc, group, shape, has_sink)
-
-    def rows(per_token: np.ndarray, fill: int) -> torch.Tensor:
-        """Per-token values repeated for the token's `group` rows (on the device), padding
-        rows `fill`."""
-        out = torch.full((num_rows,), fill, dtype=torch.int32, device=device)
-        tokens = _to_device(per_token.astype(np.int32), device)
-        out[: per_token.shape[0] * group] = tokens.repeat_interleave(group)
-        return out
-
-    row_lo, row_hi = rows(lo, 1), rows(hi, 0)  # padding rows keep nothing
+    runs = tile_runs(lo, hi, layout.query_start_loc, group, has_sink)
+    tensors = _plan_tensors(lo, hi, layout.q_key_pos, group, num_rows, runs, shape, device)
+    row_lo, row_hi, q_key_pos, group_index, *lists = tensors
 
     def mask_mod(b, h, q_idx, kv_idx):
         keep = (kv_idx >= row_lo[q_idx]) & (kv_idx <= row_hi[q_idx])
         return keep | (kv_idx == 0) if has_sink else keep
 
-    lists = [_to_device(x, device) for x in (*block_lists(partial), *block_lists(full))]
     for tensor in lists:
         # Tile counts vary with the step: keep them symbolic so no step size recompiles.
         torch._dynamo.mark_dynamic(tensor, 2)
@@ -387,11 +372,80 @@ def _make_plan(
         **extra,
     )
     return _Plan(
-        num_rows=num_rows,
-        block_mask=block_mask,
-        q_key_pos=rows(layout.q_key_pos, 0),
-        group_index=torch.arange(num_rows, dtype=torch.int32, device=device) % group,
+        num_rows=num_rows, block_mask=block_mask, q_key_pos=q_key_pos, group_index=group_index
     )
+
+
+# Sections of a plan's host buffer start at multiples of 16 int32 (64 bytes): Inductor's GPU
+# kernels assume aligned inputs (and copy misaligned ones first).
+_ALIGN = 16
+
+
+def _plan_tensors(
+    lo: np.ndarray,
+    hi: np.ndarray,
+    q_key_pos: np.ndarray,
+    group: int,
+    num_rows: int,
+    runs: tuple[TileRuns, TileRuns],
+    shape: tuple[int, int],
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """int32 `row_lo, row_hi, q_key_pos, group_index [num_rows]`, then the partial and the full
+    tiles' `num_blocks [1, 1, row_tiles]` and `indices [1, 1, row_tiles, key_tiles]`.
+
+    On the per-step host path each torch op costs microseconds and each `pin_memory()` more, so
+    numpy writes them all into one host buffer (pinned from the start on a GPU). Every section
+    then becomes a tensor of its own at storage offset 0: on the CPU by `from_numpy` (no copy),
+    on a GPU by one non-blocking copy per section. Not views of one device buffer: each symbolic
+    storage offset is one more size symbol in the compiled kernel, and Inductor's CPU template,
+    which renames two of them by text substitution, fails to compile once one name is a prefix
+    of another (`ks1`, `ks17`; torch 2.13); the GPU kernels were verified with offset-0 inputs.
+    """
+    sizes = [num_rows] * 4 + [shape[0], shape[0] * shape[1]] * 2
+    # the buffer's chunks: each section, then the padding that aligns the next one
+    chunks = [n for size in sizes for n in (size, -size % _ALIGN)]
+    host = torch.empty(sum(chunks), dtype=torch.int32, pin_memory=device.type == "cuda")
+    buffer = host.numpy()
+    starts = list(itertools.accumulate(chunks, initial=0))[:-1:2]
+    sections = [buffer[start : start + size] for start, size in zip(starts, sizes, strict=True)]
+    # (rows are a multiple of 256: the four row sections lie back to back)
+    _fill_rows(buffer[: 4 * num_rows].reshape(4, num_rows), lo, hi, q_key_pos, group)
+    for i, marked in enumerate(runs):
+        block_lists(marked, shape, out=(sections[4 + 2 * i], sections[5 + 2 * i]))
+    if device.type == "cpu":
+        tensors = [torch.from_numpy(section) for section in sections]
+    else:
+        tensors = [
+            host[start : start + size].to(device, non_blocking=True)
+            for start, size in zip(starts, sizes, strict=True)
+        ]
+    list_shapes = ((1, 1, shape[0]), (1, 1, *shape)) * 2
+    return [*tensors[:4], *(t.view(s) for t, s in zip(tensors[4:], list_shapes, strict=True))]
+
+
+def _fill_rows(
+    rows: np.ndarray, lo: np.ndarray, hi: np.ndarray, q_key_pos: np.ndarray, group: int
+) -> None:
+    """Writes int32 `rows [4, num_rows]`: each row's first and last kept key and its own
+    position (its token's, for the token's `group` rows; padding rows keep nothing: lo 1 >
+    hi 0, at position 0), then its query head within its KV head's group."""
+    num_tokens, num_rows = lo.shape[0], rows.shape[1]
+    used = num_tokens * group
+    per_token = np.array((lo, hi, q_key_pos), dtype=np.int32)
+    # (splitting the last axis of a slice gives a view: the writes land in `rows`)
+    per_row = rows[:3, :used].reshape(3, num_tokens, group)
+    if group <= 8:
+        # numpy's inner loop runs over the last axis: one long strided copy per query head
+        # beats a broadcast whose inner loop is `group` elements long.
+        for head in range(group):
+            per_row[:, :, head] = per_token
+    else:
+        per_row[:] = per_token[:, :, None]
+    rows[:3, used:] = ((1,), (0,), (0,))
+    whole = num_rows - num_rows % group
+    rows[3, :whole] = np.tile(np.arange(group, dtype=np.int32), whole // group)
+    rows[3, whole:] = np.arange(num_rows - whole)
 
 
 def _from_kv_blocks_takes_compute_q() -> bool:

@@ -8,8 +8,9 @@ so it is tested exactly on the CPU and never synchronises with a GPU:
   position, in workspace coordinates.
 - `window_lo`: the first kept key row under a sliding window.
 - `pad_rows`, `pad_keys`: the bucketed lengths the compiled kernel sees.
-- `tile_masks`, `block_lists`: FlexAttention's block-sparse mask (which 128 x 128 tiles of
-  query rows x key rows to visit, and which of them need no mask at all).
+- `tile_runs`, `block_lists`: FlexAttention's block-sparse mask (which 128 x 128 tiles of
+  query rows x key rows to visit, and which of them need no mask at all), as runs of key
+  tiles per row tile and as the BlockMask's lists; `tile_masks` shows the runs as bool grids.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import numpy as np
 __all__ = [
     "TILE",
     "StepLayout",
+    "TileRuns",
     "block_lists",
     "lay_out_step",
     "pad_keys",
     "pad_rows",
     "tile_masks",
+    "tile_runs",
     "window_lo",
 ]
 
@@ -148,6 +151,109 @@ def window_lo(layout: StepLayout, window: int | None) -> np.ndarray:
     return np.maximum(layout.lo, layout.q_key_pos - (window - 1))
 
 
+@dataclass(frozen=True)
+class TileRuns:
+    """Tiles of FlexAttention's block-sparse mask as runs of consecutive key tiles.
+
+    Run i marks key tiles `first[i] ... last[i]` of row tile `tile[i]`. Runs are sorted by row
+    tile, then key tile, and apart (neither overlapping nor touching), so a step's mask costs
+    work per run (a few per row tile), not per tile of the whole grid.
+
+    Attributes:
+        tile: int64 `[num_runs]`: row tile (128 query rows).
+        first: int64 `[num_runs]`: first key tile of the run.
+        last: int64 `[num_runs]`: last key tile of the run.
+    """
+
+    tile: np.ndarray
+    first: np.ndarray
+    last: np.ndarray
+
+    def mask(self, shape: tuple[int, int]) -> np.ndarray:
+        """The marked tiles as bool `[row_tiles, key_tiles]`."""
+        lengths = self.last - self.first + 1
+        # flat index of each marked tile: its run's start, then counting up
+        offset = np.cumsum(lengths) - lengths
+        flat = np.repeat(self.tile * shape[1] + self.first - offset, lengths)
+        flat += np.arange(flat.shape[0])
+        grid = np.zeros(shape, dtype=bool)
+        grid.reshape(-1)[flat] = True
+        return grid
+
+
+def tile_runs(
+    lo: np.ndarray,
+    hi: np.ndarray,
+    query_start_loc: np.ndarray,
+    group: int,
+    has_sink: bool,
+) -> tuple[TileRuns, TileRuns]:
+    """Which tiles the kernel must visit: `(partial, full)`; full tiles need no mask.
+
+    Query rows `t * group ... t * group + group - 1` belong to token t (its `group` query heads
+    of one KV head), which keeps key rows `lo[t] ... hi[t]`. Within a request both bounds never
+    decrease from token to token and consecutive ranges overlap, so the rows of one request
+    inside one tile keep exactly the range `[lo[first], hi[last]]`; later requests keep later
+    keys (`lay_out_step` lays them out in order), so these ranges come sorted. A tile is full
+    when one request fills its rows and every row keeps all of its keys. With a sink, every
+    tile holding query rows also visits key tile 0 (the sink slot, row 0).
+    """
+    rows = lo.shape[0] * group
+    if rows == 0:
+        empty = TileRuns(*np.zeros((3, 0), dtype=np.int64))
+        return empty, empty
+    # Segments: rows between consecutive tile starts and request starts (one tile, one request).
+    starts = _segment_starts(np.asarray(query_start_loc), group, rows)
+    ends = np.append(starts[1:], rows)
+    first, last = starts // group, (ends - 1) // group
+    tile = starts // TILE
+    kept = lo[first] <= hi[last]
+    # Full: key tiles inside [largest lo, smallest hi] of a tile filled by one request.
+    full_lo = -(-lo[last] // TILE)
+    full_hi = (hi[first] + 1) // TILE - 1
+    whole = kept & (ends - starts == TILE) & (full_lo <= full_hi)
+    full = TileRuns(tile[whole], full_lo[whole], full_hi[whole])
+    # Partial: per segment, in key order, up to three runs: the sink tile (on a row tile's
+    # first segment), the covered tiles before the full ones (all of them when none is full),
+    # the covered tiles after them. Row 0 lies in no request's range: tile 0 is never full.
+    runs = np.zeros((3, starts.shape[0], 3), dtype=np.int64)  # row tile, first, last
+    runs[0] = tile[:, None]
+    runs[1, :, 1] = lo[first] // TILE
+    runs[1, :, 2] = full_hi + 1
+    runs[2, :, 2] = hi[last] // TILE
+    runs[2, :, 1] = np.where(whole, full_lo - 1, runs[2, :, 2])
+    is_run = runs[1] <= runs[2]
+    is_run[:, 0] = has_sink and (starts & (TILE - 1)) == 0
+    is_run[:, 1] &= kept
+    is_run[:, 2] &= whole
+    return _merge_runs(*runs[:, is_run]), full
+
+
+def _segment_starts(query_start_loc: np.ndarray, group: int, rows: int) -> np.ndarray:
+    """Sorted distinct rows where a tile or a request with query tokens starts."""
+    starts = np.concatenate((query_start_loc[:-1] * group, np.arange(0, rows, TILE)))
+    starts.sort()
+    # A request without query tokens starts where the next one does (or at `rows`).
+    is_new = np.empty(starts.shape[0], dtype=bool)
+    is_new[0] = True
+    np.not_equal(starts[1:], starts[:-1], out=is_new[1:])
+    is_new &= starts < rows
+    return starts[is_new]
+
+
+def _merge_runs(tile: np.ndarray, first: np.ndarray, last: np.ndarray) -> TileRuns:
+    """Sorted runs with those that overlap or touch in one row tile merged (neighbouring
+    requests often share a key tile)."""
+    if tile.shape[0] == 0:
+        return TileRuns(tile, first, last)
+    is_new = np.empty(tile.shape[0], dtype=bool)
+    is_new[0] = True
+    np.not_equal(tile[1:], tile[:-1], out=is_new[1:])
+    is_new[1:] |= first[1:] > last[:-1] + 1
+    heads = np.flatnonzero(is_new)
+    return TileRuns(tile[heads], first[heads], np.maximum.reduceat(last, heads))
+
+
 def tile_masks(
     lo: np.ndarray,
     hi: np.ndarray,
@@ -156,51 +262,76 @@ def tile_masks(
     shape: tuple[int, int],
     has_sink: bool,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Which tiles the kernel must visit: `(partial, full)`, bool `[row_tiles, key_tiles]`.
-
-    Query rows `t * group ... t * group + group - 1` belong to token t (its `group` query heads
-    of one KV head), which keeps key rows `lo[t] ... hi[t]`. Within a request both bounds never
-    decrease from token to token and consecutive ranges overlap, so the rows of one request
-    inside one tile keep exactly the range `[lo[first], hi[last]]`. A tile is full (no mask
-    needed) when one request fills its rows and every row keeps all of its keys. With a sink,
-    every tile holding query rows also visits key tile 0 (the sink slot, row 0).
-    """
-    rows = lo.shape[0] * group
-    if rows == 0:
-        return np.zeros(shape, dtype=bool), np.zeros(shape, dtype=bool)
-    # Segments: rows between consecutive tile starts and request starts (one tile, one request).
-    q_start = np.asarray(query_start_loc)
-    starts = np.union1d(q_start[:-1][np.diff(q_start) > 0] * group, np.arange(0, rows, TILE))
-    ends = np.append(starts[1:], rows)
-    first, last = starts // group, (ends - 1) // group
-    tile = starts // TILE
-    kept = lo[first] <= hi[last]
-    covered = _mark_ranges(shape, tile[kept], lo[first][kept] // TILE, hi[last][kept] // TILE)
-    # Full: key tiles inside [largest lo, smallest hi] of a tile filled by one request.
-    full_lo = -(-lo[last] // TILE)
-    full_hi = (hi[first] + 1) // TILE - 1
-    whole = kept & (ends - starts == TILE) & (full_lo <= full_hi)
-    full = _mark_ranges(shape, tile[whole], full_lo[whole], full_hi[whole])
-    partial = covered & ~full
-    if has_sink:
-        # Row 0 lies in no request's range, so tile 0 is never full.
-        partial[: -(-rows // TILE), 0] = True
-    return partial, full
+    """`tile_runs` as bool masks `(partial, full)`, each `[row_tiles, key_tiles]` (to test and
+    inspect them; the plan itself goes from runs to block lists)."""
+    partial, full = tile_runs(lo, hi, query_start_loc, group, has_sink)
+    return partial.mask(shape), full.mask(shape)
 
 
-def _mark_ranges(
-    shape: tuple[int, int], row: np.ndarray, first: np.ndarray, last: np.ndarray
-) -> np.ndarray:
-    """bool `shape` with `[row[i], first[i] ... last[i]]` set, through a difference array."""
-    diff = np.zeros((shape[0], shape[1] + 1), dtype=np.int32)
-    np.add.at(diff, (row, first), 1)
-    np.add.at(diff, (row, last + 1), -1)
-    return np.cumsum(diff, axis=1)[:, : shape[1]] > 0
-
-
-def block_lists(tiles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def block_lists(
+    runs: TileRuns,
+    shape: tuple[int, int],
+    out: tuple[np.ndarray, np.ndarray] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """A BlockMask's `(num_blocks [1, 1, row_tiles], indices [1, 1, row_tiles, key_tiles])`,
-    int32: the marked key tiles of each row tile first, in increasing order."""
-    num = tiles.sum(axis=1, dtype=np.int32)
-    indices = np.argsort(~tiles, axis=1, kind="stable").astype(np.int32)
+    int32: each row tile's marked key tiles first, in increasing order, then the others, in
+    increasing order (what a stable argsort of the unmarked flags gives).
+
+    Args:
+        runs: the marked tiles.
+        shape: `(row_tiles, key_tiles)`.
+        out: int32 `[row_tiles]` and `[row_tiles * key_tiles]` to write into (e.g. parts of
+            one buffer copied to the device at once); new arrays if None.
+    """
+    num_row_tiles, key_tiles = shape
+    if out is None:
+        out = np.empty(num_row_tiles, np.int32), np.empty(num_row_tiles * key_tiles, np.int32)
+    num, indices = out[0], out[1].reshape(shape)
+    num[:] = np.bincount(runs.tile, runs.last - runs.first + 1, minlength=num_row_tiles)
+    columns = np.arange(key_tiles, dtype=np.int32)
+    if runs.tile.shape[0] == 0:
+        indices[:] = columns
+        return num[None, None], indices[None, None]
+    # Row tiles without runs (padding rows, mostly) list their key tiles in order.
+    lo_row, hi_row = int(runs.tile[0]), int(runs.tile[-1]) + 1
+    indices[:lo_row] = columns
+    indices[hi_row:] = columns
+    shifts = _index_shifts(runs, num[lo_row:hi_row], lo_row, key_tiles)
+    np.add(shifts.reshape(hi_row - lo_row, key_tiles), columns, out=indices[lo_row:hi_row])
     return num[None, None], indices[None, None]
+
+
+def _index_shifts(runs: TileRuns, num: np.ndarray, lo_row: int, key_tiles: int) -> np.ndarray:
+    """int32 `[num.shape[0] * key_tiles]`: `indices - column` over row tiles `lo_row ...`.
+
+    A row tile's list is its runs, then the unmarked tiles before each run, then the tiles
+    after its last run; each of these pieces counts up one by one, so `indices - column` is
+    constant over a piece, and `np.repeat` writes it at memory speed (an argsort or a cumsum
+    over the whole grid costs far more).
+    """
+    row, first, last = runs.tile - lo_row, runs.first, runs.last
+    lengths = last - first + 1
+    runs_per_row = np.bincount(row, minlength=num.shape[0])
+    run_end = np.cumsum(runs_per_row)  # past each row tile's last run
+    first_run = (run_end - runs_per_row)[row]  # of the run's row tile
+    rank = np.arange(row.shape[0]) - first_run  # the run's place in its row tile
+    marked_before = np.cumsum(lengths) - lengths
+    marked_before -= marked_before[first_run]  # marked tiles before the run, in its row tile
+    last_before = np.empty_like(last)  # the previous run's last tile, -1 for a row's first
+    last_before[0] = -1
+    last_before[1:] = last[:-1]
+    last_before[rank == 0] = -1
+    # Pieces of each row tile, in order: its runs in columns 0 ... m - 1 (m: the most runs of
+    # a row tile), the gaps before them in m ... 2m - 1, the tail in 2m; the others are empty.
+    m = int(runs_per_row.max())
+    shift = np.zeros((num.shape[0], 2 * m + 1), dtype=np.int32)  # the tail's: 0
+    size = np.zeros(shift.shape, dtype=np.int64)
+    shift[row, rank] = first - marked_before
+    size[row, rank] = lengths
+    # unmarked tile j comes after all marked ones: at num + j - (marked tiles before j)
+    gap = rank + m
+    shift[row, gap] = marked_before - num[row]
+    size[row, gap] = first - last_before - 1
+    last_of_row = last[run_end - 1]  # (row tile lo_row has a run: never index -1)
+    size[:, 2 * m] = key_tiles - 1 - np.where(runs_per_row, last_of_row, -1)
+    return np.repeat(shift.reshape(-1), size.reshape(-1))
