@@ -18,6 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from anyattn import selector
 from anyattn.backends import flex_attention
@@ -42,6 +43,28 @@ from anyattn.testing import (
     run_case,
 )
 from anyattn.types import AttentionCGSupport, DeviceInfo, KVCacheLayout
+
+
+class RecordOps(TorchDispatchMode):
+    """Records the ops dispatched while active (`ops`: their names), views aside: a view only
+    makes new metadata on the host. With `device_type`, only ops touching a tensor there."""
+
+    def __init__(self, device_type: str | None = None):
+        super().__init__()
+        self.device_type = device_type
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        tensors = [a for a in (*args, result) if isinstance(a, torch.Tensor)]
+        is_view = any(r.alias_info is not None for r in func._schema.returns)
+        on_device = self.device_type is None or any(
+            t.device.type == self.device_type for t in tensors
+        )
+        if on_device and not is_view:
+            self.ops.append(str(func))
+        return result
+
 
 needs_flex = pytest.mark.skipif(
     FlexAttentionBackend.get_unavailable_reason() is not None,
@@ -306,22 +329,9 @@ def test_plan_tensors_exactly():
 def test_plan_off_the_cpu_copies_one_host_buffer():
     """Off the CPU (the meta device stands in for a GPU here) the plan fills one host buffer
     and copies each of its sections once, to tensors of their own at storage offset 0."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            result = func(*args, **(kwargs or {}))
-            if not any(r.alias_info is not None for r in func._schema.returns):  # not a view
-                self.ops.append(str(func))
-            return result
-
     md = _builder().build(0, _plan_batch())
     for causal, window, group, has_sink in _PLAN_SETTINGS:
-        with Ops() as seen:
+        with RecordOps() as seen:
             made = _make_plan(md, causal, window, group, has_sink, torch.device("meta"))
         # the host buffer, then one copy per tensor (the compute_q fallback transposes the
         # lists too)
@@ -610,22 +620,6 @@ def test_decode_batch_build_launches_nothing_on_the_device():
     """256 decodes of 2048 keys (block size 16, 8 KV heads, bf16): build never waits for the
     GPU and runs no device op at all, views aside (its host time is measured in
     benchmarks/kernels.py)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class DeviceOps(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            result = func(*args, **(kwargs or {}))
-            tensors = [a for a in (*args, result) if isinstance(a, torch.Tensor)]
-            # A view (slice of a device tensor) only makes new metadata on the host.
-            is_view = any(r.alias_info is not None for r in func._schema.returns)
-            if any(t.is_cuda for t in tensors) and not is_view:
-                self.ops.append(str(func))
-            return result
-
     num_reqs, seq_len, block_size = 256, 2048, 16
     width = seq_len // block_size
     gen = torch.Generator().manual_seed(0)
@@ -639,7 +633,7 @@ def test_decode_batch_build_launches_nothing_on_the_device():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        with DeviceOps() as seen:
+        with RecordOps("cuda") as seen:
             md = builder.build(0, cm)
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -652,21 +646,6 @@ def test_plan_copies_one_pinned_buffer_on_cuda():
     """On CUDA the plan's tensors are copies of the sections of one pinned host buffer (one
     copy each, no other device op), with the values of the CPU plan (test_conforms_on_cuda
     runs the kernel on them)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Copies(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            result = func(*args, **(kwargs or {}))
-            tensors = [a for a in (*args, result) if isinstance(a, torch.Tensor)]
-            is_view = any(r.alias_info is not None for r in func._schema.returns)
-            if any(t.is_cuda for t in tensors) and not is_view:
-                self.ops.append(str(func))
-            return result
-
     cm = _plan_batch()
     md_cpu = _builder().build(0, cm)
     cm_cuda = make_common_attn_metadata(
@@ -676,7 +655,7 @@ def test_plan_copies_one_pinned_buffer_on_cuda():
     builder = FlexAttentionMetadataBuilder(spec, ["layer.0"], BatchLimits(64, 4096, 4096), "cuda")
     md = builder.build(0, cm_cuda)
     for causal, window, group, has_sink in _PLAN_SETTINGS:
-        with Copies() as seen:
+        with RecordOps("cuda") as seen:
             made = _make_plan(md, causal, window, group, has_sink, torch.device("cuda"))
         copies = [op for op in seen.ops if "copy" in op]
         assert copies == ["aten._to_copy.default"] * 8, seen.ops
