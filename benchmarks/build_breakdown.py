@@ -22,7 +22,7 @@ import torch
 
 from anyattn.backends import flashinfer as fi_backend
 from anyattn.backends.flashinfer_plan import plan_step
-from anyattn.backends.flashinfer_replan import replan_decode
+from anyattn.backends.flashinfer_replan import decode_kv_lens, planner_arguments, replan_decode
 from anyattn.backends.flex_attention import FlexAttentionMetadataBuilder
 from anyattn.backends.flex_attention_plan import lay_out_step
 from anyattn.config import AttentionSpec, BatchLimits
@@ -82,7 +82,11 @@ def main() -> int:
             lambda: fi_backend._gather_pages(cm.block_table_tensor, step_arrays), args.reps)),
         ("  replan_decode", median_us(replan, args.reps)),
     ]  # fmt: skip
-    plan_args = _last_plan_args(wrapper, step_arrays.decode, block_size)
+    decode = step_arrays.decode
+    plan_args = planner_arguments(
+        wrapper, decode, decode_kv_lens(decode, block_size), num_qo_heads=32, num_kv_heads=8,
+        head_size=128, page_size=block_size, window_left=-1, arange_host=builder._arange_host,
+    )  # fmt: skip
     rows.append(("    C++ planner alone", median_us(
         lambda: wrapper._cached_module.plan(*plan_args), args.reps)))  # fmt: skip
 
@@ -97,21 +101,6 @@ def main() -> int:
     for name, us in rows:
         print(f"| {name} | {us:.1f} |")
     return 0
-
-
-def _last_plan_args(wrapper, decode, page_size: int) -> list:
-    """The C++ planner's arguments as `replan_decode` passes them."""
-    import numpy as np
-
-    batch = decode.paged_kv_last_page_len.shape[0]
-    kv_lens = np.maximum(np.diff(decode.paged_kv_indptr) - 1, 0) * page_size
-    kv_lens = (kv_lens + decode.paged_kv_last_page_len).astype(np.int32)
-    return [
-        wrapper._float_workspace_buffer, wrapper._int_workspace_buffer,
-        wrapper._pin_memory_int_workspace_buffer, torch.arange(batch + 1, dtype=torch.int32),
-        torch.from_numpy(decode.paged_kv_indptr), torch.from_numpy(kv_lens), batch, batch, 32,
-        8, page_size, wrapper.is_cuda_graph_enabled, 128, 128, False, -1, -1, False, 0, 0,
-    ]  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -567,3 +568,40 @@ def test_eager_decode_batches_past_max_num_reqs_use_flashinfers_plan():
         output, _ = _run(impl, batch, md)
         _assert_matches_oracle(batch, output)
     assert builder.fast_decode_plans == 0
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_replan_decode_sets_what_run_reads(cuda_graph):
+    """`replan_decode` on a stand-in wrapper (CPU): the index buffers `run()` reads and the C++
+    planner's arguments, as FlashInfer 0.7.2.post1's `plan()` sets them for 3 decodes."""
+    from types import SimpleNamespace
+
+    from anyattn.backends.flashinfer_plan import plan_step
+    from anyattn.backends.flashinfer_replan import replan_decode
+
+    calls = []
+    int32 = dict(dtype=torch.int32)
+    wrapper = SimpleNamespace(
+        device=torch.device("cpu"), is_cuda_graph_enabled=cuda_graph, _fixed_batch_size=3,
+        _paged_kv_indptr_buf=torch.zeros(4, **int32),
+        _paged_kv_last_page_len_buf=torch.zeros(3, **int32),
+        _paged_kv_indices_buf=torch.zeros(16, **int32), _qo_indptr_buf=None,
+        _float_workspace_buffer="float", _int_workspace_buffer="int",
+        _pin_memory_int_workspace_buffer="pinned",
+        _cached_module=SimpleNamespace(plan=lambda *args: calls.append(args) or "info"),
+    )  # fmt: skip
+    arrays = plan_step(np.array([0, 1, 2, 3]), np.array([5, 16, 17]), 16, 4).decode
+    pages = torch.tensor([7, 8, 9, 10], **int32)
+    arange = torch.arange(9, **int32)
+    layer = dict(num_qo_heads=8, num_kv_heads=2, head_size=128, page_size=16, window_left=-1)
+    replan_decode(wrapper, arrays, pages, **layer, arange_host=arange, arange_device=arange)
+    assert wrapper._paged_kv_indptr_buf.tolist() == [0, 1, 2, 4]
+    assert wrapper._paged_kv_last_page_len_buf.tolist() == [5, 16, 1]
+    assert wrapper._paged_kv_indices_buf[:4].tolist() == [7, 8, 9, 10]
+    if not cuda_graph:
+        assert wrapper._qo_indptr_buf.tolist() == [0, 1, 2, 3]
+    (args,) = calls
+    assert args[:3] == ("float", "int", "pinned")
+    assert [a.tolist() for a in args[3:6]] == [[0, 1, 2, 3], [0, 1, 2, 4], [5, 16, 17]]
+    assert args[6:] == (3, 3, 8, 2, 16, cuda_graph, 128, 128, False, -1, -1, False, 0, 0)
+    assert (wrapper._plan_info, wrapper._batch_size, wrapper._max_kv_len) == ("info", 3, 17)

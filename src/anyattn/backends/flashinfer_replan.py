@@ -23,7 +23,13 @@ import torch
 
 from anyattn.backends.flashinfer_plan import PagedArrays
 
-__all__ = ["REPLAN_VERSION", "can_replan", "replan_decode"]
+__all__ = [
+    "REPLAN_VERSION",
+    "can_replan",
+    "decode_kv_lens",
+    "planner_arguments",
+    "replan_decode",
+]
 
 # The FlashInfer release whose `plan()` internals `replan_decode` reproduces.
 REPLAN_VERSION = "0.7.2.post1"
@@ -77,8 +83,7 @@ def replan_decode(
     """
     indptr, last_page_len = arrays.paged_kv_indptr, arrays.paged_kv_last_page_len
     batch = int(last_page_len.shape[0])
-    # FlashInfer's `get_seq_lens`: full pages before the last one, then the last one's tokens.
-    kv_lens = np.maximum(np.diff(indptr) - 1, 0) * page_size + last_page_len
+    kv_lens = decode_kv_lens(arrays, page_size)
     if arange_host.shape[0] <= batch or arange_device.shape[0] <= batch:
         raise ValueError(
             f"replan_decode: arange_host / arange_device too short (got "
@@ -112,14 +117,53 @@ def replan_decode(
         wrapper._paged_kv_last_page_len_buf = staged[batch + 1 :]
         wrapper._paged_kv_indices_buf = pages
         wrapper._qo_indptr_buf = arange_device[: batch + 1]
-    # The fa2 planner's arguments, in `plan()`'s order for one query token per request.
     wrapper._plan_info = wrapper._cached_module.plan(
+        *planner_arguments(
+            wrapper,
+            arrays,
+            kv_lens,
+            num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            page_size=page_size,
+            window_left=window_left,
+            arange_host=arange_host,
+        )
+    )
+    wrapper._batch_size = batch
+    wrapper._max_kv_len = int(kv_lens.max()) if batch else 0
+
+
+def decode_kv_lens(arrays: PagedArrays, page_size: int) -> np.ndarray:
+    """int32 `[B]` keys per request as FlashInfer's `get_seq_lens` derives them: the full pages
+    before the last one, then the last one's tokens."""
+    indptr = arrays.paged_kv_indptr
+    kv_lens = np.maximum(np.diff(indptr) - 1, 0) * page_size + arrays.paged_kv_last_page_len
+    return kv_lens.astype(np.int32, copy=False)
+
+
+def planner_arguments(
+    wrapper: Any,
+    arrays: PagedArrays,
+    kv_lens: np.ndarray,
+    *,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    page_size: int,
+    window_left: int,
+    arange_host: torch.Tensor,
+) -> list[Any]:
+    """The fa2 C++ planner's arguments for a batch of single-token decodes, in the order
+    FlashInfer 0.7.2.post1's `plan()` passes them (see `replan_decode` for the arguments)."""
+    batch = int(arrays.paged_kv_last_page_len.shape[0])
+    return [
         wrapper._float_workspace_buffer,
         wrapper._int_workspace_buffer,
         wrapper._pin_memory_int_workspace_buffer,
         arange_host[: batch + 1],  # qo_indptr
-        torch.from_numpy(indptr),
-        torch.from_numpy(kv_lens.astype(np.int32, copy=False)),
+        torch.from_numpy(arrays.paged_kv_indptr),
+        torch.from_numpy(kv_lens),
         batch,  # total query rows
         batch,
         num_qo_heads,
@@ -134,6 +178,4 @@ def replan_decode(
         False,  # disable_split_kv
         0,  # num_colocated_ctas
         0,  # uniform_q_len (only for several query tokens per request)
-    )
-    wrapper._batch_size = batch
-    wrapper._max_kv_len = int(kv_lens.max()) if batch else 0
+    ]
