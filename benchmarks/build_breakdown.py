@@ -22,7 +22,7 @@ import torch
 
 from anyattn.backends import flashinfer as fi_backend
 from anyattn.backends.flashinfer_plan import plan_step
-from anyattn.backends.flashinfer_replan import decode_kv_lens, planner_arguments, replan_decode
+from anyattn.backends.flashinfer_replan import planner_arguments, replan_decode
 from anyattn.backends.flex_attention import FlexAttentionMetadataBuilder
 from anyattn.backends.flex_attention_plan import lay_out_step
 from anyattn.config import AttentionSpec, BatchLimits
@@ -71,8 +71,7 @@ def main() -> int:
     def replan():
         replan_decode(wrapper, step_arrays.decode, pages, num_qo_heads=32, num_kv_heads=8,
                       head_size=128, page_size=block_size, window_left=-1,
-                      arange_host=builder._arange_host,
-                      arange_device=builder._arange_on_device())  # fmt: skip
+                      **builder._qo_indptr(n))  # fmt: skip
 
     rows += [
         ("FLASHINFER build (whole)", median_us(lambda: builder.build(0, cm), args.reps)),
@@ -84,8 +83,9 @@ def main() -> int:
     ]  # fmt: skip
     decode = step_arrays.decode
     plan_args = planner_arguments(
-        wrapper, decode, decode_kv_lens(decode, block_size), num_qo_heads=32, num_kv_heads=8,
-        head_size=128, page_size=block_size, window_left=-1, arange_host=builder._arange_host,
+        wrapper, decode, num_qo_heads=32, num_kv_heads=8,
+        head_size=128, page_size=block_size, window_left=-1,
+        qo_indptr_host=builder._qo_indptr(n)["qo_indptr_host"],
     )  # fmt: skip
     rows.append(("    C++ planner alone", median_us(
         lambda: wrapper._cached_module.plan(*plan_args), args.reps)))  # fmt: skip

@@ -830,6 +830,7 @@ def time_build(
     num_reqs: int = 256,
     seq_len: int = 2048,
     fast_decode_plan: bool = True,
+    varied: bool = False,
 ) -> BuildResult:
     """Host microseconds of `builder.build` for `num_reqs` decodes of `seq_len` keys, under
     `torch.cuda.set_sync_debug_mode("error")` on CUDA (a sync raises and is reported; the time
@@ -838,20 +839,29 @@ def time_build(
     A builder that plans per layer (`register_layer`, FLASHINFER) has one layer registered, as
     an engine's model runner does, so its library's planning is in the time; after the first
     call, steady state. `fast_decode_plan=False` times FLASHINFER re-planning with FlashInfer's
-    own `plan()` every step instead of `replan_decode`."""
+    own `plan()` every step instead of `replan_decode`. `varied=True` spreads the requests'
+    lengths over `[seq_len / 2, 3 * seq_len / 2)` (mean about `seq_len`), as a real decode batch
+    has them, so that planners which take a shortcut for equal lengths are timed without it."""
     device = torch.device(device)
+    seq_lens = [seq_len] * num_reqs
+    if varied:
+        # a fixed spread (997 is prime to seq_len's powers of two): no random draw to seed
+        seq_lens = [seq_len // 2 + (i * 997) % seq_len for i in range(num_reqs)]
+        name = f"{name} (varied lengths)"
     try:
-        cls = resolve_backend(name, shape, device)
+        cls = resolve_backend(name.split(" ")[0], shape, device)
         kbs = cls.get_kernel_block_size(shape.block_size)
-        block_table, _ = assign_blocks([seq_len] * num_reqs, shape.block_size)
+        block_table, _ = assign_blocks(seq_lens, shape.block_size)
         common = make_common_attn_metadata(
             [1] * num_reqs,
-            [seq_len] * num_reqs,
+            seq_lens,
             expand_block_table(block_table, shape.block_size, kbs),
             kbs,
             device,
         )
-        limits = BatchLimits(max_num_reqs=num_reqs, max_num_tokens=num_reqs, max_model_len=seq_len)
+        limits = BatchLimits(
+            max_num_reqs=num_reqs, max_num_tokens=num_reqs, max_model_len=max(seq_lens)
+        )
         kv_spec = AttentionSpec(kbs, shape.num_kv_heads, shape.head_size, shape.dtype)
         builder = cls.get_builder_cls()(kv_spec, ["bench.0"], limits, device)
         if hasattr(builder, "register_layer"):
@@ -1146,6 +1156,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if "build" in args.only:
             builds = [time_build(n, shape, device, options.build_reps) for n in args.backends]
+            builds += [
+                time_build(n, shape, device, options.build_reps, varied=True) for n in args.backends
+            ]
             if "FLASHINFER" in args.backends:
                 builds.append(
                     time_build(
@@ -1153,7 +1166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     )
                 )
             print(
-                "### build() host time: 256 decodes of 2048 keys, median of "
+                "### build() host time: 256 decodes of 2048 keys (varied: 1024-3071 keys), "
+                "median of "
                 f"{options.build_reps} calls, torch.cuda.set_sync_debug_mode('error') active\n\n"
                 f"{build_table(builds)}\n"
             )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -308,7 +309,18 @@ def test_validate_accepts_padding_past_num_reqs():
     m.seq_lens_cpu = torch.tensor([5, 3, 0], dtype=torch.int32)
     m.num_computed_tokens_cpu = torch.tensor([4, 0, 0], dtype=torch.int32)
     m.block_table_tensor = torch.zeros(3, 2, dtype=torch.int32)
-    m.validate()
+    host = m.validate()
+    # the real requests' mirrors, for the builder's host planning
+    assert host.query_start_loc.tolist() == [0, 1, 4]
+    assert host.query_lens.tolist() == [1, 3]
+    assert host.seq_lens.tolist() == [5, 3]
+    assert host.context_lens.tolist() == [4, 0]
+    assert host.query_start_loc.dtype == host.context_lens.dtype == np.int64
+    # copies, except seq_lens, a view the builder must copy if it keeps it
+    m.query_start_loc_cpu[1] = 2
+    m.num_computed_tokens_cpu[0] = 7
+    m.seq_lens_cpu[0] = 9
+    assert host.query_start_loc[1] == 1 and host.context_lens[0] == 4 and host.seq_lens[0] == 9
 
 
 @pytest.mark.gpu

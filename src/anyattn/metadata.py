@@ -16,6 +16,7 @@ import torch
 
 __all__ = [
     "CommonAttentionMetadata",
+    "HostBatch",
     "apply_swaps",
     "compute_slot_mapping",
     "expand_block_table",
@@ -76,8 +77,11 @@ class CommonAttentionMetadata:
     def device(self) -> torch.device:
         return self.query_start_loc.device
 
-    def validate(self, api: str = "CommonAttentionMetadata") -> None:
+    def validate(self, api: str = "CommonAttentionMetadata") -> HostBatch:
         """Check shapes, dtypes and mirrors (CPU tensors only: no device synchronisation).
+
+        Returns:
+            The checked mirrors as numpy arrays (`HostBatch`), for a builder's host planning.
 
         Raises:
             ValueError: with the field, what it holds and what is expected.
@@ -106,7 +110,7 @@ class CommonAttentionMetadata:
         # The value checks run on numpy views of the CPU mirrors, in as few numpy calls as the
         # checks allow: this runs in every build, where a torch op on a small CPU tensor costs
         # microseconds of dispatch and a numpy call about one. Values are taken in int64 so that
-        # no mirror dtype wraps around (`loc` is int64, so every difference with it is too).
+        # no mirror dtype wraps around (`loc` and `context` are int64, so every sum with them is).
         loc = self.query_start_loc_cpu.numpy()[: num_reqs + 1].astype(np.int64)
         query_lens = loc[1:] - loc[:-1]
         if num_reqs and (loc[0] != 0 or _smallest(query_lens) < 0):
@@ -117,15 +121,38 @@ class CommonAttentionMetadata:
                 f"{api}: num_actual_tokens disagrees with query_start_loc (got "
                 f"{self.num_actual_tokens}, expected {num_tokens})."
             )
-        if not num_reqs:
-            return
-        context = self.seq_lens_cpu.numpy()[:num_reqs] - query_lens
-        if _smallest(context) < 0:
-            raise ValueError(f"{api}: a request has seq_len shorter than its query length.")
-        if np.count_nonzero(context != self.num_computed_tokens_cpu.numpy()[:num_reqs]):
+        seq_lens = self.seq_lens_cpu.numpy()[:num_reqs]
+        context = self.num_computed_tokens_cpu.numpy()[:num_reqs].astype(np.int64)
+        # One test for both rules (context = seq_lens - query lens, and it is not negative);
+        # which one failed is worked out only on the way to the error.
+        if num_reqs and (
+            _smallest(context) < 0 or np.count_nonzero(context + query_lens != seq_lens)
+        ):
+            if _smallest(seq_lens - query_lens) < 0:
+                raise ValueError(f"{api}: a request has seq_len shorter than its query length.")
             raise ValueError(
                 f"{api}: num_computed_tokens_cpu must equal seq_lens - query lens per request."
             )
+        return HostBatch(loc, query_lens, seq_lens, context)
+
+
+@dataclass(slots=True)  # not frozen: a frozen dataclass is slower to make
+class HostBatch:
+    """A validated step's CPU mirrors as numpy arrays (`CommonAttentionMetadata.validate`),
+    real requests only, so that a builder plans from them without converting again.
+
+    Attributes:
+        query_start_loc: int64 `[num_reqs + 1]` (a copy).
+        query_lens: int64 `[num_reqs]`.
+        seq_lens: `[num_reqs]` in the mirror's dtype: a view of `seq_lens_cpu`, which the engine
+            may refill for the next step (copy what must outlive the build).
+        context_lens: int64 `[num_reqs]` (a copy of `num_computed_tokens_cpu`).
+    """
+
+    query_start_loc: np.ndarray
+    query_lens: np.ndarray
+    seq_lens: np.ndarray
+    context_lens: np.ndarray
 
 
 def _smallest(values: np.ndarray) -> np.integer:

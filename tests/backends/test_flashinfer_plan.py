@@ -171,6 +171,10 @@ def test_plan_step_cudagraph_pads_the_decodes():
     assert d.seq_lens.tolist() == [5, 40, 16, 0, 0, 0, 0, 0]
     assert d.num_reqs == 8
     assert d.gather_positions(3).tolist() == [0, 3, 4, 5, 6]
+    # one array holds both, for one copy to the device
+    joint = d.paged_kv_indptr.tolist() + d.paged_kv_last_page_len.tolist()
+    assert d.indptr_and_last.tolist() == joint
+    assert np.shares_memory(d.indptr_and_last, d.paged_kv_indptr)
     assert arrays.paged is None and arrays.ragged_qo_indptr is None
 
 
@@ -275,6 +279,7 @@ def test_random_batches_match_the_reference(batch):
         if isinstance(part.gather_index, tuple):  # a rectangle of the table, read row by row
             assert table[part.gather_index].reshape(-1).tolist() == indices
         assert part.paged_kv_last_page_len.tolist() == last
+        assert part.indptr_and_last.tolist() == indptr + last
         assert all(1 <= x <= block_size for x in last)
         if name == "paged":
             assert part.qo_indptr.tolist() == qo

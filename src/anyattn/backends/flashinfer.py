@@ -295,10 +295,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         self._workspace: torch.Tensor | None = None
         self._installed_version = _installed_flashinfer()[1]
         self.fast_decode_plans = 0  # decode plans made by `replan_decode` (for tests)
-        # Query offsets of one token per request, for `replan_decode` (larger eager batches,
-        # past max_num_reqs, are planned by FlashInfer's `plan()`).
-        self._arange_host = torch.arange(limits.max_num_reqs + 1, dtype=torch.int32)
-        self._arange_device: torch.Tensor | None = None
+        # Query offsets of one token per request, for `replan_decode`, per batch size up to
+        # max_num_reqs (larger eager batches are planned by FlashInfer's `plan()`).
+        self._qo_indptrs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def register_layer(self, impl: FlashInferImpl) -> None:
         """Plan for `impl`'s layer signature in every later `build` (otherwise the first
@@ -355,12 +354,11 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             )
         if cm.encoder_seq_lens_cpu is not None:
             raise ValueError(f"{api}: cross attention not supported (got encoder_seq_lens).")
-        cm.validate(api)
+        host = cm.validate(api)
         spec = self.kv_cache_spec
-        n = cm.num_reqs
         arrays = plan_step(
-            cm.query_start_loc_cpu[: n + 1].numpy(),
-            cm.seq_lens_cpu[:n].numpy(),
+            host.query_start_loc,
+            host.seq_lens,
             spec.block_size,
             cm.block_table_tensor.shape[1],
             decode_threshold=self.reorder_batch_threshold or 1,
@@ -446,7 +444,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             )
             if (
                 self.fast_decode_plan
-                and d.num_reqs < self._arange_host.shape[0]
+                and d.num_reqs <= self.limits.max_num_reqs
                 and can_replan(wrapper, self._installed_version)
             ):
                 replan_decode(
@@ -458,8 +456,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                     head_size=spec.head_size,
                     page_size=spec.block_size,
                     window_left=self._window_left,
-                    arange_host=self._arange_host,
-                    arange_device=self._arange_on_device(),
+                    **self._qo_indptr(d.num_reqs),
                 )
                 self.fast_decode_plans += 1
             else:
@@ -507,12 +504,19 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 
     # --- wrappers ---------------------------------------------------------------------------
 
-    def _arange_on_device(self) -> torch.Tensor:
-        if self._arange_device is None:
+    def _qo_indptr(self, num_reqs: int) -> dict[str, torch.Tensor]:
+        """`replan_decode`'s int32 `[0, 1, ..., num_reqs]`, on the host and the device (made
+        once per batch size: slicing one long arange would cost microseconds every step)."""
+        pair = self._qo_indptrs.get(num_reqs)
+        if pair is None:
             # Made on the device: a copy from pageable host memory would block the host.
-            n = self._arange_host.shape[0]
-            self._arange_device = torch.arange(n, dtype=torch.int32, device=self.device)
-        return self._arange_device
+            int32 = torch.int32
+            pair = (
+                torch.arange(num_reqs + 1, dtype=int32),
+                torch.arange(num_reqs + 1, dtype=int32, device=self.device),
+            )
+            self._qo_indptrs[num_reqs] = pair
+        return {"qo_indptr_host": pair[0], "qo_indptr_device": pair[1]}
 
     def _float_workspace(self) -> torch.Tensor:
         if self._workspace is None:

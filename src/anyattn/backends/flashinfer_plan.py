@@ -170,24 +170,40 @@ def paged_kv_indptr(seq_lens: np.ndarray, block_size: int) -> tuple[np.ndarray, 
         `(paged_kv_indptr, paged_kv_last_page_len)`: int32 `[n + 1]` (starts at 0) and int32
         `[n]` in `[1, block_size]` (1 for a request with no tokens, which gets no pages).
     """
-    indptr, last, _ = _page_table(np.asarray(seq_lens, dtype=np.int64), block_size)
-    return indptr, last
+    seq = np.asarray(seq_lens, dtype=np.int64)
+    joint, _ = _page_table(seq, block_size, seq.shape[0])
+    return _split_joint(joint)
 
 
-def _page_table(seq: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`paged_kv_indptr` of int64 `seq`, and the pages of each request (int64 `[n]`)."""
+def _page_table(seq: np.ndarray, block_size: int, num_reqs: int) -> tuple[np.ndarray, np.ndarray]:
+    """`paged_kv_indptr` and `paged_kv_last_page_len` of int64 `seq` padded to `num_reqs`
+    requests (`pad_requests`), written into one int32 array `[2 * num_reqs + 1]` (indptr,
+    then last-page lengths: one copy to the device), and the pages of each request (int64
+    `[n]`)."""
     if block_size < 1:
         raise ValueError(f"paged_kv_indptr: block_size must be >= 1 (got {block_size}).")
     # Few numpy calls, each on a whole batch: at a few hundred requests their fixed cost is
     # what the host pays.
+    n = seq.shape[0]
     num_pages = (seq + (block_size - 1)) // block_size
-    indptr = np.empty(seq.shape[0] + 1, dtype=np.int32)
+    joint = np.empty(2 * num_reqs + 1, dtype=np.int32)
+    indptr, last = joint[: num_reqs + 1], joint[num_reqs + 1 :]
     indptr[0] = 0
-    indptr[1:] = num_pages.cumsum()
-    last = seq - (num_pages - 1) * block_size
-    if seq.shape[0] and _smallest(num_pages) < 1:
-        last[num_pages < 1] = 1
-    return indptr, last.astype(np.int32), num_pages
+    np.cumsum(num_pages, out=indptr[1 : n + 1])
+    # last page: the tokens past the full pages before it
+    np.subtract(seq, (num_pages - 1) * block_size, out=last[:n], casting="unsafe")
+    if n and _smallest(num_pages) < 1:
+        last[:n][num_pages < 1] = 1
+    if num_reqs > n:  # padding requests: no pages, last-page length 1
+        indptr[n + 1 :] = indptr[n]
+        last[n:] = 1
+    return joint, num_pages
+
+
+def _split_joint(joint: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The indptr and last-page-length views of a `_page_table` array."""
+    num_reqs = joint.shape[0] // 2
+    return joint[: num_reqs + 1], joint[num_reqs + 1 :]
 
 
 def _smallest(values: np.ndarray) -> np.integer:
@@ -267,10 +283,13 @@ def _positions(where: np.ndarray | tuple[slice, slice], num_cols: int) -> np.nda
     return np.add.outer(row_starts, np.arange(cols.stop, dtype=row_starts.dtype)).reshape(-1)
 
 
+_INT32_MAX = 2**31 - 1  # (`np.iinfo` costs a microsecond a call)
+
+
 def _index_dtype(num_rows: int, num_cols: int) -> type[np.integer]:
     """int32 for positions in a table of `num_rows` x `num_cols` entries, unless they need
     int64: half the bytes to write and to copy to the device."""
-    return np.int32 if num_rows * num_cols <= np.iinfo(np.int32).max else np.int64
+    return np.int32 if num_rows * num_cols <= _INT32_MAX else np.int64
 
 
 def paged_kv_indices(
@@ -319,6 +338,8 @@ class PagedArrays:
             for a table of 2**31 entries or more), or, when every request reads the same
             number of pages, the `(rows, columns)` slices of that rectangle of the table:
             `block_table[gather_index]` read row by row, with no index to build or copy.
+        indptr_and_last: int32 `[2m + 1]`: the array `paged_kv_indptr` and
+            `paged_kv_last_page_len` are views of, for one copy of both to the device.
     """
 
     qo_indptr: np.ndarray | None
@@ -326,6 +347,7 @@ class PagedArrays:
     paged_kv_last_page_len: np.ndarray
     seq_lens: np.ndarray
     gather_index: np.ndarray | tuple[slice, slice]
+    indptr_and_last: np.ndarray
 
     @property
     def num_reqs(self) -> int:
@@ -366,12 +388,18 @@ def _paged_arrays(
 ) -> PagedArrays:
     start, end = reqs
     seq = seq_lens[start:end]
-    indptr, last, num_pages = _page_table(seq, block_size)
-    gather = _gather_index(num_pages, indptr, block_size, start, num_cols)
+    if padded_num_reqs is not None and padded_num_reqs < end - start:
+        raise ValueError(
+            f"pad_requests: more requests than the padded size (got {end - start}, "
+            f"expected <= {padded_num_reqs})."
+        )
+    num_reqs = end - start if padded_num_reqs is None else padded_num_reqs
+    joint, num_pages = _page_table(seq, block_size, num_reqs)
+    indptr, last = _split_joint(joint)
+    gather = _gather_index(num_pages, indptr[: end - start + 1], block_size, start, num_cols)
     if padded_num_reqs is None:
         seq32 = seq.astype(np.int32)
     else:
-        indptr, last = pad_requests(indptr, last, padded_num_reqs)
         seq32 = np.zeros(padded_num_reqs, dtype=np.int32)
         seq32[: end - start] = seq
     return PagedArrays(
@@ -380,6 +408,7 @@ def _paged_arrays(
         paged_kv_last_page_len=last,
         seq_lens=seq32,
         gather_index=gather,
+        indptr_and_last=joint,
     )
 
 

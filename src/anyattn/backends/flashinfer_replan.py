@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from anyattn.backends.flashinfer_plan import PagedArrays
@@ -26,7 +25,6 @@ from anyattn.backends.flashinfer_plan import PagedArrays
 __all__ = [
     "REPLAN_VERSION",
     "can_replan",
-    "decode_kv_lens",
     "planner_arguments",
     "replan_decode",
 ]
@@ -63,8 +61,8 @@ def replan_decode(
     head_size: int,
     page_size: int,
     window_left: int,
-    arange_host: torch.Tensor,
-    arange_device: torch.Tensor,
+    qo_indptr_host: torch.Tensor,
+    qo_indptr_device: torch.Tensor,
 ) -> None:
     """Plan `wrapper` (see `can_replan`) for a new batch of single-token decodes.
 
@@ -75,19 +73,18 @@ def replan_decode(
             `paged_kv_indptr [B + 1]`, `paged_kv_last_page_len [B]`.
         pages: int32 `[paged_kv_indptr[-1]]` page ids on the wrapper's device.
         num_qo_heads, num_kv_heads, head_size, page_size, window_left: as given to `plan()`.
-        arange_host, arange_device: int32 `[0, 1, ...]` of at least B + 1 entries, on the host
-            and on the wrapper's device (the caller keeps them; one query row per request).
+        qo_indptr_host, qo_indptr_device: int32 `[0, 1, ..., B]` (one query row per request), on
+            the host and on the wrapper's device; the caller keeps them for later steps.
 
     Raises:
         ValueError: a CUDA-graph wrapper's fixed batch size or page capacity does not fit.
     """
     indptr, last_page_len = arrays.paged_kv_indptr, arrays.paged_kv_last_page_len
     batch = int(last_page_len.shape[0])
-    kv_lens = decode_kv_lens(arrays, page_size)
-    if arange_host.shape[0] <= batch or arange_device.shape[0] <= batch:
+    if qo_indptr_host.shape[0] != batch + 1 or qo_indptr_device.shape[0] != batch + 1:
         raise ValueError(
-            f"replan_decode: arange_host / arange_device too short (got "
-            f"{arange_host.shape[0]} and {arange_device.shape[0]}, expected > {batch})."
+            f"replan_decode: qo_indptr_host / qo_indptr_device must have {batch + 1} entries "
+            f"(got {qo_indptr_host.shape[0]} and {qo_indptr_device.shape[0]})."
         )
     device = wrapper.device
     if wrapper.is_cuda_graph_enabled:
@@ -108,62 +105,58 @@ def replan_decode(
         )
         wrapper._paged_kv_indices_buf[: pages.shape[0]].copy_(pages, non_blocking=True)
     else:
-        # One host-to-device copy for both small arrays (pageable source: the copy is staged
-        # by the driver, the host does not wait for the device).
-        staged = torch.from_numpy(np.concatenate([indptr, last_page_len])).to(
-            device, non_blocking=True
+        # One host-to-device copy for both small arrays, which the plan wrote into one
+        # (pageable source: the copy is staged by the driver, the host does not wait for the
+        # device).
+        staged = torch.from_numpy(arrays.indptr_and_last).to(device, non_blocking=True)
+        # (`split_with_sizes`: `split` adds a Python wrapper, several microseconds a call)
+        wrapper._paged_kv_indptr_buf, wrapper._paged_kv_last_page_len_buf = staged.split_with_sizes(
+            (batch + 1, batch)
         )
-        wrapper._paged_kv_indptr_buf = staged[: batch + 1]
-        wrapper._paged_kv_last_page_len_buf = staged[batch + 1 :]
         wrapper._paged_kv_indices_buf = pages
-        wrapper._qo_indptr_buf = arange_device[: batch + 1]
+        wrapper._qo_indptr_buf = qo_indptr_device
     wrapper._plan_info = wrapper._cached_module.plan(
         *planner_arguments(
             wrapper,
             arrays,
-            kv_lens,
             num_qo_heads=num_qo_heads,
             num_kv_heads=num_kv_heads,
             head_size=head_size,
             page_size=page_size,
             window_left=window_left,
-            arange_host=arange_host,
+            qo_indptr_host=qo_indptr_host,
         )
     )
     wrapper._batch_size = batch
-    wrapper._max_kv_len = int(kv_lens.max()) if batch else 0
-
-
-def decode_kv_lens(arrays: PagedArrays, page_size: int) -> np.ndarray:
-    """int32 `[B]` keys per request as FlashInfer's `get_seq_lens` derives them: the full pages
-    before the last one, then the last one's tokens."""
-    indptr = arrays.paged_kv_indptr
-    kv_lens = np.maximum(np.diff(indptr) - 1, 0) * page_size + arrays.paged_kv_last_page_len
-    return kv_lens.astype(np.int32, copy=False)
+    seq_lens = arrays.seq_lens
+    wrapper._max_kv_len = int(seq_lens[seq_lens.argmax()]) if batch else 0
 
 
 def planner_arguments(
     wrapper: Any,
     arrays: PagedArrays,
-    kv_lens: np.ndarray,
     *,
     num_qo_heads: int,
     num_kv_heads: int,
     head_size: int,
     page_size: int,
     window_left: int,
-    arange_host: torch.Tensor,
+    qo_indptr_host: torch.Tensor,
 ) -> list[Any]:
     """The fa2 C++ planner's arguments for a batch of single-token decodes, in the order
-    FlashInfer 0.7.2.post1's `plan()` passes them (see `replan_decode` for the arguments)."""
+    FlashInfer 0.7.2.post1's `plan()` passes them (see `replan_decode` for the arguments).
+
+    The key counts are `arrays.seq_lens` (0 for CUDA-graph padding requests, where `plan()`
+    derives 1 from the last-page length); that version's fa2 planner takes them but splits the
+    work by `paged_kv_indptr` alone (`BatchPrefillWithKVCachePlan` never reads `kv_len_arr`)."""
     batch = int(arrays.paged_kv_last_page_len.shape[0])
     return [
         wrapper._float_workspace_buffer,
         wrapper._int_workspace_buffer,
         wrapper._pin_memory_int_workspace_buffer,
-        arange_host[: batch + 1],  # qo_indptr
+        qo_indptr_host,
         torch.from_numpy(arrays.paged_kv_indptr),
-        torch.from_numpy(kv_lens),
+        torch.from_numpy(arrays.seq_lens),  # kv_len_arr
         batch,  # total query rows
         batch,
         num_qo_heads,

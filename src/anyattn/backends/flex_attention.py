@@ -287,7 +287,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
     ) -> FlexAttentionMetadata:
         api = "FlexAttentionMetadataBuilder.build"
         cm = common_attn_metadata
-        cm.validate(api)
+        host = cm.validate(api)
         if common_prefix_len:
             raise ValueError(
                 f"{api}: cascade attention not supported (got common_prefix_len="
@@ -305,7 +305,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
                 )
         # Host work only, in numpy (slicing arrays is cheaper than slicing tensors); the keys
         # themselves are copied by each layer's forward, straight from the block table.
-        key_lens_np = key_lens_cpu.numpy()[:num_reqs]
+        key_lens_np = host.seq_lens if key_lens is cm.seq_lens else key_lens_cpu.numpy()[:num_reqs]
         # (argmax, one C call, rather than `max`, which goes through a Python wrapper)
         max_key_len = int(key_lens_np[key_lens_np.argmax()]) if num_reqs else 0
         width = cm.block_table_tensor.shape[1]
@@ -314,11 +314,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
                 f"{api}: block_table too narrow for the longest sequence (got {width} columns, "
                 f"expected >= {-(-max_key_len // block_size)} for block_size {block_size})."
             )
-        layout = lay_out_step(
-            cm.query_start_loc_cpu.numpy()[: num_reqs + 1],
-            key_lens_np,
-            cm.num_computed_tokens_cpu.numpy()[:num_reqs],
-        )
+        layout = lay_out_step(host.query_start_loc, key_lens_np, host.context_lens)
         return FlexAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             block_size=block_size,

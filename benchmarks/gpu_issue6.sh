@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Issue 6's GPU checks in one or two device calls (see ../shared/gpu/README.md for the wheels).
+#
+#   parts 1-3 first, one device call each:  mkdir -p /tmp/gw && cp .gpu-wheels/partK/* /tmp/gw/
+#   then:  bash benchmarks/gpu_issue6.sh tests   (carry .gpu-wheels/part4 and build/gpu_pkgs)
+#   then:  bash benchmarks/gpu_issue6.sh bench   (same machine, while it is still warm)
+#
+# build/gpu_pkgs holds pytest and its plugins for the device's Python 3.12 (the device has no
+# package registry). Logs go to $OUT; the last lines printed are the summary.
+set -u
+mode=${1:-tests}
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+if [ ! -d /tmp/gpusite ]; then
+    cp .gpu-wheels/part4/* /tmp/gw/ && eval "$(python3 /tmp/gw/install.py)"
+fi
+export PYTHONPATH=$PWD/src:$PWD/build/gpu_pkgs:/tmp/gpusite:/tmp/gpusite/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch, triton, flashinfer, flash_attn.cute; print('torch', torch.__version__, 'triton', triton.__version__, 'flashinfer', flashinfer.__version__)"
+case "$mode" in
+tests)
+    timeout -s INT "${TEST_SECONDS:-480}" python3 -m pytest -m gpu -n 12 -p no:warnings \
+        -p no:cacheprovider -p no:benchmark --tb=short -rfE \
+        tests/backends/test_flashinfer.py tests/backends/test_flashinfer_plan.py \
+        tests/backends/test_flash_attn_gpu.py tests/backends/test_flex_attention.py \
+        tests/ops/test_reshape_and_cache.py tests/ops/test_gather_kv_rows.py \
+        "${@:2}" >"$out/tests.log" 2>&1
+    echo "pytest rc $?"
+    grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -30
+    tail -3 "$out/tests.log"
+    ;;
+bench)
+    python3 benchmarks/build_breakdown.py >"$out/breakdown.md" 2>&1
+    python3 benchmarks/kernels.py --only build \
+        --backends TRITON,FLASH_ATTN,FLASHINFER,FLEX_ATTENTION,TORCH >"$out/build.md" 2>&1
+    cat "$out/breakdown.md"
+    tail -20 "$out/build.md"
+    ;;
+esac
