@@ -45,13 +45,17 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=300)
     parser.add_argument("--num-reqs", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--varied", action="store_true", help="lengths seq_len/2 .. 3*seq_len/2")
     args = parser.parse_args()
     n, seq_len, block_size = args.num_reqs, args.seq_len, 16
     device = torch.device("cuda")
-    table, _ = assign_blocks([seq_len] * n, block_size)
-    cm = make_common_attn_metadata([1] * n, [seq_len] * n, table, block_size, device)
+    seq_lens = [seq_len] * n
+    if args.varied:  # the spread of kernels.py's varied-length build timing
+        seq_lens = [seq_len // 2 + (i * 997) % seq_len for i in range(n)]
+    table, _ = assign_blocks(seq_lens, block_size)
+    cm = make_common_attn_metadata([1] * n, seq_lens, table, block_size, device)
     spec = AttentionSpec(block_size, 8, 128, torch.bfloat16)
-    limits = BatchLimits(max_num_reqs=n, max_num_tokens=n, max_model_len=seq_len)
+    limits = BatchLimits(max_num_reqs=n, max_num_tokens=n, max_model_len=max(seq_lens))
     rows: list[tuple[str, float]] = []
 
     builder = fi_backend.FlashInferMetadataBuilder(spec, ["l"], limits, device)
@@ -66,10 +70,12 @@ def main() -> int:
         return plan_step(qsl, seq, block_size, cm.block_table_tensor.shape[1])
 
     step_arrays = arrays()
-    pages = fi_backend._gather_pages(cm.block_table_tensor, step_arrays)[0]
+    decode = step_arrays.decode
+    staged = fi_backend._to_device(decode.indptr_and_last, device)
+    pages = fi_backend._gather_pages(cm.block_table_tensor, decode, staged)
 
     def replan():
-        replan_decode(wrapper, step_arrays.decode, pages, num_qo_heads=32, num_kv_heads=8,
+        replan_decode(wrapper, decode, pages, staged, num_qo_heads=32, num_kv_heads=8,
                       head_size=128, page_size=block_size, window_left=-1,
                       **builder._qo_indptr(n))  # fmt: skip
 
@@ -77,11 +83,12 @@ def main() -> int:
         ("FLASHINFER build (whole)", median_us(lambda: builder.build(0, cm), args.reps)),
         ("  cm.validate", median_us(lambda: cm.validate("x"), args.reps)),
         ("  plan_step (numpy)", median_us(arrays, args.reps)),
+        ("  indptr + last-page lengths to the device", median_us(
+            lambda: fi_backend._to_device(decode.indptr_and_last, device), args.reps)),
         ("  _gather_pages", median_us(
-            lambda: fi_backend._gather_pages(cm.block_table_tensor, step_arrays), args.reps)),
+            lambda: fi_backend._gather_pages(cm.block_table_tensor, decode, staged), args.reps)),
         ("  replan_decode", median_us(replan, args.reps)),
     ]  # fmt: skip
-    decode = step_arrays.decode
     plan_args = planner_arguments(
         wrapper, decode, num_qo_heads=32, num_kv_heads=8,
         head_size=128, page_size=block_size, window_left=-1,
@@ -96,7 +103,8 @@ def main() -> int:
         ("FLEX_ATTENTION build (whole)", median_us(lambda: flex.build(0, cm), args.reps)),
         ("  lay_out_step (numpy)", median_us(lambda: lay_out_step(qsl, seq, nct), args.reps)),
     ]
-    print(f"| part ({n} decodes x {seq_len} keys) | host us (median of {args.reps}) |")
+    keys = f"{seq_len // 2}-{seq_len * 3 // 2 - 1}" if args.varied else seq_len
+    print(f"| part ({n} decodes x {keys} keys) | host us (median of {args.reps}) |")
     print("|---|---|")
     for name, us in rows:
         print(f"| {name} | {us:.1f} |")

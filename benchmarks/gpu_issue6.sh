@@ -8,6 +8,7 @@
 # build/gpu_pkgs holds pytest and its plugins for the device's Python 3.12 (the device has no
 # package registry). Logs go to $OUT; the last lines printed are the summary.
 set -u
+export PYTHONPATH=${PYTHONPATH:-}
 mode=${1:-tests}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
@@ -20,10 +21,11 @@ python3 -c "import torch, triton, flashinfer, flash_attn.cute; print('torch', to
 case "$mode" in
 tests)
     timeout -s INT "${TEST_SECONDS:-480}" python3 -m pytest -m gpu -n 12 -p no:warnings \
-        -p no:cacheprovider -p no:benchmark --tb=short -rfE \
+        -p no:cacheprovider -p no:benchmark --tb=short -rfE -v \
         tests/backends/test_flashinfer.py tests/backends/test_flashinfer_plan.py \
         tests/backends/test_flash_attn_gpu.py tests/backends/test_flex_attention.py \
         tests/ops/test_reshape_and_cache.py tests/ops/test_gather_kv_rows.py \
+        tests/ops/test_gather_pages.py \
         "${@:2}" >"$out/tests.log" 2>&1
     echo "pytest rc $?"
     grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -30
@@ -31,9 +33,10 @@ tests)
     ;;
 bench)
     python3 benchmarks/build_breakdown.py >"$out/breakdown.md" 2>&1
+    python3 benchmarks/build_breakdown.py --varied >>"$out/breakdown.md" 2>&1
     python3 benchmarks/kernels.py --only build \
         --backends TRITON,FLASH_ATTN,FLASHINFER,FLEX_ATTENTION,TORCH >"$out/build.md" 2>&1
-    cat "$out/breakdown.md"
-    tail -20 "$out/build.md"
+    grep "^|" "$out/breakdown.md"
+    grep "^|" "$out/build.md"
     ;;
 esac

@@ -594,7 +594,9 @@ def test_replan_decode_sets_what_run_reads(cuda_graph):
     pages = torch.tensor([7, 8, 9, 10], **int32)
     arange = torch.arange(4, **int32)
     layer = dict(num_qo_heads=8, num_kv_heads=2, head_size=128, page_size=16, window_left=-1)
-    replan_decode(wrapper, arrays, pages, **layer, qo_indptr_host=arange, qo_indptr_device=arange)
+    staged = torch.from_numpy(arrays.indptr_and_last)
+    replan_decode(wrapper, arrays, pages, staged, **layer, qo_indptr_host=arange,
+                  qo_indptr_device=arange)  # fmt: skip
     assert wrapper._paged_kv_indptr_buf.tolist() == [0, 1, 2, 4]
     assert wrapper._paged_kv_last_page_len_buf.tolist() == [5, 16, 1]
     assert wrapper._paged_kv_indices_buf[:4].tolist() == [7, 8, 9, 10]

@@ -149,7 +149,7 @@ def test_plan_step_mixed_batch():
     assert p.qo_indptr.tolist() == [0, 5]
     assert p.paged_kv_indptr.tolist() == [0, 5]
     assert p.paged_kv_last_page_len.tolist() == [6]
-    assert p.gather_index == (slice(3, 4), slice(0, 5))  # one request: a rectangle
+    assert p.rectangle == (slice(3, 4), slice(0, 5))  # one request: a rectangle
     assert p.gather_positions(5).tolist() == [15, 16, 17, 18, 19]
     assert arrays.ragged_qo_indptr.tolist() == [0, 17]
     assert arrays.ragged_kv_indptr.tolist() == [0, 17]
@@ -276,8 +276,8 @@ def test_random_batches_match_the_reference(batch):
             continue
         assert part.paged_kv_indptr.tolist() == indptr
         assert table.reshape(-1)[part.gather_positions(num_cols)].tolist() == indices
-        if isinstance(part.gather_index, tuple):  # a rectangle of the table, read row by row
-            assert table[part.gather_index].reshape(-1).tolist() == indices
+        if part.rectangle is not None:  # a rectangle of the table, read row by row
+            assert table[part.rectangle].reshape(-1).tolist() == indices
         assert part.paged_kv_last_page_len.tolist() == last
         assert part.indptr_and_last.tolist() == indptr + last
         assert all(1 <= x <= block_size for x in last)
@@ -365,7 +365,7 @@ def test_plan_step_large_uniform_decode_batch(num_cols):
     assert d.paged_kv_indptr.tolist() == list(range(0, 128 * 257, 128))
     assert d.paged_kv_last_page_len.tolist() == [16] * 256
     assert d.seq_lens.tolist() == [2048] * 256
-    assert d.gather_index == (slice(0, 256), slice(0, 128))  # no index to build or send
+    assert d.rectangle == (slice(0, 256), slice(0, 128))  # one copy of the table's rectangle
     assert d.gather_positions(num_cols).tolist() == reference_gather_index(
         [2048] * 256, 16, 0, num_cols
     )
@@ -402,12 +402,12 @@ def test_gather_pages_matches_a_plain_index_select(
         table = pool[: n * num_cols].view(n, num_cols)
     arrays = plan_step(loc_of(query_lens), np.array(seq_lens), 16, num_cols,
                        allow_ragged=allow_ragged)  # fmt: skip
-    decode, paged = _gather_pages(table, arrays)
     flat = table.reshape(-1)
-    for part, pages in ((arrays.decode, decode), (arrays.paged, paged)):
+    for part in (arrays.decode, arrays.paged):
         if part is None:
-            assert pages is None
             continue
+        pages = _gather_pages(table, part, None)
+        assert pages.shape == (part.num_pages,)
         expected = flat[torch.from_numpy(part.gather_positions(num_cols)).long()]
         assert pages.dtype == torch.int32 and pages.is_contiguous()
         assert torch.equal(pages, expected)
@@ -440,11 +440,8 @@ def assert_same_step(a, b):
         for name in ("qo_indptr", "paged_kv_indptr", "paged_kv_last_page_len", "seq_lens"):
             u, v = getattr(x, name), getattr(y, name)
             assert (u is None and v is None) or (u.dtype == v.dtype and np.array_equal(u, v))
-        if isinstance(x.gather_index, tuple):
-            assert x.gather_index == y.gather_index
-        else:
-            assert x.gather_index.dtype == y.gather_index.dtype
-            assert np.array_equal(x.gather_index, y.gather_index)
+        for name in ("rectangle", "first_row", "num_real_reqs", "max_pages"):
+            assert getattr(x, name) == getattr(y, name), name
 
 
 @settings(max_examples=200, deadline=None)
@@ -503,20 +500,21 @@ def test_decode_batches_take_the_fast_path(monkeypatch):
         ([1, 1, 1, 1], [80, 80, 80, 80]),  # whole rows: a rectangle as wide as the table
         ([1, 1], [80, 20]),  # a whole row, then the next one's start: one run of the table
         ([1, 1, 1, 1], [40, 48, 33, 47]),  # the same pages: a rectangle narrower than the table
-        ([1, 1, 1, 1], [5, 64, 17, 1]),  # an int32 index
-        ([1, 1, 9, 3], [5, 64, 40, 70]),  # decodes and paged prefills: one index for both
+        ([1, 1, 1, 1], [5, 64, 17, 1]),  # different pages: gathered through the indptr
+        ([1, 1, 9, 3], [5, 64, 40, 70]),  # decodes and paged prefills (from row 2)
     ],
 )
 def test_gather_pages_on_the_gpu(query_lens, seq_lens):
-    # rectangles and runs are copied, other pages gathered with an int32 index, on the device
+    # rectangles are copied, other pages gathered through the indptr by the Triton kernel
     num_cols = 5
     # a view of a wider buffer, as an engine's persistent block table is
     table = (torch.randperm(40, dtype=torch.int32)[:24] + 1).view(4, 6)[:, :num_cols]
     arrays = plan_step(loc_of(query_lens), np.array(seq_lens), 16, num_cols, allow_ragged=False)
-    on_gpu = _gather_pages(table.cuda(), arrays)
-    on_cpu = _gather_pages(table, arrays)
-    for gpu_pages, cpu_pages in zip(on_gpu, on_cpu, strict=True):
-        assert (gpu_pages is None) == (cpu_pages is None)
-        if gpu_pages is not None:
-            assert gpu_pages.is_cuda and gpu_pages.dtype == torch.int32
-            assert torch.equal(gpu_pages.cpu(), cpu_pages)
+    flat = table.reshape(-1)
+    for part in (arrays.decode, arrays.paged):
+        if part is None:
+            continue
+        pages = _gather_pages(table.cuda(), part, None)
+        assert pages.is_cuda and pages.dtype == torch.int32
+        expected = flat[torch.from_numpy(part.gather_positions(num_cols)).long()]
+        assert torch.equal(pages.cpu(), expected)

@@ -3,7 +3,9 @@
 Plan/run split, as FlashInfer's own API has it: the builder turns each step into the index
 arrays FlashInfer's planners take (`flashinfer_plan.plan_step`, pure numpy on the CPU mirrors)
 and calls the wrappers' `plan()` in `build` with CPU index tensors and device page ids gathered
-from the block table on the device, so no host-device synchronisation happens there. `forward`
+from the block table on the device (`ops.gather_pages`, one kernel launch reading the page
+offsets; one copy when every request has the same number of pages), so no host-device
+synchronisation happens there and no per-page index is built on the host. `forward`
 only calls `run()`. A decode wrapper that `plan()` has set up once for a layer signature is
 re-planned for later steps by `flashinfer_replan.replan_decode`, which does only the
 batch-dependent part of `plan()` (the index buffers and FlashInfer's C++ planner).
@@ -60,10 +62,11 @@ from anyattn.backend import (
     AttentionLayer,
     AttentionMetadataBuilder,
 )
-from anyattn.backends.flashinfer_plan import StepArrays, plan_step
+from anyattn.backends.flashinfer_plan import PagedArrays, StepArrays, plan_step
 from anyattn.backends.flashinfer_replan import can_replan, replan_decode
 from anyattn.impl_args import check_forward_inputs
 from anyattn.metadata import CommonAttentionMetadata
+from anyattn.ops.gather_pages import gather_pages
 from anyattn.types import (
     DTYPES,
     AttentionCGSupport,
@@ -209,6 +212,7 @@ class _Step:
     generation: int
     arrays: StepArrays
     decode_pages: torch.Tensor | None
+    decode_indptr_and_last: torch.Tensor | None  # `arrays.decode.indptr_and_last`, on device
     paged_pages: torch.Tensor | None
     causal: bool
     cudagraph_size: int | None
@@ -374,10 +378,24 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                     f"allows (got {num_pages}, expected <= {capacity}). "
                     "Keep seq_lens within BatchLimits.max_model_len."
                 )
-        decode_pages, paged_pages = _gather_pages(cm.block_table_tensor, arrays)
+        table = cm.block_table_tensor
+        decode_pages = paged_pages = decode_indptr_and_last = None
+        if arrays.decode is not None:
+            # Read by the page gather and by `replan_decode`: one copy for both.
+            decode_indptr_and_last = _to_device(arrays.decode.indptr_and_last, table.device)
+            decode_pages = _gather_pages(table, arrays.decode, decode_indptr_and_last)
+        if arrays.paged is not None:
+            paged_pages = _gather_pages(table, arrays.paged, None)
         self._generation += 1
         step = _Step(
-            self, self._generation, arrays, decode_pages, paged_pages, cm.causal, cudagraph_size
+            self,
+            self._generation,
+            arrays,
+            decode_pages,
+            decode_indptr_and_last,
+            paged_pages,
+            cm.causal,
+            cudagraph_size,
         )
         split = arrays.split
         md = FlashInferMetadata(
@@ -451,6 +469,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                     wrapper,
                     d,
                     step.decode_pages,
+                    step.decode_indptr_and_last,
                     num_qo_heads=key.num_heads,
                     num_kv_heads=spec.num_kv_heads,
                     head_size=spec.head_size,
@@ -575,42 +594,35 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 
 
 def _gather_pages(
-    block_table: torch.Tensor, arrays: StepArrays
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The decode and paged-prefill page ids, gathered from the block table on its device
-    (no synchronisation; an index goes to the device only for pages that are neither a
-    rectangle of the table nor one run of it, the two parts' indices in one copy).
+    block_table: torch.Tensor, part: PagedArrays, indptr_and_last: torch.Tensor | None
+) -> torch.Tensor:
+    """int32 `[part.num_pages]` on the table's device: the part's page ids, gathered from the
+    block table on the device (no synchronisation, no per-page index from the host), never a
+    view of the table.
+
+    Args:
+        indptr_and_last: `part.indptr_and_last` on the device, which the gather reads when the
+            pages are not a rectangle of the table (None: copied here when needed).
     """
-    decode, paged = arrays.decode, arrays.paged
-    if (
-        decode is not None
-        and paged is not None
-        and isinstance(decode.gather_index, np.ndarray)
-        and isinstance(paged.gather_index, np.ndarray)
-    ):
-        index = np.concatenate([decode.gather_index, paged.gather_index])
-        pages = _gather(block_table, index)
-        num_decode_pages = decode.gather_index.shape[0]
-        return pages[:num_decode_pages], pages[num_decode_pages:]
-    return (
-        None if decode is None else _gather(block_table, decode.gather_index),
-        None if paged is None else _gather(block_table, paged.gather_index),
+    if part.rectangle is not None:  # one device copy of the table's rectangle
+        return block_table[part.rectangle].clone(memory_format=torch.contiguous_format).view(-1)
+    if indptr_and_last is None:
+        indptr_and_last = _to_device(part.indptr_and_last, block_table.device)
+    pages = torch.empty(part.num_pages, dtype=torch.int32, device=block_table.device)
+    gather_pages(
+        block_table,
+        indptr_and_last[: part.num_real_reqs + 1],
+        pages,
+        num_pages=part.num_pages,
+        max_pages=part.max_pages,
+        first_row=part.first_row,
     )
+    return pages
 
 
-def _gather(block_table: torch.Tensor, where: np.ndarray | tuple[slice, slice]) -> torch.Tensor:
-    """int32 `[num_pages]`: a copy of the pages at `where` (`PagedArrays.gather_index`), never a
-    view of the table."""
-    if isinstance(where, tuple):  # a rectangle of the table: one device copy, no index to send
-        return block_table[where].clone(memory_format=torch.contiguous_format).view(-1)
-    table = block_table.reshape(-1)
-    size = where.shape[0]
-    # The positions strictly increase (`paged_kv_gather_index`), so equal end points mean one
-    # run of the table: a device copy, no index to send.
-    if size and int(where[-1]) - int(where[0]) + 1 == size:
-        return table[int(where[0]) : int(where[-1]) + 1].clone()
-    device_index = torch.from_numpy(where).to(block_table.device, non_blocking=True)
-    return torch.index_select(table, 0, device_index)
+def _to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
+    # Pageable source: the driver stages the copy, the host does not wait for the device.
+    return torch.from_numpy(host).to(device, non_blocking=True)
 
 
 class FlashInferImpl(AttentionImpl[FlashInferMetadata]):

@@ -13,10 +13,11 @@ FlashInfer describes a paged batch in CSR form (its "page table layout"):
   `[1, block_size]` (a request without pages is planned with 1, as FlashInfer's own examples do;
   its kernels read an empty page range as length 0).
 
-The page ids live in the device block table, which has no CPU mirror; `paged_kv_gather_index`
-gives the flat positions in `block_table.reshape(-1)` to gather them from on the device, and
-`PagedArrays.gather_index` gives just the table's rectangle instead when every request reads
-the same number of pages (a large decode batch then needs no index at all).
+The page ids live in the device block table, which has no CPU mirror: the builder gathers them
+on the device, through `paged_kv_indptr` (`ops.gather_pages`), or as one copy of the table's
+rectangle when every request reads the same number of pages (`PagedArrays.rectangle`); no
+per-page index is built on the host. `paged_kv_gather_index` gives that index anyway, for
+checks and CPU references.
 
 A step is split into three parts, in token order decodes first (the builder asks for that
 layout through `reorder_batch_threshold`): decodes (query length <= threshold) for the paged
@@ -220,11 +221,11 @@ def _largest(values: np.ndarray) -> np.integer:
 def paged_kv_gather_index(
     seq_lens: np.ndarray, block_size: int, first_row: int, num_cols: int
 ) -> np.ndarray:
-    """Flat positions in `block_table.reshape(-1)` of each request's pages, request by request.
+    """Flat positions in `block_table.reshape(-1)` of each request's pages, request by request
+    (the host form of the device gather, `ops.gather_pages`; for checks and CPU references).
 
     Request i (block-table row `first_row + i`) holds `ceil(seq_lens[i] / block_size)` pages,
-    read from the first columns of its row. The positions strictly increase, so the index is
-    one contiguous run of the table exactly when its length equals `last - first + 1`.
+    read from the first columns of its row.
 
     Args:
         num_cols: columns of the (contiguous) block table.
@@ -239,19 +240,21 @@ def paged_kv_gather_index(
     num_pages = (seq + (block_size - 1)) // block_size
     indptr = np.zeros(seq.shape[0] + 1, dtype=np.int64)
     indptr[1:] = num_pages.cumsum()
-    return _positions(_gather_index(num_pages, indptr, block_size, first_row, num_cols), num_cols)
+    rectangle = _rectangle(num_pages, indptr, block_size, first_row, num_cols)
+    if rectangle is not None:
+        return _rectangle_positions(rectangle, num_cols)
+    return _index_positions(num_pages, indptr, first_row, num_cols)
 
 
-def _gather_index(
+def _rectangle(
     num_pages: np.ndarray, indptr: np.ndarray, block_size: int, first_row: int, num_cols: int
-) -> np.ndarray | tuple[slice, slice]:
-    """Where the pages of requests `first_row, ...` sit in the block table (see
-    `PagedArrays.gather_index`), from each request's pages and their offsets (`[n + 1]`).
+) -> tuple[slice, slice] | None:
+    """The `(rows, columns)` rectangle of the block table holding the pages of requests
+    `first_row, ...` when every request reads the same number of pages, else None; from each
+    request's pages and their offsets (`[n + 1]`).
 
-    A large decode batch has tens of thousands of pages, and each pass over them costs
-    microseconds of host time (and the index's copy to the device more), so when every request
-    reads the same number of pages, whole rows included, there is no index: the device copies
-    that rectangle of the table. Otherwise the index takes one pass, in int32 where it fits.
+    Raises:
+        ValueError: a request needs more pages than the table has columns.
     """
     n = num_pages.shape[0]
     most = int(_largest(num_pages)) if n else 0
@@ -260,27 +263,32 @@ def _gather_index(
             f"paged_kv_gather_index: block_table too narrow for the longest sequence (got "
             f"{num_cols} columns, expected >= {most} for block_size {block_size})."
         )
-    total = int(indptr[-1])
-    if total == n * most:  # every request has `most` pages (none when `most` is negative)
+    if int(indptr[-1]) == n * most:  # every request has `most` pages (none when negative)
         return slice(first_row, first_row + n), slice(0, max(most, 0))
+    return None
+
+
+def _rectangle_positions(rectangle: tuple[slice, slice], num_cols: int) -> np.ndarray:
+    """The flat table positions of a `_rectangle`, row by row."""
+    rows, cols = rectangle
+    dtype = _index_dtype(rows.stop, num_cols)
+    row_starts = np.arange(rows.start, rows.stop, dtype=dtype) * num_cols
+    return np.add.outer(row_starts, np.arange(cols.stop, dtype=dtype)).reshape(-1)
+
+
+def _index_positions(
+    num_pages: np.ndarray, indptr: np.ndarray, first_row: int, num_cols: int
+) -> np.ndarray:
+    """The flat table positions of every page, from each request's pages and offsets."""
+    n = num_pages.shape[0]
     # Page j of the flat list, in request i, sits at column j - indptr[i] of row first_row + i.
     dtype = _index_dtype(first_row + n, num_cols)
     first = first_row * num_cols
     shift = np.arange(first, first + n * num_cols, num_cols, dtype=dtype)
-    shift -= indptr[:-1]
-    index = np.arange(total, dtype=dtype)
-    index += np.repeat(shift, num_pages)
+    shift -= indptr[:-1].astype(dtype)
+    index = np.arange(int(indptr[-1]), dtype=dtype)
+    index += np.repeat(shift, np.maximum(num_pages, 0))
     return index
-
-
-def _positions(where: np.ndarray | tuple[slice, slice], num_cols: int) -> np.ndarray:
-    """A `_gather_index` result as flat positions in a table of `num_cols` columns."""
-    if isinstance(where, np.ndarray):
-        return where
-    rows, cols = where
-    row_starts = np.arange(rows.start, rows.stop, dtype=_index_dtype(rows.stop, num_cols))
-    row_starts *= num_cols
-    return np.add.outer(row_starts, np.arange(cols.stop, dtype=row_starts.dtype)).reshape(-1)
 
 
 _INT32_MAX = 2**31 - 1  # (`np.iinfo` costs a microsecond a call)
@@ -333,11 +341,14 @@ class PagedArrays:
         paged_kv_indptr: int32 `[m + 1]`.
         paged_kv_last_page_len: int32 `[m]`.
         seq_lens: int32 `[m]` keys per request (padding requests: 0).
-        gather_index: where the pages sit in the block table, in request order: either the
-            `[paged_kv_indptr[-1]]` positions in `block_table.reshape(-1)` (int32, or int64
-            for a table of 2**31 entries or more), or, when every request reads the same
-            number of pages, the `(rows, columns)` slices of that rectangle of the table:
-            `block_table[gather_index]` read row by row, with no index to build or copy.
+        rectangle: when every request reads the same number of pages, the `(rows, columns)`
+            slices of the block table holding them, `block_table[rectangle]` read row by row
+            (one device copy); else None, and the pages are gathered on the device through
+            `paged_kv_indptr` (`ops.gather_pages`). Either way no per-page index is built.
+        first_row: the block-table row of the part's first request.
+        num_real_reqs: the part's requests before CUDA-graph padding (the padding requests
+            have no pages and no block-table rows).
+        max_pages: the most pages of one request (0 without requests).
         indptr_and_last: int32 `[2m + 1]`: the array `paged_kv_indptr` and
             `paged_kv_last_page_len` are views of, for one copy of both to the device.
     """
@@ -346,17 +357,27 @@ class PagedArrays:
     paged_kv_indptr: np.ndarray
     paged_kv_last_page_len: np.ndarray
     seq_lens: np.ndarray
-    gather_index: np.ndarray | tuple[slice, slice]
+    rectangle: tuple[slice, slice] | None
+    first_row: int
+    num_real_reqs: int
+    max_pages: int
     indptr_and_last: np.ndarray
 
     @property
     def num_reqs(self) -> int:
         return int(self.paged_kv_last_page_len.shape[0])
 
+    @property
+    def num_pages(self) -> int:
+        return int(self.paged_kv_indptr[-1])
+
     def gather_positions(self, num_cols: int) -> np.ndarray:
-        """`gather_index` as positions in `block_table.reshape(-1)` of a table of `num_cols`
-        columns, rectangle or not (for tests and host-side checks; builds the index)."""
-        return _positions(self.gather_index, num_cols)
+        """The pages' positions in `block_table.reshape(-1)` of a table of `num_cols` columns,
+        in order (for tests and host-side checks: builds the index the device never needs)."""
+        if self.rectangle is not None:
+            return _rectangle_positions(self.rectangle, num_cols)
+        indptr = self.paged_kv_indptr.astype(np.int64)
+        return _index_positions(indptr[1:] - indptr[:-1], indptr, self.first_row, num_cols)
 
 
 @dataclass(frozen=True, slots=True)
@@ -396,7 +417,7 @@ def _paged_arrays(
     num_reqs = end - start if padded_num_reqs is None else padded_num_reqs
     joint, num_pages = _page_table(seq, block_size, num_reqs)
     indptr, last = _split_joint(joint)
-    gather = _gather_index(num_pages, indptr[: end - start + 1], block_size, start, num_cols)
+    rectangle = _rectangle(num_pages, indptr[: end - start + 1], block_size, start, num_cols)
     if padded_num_reqs is None:
         seq32 = seq.astype(np.int32)
     else:
@@ -407,7 +428,10 @@ def _paged_arrays(
         paged_kv_indptr=indptr,
         paged_kv_last_page_len=last,
         seq_lens=seq32,
-        gather_index=gather,
+        rectangle=rectangle,
+        first_row=start,
+        num_real_reqs=end - start,
+        max_pages=int(_largest(num_pages)) if end > start else 0,
         indptr_and_last=joint,
     )
 

@@ -55,6 +55,7 @@ def replan_decode(
     wrapper: Any,
     arrays: PagedArrays,
     pages: torch.Tensor,
+    indptr_and_last: torch.Tensor,
     *,
     num_qo_heads: int,
     num_kv_heads: int,
@@ -72,6 +73,8 @@ def replan_decode(
         arrays: the decode part of the step (`flashinfer_plan.plan_step`): int32 host
             `paged_kv_indptr [B + 1]`, `paged_kv_last_page_len [B]`.
         pages: int32 `[paged_kv_indptr[-1]]` page ids on the wrapper's device.
+        indptr_and_last: `arrays.indptr_and_last` on the wrapper's device (the builder copies
+            it once per step, for the page gather and for every decode wrapper).
         num_qo_heads, num_kv_heads, head_size, page_size, window_left: as given to `plan()`.
         qo_indptr_host, qo_indptr_device: int32 `[0, 1, ..., B]` (one query row per request), on
             the host and on the wrapper's device; the caller keeps them for later steps.
@@ -79,14 +82,12 @@ def replan_decode(
     Raises:
         ValueError: a CUDA-graph wrapper's fixed batch size or page capacity does not fit.
     """
-    indptr, last_page_len = arrays.paged_kv_indptr, arrays.paged_kv_last_page_len
-    batch = int(last_page_len.shape[0])
+    batch = arrays.num_reqs
     if qo_indptr_host.shape[0] != batch + 1 or qo_indptr_device.shape[0] != batch + 1:
         raise ValueError(
             f"replan_decode: qo_indptr_host / qo_indptr_device must have {batch + 1} entries "
             f"(got {qo_indptr_host.shape[0]} and {qo_indptr_device.shape[0]})."
         )
-    device = wrapper.device
     if wrapper.is_cuda_graph_enabled:
         if (
             batch != wrapper._fixed_batch_size
@@ -99,19 +100,13 @@ def replan_decode(
                 f"{wrapper._paged_kv_indices_buf.shape[0]} pages)."
             )
         # The captured kernels read these buffers: write into them, never replace them.
-        wrapper._paged_kv_indptr_buf.copy_(torch.from_numpy(indptr), non_blocking=True)
-        wrapper._paged_kv_last_page_len_buf.copy_(
-            torch.from_numpy(last_page_len), non_blocking=True
-        )
+        wrapper._paged_kv_indptr_buf.copy_(indptr_and_last[: batch + 1], non_blocking=True)
+        wrapper._paged_kv_last_page_len_buf.copy_(indptr_and_last[batch + 1 :], non_blocking=True)
         wrapper._paged_kv_indices_buf[: pages.shape[0]].copy_(pages, non_blocking=True)
     else:
-        # One host-to-device copy for both small arrays, which the plan wrote into one
-        # (pageable source: the copy is staged by the driver, the host does not wait for the
-        # device).
-        staged = torch.from_numpy(arrays.indptr_and_last).to(device, non_blocking=True)
         # (`split_with_sizes`: `split` adds a Python wrapper, several microseconds a call)
-        wrapper._paged_kv_indptr_buf, wrapper._paged_kv_last_page_len_buf = staged.split_with_sizes(
-            (batch + 1, batch)
+        wrapper._paged_kv_indptr_buf, wrapper._paged_kv_last_page_len_buf = (
+            indptr_and_last.split_with_sizes((batch + 1, batch))
         )
         wrapper._paged_kv_indices_buf = pages
         wrapper._qo_indptr_buf = qo_indptr_device
