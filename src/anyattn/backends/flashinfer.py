@@ -621,8 +621,14 @@ def _gather_pages(
 
 
 def _to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
-    # Pageable source: the driver stages the copy, the host does not wait for the device.
-    return torch.from_numpy(host).to(device, non_blocking=True)
+    """`host` on `device`, copied without the host waiting for the device."""
+    tensor = torch.from_numpy(host)
+    if device.type == "cuda":
+        # Through pinned memory (torch's caching host allocator, which keeps the block until
+        # the copy has run): from pageable memory the driver stages the copy through its own
+        # buffer, which took 13-37 us of a build's host time on the H200 machine.
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
