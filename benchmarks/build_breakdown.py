@@ -4,11 +4,13 @@
 `benchmarks/kernels.py` times each backend's whole `build`; this splits FLASHINFER's and
 FLEX_ATTENTION's into their steps, each timed alone (median of `--reps` calls, after a warm-up),
 so that the cost left over can be attributed. FLASHINFER's parts: `cm.validate`, `plan_step`
-(numpy), `_gather_pages` (device gather), `replan_decode` (index buffers + FlashInfer's C++
-planner), and the C++ planner call alone.
+(numpy), the copy of the decode part's page offsets and last-page lengths to the device,
+`_gather_pages` (one device copy, or the `ops.gather_pages` kernel for unequal lengths),
+`replan_decode` (index buffers + FlashInfer's C++ planner), and the C++ planner call alone.
 
-Run on a CUDA machine with FlashInfer 0.7.2.post1: `python3 benchmarks/build_breakdown.py`.
-Prints a markdown table.
+Run on a CUDA machine with FlashInfer 0.7.2.post1: `python3 benchmarks/build_breakdown.py`
+(`--varied`: lengths spread over `seq_len / 2 ... 3 * seq_len / 2`, as `kernels.py` times them
+too). Prints a markdown table.
 """
 
 from __future__ import annotations

@@ -13,7 +13,10 @@ mode=${1:-tests}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 if [ ! -d /tmp/gpusite ]; then
-    cp .gpu-wheels/part4/* /tmp/gw/ && eval "$(python3 /tmp/gw/install.py)"
+    # install.py says which parts are missing when parts 1-3 were not sent first
+    exports=$(mkdir -p /tmp/gw && cp .gpu-wheels/part4/* /tmp/gw/ && python3 /tmp/gw/install.py) \
+        || exit 1
+    eval "$exports"
 fi
 export PYTHONPATH=$PWD/src:$PWD/build/gpu_pkgs:/tmp/gpusite:/tmp/gpusite/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader

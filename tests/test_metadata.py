@@ -323,6 +323,12 @@ def test_validate_accepts_padding_past_num_reqs():
     assert host.query_start_loc[1] == 1 and host.context_lens[0] == 4 and host.seq_lens[0] == 9
 
 
+def test_validate_of_an_empty_step_gives_empty_arrays():
+    host = metadata([], []).validate()
+    assert host.query_start_loc.tolist() == [0]
+    assert host.query_lens.size == host.seq_lens.size == host.context_lens.size == 0
+
+
 @pytest.mark.gpu
 def test_validate_rejects_device_mirrors():
     m = valid()

@@ -16,7 +16,6 @@ from anyattn.backends.flashinfer import _gather_pages
 from anyattn.backends.flashinfer_plan import (
     BatchSplit,
     _plan_any,
-    pad_requests,
     paged_kv_gather_index,
     paged_kv_indices,
     paged_kv_indptr,
@@ -123,14 +122,6 @@ def test_qo_and_ragged_indptr():
         ragged_kv_indptr(loc, np.array([3, 4, 0, 2]), (2, 4))
 
 
-def test_pad_requests_appends_empty_requests():
-    indptr, last = pad_requests(np.array([0, 2, 3], np.int32), np.array([5, 16], np.int32), 4)
-    assert indptr.tolist() == [0, 2, 3, 3, 3]
-    assert last.tolist() == [5, 16, 1, 1]
-    with pytest.raises(ValueError, match="padded size"):
-        pad_requests(indptr, last, 3)
-
-
 # --- plan_step ---------------------------------------------------------------------------------
 
 
@@ -162,6 +153,11 @@ def test_plan_step_fp8_plans_every_prefill_paged():
     assert arrays.paged.paged_kv_last_page_len.tolist() == [1]
 
 
+def test_plan_step_cudagraph_padding_needs_room():
+    with pytest.raises(ValueError, match="more requests than the padded size"):
+        plan_step(loc_of([1, 1, 1]), np.array([5, 40, 16]), 16, num_cols=3, cudagraph_num_reqs=2)
+
+
 def test_plan_step_cudagraph_pads_the_decodes():
     arrays = plan_step(loc_of([1, 1, 1]), np.array([5, 40, 16]), 16, num_cols=3,
                        cudagraph_num_reqs=8)  # fmt: skip
@@ -176,6 +172,15 @@ def test_plan_step_cudagraph_pads_the_decodes():
     assert d.indptr_and_last.tolist() == joint
     assert np.shares_memory(d.indptr_and_last, d.paged_kv_indptr)
     assert arrays.paged is None and arrays.ragged_qo_indptr is None
+
+
+def test_plan_step_rejects_more_pages_than_int32_offsets_hold():
+    # the offsets would wrap around in FlashInfer's int32 indptr
+    with pytest.raises(ValueError, match="too many pages for FlashInfer's int32 page offsets"):
+        plan_step(np.arange(4), np.full(3, 2**31 - 1), 1, 2**31)
+    # a bound past int32 with a total within it is fine
+    arrays = plan_step(np.arange(3), np.array([2**31 - 10, 1]), 1, 2**31)
+    assert arrays.decode.paged_kv_indptr.tolist() == [0, 2**31 - 10, 2**31 - 9]
 
 
 def test_plan_step_rejects_bad_batches():
@@ -389,7 +394,7 @@ def test_gather_pages_matches_a_plain_index_select(
     n = len(query_lens)
     seq_lens = [q + c for q, c in zip(query_lens, context, strict=False)]
     num_cols = max(-(-s // 16) for s in seq_lens)
-    if layout == "whole rows":  # every request fills its row: the pages are one run
+    if layout == "whole rows":  # every request fills its row: a rectangle as wide as the table
         seq_lens = [16 * num_cols] * n
     else:
         if layout == "same pages":  # a rectangle of the table, narrower than it
@@ -412,6 +417,17 @@ def test_gather_pages_matches_a_plain_index_select(
         assert pages.dtype == torch.int32 and pages.is_contiguous()
         assert torch.equal(pages, expected)
         assert pages.untyped_storage().data_ptr() != table.untyped_storage().data_ptr()
+
+
+def test_gather_pages_of_a_padded_cudagraph_plan_reads_only_the_real_rows():
+    # unequal lengths (no rectangle), padded to 6 requests; the table has the 3 real rows only
+    table = torch.tensor([[11, 12, 13], [21, 22, 23], [31, 32, 33]], dtype=torch.int32)
+    arrays = plan_step(loc_of([1, 1, 1]), np.array([20, 5, 40]), 16, num_cols=3,
+                       cudagraph_num_reqs=6)  # fmt: skip
+    d = arrays.decode
+    assert d.rectangle is None and d.num_reqs == 6 and d.num_real_reqs == 3
+    pages = _gather_pages(table, d, torch.from_numpy(d.indptr_and_last))
+    assert pages.tolist() == [11, 12, 21, 31, 32, 33]
 
 
 # --- the single-token decode fast path of plan_step, against the general path ------------------
@@ -498,7 +514,7 @@ def test_decode_batches_take_the_fast_path(monkeypatch):
     ("query_lens", "seq_lens"),
     [
         ([1, 1, 1, 1], [80, 80, 80, 80]),  # whole rows: a rectangle as wide as the table
-        ([1, 1], [80, 20]),  # a whole row, then the next one's start: one run of the table
+        ([1, 1], [80, 20]),  # a whole row, then the next one's start: gathered by the kernel
         ([1, 1, 1, 1], [40, 48, 33, 47]),  # the same pages: a rectangle narrower than the table
         ([1, 1, 1, 1], [5, 64, 17, 1]),  # different pages: gathered through the indptr
         ([1, 1, 9, 3], [5, 64, 40, 70]),  # decodes and paged prefills (from row 2)

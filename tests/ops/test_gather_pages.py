@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from anyattn.ops import gather_pages as module
 from anyattn.ops import impl_choice
-from anyattn.ops.gather_pages import MAX_NUM_REQS, gather_pages, gather_pages_ref
+from anyattn.ops.gather_pages import MAX_PAGES_PER_REQUEST, gather_pages, gather_pages_ref
 
 SENTINEL = -7  # what `out` holds before a call: entries the op must not write keep it
 LAYOUTS = ("contiguous", "column_slice", "transposed", "strided")
@@ -104,12 +104,12 @@ def expected_out(
 @contextlib.contextmanager
 def small_block_cols(block_cols: int | None) -> Iterator[None]:
     """Shrink the kernel's column tile so tiny requests span several tiles."""
-    saved = module._BLOCK_COLS
-    module._BLOCK_COLS = block_cols or saved
+    saved = module._TILE_COLS
+    module._TILE_COLS = block_cols or saved
     try:
         yield
     finally:
-        module._BLOCK_COLS = saved
+        module._TILE_COLS = saved
 
 
 @contextlib.contextmanager
@@ -153,13 +153,13 @@ def check_case(case: Case, device: str, impl: str) -> None:
             table, indptr, out, num_pages=num_pages, max_pages=max_pages,
             first_row=case.first_row, impl=impl,
         )  # fmt: skip
-        block_cols = module._BLOCK_COLS
+        block_cols = module._TILE_COLS
     assert out.cpu().tolist() == want
     is_launched = impl == "triton" or (
         impl == "auto" and device == "cuda" and module.triton is not None
     )
     if is_launched and num_pages > 0:
-        assert grids == [(-(-max_pages // block_cols), num_reqs)]
+        assert grids == [(num_reqs, -(-max_pages // block_cols))]
     else:
         assert grids == []
 
@@ -312,9 +312,9 @@ REJECTED = [
     ({"out": torch.zeros(12, dtype=torch.int32, device="meta")}, ValueError, "another device"),
     ({"page_indptr": torch.zeros(0, dtype=torch.int32)}, ValueError, "got 0 entries"),
     (
-        {"page_indptr": torch.zeros(MAX_NUM_REQS + 2, dtype=torch.int32)},
+        {"max_pages": MAX_PAGES_PER_REQUEST + 1},
         ValueError,
-        f"1 to {MAX_NUM_REQS + 1} entries",
+        f"too many pages for the kernel's grid (got max_pages={MAX_PAGES_PER_REQUEST + 1}",
     ),
     ({"first_row": -1}, ValueError, "first_row must be >= 0"),
     ({"first_row": 3}, ValueError, "too few rows (got 6, expected >= first_row + num_reqs = 7)"),
@@ -368,7 +368,7 @@ def decode_batch(num_reqs: int = 256, block_size: int = 16) -> Case:
     gen = torch.Generator().manual_seed(7)
     seq_lens = torch.randint(1024, 3072, (num_reqs,), generator=gen).tolist()
     lens = tuple(-(-seq_len // block_size) for seq_len in seq_lens)
-    assert max(lens) > module._BLOCK_COLS
+    assert max(lens) > module._TILE_COLS
     return Case(lens, max(lens) + 5, first_row=3, out_extra=17, layout="column_slice")
 
 

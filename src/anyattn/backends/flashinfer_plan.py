@@ -38,7 +38,6 @@ __all__ = [
     "BatchSplit",
     "PagedArrays",
     "StepArrays",
-    "pad_requests",
     "paged_kv_gather_index",
     "paged_kv_indices",
     "paged_kv_indptr",
@@ -178,9 +177,11 @@ def paged_kv_indptr(seq_lens: np.ndarray, block_size: int) -> tuple[np.ndarray, 
 
 def _page_table(seq: np.ndarray, block_size: int, num_reqs: int) -> tuple[np.ndarray, np.ndarray]:
     """`paged_kv_indptr` and `paged_kv_last_page_len` of int64 `seq` padded to `num_reqs`
-    requests (`pad_requests`), written into one int32 array `[2 * num_reqs + 1]` (indptr,
-    then last-page lengths: one copy to the device), and the pages of each request (int64
-    `[n]`)."""
+    requests, written into one int32 array `[2 * num_reqs + 1]` (indptr, then last-page
+    lengths: one copy to the device), and the pages of each request (int64 `[n]`).
+
+    CUDA-graph padding requests have no pages and last-page length 1: the captured wrapper
+    plans them, and its kernels read nothing for them."""
     if block_size < 1:
         raise ValueError(f"paged_kv_indptr: block_size must be >= 1 (got {block_size}).")
     # Few numpy calls, each on a whole batch: at a few hundred requests their fixed cost is
@@ -263,6 +264,13 @@ def _rectangle(
             f"paged_kv_gather_index: block_table too narrow for the longest sequence (got "
             f"{num_cols} columns, expected >= {most} for block_size {block_size})."
         )
+    # FlashInfer's page offsets are int32 (so is `indptr`, which would have wrapped around): the
+    # exact total is summed only when the bound n * most allows more.
+    if n * most > _INT32_MAX and int(num_pages.sum(dtype=np.int64)) > _INT32_MAX:
+        raise ValueError(
+            f"paged_kv_indptr: too many pages for FlashInfer's int32 page offsets (got "
+            f"{int(num_pages.sum(dtype=np.int64))}, expected <= {_INT32_MAX}). Split the batch."
+        )
     if int(indptr[-1]) == n * most:  # every request has `most` pages (none when negative)
         return slice(first_row, first_row + n), slice(0, max(most, 0))
     return None
@@ -307,28 +315,6 @@ def paged_kv_indices(
     table = np.ascontiguousarray(block_table)
     index = paged_kv_gather_index(seq_lens, block_size, first_row, table.shape[1])
     return table.reshape(-1)[index].astype(np.int32)
-
-
-def pad_requests(
-    indptr: np.ndarray, last_page_len: np.ndarray, num_reqs: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Append empty requests (no pages, last-page length 1) up to `num_reqs` requests.
-
-    CUDA-graph wrappers are planned for the captured batch size; padding requests read no keys.
-    """
-    missing = num_reqs - last_page_len.shape[0]
-    if missing < 0:
-        raise ValueError(
-            f"pad_requests: more requests than the padded size (got {last_page_len.shape[0]}, "
-            f"expected <= {num_reqs})."
-        )
-    n = last_page_len.shape[0]
-    padded_indptr = np.empty(num_reqs + 1, dtype=np.int32)
-    padded_indptr[: n + 1] = indptr
-    padded_indptr[n + 1 :] = indptr[-1]
-    padded_last = np.ones(num_reqs, dtype=np.int32)
-    padded_last[:n] = last_page_len
-    return padded_indptr, padded_last
 
 
 @dataclass(frozen=True, slots=True)
@@ -411,8 +397,8 @@ def _paged_arrays(
     seq = seq_lens[start:end]
     if padded_num_reqs is not None and padded_num_reqs < end - start:
         raise ValueError(
-            f"pad_requests: more requests than the padded size (got {end - start}, "
-            f"expected <= {padded_num_reqs})."
+            f"plan_step: more requests than the padded size (got {end - start}, expected <= "
+            f"cudagraph_num_reqs {padded_num_reqs}). Plan a larger captured size or run eagerly."
         )
     num_reqs = end - start if padded_num_reqs is None else padded_num_reqs
     joint, num_pages = _page_table(seq, block_size, num_reqs)

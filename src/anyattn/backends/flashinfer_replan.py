@@ -71,7 +71,8 @@ def replan_decode(
         wrapper: a `BatchDecodeWithPagedKVCacheWrapper` planned before by its `plan()` with the
             same heads, head size, page size, window, soft cap, scale and dtypes.
         arrays: the decode part of the step (`flashinfer_plan.plan_step`): int32 host
-            `paged_kv_indptr [B + 1]`, `paged_kv_last_page_len [B]`.
+            `paged_kv_indptr [B + 1]` (the planner's input), `seq_lens [B]` (passed as the
+            planner's key counts; their largest becomes the wrapper's `_max_kv_len`).
         pages: int32 `[paged_kv_indptr[-1]]` page ids on the wrapper's device.
         indptr_and_last: `arrays.indptr_and_last` on the wrapper's device (the builder copies
             it once per step, for the page gather and for every decode wrapper).

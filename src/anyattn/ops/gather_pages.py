@@ -12,7 +12,7 @@ tensor values, so it does not synchronise with the GPU, and no per-page index cr
 host (a 256-request decode batch of 2048 keys has 32768 pages: building that index and copying
 it cost the host more than this whole launch).
 
-On CUDA, when triton is importable, the copy is one Triton kernel launch: program (t, i) copies
+On CUDA, when triton is importable, the copy is one Triton kernel launch: program (i, t) copies
 column tile t of request i. The vectorised PyTorch path (a handful of ops) serves the CPU and CUDA
 without triton; `impl=` forces either one (tests run the kernel on the CPU under
 `TRITON_INTERPRET=1`).
@@ -30,11 +30,13 @@ try:
 except ImportError:  # triton is an optional extra
     triton = None
 
-__all__ = ["MAX_NUM_REQS", "gather_pages", "gather_pages_ref"]
+__all__ = ["MAX_PAGES_PER_REQUEST", "gather_pages", "gather_pages_ref"]
 
 _OP = "gather_pages"
-_BLOCK_COLS = 128
-MAX_NUM_REQS = 65535  # CUDA's limit on the grid's second dimension
+_TILE_COLS = 128
+# Requests go on the grid's first dimension (2**31 - 1 programs); column tiles on the second,
+# whose CUDA limit (65535) bounds one request's pages.
+MAX_PAGES_PER_REQUEST = 65535 * _TILE_COLS
 
 
 def gather_pages(
@@ -63,8 +65,8 @@ def gather_pages(
 
     Raises:
         TypeError: a non-tensor argument, a wrong dtype or rank, a non-contiguous `out`.
-        ValueError: mixed devices, more than `MAX_NUM_REQS` requests (CUDA's grid limit, on
-            every path), `out` or the table too small, an unknown `impl`.
+        ValueError: mixed devices, `max_pages` past `MAX_PAGES_PER_REQUEST` (CUDA's grid
+            limit, on every path), `out` or the table too small, an unknown `impl`.
         RuntimeError: `impl="triton"` without triton installed.
 
     `num_pages` and `max_pages` must match `page_indptr`: they are not checked against its
@@ -76,10 +78,10 @@ def gather_pages(
     if num_pages == 0 or num_reqs == 0:
         return
     if chosen:
-        grid = (triton.cdiv(max_pages, _BLOCK_COLS), num_reqs)
+        grid = (num_reqs, triton.cdiv(max_pages, _TILE_COLS))
         _gather_pages_kernel[grid](
             block_table, page_indptr, out, first_row, *block_table.stride(),
-            page_indptr.stride(0), BLOCK_COLS=_BLOCK_COLS, num_warps=4,
+            page_indptr.stride(0), TILE_COLS=_TILE_COLS, num_warps=4,
         )  # fmt: skip
         return
     table = block_table[first_row : first_row + num_reqs]
@@ -94,8 +96,9 @@ def gather_pages(
 
 
 if triton is not None:
-
-    @triton.jit
+    # first_row is not specialised on: the paged-prefill part's varies from step to step, and
+    # each value Triton specialises on (1, multiples of 16) would be a compile mid-serving.
+    @triton.jit(do_not_specialize=["first_row"])
     def _gather_pages_kernel(
         table_ptr,
         indptr_ptr,
@@ -104,18 +107,19 @@ if triton is not None:
         stride_t_req,
         stride_t_col,
         stride_indptr,
-        BLOCK_COLS: tl.constexpr,
+        TILE_COLS: tl.constexpr,
     ):
-        tile = tl.program_id(0)
-        req = tl.program_id(1)
+        req = tl.program_id(0).to(tl.int64)
+        tile = tl.program_id(1)
         start = tl.load(indptr_ptr + req * stride_indptr).to(tl.int64)
         count = tl.load(indptr_ptr + (req + 1) * stride_indptr).to(tl.int64) - start
         # Requests with fewer pages than the most have empty tiles: they stop here.
-        if tile * BLOCK_COLS < count:
-            cols = tile * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+        if tile * TILE_COLS < count:
+            # int64: a column times a transposed table's row count may pass 2**31
+            cols = tile.to(tl.int64) * TILE_COLS + tl.arange(0, TILE_COLS)
             is_page = cols < count
             pages = tl.load(
-                table_ptr + (first_row + req.to(tl.int64)) * stride_t_req + cols * stride_t_col,
+                table_ptr + (first_row + req) * stride_t_req + cols * stride_t_col,
                 mask=is_page,
             )
             tl.store(out_ptr + start + cols, pages, mask=is_page)
@@ -164,10 +168,15 @@ def _validate(
             f"shape {list(out.shape)}, contiguous={out.is_contiguous()})."
         )
     num_reqs = page_indptr.shape[0] - 1
-    if num_reqs < 0 or num_reqs > MAX_NUM_REQS or first_row < 0:
+    if num_reqs < 0 or first_row < 0:
         raise ValueError(
-            f"{_OP}: page_indptr must have 1 to {MAX_NUM_REQS + 1} entries and first_row must "
-            f"be >= 0 (got {page_indptr.shape[0]} entries, first_row={first_row})."
+            f"{_OP}: page_indptr must have at least 1 entry and first_row must be >= 0 (got "
+            f"{page_indptr.shape[0]} entries, first_row={first_row})."
+        )
+    if max_pages > MAX_PAGES_PER_REQUEST:
+        raise ValueError(
+            f"{_OP}: a request has too many pages for the kernel's grid (got max_pages="
+            f"{max_pages}, expected <= {MAX_PAGES_PER_REQUEST}). Use a larger block size."
         )
     if first_row + num_reqs > block_table.shape[0]:
         raise ValueError(
