@@ -211,6 +211,8 @@ def test_time_build_on_cpu(kernels, tiny) -> None:
     assert kernels.time_build("NO_SUCH_BACKEND", tiny, "cpu", reps=3).status == "skip"
     table = kernels.build_table([result])
     assert "| TORCH |" in table
+    varied = kernels.time_build("TORCH", tiny, "cpu", reps=3, num_reqs=8, seq_len=20, varied=True)
+    assert varied.status == "ok" and varied.backend == "TORCH (varied lengths)"
 
 
 def test_arguments(kernels) -> None:
