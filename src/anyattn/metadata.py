@@ -123,30 +123,32 @@ class CommonAttentionMetadata:
             )
         seq_lens = self.seq_lens_cpu.numpy()[:num_reqs]
         context = self.num_computed_tokens_cpu.numpy()[:num_reqs].astype(np.int64)
+        # context + query lens is what seq_lens must hold: compared with the mirror, it is the
+        # int64 copy of it the builders get, at no extra numpy call.
+        expected = context + query_lens
         # One test for both rules (context = seq_lens - query lens, and it is not negative);
         # which one failed is worked out only on the way to the error.
-        if num_reqs and (
-            _smallest(context) < 0 or np.count_nonzero(context + query_lens != seq_lens)
-        ):
+        if num_reqs and (_smallest(context) < 0 or np.count_nonzero(expected != seq_lens)):
             if _smallest(seq_lens - query_lens) < 0:
                 raise ValueError(f"{api}: a request has seq_len shorter than its query length.")
             raise ValueError(
                 f"{api}: num_computed_tokens_cpu must equal seq_lens - query lens per request."
             )
-        return HostBatch(loc, query_lens, seq_lens, context)
+        return HostBatch(loc, query_lens, expected, context)
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass is slower to make
 class HostBatch:
     """A validated step's CPU mirrors as numpy arrays (`CommonAttentionMetadata.validate`),
-    real requests only, so that a builder plans from them without converting again.
+    real requests only, so that a builder plans from them without converting again. Every
+    array is the builder's own (no view of a mirror, which the engine may refill for the next
+    step), all int64.
 
     Attributes:
-        query_start_loc: int64 `[num_reqs + 1]` (a copy).
-        query_lens: int64 `[num_reqs]`.
-        seq_lens: `[num_reqs]` in the mirror's dtype: a view of `seq_lens_cpu`, which the engine
-            may refill for the next step (copy what must outlive the build).
-        context_lens: int64 `[num_reqs]` (a copy of `num_computed_tokens_cpu`).
+        query_start_loc: `[num_reqs + 1]`.
+        query_lens: `[num_reqs]`.
+        seq_lens: `[num_reqs]`.
+        context_lens: `[num_reqs]` (`num_computed_tokens_cpu`).
     """
 
     query_start_loc: np.ndarray

@@ -68,7 +68,7 @@ from anyattn.backends.flex_attention_plan import (
     StepLayout,
     TileRuns,
     block_lists,
-    lay_out_step,
+    lay_out_owned,
     pad_keys,
     pad_rows,
     tile_runs,
@@ -305,7 +305,9 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
                 )
         # Host work only, in numpy (slicing arrays is cheaper than slicing tensors); the keys
         # themselves are copied by each layer's forward, straight from the block table.
-        key_lens_np = host.seq_lens if key_lens is cm.seq_lens else key_lens_cpu.numpy()[:num_reqs]
+        key_lens_np = (
+            host.seq_lens if key_lens is cm.seq_lens else np.array(key_lens_cpu.numpy()[:num_reqs])
+        )
         # (argmax, one C call, rather than `max`, which goes through a Python wrapper)
         max_key_len = int(key_lens_np[key_lens_np.argmax()]) if num_reqs else 0
         width = cm.block_table_tensor.shape[1]
@@ -314,7 +316,10 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
                 f"{api}: block_table too narrow for the longest sequence (got {width} columns, "
                 f"expected >= {-(-max_key_len // block_size)} for block_size {block_size})."
             )
-        layout = lay_out_step(host.query_start_loc, key_lens_np, host.context_lens)
+        # (the validated arrays are the build's own: laid out without copies)
+        layout = lay_out_owned(
+            host.query_start_loc, key_lens_np, host.context_lens, host.query_lens
+        )
         return FlexAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             block_size=block_size,

@@ -3,9 +3,10 @@
 Everything here works on numpy arrays from the `*_cpu` mirrors of `CommonAttentionMetadata`,
 so it is tested exactly on the CPU and never synchronises with a GPU:
 
-- `lay_out_step`: where each request's keys go in the key workspace (row 0 is the sink slot)
-  and, per query token, the range of key rows it keeps (causal or bidirectional) and its own
-  position, in workspace coordinates.
+- `lay_out_step` (and `lay_out_owned`, its no-copy form for the builder): where each
+  request's keys go in the key workspace (row 0 is the sink slot) and, per query token, the
+  range of key rows it keeps (causal or bidirectional) and its own position, in workspace
+  coordinates.
 - `window_lo`: the first kept key row under a sliding window.
 - `pad_rows`, `pad_keys`: the bucketed lengths the compiled kernel sees.
 - `tile_runs`, `block_lists`: FlexAttention's block-sparse mask (which 128 x 128 tiles of
@@ -24,6 +25,7 @@ __all__ = [
     "StepLayout",
     "TileRuns",
     "block_lists",
+    "lay_out_owned",
     "lay_out_step",
     "pad_keys",
     "pad_rows",
@@ -104,7 +106,19 @@ def lay_out_step(
     # Copies: the layout is read again at the step's first forward, and the caller's arrays
     # are often views of an engine's mirrors that it refills for the next step.
     q_start = np.array(query_start_loc)
-    key_lens = np.array(key_lens)
+    return lay_out_owned(q_start, np.array(key_lens), context_lens, q_start[1:] - q_start[:-1])
+
+
+def lay_out_owned(
+    query_start_loc: np.ndarray,
+    key_lens: np.ndarray,
+    context_lens: np.ndarray,
+    query_lens: np.ndarray,
+) -> StepLayout:
+    """`lay_out_step` of arrays the layout may keep as they are (no copies), with each
+    request's query length given (`query_start_loc[1:] - query_start_loc[:-1]`): the
+    builder's path, from the arrays `CommonAttentionMetadata.validate` returns."""
+    q_start = query_start_loc
     num_reqs = key_lens.shape[0]
     # This runs on the per-step host path, where each numpy call costs about a microsecond:
     # per-request values are written in place into one array, then repeated once per token.
@@ -116,7 +130,6 @@ def lay_out_step(
     key_start += 1
     # A token's own key row is its index in the step plus its request's offset.
     np.add(key_start, context_lens, out=offset)
-    query_lens = q_start[1:] - q_start[:-1]
     if (
         num_reqs
         and q_start.shape[0] == num_reqs + 1
