@@ -371,7 +371,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         )
         if cudagraph_size is not None:
             capacity = cudagraph_size * -(-self.limits.max_model_len // spec.block_size)
-            num_pages = int(arrays.decode.paged_kv_indptr[-1])
+            num_pages = arrays.decode.num_pages
             if num_pages > capacity:
                 raise ValueError(
                     f"{api}: a CUDA-graph decode step needs more pages than max_model_len "

@@ -242,24 +242,29 @@ def paged_kv_gather_index(
     num_pages = (seq + (block_size - 1)) // block_size
     indptr = np.zeros(seq.shape[0] + 1, dtype=np.int64)
     indptr[1:] = num_pages.cumsum()
-    rectangle = _rectangle(num_pages, indptr, block_size, first_row, num_cols)
+    most = int(_largest(num_pages)) if seq.shape[0] else 0
+    rectangle = _rectangle(num_pages, most, indptr, block_size, first_row, num_cols)
     if rectangle is not None:
         return _rectangle_positions(rectangle, num_cols)
     return _index_positions(num_pages, indptr, first_row, num_cols)
 
 
 def _rectangle(
-    num_pages: np.ndarray, indptr: np.ndarray, block_size: int, first_row: int, num_cols: int
+    num_pages: np.ndarray,
+    most: int,
+    indptr: np.ndarray,
+    block_size: int,
+    first_row: int,
+    num_cols: int,
 ) -> tuple[slice, slice] | None:
     """The `(rows, columns)` rectangle of the block table holding the pages of requests
     `first_row, ...` when every request reads the same number of pages, else None; from each
-    request's pages and their offsets (`[n + 1]`).
+    request's pages, the most of them (0 without requests) and their offsets (`[n + 1]`).
 
     Raises:
         ValueError: a request needs more pages than the table has columns.
     """
     n = num_pages.shape[0]
-    most = int(_largest(num_pages)) if n else 0
     if most > num_cols:
         raise ValueError(
             f"paged_kv_gather_index: block_table too narrow for the longest sequence (got "
@@ -404,7 +409,8 @@ def _paged_arrays(
     num_reqs = end - start if padded_num_reqs is None else padded_num_reqs
     joint, num_pages = _page_table(seq, block_size, num_reqs)
     indptr, last = _split_joint(joint)
-    rectangle = _rectangle(num_pages, indptr[: end - start + 1], block_size, start, num_cols)
+    most = int(_largest(num_pages)) if end > start else 0
+    rectangle = _rectangle(num_pages, most, indptr[: end - start + 1], block_size, start, num_cols)
     if padded_num_reqs is None:
         seq32 = seq.astype(np.int32)
     else:
@@ -418,7 +424,7 @@ def _paged_arrays(
         rectangle=rectangle,
         first_row=start,
         num_real_reqs=end - start,
-        max_pages=int(_largest(num_pages)) if end > start else 0,
+        max_pages=most,
         indptr_and_last=joint,
     )
 

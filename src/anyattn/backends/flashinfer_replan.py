@@ -145,7 +145,7 @@ def planner_arguments(
     The key counts are `arrays.seq_lens` (0 for CUDA-graph padding requests, where `plan()`
     derives 1 from the last-page length); that version's fa2 planner takes them but splits the
     work by `paged_kv_indptr` alone (`BatchPrefillWithKVCachePlan` never reads `kv_len_arr`)."""
-    batch = int(arrays.paged_kv_last_page_len.shape[0])
+    batch = arrays.num_reqs
     return [
         wrapper._float_workspace_buffer,
         wrapper._int_workspace_buffer,
