@@ -22,18 +22,19 @@ Contenders:
   prefills, decode + paged prefill wrappers for the mixed batch), FlashAttention-4 directly
   (`flash_attn.cute.flash_attn_varlen_func`: page table for decode and mixed, contiguous varlen
   for prefill, and "FA4 paged" through the page table for prefill too) and torch SDPA with the
-  cuDNN and flash backends over contiguous K/V, as a bound.
+  cuDNN and flash backends over contiguous K/V, as a bound; torch FlexAttention directly over
+  the requests' keys packed contiguously once (untimed), with a document-causal block mask.
 Every contender is first checked against a float64 reference on a slice of rows (first, middle
 and last requests; the first and last 32 rows of long queries); a wrong result is timed but
 marked. Then the median of per-call CUDA-event times of device work (host overhead excluded),
 input sets cycling (see `_timing`).
-Issue 6's wrapper cost: FLASHINFER and FLASH_ATTN forward vs their library called directly,
-timed in alternating rounds; and the host time of `build` for 256 decodes under
-`torch.cuda.set_sync_debug_mode("error")`.
+Issue 6's wrapper cost: FLASHINFER, FLASH_ATTN and FLEX_ATTENTION forward vs their library
+called directly, timed in alternating rounds; and the host time of `build` for 256 decodes
+(checked for host syncs under `torch.cuda.set_sync_debug_mode("error")`).
 
 Run on the GPU machine (FlashInfer and FA4 staged on PYTHONPATH, see ../shared/gpu/README.md):
 `PYTHONPATH=src:<staged> python3 benchmarks/kernels.py [--quick] [--only decode,prefill,mixed,
-wrapper,build] [--backends TRITON,...] [--peers fi,fa4,fa4-paged,sdpa-cudnn,sdpa-flash]`.
+wrapper,build] [--backends TRITON,...] [--peers fi,fa4,fa4-paged,sdpa-cudnn,sdpa-flash,flex]`.
 Markdown tables go to stdout (for benchmarks/RESULTS.md), progress to stderr. One file by
 design: everything one run needs, in the order it runs.
 """
@@ -74,7 +75,7 @@ from anyattn.types import AttentionType, DeviceInfo
 
 SECTIONS = ("decode", "prefill", "mixed", "wrapper", "build")
 BACKENDS = ("TRITON", "FLASHINFER", "FLASH_ATTN", "FLEX_ATTENTION", "TORCH")
-PEERS = ("fi", "fa4", "fa4-paged", "sdpa-cudnn", "sdpa-flash")
+PEERS = ("fi", "fa4", "fa4-paged", "sdpa-cudnn", "sdpa-flash", "flex")
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
@@ -175,6 +176,7 @@ WRAPPER_CASES = (CASES["decode"][0], CASES["prefill"][1], CASES["mixed"][0])
 WRAPPER_PAIRS = {
     "FLASHINFER": {"decode": "FlashInfer", "prefill": "FlashInfer", "mixed": "FlashInfer"},
     "FLASH_ATTN": {"decode": "FA4", "prefill": "FA4 paged", "mixed": "FA4"},
+    "FLEX_ATTENTION": dict.fromkeys(("decode", "prefill", "mixed"), "FlexAttention"),
 }
 
 
@@ -693,6 +695,59 @@ def prepare_sdpa(data: CaseData, backend: str) -> Prepared:
     return Prepared(run, rows, lambda: f"SDPA {backend}{state['note']}")
 
 
+def prepare_flex(data: CaseData) -> Prepared:
+    """torch FlexAttention called directly, as a user of the library would call it on a
+    varlen batch: one compiled `flex_attention` over every request's keys packed back to back
+    (`[1, num_kv_heads, total_keys, head_size]`, laid out once here, untimed), GQA by
+    `enable_gqa`, and a document-causal block mask made once. FLEX_ATTENTION's forward has to
+    copy the keys out of the paged cache first (every call): that copy is part of its cost.
+    (Compiled on CUDA; eager on the CPU, where it serves the benchmark's own tests.)"""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    spec, shape, bs, device = data.spec, data.shape, data.shape.block_size, data.device
+    blocks, offsets, key_req, key_pos, q_req, q_pos = [], [], [], [], [], []
+    for r, (n_new, n_keys) in enumerate(zip(spec.query_lens, spec.seq_lens, strict=True)):
+        positions = torch.arange(n_keys)
+        blocks.append(data.block_table[r, positions // bs].long())
+        offsets.append(positions % bs)
+        key_req.append(torch.full((n_keys,), r))
+        key_pos.append(positions)
+        q_req.append(torch.full((n_new,), r))
+        q_pos.append(torch.arange(n_keys - n_new, n_keys))
+    blocks_d, offsets_d = torch.cat(blocks).to(device), torch.cat(offsets).to(device)
+    # [total_keys, KVH, D] -> [1, KVH, total_keys, D]
+    keys = data.cache[blocks_d, 0, offsets_d].transpose(0, 1).unsqueeze(0).contiguous()
+    values = data.cache[blocks_d, 1, offsets_d].transpose(0, 1).unsqueeze(0).contiguous()
+    kv_req, kv_pos = torch.cat(key_req).to(device), torch.cat(key_pos).to(device)
+    tok_req, tok_pos = torch.cat(q_req).to(device), torch.cat(q_pos).to(device)
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (tok_req[q_idx] == kv_req[kv_idx]) & (kv_pos[kv_idx] <= tok_pos[q_idx])
+
+    mask = create_block_mask(
+        document_causal, None, None, spec.num_tokens, keys.shape[2], device=device
+    )
+    attend = (
+        torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
+    )
+    # [T, H, D] -> [1, H, T, D] views of each input set
+    queries = [q.transpose(0, 1).unsqueeze(0) for q in data.queries]
+    # Under 128 queries Inductor picks its flex-decoding kernel, which found no valid config for
+    # 64 queries over 262144 keys on the H200 (torch 2.11: NoValidChoicesError); the main one.
+    options = {"FORCE_USE_FLEX_ATTENTION": True} if spec.num_tokens < 128 else None
+
+    def run(slot: int) -> torch.Tensor:
+        return attend(
+            queries[slot], keys, values, block_mask=mask, scale=shape.scale, enable_gqa=True,
+            kernel_options=options,
+        )  # fmt: skip
+
+    def rows(out: torch.Tensor) -> torch.Tensor:
+        return out[0].transpose(0, 1)
+
+    return Prepared(run, rows, lambda: "FlexAttention, packed K/V, document-causal block mask")
+
+
 def make_contenders(
     backends: Sequence[str], peers: Sequence[str], torch_max_kv_tokens: int | None
 ) -> list[Contender]:
@@ -709,6 +764,7 @@ def make_contenders(
         "fa4-paged": Contender("FA4 paged", _prepare_fa4_paged_prefill),
         "sdpa-cudnn": Contender("SDPA cuDNN", functools.partial(prepare_sdpa, backend="cudnn")),
         "sdpa-flash": Contender("SDPA flash", functools.partial(prepare_sdpa, backend="flash")),
+        "flex": Contender("FlexAttention", prepare_flex),
     }
     return contenders + [table[p] for p in peers]
 
@@ -864,12 +920,10 @@ def time_build(
         )
         kv_spec = AttentionSpec(kbs, shape.num_kv_heads, shape.head_size, shape.dtype)
         builder = cls.get_builder_cls()(kv_spec, ["bench.0"], limits, device)
-        if hasattr(builder, "register_layer"):
-            builder.register_layer(
-                cls.get_impl_cls()(
-                    shape.num_heads, shape.head_size, shape.scale, shape.num_kv_heads
-                )
-            )
+        # as the engine does (a builder that plans per layer signature plans it in build)
+        builder.register_layer(
+            cls.get_impl_cls()(shape.num_heads, shape.head_size, shape.scale, shape.num_kv_heads)
+        )
         if not fast_decode_plan:
             builder.fast_decode_plan = False
             name = f"{name} (plan() every step)"

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from anyattn.backend import AttentionBackend
+from anyattn.backend import AttentionBackend, AttentionMetadataBuilder
 from anyattn.config import AttentionSelectorConfig, AttentionSpec, BatchLimits
 from anyattn.impl_args import validate_impl_arguments
 from anyattn.kv_cache import allocate_kv_cache
@@ -483,3 +483,15 @@ def test_builder_defaults(make_backend):
     assert builder.reorder_batch_threshold is None
     with pytest.raises(NotImplementedError, match="update_block_table: not supported"):
         builder.update_block_table(None, torch.zeros(1, 1), torch.zeros(1))
+
+
+def test_register_layer_default_learns_nothing(make_backend):
+    backend = make_backend()
+    spec = AttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype="float16")
+    limits = BatchLimits(max_num_reqs=4, max_num_tokens=64, max_model_len=256)
+    builder = backend.get_builder_cls()(spec, ["layer.0"], limits, "cpu")
+    before = dict(vars(builder))
+    impl = backend.get_impl_cls()(8, 64, 0.125, num_kv_heads=2)
+    assert builder.register_layer(impl) is None
+    assert vars(builder) == before
+    assert type(builder).register_layer is AttentionMetadataBuilder.register_layer

@@ -144,7 +144,7 @@ def test_cases_run_through_the_contract_on_cpu(kernels, tiny) -> None:
     for spec in specs:
         data = kernels.make_case_data(spec, tiny, "cpu")
         case_results, wrappers = kernels.run_case(data, contenders, options, True)
-        assert wrappers == []  # FLASHINFER / FLASH_ATTN and their libraries do not run here
+        assert wrappers == []  # the wrapped backends do not run here (TORCH is no wrapper)
         results += case_results
     status = {(r.spec.section, r.contender): r for r in results}
     for section in ("decode", "prefill", "mixed"):
@@ -165,6 +165,22 @@ def test_cases_run_through_the_contract_on_cpu(kernels, tiny) -> None:
     ratios = kernels.ratio_table(results)
     assert "TRITON / FlashInfer decode" in ratios and "n/a" in ratios
     assert "No pair measured" in kernels.wrapper_table([])
+
+
+@pytest.mark.parametrize(
+    "spec_args", [("decode", 3, 21), ("prefill", 2, 13), ("mixed", 5, 19, 2, 7, 9)]
+)
+def test_flex_attention_peer_matches_the_reference(kernels, tiny, spec_args) -> None:
+    # The direct FlexAttention call that FLEX_ATTENTION's wrapper cost is measured against.
+    section, *sizes = spec_args
+    spec = getattr(kernels, f"{section}_case")(*sizes)
+    data = kernels.make_case_data(spec, tiny, "cpu")
+    peer = kernels.prepare_flex(data)
+    for slot in range(len(data.queries)):
+        rows = peer.rows(peer.run(slot))
+        assert rows.shape == data.queries[slot].shape
+    error, ok = kernels.compare(peer.rows(peer.run(0)), kernels.make_reference(data), tiny.dtype)
+    assert ok and error < 1e-5, error
 
 
 def test_backend_with_smaller_kernel_blocks_and_reordering(kernels, tiny, register) -> None:

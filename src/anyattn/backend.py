@@ -5,9 +5,10 @@ Three roles, as in vLLM v1's attention layer:
 - `AttentionBackend`: a class of declarations (no instances, no device access). It names its
   impl and builder classes, the KV-cache shape and stride orders, and every capability the
   selector checks. `validate_configuration` turns those declarations into reasons.
-- `AttentionMetadataBuilder`: constructed once per KV-cache group; `build` turns the step's
-  `CommonAttentionMetadata` into the backend's own metadata without synchronising the host with
-  the device (it reads the CPU mirrors).
+- `AttentionMetadataBuilder`: constructed once per KV-cache group and told its layers
+  (`register_layer`) at set-up; `build` turns the step's `CommonAttentionMetadata` into the
+  backend's own metadata without synchronising the host with the device (it reads the CPU
+  mirrors).
 - `AttentionImpl`: constructed once per layer; `forward` runs the layer's attention.
   `MLAAttentionImpl` is the MLA variant (`forward_mqa` / `forward_mha`).
 """
@@ -637,9 +638,11 @@ class MLAAttentionImpl(AttentionImplBase[M], Generic[M]):
 class AttentionMetadataBuilder(ABC, Generic[M]):
     """Turns the step's `CommonAttentionMetadata` into one backend's metadata.
 
-    Constructed once per KV-cache group as `Builder(kv_cache_spec, layer_names, limits, device)`.
-    `build` must not synchronise with the device: read `*_cpu` mirrors, never `.item()`.
-    The metadata it builds carries the step's `slot_mapping` (the layer writes K/V with it).
+    Constructed once per KV-cache group as `Builder(kv_cache_spec, layer_names, limits, device)`;
+    the engine then hands it each of those layers' impls (`register_layer`), once, before the
+    first `build`. `build` must not synchronise with the device: read `*_cpu` mirrors, never
+    `.item()`. The metadata it builds carries the step's `slot_mapping` (the layer writes K/V
+    with it).
     """
 
     # Use get_cudagraph_support(), which may refine this per spec.
@@ -677,6 +680,19 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
         if reorder_batch_threshold is not None and supports_spec_as_decode:
             spec_len = 1 + self.limits.num_speculative_tokens
             self.reorder_batch_threshold = max(reorder_batch_threshold, spec_len)
+
+    def register_layer(self, impl: AttentionImpl) -> None:
+        """Learn one of the layers this builder serves, before the first `build`.
+
+        The engine calls it once at set-up for the impl of every layer in the builder's
+        KV-cache group (`layer_names`), before any `build` or CUDA-graph capture. A builder
+        whose plans depend on what the KV-cache spec does not say (query heads, scale, soft
+        cap: FLASHINFER plans per layer signature) uses it to plan for every layer in `build`,
+        so that no forward has to plan. Default: nothing to learn.
+
+        Args:
+            impl: the layer's impl, of this builder's backend.
+        """
 
     @abstractmethod
     def build(

@@ -30,7 +30,7 @@ from anyattn.kv_cache import allocate_kv_cache
 from anyattn.layer import Attention
 from anyattn.metadata import make_common_attn_metadata
 from anyattn.registry import AttentionBackendEnum
-from anyattn.selector import explain
+from anyattn.selector import NoBackendError, explain, select_backend
 from anyattn.testing import assign_blocks, plan_cases, run_case
 from anyattn.types import AttentionCGSupport, AttentionType, DeviceInfo, MultipleOf
 
@@ -218,6 +218,64 @@ def test_absent_flash_attention_declares_fa4_and_names_the_pip_command(monkeypat
     )
     with pytest.raises(ImportError, match=r"pip install 'anyattn\[flash-attn\]'"):
         FlashAttentionImpl(8, 128, 0.1, 2)
+
+
+_SM80_TOO_OLD = "compute capability sm80 not supported (needs sm90 or newer)"
+_FA3_NOT_ON_SM100 = (
+    "no FlashAttention version takes this combination (FA3 (flash_attn_interface."
+    "flash_attn_with_kvcache): compute capability sm100 not supported (runs on sm90 only))"
+)
+_NOT_INSTALLED = (
+    "no usable FlashAttention here (flash_attn.cute: not installed). Install it with: "
+    "pip install 'anyattn[flash-attn]'"
+)
+# installed, device, FLASH_ATTN's capability reasons there, its availability reason here.
+_SELECTIONS = [
+    ("FA4", SM80, (_SM80_TOO_OLD,), None),
+    ("FA4", SM90, (), None),
+    ("FA4", SM100, (), None),
+    ("FA3", SM80, (_SM80_TOO_OLD,), None),
+    ("FA3", SM90, (), None),
+    ("FA3", SM100, (_FA3_NOT_ON_SM100,), None),
+    ("FA2", SM80, (), None),
+    ("FA2", SM90, (), None),
+    ("FA2", SM100, (), None),
+    ("none", SM80, (_SM80_TOO_OLD,), _NOT_INSTALLED),
+    ("none", SM90, (), _NOT_INSTALLED),
+    ("none", SM100, (), _NOT_INSTALLED),
+]
+
+
+@pytest.mark.parametrize(
+    ("installed", "device", "reasons", "unavailable"),
+    [pytest.param(*row, id=f"{row[0]}-{str(row[1]).split()[-1]}") for row in _SELECTIONS],
+)
+def test_the_selector_judges_flash_attn_by_version_and_device(
+    monkeypatch, installed, device, reasons, unavailable
+):
+    """The real selector over the real registry, for a plain bf16 decoder (head_size 128, the
+    backend's preferred block size): FLASH_ATTN's verdict follows the installed FlashAttention
+    and the device, and an explicit request for it fails with the same reasons."""
+    install(monkeypatch, *{"FA4": [fa4()], "FA3": [fa3()], "FA2": [fa2()], "none": []}[installed])
+    config = AttentionSelectorConfig(head_size=128, dtype=torch.bfloat16)
+    result = explain(config, device)
+    verdicts = {v.name: v for v in result.verdicts}
+    flash = verdicts["FLASH_ATTN"]
+    assert (flash.reasons, flash.unavailable) == (reasons, unavailable)
+    if flash.fits:
+        # Only a backend ahead of it may win: none on sm80/sm90 (FLASH_ATTN comes first), on
+        # sm100 FLASHINFER where it is installed.
+        assert result.chosen == "FLASH_ATTN" or verdicts[result.chosen].priority < flash.priority
+        assert select_backend(config, device, backend="FLASH_ATTN") is FlashAttentionBackend
+        return
+    assert result.chosen != "FLASH_ATTN"
+    with pytest.raises(NoBackendError) as raised:
+        select_backend(config, device, backend="FLASH_ATTN")
+    why = [*reasons, *([f"not available here: {unavailable}"] if unavailable else [])]
+    assert str(raised.value).startswith(
+        f"select_backend: requested backend FLASH_ATTN (from argument) cannot serve this config "
+        f"on {device}: {'; '.join(why)}. Remove the request"
+    )
 
 
 def test_impl_rejects_what_the_installed_version_does_not_take(monkeypatch):

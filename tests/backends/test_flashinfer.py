@@ -20,6 +20,7 @@ from anyattn.backends.flashinfer import (
     FlashInferImpl,
     FlashInferMetadataBuilder,
 )
+from anyattn.backends.torch_attn import TorchAttentionImpl
 from anyattn.config import AttentionSelectorConfig, AttentionSpec, BatchLimits
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.metadata import make_common_attn_metadata
@@ -283,6 +284,16 @@ def test_cudagraph_capture_and_padded_replay_steps():
     assert builder.build(0, mixed).cudagraph_size is None
 
 
+def test_register_layer_keeps_one_plan_key_per_signature_and_only_flashinfer_impls():
+    builder = cpu_builder()
+    impl = FlashInferImpl(4, 64, 0.125, 2)
+    assert builder.register_layer(impl) is None
+    builder.register_layer(FlashInferImpl(4, 64, 0.125, 2))  # the same signature
+    assert list(builder._layer_keys) == [impl.plan_key]
+    with pytest.raises(TypeError, match="register_layer: impl of another backend"):
+        builder.register_layer(TorchAttentionImpl(4, 64, 0.125, 2))
+
+
 def test_validate_inputs_checks_the_step_against_the_layer():
     md = cpu_builder(sliding_window=33).build(
         0, make_common_attn_metadata([1, 4], [9, 4], TABLE[:2], 16)
@@ -455,26 +466,41 @@ def test_cudagraph_decode_replay_matches_eager_and_the_oracle(layout):
         )
         return cm, table[: len(seq_lens)]
 
-    query = torch.randn(size, HEADS, HEAD_SIZE, device="cuda", dtype=dtype)
-    output = torch.zeros_like(query)
-    md = builder.build_for_cudagraph_capture(decodes([1, 17, 100, 3, 64, 500, 16, 33])[0])
-    impl.forward(layer, query, None, None, cache, md, output)  # warm-up outside the graph
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        impl.forward(layer, query, None, None, cache, md, output)
+    def capture(seq_lens):
+        """A graph of one decode forward at `len(seq_lens)` requests, with its fixed query and
+        output buffers."""
+        query = torch.randn(len(seq_lens), HEADS, HEAD_SIZE, device="cuda", dtype=dtype)
+        output = torch.zeros_like(query)
+        md = builder.build_for_cudagraph_capture(decodes(seq_lens)[0])
+        impl.forward(layer, query, None, None, cache, md, output)  # warm-up outside the graph
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            impl.forward(layer, query, None, None, cache, md, output)
+        return graph, query, output
+
+    # Each captured size has wrappers and index buffers of its own.
+    graphs = {8: capture([1, 17, 100, 3, 64, 500, 16, 33]), 4: capture([9, 250, 31, 2])}
     eager_limits = BatchLimits(size, 256, block_size * width)
     eager_builder = FlashInferMetadataBuilder(spec, ["layer.0"], eager_limits, "cuda")
     steps = [
         ([37, 200, 5, 129, 64], {"padded": size}),
         ([300] * size, {}),
+        ([1, 2, 3], {"padded": 4}),
         ([1, 2, 3], {"padded": size}),
+        ([44, 480, 7, 16], {}),
         ([77, 18, 250], {"dummies": size - 3}),  # the engine's padding: dummy requests
     ]
     for seq_lens, padding in steps:
         n = len(seq_lens)
         cm, table = decodes(seq_lens, **padding)
-        assert builder.build(0, cm).cudagraph_size == size
+        torch.cuda.set_sync_debug_mode("error")  # a replay step's build never waits
+        try:
+            replay_size = builder.build(0, cm).cudagraph_size
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert replay_size == cm.slot_mapping.shape[0]  # the captured size of the padding
+        graph, query, output = graphs[replay_size]
         query.copy_(torch.randn_like(query))
         graph.replay()
         key, value = read_kv(cache, table, seq_lens)

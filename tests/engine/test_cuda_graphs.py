@@ -241,27 +241,36 @@ def test_padded_step_through_graph_inputs_gives_the_unpadded_logits(tiny_llm) ->
 # --- on a GPU ------------------------------------------------------------------------------
 
 
-def _triton_llm_or_skip(tiny_llm, dtype: torch.dtype, kind: str = "llama_h64", **kwargs):
-    """An LLM of a tiny random model on CUDA with TRITON (block size 16); skips with the reason
-    when TRITON is not a registered backend name or cannot run here."""
+def _gpu_llm_or_skip(
+    tiny_llm, dtype: torch.dtype, kind: str = "llama_h64", backend: str = "TRITON", **kwargs
+):
+    """An LLM of a tiny random model on CUDA with `backend` (block size 16); skips with the
+    reason when the backend is not a registered name or cannot run here."""
     from anyattn.registry import backend_names, get_backend_class
 
-    if "TRITON" not in backend_names():
-        pytest.skip("TRITON is not a registered backend name (anyattn.registry.backend_names())")
-    unavailable = get_backend_class("TRITON").get_unavailable_reason()
+    if backend not in backend_names():
+        pytest.skip(f"{backend} is not a registered backend name (registry.backend_names())")
+    unavailable = get_backend_class(backend).get_unavailable_reason()
     if unavailable:
-        pytest.skip(f"TRITON is not available here: {unavailable}")
-    llm, _ = tiny_llm(kind, device="cuda", dtype=dtype, backend="TRITON", block_size=16, **kwargs)
+        pytest.skip(f"{backend} is not available here: {unavailable}")
+    llm, _ = tiny_llm(kind, device="cuda", dtype=dtype, backend=backend, block_size=16, **kwargs)
     return llm
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("dtype", "tolerance"), [(torch.float32, 1e-4), (torch.bfloat16, 1.5e-2)], ids=str
+    ("backend", "dtype", "tolerance"),
+    [
+        ("TRITON", torch.float32, 1e-4),
+        ("TRITON", torch.bfloat16, 1.5e-2),
+        # planned in build for every layer the runner registered, graphs per captured size
+        ("FLASHINFER", torch.bfloat16, 1.5e-2),
+    ],
+    ids=str,
 )
-def test_decode_graphs_match_eager_steps(tiny_llm, dtype, tolerance) -> None:
-    graphs = _triton_llm_or_skip(tiny_llm, dtype).runner
-    eager = _triton_llm_or_skip(tiny_llm, dtype, enforce_eager=True).runner
+def test_decode_graphs_match_eager_steps(tiny_llm, backend, dtype, tolerance) -> None:
+    graphs = _gpu_llm_or_skip(tiny_llm, dtype, backend=backend).runner
+    eager = _gpu_llm_or_skip(tiny_llm, dtype, backend=backend, enforce_eager=True).runner
     assert graphs.cuda_graphs is not None, graphs.cuda_graph_plan.message
     assert eager.cuda_graphs is None
     assert graphs.cuda_graph_plan.graph_keys == ((16, 1), (8, 1), (4, 1), (2, 1), (1, 1))
@@ -310,7 +319,7 @@ def test_llm_generates_the_same_tokens_with_and_without_graphs(tiny_llm, kind) -
     prompts = [[5, 9, 17, 33, 2], [12, 13, 14], list(range(40, 52))]
     outputs = []
     for enforce_eager in (False, True):
-        llm = _triton_llm_or_skip(tiny_llm, torch.float32, kind, enforce_eager=enforce_eager)
+        llm = _gpu_llm_or_skip(tiny_llm, torch.float32, kind, enforce_eager=enforce_eager)
         outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         if not enforce_eager:
             assert len(llm.runner.groups) == (2 if kind == "gemma2" else 1)

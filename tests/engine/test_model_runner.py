@@ -1,9 +1,11 @@
-"""ModelRunner: KV-cache groups, one metadata build per group per step, batch order."""
+"""ModelRunner: KV-cache groups, one metadata build per group per step, batch order, layers
+registered with their builders, what the cascade decision is told."""
 
 from __future__ import annotations
 
 import torch
 
+from anyattn.backends.torch_attn import TorchAttentionMetadataBuilder
 from anyattn.engine.sampling_params import SamplingParams
 
 
@@ -46,3 +48,43 @@ def test_decodes_run_first_and_logits_come_back_in_batch_order(tiny_llm):
     by_request = dict(zip(out.sample_rows, out.logits, strict=True))
     for request in (0, 1):
         torch.testing.assert_close(by_request[request], alone[request], atol=1e-5, rtol=1e-5)
+
+
+def test_each_builder_is_told_the_impl_of_every_layer_it_serves(tiny_llm, monkeypatch):
+    registered = []
+    register = TorchAttentionMetadataBuilder.register_layer
+
+    def recording(self, impl):
+        registered.append((self, impl))
+        return register(self, impl)
+
+    monkeypatch.setattr(TorchAttentionMetadataBuilder, "register_layer", recording)
+    llm, _ = tiny_llm("gemma2")
+    runner = llm.runner
+    layers = {layer.layer_name: layer for layer in runner.model.attention_layers()}
+    assert len(registered) == len(layers) == 4  # each layer once, at set-up
+    for group in runner.groups:
+        assert [impl for builder, impl in registered if builder is group.builder] == [
+            layers[name].impl for name in group.layer_names
+        ]
+
+
+def test_cascade_decision_gets_the_query_heads_and_the_sm_count(tiny_llm):
+    llm, hf_model = tiny_llm("llama")
+    runner = llm.runner
+    builder = runner.groups[0].builder
+    asked = []
+    use_cascade_attention = builder.use_cascade_attention
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs)
+        return use_cascade_attention(*args, **kwargs)
+
+    builder.use_cascade_attention = spy
+    # two decodes whose contexts share engine block 1 (4 tokens): a common prefix of 4
+    tokens = [[3, 4, 5, 6, 7, 8], [3, 4, 5, 6, 9, 10]]
+    runner.execute(tokens, [5, 5], [1, 1], [[1, 2], [1, 3]], [True, True])
+    assert len(asked) == 1
+    assert asked[0]["num_query_heads"] == hf_model.config.num_attention_heads == 4
+    assert asked[0]["num_kv_heads"] == hf_model.config.num_key_value_heads == 1
+    assert asked[0]["num_sms"] == runner.num_sms == 0  # CPU: no SM count

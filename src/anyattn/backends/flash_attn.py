@@ -194,7 +194,7 @@ class FlashAttentionBackend(AttentionBackend, metaclass=_DeclaredByInstalledVers
     @classmethod
     def validate_configuration(cls, config, device) -> list[str]:
         """The declared checks, then (when they pass on a CUDA device) whether one version takes
-        everything together, e.g. head size 256 with sinks on sm100."""
+        everything together, e.g. head size 192 on sm100 (FA4 takes it on sm90 only)."""
         reasons = super().validate_configuration(config, device)
         if reasons or not device.is_cuda:
             return reasons

@@ -25,10 +25,12 @@ Prefills use FlashInfer's own kernel choice on Hopper (fa3 where it applies) and
 where its "auto" could pick kernels whose planning reads device memory.
 
 What the wrappers need per layer (query heads, scale, soft cap) is not in the KV-cache spec, so
-plans are kept per layer signature: a builder plans in `build` for every signature it knows
-(`register_layer`, or learnt from the first forward of such a layer, which then plans once from
-the step's CPU arrays). Plans are FlashInfer state: metadata is valid until the builder's next
-`build`; a forward on older metadata plans again.
+plans are kept per layer signature: a builder plans in `build` for every signature it knows.
+The engine's model runner registers every layer at set-up (`register_layer`, part of the
+builder contract), so in the engine all planning happens in `build`; a builder used without
+registration learns a signature from the first forward of such a layer, which then plans once
+from the step's CPU arrays. Plans are FlashInfer state: metadata is valid until the builder's
+next `build`; a forward on older metadata plans again.
 
 Caches use the standard logical shape `(num_blocks, 2, block_size, num_kv_heads, head_size)`
 in NHD or HND memory order: the wrappers are built for "NHD" and handed the logical view, whose
@@ -303,9 +305,20 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         # max_num_reqs (larger eager batches are planned by FlashInfer's `plan()`).
         self._qo_indptrs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def register_layer(self, impl: FlashInferImpl) -> None:
-        """Plan for `impl`'s layer signature in every later `build` (otherwise the first
-        forward of such a layer plans it once, from the step's CPU arrays)."""
+    def register_layer(self, impl: AttentionImpl) -> None:
+        """Plan for `impl`'s layer signature (query heads, scale, soft cap) in every later
+        `build`. The engine registers each layer at set-up; a signature never registered is
+        learnt from the first forward of such a layer, which then plans once itself.
+
+        Raises:
+            TypeError: `impl` is not a `FlashInferImpl`.
+        """
+        if not isinstance(impl, FlashInferImpl):
+            raise TypeError(
+                f"FlashInferMetadataBuilder.register_layer: impl of another backend (got "
+                f"{type(impl).__name__}, expected FlashInferImpl). Register only the layers of "
+                "this builder's KV-cache group."
+            )
         self._layer_keys.setdefault(impl.plan_key, None)
 
     def build(

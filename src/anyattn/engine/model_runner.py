@@ -2,9 +2,10 @@
 runs the model, and returns the logits of the requests that need a next token.
 
 KV-cache groups are the attention layers that share one backend and one `AttentionSpec`
-(a plain model has one; Gemma2's sliding and global layers make two). Every group reads the same
-block table and slot mapping (in engine blocks); a backend whose kernel block is smaller gets
-the table expanded to kernel blocks, which leaves slot numbers unchanged.
+(a plain model has one; Gemma2's sliding and global layers make two). Each group's builder is
+told the impl of every layer it serves (`register_layer`) at set-up, before any build. Every
+group reads the same block table and slot mapping (in engine blocks); a backend whose kernel
+block is smaller gets the table expanded to kernel blocks, which leaves slot numbers unchanged.
 
 On CUDA, uniform decode steps replay CUDA graphs captured at start-up when every group's backend
 allows it (`anyattn.engine.cuda_graphs` has the contract); every other step runs eagerly. One
@@ -46,13 +47,18 @@ __all__ = ["KVCacheGroup", "ModelRunner", "StepOutput"]
 
 @dataclass
 class KVCacheGroup:
-    """Layers that share a backend and a KV-cache spec, and the one builder serving them."""
+    """Layers that share a backend and a KV-cache spec, and the one builder serving them.
+
+    `num_query_heads` is the query heads of its layers (the spec holds only the KV heads); the
+    largest, should they differ, for the cascade cost model.
+    """
 
     backend: type[AttentionBackend]
     spec: AttentionSpec
     layer_names: list[str]
     builder: AttentionMetadataBuilder
     kernel_block_size: int
+    num_query_heads: int
 
 
 @dataclass
@@ -88,6 +94,8 @@ class ModelRunner:
         enforce_eager: never use CUDA graphs.
 
     Attributes:
+        num_sms: the CUDA device's streaming multiprocessors (0 on other devices), passed to
+            `use_cascade_attention`.
         cuda_graphs: the `CudaGraphRunner` when decode steps run in CUDA graphs, else None.
         cuda_graph_plan: what was decided about CUDA graphs, and why (`.message`).
     """
@@ -108,7 +116,15 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.dtype = dtype
-        specs = self._group_specs(model.attention_layers(), kv_cache_dtype)
+        # Streaming multiprocessors, for the builders' cascade cost model; 0 on other devices
+        # means "unknown" there (the model then leaves out its SM-occupancy term).
+        self.num_sms = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count
+            if self.device.type == "cuda"
+            else 0
+        )
+        layers = {layer.layer_name: layer for layer in model.attention_layers()}
+        specs = self._group_specs(list(layers.values()), kv_cache_dtype)
         self.cuda_graph_plan, self.limits = self._plan_cuda_graphs(specs, limits, enforce_eager)
         self.groups = [
             KVCacheGroup(
@@ -117,9 +133,15 @@ class ModelRunner:
                 names,
                 backend.get_builder_cls()(spec, names, self.limits, self.device),
                 spec.block_size,
+                max(layers[name].num_heads for name in names),
             )
             for (backend, spec), names in specs.items()
         ]
+        # Before any build or graph capture: builders that plan per layer (FLASHINFER) then
+        # plan every layer in `build`, never inside a forward.
+        for group in self.groups:
+            for name in group.layer_names:
+                group.builder.register_layer(layers[name].impl)
         self.kv_caches: dict[str, torch.Tensor] = {}
         for group in self.groups:
             kernel_blocks = num_blocks * (block_size // group.kernel_block_size)
@@ -310,12 +332,12 @@ class ModelRunner:
             cascade = prefix_len > 0 and group.builder.use_cascade_attention(
                 prefix_len,
                 query_lens,
-                num_query_heads=0,
+                num_query_heads=group.num_query_heads,
                 num_kv_heads=group.spec.num_kv_heads,
                 use_alibi=False,
                 use_sliding_window=group.spec.sliding_window is not None,
                 use_local_attention=False,
-                num_sms=0,
+                num_sms=self.num_sms,
                 dcp_world_size=1,
             )
             built = group.builder.build(prefix_len if cascade else 0, group_common)
