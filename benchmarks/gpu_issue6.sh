@@ -4,6 +4,8 @@
 #   parts 1-3 first, one device call each:  mkdir -p /tmp/gw && cp .gpu-wheels/partK/* /tmp/gw/
 #   then:  bash benchmarks/gpu_issue6.sh tests   (carry .gpu-wheels/part4 and build/gpu_pkgs)
 #   then:  bash benchmarks/gpu_issue6.sh bench   (same machine, while it is still warm)
+#   FLEX_ATTENTION's wrapper cost and its breakdown need no wheels (no parts to send first):
+#          bash benchmarks/gpu_issue6.sh flex
 #
 # build/gpu_pkgs holds pytest and its plugins for the device's Python 3.12 (the device has no
 # package registry). Logs go to $OUT; the last lines printed are the summary.
@@ -12,7 +14,7 @@ export PYTHONPATH=${PYTHONPATH:-}
 mode=${1:-tests}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-if [ ! -d /tmp/gpusite ]; then
+if [ "$mode" != flex ] && [ ! -d /tmp/gpusite ]; then
     # install.py says which parts are missing when parts 1-3 were not sent first
     exports=$(mkdir -p /tmp/gw && cp .gpu-wheels/part4/* /tmp/gw/ && python3 /tmp/gw/install.py) \
         || exit 1
@@ -20,7 +22,7 @@ if [ ! -d /tmp/gpusite ]; then
 fi
 export PYTHONPATH=$PWD/src:$PWD/build/gpu_pkgs:/tmp/gpusite:/tmp/gpusite/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-python3 -c "import torch, triton, flashinfer, flash_attn.cute; print('torch', torch.__version__, 'triton', triton.__version__, 'flashinfer', flashinfer.__version__)"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 case "$mode" in
 tests)
     timeout -s INT "${TEST_SECONDS:-480}" python3 -m pytest -m gpu -n 12 -p no:warnings \
@@ -41,5 +43,16 @@ bench)
         --backends TRITON,FLASH_ATTN,FLASHINFER,FLEX_ATTENTION,TORCH >"$out/build.md" 2>&1
     grep "^|" "$out/breakdown.md"
     grep "^|" "$out/build.md"
+    ;;
+flex)
+    timeout -s INT "${FLEX_SECONDS:-270}" python3 benchmarks/kernels.py --only wrapper \
+        --backends FLEX_ATTENTION --peers flex >"$out/flex_wrapper.md" 2>"$out/flex_wrapper.err"
+    echo "kernels.py rc $?"
+    timeout -s INT "${FLEX_SECONDS:-270}" python3 benchmarks/flex_breakdown.py \
+        >"$out/flex_breakdown.md" 2>"$out/flex_breakdown.err"
+    echo "flex_breakdown.py rc $?"
+    grep "^|" "$out/flex_wrapper.md"
+    grep -E "^(###|\|)" "$out/flex_breakdown.md"
+    tail -3 "$out/flex_breakdown.err"
     ;;
 esac

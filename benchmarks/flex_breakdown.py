@@ -1,0 +1,149 @@
+"""Where FLEX_ATTENTION's forward time goes, part by part, next to FlexAttention called directly.
+
+Issue 6 asks each wrapper to cost at most 3% over calling its library directly; FLEX_ATTENTION
+took 1.6-2.0x (benchmarks/RESULTS.md). This times, on the same case and inputs as
+`benchmarks/kernels.py`, each part of one layer's forward alone, so that the gap can be
+attributed:
+
+- the whole `forward` (the step's plan already made, as for every layer after the first);
+- the K/V copy out of the paged cache into the workspace (`ops.gather_kv_rows`);
+- the attention call alone on the workspace, compiled as the backend compiles it (dynamic
+  shapes, so that no step size recompiles);
+- the same call compiled for static shapes (what a recompile per step size would buy);
+- the same call with static shapes and the scale given to the kernel instead of a score mod;
+- FlexAttention called directly on keys packed once (`kernels.prepare_flex`, the wrapper-cost
+  peer).
+
+GPU times by CUDA events (`_timing.median_us`). On the CPU (`--device cpu`, a tiny float32
+layer) it only checks that every part runs: the benchmark's own test.
+
+Run on the GPU machine: `PYTHONPATH=src python3 benchmarks/flex_breakdown.py [--cases
+decode,prefill,mixed] [--reps 30]`. Prints a markdown table per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+import kernels
+import torch
+from _timing import markdown_table, median_us, synchronize
+
+from anyattn.backends import flex_attention as flex
+from anyattn.backends.flex_attention import FlexAttentionBackend
+from anyattn.config import AttentionSpec, BatchLimits
+from anyattn.kv_cache import allocate_kv_cache
+from anyattn.metadata import make_common_attn_metadata
+from anyattn.types import AttentionType
+
+CASES = {spec.section: spec for spec in kernels.WRAPPER_CASES}
+# A layer small enough for the CPU check (float32: exact enough to compare parts by eye).
+TINY = kernels.Shape(num_heads=4, num_kv_heads=2, head_size=16, block_size=16, dtype=torch.float32)
+TINY_CASES = {
+    "decode": kernels.decode_case(3, 40),
+    "prefill": kernels.prefill_case(2, 33),
+    "mixed": kernels.mixed_case(3, 40, 1, 17, 20),
+}
+
+
+def parts(spec: kernels.CaseSpec, shape: kernels.Shape, device: torch.device) -> dict:
+    """`{part name: run(slot)}` for one case, set up as an engine sets a layer up."""
+    data = kernels.make_case_data(spec, shape, device, num_slots=1)
+    kv_spec = AttentionSpec(shape.block_size, shape.num_kv_heads, shape.head_size, shape.dtype)
+    limits = BatchLimits(spec.num_reqs, spec.num_tokens, max(spec.seq_lens))
+    builder = FlexAttentionBackend.get_builder_cls()(kv_spec, ["l.0"], limits, device)
+    kv_cache = allocate_kv_cache(
+        FlexAttentionBackend, data.num_blocks, shape.block_size, shape.num_kv_heads,
+        shape.head_size, shape.dtype, device=device,
+    )  # fmt: skip
+    kv_cache.copy_(data.cache)
+    common = make_common_attn_metadata(
+        list(spec.query_lens), list(spec.seq_lens), data.block_table, shape.block_size, device
+    )
+    md = builder.build(0, common)
+    impl = FlexAttentionBackend.get_impl_cls()(
+        shape.num_heads, shape.head_size, shape.scale, shape.num_kv_heads, None, None, "auto",
+        None, AttentionType.DECODER, None, None,
+    )  # fmt: skip
+    one = torch.ones((), dtype=torch.float32, device=device)
+    layer = kernels._Layer("l.0", one, one)
+    query = data.queries[0]
+    output = torch.empty_like(query)
+    impl.forward(layer, query, None, None, kv_cache, md, output)  # compiles, makes the plan
+
+    # The kernel's own inputs, as the forward leaves them in the workspace.
+    mods = impl._mods_on(device)
+    plan = impl._plan(md, "sinks" in mods, device)
+    k, v = (x.unsqueeze(0) for x in impl._load_kv(layer, None, None, kv_cache, md, query.dtype))
+    q = md.workspace.get(
+        "query", (shape.num_kv_heads, plan.num_rows, shape.head_size), query.dtype, device
+    ).unsqueeze(0)
+    score_mod = flex._score_mod(mods, plan)
+    config = (device.type, query.dtype, shape.head_size, shape.num_kv_heads, *sorted(mods))
+    dynamic = flex._compiled_attend(config, with_lse=False)
+    static = torch.compile(flex._attend, dynamic=False, fullgraph=True)
+    peer = kernels.prepare_flex(data)
+    scale = shape.scale
+    # The parts compute the same attention: each variant against the backend's own call, and
+    # the forward's output against the direct call's (checked before anything is timed).
+    tol = kernels.TOLERANCE[shape.dtype]
+    reference = dynamic(q, k, v, plan.block_mask, score_mod, 1.0)
+    for variant in (
+        static(q, k, v, plan.block_mask, score_mod, 1.0),
+        static(q, k, v, plan.block_mask, None, scale),
+    ):
+        torch.testing.assert_close(variant, reference, atol=tol, rtol=tol)
+    impl.forward(layer, query, None, None, kv_cache, md, output)
+    torch.testing.assert_close(peer.rows(peer.run(0)), output, atol=tol, rtol=tol)
+    return {
+        "forward (whole)": lambda s: impl.forward(layer, query, None, None, kv_cache, md, output),
+        "K/V copy out of the paged cache": lambda s: impl._load_kv(
+            layer, None, None, kv_cache, md, query.dtype
+        ),
+        "attention alone, dynamic shapes (the backend's)": lambda s: dynamic(
+            q, k, v, plan.block_mask, score_mod, 1.0
+        ),
+        "attention alone, static shapes": lambda s: static(
+            q, k, v, plan.block_mask, score_mod, 1.0
+        ),
+        "attention alone, static shapes, scale in the kernel": lambda s: static(
+            q, k, v, plan.block_mask, None, scale
+        ),
+        "FlexAttention directly (kernels.prepare_flex)": peer.run,
+    }
+
+
+def time_parts(
+    runs: dict[str, Callable[[int], object]], device: torch.device, reps: int
+) -> list[list[str]]:
+    """One row per part: name, median us, and its share of the whole forward."""
+    synchronize(device)
+    times = {name: median_us(run, 1, 3, reps, device) for name, run in runs.items()}
+    whole = times["forward (whole)"]
+    return [[name, f"{us:.1f}", f"{us / whole:.2f}"] for name, us in times.items()]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default="decode,prefill,mixed")
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("flex_breakdown.py: no CUDA device; nothing to time (--device cpu to check it).")
+        return 0
+    shape, cases = (kernels.Shape(), CASES) if device.type == "cuda" else (TINY, TINY_CASES)
+    for name in args.cases.split(","):
+        spec = cases[name]
+        with torch.no_grad():
+            rows = time_parts(parts(spec, shape, device), device, args.reps)
+        print(f"### FLEX_ATTENTION forward, {spec.section} {spec.label} ({device.type})\n")
+        print(markdown_table(["part", "us (median)", "of the forward"], rows) + "\n", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
