@@ -71,7 +71,7 @@ from anyattn.metadata import (
     reorder_batch_to_split_decodes_and_prefills,
 )
 from anyattn.testing import assign_blocks
-from anyattn.types import AttentionType, DeviceInfo
+from anyattn.types import AttentionCGSupport, AttentionType, DeviceInfo
 
 SECTIONS = ("decode", "prefill", "mixed", "wrapper", "build")
 BACKENDS = ("TRITON", "FLASHINFER", "FLASH_ATTN", "FLEX_ATTENTION", "TORCH")
@@ -887,6 +887,7 @@ def time_build(
     seq_len: int = 2048,
     fast_decode_plan: bool = True,
     varied: bool = False,
+    graphs: bool = False,
 ) -> BuildResult:
     """Host microseconds of `builder.build` for `num_reqs` decodes of `seq_len` keys; on CUDA,
     20 calls first under `torch.cuda.set_sync_debug_mode("error")` (a sync raises and is
@@ -897,13 +898,18 @@ def time_build(
     call, steady state. `fast_decode_plan=False` times FLASHINFER re-planning with FlashInfer's
     own `plan()` every step instead of `replan_decode`. `varied=True` spreads the requests'
     lengths over `[seq_len / 2, 3 * seq_len / 2)` (mean about `seq_len`), as a real decode batch
-    has them, so that planners which take a shortcut for equal lengths are timed without it."""
+    has them, so that planners which take a shortcut for equal lengths are timed without it.
+    `graphs=True` times the build of a step that replays a captured decode graph (the engine's
+    usual decode step with CUDA graphs): the batch size is captured first
+    (`build_for_cudagraph_capture`), and a backend without decode graphs is skipped."""
     device = torch.device(device)
     seq_lens = [seq_len] * num_reqs
     if varied:
         # a fixed spread (997 is prime to seq_len's powers of two): no random draw to seed
         seq_lens = [seq_len // 2 + (i * 997) % seq_len for i in range(num_reqs)]
         name = f"{name} (varied lengths)"
+    if graphs:
+        name = f"{name} (CUDA-graph replay)"
     try:
         cls = resolve_backend(name.split(" ")[0], shape, device)
         kbs = cls.get_kernel_block_size(shape.block_size)
@@ -916,9 +922,15 @@ def time_build(
             device,
         )
         limits = BatchLimits(
-            max_num_reqs=num_reqs, max_num_tokens=num_reqs, max_model_len=max(seq_lens)
+            max_num_reqs=num_reqs,
+            max_num_tokens=num_reqs,
+            max_model_len=max(seq_lens),
+            cudagraph_capture_sizes=(num_reqs,) if graphs else (),
         )
         kv_spec = AttentionSpec(kbs, shape.num_kv_heads, shape.head_size, shape.dtype)
+        support = cls.get_cudagraph_support(kv_spec, limits)
+        if graphs and support < AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE:
+            raise Skip(f"no decode CUDA graphs (support {support.name})")
         builder = cls.get_builder_cls()(kv_spec, ["bench.0"], limits, device)
         # as the engine does (a builder that plans per layer signature plans it in build)
         builder.register_layer(
@@ -931,6 +943,8 @@ def time_build(
         def build() -> object:
             return builder.build(0, common)
 
+        if graphs:
+            builder.build_for_cudagraph_capture(common)
         build()
         synchronize(device)
     except Skip as skip:
@@ -1212,6 +1226,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             builds = [time_build(n, shape, device, options.build_reps) for n in args.backends]
             builds += [
                 time_build(n, shape, device, options.build_reps, varied=True) for n in args.backends
+            ]
+            builds += [
+                time_build(n, shape, device, options.build_reps, varied=True, graphs=True)
+                for n in args.backends
             ]
             if "FLASHINFER" in args.backends:
                 builds.append(

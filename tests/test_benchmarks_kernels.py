@@ -229,6 +229,9 @@ def test_time_build_on_cpu(kernels, tiny) -> None:
     assert "| TORCH |" in table
     varied = kernels.time_build("TORCH", tiny, "cpu", reps=3, num_reqs=8, seq_len=20, varied=True)
     assert varied.status == "ok" and varied.backend == "TORCH (varied lengths)"
+    graphs = kernels.time_build("TORCH", tiny, "cpu", reps=3, num_reqs=8, seq_len=20, graphs=True)
+    assert graphs.status == "skip" and graphs.backend == "TORCH (CUDA-graph replay)"
+    assert graphs.message == "no decode CUDA graphs (support NEVER)"
 
 
 def test_arguments(kernels) -> None:
