@@ -136,13 +136,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("flex_breakdown.py: no CUDA device; nothing to time (--device cpu to check it).")
         return 0
     shape, cases = (kernels.Shape(), CASES) if device.type == "cuda" else (TINY, TINY_CASES)
+    failed = 0
     for name in args.cases.split(","):
         spec = cases[name]
-        with torch.no_grad():
-            rows = time_parts(parts(spec, shape, device), device, args.reps)
         print(f"### FLEX_ATTENTION forward, {spec.section} {spec.label} ({device.type})\n")
+        try:
+            with torch.no_grad():
+                rows = time_parts(parts(spec, shape, device), device, args.reps)
+        except Exception as e:  # one case failing must not lose the others
+            failed += 1
+            print(f"failed: {type(e).__name__}: {str(e).strip().splitlines()[0]}\n", flush=True)
+            continue
         print(markdown_table(["part", "us (median)", "of the forward"], rows) + "\n", flush=True)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -23,6 +23,9 @@ fi
 export PYTHONPATH=$PWD/src:$PWD/build/gpu_pkgs:/tmp/gpusite:/tmp/gpusite/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+if [ "$mode" != flex ]; then
+    python3 -c "import flashinfer, flash_attn.cute; print('flashinfer', flashinfer.__version__)"
+fi
 case "$mode" in
 tests)
     timeout -s INT "${TEST_SECONDS:-480}" python3 -m pytest -m gpu -n 12 -p no:warnings \
@@ -52,7 +55,7 @@ flex)
         >"$out/flex_breakdown.md" 2>"$out/flex_breakdown.err"
     echo "flex_breakdown.py rc $?"
     grep "^|" "$out/flex_wrapper.md"
-    grep -E "^(###|\|)" "$out/flex_breakdown.md"
+    grep -E "^(###|\||failed)" "$out/flex_breakdown.md"
     tail -3 "$out/flex_breakdown.err"
     ;;
 esac

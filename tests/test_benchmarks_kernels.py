@@ -265,6 +265,10 @@ def test_gpu_timing_path_with_torch(kernels, capsys) -> None:
         assert 0 < torch_result.time_us < 1e6
     build = kernels.time_build("TORCH", shape, "cuda", reps=3, num_reqs=16, seq_len=64)
     assert build.status == "ok" and build.median_us > 0 and build.sync
+    # a graph replay step's build (TRITON: decode graphs, and triton is on every CUDA machine)
+    replay = kernels.time_build("TRITON", shape, "cuda", 3, num_reqs=16, seq_len=64, graphs=True)
+    assert replay.backend == "TRITON (CUDA-graph replay)"
+    assert replay.status == "ok" and replay.sync == "none", replay.message
     args = ["--quick", "--only", "build", "--backends", "TORCH", "--peers", "none"]
     assert kernels.main(args) == 0
     out = capsys.readouterr().out

@@ -681,7 +681,7 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
             spec_len = 1 + self.limits.num_speculative_tokens
             self.reorder_batch_threshold = max(reorder_batch_threshold, spec_len)
 
-    def register_layer(self, impl: AttentionImpl) -> None:
+    def register_layer(self, impl: AttentionImplBase) -> None:
         """Learn one of the layers this builder serves, before the first `build`.
 
         The engine calls it once at set-up for the impl of every layer in the builder's

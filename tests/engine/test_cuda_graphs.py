@@ -3,7 +3,8 @@
 On the CPU: which graphs are planned and why not (the log line), which capture size a batch
 pads to, the padded CPU mirrors exactly, metadata views at fixed addresses, and a padded step
 run eagerly through the graph inputs giving the unpadded step's logits. On a GPU (`gpu`):
-decode steps replayed from graphs against eager steps of the same model (TRITON). The TORCH
+decode steps replayed from graphs against eager steps of the same model (TRITON, and FLASHINFER,
+whose layers must all be planned in build). The TORCH
 fallback on CUDA (graphs off, the log line, the CPU run's tokens) is
 `test_llm.py::test_engine_on_cuda_matches_the_cpu_run`.
 """
@@ -11,6 +12,7 @@ fallback on CUDA (graphs off, the log line, the CPU run's tokens) is
 from __future__ import annotations
 
 import logging
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -268,9 +270,22 @@ def _gpu_llm_or_skip(
     ],
     ids=str,
 )
-def test_decode_graphs_match_eager_steps(tiny_llm, backend, dtype, tolerance) -> None:
+def test_decode_graphs_match_eager_steps(tiny_llm, monkeypatch, backend, dtype, tolerance) -> None:
+    plan_callers: list[str] = []  # FLASHINFER: which method planned each layer's wrappers
+    if backend == "FLASHINFER":
+        from anyattn.backends.flashinfer import FlashInferMetadataBuilder
+
+        plan = FlashInferMetadataBuilder._plan
+
+        def spy(self, key, step):
+            plan_callers.append(sys._getframe(1).f_code.co_name)
+            return plan(self, key, step)
+
+        monkeypatch.setattr(FlashInferMetadataBuilder, "_plan", spy)
     graphs = _gpu_llm_or_skip(tiny_llm, dtype, backend=backend).runner
     eager = _gpu_llm_or_skip(tiny_llm, dtype, backend=backend, enforce_eager=True).runner
+    device = torch.cuda.get_device_properties(graphs.device)
+    assert graphs.num_sms == device.multi_processor_count > 0
     assert graphs.cuda_graphs is not None, graphs.cuda_graph_plan.message
     assert eager.cuda_graphs is None
     assert graphs.cuda_graph_plan.graph_keys == ((16, 1), (8, 1), (4, 1), (2, 1), (1, 1))
@@ -308,6 +323,9 @@ def test_decode_graphs_match_eager_steps(tiny_llm, backend, dtype, tolerance) ->
     step(list(range(5)), [len(p) for p in prompts])  # prefill: eager on both sides
     for batch in ([0, 1, 2],) * 3 + ([0, 1, 2, 3, 4],) * 3 + ([3],) + ([4, 2, 0, 1, 3],):
         step(list(batch), [1] * len(batch))  # 3 -> 4 rows, 5 -> 8 rows, 1 -> 1 row
+    if backend == "FLASHINFER":
+        # The runner registered every layer: all planning in build, none inside a forward.
+        assert plan_callers and set(plan_callers) == {"_build"}, set(plan_callers)
 
 
 @pytest.mark.gpu

@@ -61,6 +61,7 @@ import torch
 from anyattn.backend import (
     AttentionBackend,
     AttentionImpl,
+    AttentionImplBase,
     AttentionLayer,
     AttentionMetadataBuilder,
 )
@@ -305,7 +306,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         # max_num_reqs (larger eager batches are planned by FlashInfer's `plan()`).
         self._qo_indptrs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def register_layer(self, impl: AttentionImpl) -> None:
+    def register_layer(self, impl: AttentionImplBase) -> None:
         """Plan for `impl`'s layer signature (query heads, scale, soft cap) in every later
         `build`. The engine registers each layer at set-up; a signature never registered is
         learnt from the first forward of such a layer, which then plans once itself.

@@ -41,11 +41,11 @@ a compiled configuration cost only their run. Inductor's on-disk caches (TORCHIN
 shorten later processes.
 
 Speed on an H200 (benchmarks/RESULTS.md, torch 2.11): this is the portable backend, not a
-fast one. Its forward takes 1.6-2.0x the time of FlexAttention called directly on keys already
+fast one. Its forward took 1.6-2.0x the time of FlexAttention called directly on keys already
 laid out contiguously (prefill and mixed batches), and decode batches are slow on their own
-terms (6.9 ms for 64 requests of 4096 keys, where FLASHINFER takes 0.25 ms): a 128-row tile of
-folded decode queries holds 128 / G requests, and the kernel visits every key tile of each of
-them for all the tile's rows.
+terms (6.9-9.1 ms for 64 requests of 4096 keys, where FLASHINFER takes 0.25 ms): a 128-row tile
+of folded decode queries holds 128 / G requests, and the kernel visits every key tile of each
+of them for all the tile's rows.
 
 Limits, all declared: LSE output only on CUDA (Inductor's CPU template has no LSE); no cascade;
 sliding window only causal (as TORCH); head sizes multiples of 16 up to 256 (Triton's dot

@@ -123,7 +123,13 @@ class ModelRunner:
             if self.device.type == "cuda"
             else 0
         )
-        layers = {layer.layer_name: layer for layer in model.attention_layers()}
+        attention_layers = list(model.attention_layers())
+        layers = {layer.layer_name: layer for layer in attention_layers}
+        if len(layers) != len(attention_layers):
+            raise ValueError(
+                f"ModelRunner: attention layer names must be unique (got {len(attention_layers)} "
+                f"layers under {len(layers)} names)."
+            )
         specs = self._group_specs(list(layers.values()), kv_cache_dtype)
         self.cuda_graph_plan, self.limits = self._plan_cuda_graphs(specs, limits, enforce_eager)
         self.groups = [

@@ -137,7 +137,12 @@ def _check_rejection(backend: type[AttentionBackend], case: Case) -> list[CaseRe
 
 
 def _build(
-    backend: type[AttentionBackend], case: Case, device: torch.device, dtype: torch.dtype, seed: int
+    backend: type[AttentionBackend],
+    case: Case,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int,
+    impls: tuple[AttentionImpl, ...],
 ) -> PagedBatch:
     k_scale, v_scale = case.scales()
     return build_batch(
@@ -158,6 +163,7 @@ def _build(
         sliding_window=case.sliding_window,
         num_padding_tokens=case.num_padding_tokens,
         layer_names=("layer.0", "layer.1") if case.kv_sharing else ("layer.0",),
+        impls=impls,
         seed=seed,
     )
 
@@ -172,15 +178,25 @@ class _Outcome:
     lse_base_on_e: bool
 
 
+def _make_impls(
+    backend: type[AttentionBackend], case: Case, sinks: torch.Tensor | None
+) -> tuple[AttentionImpl, ...]:
+    """The impls of layer.0 and, with KV sharing, of layer.1 (which reads layer.0's cache)."""
+    impl = _make_impl(backend, case, sinks, None)
+    if not case.kv_sharing:
+        return (impl,)
+    return impl, _make_impl(backend, case, sinks, "layer.0")
+
+
 def _run_layers(
     backend: type[AttentionBackend],
     case: Case,
     batch: PagedBatch,
-    sinks: torch.Tensor | None,
+    impls: tuple[AttentionImpl, ...],
     generator: torch.Generator,
 ) -> _Outcome:
     """Run layer.0 on the batch; with KV sharing, then layer.1 on layer.0's cache."""
-    impl = _make_impl(backend, case, sinks, None)
+    impl = impls[0]
     layer = KitLayer("layer.0", batch.k_scale, batch.v_scale)
     output, lse = _step(
         backend, impl, layer, batch, batch.query, batch.key, batch.value, case.check_lse
@@ -193,7 +209,7 @@ def _run_layers(
         torch.randn(x.shape, generator=generator).to(dtype).to(device)
         for x in (batch.query, batch.key, batch.value)
     )
-    shared = _make_impl(backend, case, sinks, "layer.0")
+    shared = impls[1]
     layer1 = KitLayer("layer.1", batch.k_scale, batch.v_scale)
     output, lse = _step(backend, shared, layer1, batch, query, key, value, case.check_lse)
     return _Outcome(query, output, lse, getattr(shared, "lse_base_on_e", True))
@@ -245,11 +261,13 @@ def _run(
     if case.expect_rejection:
         return _check_rejection(backend, case)
     generator = torch.Generator().manual_seed(seed)
-    batch = _build(backend, case, device, dtype, seed)
     sinks = None
     if case.use_sinks:
         sinks = (torch.randn(case.num_heads, generator=generator) + 1.0).to(device)
-    outcome = _run_layers(backend, case, batch, sinks, generator)
+    # Impls first: the builder learns its layers before it builds, as in the engine.
+    impls = _make_impls(backend, case, sinks)
+    batch = _build(backend, case, device, dtype, seed, impls)
+    outcome = _run_layers(backend, case, batch, impls, generator)
     return _judge(case, batch, outcome, sinks, dtype)
 
 

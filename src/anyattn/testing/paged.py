@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from anyattn.backend import AttentionBackend, AttentionMetadataBuilder
+from anyattn.backend import AttentionBackend, AttentionImplBase, AttentionMetadataBuilder
 from anyattn.config import AttentionSpec, BatchLimits
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.metadata import (
@@ -239,6 +239,7 @@ def build_batch(
     sliding_window: int | None = None,
     num_padding_tokens: int = 0,
     layer_names: Sequence[str] = ("layer.0",),
+    impls: Sequence[AttentionImplBase] = (),
     seed: int = 0,
 ) -> PagedBatch:
     """Make inputs, a shuffled paged cache and the backend's own metadata for `spec`.
@@ -264,6 +265,8 @@ def build_batch(
         sliding_window: W, passed to the builder's `AttentionSpec`.
         num_padding_tokens: extra query/key/value rows past the real ones, with slot -1.
         layer_names: the layers of the group (the builder's `layer_names`).
+        impls: those layers' impls, registered with the builder before it builds
+            (`register_layer`), as an engine does at set-up.
         seed: fixes every random value and block assignment.
 
     Raises:
@@ -307,6 +310,8 @@ def build_batch(
         kernel_block_size, num_kv_heads, head_size, dtype, kv_cache_dtype, sliding_window
     )
     builder = backend.get_builder_cls()(kv_spec, list(layer_names), limits, device)
+    for impl in impls:
+        builder.register_layer(impl)
     order = _reorder_order(builder, spec)
     spec, drawn = spec.permuted(order), drawn.reordered(order)
     kv_lens = tuple(kv_lens_in[i] for i in order)
