@@ -33,7 +33,8 @@ tests)
         tests/backends/test_flashinfer.py tests/backends/test_flashinfer_plan.py \
         tests/backends/test_flash_attn_gpu.py tests/backends/test_flex_attention.py \
         tests/ops/test_reshape_and_cache.py tests/ops/test_gather_kv_rows.py \
-        tests/ops/test_gather_pages.py \
+        tests/ops/test_gather_pages.py tests/engine/test_cuda_graphs.py \
+        tests/test_benchmarks_kernels.py \
         "${@:2}" >"$out/tests.log" 2>&1
     echo "pytest rc $?"
     grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -30
