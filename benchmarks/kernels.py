@@ -928,9 +928,10 @@ def time_build(
             cudagraph_capture_sizes=(num_reqs,) if graphs else (),
         )
         kv_spec = AttentionSpec(kbs, shape.num_kv_heads, shape.head_size, shape.dtype)
-        support = cls.get_cudagraph_support(kv_spec, limits)
-        if graphs and support < AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE:
-            raise Skip(f"no decode CUDA graphs (support {support.name})")
+        if graphs:
+            support = cls.get_cudagraph_support(kv_spec, limits)
+            if support < AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE:
+                raise Skip(f"no decode CUDA graphs (support {support.name})")
         builder = cls.get_builder_cls()(kv_spec, ["bench.0"], limits, device)
         # as the engine does (a builder that plans per layer signature plans it in build)
         builder.register_layer(

@@ -130,7 +130,7 @@ class ModelRunner:
                 f"ModelRunner: attention layer names must be unique (got {len(attention_layers)} "
                 f"layers under {len(layers)} names)."
             )
-        specs = self._group_specs(list(layers.values()), kv_cache_dtype)
+        specs = self._group_specs(attention_layers, kv_cache_dtype)
         self.cuda_graph_plan, self.limits = self._plan_cuda_graphs(specs, limits, enforce_eager)
         self.groups = [
             KVCacheGroup(
