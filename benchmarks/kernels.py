@@ -696,28 +696,29 @@ def prepare_sdpa(data: CaseData, backend: str) -> Prepared:
 
 
 def prepare_flex(data: CaseData) -> Prepared:
-    """torch FlexAttention called directly, as a user of the library would call it on a
-    varlen batch: one compiled `flex_attention` over every request's keys packed back to back
-    (`[1, num_kv_heads, total_keys, head_size]`, laid out once here, untimed), GQA by
-    `enable_gqa`, and a document-causal block mask made once. FLEX_ATTENTION's forward has to
-    copy the keys out of the paged cache first (every call): that copy is part of its cost.
-    (Compiled on CUDA; eager on the CPU, where it serves the benchmark's own tests.)"""
+    """torch FlexAttention called directly, compiled for the case's shapes, as a user of the
+    library would call it on the same inputs with the keys already laid out (untimed):
+
+    - a batch of single-token decodes: the batch is the requests, `[num_reqs, H, 1, D]`
+      queries over each request's keys `[num_reqs, KVH, longest, D]` (GQA by `enable_gqa`),
+      with a length mask where lengths differ (FlexAttention's decoding kernel);
+    - any other batch: one call over every request's keys packed back to back
+      (`[1, KVH, total_keys, D]`) with a document-causal block mask.
+
+    FLEX_ATTENTION's forward has to copy the keys out of the paged cache first (every call):
+    that copy is part of its cost. (Eager on the CPU, where it serves the benchmark's tests.)"""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    spec, shape, bs, device = data.spec, data.shape, data.shape.block_size, data.device
-    blocks, offsets, key_req, key_pos, q_req, q_pos = [], [], [], [], [], []
+    spec, shape, device = data.spec, data.shape, data.device
+    if all(n == 1 for n in spec.query_lens):
+        return _prepare_flex_decode(data)
+    keys, values = (x.unsqueeze(0) for x in _packed_kv(data))
+    key_req, key_pos, q_req, q_pos = [], [], [], []
     for r, (n_new, n_keys) in enumerate(zip(spec.query_lens, spec.seq_lens, strict=True)):
-        positions = torch.arange(n_keys)
-        blocks.append(data.block_table[r, positions // bs].long())
-        offsets.append(positions % bs)
         key_req.append(torch.full((n_keys,), r))
-        key_pos.append(positions)
+        key_pos.append(torch.arange(n_keys))
         q_req.append(torch.full((n_new,), r))
         q_pos.append(torch.arange(n_keys - n_new, n_keys))
-    blocks_d, offsets_d = torch.cat(blocks).to(device), torch.cat(offsets).to(device)
-    # [total_keys, KVH, D] -> [1, KVH, total_keys, D]
-    keys = data.cache[blocks_d, 0, offsets_d].transpose(0, 1).unsqueeze(0).contiguous()
-    values = data.cache[blocks_d, 1, offsets_d].transpose(0, 1).unsqueeze(0).contiguous()
     kv_req, kv_pos = torch.cat(key_req).to(device), torch.cat(key_pos).to(device)
     tok_req, tok_pos = torch.cat(q_req).to(device), torch.cat(q_pos).to(device)
 
@@ -746,6 +747,62 @@ def prepare_flex(data: CaseData) -> Prepared:
         return out[0].transpose(0, 1)
 
     return Prepared(run, rows, lambda: "FlexAttention, packed K/V, document-causal block mask")
+
+
+def _packed_kv(data: CaseData) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every request's keys and values out of the paged cache, back to back:
+    `[KVH, total_keys, D]` each, contiguous."""
+    spec, bs = data.spec, data.shape.block_size
+    blocks, offsets = [], []
+    for r, n_keys in enumerate(spec.seq_lens):
+        positions = torch.arange(n_keys)
+        blocks.append(data.block_table[r, positions // bs].long())
+        offsets.append(positions % bs)
+    blocks_d, offsets_d = torch.cat(blocks).to(data.device), torch.cat(offsets).to(data.device)
+    # [total_keys, KVH, D] -> [KVH, total_keys, D]
+    return tuple(data.cache[blocks_d, i, offsets_d].transpose(0, 1).contiguous() for i in (0, 1))  # type: ignore[return-value]
+
+
+def _prepare_flex_decode(data: CaseData) -> Prepared:
+    """`prepare_flex` for a batch of single-token decodes: one batch entry per request."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    spec, shape, device = data.spec, data.shape, data.device
+    longest = max(spec.seq_lens)
+    packed = _packed_kv(data)
+    # [num_reqs, KVH, longest, D], each request's keys from position 0 (zeros past its end)
+    keys, values = (
+        torch.zeros(spec.num_reqs, *x.shape[:1], longest, x.shape[2], dtype=x.dtype, device=device)
+        for x in packed
+    )
+    start = 0
+    for r, n_keys in enumerate(spec.seq_lens):
+        keys[r, :, :n_keys] = packed[0][:, start : start + n_keys]
+        values[r, :, :n_keys] = packed[1][:, start : start + n_keys]
+        start += n_keys
+    mask = None
+    if len(set(spec.seq_lens)) > 1:
+        lens = torch.tensor(spec.seq_lens, device=device)
+
+        def within(b, h, q_idx, kv_idx):
+            return kv_idx < lens[b]
+
+        mask = create_block_mask(within, spec.num_reqs, None, 1, longest, device=device)
+    attend = (
+        torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
+    )
+    # [num_reqs, H, D] -> [num_reqs, H, 1, D] views of each input set
+    queries = [q.unsqueeze(2) for q in data.queries]
+
+    def run(slot: int) -> torch.Tensor:
+        return attend(
+            queries[slot], keys, values, block_mask=mask, scale=shape.scale, enable_gqa=True
+        )
+
+    def rows(out: torch.Tensor) -> torch.Tensor:
+        return out[:, :, 0]
+
+    return Prepared(run, rows, lambda: "FlexAttention, a batch entry per request")
 
 
 def make_contenders(

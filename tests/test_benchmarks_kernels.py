@@ -168,12 +168,21 @@ def test_cases_run_through_the_contract_on_cpu(kernels, tiny) -> None:
 
 
 @pytest.mark.parametrize(
-    "spec_args", [("decode", 3, 21), ("prefill", 2, 13), ("mixed", 5, 19, 2, 7, 9)]
+    "spec_args",
+    [
+        ("decode", 3, 21),
+        ("varied decodes", 21, 140, 3),
+        ("prefill", 2, 13),
+        ("mixed", 5, 19, 2, 7, 9),
+    ],
 )
 def test_flex_attention_peer_matches_the_reference(kernels, tiny, spec_args) -> None:
     # The direct FlexAttention call that FLEX_ATTENTION's wrapper cost is measured against.
     section, *sizes = spec_args
-    spec = getattr(kernels, f"{section}_case")(*sizes)
+    if section == "varied decodes":  # a batch entry per request, with a length mask
+        spec = kernels.CaseSpec("decode", "3 varied", (1, 1, 1), tuple(sizes))
+    else:
+        spec = getattr(kernels, f"{section}_case")(*sizes)
     data = kernels.make_case_data(spec, tiny, "cpu")
     peer = kernels.prepare_flex(data)
     for slot in range(len(data.queries)):

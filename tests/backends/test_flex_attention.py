@@ -125,12 +125,14 @@ def test_sinks_on_cpu_without_lse(case):
 
 # --- recompiles ------------------------------------------------------------------------------
 
+# The first step compiles: on CUDA it has to hold decodes (the decode layout's graph) and
+# longer queries (the folded rows' graph), so that every later step can reuse both.
 _SIZED_STEPS = (
+    BatchSpec("chunk_and_decodes", (300, 1, 1, 9), (2500, 17, 1200, 40)),
     BatchSpec("one_decode", (1,), (5,)),
     BatchSpec("decodes", (1,) * 8, (10, 300, 700, 1000, 33, 64, 129, 2000)),
     BatchSpec("prefill", (200,), (200,)),
     BatchSpec("long_prefill", (900,), (900,)),
-    BatchSpec("chunk_and_decodes", (300, 1, 1, 9), (2500, 17, 1200, 40)),
     BatchSpec("many_decodes", (1,) * 40, tuple(range(3, 1203, 30))),
 )
 
@@ -367,6 +369,64 @@ def test_lay_out_step_exactly():
     assert same.lo.tolist() == [1, 29, 29, 29, 32, 32]
     assert same.q_key_pos.tolist() == [p + 8 * (p > 20) for p in layout.q_key_pos.tolist()]
     assert same.hi_full.tolist() == [20, 31, 31, 31, 37, 37]
+    # single-token requests at the front: one here, then none (a request with no token first)
+    assert layout.num_decodes == same.num_decodes == 1 and empty.num_decodes == 0
+    assert (
+        plan.lay_out_step(np.array([0, 0, 1]), np.array([3, 4]), np.array([3, 3])).num_decodes == 0
+    )
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8, 16])
+def test_decode_batches_are_padded_to_sizes_of_their_own(group):
+    for n in range(0, 300):
+        padded = plan.pad_decodes(n, group)
+        assert padded >= max(n, 2) and padded % 2 == 0 and padded - n <= 4
+        # never size 1, the query length, the tile size or a key tile count (odd): sizes
+        # torch.compile would specialise or tie to the batch
+        assert padded not in (1, group, plan.TILE)
+        assert padded != (plan.pad_keys(n + 1) // plan.TILE)
+
+
+def _decode_tiles_brute(lo, hi, has_sink, key_tiles):
+    """`(partial, full)` bool `[batch, key_tiles]`: entry b keeps rows lo[b] ... hi[b] (and row
+    0 with a sink, when it keeps anything); a full tile keeps all its rows, tile 0 never."""
+    keep = np.zeros((lo.shape[0], key_tiles * plan.TILE), dtype=bool)
+    for b in range(lo.shape[0]):
+        keep[b, lo[b] : hi[b] + 1] = True
+        keep[b, 0] |= has_sink and lo[b] <= hi[b]
+    tiles = keep.reshape(lo.shape[0], key_tiles, plan.TILE)
+    full = tiles.all(axis=2)
+    full[:, 0] = False
+    return tiles.any(axis=2) & ~full, full
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ranges=st.lists(st.tuples(st.integers(1, 1500), st.integers(-1, 700)), min_size=1, max_size=8),
+    has_sink=st.booleans(),
+)
+def test_decode_block_lists_match_the_brute_force(ranges, has_sink):
+    # (first kept row, kept rows - 1); -1: an entry that keeps nothing (batch padding)
+    lo = np.array([first for first, _ in ranges], dtype=np.int32)
+    hi = np.array([first + extra for first, extra in ranges], dtype=np.int32)
+    key_tiles = int(hi.max() // plan.TILE + 2)
+    want = _decode_tiles_brute(lo, hi, has_sink, key_tiles)
+    batch = lo.shape[0]
+    out = tuple(np.full(n, -1, np.int32) for n in (batch, batch * key_tiles) * 2)
+    for lists in (
+        plan.decode_block_lists(lo, hi, has_sink, key_tiles),
+        plan.decode_block_lists(lo, hi, has_sink, key_tiles, out=out),
+    ):
+        for (num, indices), tiles in zip((lists[:2], lists[2:]), want, strict=True):
+            assert num.dtype == indices.dtype == np.int32
+            assert num.shape == (batch, 1, 1) and indices.shape == (batch, 1, 1, key_tiles)
+            assert num.reshape(-1).tolist() == tiles.sum(axis=1).tolist()
+            for b in range(batch):
+                listed = indices[b, 0, 0]
+                # the marked tiles first, in increasing order; every entry a valid tile
+                assert listed[: num[b, 0, 0]].tolist() == np.flatnonzero(tiles[b]).tolist()
+                assert ((listed >= 0) & (listed < key_tiles)).all()
+    assert all(np.shares_memory(a, b) for a, b in zip(lists, out, strict=True))
 
 
 def _lay_out_by_hand(query_lens, key_lens, contexts):
@@ -401,6 +461,8 @@ def test_lay_out_step_random_batches(lens, decodes, dtype):
         assert getattr(layout, name).tolist() == expected
     assert layout.hi_causal.tolist() == q_key_pos
     assert layout.key_start.tolist() == [1 + sum(key_lens[:r]) for r in range(len(key_lens))]
+    leading = next((r for r, q in enumerate(query_lens) if q != 1), len(query_lens))
+    assert layout.num_decodes == leading
     if decodes and lens:
         # the general path: the same batch with a trailing request of no tokens and no keys
         general = plan.lay_out_step(
@@ -586,6 +648,48 @@ def test_other_head_sizes_on_cuda(head_size, dtype):
         FlexAttentionBackend, case_lse, "cuda", dtype
     ):
         assert result.passed, result
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("query_lens", "num_decodes"),
+    [((1, 1, 1), 3), ((1, 1, 37, 1, 200), 2), ((37, 1, 1), 0), ((1, 200), 1)],
+)
+def test_leading_decodes_take_the_decode_layout_on_cuda(query_lens, num_decodes):
+    """Each leading single-token request is one batch entry of the decode layout; the other
+    tokens go to the folded rows (the kit checks the numbers: it orders decodes first)."""
+    gen = torch.Generator().manual_seed(1)
+    seq_lens = [
+        q + int(c)
+        for q, c in zip(
+            query_lens, torch.randint(0, 300, (len(query_lens),), generator=gen), strict=True
+        )
+    ]
+    table = (torch.randperm(40 * len(seq_lens), generator=gen) + 1).int().view(len(seq_lens), 40)
+    cm = make_common_attn_metadata(list(query_lens), seq_lens, table, 16, device="cuda")
+    spec = AttentionSpec(16, 2, 64, torch.bfloat16)
+    builder = FlexAttentionMetadataBuilder(spec, ["layer.0"], BatchLimits(64, 4096, 4096), "cuda")
+    assert builder.reorder_batch_threshold == 1  # the engine and the kit put decodes first
+    md = builder.build(0, cm)
+    impl = FlexAttentionImpl(8, 64, 0.125, 2)
+    decode_plan, rows_plan = impl._plans(md, False, torch.device("cuda"))
+    assert md.layout.num_decodes == num_decodes
+    if num_decodes:
+        assert decode_plan.num_decodes == num_decodes
+        assert decode_plan.batch == plan.pad_decodes(num_decodes, 4)
+        num = decode_plan.block_mask.kv_num_blocks + decode_plan.block_mask.full_kv_num_blocks
+        # padding entries visit nothing; each request its own key tiles only
+        assert num[num_decodes:].sum().item() == 0
+        want = [-(-(seq_lens[r] + 1) // plan.TILE) + 1 for r in range(num_decodes)]
+        assert all(num[r].item() <= want[r] for r in range(num_decodes))
+    else:
+        assert decode_plan is None
+    tokens = sum(query_lens)
+    if tokens > num_decodes:
+        assert rows_plan.first_token == num_decodes
+        assert rows_plan.num_rows == plan.pad_rows((tokens - num_decodes) * 4)
+    else:
+        assert rows_plan is None
 
 
 @pytest.mark.gpu

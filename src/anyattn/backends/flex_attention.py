@@ -75,7 +75,9 @@ from anyattn.backends.flex_attention_plan import (
     StepLayout,
     TileRuns,
     block_lists,
+    decode_block_lists,
     lay_out_owned,
+    pad_decodes,
     pad_keys,
     pad_rows,
     tile_runs,
@@ -224,12 +226,37 @@ class _Workspace:
 
 @dataclass
 class _Plan:
-    """What one (causal, window, G, sink) combination of a step needs on the device."""
+    """What one (causal, window, G, sink) combination of a step needs on the device, for the
+    folded rows of tokens `first_token ...` (the tokens the decode layout leaves)."""
 
+    first_token: int
     num_rows: int
     block_mask: object  # its mask_mod reads the first / last kept key of each row
     q_key_pos: torch.Tensor  # int32 [num_rows]: the row's own position, key coordinates
     group_index: torch.Tensor  # int32 [num_rows]: query head within its KV head's group
+
+    def position(self, b, q_idx):
+        return self.q_key_pos[q_idx]
+
+    def head(self, q_idx):
+        return self.group_index[q_idx]
+
+
+@dataclass
+class _DecodePlan:
+    """The same for the decode layout (CUDA): batch entry b is request b, a single-token
+    request at the front of the batch; its query rows are its query heads of one KV head."""
+
+    num_decodes: int
+    batch: int  # num_decodes padded (`pad_decodes`)
+    block_mask: object  # its mask_mod reads the first / last kept key of each entry
+    q_key_pos: torch.Tensor  # int32 [batch]: the token's own position, key coordinates
+
+    def position(self, b, q_idx):
+        return self.q_key_pos[b]
+
+    def head(self, q_idx):
+        return q_idx
 
 
 @dataclass
@@ -285,6 +312,8 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
                 "Lower BatchLimits.max_num_reqs."
             )
         self._workspace = _Workspace()
+        # Decodes first: on CUDA they take the decode layout (see the module docstring).
+        self._init_reorder_batch_threshold(1)
 
     def build(
         self,
@@ -349,17 +378,22 @@ def _make_plan(
     group: int,
     has_sink: bool,
     device: torch.device,
+    first_token: int = 0,
 ) -> _Plan:
-    """Per-row key bounds and the BlockMask for one (causal, window, group, sink) combination."""
+    """Per-row key bounds and the BlockMask for one (causal, window, group, sink) combination,
+    over the tokens from `first_token` on (which start a request)."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    layout = md.layout
-    lo = window_lo(layout, window)
-    hi = layout.hi_causal if causal else layout.hi_full
-    num_rows = pad_rows(md.num_actual_tokens * group)
+    layout, t0 = md.layout, first_token
+    lo = window_lo(layout, window)[t0:]
+    hi = (layout.hi_causal if causal else layout.hi_full)[t0:]
+    q_start = layout.query_start_loc
+    # the requests from token t0 on (t0 is 0 or the count of leading single-token requests)
+    q_start = q_start[t0:] - q_start[t0] if t0 else q_start
+    num_rows = pad_rows((md.num_actual_tokens - t0) * group)
     shape = (num_rows // TILE, md.kv_rows_padded // TILE)
-    runs = tile_runs(lo, hi, layout.query_start_loc, group, has_sink)
-    tensors = _plan_tensors(lo, hi, layout.q_key_pos, group, num_rows, runs, shape, device)
+    runs = tile_runs(lo, hi, q_start, group, has_sink)
+    tensors = _plan_tensors(lo, hi, layout.q_key_pos[t0:], group, num_rows, runs, shape, device)
     row_lo, row_hi, q_key_pos, group_index, *lists = tensors
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -380,8 +414,60 @@ def _make_plan(
         **extra,
     )
     return _Plan(
-        num_rows=num_rows, block_mask=block_mask, q_key_pos=q_key_pos, group_index=group_index
+        first_token=t0,
+        num_rows=num_rows,
+        block_mask=block_mask,
+        q_key_pos=q_key_pos,
+        group_index=group_index,
     )
+
+
+def _make_decode_plan(
+    md: FlexAttentionMetadata,
+    causal: bool,
+    window: int | None,
+    group: int,
+    has_sink: bool,
+    device: torch.device,
+) -> _DecodePlan:
+    """The decode layout's key bounds and BlockMask for the step's leading single-token
+    requests (one batch entry each, padded to `pad_decodes`)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    layout = md.layout
+    n, key_tiles = layout.num_decodes, md.kv_rows_padded // TILE
+    batch = pad_decodes(n, group)
+    sizes = [batch] * 3 + [batch, batch * key_tiles] * 2
+
+    def fill(buffer: np.ndarray, sections: list[np.ndarray]) -> None:
+        lo, hi, pos = sections[:3]
+        lo[:n] = window_lo(layout, window)[:n]
+        hi[:n] = (layout.hi_causal if causal else layout.hi_full)[:n]
+        pos[:n] = layout.q_key_pos[:n]
+        lo[n:], hi[n:], pos[n:] = 1, 0, 0  # padding entries keep nothing
+        decode_block_lists(lo, hi, has_sink, key_tiles, out=tuple(sections[3:]))
+
+    entry_lo, entry_hi, q_key_pos, *lists = _host_sections(sizes, fill, device)
+    shapes = ((batch, 1, 1), (batch, 1, 1, key_tiles)) * 2
+    lists = [t.view(s) for t, s in zip(lists, shapes, strict=True)]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = (kv_idx >= entry_lo[b]) & (kv_idx <= entry_hi[b])
+        return keep | (kv_idx == 0) if has_sink else keep
+
+    for tensor in lists:
+        # Batch and tile counts vary with the step: symbolic, so no step size recompiles.
+        torch._dynamo.mark_dynamic(tensor, 0)
+        if tensor.dim() == 4:
+            torch._dynamo.mark_dynamic(tensor, 3)
+    block_mask = BlockMask.from_kv_blocks(
+        *lists,
+        BLOCK_SIZE=TILE,
+        mask_mod=mask_mod,
+        seq_lengths=(group, md.kv_rows_padded),
+        compute_q_blocks=False,
+    )
+    return _DecodePlan(num_decodes=n, batch=batch, block_mask=block_mask, q_key_pos=q_key_pos)
 
 
 # Sections of a plan's host buffer start at multiples of 16 int32 (64 bytes): Inductor's GPU
@@ -411,25 +497,39 @@ def _plan_tensors(
     of another (`ks1`, `ks17`; torch 2.13); the GPU kernels were verified with offset-0 inputs.
     """
     sizes = [num_rows] * 4 + [shape[0], shape[0] * shape[1]] * 2
+
+    def fill(buffer: np.ndarray, sections: list[np.ndarray]) -> None:
+        # (rows are a multiple of 256: the four row sections lie back to back)
+        _fill_rows(buffer[: 4 * num_rows].reshape(4, num_rows), lo, hi, q_key_pos, group)
+        for i, marked in enumerate(runs):
+            block_lists(marked, shape, out=(sections[4 + 2 * i], sections[5 + 2 * i]))
+
+    tensors = _host_sections(sizes, fill, device)
+    list_shapes = ((1, 1, shape[0]), (1, 1, *shape)) * 2
+    return [*tensors[:4], *(t.view(s) for t, s in zip(tensors[4:], list_shapes, strict=True))]
+
+
+def _host_sections(
+    sizes: list[int],
+    fill: Callable[[np.ndarray, list[np.ndarray]], None],
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """int32 tensors of `sizes` on `device`, each at storage offset 0, written by
+    `fill(buffer, sections)` as numpy sections of one host buffer (pinned on a GPU: one
+    non-blocking copy per section). Sections start at multiples of `_ALIGN` int32."""
     # the buffer's chunks: each section, then the padding that aligns the next one
     chunks = [n for size in sizes for n in (size, -size % _ALIGN)]
     host = torch.empty(sum(chunks), dtype=torch.int32, pin_memory=device.type == "cuda")
     buffer = host.numpy()
     starts = list(itertools.accumulate(chunks, initial=0))[:-1:2]
     sections = [buffer[start : start + size] for start, size in zip(starts, sizes, strict=True)]
-    # (rows are a multiple of 256: the four row sections lie back to back)
-    _fill_rows(buffer[: 4 * num_rows].reshape(4, num_rows), lo, hi, q_key_pos, group)
-    for i, marked in enumerate(runs):
-        block_lists(marked, shape, out=(sections[4 + 2 * i], sections[5 + 2 * i]))
+    fill(buffer, sections)
     if device.type == "cpu":
-        tensors = [torch.from_numpy(section) for section in sections]
-    else:
-        tensors = [
-            host[start : start + size].to(device, non_blocking=True)
-            for start, size in zip(starts, sizes, strict=True)
-        ]
-    list_shapes = ((1, 1, shape[0]), (1, 1, *shape)) * 2
-    return [*tensors[:4], *(t.view(s) for t, s in zip(tensors[4:], list_shapes, strict=True))]
+        return [torch.from_numpy(section) for section in sections]
+    return [
+        host[start : start + size].to(device, non_blocking=True)
+        for start, size in zip(starts, sizes, strict=True)
+    ]
 
 
 def _fill_rows(
@@ -470,9 +570,16 @@ def _from_kv_blocks_takes_compute_q() -> bool:
 _FROM_KV_BLOCKS_TAKES_COMPUTE_Q = _from_kv_blocks_takes_compute_q()
 
 
+# The compiled templates take K and V (and the folded query rows) on CUDA as tiles,
+# `[1, KVH, tiles, TILE, D]`, and flatten them: the row count `tiles * TILE` is then a known
+# multiple of the kernel's blocks under dynamic shapes, and Inductor drops the bounds checks
+# it needs for an arbitrary length (1.2-1.8x faster on an H200; benchmarks/RESULTS.md).
+
+
 def _attend(query, key, value, block_mask, score_mod, scale):
     from torch.nn.attention.flex_attention import flex_attention
 
+    query, key, value = (x.flatten(2, 3) if x.dim() == 5 else x for x in (query, key, value))
     return flex_attention(
         query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale
     )
@@ -481,6 +588,7 @@ def _attend(query, key, value, block_mask, score_mod, scale):
 def _attend_with_lse(query, key, value, block_mask, score_mod, scale):
     from torch.nn.attention import flex_attention as flex
 
+    query, key, value = (x.flatten(2, 3) if x.dim() == 5 else x for x in (query, key, value))
     if hasattr(flex, "AuxRequest"):
         out, aux = flex.flex_attention(
             query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
@@ -507,6 +615,24 @@ def _compiled_attend(config: tuple, with_lse: bool) -> Callable:
         copy = types.FunctionType(code, template.__globals__, name)
         fn = _COMPILED[(config, with_lse)] = torch.compile(copy, dynamic=True, fullgraph=True)
     return fn
+
+
+def _static_dims(tensor: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """Marks `dims` static for torch.compile (compiled with dynamic=True, every size would
+    otherwise be a symbol, and heads and head sizes never vary)."""
+    for dim in dims:
+        torch._dynamo.mark_static(tensor, dim)
+    return tensor
+
+
+def _as_kernel_rows(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`[1, KVH, rows, D]` as the compiled templates take it: on CUDA as tiles
+    `[1, KVH, rows / TILE, TILE, D]` with only the tile count symbolic; unchanged on the CPU
+    (whose template fails to compile the tiled form, torch 2.13)."""
+    if device.type != "cuda":
+        return rows
+    _, heads, num_rows, size = rows.shape
+    return _static_dims(rows.view(1, heads, num_rows // TILE, TILE, size), (0, 1, 3, 4))
 
 
 class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
@@ -589,42 +715,86 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         n = md.num_actual_tokens
         if n == 0:
             return output
-        device, group, kv_heads, size = query.device, self.group, self.num_kv_heads, self.head_size
+        device = query.device
         mods = self._mods_on(device)
-        has_sink = "sinks" in mods
-        plan = self._plan(md, has_sink, device)
-        # K, V: [1, KVH, kv_rows, D], contiguous (strides tied to sizes, as torch.compile likes)
-        k, v = (x.unsqueeze(0) for x in self._load_kv(layer, key, value, kv_cache, md, query.dtype))
-        # query [n, H, D] -> rows t * G + g of each KV head: [KVH, rows, D]
-        q = md.workspace.get("query", (kv_heads, plan.num_rows, size), query.dtype, device)
-        q[:, : n * group].view(kv_heads, n, group, size).copy_(
-            query[:n].view(n, kv_heads, group, size).transpose(0, 1)
+        decode_plan, plan = self._plans(md, "sinks" in mods, device)
+        # K, V: [1, KVH, kv_rows, D] (tiled on CUDA), contiguous at storage offset 0 each
+        # (strides tied to sizes, as torch.compile likes; an offset would be one more symbol)
+        k, v = (
+            _as_kernel_rows(x.unsqueeze(0), device)
+            for x in self._load_kv(layer, key, value, kv_cache, md, query.dtype)
         )
-        config = (device.type, query.dtype, size, kv_heads, *sorted(mods))
-        attend = _compiled_attend(config, with_lse=output_lse is not None)
-        result = attend(q.unsqueeze(0), k, v, plan.block_mask, _score_mod(mods, plan), 1.0)
-        out, lse = result if output_lse is not None else (result, None)
-        # out: [1, KVH, rows, D] -> [n, H, D]
-        output[:n].view(n, kv_heads, group, size).copy_(
-            out[0, :, : n * group].view(kv_heads, n, group, size).transpose(0, 1)
-        )
-        if lse is not None:
-            # lse: [1, KVH, rows] -> [H, n]
-            output_lse[:, :n].view(kv_heads, group, n).copy_(
-                lse[0, :, : n * group].view(kv_heads, n, group).transpose(1, 2)
-            )
+        config = (device.type, query.dtype, self.head_size, self.num_kv_heads, *sorted(mods))
+        if decode_plan is not None:
+            self._attend_decodes(query, k, v, md, decode_plan, mods, config, output, output_lse)
+        if plan is not None:
+            self._attend_rows(query, k, v, md, plan, mods, config, output, output_lse)
         return output
 
-    def _plan(self, md: FlexAttentionMetadata, has_sink: bool, device: torch.device) -> _Plan:
-        """The step's plan for this layer's settings, made by the first layer that needs it."""
+    def _attend_decodes(
+        self, query, k, v, md, plan: _DecodePlan, mods, config, output, output_lse
+    ) -> None:
+        """The decode layout: tokens `0 ... num_decodes - 1`, one batch entry each."""
+        n, kv_heads, group, size = plan.num_decodes, self.num_kv_heads, self.group, self.head_size
+        # query [n, H, D] is [n, KVH, G, D] already: batch entry, KV head, its query heads
+        q = query[:n].view(n, kv_heads, group, size)
+        if plan.batch != n:
+            padded = plan.batch, kv_heads, group, size
+            q = md.workspace.get("decode_query", padded, query.dtype, query.device)
+            q[:n].copy_(query[:n].view(n, kv_heads, group, size))
+        _static_dims(q, (1, 2, 3))
+        attend = _compiled_attend((*config, "decode"), with_lse=output_lse is not None)
+        result = attend(q, k, v, plan.block_mask, _score_mod(mods, plan), 1.0)
+        out, lse = result if output_lse is not None else (result, None)
+        output[:n].view(n, kv_heads, group, size).copy_(out[:n])
+        if lse is not None:
+            # lse: [batch, KVH, G] -> [H, n]
+            output_lse[:, :n].copy_(lse[:n].reshape(n, kv_heads * group).t())
+
+    def _attend_rows(self, query, k, v, md, plan: _Plan, mods, config, output, output_lse) -> None:
+        """The folded rows: tokens `plan.first_token ...` of every KV head in one batch entry."""
+        t0, n = plan.first_token, md.num_actual_tokens
+        m, kv_heads, group, size = n - t0, self.num_kv_heads, self.group, self.head_size
+        # query [n, H, D] -> rows t * G + g of each KV head: [KVH, rows, D]
+        q = md.workspace.get("query", (kv_heads, plan.num_rows, size), query.dtype, query.device)
+        q[:, : m * group].view(kv_heads, m, group, size).copy_(
+            query[t0:n].view(m, kv_heads, group, size).transpose(0, 1)
+        )
+        attend = _compiled_attend(config, with_lse=output_lse is not None)
+        q = _as_kernel_rows(q.unsqueeze(0), query.device)
+        result = attend(q, k, v, plan.block_mask, _score_mod(mods, plan), 1.0)
+        out, lse = result if output_lse is not None else (result, None)
+        # out: [1, KVH, rows, D] -> [m, H, D]
+        output[t0:n].view(m, kv_heads, group, size).copy_(
+            out[0, :, : m * group].view(kv_heads, m, group, size).transpose(0, 1)
+        )
+        if lse is not None:
+            # lse: [1, KVH, rows] -> [H, m]
+            output_lse[:, t0:n].view(kv_heads, group, m).copy_(
+                lse[0, :, : m * group].view(kv_heads, m, group).transpose(1, 2)
+            )
+
+    def _plans(
+        self, md: FlexAttentionMetadata, has_sink: bool, device: torch.device
+    ) -> tuple[_DecodePlan | None, _Plan | None]:
+        """The step's plans for this layer's settings, made by the first layer that needs
+        them: the decode layout's for the leading single-token requests (CUDA only), the
+        folded rows' for the other tokens (None where there are none)."""
         causal = md.causal and self.attn_type == AttentionType.DECODER
         key = ("plan", causal, self.sliding_window, self.group, has_sink, device)
-        plan = md.step_cache.get(key)
-        if plan is None:
-            plan = md.step_cache[key] = _make_plan(
-                md, causal, self.sliding_window, self.group, has_sink, device
+        plans = md.step_cache.get(key)
+        if plans is None:
+            args = (md, causal, self.sliding_window, self.group, has_sink, device)
+            # Inductor's CPU template does not compile the decode layout (torch 2.13); the
+            # CPU keeps every token in the folded rows.
+            num_decodes = md.layout.num_decodes if device.type == "cuda" else 0
+            plans = md.step_cache[key] = (
+                _make_decode_plan(*args) if num_decodes else None,
+                _make_plan(*args, first_token=num_decodes)
+                if num_decodes < md.num_actual_tokens
+                else None,
             )
-        return plan
+        return plans
 
     def _load_kv(
         self,
@@ -639,11 +809,13 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         the model dtype; row 0 is the sink slot (zeros)."""
         encoder = self.attn_type in _ENCODER_TYPES
         device = key.device if encoder else kv_cache.device
-        # K and V in one buffer: one op clears both sink rows.
-        shape = (2, self.num_kv_heads, md.kv_rows_padded, self.head_size)
-        kv_rows = md.workspace.get("kv", shape, dtype, device)
-        kv_rows[:, :, 0].zero_()  # the sink's value must be zero
-        k_rows, v_rows = kv_rows[0], kv_rows[1]
+        # K and V in buffers of their own, each at storage offset 0: a symbolic offset (V's,
+        # in one shared buffer) left Inductor unable to prove alignment, and the kernel
+        # took 1.3-1.6x as long on an H200 (benchmarks/RESULTS.md).
+        shape = (self.num_kv_heads, md.kv_rows_padded, self.head_size)
+        k_rows = md.workspace.get("k", shape, dtype, device)
+        v_rows = md.workspace.get("v", shape, dtype, device)
+        v_rows[:, 0].zero_()  # the sink's value must be zero (its key's score is replaced)
         rows = md.layout.num_key_rows
         if encoder:
             # Encoder attention reads the step's own K/V; its rows follow the token order.
@@ -714,11 +886,12 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
             )
 
 
-def _score_mod(mods: dict[str, torch.Tensor], plan: _Plan) -> Callable:
-    """Scale, soft cap, ALiBi, then the sink logit at key 0: DESIGN.md's order."""
+def _score_mod(mods: dict[str, torch.Tensor], plan: _Plan | _DecodePlan) -> Callable:
+    """Scale, soft cap, ALiBi, then the sink logit at key 0: DESIGN.md's order. `h` is the KV
+    head; the plan says which query head of its group and which position a row is."""
     scale, soft_cap = mods["scale"], mods.get("soft_cap")
     slopes, sinks = mods.get("alibi_slopes"), mods.get("sinks")
-    q_key_pos, group_index = plan.q_key_pos, plan.group_index
+    position, head = plan.position, plan.head
 
     def score_mod(score, b, h, q_idx, kv_idx):
         score = score * scale
@@ -726,9 +899,9 @@ def _score_mod(mods: dict[str, torch.Tensor], plan: _Plan) -> Callable:
             score = soft_cap * torch.tanh(score / soft_cap)
         if slopes is not None:
             # key position minus query position: both in workspace coordinates
-            score = score + slopes[h, group_index[q_idx]] * (kv_idx - q_key_pos[q_idx])
+            score = score + slopes[h, head(q_idx)] * (kv_idx - position(b, q_idx))
         if sinks is not None:
-            score = torch.where(kv_idx == 0, sinks[h, group_index[q_idx]], score)
+            score = torch.where(kv_idx == 0, sinks[h, head(q_idx)], score)
         return score
 
     return score_mod

@@ -12,6 +12,8 @@ so it is tested exactly on the CPU and never synchronises with a GPU:
 - `tile_runs`, `block_lists`: FlexAttention's block-sparse mask (which 128 x 128 tiles of
   query rows x key rows to visit, and which of them need no mask at all), as runs of key
   tiles per row tile and as the BlockMask's lists; `tile_masks` shows the runs as bool grids.
+- `pad_decodes`, `decode_block_lists`: the same for the decode layout on CUDA, where each
+  single-token request is one batch entry of FlexAttention's decoding kernel.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ __all__ = [
     "StepLayout",
     "TileRuns",
     "block_lists",
+    "decode_block_lists",
     "lay_out_owned",
     "lay_out_step",
+    "pad_decodes",
     "pad_keys",
     "pad_rows",
     "tile_masks",
@@ -62,6 +66,22 @@ def pad_keys(num_key_rows: int) -> int:
     return pad_rows(num_key_rows) + TILE
 
 
+def pad_decodes(num_decodes: int, group: int) -> int:
+    """Padded batch for `num_decodes` requests of the decode layout, whose query length is
+    `group` (query heads per KV head): an even number, at least 2, other than `group` and
+    `TILE`.
+
+    torch.compile specialises size 1, and gives equal sizes one symbol ("duck sizing"): a batch
+    equal to the query length or the tile size (numbers the compiled call sees, as the
+    BlockMask's) would be tied to it, and the next step with another batch would recompile.
+    Key tile counts (`pad_keys`) are odd, so never equal either.
+    """
+    padded = max(2, num_decodes + (num_decodes & 1))
+    while padded in (group, TILE):
+        padded += 2
+    return padded
+
+
 @dataclass(frozen=True)
 class StepLayout:
     """Where one step's keys and queries sit, in workspace coordinates (read-only arrays, some
@@ -79,6 +99,9 @@ class StepLayout:
             last key).
         q_key_pos: int64 `[num_tokens]`: the token's own position as a key row (for ALiBi's
             `j - p` and for windows).
+        num_decodes: how many requests at the front of the batch have one query token each
+            (all of a decode step; the engine puts decodes first when a builder asks for it
+            through `reorder_batch_threshold`). Token i < num_decodes is request i.
     """
 
     num_key_rows: int
@@ -89,6 +112,7 @@ class StepLayout:
     hi_causal: np.ndarray
     hi_full: np.ndarray
     q_key_pos: np.ndarray
+    num_decodes: int
 
 
 def lay_out_step(
@@ -141,10 +165,13 @@ def lay_out_owned(
         # per-request rows are the per-token ones, shared rather than repeated.
         offset -= q_start[0]
         lo, hi_full, q_key_pos = key_start, key_end, offset
+        num_decodes = num_reqs
     else:
         offset -= q_start[:-1]
         lo, hi_full, q_key_pos = per_request.repeat(query_lens, axis=1)
         q_key_pos += np.arange(q_key_pos.shape[0])
+        # (argmax finds the first request with another query length; one exists here)
+        num_decodes = int((query_lens != 1).argmax()) if num_reqs else 0
     return StepLayout(
         num_key_rows=1 + (int(key_end[-1]) if num_reqs else 0),
         query_start_loc=q_start,
@@ -154,6 +181,7 @@ def lay_out_owned(
         hi_causal=q_key_pos,
         hi_full=hi_full,
         q_key_pos=q_key_pos,
+        num_decodes=num_decodes,
     )
 
 
@@ -348,3 +376,59 @@ def _index_shifts(runs: TileRuns, num: np.ndarray, lo_row: int, key_tiles: int) 
     last_of_row = last[run_end - 1]  # (row tile lo_row has a run: never index -1)
     size[:, 2 * m] = key_tiles - 1 - np.where(runs_per_row, last_of_row, -1)
     return np.repeat(shift.reshape(-1), size.reshape(-1))
+
+
+def decode_block_lists(
+    lo: np.ndarray,
+    hi: np.ndarray,
+    has_sink: bool,
+    key_tiles: int,
+    out: tuple[np.ndarray, ...] | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The decode layout's BlockMask lists: batch entry b keeps key rows `lo[b] ... hi[b]`.
+
+    Each entry of the batch is one request with one query token (its query heads are the
+    query rows of one KV head), so its tiles are a run of consecutive key tiles: those wholly
+    inside the range are full (no mask), the one or two at its ends partial, and with a sink
+    key tile 0 (the sink slot, row 0, never inside a range) is partial too. An entry with
+    `lo > hi` (batch padding) visits nothing.
+
+    Args:
+        lo, hi: int `[batch]` first and last kept key row of each entry.
+        has_sink: every entry that keeps a key also visits key tile 0.
+        key_tiles: key tiles of the step (the lists' last dimension).
+        out: int32 `[batch]`, `[batch * key_tiles]`, `[batch]`, `[batch * key_tiles]` to write
+            into; new arrays if None.
+
+    Returns:
+        int32 `(partial_num [batch, 1, 1], partial_indices [batch, 1, 1, key_tiles],
+        full_num [batch, 1, 1], full_indices [batch, 1, 1, key_tiles])`: each entry's tiles
+        first, in increasing order; the rest of a row holds valid tile numbers, never read.
+    """
+    batch = lo.shape[0]
+    if out is None:
+        out = tuple(np.empty(n, np.int32) for n in (batch, batch * key_tiles) * 2)
+    part_num, part_idx, full_num, full_idx = out
+    part_idx, full_idx = part_idx.reshape(batch, key_tiles), full_idx.reshape(batch, key_tiles)
+    kept = lo <= hi
+    first, last = lo // TILE, hi // TILE
+    full_lo, full_hi = -(-lo // TILE), (hi + 1) // TILE - 1
+    num_full = np.where(kept, np.maximum(full_hi - full_lo + 1, 0), 0)
+    full_num[:] = num_full
+    # full tiles count up from full_lo (clipped where unused: any valid tile will do there)
+    np.add(full_lo[:, None], np.arange(key_tiles), out=full_idx, casting="unsafe")
+    np.minimum(full_idx, key_tiles - 1, out=full_idx)
+    # Partial candidates in increasing order: the sink tile, the first, the last tile.
+    candidates = np.stack((np.zeros_like(first), first, last), axis=1)
+    valid = np.empty((batch, 3), dtype=bool)
+    valid[:, 0] = has_sink & (first > 0)
+    valid[:, 1] = (first < full_lo) | (num_full == 0)
+    valid[:, 2] = (last > first) & ((last > full_hi) | (num_full == 0))
+    valid &= kept[:, None]
+    part_num[:] = valid.sum(axis=1)
+    part_idx[:] = np.arange(key_tiles)
+    rows, cols = np.nonzero(valid)
+    # column of each candidate within its row: how many valid ones precede it
+    part_idx[rows, (np.cumsum(valid, axis=1) - 1)[rows, cols]] = candidates[rows, cols]
+    shapes = ((batch, 1, 1), (batch, 1, 1, key_tiles)) * 2
+    return tuple(a.reshape(shape) for a, shape in zip(out, shapes, strict=True))  # type: ignore[return-value]
