@@ -174,6 +174,34 @@ def test_decode_batch_is_laid_out_for_its_capture_size():
     assert torch.equal(md2.main.page_table[:2, : table2.shape[1]], table2)
 
 
+@pytest.mark.parametrize("fa2_interface", [False, True], ids=["seqused_k", "cu_seqlens_k"])
+def test_replay_steps_rewrite_only_what_changed_and_stay_exact(monkeypatch, fa2_interface):
+    """The decode layout's views are made once per captured size, and the query offsets are
+    rewritten only when the batch or the size changes: over steps that go back and forth
+    between sizes and batches, every buffer still holds exactly the step's values."""
+    if fa2_interface:
+        install(monkeypatch, fa2())
+    builder = _builder(capture_sizes=(4, 8))
+    steps = [[40, 17, 3], [41, 18, 4], [41, 18, 4, 9], [5, 6, 7, 8, 9], [42, 19], [4, 5, 6, 7]]
+    passes = {}
+    for seed, lens in enumerate(steps):
+        cm, table = _decode_batch(lens, seed=seed)
+        main = builder.build(0, cm).main
+        padded = 4 if len(lens) <= 4 else 8
+        n = len(lens)
+        assert main.cu_seqlens_q.tolist() == list(range(n + 1)) + [n] * (padded - n)
+        assert main.seq_lens.tolist() == lens + [0] * (padded - n)
+        assert torch.equal(main.page_table[:n, : table.shape[1]], table)
+        if fa2_interface:
+            assert main.cu_seqlens_k.tolist() == np.cumsum([0, *lens, *[0] * (padded - n)]).tolist()
+        else:
+            assert main.cu_seqlens_k is None
+        # one set of addresses per captured size: what a graph captured for it reads
+        first = passes.setdefault(padded, main)
+        assert main.seq_lens.data_ptr() == first.seq_lens.data_ptr()
+        assert main.cu_seqlens_q.data_ptr() == first.cu_seqlens_q.data_ptr()
+
+
 def test_fa2_decode_layout_carries_cumulative_key_lengths(monkeypatch):
     install(monkeypatch, fa2())
     md = _builder(capture_sizes=(4,)).build(0, _decode_batch([40, 17, 3])[0])

@@ -288,6 +288,10 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         )
         self._max_blocks = -(-limits.max_model_len // self.block_size)
         self._buffers: _DecodeBuffers | None = None  # made by the first decode-layout build
+        # The decode layout's pass per (padded batch, causal): views of the buffers, made once
+        # (slicing tensors and making dataclasses was most of a replay step's host time).
+        self._decode_passes: dict[tuple[int, bool], FlashAttnPass] = {}
+        self._query_offsets_for: tuple[int, int] | None = None  # (num_reqs, padded) written
 
     def build(
         self,
@@ -397,26 +401,31 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         if self._buffers is None:
             self._buffers = _DecodeBuffers(self.limits.max_num_reqs, self._max_blocks, self.device)
         buf, n = self._buffers, cm.num_reqs
+        main = self._decode_passes.get((padded, cm.causal))
+        if main is None:
+            main = self._decode_passes[(padded, cm.causal)] = FlashAttnPass(
+                cu_seqlens_q=buf.query_start_loc[: padded + 1],
+                seq_lens=buf.seq_lens[:padded],
+                cu_seqlens_k=buf.cu_seqlens_k[: padded + 1] if self._needs_cu_seqlens_k else None,
+                page_table=buf.block_table[:padded],
+                max_seqlen_q=1,
+                # a bound every replay of the graph satisfies
+                max_seqlen_k=self.limits.max_model_len,
+                causal=cm.causal,
+            )
         # Device-side copies and fills only: a captured graph reads these same addresses.
-        buf.seq_lens[:n].copy_(cm.seq_lens[:n], non_blocking=True)
-        buf.seq_lens[n:padded].zero_()
-        torch.clamp(buf.arange[: padded + 1], max=n, out=buf.query_start_loc[: padded + 1])
+        lens = cm.seq_lens if cm.seq_lens.shape[0] == n else cm.seq_lens[:n]
+        (main.seq_lens if n == padded else buf.seq_lens[:n]).copy_(lens, non_blocking=True)
+        if n < padded:
+            buf.seq_lens[n:padded].zero_()
+        if self._query_offsets_for != (n, padded):
+            # 0, 1, ..., n, then n for the padding: rewritten only when n or the size changes
+            torch.clamp(buf.arange[: padded + 1], max=n, out=main.cu_seqlens_q)
+            self._query_offsets_for = (n, padded)
         width = -(-cm.max_seq_len // self.block_size)
         buf.block_table[:n, :width].copy_(cm.block_table_tensor[:n, :width], non_blocking=True)
-        cu_k = None
-        if self._needs_cu_seqlens_k:
-            torch.cumsum(buf.seq_lens[:padded], 0, out=buf.cu_seqlens_k[1 : padded + 1])
-            cu_k = buf.cu_seqlens_k[: padded + 1]
-        main = FlashAttnPass(
-            cu_seqlens_q=buf.query_start_loc[: padded + 1],
-            seq_lens=buf.seq_lens[:padded],
-            cu_seqlens_k=cu_k,
-            page_table=buf.block_table[:padded],
-            max_seqlen_q=1,
-            # a bound every replay of the graph satisfies
-            max_seqlen_k=self.limits.max_model_len,
-            causal=cm.causal,
-        )
+        if main.cu_seqlens_k is not None:
+            torch.cumsum(main.seq_lens, 0, out=main.cu_seqlens_k[1:])
         return self._metadata(cm, main, uses_persistent_buffers=True)
 
     def _build_cascade(
