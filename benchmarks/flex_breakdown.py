@@ -2,15 +2,16 @@
 
 Issue 6 asks each wrapper to cost at most 3% over calling its library directly; FLEX_ATTENTION
 took 1.6-2.0x in the fifth session (benchmarks/RESULTS.md; a symbolic storage offset and
-unknown divisibility under dynamic shapes, since fixed). This times, on the same case and inputs as
-`benchmarks/kernels.py`, each part of one layer's forward alone, so that the gap can be
-attributed:
+unknown divisibility under dynamic shapes, since fixed). This times, on the cases of
+`benchmarks/kernels.py` (requests ordered decodes first, as the builder asks and kernels.py
+does), each part of one layer's forward alone, so that the gap can be attributed:
 
 - the whole `forward` (the step's plans already made, as for every layer after the first);
 - the K/V copy out of the paged cache into the workspace (`ops.gather_kv_rows`);
-- the attention calls alone on the workspace, as the forward makes them (the decode layout's
-  and the folded rows', compiled with dynamic shapes so that no step size recompiles), with
-  their query and output copies;
+- the attention calls on the workspace, as the forward makes them (the decode layout's and
+  the folded rows', compiled with dynamic shapes so that no step size recompiles), with their
+  query and output copies;
+- the same compiled kernels alone, on queries already in their layout (no copies);
 - FlexAttention called directly on keys laid out once (`kernels.prepare_flex`, the
   wrapper-cost peer).
 
@@ -24,6 +25,7 @@ decode,prefill,mixed] [--reps 30]`. Prints a markdown table per case.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 
@@ -32,6 +34,7 @@ import torch
 from _timing import markdown_table, median_us, synchronize
 
 from anyattn.backends import flex_attention as flex
+from anyattn.backends import flex_attention_masks as masks
 from anyattn.backends.flex_attention import FlexAttentionBackend
 from anyattn.config import AttentionSpec, BatchLimits
 from anyattn.kv_cache import allocate_kv_cache
@@ -50,6 +53,12 @@ TINY_CASES = {
 
 def parts(spec: kernels.CaseSpec, shape: kernels.Shape, device: torch.device) -> dict:
     """`{part name: run(slot)}` for one case, set up as an engine sets a layer up."""
+    order = kernels.request_order(spec.query_lens, decode_threshold=1)
+    spec = dataclasses.replace(
+        spec,
+        query_lens=tuple(spec.query_lens[r] for r in order),
+        seq_lens=tuple(spec.seq_lens[r] for r in order),
+    )
     data = kernels.make_case_data(spec, shape, device, num_slots=1)
     kv_spec = AttentionSpec(shape.block_size, shape.num_kv_heads, shape.head_size, shape.dtype)
     limits = BatchLimits(spec.num_reqs, spec.num_tokens, max(spec.seq_lens))
@@ -88,6 +97,32 @@ def parts(spec: kernels.CaseSpec, shape: kernels.Shape, device: torch.device) ->
         if rows_plan is not None:
             impl._attend_rows(query, k, v, md, rows_plan, mods, config, output, None)
 
+    # The kernels alone: their queries as the calls above leave them in the workspace.
+    kernel_calls = []
+    if decode_plan is not None:
+        q = md.workspace.get(
+            "decode_query",
+            (decode_plan.batch, shape.num_kv_heads, impl.group, shape.head_size),
+            query.dtype,
+            device,
+        )
+        kernel_calls.append(
+            (flex._compiled_attend((*config, "decode"), False), flex._static_dims(q, (1, 2, 3)),
+             decode_plan)
+        )  # fmt: skip
+    if rows_plan is not None:
+        q = md.workspace.get(
+            "query", (shape.num_kv_heads, rows_plan.num_rows, shape.head_size), query.dtype, device
+        )
+        kernel_calls.append(
+            (flex._compiled_attend(config, False), flex._as_kernel_rows(q[None], device),
+             rows_plan)
+        )  # fmt: skip
+
+    def kernels_alone(slot: int) -> None:
+        for compiled, q, plan in kernel_calls:
+            compiled(q, k, v, plan.block_mask, masks.score_mod(mods, plan), 1.0)
+
     peer = kernels.prepare_flex(data)
     # The parts compute the same attention: the forward's output against the direct call's
     # (checked before anything is timed), and the attention calls alone against the forward.
@@ -110,6 +145,7 @@ def parts(spec: kernels.CaseSpec, shape: kernels.Shape, device: torch.device) ->
         "attention calls with their query and output copies ("
         + ", ".join(x for x in layouts if x)
         + ")": attend,
+        "the compiled kernels alone (queries already in their layout)": kernels_alone,
         "FlexAttention directly (kernels.prepare_flex)": peer.run,
     }
 

@@ -22,13 +22,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from anyattn import selector
 from anyattn.backends import flex_attention
+from anyattn.backends import flex_attention_masks as masks
 from anyattn.backends import flex_attention_plan as plan
 from anyattn.backends.flex_attention import (
     FlexAttentionBackend,
     FlexAttentionImpl,
     FlexAttentionMetadataBuilder,
-    _make_plan,
 )
+from anyattn.backends.flex_attention_masks import make_rows_plan
 from anyattn.config import AttentionSelectorConfig, AttentionSpec, BatchLimits
 from anyattn.metadata import make_common_attn_metadata
 from anyattn.registry import AttentionBackendEnum
@@ -173,6 +174,41 @@ def test_steps_of_other_sizes_do_not_recompile():
     _assert_recompiles_bounded("cpu", torch.float32)
 
 
+@needs_flex
+def test_decode_queries_do_not_tie_the_batch_to_the_callers_tensor(monkeypatch):
+    """The decode layout's first call has 8 decodes of 8 query heads; the next 10 decodes
+    reuse its graph. (Passing a view of the caller's query, as an earlier version did when no
+    padding was needed, made torch.compile guard on that tensor's sizes: 8 heads == 8 decodes,
+    then a recompile.) Traced with an eager backend that counts graphs: no Inductor needed."""
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(flex_attention._attend, dynamic=True, fullgraph=True, backend=counting)
+    monkeypatch.setattr(flex_attention, "_compiled_attend", lambda config, with_lse: compiled)
+    torch._dynamo.reset()
+    heads, kv_heads, size = 8, 2, 16
+    impl = FlexAttentionImpl(heads, size, 0.25, kv_heads)
+    spec = AttentionSpec(16, kv_heads, size, torch.float32)
+    builder = FlexAttentionMetadataBuilder(spec, ["l"], BatchLimits(64, 4096, 4096), "cpu")
+    cpu = torch.device("cpu")
+    for n in (8, 10):
+        seq_lens = list(range(5, 5 + n))
+        table = (torch.arange(n * 4) + 1).int().view(n, 4)
+        md = builder.build(0, make_common_attn_metadata([1] * n, seq_lens, table, 16))
+        decode_plan, rows_plan = impl._plans(md, False, cpu)
+        assert rows_plan is None and decode_plan.batch == n
+        shape = (kv_heads, md.kv_rows_padded, size)
+        k, v = (md.workspace.get(name, shape, torch.float32, cpu)[None] for name in "kv")
+        query = torch.randn(n, heads, size)
+        output = torch.zeros_like(query)
+        mods = impl._mods_on(cpu)
+        impl._attend_decodes(query, k, v, md, decode_plan, mods, ("cpu",), output, None)
+    assert len(graphs) == 1
+
+
 def test_buckets_are_few_and_never_tie_rows_to_keys():
     rows = {plan.pad_rows(n) for n in range(1, 1 << 16, 7)}
     assert len(rows) <= 6 + 8 * 3  # powers of two to 8192, then eighths of each octave
@@ -304,7 +340,7 @@ def test_plan_tensors_exactly():
     md = _builder().build(0, _plan_batch())
     layout, num_keys = md.layout, md.kv_rows_padded
     for causal, window, group, has_sink in _PLAN_SETTINGS:
-        made = _make_plan(md, causal, window, group, has_sink, torch.device("cpu"))
+        made = make_rows_plan(md, causal, window, group, has_sink, torch.device("cpu"))
         lo = plan.window_lo(layout, window)
         hi = layout.hi_causal if causal else layout.hi_full
         num_rows, used = made.num_rows, md.num_actual_tokens * group
@@ -324,7 +360,7 @@ def test_plan_tensors_exactly():
         expected = (*_block_lists_reference(partial), *_block_lists_reference(full))
         for tensor, want in zip(lists, expected, strict=True):
             assert tensor.dtype == torch.int32 and np.array_equal(tensor.numpy(), want)
-        # Inductor's CPU template fails on tensors at symbolic storage offsets (see _make_plan)
+        # Inductor's CPU template fails on tensors at symbolic storage offsets (see make_rows_plan)
         assert all(t.storage_offset() == 0 for t in (*lists, made.q_key_pos, made.group_index))
 
 
@@ -334,13 +370,13 @@ def test_plan_off_the_cpu_copies_one_host_buffer():
     md = _builder().build(0, _plan_batch())
     for causal, window, group, has_sink in _PLAN_SETTINGS:
         with RecordOps() as seen:
-            made = _make_plan(md, causal, window, group, has_sink, torch.device("meta"))
+            made = make_rows_plan(md, causal, window, group, has_sink, torch.device("meta"))
         # the host buffer, then one copy per tensor (the compute_q fallback transposes the
         # lists too)
-        if flex_attention._FROM_KV_BLOCKS_TAKES_COMPUTE_Q:
+        if masks.FROM_KV_BLOCKS_TAKES_COMPUTE_Q:
             assert seen.ops == ["aten.empty.memory_format"] + ["aten._to_copy.default"] * 8
         tensors = (*_block_mask_lists(made.block_mask), made.q_key_pos, made.group_index)
-        on_cpu = _make_plan(md, causal, window, group, has_sink, torch.device("cpu"))
+        on_cpu = make_rows_plan(md, causal, window, group, has_sink, torch.device("cpu"))
         want = (*_block_mask_lists(on_cpu.block_mask), on_cpu.q_key_pos, on_cpu.group_index)
         assert [t.shape for t in tensors] == [t.shape for t in want]
         assert all(t.device.type == "meta" and t.dtype == torch.int32 for t in tensors)
@@ -380,7 +416,7 @@ def test_lay_out_step_exactly():
 def test_decode_batches_are_padded_to_sizes_of_their_own(group):
     for n in range(0, 300):
         padded = plan.pad_decodes(n, group)
-        assert padded >= max(n, 2) and padded % 2 == 0 and padded - n <= 4
+        assert padded >= max(n, 2) and padded % 2 == 0 and padded - n <= 5
         # never size 1, the query length, the tile size or a key tile count (odd): sizes
         # torch.compile would specialise or tie to the batch
         assert padded not in (1, group, plan.TILE)
@@ -388,12 +424,12 @@ def test_decode_batches_are_padded_to_sizes_of_their_own(group):
 
 
 def _decode_tiles_brute(lo, hi, has_sink, key_tiles):
-    """`(partial, full)` bool `[batch, key_tiles]`: entry b keeps rows lo[b] ... hi[b] (and row
-    0 with a sink, when it keeps anything); a full tile keeps all its rows, tile 0 never."""
+    """`(partial, full)` bool `[batch, key_tiles]`: entry b keeps rows lo[b] ... hi[b] (none
+    when lo > hi), and row 0 with a sink; a full tile keeps all its rows, tile 0 never."""
     keep = np.zeros((lo.shape[0], key_tiles * plan.TILE), dtype=bool)
     for b in range(lo.shape[0]):
         keep[b, lo[b] : hi[b] + 1] = True
-        keep[b, 0] |= has_sink and lo[b] <= hi[b]
+        keep[b, 0] |= has_sink
     tiles = keep.reshape(lo.shape[0], key_tiles, plan.TILE)
     full = tiles.all(axis=2)
     full[:, 0] = False
@@ -406,7 +442,8 @@ def _decode_tiles_brute(lo, hi, has_sink, key_tiles):
     has_sink=st.booleans(),
 )
 def test_decode_block_lists_match_the_brute_force(ranges, has_sink):
-    # (first kept row, kept rows - 1); -1: an entry that keeps nothing (batch padding)
+    # (first kept row, kept rows - 1); -1: an entry that keeps nothing (batch padding, or a
+    # cross attention without encoder keys)
     lo = np.array([first for first, _ in ranges], dtype=np.int32)
     hi = np.array([first + extra for first, extra in ranges], dtype=np.int32)
     key_tiles = int(hi.max() // plan.TILE + 2)
@@ -650,12 +687,12 @@ def test_other_head_sizes_on_cuda(head_size, dtype):
         assert result.passed, result
 
 
-@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize(
     ("query_lens", "num_decodes"),
     [((1, 1, 1), 3), ((1, 1, 37, 1, 200), 2), ((37, 1, 1), 0), ((1, 200), 1)],
 )
-def test_leading_decodes_take_the_decode_layout_on_cuda(query_lens, num_decodes):
+def test_leading_decodes_take_the_decode_layout(query_lens, num_decodes, device):
     """Each leading single-token request is one batch entry of the decode layout; the other
     tokens go to the folded rows (the kit checks the numbers: it orders decodes first)."""
     gen = torch.Generator().manual_seed(1)
@@ -666,13 +703,13 @@ def test_leading_decodes_take_the_decode_layout_on_cuda(query_lens, num_decodes)
         )
     ]
     table = (torch.randperm(40 * len(seq_lens), generator=gen) + 1).int().view(len(seq_lens), 40)
-    cm = make_common_attn_metadata(list(query_lens), seq_lens, table, 16, device="cuda")
+    cm = make_common_attn_metadata(list(query_lens), seq_lens, table, 16, device=device)
     spec = AttentionSpec(16, 2, 64, torch.bfloat16)
-    builder = FlexAttentionMetadataBuilder(spec, ["layer.0"], BatchLimits(64, 4096, 4096), "cuda")
+    builder = FlexAttentionMetadataBuilder(spec, ["layer.0"], BatchLimits(64, 4096, 4096), device)
     assert builder.reorder_batch_threshold == 1  # the engine and the kit put decodes first
     md = builder.build(0, cm)
     impl = FlexAttentionImpl(8, 64, 0.125, 2)
-    decode_plan, rows_plan = impl._plans(md, False, torch.device("cuda"))
+    decode_plan, rows_plan = impl._plans(md, False, torch.device(device))
     assert md.layout.num_decodes == num_decodes
     if num_decodes:
         assert decode_plan.num_decodes == num_decodes
@@ -760,12 +797,12 @@ def test_plan_copies_one_pinned_buffer_on_cuda():
     md = builder.build(0, cm_cuda)
     for causal, window, group, has_sink in _PLAN_SETTINGS:
         with RecordOps("cuda") as seen:
-            made = _make_plan(md, causal, window, group, has_sink, torch.device("cuda"))
+            made = make_rows_plan(md, causal, window, group, has_sink, torch.device("cuda"))
         copies = [op for op in seen.ops if "copy" in op]
         assert copies == ["aten._to_copy.default"] * 8, seen.ops
-        if flex_attention._FROM_KV_BLOCKS_TAKES_COMPUTE_Q:  # (else it transposes the lists)
+        if masks.FROM_KV_BLOCKS_TAKES_COMPUTE_Q:  # (else it transposes the lists)
             assert len(seen.ops) == 8, seen.ops
-        want = _make_plan(md_cpu, causal, window, group, has_sink, torch.device("cpu"))
+        want = make_rows_plan(md_cpu, causal, window, group, has_sink, torch.device("cpu"))
         tensors, want_tensors = (
             (*_block_mask_lists(p.block_mask), p.q_key_pos, p.group_index) for p in (made, want)
         )

@@ -11,16 +11,17 @@ How a step is laid out for the kernel (the plan, built from the CPU mirrors only
   NHD or HND, fp8 dequantised on the way) with `ops.gather_kv_rows`: one Triton launch on
   CUDA, which reads the block table and the device `seq_lens` directly, so no per-key index
   array is ever made and the builder does no device work at all. Row 0 is reserved (the sink
-  slot, K = V = 0); request r's keys follow at `key_start[r] ...`. Encoder attention copies
-  the step's own key/value there.
-- Decodes (CUDA): the builder asks for decodes first (`reorder_batch_threshold` 1), and the
+  slot: V = 0; its key's score is replaced by the sink logit or masked, so K row 0 is not
+  cleared: it holds zeros or earlier finite keys); request r's keys follow at
+  `key_start[r] ...`. Encoder attention copies the step's own key/value there.
+- Decodes: the builder asks for decodes first (`reorder_batch_threshold` 1), and the
   step's leading single-token requests take the decode layout: batch entry b is request b,
-  its query rows are its G query heads of one KV head (`[batch, KVH, G, D]`, a view of the
-  query), and its block lists name only its own key tiles, so FlexAttention's decoding kernel
-  reads each request's keys once. (Folded into the rows below instead, a 128-row tile held
-  128 / G requests and visited all their keys for every row: 6.7 ms where this takes 0.37 ms,
-  64 x 4096 on an H200.) Inductor's CPU template does not compile this layout (torch 2.13):
-  on the CPU every token goes to the rows.
+  its query rows are its G query heads of one KV head (`[batch, KVH, G, D]`, the query's own
+  layout, copied into a buffer of the padded batch), and its block lists name only its own key
+  tiles, so FlexAttention's decoding kernel reads each request's keys once. (Folded into the
+  rows below instead, a 128-row tile held 128 / G requests and visited all their keys for every
+  row: for 64 x 4096 on an H200 the attention took 3.3 ms there, with the other fixes below,
+  and 0.37 ms here.)
 - Other tokens: GQA is folded into the rows. The kernel sees one head per KV head and
   `rows = num_tokens * G` (G = query heads per KV head), row `t * G + g` being token t's g-th
   query head, so the G heads of a token share one tile of keys.
@@ -28,7 +29,7 @@ How a step is laid out for the kernel (the plan, built from the CPU mirrors only
   (causal: `hi` is the token's own position; non-causal: the request's last key; a window of W
   raises `lo`). The `BlockMask` (128 x 128 tiles, partial and full tiles apart) is computed
   with numpy from those bounds; tiles no row needs are skipped by the kernel. It is made by the
-  first layer of a step that needs it and shared by the others.
+  first layer of a step that needs it and shared by the others (`flex_attention_masks`).
 - Score mods: the scale, soft cap `cap * tanh(s / cap)`, then ALiBi `s + slope * (j - p)`; a
   sink is the reserved key 0, whose score is the sink logit and whose value is zero, so it
   enters the denominator only (and the LSE, as DESIGN.md asks). Which mods a layer has is
@@ -43,22 +44,25 @@ batch counts are padded to buckets (`flex_attention_plan.pad_rows`, `pad_keys`,
 recompile, whatever the batch and sequence lengths (tests/backends/test_flex_attention.py
 counts it). On CUDA the kernel's inputs are set up so that dynamic shapes cost nothing: K and V
 each at storage offset 0 (alignment provable) and rows given as `[tiles, 128]` (lengths known
-multiples of the kernel's blocks); before, the same kernel took 1.2-1.8x as long as with static
+multiples of the kernel's blocks); before, the same kernel took 1.8-2.0x as long as with static
 shapes.
 
 First-call cost on the CPU, measured on a 2-core x86 machine with torch 2.13: about 40 s for
 the first configuration of a cold process (Inductor's start-up and precompiled header
-included; about 34 s with a warm header), 7-8 s for each further configuration; later steps of
-a compiled configuration cost only their run. Inductor's on-disk caches (TORCHINDUCTOR_CACHE_DIR)
+included; about 34 s with a warm header), 7-8 s for each further configuration (the decode
+layout and the folded rows are two configurations); later steps of a compiled configuration
+cost only their run. Inductor's on-disk caches (TORCHINDUCTOR_CACHE_DIR)
 shorten later processes.
 
 Speed on an H200 (benchmarks/RESULTS.md, torch 2.11, bf16, 32 / 8 heads of 128): this is the
 portable backend, not the fastest. Against FlexAttention called directly on keys already laid
 out (what a user of the library would write for the same batch): prefill 4 x 4096 1.22x, decode
 64 x 4096 3.38x (0.90 ms; FLASHINFER 0.25 ms), a mixed batch 0.35x (the direct call's
-document mask over a mixed batch has the folded rows' problem). The gap is copies: each layer
-copies every request's keys out of the paged cache (0.54 ms of the decode case, at the H200's
-memory bandwidth) and the queries into and the output out of the kernel's layout.
+document mask over a mixed batch has the folded rows' problem: not a like-for-like pair). Most
+of the gap is copies: each layer copies every request's keys out of the paged cache (0.54 ms
+of the decode case, at the H200's memory bandwidth) and the queries into and the output out of
+the kernel's layout; and the decoding kernel compiled for dynamic shapes runs about 1.35x the
+time of the same kernel compiled for the case's static shapes.
 
 Limits, all declared: LSE output only on CUDA (Inductor's CPU template has no LSE); no cascade;
 sliding window only causal (as TORCH); head sizes multiples of 16 up to 256 (Triton's dot
@@ -69,7 +73,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import itertools
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -83,19 +86,14 @@ from anyattn.backend import (
     AttentionLayer,
     AttentionMetadataBuilder,
 )
-from anyattn.backends.flex_attention_plan import (
-    TILE,
-    StepLayout,
-    TileRuns,
-    block_lists,
-    decode_block_lists,
-    lay_out_owned,
-    pad_decodes,
-    pad_keys,
-    pad_rows,
-    tile_runs,
-    window_lo,
+from anyattn.backends.flex_attention_masks import (
+    DecodePlan,
+    RowsPlan,
+    make_decode_plan,
+    make_rows_plan,
+    score_mod,
 )
+from anyattn.backends.flex_attention_plan import TILE, StepLayout, lay_out_owned, pad_keys
 from anyattn.impl_args import check_forward_inputs, layer_kv_scale
 from anyattn.metadata import CommonAttentionMetadata
 from anyattn.ops.gather_kv_rows import MAX_NUM_REQS, gather_kv_rows
@@ -238,41 +236,6 @@ class _Workspace:
 
 
 @dataclass
-class _Plan:
-    """What one (causal, window, G, sink) combination of a step needs on the device, for the
-    folded rows of tokens `first_token ...` (the tokens the decode layout leaves)."""
-
-    first_token: int
-    num_rows: int
-    block_mask: object  # its mask_mod reads the first / last kept key of each row
-    q_key_pos: torch.Tensor  # int32 [num_rows]: the row's own position, key coordinates
-    group_index: torch.Tensor  # int32 [num_rows]: query head within its KV head's group
-
-    def position(self, b, q_idx):
-        return self.q_key_pos[q_idx]
-
-    def head(self, q_idx):
-        return self.group_index[q_idx]
-
-
-@dataclass
-class _DecodePlan:
-    """The same for the decode layout (CUDA): batch entry b is request b, a single-token
-    request at the front of the batch; its query rows are its query heads of one KV head."""
-
-    num_decodes: int
-    batch: int  # num_decodes padded (`pad_decodes`)
-    block_mask: object  # its mask_mod reads the first / last kept key of each entry
-    q_key_pos: torch.Tensor  # int32 [batch]: the token's own position, key coordinates
-
-    def position(self, b, q_idx):
-        return self.q_key_pos[b]
-
-    def head(self, q_idx):
-        return q_idx
-
-
-@dataclass
 class FlexAttentionMetadata:
     """What `FlexAttentionImpl.forward` needs for one step.
 
@@ -310,8 +273,8 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
 
     `build` launches nothing on the device either: its host work is a few numpy calls over the
     requests (on the per-step path of every engine step), and the device tensors it passes on
-    (block table, key lengths) are the common metadata's own. No batch reordering is needed:
-    one kernel call covers decodes and prefills alike.
+    (block table, key lengths) are the common metadata's own. It asks for decodes first
+    (`reorder_batch_threshold` 1): they take the decode layout, one batch entry each.
     """
 
     _cudagraph_support = AttentionCGSupport.NEVER
@@ -325,7 +288,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
                 "Lower BatchLimits.max_num_reqs."
             )
         self._workspace = _Workspace()
-        # Decodes first: on CUDA they take the decode layout (see the module docstring).
+        # Decodes first: they take the decode layout (see the module docstring).
         self._init_reorder_batch_threshold(1)
 
     def build(
@@ -384,209 +347,11 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
         )
 
 
-def _make_plan(
-    md: FlexAttentionMetadata,
-    causal: bool,
-    window: int | None,
-    group: int,
-    has_sink: bool,
-    device: torch.device,
-    first_token: int = 0,
-) -> _Plan:
-    """Per-row key bounds and the BlockMask for one (causal, window, group, sink) combination,
-    over the tokens from `first_token` on (which start a request)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    layout, t0 = md.layout, first_token
-    lo = window_lo(layout, window)[t0:]
-    hi = (layout.hi_causal if causal else layout.hi_full)[t0:]
-    q_start = layout.query_start_loc
-    # the requests from token t0 on (t0 is 0 or the count of leading single-token requests)
-    q_start = q_start[t0:] - q_start[t0] if t0 else q_start
-    num_rows = pad_rows((md.num_actual_tokens - t0) * group)
-    shape = (num_rows // TILE, md.kv_rows_padded // TILE)
-    runs = tile_runs(lo, hi, q_start, group, has_sink)
-    tensors = _plan_tensors(lo, hi, layout.q_key_pos[t0:], group, num_rows, runs, shape, device)
-    row_lo, row_hi, q_key_pos, group_index, *lists = tensors
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        keep = (kv_idx >= row_lo[q_idx]) & (kv_idx <= row_hi[q_idx])
-        return keep | (kv_idx == 0) if has_sink else keep
-
-    for tensor in lists:
-        # Tile counts vary with the step: keep them symbolic so no step size recompiles.
-        torch._dynamo.mark_dynamic(tensor, 2)
-        if tensor.dim() == 4:
-            torch._dynamo.mark_dynamic(tensor, 3)
-    extra = {"compute_q_blocks": False} if _FROM_KV_BLOCKS_TAKES_COMPUTE_Q else {}
-    block_mask = BlockMask.from_kv_blocks(
-        *lists,
-        BLOCK_SIZE=TILE,
-        mask_mod=mask_mod,
-        seq_lengths=(num_rows, md.kv_rows_padded),
-        **extra,
-    )
-    return _Plan(
-        first_token=t0,
-        num_rows=num_rows,
-        block_mask=block_mask,
-        q_key_pos=q_key_pos,
-        group_index=group_index,
-    )
-
-
-def _make_decode_plan(
-    md: FlexAttentionMetadata,
-    causal: bool,
-    window: int | None,
-    group: int,
-    has_sink: bool,
-    device: torch.device,
-) -> _DecodePlan:
-    """The decode layout's key bounds and BlockMask for the step's leading single-token
-    requests (one batch entry each, padded to `pad_decodes`)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    layout = md.layout
-    n, key_tiles = layout.num_decodes, md.kv_rows_padded // TILE
-    batch = pad_decodes(n, group)
-    sizes = [batch] * 3 + [batch, batch * key_tiles] * 2
-
-    def fill(buffer: np.ndarray, sections: list[np.ndarray]) -> None:
-        lo, hi, pos = sections[:3]
-        lo[:n] = window_lo(layout, window)[:n]
-        hi[:n] = (layout.hi_causal if causal else layout.hi_full)[:n]
-        pos[:n] = layout.q_key_pos[:n]
-        lo[n:], hi[n:], pos[n:] = 1, 0, 0  # padding entries keep nothing
-        decode_block_lists(lo, hi, has_sink, key_tiles, out=tuple(sections[3:]))
-
-    entry_lo, entry_hi, q_key_pos, *lists = _host_sections(sizes, fill, device)
-    shapes = ((batch, 1, 1), (batch, 1, 1, key_tiles)) * 2
-    lists = [t.view(s) for t, s in zip(lists, shapes, strict=True)]
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        keep = (kv_idx >= entry_lo[b]) & (kv_idx <= entry_hi[b])
-        return keep | (kv_idx == 0) if has_sink else keep
-
-    for tensor in lists:
-        # Batch and tile counts vary with the step: symbolic, so no step size recompiles.
-        torch._dynamo.mark_dynamic(tensor, 0)
-        if tensor.dim() == 4:
-            torch._dynamo.mark_dynamic(tensor, 3)
-    block_mask = BlockMask.from_kv_blocks(
-        *lists,
-        BLOCK_SIZE=TILE,
-        mask_mod=mask_mod,
-        seq_lengths=(group, md.kv_rows_padded),
-        compute_q_blocks=False,
-    )
-    return _DecodePlan(num_decodes=n, batch=batch, block_mask=block_mask, q_key_pos=q_key_pos)
-
-
-# Sections of a plan's host buffer start at multiples of 16 int32 (64 bytes): Inductor's GPU
-# kernels assume aligned inputs (and copy misaligned ones first).
-_ALIGN = 16
-
-
-def _plan_tensors(
-    lo: np.ndarray,
-    hi: np.ndarray,
-    q_key_pos: np.ndarray,
-    group: int,
-    num_rows: int,
-    runs: tuple[TileRuns, TileRuns],
-    shape: tuple[int, int],
-    device: torch.device,
-) -> list[torch.Tensor]:
-    """int32 `row_lo, row_hi, q_key_pos, group_index [num_rows]`, then the partial and the full
-    tiles' `num_blocks [1, 1, row_tiles]` and `indices [1, 1, row_tiles, key_tiles]`.
-
-    On the per-step host path each torch op costs microseconds and each `pin_memory()` more, so
-    numpy writes them all into one host buffer (pinned from the start on a GPU). Every section
-    then becomes a tensor of its own at storage offset 0: on the CPU by `from_numpy` (no copy),
-    on a GPU by one non-blocking copy per section. Not views of one device buffer: each symbolic
-    storage offset is one more size symbol in the compiled kernel, and Inductor's CPU template,
-    which renames two of them by text substitution, fails to compile once one name is a prefix
-    of another (`ks1`, `ks17`; torch 2.13); the GPU kernels were verified with offset-0 inputs.
-    """
-    sizes = [num_rows] * 4 + [shape[0], shape[0] * shape[1]] * 2
-
-    def fill(buffer: np.ndarray, sections: list[np.ndarray]) -> None:
-        # (rows are a multiple of 256: the four row sections lie back to back)
-        _fill_rows(buffer[: 4 * num_rows].reshape(4, num_rows), lo, hi, q_key_pos, group)
-        for i, marked in enumerate(runs):
-            block_lists(marked, shape, out=(sections[4 + 2 * i], sections[5 + 2 * i]))
-
-    tensors = _host_sections(sizes, fill, device)
-    list_shapes = ((1, 1, shape[0]), (1, 1, *shape)) * 2
-    return [*tensors[:4], *(t.view(s) for t, s in zip(tensors[4:], list_shapes, strict=True))]
-
-
-def _host_sections(
-    sizes: list[int],
-    fill: Callable[[np.ndarray, list[np.ndarray]], None],
-    device: torch.device,
-) -> list[torch.Tensor]:
-    """int32 tensors of `sizes` on `device`, each at storage offset 0, written by
-    `fill(buffer, sections)` as numpy sections of one host buffer (pinned on a GPU: one
-    non-blocking copy per section). Sections start at multiples of `_ALIGN` int32."""
-    # the buffer's chunks: each section, then the padding that aligns the next one
-    chunks = [n for size in sizes for n in (size, -size % _ALIGN)]
-    host = torch.empty(sum(chunks), dtype=torch.int32, pin_memory=device.type == "cuda")
-    buffer = host.numpy()
-    starts = list(itertools.accumulate(chunks, initial=0))[:-1:2]
-    sections = [buffer[start : start + size] for start, size in zip(starts, sizes, strict=True)]
-    fill(buffer, sections)
-    if device.type == "cpu":
-        return [torch.from_numpy(section) for section in sections]
-    return [
-        host[start : start + size].to(device, non_blocking=True)
-        for start, size in zip(starts, sizes, strict=True)
-    ]
-
-
-def _fill_rows(
-    rows: np.ndarray, lo: np.ndarray, hi: np.ndarray, q_key_pos: np.ndarray, group: int
-) -> None:
-    """Writes int32 `rows [4, num_rows]`: each row's first and last kept key and its own
-    position (its token's, for the token's `group` rows; padding rows keep nothing: lo 1 >
-    hi 0, at position 0), then its query head within its KV head's group."""
-    num_tokens, num_rows = lo.shape[0], rows.shape[1]
-    used = num_tokens * group
-    per_token = np.array((lo, hi, q_key_pos), dtype=np.int32)
-    # (splitting the last axis of a slice gives a view: the writes land in `rows`)
-    per_row = rows[:3, :used].reshape(3, num_tokens, group)
-    if group <= 8:
-        # numpy's inner loop runs over the last axis: one long strided copy per query head
-        # beats a broadcast whose inner loop is `group` elements long.
-        for head in range(group):
-            per_row[:, :, head] = per_token
-    else:
-        per_row[:] = per_token[:, :, None]
-    rows[:3, used:] = ((1,), (0,), (0,))
-    whole = num_rows - num_rows % group
-    rows[3, :whole] = np.tile(np.arange(group, dtype=np.int32), whole // group)
-    rows[3, whole:] = np.arange(num_rows - whole)
-
-
-def _from_kv_blocks_takes_compute_q() -> bool:
-    import inspect
-
-    try:
-        from torch.nn.attention.flex_attention import BlockMask
-    except ImportError:
-        return False
-    return "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
-
-
-# Without it, from_kv_blocks also builds the transposed (backward-only) lists on the device.
-_FROM_KV_BLOCKS_TAKES_COMPUTE_Q = _from_kv_blocks_takes_compute_q()
-
-
 # The compiled templates take K and V (and the folded query rows) on CUDA as tiles,
 # `[1, KVH, tiles, TILE, D]`, and flatten them: the row count `tiles * TILE` is then a known
 # multiple of the kernel's blocks under dynamic shapes, and Inductor drops the bounds checks
-# it needs for an arbitrary length (1.2-1.8x faster on an H200; benchmarks/RESULTS.md).
+# it needs for an arbitrary length (1.14-1.42x faster on an H200, and 1.8-1.9x with K and V
+# at storage offset 0; benchmarks/RESULTS.md).
 
 
 def _attend(query, key, value, block_mask, score_mod, scale):
@@ -745,26 +510,28 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         return output
 
     def _attend_decodes(
-        self, query, k, v, md, plan: _DecodePlan, mods, config, output, output_lse
+        self, query, k, v, md, plan: DecodePlan, mods, config, output, output_lse
     ) -> None:
         """The decode layout: tokens `0 ... num_decodes - 1`, one batch entry each."""
         n, kv_heads, group, size = plan.num_decodes, self.num_kv_heads, self.group, self.head_size
-        # query [n, H, D] is [n, KVH, G, D] already: batch entry, KV head, its query heads
-        q = query[:n].view(n, kv_heads, group, size)
-        if plan.batch != n:
-            padded = plan.batch, kv_heads, group, size
-            q = md.workspace.get("decode_query", padded, query.dtype, query.device)
-            q[:n].copy_(query[:n].view(n, kv_heads, group, size))
+        # query [n, H, D] is [n, KVH, G, D] already: batch entry, KV head, its query heads.
+        # Copied into a buffer of the padded batch all the same: a view of the caller's query
+        # would have torch.compile guard on that tensor's sizes too, and recompile.
+        padded = plan.batch, kv_heads, group, size
+        q = md.workspace.get("decode_query", padded, query.dtype, query.device)
+        q[:n].copy_(query[:n].view(n, kv_heads, group, size))
         _static_dims(q, (1, 2, 3))
         attend = _compiled_attend((*config, "decode"), with_lse=output_lse is not None)
-        result = attend(q, k, v, plan.block_mask, _score_mod(mods, plan), 1.0)
+        result = attend(q, k, v, plan.block_mask, score_mod(mods, plan), 1.0)
         out, lse = result if output_lse is not None else (result, None)
         output[:n].view(n, kv_heads, group, size).copy_(out[:n])
         if lse is not None:
             # lse: [batch, KVH, G] -> [H, n]
             output_lse[:, :n].copy_(lse[:n].reshape(n, kv_heads * group).t())
 
-    def _attend_rows(self, query, k, v, md, plan: _Plan, mods, config, output, output_lse) -> None:
+    def _attend_rows(
+        self, query, k, v, md, plan: RowsPlan, mods, config, output, output_lse
+    ) -> None:
         """The folded rows: tokens `plan.first_token ...` of every KV head in one batch entry."""
         t0, n = plan.first_token, md.num_actual_tokens
         m, kv_heads, group, size = n - t0, self.num_kv_heads, self.group, self.head_size
@@ -775,7 +542,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         )
         attend = _compiled_attend(config, with_lse=output_lse is not None)
         q = _as_kernel_rows(q.unsqueeze(0), query.device)
-        result = attend(q, k, v, plan.block_mask, _score_mod(mods, plan), 1.0)
+        result = attend(q, k, v, plan.block_mask, score_mod(mods, plan), 1.0)
         out, lse = result if output_lse is not None else (result, None)
         # out: [1, KVH, rows, D] -> [m, H, D]
         output[t0:n].view(m, kv_heads, group, size).copy_(
@@ -789,21 +556,19 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
 
     def _plans(
         self, md: FlexAttentionMetadata, has_sink: bool, device: torch.device
-    ) -> tuple[_DecodePlan | None, _Plan | None]:
+    ) -> tuple[DecodePlan | None, RowsPlan | None]:
         """The step's plans for this layer's settings, made by the first layer that needs
-        them: the decode layout's for the leading single-token requests (CUDA only), the
-        folded rows' for the other tokens (None where there are none)."""
+        them: the decode layout's for the leading single-token requests, the folded rows' for
+        the other tokens (None where there are none)."""
         causal = md.causal and self.attn_type == AttentionType.DECODER
         key = ("plan", causal, self.sliding_window, self.group, has_sink, device)
         plans = md.step_cache.get(key)
         if plans is None:
             args = (md, causal, self.sliding_window, self.group, has_sink, device)
-            # Inductor's CPU template does not compile the decode layout (torch 2.13); the
-            # CPU keeps every token in the folded rows.
-            num_decodes = md.layout.num_decodes if device.type == "cuda" else 0
+            num_decodes = md.layout.num_decodes
             plans = md.step_cache[key] = (
-                _make_decode_plan(*args) if num_decodes else None,
-                _make_plan(*args, first_token=num_decodes)
+                make_decode_plan(*args) if num_decodes else None,
+                make_rows_plan(*args, first_token=num_decodes)
                 if num_decodes < md.num_actual_tokens
                 else None,
             )
@@ -819,7 +584,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's keys and values in workspace rows, `[KVH, kv_rows_padded, D]` each, of
-        the model dtype; row 0 is the sink slot (zeros)."""
+        the model dtype; row 0 is the sink slot (V zero, K not cleared)."""
         encoder = self.attn_type in _ENCODER_TYPES
         device = key.device if encoder else kv_cache.device
         # K and V in buffers of their own, each at storage offset 0: a symbolic offset (V's,
@@ -897,24 +662,3 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
                 "FlexAttention returns no LSE). Use the TORCH backend when LSEs are needed "
                 "on the CPU."
             )
-
-
-def _score_mod(mods: dict[str, torch.Tensor], plan: _Plan | _DecodePlan) -> Callable:
-    """Scale, soft cap, ALiBi, then the sink logit at key 0: DESIGN.md's order. `h` is the KV
-    head; the plan says which query head of its group and which position a row is."""
-    scale, soft_cap = mods["scale"], mods.get("soft_cap")
-    slopes, sinks = mods.get("alibi_slopes"), mods.get("sinks")
-    position, head = plan.position, plan.head
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        score = score * scale
-        if soft_cap is not None:
-            score = soft_cap * torch.tanh(score / soft_cap)
-        if slopes is not None:
-            # key position minus query position: both in workspace coordinates
-            score = score + slopes[h, head(q_idx)] * (kv_idx - position(b, q_idx))
-        if sinks is not None:
-            score = torch.where(kv_idx == 0, sinks[h, head(q_idx)], score)
-        return score
-
-    return score_mod

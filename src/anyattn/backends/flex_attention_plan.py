@@ -391,7 +391,8 @@ def decode_block_lists(
     query rows of one KV head), so its tiles are a run of consecutive key tiles: those wholly
     inside the range are full (no mask), the one or two at its ends partial, and with a sink
     key tile 0 (the sink slot, row 0, never inside a range) is partial too. An entry with
-    `lo > hi` (batch padding) visits nothing.
+    `lo > hi` keeps no key: it visits the sink tile alone, or nothing without a sink (as the
+    folded rows do: a token of a cross attention without encoder keys still sees the sink).
 
     Args:
         lo, hi: int `[batch]` first and last kept key row of each entry.
@@ -421,10 +422,11 @@ def decode_block_lists(
     # Partial candidates in increasing order: the sink tile, the first, the last tile.
     candidates = np.stack((np.zeros_like(first), first, last), axis=1)
     valid = np.empty((batch, 3), dtype=bool)
-    valid[:, 0] = has_sink & (first > 0)
     valid[:, 1] = (first < full_lo) | (num_full == 0)
     valid[:, 2] = (last > first) & ((last > full_hi) | (num_full == 0))
-    valid &= kept[:, None]
+    valid[:, 1:] &= kept[:, None]
+    # the sink tile, unless the entry's first tile is tile 0 already
+    valid[:, 0] = has_sink & ~(kept & (first == 0))
     part_num[:] = valid.sum(axis=1)
     part_idx[:] = np.arange(key_tiles)
     rows, cols = np.nonzero(valid)
