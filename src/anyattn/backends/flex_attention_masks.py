@@ -96,7 +96,6 @@ def make_rows_plan(
 ) -> RowsPlan:
     """Per-row key bounds and the BlockMask for one (causal, window, group, sink) combination,
     over the tokens from `first_token` on (which start a request)."""
-    from torch.nn.attention.flex_attention import BlockMask
 
     layout, t0 = md.layout, first_token
     lo = window_lo(layout, window)[t0:]
@@ -109,24 +108,9 @@ def make_rows_plan(
     runs = tile_runs(lo, hi, q_start, group, has_sink)
     tensors = _plan_tensors(lo, hi, layout.q_key_pos[t0:], group, num_rows, runs, shape, device)
     row_lo, row_hi, q_key_pos, group_index, *lists = tensors
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        keep = (kv_idx >= row_lo[q_idx]) & (kv_idx <= row_hi[q_idx])
-        return keep | (kv_idx == 0) if has_sink else keep
-
-    for tensor in lists:
-        # Tile counts vary with the step: keep them symbolic so no step size recompiles.
-        torch._dynamo.mark_dynamic(tensor, 2)
-        if tensor.dim() == 4:
-            torch._dynamo.mark_dynamic(tensor, 3)
-    extra = {"compute_q_blocks": False} if FROM_KV_BLOCKS_TAKES_COMPUTE_Q else {}
-    block_mask = BlockMask.from_kv_blocks(
-        *lists,
-        BLOCK_SIZE=TILE,
-        mask_mod=mask_mod,
-        seq_lengths=(num_rows, md.kv_rows_padded),
-        **extra,
-    )
+    # (row and key tile counts vary with the step)
+    seq_lengths = (num_rows, md.kv_rows_padded)
+    block_mask = _block_mask(lists, row_lo, row_hi, False, has_sink, seq_lengths, (2, 3))
     return RowsPlan(
         first_token=t0,
         num_rows=num_rows,
@@ -146,7 +130,6 @@ def make_decode_plan(
 ) -> DecodePlan:
     """The decode layout's key bounds and BlockMask for the step's leading single-token
     requests (one batch entry each, padded to `pad_decodes`)."""
-    from torch.nn.attention.flex_attention import BlockMask
 
     layout = md.layout
     n, key_tiles = layout.num_decodes, md.kv_rows_padded // TILE
@@ -164,28 +147,43 @@ def make_decode_plan(
     entry_lo, entry_hi, q_key_pos, *lists = _host_sections(sizes, fill, device)
     shapes = ((batch, 1, 1), (batch, 1, 1, key_tiles)) * 2
     lists = [t.view(s) for t, s in zip(lists, shapes, strict=True)]
+    # Batch and key tile counts vary with the step. (Marking the batch fails Inductor's CPU
+    # template (torch 2.13), where it is symbolic under dynamic=True all the same: the CPU
+    # recompile test counts it.)
+    dims = (0, 3) if device.type == "cuda" else (3,)
+    seq_lengths = (group, md.kv_rows_padded)
+    block_mask = _block_mask(lists, entry_lo, entry_hi, True, has_sink, seq_lengths, dims)
+    return DecodePlan(num_decodes=n, batch=batch, block_mask=block_mask, q_key_pos=q_key_pos)
+
+
+def _block_mask(
+    lists: list[torch.Tensor],
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    by_entry: bool,
+    has_sink: bool,
+    seq_lengths: tuple[int, int],
+    dynamic_dims: tuple[int, ...],
+):
+    """The BlockMask of tile `lists` (partial, then full: num_blocks and indices each) whose
+    mask_mod keeps keys `lo[i] ... hi[i]` (and key 0 with a sink), `i` the query row or, with
+    `by_entry`, the batch entry. `dynamic_dims` of the lists are marked symbolic for
+    torch.compile, so that no step size recompiles."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     def mask_mod(b, h, q_idx, kv_idx):
-        keep = (kv_idx >= entry_lo[b]) & (kv_idx <= entry_hi[b])
+        i = b if by_entry else q_idx
+        keep = (kv_idx >= lo[i]) & (kv_idx <= hi[i])
         return keep | (kv_idx == 0) if has_sink else keep
 
     for tensor in lists:
-        # Batch and tile counts vary with the step: symbolic, so no step size recompiles.
-        # (Marking the batch fails Inductor's CPU template (torch 2.13), where the batch is
-        # symbolic under dynamic=True all the same: the CPU recompile test counts it.)
-        if device.type == "cuda":
-            torch._dynamo.mark_dynamic(tensor, 0)
-        if tensor.dim() == 4:
-            torch._dynamo.mark_dynamic(tensor, 3)
+        for dim in dynamic_dims:
+            if dim < tensor.dim():
+                torch._dynamo.mark_dynamic(tensor, dim)
     extra = {"compute_q_blocks": False} if FROM_KV_BLOCKS_TAKES_COMPUTE_Q else {}
-    block_mask = BlockMask.from_kv_blocks(
-        *lists,
-        BLOCK_SIZE=TILE,
-        mask_mod=mask_mod,
-        seq_lengths=(group, md.kv_rows_padded),
-        **extra,
+    return BlockMask.from_kv_blocks(
+        *lists, BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=seq_lengths, **extra
     )
-    return DecodePlan(num_decodes=n, batch=batch, block_mask=block_mask, q_key_pos=q_key_pos)
 
 
 # Sections of a plan's host buffer start at multiples of 16 int32 (64 bytes): Inductor's GPU
