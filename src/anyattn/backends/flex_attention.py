@@ -62,7 +62,8 @@ document mask over a mixed batch has the folded rows' problem: not a like-for-li
 of the gap is copies: each layer copies every request's keys out of the paged cache (0.54 ms
 of the decode case, at the H200's memory bandwidth) and the queries into and the output out of
 the kernel's layout; and the decoding kernel compiled for dynamic shapes runs about 1.35x the
-time of the same kernel compiled for the case's static shapes.
+time of the same kernel compiled for the case's static shapes. On a 2-core CPU the decode
+layout took a 16 x 1024 decode step from 32.2 ms (folded rows) to 14.5 ms.
 
 Limits, all declared: LSE output only on CUDA (Inductor's CPU template has no LSE); no cascade;
 sliding window only causal (as TORCH); head sizes multiples of 16 up to 256 (Triton's dot
