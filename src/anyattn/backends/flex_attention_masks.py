@@ -6,8 +6,8 @@ FlexAttention reads for one (causal, window, G, sink) combination of a layer: th
 positions and query-head indices the score mods read, and the score mod itself. Two layouts:
 
 - `RowsPlan` (`make_rows_plan`): GQA folded into the rows, one batch entry per KV head of
-  every token from `first_token` on (prefills, chunks, encoder and cross attention, and on
-  the CPU or in a mixed order any decode not at the front).
+  every token from `first_token` on (prefills, chunks, encoder and cross attention, and any
+  decode not at the front of the batch).
 - `DecodePlan` (`make_decode_plan`): the step's leading single-token requests, one batch entry
   each, for FlexAttention's decoding kernel.
 
