@@ -5,9 +5,10 @@ FlexAttention reads for one (causal, window, G, sink) combination of a layer: th
 (its partial and full tile lists, and a mask_mod over per-row or per-entry key bounds), the
 positions and query-head indices the score mods read, and the score mod itself. Two layouts:
 
-- `RowsPlan` (`make_rows_plan`): GQA folded into the rows, one batch entry per KV head of
-  every token from `first_token` on (prefills, chunks, encoder and cross attention, and any
-  decode not at the front of the batch).
+- `RowsPlan` (`make_rows_plan`): one batch entry whose heads are the KV heads, GQA folded
+  into its rows (row `t * G + g`: token t's g-th query head), for every token from
+  `first_token` on (prefills, chunks, encoder and cross attention, and any decode not at the
+  front of the batch).
 - `DecodePlan` (`make_decode_plan`): the step's leading single-token requests, one batch entry
   each, for FlexAttention's decoding kernel.
 
