@@ -202,6 +202,11 @@ def test_replay_steps_rewrite_only_what_changed_and_stay_exact(monkeypatch, fa2_
         assert main.cu_seqlens_q.data_ptr() == first.cu_seqlens_q.data_ptr()
 
 
+def test_capture_sizes_beyond_max_num_reqs_are_refused():
+    with pytest.raises(ValueError, match=r"cudagraph_capture_sizes .* \[8\] with max_num_reqs=4"):
+        _builder(capture_sizes=(2, 8), max_num_reqs=4)
+
+
 def test_fa2_decode_layout_carries_cumulative_key_lengths(monkeypatch):
     install(monkeypatch, fa2())
     md = _builder(capture_sizes=(4,)).build(0, _decode_batch([40, 17, 3])[0])

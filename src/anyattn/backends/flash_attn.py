@@ -231,7 +231,10 @@ class FlashAttnPass:
 
 @dataclass
 class FlashAttentionMetadata:
-    """What `FlashAttentionImpl.forward` needs for one step.
+    """What `FlashAttentionImpl.forward` needs for one step. Read-only, tensors and passes
+    alike: in the CUDA-graph decode layout they are the builder's persistent buffers and one
+    pass per captured size, reused by every later step (the builder rewrites the query offsets
+    only when the batch changes).
 
     Attributes:
         num_actual_tokens: real tokens; output rows past it are untouched (eager).
@@ -287,6 +290,15 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             i.seq_lens_arg is None for i in versions.declared_interfaces()
         )
         self._max_blocks = -(-limits.max_model_len // self.block_size)
+        too_large = [s for s in limits.cudagraph_capture_sizes if s > limits.max_num_reqs]
+        if too_large:
+            # (the decode graphs' buffers hold max_num_reqs requests: a larger size would be
+            # cut to that silently)
+            raise ValueError(
+                "FlashAttentionMetadataBuilder: cudagraph_capture_sizes entries must be <= "
+                f"max_num_reqs for single-token decode graphs (got {too_large} with "
+                f"max_num_reqs={limits.max_num_reqs}). Drop those sizes or raise max_num_reqs."
+            )
         self._buffers: _DecodeBuffers | None = None  # made by the first decode-layout build
         # The decode layout's pass per (padded batch, causal): views of the buffers, made once
         # (slicing tensors and making dataclasses was most of a replay step's host time).
