@@ -29,6 +29,7 @@ import torch
 
 from anyattn.backends.flex_attention_plan import (
     TILE,
+    StepLayout,
     TileRuns,
     block_lists,
     decode_block_lists,
@@ -97,10 +98,8 @@ def make_rows_plan(
 ) -> RowsPlan:
     """Per-row key bounds and the BlockMask for one (causal, window, group, sink) combination,
     over the tokens from `first_token` on (which start a request)."""
-
     layout, t0 = md.layout, first_token
-    lo = window_lo(layout, window)[t0:]
-    hi = (layout.hi_causal if causal else layout.hi_full)[t0:]
+    lo, hi = (bound[t0:] for bound in _key_bounds(layout, causal, window))
     q_start = layout.query_start_loc
     # the requests from token t0 on (t0 is 0 or the count of leading single-token requests)
     q_start = q_start[t0:] - q_start[t0] if t0 else q_start
@@ -131,7 +130,6 @@ def make_decode_plan(
 ) -> DecodePlan:
     """The decode layout's key bounds and BlockMask for the step's leading single-token
     requests (one batch entry each, padded to `pad_decodes`)."""
-
     layout = md.layout
     n, key_tiles = layout.num_decodes, md.kv_rows_padded // TILE
     batch = pad_decodes(n, group)
@@ -139,8 +137,7 @@ def make_decode_plan(
 
     def fill(buffer: np.ndarray, sections: list[np.ndarray]) -> None:
         lo, hi, pos = sections[:3]
-        lo[:n] = window_lo(layout, window)[:n]
-        hi[:n] = (layout.hi_causal if causal else layout.hi_full)[:n]
+        lo[:n], hi[:n] = (bound[:n] for bound in _key_bounds(layout, causal, window))
         pos[:n] = layout.q_key_pos[:n]
         lo[n:], hi[n:], pos[n:] = 1, 0, 0  # padding entries keep nothing
         decode_block_lists(lo, hi, has_sink, key_tiles, out=tuple(sections[3:]))
@@ -155,6 +152,14 @@ def make_decode_plan(
     seq_lengths = (group, md.kv_rows_padded)
     block_mask = _block_mask(lists, entry_lo, entry_hi, True, has_sink, seq_lengths, dims)
     return DecodePlan(num_decodes=n, batch=batch, block_mask=block_mask, q_key_pos=q_key_pos)
+
+
+def _key_bounds(
+    layout: StepLayout, causal: bool, window: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each token's first and last kept key row (`[num_tokens]` each): the window raises the
+    first, causality picks the token's own position as the last."""
+    return window_lo(layout, window), layout.hi_causal if causal else layout.hi_full
 
 
 def _block_mask(
