@@ -1165,7 +1165,9 @@ def _version(distribution: str, module: str) -> str:
         return f"not importable ({type(e).__name__})"
 
 
-def header(device: torch.device, options: Options, argv: Sequence[str]) -> str:
+def header(
+    device: torch.device, options: Options, argv: Sequence[str], block_size: int = 16
+) -> str:
     props = torch.cuda.get_device_properties(device)
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     versions = (
@@ -1181,7 +1183,8 @@ def header(device: torch.device, options: Options, argv: Sequence[str]) -> str:
             f"{now}, {props.name} (sm{props.major}{props.minor}, "
             f"{props.multi_processor_count} SMs), {versions}.",
             f"Command: `python3 benchmarks/kernels.py {' '.join(argv)}`.",
-            "bf16, 32 query / 8 KV heads, head_size 128, block 16, K/V in shuffled blocks of a "
+            f"bf16, 32 query / 8 KV heads, head_size 128, block {block_size}, K/V in shuffled "
+            "blocks of a "
             "pool 1.5x the need (block 0 = null block), random data. Each contender is checked "
             "against a float64 reference on a slice of rows, then timed: median of "
             f"{options.reps} calls timed one by one with CUDA events after {options.warmup} "
@@ -1206,6 +1209,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--peers",
         default=",".join(PEERS),
         help=f"direct library calls and bounds: {', '.join(PEERS)} (or 'none')",
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)"
     )
     parser.add_argument(
         "--torch-max-kv-tokens",
@@ -1240,9 +1246,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     device = torch.device("cuda")
     options = Options(2, 10, 3, 5, 50) if args.quick else Options()
-    shape = Shape()
+    shape = Shape(block_size=args.block_size)
     started = time.perf_counter()
-    print(header(device, options, argv) + "\n", flush=True)
+    print(header(device, options, argv, shape.block_size) + "\n", flush=True)
     contenders = make_contenders(args.backends, args.peers, args.torch_max_kv_tokens or None)
     tables = [s for s in ("decode", "prefill", "mixed") if s in args.only]
     compare_wrappers = "wrapper" in args.only

@@ -152,21 +152,34 @@ def _padded_shapes(case: Case) -> tuple[int, int]:
     return plan.pad_rows(case.spec.num_tokens * group), plan.pad_keys(1 + sum(case.spec.seq_lens))
 
 
+def _paged_graphs() -> int:
+    """Compiled functions of the paged decode (CUDA), one static graph each."""
+    return sum(1 for config, _ in flex_attention._COMPILED if "paged" in config)
+
+
 def _assert_recompiles_bounded(device: str, dtype: torch.dtype) -> None:
     cases = _step_cases()
     assert len({_padded_shapes(c) for c in cases}) >= 6, "steps must differ in padded size"
     first, *rest = cases
-    # The first step may compile (or reuse the kit's graph of the same configuration).
-    (result,) = run_case(FlexAttentionBackend, first, device, dtype)
-    assert result.passed, result
-    graphs = counters["stats"]["unique_graphs"]
+    # The first step may compile (or reuse the kit's graph of the same configuration). On
+    # CUDA its decodes read the cache in place, so the copying decode layout, which windowed
+    # layers take, gets a first step of its own.
+    warm_ups = [first]
+    if device == "cuda":
+        window = dataclasses.replace(first, name="sized/window_first", sliding_window=33)
+        warm_ups.append(window)
+    for case in warm_ups:
+        (result,) = run_case(FlexAttentionBackend, case, device, dtype)
+        assert result.passed, result
+    graphs, paged = counters["stats"]["unique_graphs"], _paged_graphs()
     for case in rest:
         (result,) = run_case(FlexAttentionBackend, case, device, dtype)
         assert result.passed, result
-    assert counters["stats"]["unique_graphs"] == graphs, (
-        f"{counters['stats']['unique_graphs'] - graphs} recompiles over {len(rest)} steps of "
-        "other sizes"
-    )
+    # On CUDA the paged decode compiles one static graph per batch bucket and cache geometry
+    # (each kit case has a cache of its own); nothing else may compile again.
+    new_paged = _paged_graphs() - paged
+    recompiles = counters["stats"]["unique_graphs"] - graphs - new_paged
+    assert recompiles == 0, f"{recompiles} recompiles over {len(rest)} steps of other sizes"
 
 
 @needs_flex

@@ -94,6 +94,12 @@ from anyattn.backends.flex_attention_masks import (
     make_rows_plan,
     score_mod,
 )
+from anyattn.backends.flex_attention_paged import (
+    PagedDecodePlan,
+    PagedKV,
+    make_paged_decode_plan,
+    paged_kv_views,
+)
 from anyattn.backends.flex_attention_plan import TILE, StepLayout, lay_out_owned, pad_keys
 from anyattn.impl_args import check_forward_inputs, layer_kv_scale
 from anyattn.metadata import CommonAttentionMetadata
@@ -384,7 +390,9 @@ def _attend_with_lse(query, key, value, block_mask, score_mod, scale):
 _COMPILED: dict[tuple, Callable] = {}
 
 
-def _compiled_attend(config: tuple, with_lse: bool) -> Callable:
+def _compiled_attend(config: tuple, with_lse: bool, dynamic: bool = True) -> Callable:
+    """The compiled attention call of `config`; `dynamic=False` compiles for the exact shapes
+    of its first call (`config` must then name them all: one graph per code object)."""
     fn = _COMPILED.get((config, with_lse))
     if fn is None:
         template = _attend_with_lse if with_lse else _attend
@@ -392,7 +400,7 @@ def _compiled_attend(config: tuple, with_lse: bool) -> Callable:
         name = f"{template.__name__}_{len(_COMPILED)}"
         code = template.__code__.replace(co_name=name, co_qualname=name)
         copy = types.FunctionType(code, template.__globals__, name)
-        fn = _COMPILED[(config, with_lse)] = torch.compile(copy, dynamic=True, fullgraph=True)
+        fn = _COMPILED[(config, with_lse)] = torch.compile(copy, dynamic=dynamic, fullgraph=True)
     return fn
 
 
@@ -412,6 +420,18 @@ def _as_kernel_rows(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
         return rows
     _, heads, num_rows, size = rows.shape
     return _static_dims(rows.view(1, heads, num_rows // TILE, TILE, size), (0, 1, 3, 4))
+
+
+def _soft_cap(mods: dict[str, torch.Tensor]) -> Callable | None:
+    """The soft cap alone as a score mod (FlexAttention applies the scale before it)."""
+    cap = mods.get("soft_cap")
+    if cap is None:
+        return None
+
+    def soft_cap(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    return soft_cap
 
 
 class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
@@ -461,6 +481,16 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
             self._mods["alibi_slopes"] = slopes.view(shape)
         if sinks is not None:
             self._mods["sinks"] = sinks.detach().float().view(shape)
+        # Decodes may read the cache in place (flex_attention_paged) when no score or mask
+        # needs a key's position and the cache holds the model dtype.
+        self._may_read_in_place = (
+            self.attn_type == AttentionType.DECODER
+            and alibi_slopes is None
+            and sinks is None
+            and sliding_window is None
+            and not is_fp8_cache(self.kv_cache_dtype)
+        )
+        self._paged: tuple[torch.Tensor, PagedKV | None] | None = None
 
     def _mods_on(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The score-mod tensors on `device` (moved once, then kept)."""
@@ -496,19 +526,64 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
             return output
         device = query.device
         mods = self._mods_on(device)
-        decode_plan, plan = self._plans(md, "sinks" in mods, device)
+        paged = self._in_place(kv_cache, md, query.dtype)
+        decode_plan, plan = self._plans(md, "sinks" in mods, device, paged)
+        config = (device.type, query.dtype, self.head_size, self.num_kv_heads, *sorted(mods))
+        if isinstance(decode_plan, PagedDecodePlan):
+            self._attend_paged_decodes(query, paged, md, decode_plan, mods, config, output,
+                                       output_lse)  # fmt: skip
+            if plan is None:
+                return output  # a decode step: no key is copied
         # K, V: [1, KVH, kv_rows, D] (tiled on CUDA), contiguous at storage offset 0 each
-        # (strides tied to sizes, as torch.compile likes; an offset would be one more symbol)
+        # (strides tied to sizes, as torch.compile likes; an offset would be one more symbol).
+        # Decodes read in place need none of their keys copied.
+        skip = decode_plan.num_decodes if isinstance(decode_plan, PagedDecodePlan) else 0
         k, v = (
             _as_kernel_rows(x.unsqueeze(0), device)
-            for x in self._load_kv(layer, key, value, kv_cache, md, query.dtype)
+            for x in self._load_kv(layer, key, value, kv_cache, md, query.dtype, skip)
         )
-        config = (device.type, query.dtype, self.head_size, self.num_kv_heads, *sorted(mods))
-        if decode_plan is not None:
+        if decode_plan is not None and skip == 0:
             self._attend_decodes(query, k, v, md, decode_plan, mods, config, output, output_lse)
         if plan is not None:
             self._attend_rows(query, k, v, md, plan, mods, config, output, output_lse)
         return output
+
+    def _in_place(
+        self, kv_cache: torch.Tensor, md: FlexAttentionMetadata, dtype: torch.dtype
+    ) -> PagedKV | None:
+        """The cache's in-place views when this step's decodes can read it there (CUDA, a
+        layer without positional mods, the model dtype; see flex_attention_paged), else None.
+        Made once per cache."""
+        if not (
+            self._may_read_in_place
+            and md.layout.num_decodes
+            and kv_cache.device.type == "cuda"
+            and kv_cache.dtype == dtype
+        ):
+            return None
+        if self._paged is None or self._paged[0] is not kv_cache:
+            self._paged = (kv_cache, paged_kv_views(kv_cache))
+        return self._paged[1]
+
+    def _attend_paged_decodes(
+        self, query, paged: PagedKV, md, plan: PagedDecodePlan, mods, config, output, output_lse
+    ) -> None:
+        """Tokens `0 ... num_decodes - 1`, one batch entry each, over the cache in place."""
+        n, kv_heads, group, size = plan.num_decodes, self.num_kv_heads, self.group, self.head_size
+        padded = plan.batch, kv_heads, group, size
+        q = md.workspace.get("decode_query", padded, query.dtype, query.device)
+        q[:n].copy_(query[:n].view(n, kv_heads, group, size))
+        # Compiled for this batch bucket, block table width and cache geometry alone (the
+        # decoding kernel needs a static batch); the scale is baked in, as FlexAttention's own.
+        shapes = (plan.batch, md.block_table.shape[1], paged.key.shape, paged.key.stride())
+        static = (*config, "paged", *shapes, paged.value.storage_offset(), self.scale)
+        attend = _compiled_attend(static, with_lse=output_lse is not None, dynamic=False)
+        result = attend(q, paged.key, paged.value, plan.block_mask, _soft_cap(mods), self.scale)
+        out, lse = result if output_lse is not None else (result, None)
+        output[:n].view(n, kv_heads, group, size).copy_(out[:n])
+        if lse is not None:
+            # lse: [batch, KVH, G] -> [H, n]
+            output_lse[:, :n].copy_(lse[:n].reshape(n, kv_heads * group).t())
 
     def _attend_decodes(
         self, query, k, v, md, plan: DecodePlan, mods, config, output, output_lse
@@ -556,19 +631,31 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
             )
 
     def _plans(
-        self, md: FlexAttentionMetadata, has_sink: bool, device: torch.device
-    ) -> tuple[DecodePlan | None, RowsPlan | None]:
+        self,
+        md: FlexAttentionMetadata,
+        has_sink: bool,
+        device: torch.device,
+        paged: PagedKV | None = None,
+    ) -> tuple[DecodePlan | PagedDecodePlan | None, RowsPlan | None]:
         """The step's plans for this layer's settings, made by the first layer that needs
-        them: the decode layout's for the leading single-token requests, the folded rows' for
-        the other tokens (None where there are none)."""
+        them: the decode layout's for the leading single-token requests (over the cache in
+        place with `paged`), the folded rows' for the other tokens (None where there are
+        none)."""
         causal = md.causal and self.attn_type == AttentionType.DECODER
-        key = ("plan", causal, self.sliding_window, self.group, has_sink, device)
+        views = (paged.blocks_per_cache_block, paged.key.shape[2]) if paged is not None else None
+        key = ("plan", causal, self.sliding_window, self.group, has_sink, device, views)
         plans = md.step_cache.get(key)
         if plans is None:
             args = (md, causal, self.sliding_window, self.group, has_sink, device)
             num_decodes = md.layout.num_decodes
+            if not num_decodes:
+                decodes = None
+            elif paged is not None:
+                decodes = make_paged_decode_plan(md, paged, self.group, device)
+            else:
+                decodes = make_decode_plan(*args)
             plans = md.step_cache[key] = (
-                make_decode_plan(*args) if num_decodes else None,
+                decodes,
                 make_rows_plan(*args, first_token=num_decodes)
                 if num_decodes < md.num_actual_tokens
                 else None,
@@ -583,9 +670,11 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         kv_cache: torch.Tensor,
         md: FlexAttentionMetadata,
         dtype: torch.dtype,
+        skip: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's keys and values in workspace rows, `[KVH, kv_rows_padded, D]` each, of
-        the model dtype; row 0 is the sink slot (V zero, K not cleared)."""
+        the model dtype; row 0 is the sink slot (V zero, K not cleared). The first `skip`
+        requests' rows are left as they are (their decodes read the cache in place)."""
         encoder = self.attn_type in _ENCODER_TYPES
         device = key.device if encoder else kv_cache.device
         # K and V in buffers of their own, each at storage offset 0: a symbolic offset (V's,
@@ -607,15 +696,17 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
                 layer_kv_scale(_API, layer, name, self.num_kv_heads, device)
                 for name in ("k_scale", "v_scale")
             )
+        # (requests' keys lie back to back from row 1: skipping some starts the copy later)
+        first_row = int(md.layout.key_start[skip]) if skip else 1
         gather_kv_rows(
             kv_cache,
-            md.block_table,
-            md.key_lens,
+            md.block_table[skip:] if skip else md.block_table,
+            md.key_lens[skip:] if skip else md.key_lens,
             k_rows,
             v_rows,
-            num_keys=rows - 1,
+            num_keys=rows - first_row,
             max_key_len=md.max_key_len,
-            first_row=1,
+            first_row=first_row,
             k_scale=scales[0],
             v_scale=scales[1],
         )

@@ -46,6 +46,7 @@ __all__ = [
     "FROM_KV_BLOCKS_TAKES_COMPUTE_Q",
     "DecodePlan",
     "RowsPlan",
+    "host_sections",
     "make_decode_plan",
     "make_rows_plan",
     "score_mod",
@@ -142,7 +143,7 @@ def make_decode_plan(
         lo[n:], hi[n:], pos[n:] = 1, 0, 0  # padding entries keep nothing
         decode_block_lists(lo, hi, has_sink, key_tiles, out=tuple(sections[3:]))
 
-    entry_lo, entry_hi, q_key_pos, *lists = _host_sections(sizes, fill, device)
+    entry_lo, entry_hi, q_key_pos, *lists = host_sections(sizes, fill, device)
     shapes = ((batch, 1, 1), (batch, 1, 1, key_tiles)) * 2
     lists = [t.view(s) for t, s in zip(lists, shapes, strict=True)]
     # Batch and key tile counts vary with the step. (Marking the batch fails Inductor's CPU
@@ -226,12 +227,12 @@ def _plan_tensors(
         for i, marked in enumerate(runs):
             block_lists(marked, shape, out=(sections[4 + 2 * i], sections[5 + 2 * i]))
 
-    tensors = _host_sections(sizes, fill, device)
+    tensors = host_sections(sizes, fill, device)
     list_shapes = ((1, 1, shape[0]), (1, 1, *shape)) * 2
     return [*tensors[:4], *(t.view(s) for t, s in zip(tensors[4:], list_shapes, strict=True))]
 
 
-def _host_sections(
+def host_sections(
     sizes: list[int],
     fill: Callable[[np.ndarray, list[np.ndarray]], None],
     device: torch.device,

@@ -14,6 +14,8 @@ so it is tested exactly on the CPU and never synchronises with a GPU:
   tiles per row tile and as the BlockMask's lists; `tile_masks` shows the runs as bool grids.
 - `pad_decodes`, `decode_block_lists`: the same for the decode layout on CUDA, where each
   single-token request is one batch entry of FlexAttention's decoding kernel.
+- `pad_paged_batch`, `paged_decode_lists`: the batch buckets and per-entry block counts of
+  the paged decode (`flex_attention_paged`), which reads the cache in place.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ __all__ = [
     "lay_out_step",
     "pad_decodes",
     "pad_keys",
+    "pad_paged_batch",
     "pad_rows",
+    "paged_decode_lists",
     "tile_masks",
     "tile_runs",
     "window_lo",
@@ -80,6 +84,46 @@ def pad_decodes(num_decodes: int, group: int) -> int:
     while padded in (group, TILE):
         padded += 2
     return padded
+
+
+def pad_paged_batch(num_decodes: int) -> int:
+    """Batch bucket of the paged decode, which compiles one graph per bucket (its batch is
+    static): powers of two up to 32, then steps of an eighth of the next power of two (at
+    most 25% padding; 18 buckets up to 256 requests)."""
+    n = max(num_decodes, 1)
+    power = 1 << (n - 1).bit_length()
+    if power <= 32:
+        return power
+    step = power // 8
+    return -(-n // step) * step
+
+
+def paged_decode_lists(
+    key_lens: np.ndarray,
+    block_size: int,
+    out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per batch entry of the paged decode: its cache blocks, the block table column of its
+    last block and the keys in that block.
+
+    Args:
+        key_lens: `[n]` keys per decode request.
+        block_size: tokens per cache block.
+        out: three int32 arrays of the padded batch (`>= n`) to write into; entries past `n`
+            get no blocks (0, 0, 0). New arrays of `n` if None.
+
+    Returns:
+        int32 `(num_blocks, last_col, last_len)`: `ceil(len / block_size)`,
+        `max(num_blocks - 1, 0)`, `len - last_col * block_size`.
+    """
+    n = key_lens.shape[0]
+    num_blocks, last_col, last_len = out or tuple(np.empty(n, np.int32) for _ in range(3))
+    np.floor_divide(key_lens + (block_size - 1), block_size, out=num_blocks[:n], casting="unsafe")
+    np.maximum(num_blocks[:n] - 1, 0, out=last_col[:n])
+    np.subtract(key_lens, last_col[:n] * block_size, out=last_len[:n], casting="unsafe")
+    for array in (num_blocks, last_col, last_len):
+        array[n:] = 0
+    return num_blocks, last_col, last_len
 
 
 @dataclass(frozen=True)
