@@ -7,7 +7,8 @@ unknown divisibility under dynamic shapes, since fixed). This times, on the case
 does), each part of one layer's forward alone, so that the gap can be attributed:
 
 - the whole `forward` (the step's plans already made, as for every layer after the first);
-- the K/V copy out of the paged cache into the workspace (`ops.gather_kv_rows`);
+- the K/V copy out of the paged cache into the workspace (`ops.gather_kv_rows`; on CUDA
+  decodes read the cache in place, and only the other requests' keys are copied);
 - the attention calls on the workspace, as the forward makes them (the decode layout's and
   the folded rows', compiled with dynamic shapes so that no step size recompiles), with their
   query and output copies;
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 
 import kernels
@@ -36,6 +38,7 @@ from _timing import markdown_table, median_us, synchronize
 from anyattn.backends import flex_attention as flex
 from anyattn.backends import flex_attention_masks as masks
 from anyattn.backends.flex_attention import FlexAttentionBackend
+from anyattn.backends.flex_attention_paged import PagedDecodePlan
 from anyattn.config import AttentionSpec, BatchLimits
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.metadata import make_common_attn_metadata
@@ -82,24 +85,44 @@ def parts(spec: kernels.CaseSpec, shape: kernels.Shape, device: torch.device) ->
     output = torch.empty_like(query)
     impl.forward(layer, query, None, None, kv_cache, md, output)  # compiles, makes the plans
 
-    # The kernels' own inputs, as the forward makes them.
+    # The kernels' own inputs, as the forward makes them (on CUDA decodes read the cache in
+    # place, and only the other requests' keys are copied).
     mods = impl._mods_on(device)
-    decode_plan, rows_plan = impl._plans(md, "sinks" in mods, device)
-    k, v = (
-        flex._as_kernel_rows(x.unsqueeze(0), device)
-        for x in impl._load_kv(layer, None, None, kv_cache, md, query.dtype)
-    )
+    paged = impl._in_place(kv_cache, md, query.dtype)
+    decode_plan, rows_plan = impl._plans(md, "sinks" in mods, device, paged)
+    in_place = isinstance(decode_plan, PagedDecodePlan)
+    skip = decode_plan.num_decodes if in_place else 0
+
+    def load_kv(slot: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if rows_plan is None and in_place:
+            return None  # a decode step read in place copies nothing
+        return impl._load_kv(layer, None, None, kv_cache, md, query.dtype, skip)
+
+    loaded = load_kv(0)
+    k, v = (flex._as_kernel_rows(x.unsqueeze(0), device) for x in loaded) if loaded else (0, 0)
     config = (device.type, query.dtype, shape.head_size, shape.num_kv_heads, *sorted(mods))
 
     def attend(slot: int) -> None:
-        if decode_plan is not None:
+        if in_place:
+            impl._attend_paged_decodes(query, paged, md, decode_plan, mods, config, output, None)
+        elif decode_plan is not None:
             impl._attend_decodes(query, k, v, md, decode_plan, mods, config, output, None)
         if rows_plan is not None:
             impl._attend_rows(query, k, v, md, rows_plan, mods, config, output, None)
 
     # The kernels alone: their queries as the calls above leave them in the workspace.
     kernel_calls = []
-    if decode_plan is not None:
+    if in_place:
+        q = md.workspace.get(
+            "decode_query",
+            (decode_plan.batch, shape.num_kv_heads, impl.group, shape.head_size),
+            query.dtype,
+            device,
+        )
+        kernel_calls.append(
+            (impl._paged_kernel(q, paged, md, decode_plan, mods, config, False), None, None)
+        )
+    elif decode_plan is not None:
         q = md.workspace.get(
             "decode_query",
             (decode_plan.batch, shape.num_kv_heads, impl.group, shape.head_size),
@@ -121,7 +144,10 @@ def parts(spec: kernels.CaseSpec, shape: kernels.Shape, device: torch.device) ->
 
     def kernels_alone(slot: int) -> None:
         for compiled, q, plan in kernel_calls:
-            compiled(q, k, v, plan.block_mask, masks.score_mod(mods, plan), 1.0)
+            if plan is None:
+                compiled()  # the paged decode, its inputs bound
+            else:
+                compiled(q, k, v, plan.block_mask, masks.score_mod(mods, plan), 1.0)
 
     peer = kernels.prepare_flex(data)
     # The parts compute the same attention: the forward's output against the direct call's
@@ -133,15 +159,14 @@ def parts(spec: kernels.CaseSpec, shape: kernels.Shape, device: torch.device) ->
     output.zero_()
     attend(0)
     torch.testing.assert_close(output, forward_output, atol=0, rtol=0)
+    decodes = "paged decode" if in_place else "decode layout"
     layouts = [
-        f"decode layout: {decode_plan.num_decodes} requests" if decode_plan else None,
+        f"{decodes}: {decode_plan.num_decodes} requests" if decode_plan else None,
         f"folded rows: {rows_plan.num_rows} rows" if rows_plan else None,
     ]
     return {
         "forward (whole)": lambda s: impl.forward(layer, query, None, None, kv_cache, md, output),
-        "K/V copy out of the paged cache": lambda s: impl._load_kv(
-            layer, None, None, kv_cache, md, query.dtype
-        ),
+        "K/V copy out of the paged cache": load_kv,
         "attention calls with their query and output copies ("
         + ", ".join(x for x in layouts if x)
         + ")": attend,
@@ -180,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows = time_parts(parts(spec, shape, device), device, args.reps)
         except Exception as e:  # one case failing must not lose the others
             failed += 1
+            traceback.print_exc()
             print(f"failed: {type(e).__name__}: {str(e).strip().splitlines()[0]}\n", flush=True)
             continue
         print(markdown_table(["part", "us (median)", "of the forward"], rows) + "\n", flush=True)

@@ -14,8 +14,14 @@ How a step is laid out for the kernel (the plan, built from the CPU mirrors only
   slot: V = 0; its key's score is replaced by the sink logit or masked, so K row 0 is not
   cleared: it holds zeros or earlier finite keys); request r's keys follow at
   `key_start[r] ...`. Encoder attention copies the step's own key/value there.
-- Decodes: the builder asks for decodes first (`reorder_batch_threshold` 1), and the
-  step's leading single-token requests take the decode layout: batch entry b is request b,
+- Decodes on CUDA read the cache in place (`flex_attention_paged`): K and V are strided views
+  of the cache, each request's BlockMask lists its own blocks, and FlexAttention's decoding
+  kernel runs compiled for a static batch bucket; no key is copied, and a mixed step copies
+  only its other requests' keys. This needs a decoder layer without ALiBi, sinks or a window,
+  a cache of the model dtype and a block size that is a multiple of 16; other decodes (and
+  every decode on the CPU, whose template cannot compile that plan) take the decode layout.
+- The decode layout: the builder asks for decodes first (`reorder_batch_threshold` 1), and
+  the step's leading single-token requests take the decode layout: batch entry b is request b,
   its query rows are its G query heads of one KV head (`[batch, KVH, G, D]`, the query's own
   layout, copied into a buffer of the padded batch), and its block lists name only its own key
   tiles, so FlexAttention's decoding kernel reads each request's keys once. (Folded into the
@@ -45,7 +51,10 @@ recompile, whatever the batch and sequence lengths (tests/backends/test_flex_att
 counts it). On CUDA the kernel's inputs are set up so that dynamic shapes cost nothing: K and V
 each at storage offset 0 (alignment provable) and rows given as `[tiles, 128]` (lengths known
 multiples of the kernel's blocks); before, the same kernel took 1.8-2.0x as long as with static
-shapes.
+shapes. The paged decode is the exception: FlexAttention takes its decoding kernel only for a
+static batch (with a symbolic one it falls back to its main kernel, 1.8x slower), so it
+compiles one static graph per batch bucket (`pad_paged_batch`: 18 up to 256 requests) and
+cache geometry, each in a function of its own.
 
 First-call cost on the CPU, measured on a 2-core x86 machine with torch 2.13: about 40 s for
 the first configuration of a cold process (Inductor's start-up and precompiled header
@@ -56,14 +65,14 @@ shorten later processes.
 
 Speed on an H200 (benchmarks/RESULTS.md, torch 2.11, bf16, 32 / 8 heads of 128): this is the
 portable backend, not the fastest. Against FlexAttention called directly on keys already laid
-out (what a user of the library would write for the same batch): prefill 4 x 4096 1.22x, decode
-64 x 4096 3.38x (0.90 ms; FLASHINFER 0.25 ms), a mixed batch 0.35x (the direct call's
-document mask over a mixed batch has the folded rows' problem: not a like-for-like pair). Most
-of the gap is copies: each layer copies every request's keys out of the paged cache (0.54 ms
-of the decode case, at the H200's memory bandwidth) and the queries into and the output out of
-the kernel's layout; and the decoding kernel compiled for dynamic shapes runs about 1.35x the
-time of the same kernel compiled for the case's static shapes. On a 2-core CPU the decode
-layout took a 16 x 1024 decode step from 32.2 ms (folded rows) to 14.5 ms.
+out (what a user of the library would write for the same batch): decode 64 x 4096 1.03x with
+64-token blocks (274 us; FLASHINFER 254 us) and 1.81x with 16-token blocks (482 us: the
+decoding kernel's key tile is then 16 keys), both reading the cache in place; prefill
+4 x 4096 1.22x, all of it copies (the compiled kernel alone is as fast as the direct call:
+1471 vs 1501 us; folding the queries into rows and the output back takes 326 us, the key
+copy 42 us). The first step of each new decode batch bucket compiles for 1-4 s on an H200.
+On a 2-core CPU the decode layout took a 16 x 1024 decode step from 32.2 ms (folded rows) to
+14.5 ms.
 
 Limits, all declared: LSE output only on CUDA (Inductor's CPU template has no LSE); no cascade;
 sliding window only causal (as TORCH); head sizes multiples of 16 up to 256 (Triton's dot
@@ -570,20 +579,28 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
     ) -> None:
         """Tokens `0 ... num_decodes - 1`, one batch entry each, over the cache in place."""
         n, kv_heads, group, size = plan.num_decodes, self.num_kv_heads, self.group, self.head_size
-        padded = plan.batch, kv_heads, group, size
-        q = md.workspace.get("decode_query", padded, query.dtype, query.device)
+        q = md.workspace.get("decode_query", (plan.batch, kv_heads, group, size), query.dtype,
+                             query.device)  # fmt: skip
         q[:n].copy_(query[:n].view(n, kv_heads, group, size))
-        # Compiled for this batch bucket, block table width and cache geometry alone (the
-        # decoding kernel needs a static batch); the scale is baked in, as FlexAttention's own.
-        shapes = (plan.batch, md.block_table.shape[1], paged.key.shape, paged.key.stride())
-        static = (*config, "paged", *shapes, paged.value.storage_offset(), self.scale)
-        attend = _compiled_attend(static, with_lse=output_lse is not None, dynamic=False)
-        result = attend(q, paged.key, paged.value, plan.block_mask, _soft_cap(mods), self.scale)
+        result = self._paged_kernel(q, paged, md, plan, mods, config, output_lse is not None)()
         out, lse = result if output_lse is not None else (result, None)
         output[:n].view(n, kv_heads, group, size).copy_(out[:n])
         if lse is not None:
             # lse: [batch, KVH, G] -> [H, n]
             output_lse[:, :n].copy_(lse[:n].reshape(n, kv_heads * group).t())
+
+    def _paged_kernel(
+        self, q, paged: PagedKV, md, plan: PagedDecodePlan, mods, config, with_lse: bool
+    ) -> Callable[[], object]:
+        """The paged decode's compiled call on queries `q [batch, KVH, G, D]`, bound to its
+        inputs. Compiled for this batch bucket, block table width and cache geometry alone
+        (the decoding kernel needs a static batch); the scale is baked in, as FlexAttention's
+        own."""
+        shapes = (plan.batch, md.block_table.shape[1], paged.key.shape, paged.key.stride())
+        static = (*config, "paged", *shapes, paged.value.storage_offset(), self.scale)
+        attend = _compiled_attend(static, with_lse=with_lse, dynamic=False)
+        soft_cap = _soft_cap(mods)
+        return lambda: attend(q, paged.key, paged.value, plan.block_mask, soft_cap, self.scale)
 
     def _attend_decodes(
         self, query, k, v, md, plan: DecodePlan, mods, config, output, output_lse
