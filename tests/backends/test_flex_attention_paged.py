@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch._dynamo.utils import counters
 
 from anyattn.backends import flex_attention
 from anyattn.backends import flex_attention_plan as plan
@@ -32,7 +33,7 @@ from anyattn.backends.flex_attention_paged import (
 from anyattn.config import AttentionSpec, BatchLimits
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.metadata import make_common_attn_metadata
-from anyattn.testing import Case, get_spec, run_case
+from anyattn.testing import Case, KitLayer, get_spec, run_case
 from anyattn.types import KVCacheLayout
 
 needs_compute_q = pytest.mark.skipif(
@@ -52,35 +53,52 @@ def test_paged_batch_buckets_are_few_and_tight():
         assert plan.pad_paged_batch(padded) == padded
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     key_lens=st.lists(st.integers(0, 300), min_size=0, max_size=12),
     block_size=st.sampled_from([16, 32, 64]),
+    window=st.one_of(st.none(), st.integers(1, 200)),
     padding=st.integers(0, 5),
 )
-def test_paged_decode_lists_exactly(key_lens, block_size, padding):
+def test_paged_decode_lists_exactly(key_lens, block_size, window, padding):
     lens = np.array(key_lens, dtype=np.int32)
     n = lens.shape[0]
-    out = tuple(np.full(n + padding, 99, np.int32) for _ in range(3))
-    num_blocks, last_col, last_len = plan.paged_decode_lists(lens, block_size, out=out)
+    out = tuple(np.full(n + padding, 99, np.int32) for _ in range(5))
+    num_blocks, first_col, first_off, last_col, last_len = plan.paged_decode_lists(
+        lens, block_size, window, out=out
+    )
     for b, length in enumerate(key_lens):
-        blocks = -(-length // block_size)
-        assert num_blocks[b] == blocks
-        assert last_col[b] == max(blocks - 1, 0)
-        # keys in the last block: block_size for a full one, 0 for an entry without keys
-        assert last_len[b] == (length - (blocks - 1) * block_size if blocks else 0)
+        # the kept keys, brute force: positions lo ... length - 1
+        kept = [j for j in range(length) if window is None or j > length - 1 - window]
+        if not kept:
+            assert num_blocks[b] == 0
+            continue
+        blocks = sorted({j // block_size for j in kept})
+        assert (first_col[b], last_col[b]) == (blocks[0], blocks[-1])
+        assert num_blocks[b] == len(blocks) == blocks[-1] - blocks[0] + 1
+        assert first_off[b] == kept[0] % block_size
+        assert last_len[b] == kept[-1] % block_size + 1
     for array in out:
         assert (array[n:] == 0).all()
 
 
+@pytest.mark.parametrize("sliced", [False, True], ids=["alone", "sliced"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_views_read_every_cached_token(layout, block_size):
+def test_views_read_every_cached_token(layout, block_size, sliced):
+    """Alone (`allocate_kv_cache`) or sliced out of a larger buffer (a nonzero storage
+    offset, as an engine allocating every layer at once would have)."""
     num_blocks, kv_heads, size = 7, 3, 16
-    cache = allocate_kv_cache(
-        FlexAttentionBackend, num_blocks, block_size, kv_heads, size, torch.float32, layout=layout
-    )
-    cache.copy_(torch.randn(cache.shape))
+    if sliced:
+        inner = (block_size, kv_heads) if layout == "NHD" else (kv_heads, block_size)
+        buffer = torch.randn(3, num_blocks, 2, *inner, size)
+        cache = buffer[1] if layout == "NHD" else buffer[1].transpose(2, 3)
+    else:
+        cache = allocate_kv_cache(
+            FlexAttentionBackend, num_blocks, block_size, kv_heads, size, torch.float32,
+            layout=layout,
+        )  # fmt: skip
+        cache.copy_(torch.randn(cache.shape))
     paged = paged_kv_views(cache)
     m = paged.blocks_per_cache_block
     assert m == (2 if layout == "NHD" else 2 * kv_heads)
@@ -90,21 +108,26 @@ def test_views_read_every_cached_token(layout, block_size):
         # key[0, h, row] is token (row % block_size) of cache block p, head h
         assert torch.equal(paged.key[0, :, rows], cache[p, 0].transpose(0, 1))
         assert torch.equal(paged.value[0, :, rows], cache[p, 1].transpose(0, 1))
-    # the views stay inside the cache's storage
+    # the views stay inside the cache
     last = paged.value[0, -1, -1, -1].data_ptr() - cache.data_ptr()
     assert last == (cache.numel() - 1) * cache.element_size()
 
 
 def test_caches_the_kernel_cannot_read_in_place_have_no_views():
     backend = FlexAttentionBackend
-    # a block size the decoding kernel's key tile (16) does not divide
-    odd = allocate_kv_cache(backend, 4, 8, 2, 16, torch.float32)
-    assert paged_kv_views(odd) is None
+    # block sizes the decoding kernel cannot tile: under its 16-key tile, or no power of two
+    # (its template fails to compile blocks of 48 or 96)
+    for block_size in (8, 48, 96):
+        assert (
+            paged_kv_views(allocate_kv_cache(backend, 4, block_size, 2, 16, torch.float32)) is None
+        )
     # K and V planes apart ((2, blocks, ...) in memory) are rows evenly spaced: fine
     planes = torch.zeros(2, 4, 16, 2, 16).permute(1, 0, 2, 3, 4)
     assert paged_kv_views(planes).blocks_per_cache_block == 1
     # head size not innermost
     assert paged_kv_views(torch.zeros(4, 2, 16, 16, 2).transpose(3, 4)) is None
+    # every block the same memory (an expanded tensor)
+    assert paged_kv_views(torch.zeros(1, 2, 16, 2, 16).expand(4, -1, -1, -1, -1)) is None
 
 
 def _sparse_attention(block_mask, key, value, query, block_size, scale):
@@ -127,11 +150,13 @@ def _sparse_attention(block_mask, key, value, query, block_size, scale):
 
 
 @needs_compute_q
+@pytest.mark.parametrize("window", [None, 1, 20, 40])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_paged_plan_keeps_exactly_each_requests_keys(layout, block_size):
+def test_paged_plan_keeps_exactly_each_requests_keys(layout, block_size, window):
     """Lengths at, below and above block boundaries, shuffled blocks, a block table wider than
-    any request needs, and batch padding: each entry attends to its own keys alone."""
+    any request needs, batch padding, windows within a block and across blocks: each entry
+    attends to its own kept keys alone."""
     gen = torch.Generator().manual_seed(3)
     kv_heads, group, size = 2, 4, 16
     seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 5]
@@ -147,17 +172,24 @@ def test_paged_plan_keeps_exactly_each_requests_keys(layout, block_size):
     builder = FlexAttentionMetadataBuilder(spec, ["l"], BatchLimits(8, 64, 256), "cpu")
     md = builder.build(0, cm)
     paged = paged_kv_views(cache)
-    decodes = make_paged_decode_plan(md, paged, group, torch.device("cpu"))
-    assert (decodes.num_decodes, decodes.batch) == (5, 8)
-    query = torch.randn(decodes.batch, kv_heads, group, size, generator=gen)
-    got = _sparse_attention(decodes.block_mask, paged.key, paged.value, query, block_size, 0.25)
-    for b, length in enumerate(seq_lens):
-        blocks = table[b, : -(-length // block_size)].long()
-        k, v = (cache[blocks, i].reshape(-1, kv_heads, size)[:length] for i in (0, 1))
-        scores = torch.einsum("hgd,khd->hgk", query[b].double(), k.double()) * 0.25
-        want = torch.einsum("hgk,khd->hgd", scores.softmax(-1), v.double())
-        torch.testing.assert_close(got[b], want, rtol=0, atol=1e-12)
-    assert (got[len(seq_lens) :] == 0).all()  # padding entries visit nothing
+    cpu = torch.device("cpu")
+    # Both plans of a step with global and windowed layers, made before either is read: each
+    # keeps block lists of its own.
+    plans = {w: make_paged_decode_plan(md, paged, group, w, cpu) for w in {None, window}}
+    query = torch.randn(8, kv_heads, group, size, generator=gen)
+    for w, decodes in plans.items():
+        assert (decodes.num_decodes, decodes.batch) == (5, 8)
+        # lists as wide as a request of max_model_len (256 tokens), past the table's width
+        assert decodes.block_mask.kv_indices.shape[-1] == 256 // block_size
+        got = _sparse_attention(decodes.block_mask, paged.key, paged.value, query, block_size, 0.25)
+        for b, length in enumerate(seq_lens):
+            blocks = table[b, : -(-length // block_size)].long()
+            lo = 0 if w is None else max(0, length - w)
+            k, v = (cache[blocks, i].reshape(-1, kv_heads, size)[lo:length] for i in (0, 1))
+            scores = torch.einsum("hgd,khd->hgk", query[b].double(), k.double()) * 0.25
+            want = torch.einsum("hgk,khd->hgd", scores.softmax(-1), v.double())
+            torch.testing.assert_close(got[b], want, rtol=0, atol=1e-12)
+        assert (got[len(seq_lens) :] == 0).all()  # padding entries visit nothing
 
 
 def _impl(**kwargs) -> FlexAttentionImpl:
@@ -171,13 +203,13 @@ def _impl(**kwargs) -> FlexAttentionImpl:
         ({"logits_soft_cap": 30.0}, True),
         ({"alibi_slopes": [0.5] * 8}, False),
         ({"sinks": torch.zeros(8)}, False),
-        ({"sliding_window": 64}, False),
+        ({"sliding_window": 64}, True),
         ({"kv_cache_dtype": "fp8"}, False),
         ({"attn_type": "encoder_decoder"}, False),
     ],
 )
 def test_which_layers_may_read_the_cache_in_place(kwargs, in_place):
-    # positional mods and windows need a key's position; fp8 needs dequantising
+    # ALiBi needs a key's position, a sink a key of its own; fp8 needs dequantising
     assert _impl(**kwargs)._may_read_in_place is in_place
 
 
@@ -194,10 +226,6 @@ def test_the_cpu_copies_decode_keys():
 # --- on the GPU ------------------------------------------------------------------------------
 
 
-def _paged_graphs() -> int:
-    return sum(1 for config, _ in flex_attention._COMPILED if "paged" in config)
-
-
 @pytest.mark.gpu
 @needs_compute_q
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
@@ -206,8 +234,8 @@ def _paged_graphs() -> int:
 def test_decodes_read_in_place_match_the_oracle_and_copy_no_key(
     layout, block_size, dtype, monkeypatch
 ):
-    """A decode step takes the paged plan (no key copied) and matches the float64 oracle; a
-    mixed step copies only the prefills' keys and matches it too."""
+    """A decode step takes the paged plan (no key copied) and matches the float64 oracle, with
+    and without a window; a mixed step copies only the prefills' keys and matches it too."""
     copies = []
     gather = flex_attention.gather_kv_rows
 
@@ -226,6 +254,13 @@ def test_decodes_read_in_place_match_the_oracle_and_copy_no_key(
     (result,) = run_case(FlexAttentionBackend, decode, "cuda", dtype)
     assert result.passed, result
     assert copies == []
+    window = Case(
+        "paged_window", "sliding_window", get_spec("many_decodes"), block_size=block_size,
+        layout=KVCacheLayout(layout), sliding_window=20,
+    )  # fmt: skip
+    (result,) = run_case(FlexAttentionBackend, window, "cuda", dtype)
+    assert result.passed, result
+    assert copies == []
     mixed = Case(
         "paged_mixed",
         "mixed",
@@ -235,7 +270,8 @@ def test_decodes_read_in_place_match_the_oracle_and_copy_no_key(
     )
     (result,) = run_case(FlexAttentionBackend, mixed, "cuda", dtype)
     assert result.passed, result
-    assert copies and all(first > 1 for first in copies)  # the decodes' keys were skipped
+    # the kit puts decodes first (keys of 40, 1 and 129): the copy starts after their rows
+    assert copies and set(copies) == {1 + 40 + 1 + 129}
 
 
 @pytest.mark.gpu
@@ -253,3 +289,45 @@ def test_paged_plan_is_used_for_cuda_decodes():
     assert paged is not None
     decodes, rows = impl._plans(md, False, device, paged)
     assert isinstance(decodes, PagedDecodePlan) and rows is None
+
+
+@pytest.mark.gpu
+@needs_compute_q
+@pytest.mark.parametrize("window", [None, 100])
+def test_steps_on_one_cache_reuse_one_graph_and_match_the_oracle(window):
+    """An engine's decode steps: one cache, batches of one bucket (5 to 8 requests), block
+    tables of other widths (the engine's grows with its longest request) and lengths: one
+    compile in all, and every step against a float64 reference read out of the cache."""
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    block_size, kv_heads, group, size = 16, 2, 4, 64
+    gen = torch.Generator().manual_seed(5)
+    cache = allocate_kv_cache(
+        FlexAttentionBackend, 600, block_size, kv_heads, size, dtype, device=device
+    )
+    cache.copy_(torch.randn(cache.shape, generator=gen))
+    spec = AttentionSpec(block_size, kv_heads, size, dtype)
+    builder = FlexAttentionMetadataBuilder(spec, ["l"], BatchLimits(64, 4096, 1024), device)
+    impl = FlexAttentionImpl(kv_heads * group, size, size**-0.5, kv_heads, sliding_window=window)
+    one = torch.ones((), device=device)
+    layer = KitLayer("l", one, one)
+    graphs = None
+    for n, longest in ((5, 300), (6, 600), (7, 100), (8, 1000), (5, 290)):
+        seq_lens = [int(x) for x in torch.randint(1, longest + 1, (n,), generator=gen)]
+        width = -(-max(seq_lens) // block_size)
+        table = (torch.randperm(599, generator=gen)[: n * width] + 1).int().view(n, width)
+        md = builder.build(0, make_common_attn_metadata([1] * n, seq_lens, table, block_size,
+                                                        device))  # fmt: skip
+        query = torch.randn(n, kv_heads * group, size, generator=gen).to(device, dtype)
+        output = torch.zeros_like(query)
+        impl.forward(layer, query, None, None, cache, md, output)
+        if graphs is None:
+            graphs = counters["stats"]["unique_graphs"]  # the first step compiles
+        for b, length in enumerate(seq_lens):
+            lo = 0 if window is None else max(0, length - window)
+            blocks = table[b, : -(-length // block_size)].long().to(device)
+            k, v = (cache[blocks, i].reshape(-1, kv_heads, size)[lo:length] for i in (0, 1))
+            k, v = (x.double().repeat_interleave(group, 1) for x in (k, v))
+            scores = torch.einsum("hd,khd->hk", query[b].double(), k) * size**-0.5
+            want = torch.einsum("hk,khd->hd", scores.softmax(-1), v)
+            torch.testing.assert_close(output[b].double(), want, atol=2e-2, rtol=2e-2)
+    assert counters["stats"]["unique_graphs"] == graphs

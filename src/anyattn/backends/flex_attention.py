@@ -17,8 +17,8 @@ How a step is laid out for the kernel (the plan, built from the CPU mirrors only
 - Decodes on CUDA read the cache in place (`flex_attention_paged`): K and V are strided views
   of the cache, each request's BlockMask lists its own blocks, and FlexAttention's decoding
   kernel runs compiled for a static batch bucket; no key is copied, and a mixed step copies
-  only its other requests' keys. This needs a decoder layer without ALiBi, sinks or a window,
-  a cache of the model dtype and a block size that is a multiple of 16; other decodes (and
+  only its other requests' keys. This needs a decoder layer without ALiBi or sinks, a cache
+  of the model dtype and a block size that is a multiple of 16; other decodes (and
   every decode on the CPU, whose template cannot compile that plan) take the decode layout.
 - The decode layout: the builder asks for decodes first (`reorder_batch_threshold` 1), and
   the step's leading single-token requests take the decode layout: batch entry b is request b,
@@ -267,6 +267,8 @@ class FlexAttentionMetadata:
         key_lens: int32 `[num_reqs]` (device): keys per request (`seq_lens`, or the encoder
             lengths for cross attention); a view, made without any device work.
         max_key_len: the longest request's keys (host).
+        max_blocks_per_req: blocks of a request of `max_model_len` tokens (the paged decode's
+            block lists are at least this wide).
         workspace: the builder's buffers.
         step_cache: plans made by the first layer that needs them, reused by the others.
     """
@@ -280,6 +282,7 @@ class FlexAttentionMetadata:
     block_table: torch.Tensor
     key_lens: torch.Tensor
     max_key_len: int
+    max_blocks_per_req: int = 0
     workspace: _Workspace = field(default_factory=_Workspace)
     step_cache: dict = field(default_factory=dict)
 
@@ -359,6 +362,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
             # slicing a tensor costs a microsecond or two; the engine's is already this long
             key_lens=key_lens if key_lens.shape[0] == num_reqs else key_lens[:num_reqs],
             max_key_len=max_key_len,
+            max_blocks_per_req=-(-self.limits.max_model_len // block_size),
             workspace=self._workspace,
         )
 
@@ -490,13 +494,12 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
             self._mods["alibi_slopes"] = slopes.view(shape)
         if sinks is not None:
             self._mods["sinks"] = sinks.detach().float().view(shape)
-        # Decodes may read the cache in place (flex_attention_paged) when no score or mask
-        # needs a key's position and the cache holds the model dtype.
+        # Decodes may read the cache in place (flex_attention_paged) when no score needs a
+        # key's position, no sink needs a key of its own and the cache holds the model dtype.
         self._may_read_in_place = (
             self.attn_type == AttentionType.DECODER
             and alibi_slopes is None
             and sinks is None
-            and sliding_window is None
             and not is_fp8_cache(self.kv_cache_dtype)
         )
         self._paged: tuple[torch.Tensor, PagedKV | None] | None = None
@@ -583,21 +586,29 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
                              query.device)  # fmt: skip
         q[:n].copy_(query[:n].view(n, kv_heads, group, size))
         result = self._paged_kernel(q, paged, md, plan, mods, config, output_lse is not None)()
+        self._write_decodes(result, n, output, output_lse)
+
+    def _write_decodes(self, result, n: int, output, output_lse) -> None:
+        """Writes a decode batch's result (`out [batch, KVH, G, D]`, with `lse [batch, KVH,
+        G]` when `output_lse` is given) into the first `n` rows of `output` / `output_lse`."""
         out, lse = result if output_lse is not None else (result, None)
-        output[:n].view(n, kv_heads, group, size).copy_(out[:n])
+        output[:n].view(n, *out.shape[1:]).copy_(out[:n])
         if lse is not None:
             # lse: [batch, KVH, G] -> [H, n]
-            output_lse[:, :n].copy_(lse[:n].reshape(n, kv_heads * group).t())
+            output_lse[:, :n].copy_(lse[:n].reshape(n, -1).t())
 
     def _paged_kernel(
         self, q, paged: PagedKV, md, plan: PagedDecodePlan, mods, config, with_lse: bool
     ) -> Callable[[], object]:
         """The paged decode's compiled call on queries `q [batch, KVH, G, D]`, bound to its
-        inputs. Compiled for this batch bucket, block table width and cache geometry alone
-        (the decoding kernel needs a static batch); the scale is baked in, as FlexAttention's
+        inputs. Compiled for this batch bucket, list width and cache geometry alone (the
+        decoding kernel needs a static batch); the scale is baked in, as FlexAttention's
         own."""
-        shapes = (plan.batch, md.block_table.shape[1], paged.key.shape, paged.key.stride())
-        static = (*config, "paged", *shapes, paged.value.storage_offset(), self.scale)
+        # (Inductor copies an input that breaks the alignment it compiled for: K and V, the
+        # whole cache, must not be; their storage offsets it neither bakes in nor guards)
+        aligned = tuple(x.data_ptr() % 16 == 0 for x in (paged.key, paged.value))
+        shapes = (plan.batch, plan.block_mask.kv_indices.shape[-1], paged.key.shape)
+        static = (*config, "paged", *shapes, paged.key.stride(), aligned, self.scale)
         attend = _compiled_attend(static, with_lse=with_lse, dynamic=False)
         soft_cap = _soft_cap(mods)
         return lambda: attend(q, paged.key, paged.value, plan.block_mask, soft_cap, self.scale)
@@ -616,11 +627,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         _static_dims(q, (1, 2, 3))
         attend = _compiled_attend((*config, "decode"), with_lse=output_lse is not None)
         result = attend(q, k, v, plan.block_mask, score_mod(mods, plan), 1.0)
-        out, lse = result if output_lse is not None else (result, None)
-        output[:n].view(n, kv_heads, group, size).copy_(out[:n])
-        if lse is not None:
-            # lse: [batch, KVH, G] -> [H, n]
-            output_lse[:, :n].copy_(lse[:n].reshape(n, kv_heads * group).t())
+        self._write_decodes(result, n, output, output_lse)
 
     def _attend_rows(
         self, query, k, v, md, plan: RowsPlan, mods, config, output, output_lse
@@ -668,7 +675,8 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
             if not num_decodes:
                 decodes = None
             elif paged is not None:
-                decodes = make_paged_decode_plan(md, paged, self.group, device)
+                decodes = make_paged_decode_plan(md, paged, self.group, self.sliding_window,
+                                                 device)  # fmt: skip
             else:
                 decodes = make_decode_plan(*args)
             plans = md.step_cache[key] = (

@@ -101,29 +101,43 @@ def pad_paged_batch(num_decodes: int) -> int:
 def paged_decode_lists(
     key_lens: np.ndarray,
     block_size: int,
-    out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per batch entry of the paged decode: its cache blocks, the block table column of its
-    last block and the keys in that block.
+    window: int | None = None,
+    out: tuple[np.ndarray, ...] | None = None,
+) -> tuple[np.ndarray, ...]:
+    """Per batch entry of the paged decode: the cache blocks it visits and where its kept keys
+    start and end in them.
+
+    A decode token at position `p = len - 1` keeps keys `lo ... p`, `lo = 0` or, with a window
+    of W, `max(0, len - W)`. It visits the block table columns `first_col ... last_col`.
 
     Args:
         key_lens: `[n]` keys per decode request.
         block_size: tokens per cache block.
-        out: three int32 arrays of the padded batch (`>= n`) to write into; entries past `n`
-            get no blocks (0, 0, 0). New arrays of `n` if None.
+        window: the sliding window W, or None.
+        out: five int32 arrays of the padded batch (`>= n`) to write into; entries past `n`
+            visit nothing (all 0). New arrays of `n` if None.
 
     Returns:
-        int32 `(num_blocks, last_col, last_len)`: `ceil(len / block_size)`,
-        `max(num_blocks - 1, 0)`, `len - last_col * block_size`.
+        int32 `(num_blocks, first_col, first_off, last_col, last_len)`: blocks visited
+        (`last_col - first_col + 1`, 0 without keys), the first block's column and the offset
+        of `lo` in it, the last block's column and the keys kept in it (`p - last_col *
+        block_size + 1`).
     """
     n = key_lens.shape[0]
-    num_blocks, last_col, last_len = out or tuple(np.empty(n, np.int32) for _ in range(3))
-    np.floor_divide(key_lens + (block_size - 1), block_size, out=num_blocks[:n], casting="unsafe")
-    np.maximum(num_blocks[:n] - 1, 0, out=last_col[:n])
-    np.subtract(key_lens, last_col[:n] * block_size, out=last_len[:n], casting="unsafe")
-    for array in (num_blocks, last_col, last_len):
+    out = out or tuple(np.empty(n, np.int32) for _ in range(5))
+    num_blocks, first_col, first_off, last_col, last_len = (a[:n] for a in out)
+    lens = key_lens.astype(np.int64)
+    lo = np.zeros(n, np.int64) if window is None else np.maximum(lens - window, 0)
+    has_keys = lens > 0
+    np.floor_divide(lo, block_size, out=first_col, casting="unsafe")
+    np.subtract(lo, first_col * block_size, out=first_off, casting="unsafe")
+    np.floor_divide(np.maximum(lens - 1, 0), block_size, out=last_col, casting="unsafe")
+    np.subtract(lens, last_col * block_size, out=last_len, casting="unsafe")
+    np.subtract(last_col + 1, first_col, out=num_blocks)
+    num_blocks *= has_keys
+    for array in out:
         array[n:] = 0
-    return num_blocks, last_col, last_len
+    return out
 
 
 @dataclass(frozen=True)
