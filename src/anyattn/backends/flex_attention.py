@@ -607,8 +607,10 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         # (Inductor copies an input that breaks the alignment it compiled for: K and V, the
         # whole cache, must not be; their storage offsets it neither bakes in nor guards)
         aligned = tuple(x.data_ptr() % 16 == 0 for x in (paged.key, paged.value))
+        # (everything the graph depends on: with a window the mask_mod is another function)
+        mask = (md.block_size, self.group, self.sliding_window is not None)
         shapes = (plan.batch, plan.block_mask.kv_indices.shape[-1], paged.key.shape)
-        static = (*config, "paged", *shapes, paged.key.stride(), aligned, self.scale)
+        static = (*config, "paged", *mask, *shapes, paged.key.stride(), aligned, self.scale)
         attend = _compiled_attend(static, with_lse=with_lse, dynamic=False)
         soft_cap = _soft_cap(mods)
         return lambda: attend(q, paged.key, paged.value, plan.block_mask, soft_cap, self.scale)
