@@ -244,34 +244,18 @@ def test_decodes_read_in_place_match_the_oracle_and_copy_no_key(
         return gather(*args, **kwargs)
 
     monkeypatch.setattr(flex_attention, "gather_kv_rows", counting)
-    decode = Case(
-        "paged_decodes",
-        "decode",
-        get_spec("many_decodes"),
-        block_size=block_size,
-        layout=KVCacheLayout(layout),
-    )
-    (result,) = run_case(FlexAttentionBackend, decode, "cuda", dtype)
-    assert result.passed, result
-    assert copies == []
-    window = Case(
-        "paged_window", "sliding_window", get_spec("many_decodes"), block_size=block_size,
-        layout=KVCacheLayout(layout), sliding_window=20,
-    )  # fmt: skip
-    (result,) = run_case(FlexAttentionBackend, window, "cuda", dtype)
-    assert result.passed, result
-    assert copies == []
-    mixed = Case(
-        "paged_mixed",
-        "mixed",
-        get_spec("mixed"),
-        block_size=block_size,
-        layout=KVCacheLayout(layout),
-    )
-    (result,) = run_case(FlexAttentionBackend, mixed, "cuda", dtype)
-    assert result.passed, result
-    # the kit puts decodes first (keys of 40, 1 and 129): the copy starts after their rows
-    assert copies and set(copies) == {1 + 40 + 1 + 129}
+    cache = {"block_size": block_size, "layout": KVCacheLayout(layout)}
+    decodes = get_spec("many_decodes")
+    # the kit puts decodes first (in `mixed`, keys of 40, 1 and 129): copies start after them
+    for case, first_rows in (
+        (Case("paged_decodes", "decode", decodes, **cache), set()),
+        (Case("paged_window", "sliding_window", decodes, sliding_window=20, **cache), set()),
+        (Case("paged_mixed", "mixed", get_spec("mixed"), **cache), {1 + 40 + 1 + 129}),
+    ):
+        copies.clear()
+        (result,) = run_case(FlexAttentionBackend, case, "cuda", dtype)
+        assert result.passed, result
+        assert set(copies) == first_rows, case.name
 
 
 @pytest.mark.gpu
