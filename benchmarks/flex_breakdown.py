@@ -112,23 +112,13 @@ def parts(spec: kernels.CaseSpec, shape: kernels.Shape, device: torch.device) ->
 
     # The kernels alone: their queries as the calls above leave them in the workspace.
     kernel_calls = []
+    if decode_plan is not None:
+        q = impl._decode_queries(query, md, decode_plan.num_decodes, decode_plan.batch)
     if in_place:
-        q = md.workspace.get(
-            "decode_query",
-            (decode_plan.batch, shape.num_kv_heads, impl.group, shape.head_size),
-            query.dtype,
-            device,
-        )
         kernel_calls.append(
             (impl._paged_kernel(q, paged, md, decode_plan, mods, config, False), None, None)
         )
     elif decode_plan is not None:
-        q = md.workspace.get(
-            "decode_query",
-            (decode_plan.batch, shape.num_kv_heads, impl.group, shape.head_size),
-            query.dtype,
-            device,
-        )
         kernel_calls.append(
             (flex._compiled_attend((*config, "decode"), False), flex._static_dims(q, (1, 2, 3)),
              decode_plan)

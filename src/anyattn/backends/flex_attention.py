@@ -18,8 +18,9 @@ How a step is laid out for the kernel (the plan, built from the CPU mirrors only
   of the cache, each request's BlockMask lists its own blocks, and FlexAttention's decoding
   kernel runs compiled for a static batch bucket; no key is copied, and a mixed step copies
   only its other requests' keys. This needs a decoder layer without ALiBi or sinks, a cache
-  of the model dtype and a block size that is a multiple of 16; other decodes (and
-  every decode on the CPU, whose template cannot compile that plan) take the decode layout.
+  of the model dtype and a block size that is a power of two of at least 16; other decodes
+  (and every decode on the CPU, whose template cannot compile that plan) take the decode
+  layout.
 - The decode layout: the builder asks for decodes first (`reorder_batch_threshold` 1), and
   the step's leading single-token requests take the decode layout: batch entry b is request b,
   its query rows are its G query heads of one KV head (`[batch, KVH, G, D]`, the query's own
@@ -541,7 +542,8 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         paged = self._in_place(kv_cache, md, query.dtype)
         decode_plan, plan = self._plans(md, "sinks" in mods, device, paged)
         config = (device.type, query.dtype, self.head_size, self.num_kv_heads, *sorted(mods))
-        if isinstance(decode_plan, PagedDecodePlan):
+        in_place = isinstance(decode_plan, PagedDecodePlan)
+        if in_place:
             self._attend_paged_decodes(query, paged, md, decode_plan, mods, config, output,
                                        output_lse)  # fmt: skip
             if plan is None:
@@ -549,7 +551,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         # K, V: [1, KVH, kv_rows, D] (tiled on CUDA), contiguous at storage offset 0 each
         # (strides tied to sizes, as torch.compile likes; an offset would be one more symbol).
         # Decodes read in place need none of their keys copied.
-        skip = decode_plan.num_decodes if isinstance(decode_plan, PagedDecodePlan) else 0
+        skip = decode_plan.num_decodes if in_place else 0
         k, v = (
             _as_kernel_rows(x.unsqueeze(0), device)
             for x in self._load_kv(layer, key, value, kv_cache, md, query.dtype, skip)
@@ -581,12 +583,20 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         self, query, paged: PagedKV, md, plan: PagedDecodePlan, mods, config, output, output_lse
     ) -> None:
         """Tokens `0 ... num_decodes - 1`, one batch entry each, over the cache in place."""
-        n, kv_heads, group, size = plan.num_decodes, self.num_kv_heads, self.group, self.head_size
-        q = md.workspace.get("decode_query", (plan.batch, kv_heads, group, size), query.dtype,
-                             query.device)  # fmt: skip
-        q[:n].copy_(query[:n].view(n, kv_heads, group, size))
+        q = self._decode_queries(query, md, plan.num_decodes, plan.batch)
         result = self._paged_kernel(q, paged, md, plan, mods, config, output_lse is not None)()
-        self._write_decodes(result, n, output, output_lse)
+        self._write_decodes(result, plan.num_decodes, output, output_lse)
+
+    def _decode_queries(self, query, md, n: int, batch: int) -> torch.Tensor:
+        """The first `n` tokens' queries in the decode buffer `[batch, KVH, G, D]` of the
+        workspace (both decode paths; rows past `n` keep earlier values)."""
+        # query [n, H, D] is [n, KVH, G, D] already: batch entry, KV head, its query heads.
+        # Copied into a buffer of the padded batch all the same: a view of the caller's query
+        # would have torch.compile guard on that tensor's sizes too, and recompile.
+        shape = (self.num_kv_heads, self.group, self.head_size)
+        q = md.workspace.get("decode_query", (batch, *shape), query.dtype, query.device)
+        q[:n].copy_(query[:n].view(n, *shape))
+        return q
 
     def _write_decodes(self, result, n: int, output, output_lse) -> None:
         """Writes a decode batch's result (`out [batch, KVH, G, D]`, with `lse [batch, KVH,
@@ -619,17 +629,10 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         self, query, k, v, md, plan: DecodePlan, mods, config, output, output_lse
     ) -> None:
         """The decode layout: tokens `0 ... num_decodes - 1`, one batch entry each."""
-        n, kv_heads, group, size = plan.num_decodes, self.num_kv_heads, self.group, self.head_size
-        # query [n, H, D] is [n, KVH, G, D] already: batch entry, KV head, its query heads.
-        # Copied into a buffer of the padded batch all the same: a view of the caller's query
-        # would have torch.compile guard on that tensor's sizes too, and recompile.
-        padded = plan.batch, kv_heads, group, size
-        q = md.workspace.get("decode_query", padded, query.dtype, query.device)
-        q[:n].copy_(query[:n].view(n, kv_heads, group, size))
-        _static_dims(q, (1, 2, 3))
+        q = _static_dims(self._decode_queries(query, md, plan.num_decodes, plan.batch), (1, 2, 3))
         attend = _compiled_attend((*config, "decode"), with_lse=output_lse is not None)
         result = attend(q, k, v, plan.block_mask, score_mod(mods, plan), 1.0)
-        self._write_decodes(result, n, output, output_lse)
+        self._write_decodes(result, plan.num_decodes, output, output_lse)
 
     def _attend_rows(
         self, query, k, v, md, plan: RowsPlan, mods, config, output, output_lse

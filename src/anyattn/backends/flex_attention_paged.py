@@ -25,10 +25,10 @@ block does not compile again.
 Where it applies (`paged_kv_views`, `FlexAttentionImpl._in_place`): CUDA, a decoder layer
 without ALiBi or sinks (ALiBi needs a key's position, which a view block does not carry; a
 sink would need a key of its own), a cache of the model dtype (fp8 is dequantised by the
-copy), block sizes a multiple of 16 (the kernel's smallest key tile), caches under 2^31
-elements (offsets stay int32), and torch's `BlockMask.from_kv_blocks(compute_q_blocks=...)`,
-without which torch would build a dense mask over the whole cache. Anything else takes the
-copying decode layout.
+copy), block sizes a power of two of at least 16 (the kernel's smallest key tile; its
+template builds no other tiles), views whose offsets stay int32, and torch's
+`BlockMask.from_kv_blocks(compute_q_blocks=...)`, without which torch would build a dense
+mask over the whole cache. Anything else takes the copying decode layout.
 """
 
 from __future__ import annotations
@@ -104,8 +104,9 @@ class PagedDecodePlan:
         num_decodes: real entries (requests `0 ... num_decodes - 1`).
         batch: entries the kernel sees (`pad_paged_batch(num_decodes)`; the padding visits
             nothing).
-        block_mask: lists `m * block_table[b]`, all partial; its mask_mod keeps the first
-            `last_len[b]` keys of the entry's last block and every key of the others.
+        block_mask: lists `m * block_table[b]` (with a window, from its first block on),
+            all partial; its mask_mod keeps every key of the middle blocks, the keys from the
+            window's start in the first and the first `last_len[b]` in the last.
     """
 
     num_decodes: int
