@@ -61,6 +61,7 @@ from _timing import cpu_times_us, interleaved_us, markdown_table, median_us, syn
 
 from anyattn import registry
 from anyattn.backend import AttentionBackend
+from anyattn.backends.flashinfer_xqa import xqa_decode_reason
 from anyattn.config import AttentionSelectorConfig, AttentionSpec, BatchLimits
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.metadata import (
@@ -539,8 +540,10 @@ def flashinfer_page_indices(
 
 
 def prepare_flashinfer(data: CaseData) -> Prepared:
-    """FlashInfer called directly: ragged prefill for fresh prefills, else the decode wrapper
-    (tensor cores) for the decodes and the paged prefill wrapper for the rest."""
+    """FlashInfer called directly: ragged prefill for fresh prefills, else for the decodes
+    the kernel FLASHINFER's default picks (XQA over the block table with blocks of 64 tokens
+    or more on SM90+, `flashinfer_xqa`; the decode wrapper with tensor cores otherwise) and
+    the paged prefill wrapper for the rest."""
     fi = _import("flashinfer", "FlashInfer", data.device)
     spec, shape = data.spec, data.shape
     types = {"q_data_type": shape.dtype, "kv_data_type": shape.dtype, "sm_scale": shape.scale}
@@ -568,8 +571,22 @@ def prepare_flashinfer(data: CaseData) -> Prepared:
     block_table = data.block_table[order]
     num_decodes = sum(n == 1 for n in query_lens)
     num_decode_tokens = num_decodes
-    decode = prefill = None
-    if num_decodes:
+    decode = prefill = xqa = None
+    capability = torch.cuda.get_device_capability(data.device)
+    dt = shape.dtype
+    if num_decodes and xqa_decode_reason("auto", capability, shape.block_size, shape.head_size,
+                                         dt, dt, 0.0) is None:  # fmt: skip
+        xqa_table = block_table[:num_decodes].contiguous().to(data.device)
+        xqa_lens = torch.tensor(seq_lens[:num_decodes], dtype=torch.int32, device=data.device)
+        xqa_workspace = workspace()
+
+        def xqa(q: torch.Tensor, out: torch.Tensor) -> None:
+            fi.decode.xqa_batch_decode_with_kv_cache(
+                q, data.cache, xqa_workspace, xqa_table, xqa_lens,
+                xqa_table.shape[1] * shape.block_size, bmm1_scale=shape.scale, out=out,
+            )  # fmt: skip
+
+    elif num_decodes:
         decode = fi.BatchDecodeWithPagedKVCacheWrapper(workspace(), "NHD", use_tensor_cores=True)
         indices = flashinfer_page_indices(
             block_table[:num_decodes], seq_lens[:num_decodes], shape.block_size
@@ -586,6 +603,8 @@ def prepare_flashinfer(data: CaseData) -> Prepared:
 
     def run_paged(slot: int) -> torch.Tensor:
         q, out = queries[slot], outputs[slot]
+        if xqa is not None:
+            xqa(q[:num_decode_tokens], out[:num_decode_tokens])
         if decode is not None:
             decode.run(q[:num_decode_tokens], data.cache, out=out[:num_decode_tokens])
         if prefill is not None:
@@ -593,7 +612,7 @@ def prepare_flashinfer(data: CaseData) -> Prepared:
         return out
 
     def path() -> str:
-        parts = []
+        parts = ["FlashInfer XQA decode"] if xqa is not None else []
         if decode is not None:
             try:
                 chosen = f", {decode.resolved_backend}"

@@ -436,14 +436,20 @@ def test_stale_metadata_is_planned_again():
 
 
 @_gpu
+@pytest.mark.parametrize("decode_kernel", ["wrapper", "xqa"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_cudagraph_decode_replay_matches_eager_and_the_oracle(layout):
+def test_cudagraph_decode_replay_matches_eager_and_the_oracle(layout, decode_kernel):
+    # "xqa": the graphs run FlashInfer's XQA decode (no plan: the build copies the table and
+    # lengths into the graph's buffers), checked against the eager planned wrapper too
+    if decode_kernel == "xqa" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("XQA needs SM90+")
     torch.manual_seed(0)
     block_size, size, width = 16, 8, 32
     dtype = torch.bfloat16
     spec = AttentionSpec(block_size, KV_HEADS, HEAD_SIZE, dtype)
     limits = BatchLimits(size, 256, block_size * width, cudagraph_capture_sizes=(4, size))
     builder = FlashInferMetadataBuilder(spec, ["layer.0"], limits, "cuda")
+    builder.decode_kernel = decode_kernel
     impl = FlashInferImpl(HEADS, HEAD_SIZE, SCALE, KV_HEADS)
     builder.register_layer(impl)
     num_blocks = size * width + 1
@@ -472,6 +478,7 @@ def test_cudagraph_decode_replay_matches_eager_and_the_oracle(layout):
         query = torch.randn(len(seq_lens), HEADS, HEAD_SIZE, device="cuda", dtype=dtype)
         output = torch.zeros_like(query)
         md = builder.build_for_cudagraph_capture(decodes(seq_lens)[0])
+        assert md.step.planned[impl.plan_key].xqa == (decode_kernel == "xqa")
         impl.forward(layer, query, None, None, cache, md, output)  # warm-up outside the graph
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -483,6 +490,7 @@ def test_cudagraph_decode_replay_matches_eager_and_the_oracle(layout):
     graphs = {8: capture([1, 17, 100, 3, 64, 500, 16, 33]), 4: capture([9, 250, 31, 2])}
     eager_limits = BatchLimits(size, 256, block_size * width)
     eager_builder = FlashInferMetadataBuilder(spec, ["layer.0"], eager_limits, "cuda")
+    eager_builder.decode_kernel = "wrapper"
     steps = [
         ([37, 200, 5, 129, 64], {"padded": size}),
         ([300] * size, {}),
@@ -496,10 +504,13 @@ def test_cudagraph_decode_replay_matches_eager_and_the_oracle(layout):
         cm, table = decodes(seq_lens, **padding)
         torch.cuda.set_sync_debug_mode("error")  # a replay step's build never waits
         try:
-            replay_size = builder.build(0, cm).cudagraph_size
+            md = builder.build(0, cm)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+        replay_size = md.cudagraph_size
         assert replay_size == cm.slot_mapping.shape[0]  # the captured size of the padding
+        if decode_kernel == "xqa":
+            assert md.step.planned[impl.plan_key].wrappers() == []  # nothing planned
         graph, query, output = graphs[replay_size]
         query.copy_(torch.randn_like(query))
         graph.replay()

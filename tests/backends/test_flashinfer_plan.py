@@ -5,6 +5,8 @@ general path."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -469,9 +471,10 @@ def assert_same_step(a, b):
     padding=st.sampled_from([None, 0, 1, 5, -1]),
     dtype=st.sampled_from([np.int32, np.int64]),
     first_token=st.integers(0, 3),
+    decode_arrays=st.booleans(),
 )
 def test_decode_fast_path_equals_the_general_path(
-    block_size, seq_lens, same_pages, extra_cols, padding, dtype, first_token
+    block_size, seq_lens, same_pages, extra_cols, padding, dtype, first_token, decode_arrays
 ):
     # seq_len 0 is shorter than the query (an error); a table one column short is one too
     n = len(seq_lens)
@@ -480,7 +483,10 @@ def test_decode_fast_path_equals_the_general_path(
     num_cols = max(max((-(-s // block_size) for s in seq_lens), default=0) + extra_cols, 0)
     padded = None if padding is None else max(n + padding, 0)
     loc, seq = (loc_of([1] * n) + first_token).astype(dtype), np.array(seq_lens, dtype)
-    fast = outcome(plan_step, loc, seq, block_size, num_cols, cudagraph_num_reqs=padded)
+    fast = outcome(
+        plan_step, loc, seq, block_size, num_cols, cudagraph_num_reqs=padded,
+        decode_arrays=decode_arrays,
+    )  # fmt: skip
     general = outcome(
         _plan_any,
         loc.astype(np.int64),
@@ -491,11 +497,37 @@ def test_decode_fast_path_equals_the_general_path(
         1,
         True,
         padded,
+        decode_arrays,
     )
     if isinstance(fast, tuple) or isinstance(general, tuple):
         assert fast == general
     else:
         assert_same_step(fast, general)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    query_lens=st.lists(st.integers(1, 5), min_size=1, max_size=8),
+    context=st.lists(st.integers(0, 90), min_size=8, max_size=8),
+    extra_cols=st.integers(-1, 1),
+)
+def test_a_step_without_decode_arrays_has_the_same_split_and_width_check(
+    query_lens, context, extra_cols
+):
+    # decode_arrays=False (XQA decodes): no decode arrays, everything else as with them, and
+    # a table too narrow for a decode is refused all the same
+    seq = np.array([q + c for q, c in zip(query_lens, context, strict=False)])
+    num_cols = max(-(-int(s) // 16) for s in seq) + extra_cols
+    loc = loc_of(query_lens)
+    with_arrays = outcome(plan_step, loc, seq, 16, num_cols)
+    without = outcome(plan_step, loc, seq, 16, num_cols, decode_arrays=False)
+    if isinstance(without, tuple):
+        assert without[0] is ValueError and "block_table too narrow" in without[1]
+        assert isinstance(with_arrays, tuple)
+        return
+    assert not isinstance(with_arrays, tuple), with_arrays  # refused with the arrays only
+    assert without.decode is None
+    assert_same_step(without, dataclasses.replace(with_arrays, decode=None))
 
 
 def test_decode_batches_take_the_fast_path(monkeypatch):

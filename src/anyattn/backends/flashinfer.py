@@ -14,6 +14,10 @@ A step is served by up to three wrappers, decodes first:
 
 - decodes (one query token): `BatchDecodeWithPagedKVCacheWrapper`, tensor cores on (the fa2
   prefill kernel, which serves any GQA ratio and shares its compiled module with the prefills);
+  or, with no plan at all, FlashInfer's XQA decode kernel over the block table itself
+  (`flashinfer_xqa`; the builder's `decode_kernel`, by default XQA for blocks of 64 tokens or
+  more on SM90+, where it measured as fast as the planned decode, so that `build` does no
+  FlashInfer planning for a decode step);
 - fresh prefills (no context): `BatchPrefillWithRaggedKVCacheWrapper` over the step's own K/V;
 - prefills with context: `BatchPrefillWithPagedKVCacheWrapper` over the paged cache.
 
@@ -67,8 +71,15 @@ from anyattn.backend import (
 )
 from anyattn.backends.flashinfer_plan import PagedArrays, StepArrays, plan_step
 from anyattn.backends.flashinfer_replan import can_replan, replan_decode
+from anyattn.backends.flashinfer_xqa import (
+    XQA_WORKSPACE_BYTES,
+    XqaGraphBuffers,
+    contiguous_rows,
+    run_xqa_decode,
+    xqa_decode_reason,
+)
 from anyattn.impl_args import check_forward_inputs
-from anyattn.metadata import CommonAttentionMetadata
+from anyattn.metadata import CommonAttentionMetadata, HostBatch
 from anyattn.ops.gather_pages import gather_pages
 from anyattn.types import (
     DTYPES,
@@ -202,6 +213,7 @@ class _Planned:
     decode: Any = None
     ragged: Any = None
     paged: Any = None
+    xqa: bool = False  # the decodes run XQA (`decode` is then planned only on demand)
 
     def wrappers(self) -> list[Any]:
         return [w for w in (self.decode, self.ragged, self.paged) if w is not None]
@@ -219,6 +231,14 @@ class _Step:
     paged_pages: torch.Tensor | None
     causal: bool
     cudagraph_size: int | None
+    # The XQA decode's int32 page table `[rows, pages]` and sequence lengths `[rows]` (rows:
+    # the decodes, or the captured size), None where XQA cannot serve this step's decodes.
+    xqa: tuple[torch.Tensor, torch.Tensor] | None = None
+    # What planning the decode wrapper later needs (`arrays.decode` is None when every
+    # registered layer's decodes run XQA): the build's validated mirrors and block table.
+    host: HostBatch | None = None
+    block_table: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None  # int32 `[num_reqs]`, on the device
     planned: dict[_PlanKey, _Planned] = field(default_factory=dict)
 
 
@@ -276,6 +296,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     single-token decodes whose `slot_mapping` has N rows (N requests, dummies included, or
     fewer requests padded to N rows) is planned into the same wrapper, so the captured graph
     replays the new plan; FlashInfer plans it for N requests, the missing ones without keys.
+
+    Decodes served by XQA (`decode_kernel`, see `flashinfer_xqa`) are not planned: the
+    kernel takes the block table and lengths themselves, and a CUDA-graph step copies them
+    into the graph's fixed buffers (`XqaGraphBuffers`).
     """
 
     _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
@@ -285,6 +309,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     # Decode wrappers already set up by FlashInfer's plan() for their layer signature are
     # re-planned by `flashinfer_replan.replan_decode` (the batch-dependent part only).
     fast_decode_plan: ClassVar[bool] = True
+    # Which kernel runs the decodes: "auto" (XQA with blocks of 64 tokens or more, where it is
+    # as fast as the planned decode, else the wrapper), "xqa" (wherever it can serve the
+    # layer) or "wrapper" (FlashInfer's planned decode wrapper always). See flashinfer_xqa.
+    decode_kernel: ClassVar[str] = "auto"
 
     def __init__(self, kv_cache_spec, layer_names, limits, device) -> None:
         super().__init__(kv_cache_spec, layer_names, limits, device)
@@ -302,6 +330,15 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         self._workspace: torch.Tensor | None = None
         self._installed_version = _installed_flashinfer()[1]
         self.fast_decode_plans = 0  # decode plans made by `replan_decode` (for tests)
+        self._capability = (
+            torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
+        )
+        # (decode_kernel, plan key or None) -> `_xqa_reason`: a few us a build otherwise
+        self._xqa_reasons: dict[tuple[str, _PlanKey | None], str | None] = {}
+        self._xqa_reason(None)  # a bad decode_kernel fails here, not in a build
+        self._xqa_workspace: torch.Tensor | None = None
+        self._xqa_graph: dict[int, XqaGraphBuffers] = {}
+        self._xqa_filled_by: dict[int, int] = {}  # captured size -> generation of its fill
         # Query offsets of one token per request, for `replan_decode`, per batch size up to
         # max_num_reqs (larger eager batches are planned by FlashInfer's `plan()`).
         self._qo_indptrs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -374,6 +411,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             raise ValueError(f"{api}: cross attention not supported (got encoder_seq_lens).")
         host = cm.validate(api)
         spec = self.kv_cache_spec
+        # XQA decodes need no plan arrays; the decode wrapper's are made when a layer needs
+        # them (a registered one now, an unregistered one or an LSE request in its forward).
+        xqa = self._xqa_reason(None) is None
+        keys = self._layer_keys
         arrays = plan_step(
             host.query_start_loc,
             host.seq_lens,
@@ -382,8 +423,12 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             decode_threshold=self.reorder_batch_threshold or 1,
             allow_ragged=self._allow_ragged,
             cudagraph_num_reqs=cudagraph_size,
+            decode_arrays=not (xqa and keys and all(self._xqa_reason(k) is None for k in keys)),
         )
-        if cudagraph_size is not None:
+        xqa_inputs = None
+        if xqa and (arrays.split.num_decodes or cudagraph_size):
+            xqa_inputs = self._xqa_inputs(cm, host, arrays.split.num_decodes, cudagraph_size)
+        if cudagraph_size is not None and arrays.decode is not None:
             capacity = cudagraph_size * -(-self.limits.max_model_len // spec.block_size)
             num_pages = arrays.decode.num_pages
             if num_pages > capacity:
@@ -410,6 +455,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             paged_pages,
             cm.causal,
             cudagraph_size,
+            xqa_inputs,
+            host,
+            table,
+            cm.seq_lens,
         )
         split = arrays.split
         md = FlashInferMetadata(
@@ -436,28 +485,119 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 
     # --- plans ------------------------------------------------------------------------------
 
-    def planned(self, md: FlashInferMetadata, key: _PlanKey) -> _Planned:
-        """The wrappers planned for `key` and `md`'s step, planning them now if needed."""
+    def planned(
+        self, md: FlashInferMetadata, key: _PlanKey, decode_wrapper: bool = False
+    ) -> _Planned:
+        """The wrappers planned for `key` and `md`'s step, planning them now if needed
+        (`decode_wrapper`: the decodes' too where XQA runs them, for an LSE)."""
         step = md.step
         planned = step.planned.get(key)
-        if planned is not None and all(
-            self._planned_by.get(id(w)) == step.generation for w in planned.wrappers()
+        if (
+            planned is not None
+            and all(self._planned_by.get(id(w)) == step.generation for w in planned.wrappers())
+            and self._xqa_current(step, planned)
         ):
+            if not (decode_wrapper and planned.xqa and planned.decode is None):
+                return planned
+            self._refuse_while_capturing("the decode wrapper (for an LSE) is not planned")
+            self._plan_decode(key, step, planned, wrapper=True)
+            self._planned_by[id(planned.decode)] = step.generation
             return planned
+        self._refuse_while_capturing("this layer's wrappers are not planned")
+        self._layer_keys.setdefault(key, None)
+        return self._plan(key, step, decode_wrapper)
+
+    def _refuse_while_capturing(self, what: str) -> None:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                "FLASHINFER forward: this layer's wrappers are not planned for the step being "
-                "captured (got a layer signature or metadata the builder has not planned). "
-                "Call builder.register_layer(impl) or run one eager step before capturing, and "
-                "capture with the metadata of the latest build."
+                f"FLASHINFER forward: {what} for the step being captured (got a layer "
+                "signature, metadata or LSE request the builder has not planned). Call "
+                "builder.register_layer(impl) or run one eager step as the graph will before "
+                "capturing, and capture with the metadata of the latest build."
             )
-        self._layer_keys.setdefault(key, None)
-        return self._plan(key, step)
 
-    def _plan(self, key: _PlanKey, step: _Step) -> _Planned:
+    def xqa_workspace(self) -> torch.Tensor:
+        """XQA's own workspace (its semaphores must stay zeroed: no wrapper may share it)."""
+        if self._xqa_workspace is None:
+            self._xqa_workspace = torch.zeros(
+                XQA_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device
+            )
+        return self._xqa_workspace
+
+    def _xqa_reason(self, key: _PlanKey | None) -> str | None:
+        """Why `key`'s decodes (None: any layer's, soft cap aside) run the wrapper, or None."""
+        cached = self._xqa_reasons.get((self.decode_kernel, key), False)
+        if cached is not False:
+            return cached
         spec = self.kv_cache_spec
-        arrays = step.arrays
-        common = dict(
+        reason = xqa_decode_reason(
+            self.decode_kernel,
+            self._capability,
+            spec.block_size,
+            spec.head_size,
+            spec.dtype,
+            self._cache_dtype,
+            key.logits_soft_cap if key is not None else 0.0,
+        )
+        self._xqa_reasons[(self.decode_kernel, key)] = reason
+        return reason
+
+    def _xqa_inputs(
+        self,
+        cm: CommonAttentionMetadata,
+        host: HostBatch,
+        num_decodes: int,
+        cudagraph_size: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """XQA's page table and lengths for the step's decodes: views of the step's own (a
+        copy of the table's rows if they are not contiguous), or a CUDA-graph step's fixed
+        buffers filled with them."""
+        if cudagraph_size is None:
+            return contiguous_rows(cm.block_table_tensor, num_decodes), cm.seq_lens[:num_decodes]
+        buffers = self._xqa_graph.get(cudagraph_size)
+        if buffers is None:
+            max_pages = -(-self.limits.max_model_len // self.kv_cache_spec.block_size)
+            buffers = XqaGraphBuffers(cudagraph_size, max_pages, self.device)
+            self._xqa_graph[cudagraph_size] = buffers
+        max_pages = buffers.page_table.shape[1]
+        most = self._most_pages(host)
+        if most > max_pages:
+            raise ValueError(
+                "FlashInferMetadataBuilder.build: a CUDA-graph decode step needs more pages "
+                f"per request than max_model_len allows (got {most}, expected <= {max_pages}). "
+                "Keep seq_lens within BatchLimits.max_model_len."
+            )
+        generation = self._generation + 1  # this build's
+        self._fill_xqa_graph(cudagraph_size, cm.block_table_tensor, cm.seq_lens, host, generation)
+        return buffers.page_table, buffers.seq_lens
+
+    def _most_pages(self, host: HostBatch) -> int:
+        seq = host.seq_lens
+        return -(-int(seq[seq.argmax()]) // self.kv_cache_spec.block_size) if seq.size else 0
+
+    def _fill_xqa_graph(
+        self,
+        size: int,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        host: HostBatch,
+        generation: int,
+    ) -> None:
+        """Copy a step's table and lengths into the graph buffers of `size` (device copies)."""
+        most = self._most_pages(host)
+        self._xqa_graph[size].fill(block_table[:, :most], seq_lens, host.seq_lens.shape[0])
+        self._xqa_filled_by[size] = generation
+
+    def _xqa_current(self, step: _Step, planned: _Planned) -> bool:
+        """False when a later build refilled the CUDA-graph buffers `step`'s XQA reads."""
+        if not planned.xqa or step.cudagraph_size is None:
+            return True
+        return self._xqa_filled_by.get(step.cudagraph_size) == step.generation
+
+    def _common(self, key: _PlanKey) -> dict[str, Any]:
+        """The `plan()` arguments every wrapper of `key` takes alike."""
+        spec = self.kv_cache_spec
+        return dict(
             window_left=self._window_left,
             logits_soft_cap=key.logits_soft_cap or None,
             sm_scale=key.scale,
@@ -465,44 +605,16 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             o_data_type=spec.dtype,
             non_blocking=True,
         )
+
+    def _plan(self, key: _PlanKey, step: _Step, decode_wrapper: bool = False) -> _Planned:
+        spec = self.kv_cache_spec
+        arrays = step.arrays
         heads = (key.num_heads, spec.num_kv_heads, spec.head_size)
         planned = _Planned()
-        if arrays.decode is not None:
-            d = arrays.decode
-            wrapper = (
-                self._graph_decode(key, step.cudagraph_size)
-                if step.cudagraph_size
-                else self._wrappers(key, "decode")
-            )
-            if (
-                self.fast_decode_plan
-                and d.num_reqs <= self.limits.max_num_reqs
-                and can_replan(wrapper, self._installed_version)
-            ):
-                replan_decode(
-                    wrapper,
-                    d,
-                    step.decode_pages,
-                    step.decode_indptr_and_last,
-                    num_qo_heads=key.num_heads,
-                    num_kv_heads=spec.num_kv_heads,
-                    head_size=spec.head_size,
-                    page_size=spec.block_size,
-                    window_left=self._window_left,
-                    **self._qo_indptr(d.num_reqs),
-                )
-                self.fast_decode_plans += 1
-            else:
-                wrapper.plan(
-                    torch.from_numpy(d.paged_kv_indptr),
-                    step.decode_pages,
-                    torch.from_numpy(d.paged_kv_last_page_len),
-                    *heads,
-                    spec.block_size,
-                    kv_data_type=self._cache_dtype,
-                    **common,
-                )
-            planned.decode = wrapper
+        if arrays.split.num_decodes or step.cudagraph_size:
+            self._plan_decode(key, step, planned, wrapper=decode_wrapper)
+        if arrays.ragged_qo_indptr is not None or arrays.paged is not None:
+            common = self._common(key)
         if arrays.ragged_qo_indptr is not None:
             wrapper = self._wrappers(key, "ragged")
             wrapper.plan(
@@ -534,6 +646,74 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             self._planned_by[id(wrapper)] = step.generation
         step.planned[key] = planned
         return planned
+
+    def _plan_decode(self, key: _PlanKey, step: _Step, planned: _Planned, wrapper: bool) -> None:
+        """The decodes of `key`'s plan: XQA where it serves them (no plan, `wrapper` False),
+        else the decode wrapper, re-planned by `replan_decode` where it can be."""
+        if not wrapper and step.xqa is not None and self._xqa_reason(key) is None:
+            if step.cudagraph_size is not None and not self._xqa_current(step, _Planned(xqa=True)):
+                # a stale CUDA-graph step: its buffers hold a later build's batch
+                self._fill_xqa_graph(step.cudagraph_size, step.block_table, step.seq_lens,
+                                     step.host, step.generation)  # fmt: skip
+            planned.xqa = True
+            return
+        spec = self.kv_cache_spec
+        d = self._decode_arrays(step)
+        decode = (
+            self._graph_decode(key, step.cudagraph_size)
+            if step.cudagraph_size
+            else self._wrappers(key, "decode")
+        )
+        if (
+            self.fast_decode_plan
+            and d.num_reqs <= self.limits.max_num_reqs
+            and can_replan(decode, self._installed_version)
+        ):
+            replan_decode(
+                decode,
+                d,
+                step.decode_pages,
+                step.decode_indptr_and_last,
+                num_qo_heads=key.num_heads,
+                num_kv_heads=spec.num_kv_heads,
+                head_size=spec.head_size,
+                page_size=spec.block_size,
+                window_left=self._window_left,
+                **self._qo_indptr(d.num_reqs),
+            )
+            self.fast_decode_plans += 1
+        else:
+            decode.plan(
+                torch.from_numpy(d.paged_kv_indptr),
+                step.decode_pages,
+                torch.from_numpy(d.paged_kv_last_page_len),
+                key.num_heads,
+                spec.num_kv_heads,
+                spec.head_size,
+                spec.block_size,
+                kv_data_type=self._cache_dtype,
+                **self._common(key),
+            )
+        planned.decode = decode
+
+    def _decode_arrays(self, step: _Step) -> PagedArrays:
+        """The decode wrapper's plan arrays and device inputs of `step`, made now if the build
+        left them out (every registered layer's decodes ran XQA)."""
+        if step.arrays.decode is None:
+            host, table = step.host, step.block_table
+            arrays = plan_step(
+                host.query_start_loc,
+                host.seq_lens,
+                self.kv_cache_spec.block_size,
+                table.shape[1],
+                decode_threshold=self.reorder_batch_threshold or 1,
+                allow_ragged=self._allow_ragged,
+                cudagraph_num_reqs=step.cudagraph_size,
+            )
+            step.arrays = arrays
+            step.decode_indptr_and_last = _to_device(arrays.decode.indptr_and_last, table.device)
+            step.decode_pages = _gather_pages(table, arrays.decode, step.decode_indptr_and_last)
+        return step.arrays.decode
 
     # --- wrappers ---------------------------------------------------------------------------
 
@@ -697,7 +877,8 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
         output_lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """See `AttentionImpl.forward`. Writes `output[:num_actual_tokens]` (and `output_lse`,
-        base 2) with up to three wrapper runs: decodes, fresh prefills, other prefills."""
+        base 2) with up to three runs: decodes (XQA or the decode wrapper), fresh prefills,
+        other prefills."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError(
                 "FLASHINFER forward: fused output quantisation not supported (got "
@@ -707,10 +888,24 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
         self.validate_inputs(query, key, value, kv_cache, md, output, output_lse)
         if md.num_actual_tokens == 0:
             return output
-        planned = md.step.builder.planned(md, self.plan_key)
-        k_scale, v_scale = self._kv_scales(layer)
         want_lse = output_lse is not None
-        if md.decode_rows:
+        builder = md.step.builder
+        planned = builder.planned(md, self.plan_key, decode_wrapper=want_lse)
+        k_scale, v_scale = self._kv_scales(layer)
+        if md.decode_rows and planned.xqa and not want_lse:
+            n = md.decode_rows
+            run_xqa_decode(
+                query[:n],
+                kv_cache,
+                *md.step.xqa,
+                scale=self.scale,
+                k_scale=k_scale,
+                v_scale=v_scale,
+                window_left=md.window_left,
+                workspace=builder.xqa_workspace(),
+                out=output[:n],
+            )
+        elif md.decode_rows:
             rows = (0, md.decode_rows)
             result = planned.decode.run(
                 query[: rows[1]],

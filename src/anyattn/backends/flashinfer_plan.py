@@ -438,6 +438,7 @@ def plan_step(
     decode_threshold: int = 1,
     allow_ragged: bool = True,
     cudagraph_num_reqs: int | None = None,
+    decode_arrays: bool = True,
 ) -> StepArrays:
     """The split and every wrapper's plan inputs for one step.
 
@@ -449,6 +450,8 @@ def plan_step(
         decode_threshold, allow_ragged: see `split_batch`.
         cudagraph_num_reqs: plan the decodes padded to this many requests (a CUDA-graph batch);
             the step must then be decodes only.
+        decode_arrays: False leaves `decode` None (decodes that need no plan: FLASHINFER's
+            XQA kernel reads the block table itself); the split is the same.
 
     Raises:
         ValueError: bad lengths, a table too narrow, or a padded plan for a step with prefills.
@@ -463,7 +466,7 @@ def plan_step(
         # n queries of at least one token each, n tokens in all: every request is a
         # single-token decode, the engine's usual step (and every CUDA-graph step), so the
         # split is known without `_split`'s scans.
-        return _plan_decodes(loc, seq, block_size, num_cols, cudagraph_num_reqs)
+        return _plan_decodes(loc, seq, block_size, num_cols, cudagraph_num_reqs, decode_arrays)
     return _plan_any(
         loc,
         seq,
@@ -473,6 +476,7 @@ def plan_step(
         decode_threshold,
         allow_ragged,
         cudagraph_num_reqs,
+        decode_arrays,
     )
 
 
@@ -485,6 +489,7 @@ def _plan_any(
     decode_threshold: int,
     allow_ragged: bool,
     cudagraph_num_reqs: int | None,
+    decode_arrays: bool,
 ) -> StepArrays:
     """`plan_step` of any batch (int64 `loc`, `seq`, `query_lens`, each query >= 1 token)."""
     context = seq - query_lens
@@ -497,7 +502,9 @@ def _plan_any(
             f"{seq.shape[0] - split.num_decodes} prefills). Run steps with prefills eagerly."
         )
     decode = None
-    if split.num_decodes or cudagraph_num_reqs:
+    if not decode_arrays:
+        _check_width(seq[: split.num_decodes], block_size, num_cols)
+    elif split.num_decodes or cudagraph_num_reqs:
         decode = _paged_arrays(
             loc, seq, block_size, num_cols, (0, split.num_decodes), False, cudagraph_num_reqs
         )
@@ -517,6 +524,7 @@ def _plan_decodes(
     block_size: int,
     num_cols: int,
     cudagraph_num_reqs: int | None,
+    decode_arrays: bool,
 ) -> StepArrays:
     """`plan_step` of a batch of single-token decodes (int64 `loc`, `seq`): what the general
     path returns for it, with only the decode wrapper's arrays to compute."""
@@ -527,6 +535,20 @@ def _plan_decodes(
     empty = (n, n)
     split = BatchSplit(n, num_tokens, empty, empty, (num_tokens,) * 2, (num_tokens,) * 2)
     decode = None
-    if n or cudagraph_num_reqs:
+    if not decode_arrays:
+        _check_width(seq, block_size, num_cols)
+    elif n or cudagraph_num_reqs:
         decode = _paged_arrays(loc, seq, block_size, num_cols, (0, n), False, cudagraph_num_reqs)
     return StepArrays(split, decode, None, None, None)
+
+
+def _check_width(seq: np.ndarray, block_size: int, num_cols: int) -> None:
+    """The table-width check of the page gather, for decodes planned without arrays (whose
+    kernel reads the table's rows itself)."""
+    if seq.size:
+        most = -(-int(seq[seq.argmax()]) // block_size)
+        if most > num_cols:
+            raise ValueError(
+                f"plan_step: block_table too narrow for the longest sequence (got {num_cols} "
+                f"columns, expected >= {most} for block_size {block_size})."
+            )

@@ -1,0 +1,163 @@
+"""FLASHINFER's plan-free decode: FlashInfer's XQA kernel over the engine's block table.
+
+FlashInfer's batch decode wrapper needs a plan every step: its C++ planner (22-33 us of host
+time on the H200 machine) plus the index arrays it takes (page offsets, page ids gathered from
+the block table, last-page lengths), about 150 us of `build` in all. Its XQA decode kernel
+(`flashinfer.decode.xqa_batch_decode_with_kv_cache`, from TensorRT-LLM) takes the block table
+and the sequence lengths as they are, on the device, so a decode step needs no planning at all:
+`build` does nothing for the decodes beyond validating the batch, and a CUDA-graph replay step
+only copies the table and lengths into the graph's fixed buffers.
+
+Measured against the planned tensor-core decode on the H200 (`benchmarks/xqa_decode.py`,
+benchmarks/RESULTS.md; bf16, 32 / 8 heads of 128, 64 x 4096, 256 x 2048 and 8 x 32768): about
+the same GPU time with 64-token blocks (0.99-1.02x over two runs), 1.07-1.11x with 32-token
+blocks and 1.10-1.19x with 16-token blocks (a single long request: 0.97-1.00x at every size).
+Hence the builder's default,
+`decode_kernel = "auto"`: XQA for blocks of at least `AUTO_MIN_BLOCK_SIZE` tokens, the planned
+wrapper below that. `"xqa"` uses it wherever it can serve the layer (fewer host microseconds per
+step for more GPU time at small blocks), `"wrapper"` never.
+
+What XQA takes (FlashInfer 0.7.2's `gen_xqa_module` and `xqa`): SM90, SM100 or SM12x; fp16 /
+bf16 queries over a cache of the same dtype or fp8 e4m3; pages of 16, 32, 64 or 128 tokens;
+head sizes that are multiples of 16 up to 512; a sliding window. Not a soft cap, not an LSE
+output: a layer with a soft cap runs the wrapper, and a forward asking for the LSE has the
+builder plan the wrapper for that step (`FlashInferMetadataBuilder.planned`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "AUTO_MIN_BLOCK_SIZE",
+    "DECODE_KERNELS",
+    "XQA_WORKSPACE_BYTES",
+    "XqaGraphBuffers",
+    "contiguous_rows",
+    "run_xqa_decode",
+    "xqa_decode_reason",
+]
+
+DECODE_KERNELS = ("auto", "xqa", "wrapper")
+# The smallest block at which XQA was measured as fast as the planned decode (see above).
+AUTO_MIN_BLOCK_SIZE = 64
+XQA_BLOCK_SIZES = (16, 32, 64, 128)
+XQA_MAJORS = (9, 10, 12)
+# XQA's workspace: 8 MiB of semaphores (zeroed once; the kernel leaves them zeroed) and the
+# multi-block scratch, whose need is bounded by the SM count (about 0.75 CTAs per SM split
+# over the sequence), not by the batch: a few MiB for 132 SMs.
+XQA_WORKSPACE_BYTES = 64 * 1024 * 1024
+
+
+def xqa_decode_reason(
+    decode_kernel: str,
+    compute_capability: tuple[int, int] | None,
+    block_size: int,
+    head_size: int,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    logits_soft_cap: float,
+) -> str | None:
+    """Why a layer's decodes run the planned wrapper rather than XQA, or None when XQA runs
+    them (`decode_kernel` "auto", "xqa" or "wrapper"; `compute_capability` None off CUDA).
+
+    Raises:
+        ValueError: `decode_kernel` is not one of `DECODE_KERNELS`.
+    """
+    if decode_kernel not in DECODE_KERNELS:
+        raise ValueError(
+            f"FlashInferMetadataBuilder: decode_kernel not supported (got {decode_kernel!r}, "
+            f"expected one of {', '.join(DECODE_KERNELS)})."
+        )
+    if decode_kernel == "wrapper":
+        return "decode_kernel is 'wrapper'"
+    if compute_capability is None or compute_capability[0] not in XQA_MAJORS:
+        return f"XQA needs SM90, SM100 or SM12x (got {compute_capability})"
+    if logits_soft_cap:
+        return "XQA has no soft cap"
+    if cache_dtype not in (dtype, torch.float8_e4m3fn):
+        return f"XQA reads caches of the model dtype or fp8 e4m3 (got {cache_dtype})"
+    if block_size not in XQA_BLOCK_SIZES:
+        return f"XQA pages are {XQA_BLOCK_SIZES} tokens (got {block_size})"
+    if head_size % 16 or not 16 <= head_size <= 512:
+        return f"XQA head sizes are multiples of 16 up to 512 (got {head_size})"
+    if decode_kernel == "auto" and block_size < AUTO_MIN_BLOCK_SIZE:
+        return (
+            f"blocks under {AUTO_MIN_BLOCK_SIZE} tokens: the planned decode is faster there "
+            "(decode_kernel 'xqa' uses XQA anyway)"
+        )
+    return None
+
+
+class XqaGraphBuffers:
+    """The fixed block table and sequence lengths a captured XQA decode reads, one per
+    captured batch size: a replay step copies its own into them (device copies only).
+
+    Padding rows (the captured size past the step's requests) get length 1 over whatever
+    page id their row holds (zero, or a page of an earlier step: every id is one of the
+    cache's), so the kernel never sees an empty sequence.
+    """
+
+    def __init__(self, size: int, max_pages: int, device: torch.device) -> None:
+        self.page_table = torch.zeros(size, max_pages, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
+
+    def fill(self, block_table: torch.Tensor, seq_lens: torch.Tensor, num_reqs: int) -> None:
+        """Copy the first `num_reqs` rows of the step's `block_table` `[>= num_reqs, cols]`
+        and `seq_lens` in; the other rows become padding."""
+        cols = block_table.shape[1]
+        self.page_table[:num_reqs, :cols].copy_(block_table[:num_reqs])
+        self.seq_lens[:num_reqs].copy_(seq_lens[:num_reqs])
+        if num_reqs < self.seq_lens.shape[0]:
+            self.seq_lens[num_reqs:].fill_(1)
+
+
+def run_xqa_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float,
+    k_scale: float | None,
+    v_scale: float | None,
+    window_left: int,
+    workspace: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """One single-token query per request through FlashInfer's XQA decode, written to `out`.
+
+    Args:
+        query, out: `[batch, num_heads, head_size]`, contiguous.
+        kv_cache: the logical `(num_blocks, 2, block_size, num_kv_heads, head_size)` view, in
+            NHD or HND memory order (XQA reads the page, token and head strides).
+        page_table: int32 `[batch, pages]`, contiguous (XQA reads rows `pages` apart).
+        seq_lens: int32 `[batch]` keys per request, this step's included.
+        k_scale, v_scale: per-tensor fp8 scales (None: a 16-bit cache).
+        window_left: keys before the query's position that stay visible, -1 for all.
+        workspace: `XQA_WORKSPACE_BYTES`, zeroed before its first use, XQA's alone.
+    """
+    from flashinfer.decode import xqa_batch_decode_with_kv_cache
+
+    k_scale = 1.0 if k_scale is None else k_scale
+    v_scale = 1.0 if v_scale is None else v_scale
+    xqa_batch_decode_with_kv_cache(
+        query,
+        kv_cache,
+        workspace,
+        page_table,
+        seq_lens,
+        page_table.shape[1] * kv_cache.shape[2],
+        bmm1_scale=scale * k_scale,
+        bmm2_scale=v_scale,
+        window_left=window_left,
+        out=out,
+        kv_layout="NHD",
+    )
+
+
+def contiguous_rows(table: torch.Tensor, num_reqs: int) -> torch.Tensor:
+    """The table's first `num_reqs` rows as XQA reads them: contiguous (a device copy when
+    the table is a column slice of a wider buffer)."""
+    rows = table[:num_reqs]
+    return rows if rows.is_contiguous() else rows.contiguous()

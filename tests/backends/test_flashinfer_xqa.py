@@ -1,0 +1,239 @@
+"""FLASHINFER's plan-free XQA decode: which layers it serves and its CUDA-graph buffers (CPU),
+and on the GPU with FlashInfer 0.7.2.post1: the conformance kit with XQA forced for every
+decode, `build` planning nothing for XQA decodes and never waiting on the device, the LSE
+fallback to the decode wrapper, layers with a soft cap next to XQA layers, and a stale
+CUDA-graph step (CUDA-graph replay with XQA: tests/backends/test_flashinfer.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from anyattn.backends.flashinfer import (
+    FlashInferBackend,
+    FlashInferImpl,
+    FlashInferMetadataBuilder,
+)
+from anyattn.backends.flashinfer_xqa import (
+    AUTO_MIN_BLOCK_SIZE,
+    XqaGraphBuffers,
+    contiguous_rows,
+    xqa_decode_reason,
+)
+from anyattn.config import AttentionSpec, BatchLimits
+from anyattn.metadata import make_common_attn_metadata
+from anyattn.testing import (
+    KitLayer,
+    attention_oracle,
+    build_batch,
+    check_backend,
+    error_bound,
+    get_spec,
+    max_abs_error,
+)
+
+BF16, E4M3, E5M2 = torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2
+H100, A100 = (9, 0), (8, 0)
+
+
+def reason(kernel="auto", capability=H100, block=64, head=128, cache=BF16, cap=0.0):
+    return xqa_decode_reason(kernel, capability, block, head, BF16, cache, cap)
+
+
+def test_xqa_serves_what_its_interface_takes_and_auto_only_at_large_blocks():
+    assert reason() is None
+    assert reason(block=128) is None and reason(cache=E4M3) is None
+    assert reason("xqa", block=16) is None and reason("xqa", (10, 0)) is None
+    assert reason("xqa", (12, 1), block=32, head=64) is None
+    assert AUTO_MIN_BLOCK_SIZE == 64
+    refusals = {
+        "decode_kernel is 'wrapper'": reason("wrapper"),
+        "XQA needs SM90, SM100 or SM12x (got (8, 0))": reason(capability=A100),
+        "XQA needs SM90, SM100 or SM12x (got None)": reason(capability=None),
+        "XQA has no soft cap": reason(cap=30.0),
+        "XQA reads caches of the model dtype or fp8 e4m3 (got torch.float8_e5m2)": reason(
+            cache=E5M2
+        ),
+        "XQA reads caches of the model dtype or fp8 e4m3 (got torch.float16)": reason(
+            cache=torch.float16
+        ),
+        "XQA pages are (16, 32, 64, 128) tokens (got 48)": reason("xqa", block=48),
+        "XQA head sizes are multiples of 16 up to 512 (got 72)": reason(head=72),
+        "XQA head sizes are multiples of 16 up to 512 (got 528)": reason(head=528),
+    }
+    for expected, got in refusals.items():
+        assert got == expected
+    assert reason(block=32).startswith("blocks under 64 tokens: the planned decode is faster")
+
+
+def test_a_bad_decode_kernel_is_refused_when_the_builder_is_made():
+    with pytest.raises(ValueError, match=r"decode_kernel not supported \(got 'fast'"):
+        reason("fast")
+
+    class Fast(FlashInferMetadataBuilder):
+        decode_kernel = "fast"
+
+    spec = AttentionSpec(64, 2, 64, BF16)
+    with pytest.raises(ValueError, match="expected one of auto, xqa, wrapper"):
+        Fast(spec, ["layer.0"], BatchLimits(4, 64, 256), "cpu")
+
+
+def test_graph_buffers_take_the_steps_rows_and_pad_the_rest_with_one_key():
+    buffers = XqaGraphBuffers(4, 5, torch.device("cpu"))
+    table = torch.arange(1, 13, dtype=torch.int32).view(4, 3)
+    buffers.fill(table[:, :2], torch.tensor([20, 7, 3, 99], dtype=torch.int32), 2)
+    assert buffers.page_table.tolist() == [[1, 2, 0, 0, 0], [4, 5, 0, 0, 0]] + [[0] * 5] * 2
+    assert buffers.seq_lens.tolist() == [20, 7, 1, 1]
+    # a later, smaller step: earlier rows past it keep valid ids, their lengths become 1
+    buffers.fill(table[2:], torch.tensor([33, 5], dtype=torch.int32), 1)
+    assert buffers.page_table[0].tolist() == [7, 8, 9, 0, 0]
+    assert buffers.seq_lens.tolist() == [33, 1, 1, 1]
+
+
+def test_contiguous_rows_copies_only_a_column_slice():
+    table = torch.arange(24, dtype=torch.int32).view(4, 6)
+    rows = contiguous_rows(table, 3)
+    assert rows.data_ptr() == table.data_ptr() and rows.shape == (3, 6)
+    narrow = contiguous_rows(table[:, :4], 2)
+    assert narrow.is_contiguous() and narrow.tolist() == [[0, 1, 2, 3], [6, 7, 8, 9]]
+
+
+def test_cpu_builders_plan_decode_arrays_as_before():
+    # off CUDA no layer's decodes can run XQA: the build keeps the wrapper's arrays
+    spec = AttentionSpec(64, 2, 64, BF16)
+    builder = FlashInferMetadataBuilder(spec, ["layer.0"], BatchLimits(4, 64, 256), "cpu")
+    builder.decode_kernel = "xqa"
+    table = torch.arange(1, 9, dtype=torch.int32).view(2, 4)
+    md = builder.build(0, make_common_attn_metadata([1, 1], [70, 3], table, 64))
+    assert md.step.xqa is None and md.step.arrays.decode is not None
+
+
+# --- GPU ---------------------------------------------------------------------------------------
+
+
+def _gpu(test):
+    """Marks a test as needing a Hopper-or-later GPU and FlashInfer 0.7.2.post1."""
+    test = pytest.mark.gpu(test)
+    usable = FlashInferBackend.get_unavailable_reason() is None and (
+        torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    )
+    return pytest.mark.skipif(not usable, reason="needs SM90+ and FlashInfer 0.7.2.post1")(test)
+
+
+class XqaBuilder(FlashInferMetadataBuilder):
+    decode_kernel = "xqa"
+
+
+class XqaBackend(FlashInferBackend):
+    """FLASHINFER with XQA forced for every decode it can serve (16-token blocks too)."""
+
+    @staticmethod
+    def get_builder_cls() -> type[FlashInferMetadataBuilder]:
+        return XqaBuilder
+
+
+# Every decode-bearing feature FLASHINFER declares (soft cap: the wrapper runs its decodes).
+XQA_FEATURES = (
+    "decode", "mixed", "chunked", "odd_lengths", "gqa", "mqa", "head_sizes", "block_sizes",
+    "layouts", "padding", "kv_sharing", "non_causal", "sliding_window", "soft_cap", "fp8", "lse",
+)  # fmt: skip
+HEADS, KV_HEADS, HEAD_SIZE, SCALE = 8, 2, 128, 0.1
+
+
+@_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("feature", XQA_FEATURES)
+def test_conformance_kit_with_xqa_decodes(feature, dtype):
+    report = check_backend(XqaBackend, "cuda", dtype, features=[feature])
+    report.assert_passed()
+
+
+def _decode_batch(block_size: int):
+    batch = build_batch(
+        FlashInferBackend, get_spec("many_decodes"), num_heads=HEADS, num_kv_heads=KV_HEADS,
+        head_size=HEAD_SIZE, dtype=torch.bfloat16, device="cuda", seed=3, block_size=block_size,
+    )  # fmt: skip
+    impl = FlashInferImpl(HEADS, HEAD_SIZE, SCALE, KV_HEADS)
+    layer = KitLayer("layer.0", batch.k_scale, batch.v_scale)
+    impl.do_kv_cache_update(
+        layer, batch.key, batch.value, batch.kv_cache, batch.common_attn_metadata.slot_mapping
+    )
+    return batch, impl, layer
+
+
+def _forward(impl, layer, batch, md, with_lse=False):
+    output = torch.full_like(batch.query, math.nan)
+    lse = torch.full((HEADS, batch.query.shape[0]), math.nan, device="cuda") if with_lse else None
+    impl.forward(layer, batch.query, batch.key, batch.value, batch.kv_cache, md, output,
+                 output_lse=lse)  # fmt: skip
+    return output, lse
+
+
+def _oracle(batch):
+    n = batch.num_actual_tokens
+    args = (batch.query[:n], batch.oracle_key, batch.oracle_value, batch.spec.query_lens,
+            batch.kv_lens)  # fmt: skip
+    ref64, lse64 = attention_oracle(*args, scale=SCALE)
+    ref_lowp, _ = attention_oracle(*args, scale=SCALE, compute_dtype=torch.bfloat16)
+    return ref64, lse64, error_bound(ref64, ref_lowp, torch.bfloat16)
+
+
+@_gpu
+def test_auto_build_of_large_block_decodes_plans_nothing_and_never_waits():
+    batch, impl, layer = _decode_batch(64)
+    builder = batch.builder
+    builder.register_layer(impl)
+    _forward(impl, layer, batch, builder.build(0, batch.common_attn_metadata))  # JIT, buffers
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        md = builder.build(0, batch.common_attn_metadata)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    planned = md.step.planned[impl.plan_key]
+    assert planned.xqa and planned.wrappers() == [] and md.step.arrays.decode is None
+    assert builder.fast_decode_plans == 0
+    output, _ = _forward(impl, layer, batch, md)
+    ref64, lse64, bound = _oracle(batch)
+    assert max_abs_error(output[: batch.num_actual_tokens], ref64) <= bound
+    # an LSE request plans the decode wrapper for this step, in the forward
+    output, lse = _forward(impl, layer, batch, md, with_lse=True)
+    assert planned.decode is not None
+    n = batch.num_actual_tokens
+    assert max_abs_error(output[:n], ref64) <= bound
+    assert torch.allclose(lse[:, :n].double(), lse64 / math.log(2.0), atol=2e-3, rtol=1e-4)
+
+
+@_gpu
+def test_soft_capped_layers_keep_the_wrapper_next_to_xqa_layers():
+    batch, impl, layer = _decode_batch(64)
+    capped = FlashInferImpl(HEADS, HEAD_SIZE, SCALE, KV_HEADS, logits_soft_cap=30.0)
+    batch.builder.register_layer(impl)
+    batch.builder.register_layer(capped)
+    md = batch.builder.build(0, batch.common_attn_metadata)
+    assert md.step.planned[impl.plan_key].xqa
+    assert md.step.planned[capped.plan_key].decode is not None
+    assert not md.step.planned[capped.plan_key].xqa
+    output, _ = _forward(impl, layer, batch, md)
+    ref64, _, bound = _oracle(batch)
+    assert max_abs_error(output[: batch.num_actual_tokens], ref64) <= bound
+
+
+@_gpu
+def test_stale_cudagraph_metadata_refills_the_graph_buffers():
+    batch, impl, layer = _decode_batch(16)
+    cm = batch.common_attn_metadata
+    n = cm.num_reqs
+    spec = batch.builder.kv_cache_spec
+    limits = BatchLimits(n, 256, 2048, cudagraph_capture_sizes=(n,))
+    builder = XqaBuilder(spec, ["layer.0"], limits, "cuda")
+    builder.register_layer(impl)
+    md = builder.build_for_cudagraph_capture(cm)
+    other_table = torch.zeros_like(cm.block_table_tensor)
+    other = make_common_attn_metadata([1] * n, [1] * n, other_table, spec.block_size, "cuda")
+    builder.build(0, other)  # refills the buffers of size n with another batch
+    output, _ = _forward(impl, layer, batch, md)
+    ref64, _, bound = _oracle(batch)
+    assert max_abs_error(output[: batch.num_actual_tokens], ref64) <= bound
