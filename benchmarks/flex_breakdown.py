@@ -10,7 +10,7 @@ does), each part of one layer's forward alone, so that the gap can be attributed
 - the K/V copy out of the paged cache into the workspace (`ops.gather_kv_rows`; on CUDA
   decodes read the cache in place, and only the other requests' keys are copied);
 - the attention calls on the workspace, as the forward makes them (the decode layout's and
-  the folded rows', compiled with dynamic shapes so that no step size recompiles), with their
+  the rows', compiled with dynamic shapes so that no step size recompiles), with their
   query and output copies;
 - the same compiled kernels alone, on queries already in their layout (no copies);
 - FlexAttention called directly on keys laid out once (`kernels.prepare_flex`, the
@@ -100,7 +100,8 @@ def parts(spec: kernels.CaseSpec, shape: kernels.Shape, device: torch.device) ->
 
     loaded = load_kv(0)
     k, v = (flex._as_kernel_rows(x.unsqueeze(0), device) for x in loaded) if loaded else (0, 0)
-    config = (device.type, query.dtype, shape.head_size, shape.num_kv_heads, *sorted(mods))
+    heads = (shape.num_heads, shape.num_kv_heads)
+    config = (device.type, query.dtype, shape.head_size, *heads, *sorted(mods))
 
     def attend(slot: int) -> None:
         if in_place:
@@ -124,20 +125,16 @@ def parts(spec: kernels.CaseSpec, shape: kernels.Shape, device: torch.device) ->
              decode_plan)
         )  # fmt: skip
     if rows_plan is not None:
-        q = md.workspace.get(
-            "query", (shape.num_kv_heads, rows_plan.num_rows, shape.head_size), query.dtype, device
-        )
-        kernel_calls.append(
-            (flex._compiled_attend(config, False), flex._as_kernel_rows(q[None], device),
-             rows_plan)
-        )  # fmt: skip
+        q = impl._rows_queries(query, md, rows_plan)
+        kernel_calls.append((flex._compiled_attend(config, False), q, rows_plan))
 
     def kernels_alone(slot: int) -> None:
         for compiled, q, plan in kernel_calls:
             if plan is None:
                 compiled()  # the paged decode, its inputs bound
             else:
-                compiled(q, k, v, plan.block_mask, masks.score_mod(mods, plan), 1.0)
+                mod = masks.score_mod(impl._rows_mods(mods) if plan is rows_plan else mods, plan)
+                compiled(q, k, v, plan.block_mask, mod, 1.0)
 
     peer = kernels.prepare_flex(data)
     # The parts compute the same attention: the forward's output against the direct call's
@@ -152,7 +149,7 @@ def parts(spec: kernels.CaseSpec, shape: kernels.Shape, device: torch.device) ->
     decodes = "paged decode" if in_place else "decode layout"
     layouts = [
         f"{decodes}: {decode_plan.num_decodes} requests" if decode_plan else None,
-        f"folded rows: {rows_plan.num_rows} rows" if rows_plan else None,
+        f"rows: {rows_plan.num_rows} rows" if rows_plan else None,
     ]
     return {
         "forward (whole)": lambda s: impl.forward(layer, query, None, None, kv_cache, md, output),

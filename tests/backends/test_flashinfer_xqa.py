@@ -7,6 +7,8 @@ CUDA-graph step (CUDA-graph replay with XQA: tests/backends/test_flashinfer.py).
 from __future__ import annotations
 
 import math
+import sys
+import types
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from anyattn.backends.flashinfer_xqa import (
     AUTO_MIN_BLOCK_SIZE,
     XqaGraphBuffers,
     contiguous_rows,
+    run_xqa_decode,
     xqa_decode_reason,
 )
 from anyattn.config import AttentionSpec, BatchLimits
@@ -38,13 +41,16 @@ BF16, E4M3, E5M2 = torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2
 H100, A100 = (9, 0), (8, 0)
 
 
-def reason(kernel="auto", capability=H100, block=64, head=128, cache=BF16, cap=0.0):
-    return xqa_decode_reason(kernel, capability, block, head, BF16, cache, cap)
+def reason(kernel="auto", capability=H100, block=64, head=128, cache=BF16, cap=0.0, group=4):
+    return xqa_decode_reason(kernel, capability, block, head, BF16, cache, cap, group)
 
 
 def test_xqa_serves_what_its_interface_takes_and_auto_only_at_large_blocks():
     assert reason() is None
-    assert reason(block=128) is None and reason(cache=E4M3) is None
+    assert reason(block=128) is None and reason("xqa", cache=E4M3) is None
+    # the persistent query tile: 16 KiB of 16-bit heads, the group rounded up to 16
+    assert reason(group=64) is None and reason(head=64, group=128) is None
+    assert reason(head=256, group=32) is None and reason(group=None) is None
     assert reason("xqa", block=16) is None and reason("xqa", (10, 0)) is None
     assert reason("xqa", (12, 1), block=32, head=64) is None
     assert AUTO_MIN_BLOCK_SIZE == 64
@@ -62,6 +68,12 @@ def test_xqa_serves_what_its_interface_takes_and_auto_only_at_large_blocks():
         "XQA pages are (16, 32, 64, 128) tokens (got 48)": reason("xqa", block=48),
         "XQA head sizes are multiples of 16 up to 512 (got 72)": reason(head=72),
         "XQA head sizes are multiples of 16 up to 512 (got 528)": reason(head=528),
+        "XQA takes <= 64 query heads per KV head at head size 128 (got 65)": reason(group=65),
+        "XQA takes <= 32 query heads per KV head at head size 256 (got 33)": reason(
+            head=256, group=33
+        ),
+        "fp8 caches: XQA's fp8 kernel rounds queries to e4m3 (decode_kernel 'xqa' uses it "
+        "anyway)": reason(cache=E4M3),
     }
     for expected, got in refusals.items():
         assert got == expected
@@ -108,6 +120,120 @@ def test_cpu_builders_plan_decode_arrays_as_before():
     table = torch.arange(1, 9, dtype=torch.int32).view(2, 4)
     md = builder.build(0, make_common_attn_metadata([1, 1], [70, 3], table, 64))
     assert md.step.xqa is None and md.step.arrays.decode is not None
+
+
+def xqa_cpu_builder(capture_sizes=(), kernel="xqa", register=True):
+    """A CPU builder that takes the XQA path (its capability set to an H100's): everything
+    the build does for XQA decodes is host bookkeeping and device copies, CPU tensors here."""
+    spec = AttentionSpec(16, 2, 64, BF16)
+    limits = BatchLimits(8, 512, 256, cudagraph_capture_sizes=capture_sizes)
+    builder = FlashInferMetadataBuilder(spec, ["layer.0"], limits, "cpu")
+    builder._capability, builder.decode_kernel = H100, kernel
+    builder._xqa_reasons.clear()
+    if register:
+        builder.register_layer(FlashInferImpl(4, 64, 0.125, 2))
+    return builder
+
+
+TABLE = torch.arange(1, 81, dtype=torch.int32).view(8, 10)
+
+
+def test_an_xqa_build_hands_the_steps_rows_over_and_plans_nothing():
+    builder = xqa_cpu_builder()
+    cm = make_common_attn_metadata([1, 1, 1], [40, 3, 150], TABLE[:3, :10], 16)
+    md = builder.build(0, cm)
+    key = next(iter(builder._layer_keys))
+    assert md.step.planned[key].xqa and md.step.planned[key].wrappers() == []
+    assert md.step.arrays.decode is None and md.step.decode_pages is None
+    page_table, seq_lens = md.step.xqa
+    assert page_table.data_ptr() == cm.block_table_tensor.data_ptr()  # the step's own rows
+    assert page_table.tolist() == TABLE[:3].tolist() and seq_lens.tolist() == [40, 3, 150]
+    # too narrow a table is refused as the wrapper's page gather refuses it
+    with pytest.raises(ValueError, match="block_table too narrow"):
+        builder.build(0, make_common_attn_metadata([1], [200], TABLE[:1, :10], 16))
+
+
+def test_the_decode_wrapper_arrays_made_on_demand_equal_a_wrapper_build():
+    cm = make_common_attn_metadata([1, 1, 1], [40, 3, 150], TABLE[:3], 16)
+    step = xqa_cpu_builder().build(0, cm).step
+    wrapper = (
+        FlashInferMetadataBuilder(
+            AttentionSpec(16, 2, 64, BF16), ["layer.0"], BatchLimits(8, 512, 256), "cpu"
+        )
+        .build(0, cm)
+        .step
+    )
+    made = step.builder._decode_arrays(step)
+    assert made.paged_kv_indptr.tolist() == wrapper.arrays.decode.paged_kv_indptr.tolist()
+    assert (
+        made.paged_kv_last_page_len.tolist()
+        == wrapper.arrays.decode.paged_kv_last_page_len.tolist()
+    )
+    assert step.decode_pages.tolist() == wrapper.decode_pages.tolist()
+
+
+def test_cudagraph_buffers_are_filled_by_each_build_and_refilled_for_stale_metadata():
+    builder = xqa_cpu_builder(capture_sizes=(4,))
+    capture = make_common_attn_metadata([1] * 4, [1, 2, 3, 4], TABLE[:4, :10], 16)
+    builder.build_for_cudagraph_capture(capture)
+    table, lens = builder._xqa_graph[4].page_table, builder._xqa_graph[4].seq_lens
+    assert table.shape == (4, 16) and table[:, :1].flatten().tolist() == [1, 11, 21, 31]
+    step = make_common_attn_metadata(
+        [1] * 3, [40, 3, 150], TABLE[4:7, :10], 16, num_padded_tokens=4
+    )
+    md = builder.build(0, step)
+    assert md.step.xqa == (table, lens)  # the graph's buffers, filled with this step
+    assert lens.tolist() == [40, 3, 150, 1]  # the padding row: one key
+    assert table[:3, :10].tolist() == TABLE[4:7].tolist()
+    assert builder._xqa_filled_by[4] == md.step.generation
+    later = make_common_attn_metadata([1] * 4, [5, 6, 7, 8], TABLE[:4, :10], 16)
+    builder.build(0, later)
+    assert lens.tolist() == [5, 6, 7, 8] and table[:, :1].flatten().tolist() == [1, 11, 21, 31]
+    key = next(iter(builder._layer_keys))
+    builder.planned(md, key)  # the older step again: its batch goes back into the buffers
+    assert lens.tolist() == [40, 3, 150, 1] and builder._xqa_filled_by[4] == md.step.generation
+    assert table[:3, :10].tolist() == TABLE[4:7].tolist()
+    wide = torch.arange(1, 81, dtype=torch.int32).view(4, 20)
+    too_long = make_common_attn_metadata([1] * 4, [300] * 4, wide, 16)  # 19 pages, 16 fit
+    with pytest.raises(ValueError, match="needs more pages per request than max_model_len"):
+        builder.build(0, too_long)
+
+
+def test_auto_uses_xqa_only_where_some_layer_can():
+    # 16-token blocks: the planned wrapper's arrays (no layer registered: FlashInfer would plan)
+    builder = xqa_cpu_builder(kernel="auto", register=False)
+    cm = make_common_attn_metadata([1, 1], [40, 3], TABLE[:2], 16)
+    md = builder.build(0, cm)
+    assert md.step.xqa is None and md.step.arrays.decode is not None
+
+
+def test_xqa_inputs_must_be_int32():
+    builder = xqa_cpu_builder()
+    cm = make_common_attn_metadata([1, 1], [40, 3], TABLE[:2], 16)
+    cm.block_table_tensor = cm.block_table_tensor.long()
+    with pytest.raises(ValueError, match="block_table_tensor and seq_lens must be int32"):
+        builder.build(0, cm)
+
+
+def test_run_xqa_decode_passes_flashinfer_the_scales_bounds_and_a_contiguous_query(monkeypatch):
+    calls = []
+    decode = types.ModuleType("flashinfer.decode")
+    decode.xqa_batch_decode_with_kv_cache = lambda *args, **kwargs: calls.append((args, kwargs))
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    monkeypatch.setitem(sys.modules, "flashinfer.decode", decode)
+    fused = torch.randn(3, 6, 16)  # a fused QKV: the query is its first 4 heads
+    query, out = fused[:, :4], torch.empty(3, 4, 16)
+    cache, table = torch.zeros(9, 2, 32, 2, 16), torch.zeros(3, 5, dtype=torch.int32)
+    lens, workspace = torch.tensor([1, 2, 3], dtype=torch.int32), torch.zeros(8)
+    run_xqa_decode(query, cache, table, lens, scale=0.25, k_scale=2.0, v_scale=0.5,
+                   window_left=99, workspace=workspace, out=out)  # fmt: skip
+    ((args, kwargs),) = calls
+    assert args[0].is_contiguous() and torch.equal(args[0], query)
+    assert args[1:5] == (cache, workspace, table, lens) and args[5] == 5 * 32
+    assert kwargs == dict(bmm1_scale=0.5, bmm2_scale=0.5, window_left=99, out=out, kv_layout="NHD")
+    run_xqa_decode(query.contiguous(), cache, table, lens, scale=0.25, k_scale=None, v_scale=None,
+                   window_left=-1, workspace=workspace, out=out)  # fmt: skip
+    assert calls[1][1]["bmm1_scale"] == 0.25 and calls[1][1]["bmm2_scale"] == 1.0
 
 
 # --- GPU ---------------------------------------------------------------------------------------

@@ -127,7 +127,7 @@ def test_sinks_on_cpu_without_lse(case):
 # --- recompiles ------------------------------------------------------------------------------
 
 # The first step compiles: on CUDA it has to hold decodes (the decode layout's graph) and
-# longer queries (the folded rows' graph), so that every later step can reuse both.
+# longer queries (the rows' graph), so that every later step can reuse both.
 _SIZED_STEPS = (
     BatchSpec("chunk_and_decodes", (300, 1, 1, 9), (2500, 17, 1200, 40)),
     BatchSpec("one_decode", (1,), (5,)),
@@ -700,7 +700,7 @@ def test_other_head_sizes_on_cuda(head_size, dtype):
 )
 def test_leading_decodes_take_the_decode_layout(query_lens, num_decodes, device):
     """Each leading single-token request is one batch entry of the decode layout; the other
-    tokens go to the folded rows (the kit checks the numbers: it orders decodes first)."""
+    tokens go to the rows (the kit checks the numbers: it orders decodes first)."""
     gen = torch.Generator().manual_seed(1)
     seq_lens = [
         q + int(c)
@@ -730,7 +730,7 @@ def test_leading_decodes_take_the_decode_layout(query_lens, num_decodes, device)
     tokens = sum(query_lens)
     if tokens > num_decodes:
         assert rows_plan.first_token == num_decodes
-        assert rows_plan.num_rows == plan.pad_rows((tokens - num_decodes) * 4)
+        assert rows_plan.num_rows == plan.pad_rows(tokens - num_decodes)  # a row per token
     else:
         assert rows_plan is None
 

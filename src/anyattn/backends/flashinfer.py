@@ -15,9 +15,9 @@ A step is served by up to three wrappers, decodes first:
 - decodes (one query token): `BatchDecodeWithPagedKVCacheWrapper`, tensor cores on (the fa2
   prefill kernel, which serves any GQA ratio and shares its compiled module with the prefills);
   or, with no plan at all, FlashInfer's XQA decode kernel over the block table itself
-  (`flashinfer_xqa`; the builder's `decode_kernel`, by default XQA for blocks of 64 tokens or
-  more on SM90+, where it measured as fast as the planned decode, so that `build` does no
-  FlashInfer planning for a decode step);
+  (`flashinfer_xqa`; the builder's `decode_kernel`, by default XQA for 16-bit caches with
+  blocks of 64 tokens or more on SM90+, where it measured as fast as the planned decode, so
+  that `build` does no FlashInfer planning for a decode step);
 - fresh prefills (no context): `BatchPrefillWithRaggedKVCacheWrapper` over the step's own K/V;
 - prefills with context: `BatchPrefillWithPagedKVCacheWrapper` over the paged cache.
 
@@ -339,6 +339,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         self._xqa_workspace: torch.Tensor | None = None
         self._xqa_graph: dict[int, XqaGraphBuffers] = {}
         self._xqa_filled_by: dict[int, int] = {}  # captured size -> generation of its fill
+        # (captured size, plan key) whose graph decode wrapper an LSE request planned: a graph
+        # captured then replays that wrapper, so every later build of the size plans it too
+        self._graph_wrapper_keys: set[tuple[int, _PlanKey]] = set()
         # Query offsets of one token per request, for `replan_decode`, per batch size up to
         # max_num_reqs (larger eager batches are planned by FlashInfer's `plan()`).
         self._qo_indptrs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -413,8 +416,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         spec = self.kv_cache_spec
         # XQA decodes need no plan arrays; the decode wrapper's are made when a layer needs
         # them (a registered one now, an unregistered one or an LSE request in its forward).
-        xqa = self._xqa_reason(None) is None
         keys = self._layer_keys
+        served = [self._xqa_reason(k) is None for k in keys]
+        # (no registered layer yet: one learnt in its forward may use XQA)
+        xqa = self._xqa_reason(None) is None and (not keys or any(served))
         arrays = plan_step(
             host.query_start_loc,
             host.seq_lens,
@@ -423,7 +428,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             decode_threshold=self.reorder_batch_threshold or 1,
             allow_ragged=self._allow_ragged,
             cudagraph_num_reqs=cudagraph_size,
-            decode_arrays=not (xqa and keys and all(self._xqa_reason(k) is None for k in keys)),
+            decode_arrays=not (xqa and keys and all(served)),
         )
         xqa_inputs = None
         if xqa and (arrays.split.num_decodes or cudagraph_size):
@@ -500,6 +505,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             if not (decode_wrapper and planned.xqa and planned.decode is None):
                 return planned
             self._refuse_while_capturing("the decode wrapper (for an LSE) is not planned")
+            if step.cudagraph_size is not None:
+                self._graph_wrapper_keys.add((step.cudagraph_size, key))
             self._plan_decode(key, step, planned, wrapper=True)
             self._planned_by[id(planned.decode)] = step.generation
             return planned
@@ -538,6 +545,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             spec.dtype,
             self._cache_dtype,
             key.logits_soft_cap if key is not None else 0.0,
+            key.num_heads // spec.num_kv_heads if key is not None else None,
         )
         self._xqa_reasons[(self.decode_kernel, key)] = reason
         return reason
@@ -552,8 +560,22 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         """XQA's page table and lengths for the step's decodes: views of the step's own (a
         copy of the table's rows if they are not contiguous), or a CUDA-graph step's fixed
         buffers filled with them."""
+        table, seq_lens = cm.block_table_tensor, cm.seq_lens
+        # (XQA reads both by raw pointer: a wrong dtype would read garbage page ids)
+        if table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+            raise ValueError(
+                "FlashInferMetadataBuilder.build: block_table_tensor and seq_lens must be "
+                f"int32 (got {table.dtype} and {seq_lens.dtype})."
+            )
+        devices = (table.device.type, seq_lens.device.type)
+        if not seq_lens.is_contiguous() or devices != (self.device.type,) * 2:
+            raise ValueError(
+                "FlashInferMetadataBuilder.build: seq_lens must be contiguous and both on the "
+                f"builder's device (got strides {seq_lens.stride()}, devices {table.device} "
+                f"and {seq_lens.device}, expected {self.device})."
+            )
         if cudagraph_size is None:
-            return contiguous_rows(cm.block_table_tensor, num_decodes), cm.seq_lens[:num_decodes]
+            return contiguous_rows(table, num_decodes), seq_lens[:num_decodes]
         buffers = self._xqa_graph.get(cudagraph_size)
         if buffers is None:
             max_pages = -(-self.limits.max_model_len // self.kv_cache_spec.block_size)
@@ -650,6 +672,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     def _plan_decode(self, key: _PlanKey, step: _Step, planned: _Planned, wrapper: bool) -> None:
         """The decodes of `key`'s plan: XQA where it serves them (no plan, `wrapper` False),
         else the decode wrapper, re-planned by `replan_decode` where it can be."""
+        size = step.cudagraph_size
+        wrapper = wrapper or (size is not None and (size, key) in self._graph_wrapper_keys)
         if not wrapper and step.xqa is not None and self._xqa_reason(key) is None:
             if step.cudagraph_size is not None and not self._xqa_current(step, _Planned(xqa=True)):
                 # a stale CUDA-graph step: its buffers hold a later build's batch

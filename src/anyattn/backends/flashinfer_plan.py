@@ -401,11 +401,7 @@ def _paged_arrays(
 ) -> PagedArrays:
     start, end = reqs
     seq = seq_lens[start:end]
-    if padded_num_reqs is not None and padded_num_reqs < end - start:
-        raise ValueError(
-            f"plan_step: more requests than the padded size (got {end - start}, expected <= "
-            f"cudagraph_num_reqs {padded_num_reqs}). Plan a larger captured size or run eagerly."
-        )
+    _check_padding(end - start, padded_num_reqs)
     num_reqs = end - start if padded_num_reqs is None else padded_num_reqs
     joint, num_pages = _page_table(seq, block_size, num_reqs)
     indptr, last = _split_joint(joint)
@@ -503,6 +499,7 @@ def _plan_any(
         )
     decode = None
     if not decode_arrays:
+        _check_padding(split.num_decodes, cudagraph_num_reqs)
         _check_width(seq[: split.num_decodes], block_size, num_cols)
     elif split.num_decodes or cudagraph_num_reqs:
         decode = _paged_arrays(
@@ -536,6 +533,7 @@ def _plan_decodes(
     split = BatchSplit(n, num_tokens, empty, empty, (num_tokens,) * 2, (num_tokens,) * 2)
     decode = None
     if not decode_arrays:
+        _check_padding(n, cudagraph_num_reqs)
         _check_width(seq, block_size, num_cols)
     elif n or cudagraph_num_reqs:
         decode = _paged_arrays(loc, seq, block_size, num_cols, (0, n), False, cudagraph_num_reqs)
@@ -552,3 +550,11 @@ def _check_width(seq: np.ndarray, block_size: int, num_cols: int) -> None:
                 f"plan_step: block_table too narrow for the longest sequence (got {num_cols} "
                 f"columns, expected >= {most} for block_size {block_size})."
             )
+
+
+def _check_padding(num_reqs: int, padded_num_reqs: int | None) -> None:
+    if padded_num_reqs is not None and padded_num_reqs < num_reqs:
+        raise ValueError(
+            f"plan_step: more requests than the padded size (got {num_reqs}, expected <= "
+            f"cudagraph_num_reqs {padded_num_reqs}). Plan a larger captured size or run eagerly."
+        )

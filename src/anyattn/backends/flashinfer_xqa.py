@@ -19,9 +19,20 @@ step for more GPU time at small blocks), `"wrapper"` never.
 
 What XQA takes (FlashInfer 0.7.2's `gen_xqa_module` and `xqa`): SM90, SM100 or SM12x; fp16 /
 bf16 queries over a cache of the same dtype or fp8 e4m3; pages of 16, 32, 64 or 128 tokens;
-head sizes that are multiples of 16 up to 512; a sliding window. Not a soft cap, not an LSE
-output: a layer with a soft cap runs the wrapper, and a forward asking for the LSE has the
-builder plan the wrapper for that step (`FlashInferMetadataBuilder.planned`).
+head sizes that are multiples of 16 up to 512; up to `16 KiB / (2 * head_size)` query heads
+per KV head, rounded up to 16 (its persistent query tile: 64 at head size 128); a sliding
+window. Not a soft cap, not an LSE output: a layer with a soft cap runs the wrapper, and a
+forward asking for the LSE has the builder plan the wrapper for that step
+(`FlashInferMetadataBuilder.planned`). On SM90 an fp8 cache runs XQA's Hopper fp8 kernel,
+which also rounds the queries and probabilities to e4m3 (the wrapper reads the cache into
+the query dtype instead): "auto" keeps fp8 caches on the wrapper, "xqa" takes them.
+
+XQA reads the query, the output, the page table and the lengths by raw pointer: the query is
+copied when it is not contiguous (the engine's is a column slice of its fused QKV), and the
+builder checks the table's and the lengths' dtype and layout. It reads them when the forward
+runs, not at `build`: an engine keeps a step's block table and `seq_lens` unchanged until the
+step's last layer has run (as the decode wrapper's plan, made from them in `build`, would not
+need).
 """
 
 from __future__ import annotations
@@ -43,6 +54,9 @@ DECODE_KERNELS = ("auto", "xqa", "wrapper")
 AUTO_MIN_BLOCK_SIZE = 64
 XQA_BLOCK_SIZES = (16, 32, 64, 128)
 XQA_MAJORS = (9, 10, 12)
+# XQA keeps a request's query heads of one KV head in shared memory (`persistentQ` in its
+# mha.cu): the group rounded up to 16 rows of 16-bit heads must fit 16 KiB.
+XQA_Q_TILE_BYTES = 16 * 1024
 # XQA's workspace: 8 MiB of semaphores (zeroed once; the kernel leaves them zeroed) and the
 # multi-block scratch, whose need is bounded by the SM count (about 0.75 CTAs per SM split
 # over the sequence), not by the batch: a few MiB for 132 SMs.
@@ -57,9 +71,11 @@ def xqa_decode_reason(
     dtype: torch.dtype,
     cache_dtype: torch.dtype,
     logits_soft_cap: float,
+    group: int | None = None,
 ) -> str | None:
     """Why a layer's decodes run the planned wrapper rather than XQA, or None when XQA runs
-    them (`decode_kernel` "auto", "xqa" or "wrapper"; `compute_capability` None off CUDA).
+    them (`decode_kernel` "auto", "xqa" or "wrapper"; `compute_capability` None off CUDA;
+    `group` query heads per KV head, None to leave it unchecked).
 
     Raises:
         ValueError: `decode_kernel` is not one of `DECODE_KERNELS`.
@@ -81,6 +97,14 @@ def xqa_decode_reason(
         return f"XQA pages are {XQA_BLOCK_SIZES} tokens (got {block_size})"
     if head_size % 16 or not 16 <= head_size <= 512:
         return f"XQA head sizes are multiples of 16 up to 512 (got {head_size})"
+    if group is not None and -(-group // 16) * 16 * head_size * 2 > XQA_Q_TILE_BYTES:
+        most = XQA_Q_TILE_BYTES // (2 * head_size)
+        return f"XQA takes <= {most} query heads per KV head at head size {head_size} (got {group})"
+    if decode_kernel == "auto" and cache_dtype != dtype:
+        return (
+            "fp8 caches: XQA's fp8 kernel rounds queries to e4m3 (decode_kernel 'xqa' uses "
+            "it anyway)"
+        )
     if decode_kernel == "auto" and block_size < AUTO_MIN_BLOCK_SIZE:
         return (
             f"blocks under {AUTO_MIN_BLOCK_SIZE} tokens: the planned decode is faster there "
@@ -128,7 +152,8 @@ def run_xqa_decode(
     """One single-token query per request through FlashInfer's XQA decode, written to `out`.
 
     Args:
-        query, out: `[batch, num_heads, head_size]`, contiguous.
+        query: `[batch, num_heads, head_size]` (copied first when not contiguous).
+        out: `[batch, num_heads, head_size]`, contiguous.
         kv_cache: the logical `(num_blocks, 2, block_size, num_kv_heads, head_size)` view, in
             NHD or HND memory order (XQA reads the page, token and head strides).
         page_table: int32 `[batch, pages]`, contiguous (XQA reads rows `pages` apart).
@@ -139,6 +164,8 @@ def run_xqa_decode(
     """
     from flashinfer.decode import xqa_batch_decode_with_kv_cache
 
+    if not query.is_contiguous():
+        query = query.contiguous()
     k_scale = 1.0 if k_scale is None else k_scale
     v_scale = 1.0 if v_scale is None else v_scale
     xqa_batch_decode_with_kv_cache(

@@ -29,9 +29,13 @@ How a step is laid out for the kernel (the plan, built from the CPU mirrors only
   rows below instead, a 128-row tile held 128 / G requests and visited all their keys for every
   row: for 64 x 4096 on an H200 the attention took 3.3 ms there, with the other fixes below,
   and 0.37 ms here.)
-- Other tokens: GQA is folded into the rows. The kernel sees one head per KV head and
-  `rows = num_tokens * G` (G = query heads per KV head), row `t * G + g` being token t's g-th
-  query head, so the G heads of a token share one tile of keys.
+- Other tokens: one batch entry, a row per token, every query head (FlexAttention's GQA,
+  `enable_gqa`, maps query head h to KV head h // G). The queries are copied token-major
+  into a buffer of whole row tiles (`[rows, H, D]`, viewed as `[1, H, rows, D]`: one
+  contiguous copy), and FlexAttention gives the output the query's strides, so the copy into
+  the caller's output is contiguous too. (Before, GQA was folded into the rows, row
+  `t * G + g` of one KV head: two transposing copies, 326 us of a 4 x 4096 prefill on an
+  H200 against 133 us for these two, measured in a throwaway experiment.)
 - Masks: token t of request r keeps keys `lo[t] <= kv <= hi[t]` in workspace coordinates
   (causal: `hi` is the token's own position; non-causal: the request's last key; a window of W
   raises `lo`). The `BlockMask` (128 x 128 tiles, partial and full tiles apart) is computed
@@ -60,7 +64,7 @@ cache geometry, each in a function of its own.
 First-call cost on the CPU, measured on a 2-core x86 machine with torch 2.13: about 40 s for
 the first configuration of a cold process (Inductor's start-up and precompiled header
 included; about 34 s with a warm header), 7-8 s for each further configuration (the decode
-layout and the folded rows are two configurations); later steps of a compiled configuration
+layout and the rows are two configurations); later steps of a compiled configuration
 cost only their run. Inductor's on-disk caches (TORCHINDUCTOR_CACHE_DIR)
 shorten later processes.
 
@@ -69,10 +73,12 @@ portable backend, not the fastest. Against FlexAttention called directly on keys
 out (what a user of the library would write for the same batch): decode 64 x 4096 1.03x with
 64-token blocks (274 us; FLASHINFER 254 us) and 1.81x with 16-token blocks (482 us: the
 decoding kernel's key tile is then 16 keys), both reading the cache in place; prefill
-4 x 4096 1.22x, all of it copies (the compiled kernel alone is as fast as the direct call:
-1471 vs 1501 us; folding the queries into rows and the output back takes 326 us, the key
-copy 42 us). The first step of each new decode batch bucket compiles for 1-4 s on an H200.
-On a 2-core CPU the decode layout took a 16 x 1024 decode step from 32.2 ms (folded rows) to
+4 x 4096 1.22x with the folded rows, all of it copies (the compiled kernel alone was as fast
+as the direct call: 1471 vs 1501 us; folding the queries into rows and the output back took
+326 us, the key copy 42 us). The token-major rows that replaced them were measured only in
+that throwaway experiment (1.095x with their two copies, keys not copied), not yet in this
+backend. The first step of each new decode batch bucket compiles for 1-4 s on an H200.
+On a 2-core CPU the decode layout took a 16 x 1024 decode step from 32.2 ms (the rows) to
 14.5 ms.
 
 Limits, all declared: LSE output only on CUDA (Inductor's CPU template has no LSE); no cascade;
@@ -368,8 +374,8 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
         )
 
 
-# The compiled templates take K and V (and the folded query rows) on CUDA as tiles,
-# `[1, KVH, tiles, TILE, D]`, and flatten them: the row count `tiles * TILE` is then a known
+# The compiled templates take K and V (and the rows' queries) on CUDA as tiles,
+# `[1, heads, tiles, TILE, D]`, and flatten them: the row count `tiles * TILE` is then a known
 # multiple of the kernel's blocks under dynamic shapes, and Inductor drops the bounds checks
 # it needs for an arbitrary length (1.14-1.42x faster on an H200, and 1.8-1.9x with K and V
 # at storage offset 0; benchmarks/RESULTS.md).
@@ -379,9 +385,11 @@ def _attend(query, key, value, block_mask, score_mod, scale):
     from torch.nn.attention.flex_attention import flex_attention
 
     query, key, value = (x.flatten(2, 3) if x.dim() == 5 else x for x in (query, key, value))
+    # (GQA: the rows' query heads share a KV head; the decode layouts have as many of each)
     return flex_attention(
-        query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale
-    )
+        query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
+        enable_gqa=True,
+    )  # fmt: skip
 
 
 def _attend_with_lse(query, key, value, block_mask, score_mod, scale):
@@ -391,12 +399,12 @@ def _attend_with_lse(query, key, value, block_mask, score_mod, scale):
     if hasattr(flex, "AuxRequest"):
         out, aux = flex.flex_attention(
             query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
-            return_aux=flex.AuxRequest(lse=True),
+            enable_gqa=True, return_aux=flex.AuxRequest(lse=True),
         )  # fmt: skip
         return out, aux.lse
     return flex.flex_attention(
         query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
-        return_lse=True,
+        enable_gqa=True, return_lse=True,
     )  # fmt: skip
 
 
@@ -427,9 +435,9 @@ def _static_dims(tensor: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
 
 
 def _as_kernel_rows(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`[1, KVH, rows, D]` as the compiled templates take it: on CUDA as tiles
-    `[1, KVH, rows / TILE, TILE, D]` with only the tile count symbolic; unchanged on the CPU
-    (whose template fails to compile the tiled form, torch 2.13)."""
+    """`[1, heads, rows, D]` (any strides) as the compiled templates take it: on CUDA as
+    tiles `[1, heads, rows / TILE, TILE, D]` (a view) with only the tile count symbolic;
+    unchanged on the CPU (whose template fails to compile the tiled form, torch 2.13)."""
     if device.type != "cuda":
         return rows
     _, heads, num_rows, size = rows.shape
@@ -541,7 +549,8 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         mods = self._mods_on(device)
         paged = self._in_place(kv_cache, md, query.dtype)
         decode_plan, plan = self._plans(md, "sinks" in mods, device, paged)
-        config = (device.type, query.dtype, self.head_size, self.num_kv_heads, *sorted(mods))
+        heads = (self.num_heads, self.num_kv_heads)
+        config = (device.type, query.dtype, self.head_size, *heads, *sorted(mods))
         in_place = isinstance(decode_plan, PagedDecodePlan)
         if in_place:
             self._attend_paged_decodes(query, paged, md, decode_plan, mods, config, output,
@@ -637,27 +646,37 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
     def _attend_rows(
         self, query, k, v, md, plan: RowsPlan, mods, config, output, output_lse
     ) -> None:
-        """The folded rows: tokens `plan.first_token ...` of every KV head in one batch entry."""
+        """The rows: tokens `plan.first_token ...`, one batch entry, every query head."""
         t0, n = plan.first_token, md.num_actual_tokens
-        m, kv_heads, group, size = n - t0, self.num_kv_heads, self.group, self.head_size
-        # query [n, H, D] -> rows t * G + g of each KV head: [KVH, rows, D]
-        q = md.workspace.get("query", (kv_heads, plan.num_rows, size), query.dtype, query.device)
-        q[:, : m * group].view(kv_heads, m, group, size).copy_(
-            query[t0:n].view(m, kv_heads, group, size).transpose(0, 1)
-        )
         attend = _compiled_attend(config, with_lse=output_lse is not None)
-        q = _as_kernel_rows(q.unsqueeze(0), query.device)
-        result = attend(q, k, v, plan.block_mask, score_mod(mods, plan), 1.0)
+        q = self._rows_queries(query, md, plan)
+        result = attend(q, k, v, plan.block_mask, score_mod(self._rows_mods(mods), plan), 1.0)
         out, lse = result if output_lse is not None else (result, None)
-        # out: [1, KVH, rows, D] -> [m, H, D]
-        output[t0:n].view(m, kv_heads, group, size).copy_(
-            out[0, :, : m * group].view(kv_heads, m, group, size).transpose(0, 1)
-        )
+        # out: [1, H, rows, D], in the query's token-major memory order (FlexAttention gives
+        # the output the query's strides): the copy into output [m, H, D] is contiguous
+        output[t0:n].copy_(out[0, :, : n - t0].transpose(0, 1))
         if lse is not None:
-            # lse: [1, KVH, rows] -> [H, m]
-            output_lse[:, t0:n].view(kv_heads, group, m).copy_(
-                lse[0, :, : m * group].view(kv_heads, m, group).transpose(1, 2)
-            )
+            output_lse[:, t0:n].copy_(lse[0, :, : n - t0])  # lse: [1, H, rows]
+
+    def _rows_queries(self, query, md, plan: RowsPlan) -> torch.Tensor:
+        """Tokens `plan.first_token ...` of `query [n, H, D]` as the rows kernel takes them:
+        `[1, H, rows, D]` (tiled on CUDA), a token-major view of a workspace buffer of the
+        padded row count (rows past the tokens keep earlier values)."""
+        t0, n = plan.first_token, md.num_actual_tokens
+        shape = (plan.num_rows, self.num_heads, self.head_size)
+        # (a copy all the same: the kernel wants whole tiles of rows, and the caller's query
+        # ends where its tokens do; token-major, so that it is one contiguous copy)
+        q = md.workspace.get("query", shape, query.dtype, query.device)
+        q[: n - t0].copy_(query[t0:n])
+        return _as_kernel_rows(q.unsqueeze(0).transpose(1, 2), query.device)
+
+    def _rows_mods(self, mods: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`mods` as the rows' score mod reads them: the kernel's head is the query head
+        (GQA in FlexAttention), so per-head values are `[H, 1]` (`RowsPlan.head` is 0)."""
+        if "alibi_slopes" not in mods and "sinks" not in mods:
+            return mods
+        per_head = ("alibi_slopes", "sinks")
+        return {k: v.view(-1, 1) if k in per_head else v for k, v in mods.items()}
 
     def _plans(
         self,
@@ -668,25 +687,25 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
     ) -> tuple[DecodePlan | PagedDecodePlan | None, RowsPlan | None]:
         """The step's plans for this layer's settings, made by the first layer that needs
         them: the decode layout's for the leading single-token requests (over the cache in
-        place with `paged`), the folded rows' for the other tokens (None where there are
+        place with `paged`), the rows' for the other tokens (None where there are
         none)."""
         causal = md.causal and self.attn_type == AttentionType.DECODER
         views = (paged.blocks_per_cache_block, paged.key.shape[2]) if paged is not None else None
         key = ("plan", causal, self.sliding_window, self.group, has_sink, device, views)
         plans = md.step_cache.get(key)
         if plans is None:
-            args = (md, causal, self.sliding_window, self.group, has_sink, device)
+            window = self.sliding_window
             num_decodes = md.layout.num_decodes
             if not num_decodes:
                 decodes = None
             elif paged is not None:
-                decodes = make_paged_decode_plan(md, paged, self.group, self.sliding_window,
-                                                 device)  # fmt: skip
+                decodes = make_paged_decode_plan(md, paged, self.group, window, device)
             else:
-                decodes = make_decode_plan(*args)
+                decodes = make_decode_plan(md, causal, window, self.group, has_sink, device)
             plans = md.step_cache[key] = (
                 decodes,
-                make_rows_plan(*args, first_token=num_decodes)
+                # one row per token: FlexAttention's GQA serves a token's query heads
+                make_rows_plan(md, causal, window, 1, has_sink, device, first_token=num_decodes)
                 if num_decodes < md.num_actual_tokens
                 else None,
             )

@@ -5,10 +5,11 @@ FlexAttention reads for one (causal, window, G, sink) combination of a layer: th
 (its partial and full tile lists, and a mask_mod over per-row or per-entry key bounds), the
 positions and query-head indices the score mods read, and the score mod itself. Two layouts:
 
-- `RowsPlan` (`make_rows_plan`): one batch entry whose heads are the KV heads, GQA folded
-  into its rows (row `t * G + g`: token t's g-th query head), for every token from
-  `first_token` on (prefills, chunks, encoder and cross attention, and any decode not at the
-  front of the batch).
+- `RowsPlan` (`make_rows_plan`): one batch entry, a row per token from `first_token` on
+  (prefills, chunks, encoder and cross attention, and any decode not at the front of the
+  batch). FLEX_ATTENTION plans it with `group` 1: FlexAttention's GQA serves a token's query
+  heads. With `group` G > 1 row `t * G + g` would be token t's g-th query head of one KV head
+  (the layout the backend used before: it needs the queries and output transposed).
 - `DecodePlan` (`make_decode_plan`): the step's leading single-token requests, one batch entry
   each, for FlexAttention's decoding kernel.
 
@@ -56,7 +57,7 @@ __all__ = [
 @dataclass
 class RowsPlan:
     """What one (causal, window, G, sink) combination of a step needs on the device, for the
-    folded rows of tokens `first_token ...` (the tokens the decode layout leaves)."""
+    rows of tokens `first_token ...` (the tokens the decode layout leaves)."""
 
     first_token: int
     num_rows: int

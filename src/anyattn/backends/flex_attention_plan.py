@@ -450,7 +450,7 @@ def decode_block_lists(
     inside the range are full (no mask), the one or two at its ends partial, and with a sink
     key tile 0 (the sink slot, row 0, never inside a range) is partial too. An entry with
     `lo > hi` keeps no key: it visits the sink tile alone, or nothing without a sink (as the
-    folded rows do: a token of a cross attention without encoder keys still sees the sink).
+    rows do: a token of a cross attention without encoder keys still sees the sink).
 
     Args:
         lo, hi: int `[batch]` first and last kept key row of each entry.
