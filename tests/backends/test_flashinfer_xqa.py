@@ -199,6 +199,34 @@ def test_cudagraph_buffers_are_filled_by_each_build_and_refilled_for_stale_metad
         builder.build(0, too_long)
 
 
+class RecordingWrapper:
+    """Stands in for FlashInfer's CUDA-graph decode wrapper: records its plans."""
+
+    def __init__(self):
+        self.plans = []
+
+    def plan(self, indptr, pages, last_page_len, *args, **kwargs):
+        self.plans.append((indptr.tolist(), pages.tolist(), last_page_len.tolist()))
+
+
+def test_a_graph_captured_with_an_lse_keeps_planning_its_decode_wrapper(monkeypatch):
+    # the LSE warm-up plans the graph's decode wrapper, so the captured graph runs it: every
+    # later step of that size must plan it again, not only refill XQA's buffers
+    builder = xqa_cpu_builder(capture_sizes=(4,))
+    wrapper = RecordingWrapper()
+    monkeypatch.setattr(builder, "_graph_decode", lambda key, size: wrapper)
+    key = next(iter(builder._layer_keys))
+    capture = make_common_attn_metadata([1] * 4, [1, 2, 3, 17], TABLE[:4, :10], 16)
+    md = builder.build_for_cudagraph_capture(capture)
+    assert md.step.planned[key].xqa and wrapper.plans == []
+    assert builder.planned(md, key, decode_wrapper=True).decode is wrapper
+    assert wrapper.plans == [([0, 1, 2, 3, 5], [1, 11, 21, 31, 32], [1, 2, 3, 1])]
+    later = make_common_attn_metadata([1] * 4, [5, 6, 7, 40], TABLE[:4, :10], 16)
+    md = builder.build(0, later)
+    assert md.step.planned[key].decode is wrapper and len(wrapper.plans) == 2
+    assert wrapper.plans[1] == ([0, 1, 2, 3, 6], [1, 11, 21, 31, 32, 33], [5, 6, 7, 8])
+
+
 def test_auto_uses_xqa_only_where_some_layer_can():
     # 16-token blocks: the planned wrapper's arrays (no layer registered: FlashInfer would plan)
     builder = xqa_cpu_builder(kernel="auto", register=False)

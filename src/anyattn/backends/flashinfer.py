@@ -505,8 +505,6 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             if not (decode_wrapper and planned.xqa and planned.decode is None):
                 return planned
             self._refuse_while_capturing("the decode wrapper (for an LSE) is not planned")
-            if step.cudagraph_size is not None:
-                self._graph_wrapper_keys.add((step.cudagraph_size, key))
             self._plan_decode(key, step, planned, wrapper=True)
             self._planned_by[id(planned.decode)] = step.generation
             return planned
@@ -673,6 +671,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         """The decodes of `key`'s plan: XQA where it serves them (no plan, `wrapper` False),
         else the decode wrapper, re-planned by `replan_decode` where it can be."""
         size = step.cudagraph_size
+        if size is not None and wrapper and self._xqa_reason(key) is None:
+            self._graph_wrapper_keys.add((size, key))  # an LSE request on an XQA layer
         wrapper = wrapper or (size is not None and (size, key) in self._graph_wrapper_keys)
         if not wrapper and step.xqa is not None and self._xqa_reason(key) is None:
             if step.cudagraph_size is not None and not self._xqa_current(step, _Planned(xqa=True)):
