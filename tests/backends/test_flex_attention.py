@@ -148,8 +148,11 @@ def _step_cases() -> list[Case]:
 
 
 def _padded_shapes(case: Case) -> tuple[int, int]:
-    group = case.num_heads // case.num_kv_heads
-    return plan.pad_rows(case.spec.num_tokens * group), plan.pad_keys(1 + sum(case.spec.seq_lens))
+    # the rows: a row per token after the leading single-token requests (the decode layout)
+    lens = case.spec.query_lens
+    leading = next((i for i, n in enumerate(lens) if n != 1), len(lens))
+    rows = plan.pad_rows(sum(lens) - leading)
+    return rows, plan.pad_keys(1 + sum(case.spec.seq_lens))
 
 
 def _paged_graphs() -> int:
@@ -180,12 +183,9 @@ def test_steps_of_other_sizes_do_not_recompile():
     _assert_recompiles_bounded("cpu", torch.float32)
 
 
-@needs_flex
-def test_decode_queries_do_not_tie_the_batch_to_the_callers_tensor(monkeypatch):
-    """The decode layout's first call has 8 decodes of 8 query heads; the next 10 decodes
-    reuse its graph. (Passing a view of the caller's query, as an earlier version did when no
-    padding was needed, made torch.compile guard on that tensor's sizes: 8 heads == 8 decodes,
-    then a recompile.) Traced with an eager backend that counts graphs: no Inductor needed."""
+def _count_graphs(monkeypatch) -> list:
+    """The graphs the backend's attention calls compile from now on, traced by an eager
+    backend that only counts them (no Inductor): the list fills as they compile."""
     graphs = []
 
     def counting(gm, example_inputs):
@@ -194,6 +194,16 @@ def test_decode_queries_do_not_tie_the_batch_to_the_callers_tensor(monkeypatch):
 
     compiled = torch.compile(flex_attention._attend, dynamic=True, fullgraph=True, backend=counting)
     monkeypatch.setattr(flex_attention, "_compiled_attend", lambda config, with_lse: compiled)
+    return graphs
+
+
+@needs_flex
+def test_decode_queries_do_not_tie_the_batch_to_the_callers_tensor(monkeypatch):
+    """The decode layout's first call has 8 decodes of 8 query heads; the next 10 decodes
+    reuse its graph. (Passing a view of the caller's query, as an earlier version did when no
+    padding was needed, made torch.compile guard on that tensor's sizes: 8 heads == 8 decodes,
+    then a recompile.) Traced with an eager backend that counts graphs: no Inductor needed."""
+    graphs = _count_graphs(monkeypatch)
     torch._dynamo.reset()
     heads, kv_heads, size = 8, 2, 16
     impl = FlexAttentionImpl(heads, size, 0.25, kv_heads)
@@ -212,6 +222,42 @@ def test_decode_queries_do_not_tie_the_batch_to_the_callers_tensor(monkeypatch):
         output = torch.zeros_like(query)
         mods = impl._mods_on(cpu)
         impl._attend_decodes(query, k, v, md, decode_plan, mods, ("cpu",), output, None)
+    assert len(graphs) == 1
+
+
+@needs_flex
+def test_rows_with_per_head_mods_do_not_tie_a_tile_count_to_the_heads(monkeypatch):
+    """The rows' ALiBi slopes are `[H, 1]`; with H = 4 and a first step of 512 rows (4 tiles of
+    the CUDA form, used here on the CPU) an unmarked head size would share the tile count's
+    symbol and steps of 256 and 1024 rows would compile again. Traced with an eager backend
+    that counts graphs: no Inductor needed."""
+    graphs = _count_graphs(monkeypatch)
+    tiled = flex_attention._as_kernel_rows
+    monkeypatch.setattr(
+        flex_attention, "_as_kernel_rows", lambda rows, device: tiled(rows, torch.device("cuda"))
+    )
+    torch._dynamo.reset()
+    heads, kv_heads, size = 4, 2, 16
+    impl = FlexAttentionImpl(heads, size, 0.25, kv_heads, alibi_slopes=[0.5, 0.25, 0.125, 0.0625])
+    spec = AttentionSpec(16, kv_heads, size, torch.float32)
+    builder = FlexAttentionMetadataBuilder(spec, ["l"], BatchLimits(4, 4096, 4096), "cpu")
+    cpu = torch.device("cpu")
+    for tokens, rows in ((400, 512), (200, 256), (1000, 1024)):
+        table = (torch.arange(64) + 1).int().view(1, 64)
+        md = builder.build(0, make_common_attn_metadata([tokens], [tokens], table, 16))
+        decode_plan, rows_plan = impl._plans(md, False, cpu)
+        assert decode_plan is None and rows_plan.num_rows == rows
+        shape = (kv_heads, md.kv_rows_padded, size)
+        k, v = (
+            flex_attention._as_kernel_rows(
+                md.workspace.get(name, shape, torch.float32, cpu)[None], cpu
+            )
+            for name in "kv"
+        )
+        query = torch.randn(tokens, heads, size)
+        output = torch.zeros_like(query)
+        mods = impl._mods_on(cpu)
+        impl._attend_rows(query, k, v, md, rows_plan, mods, ("cpu",), output, None)
     assert len(graphs) == 1
 
 

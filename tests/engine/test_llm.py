@@ -43,7 +43,7 @@ def test_greedy_tokens_match_transformers_over_mixed_chunked_steps(tiny_llm, kin
 @pytest.mark.parametrize("kind", ["llama", "gemma2"])
 def test_flex_attention_in_the_engine_matches_transformers(tiny_llm, kind, monkeypatch):
     """FLEX_ATTENTION end to end on the CPU: the runner puts decodes first as its builder asks,
-    they take the decode layout, the chunked prefills the folded rows (gemma2: soft cap and a
+    they take the decode layout, the chunked prefills the rows (gemma2: soft cap and a
     sliding window on every other layer)."""
     from anyattn.backends.flex_attention import FlexAttentionImpl
 

@@ -12,10 +12,11 @@ Measured against the planned tensor-core decode on the H200 (`benchmarks/xqa_dec
 benchmarks/RESULTS.md; bf16, 32 / 8 heads of 128, 64 x 4096, 256 x 2048 and 8 x 32768): about
 the same GPU time with 64-token blocks (0.99-1.02x over two runs), 1.07-1.11x with 32-token
 blocks and 1.10-1.19x with 16-token blocks (a single long request: 0.97-1.00x at every size).
-Hence the builder's default,
-`decode_kernel = "auto"`: XQA for blocks of at least `AUTO_MIN_BLOCK_SIZE` tokens, the planned
-wrapper below that. `"xqa"` uses it wherever it can serve the layer (fewer host microseconds per
-step for more GPU time at small blocks), `"wrapper"` never.
+Hence the builder's default, `decode_kernel = "auto"`: XQA for blocks of at least
+`AUTO_MIN_BLOCK_SIZE` tokens, the planned wrapper below that. `"xqa"` uses it wherever it can
+serve the layer (fewer host microseconds per step for more GPU time at small blocks),
+`"wrapper"` never. Not yet measured: XQA's host time per forward (29-45 us a call) against
+the wrapper's `run()`, which matters for eager decode steps of small batches.
 
 What XQA takes (FlashInfer 0.7.2's `gen_xqa_module` and `xqa`): SM90, SM100 or SM12x; fp16 /
 bf16 queries over a cache of the same dtype or fp8 e4m3; pages of 16, 32, 64 or 128 tokens;
@@ -30,9 +31,9 @@ the query dtype instead): "auto" keeps fp8 caches on the wrapper, "xqa" takes th
 XQA reads the query, the output, the page table and the lengths by raw pointer: the query is
 copied when it is not contiguous (the engine's is a column slice of its fused QKV), and the
 builder checks the table's and the lengths' dtype and layout. It reads them when the forward
-runs, not at `build`: an engine keeps a step's block table and `seq_lens` unchanged until the
-step's last layer has run (as the decode wrapper's plan, made from them in `build`, would not
-need).
+runs, not at `build`, so an engine must keep a step's block table and `seq_lens` unchanged
+until the step's last layer has run (the decode wrapper's plan, made from them in `build`,
+did not need that).
 """
 
 from __future__ import annotations

@@ -25,10 +25,10 @@ How a step is laid out for the kernel (the plan, built from the CPU mirrors only
   the step's leading single-token requests take the decode layout: batch entry b is request b,
   its query rows are its G query heads of one KV head (`[batch, KVH, G, D]`, the query's own
   layout, copied into a buffer of the padded batch), and its block lists name only its own key
-  tiles, so FlexAttention's decoding kernel reads each request's keys once. (Folded into the
-  rows below instead, a 128-row tile held 128 / G requests and visited all their keys for every
-  row: for 64 x 4096 on an H200 the attention took 3.3 ms there, with the other fixes below,
-  and 0.37 ms here.)
+  tiles, so FlexAttention's decoding kernel reads each request's keys once. (Served by the
+  rows instead, when they folded GQA into rows, a 128-row tile held 128 / G requests and
+  visited all their keys for every row: for 64 x 4096 on an H200 the attention took 3.3 ms
+  there, with the other fixes below, and 0.37 ms here.)
 - Other tokens: one batch entry, a row per token, every query head (FlexAttention's GQA,
   `enable_gqa`, maps query head h to KV head h // G). The queries are copied token-major
   into a buffer of whole row tiles (`[rows, H, D]`, viewed as `[1, H, rows, D]`: one
@@ -47,19 +47,19 @@ How a step is laid out for the kernel (the plan, built from the CPU mirrors only
   static; their values (scale, cap, slopes, sinks) are tensors, so layers differing only in
   them share a graph.
 
-Compilation. A configuration is (device type, dtype, head size, KV heads, which score mods,
-LSE or not, decode layout or rows); each has its own compiled function, so torch.compile's
-limit of 8 graphs per function never sends one back to the slow eager path. Row, key and
-batch counts are padded to buckets (`flex_attention_plan.pad_rows`, `pad_keys`,
-`pad_decodes`) and compiled as dynamic sizes: after its first step a configuration does not
-recompile, whatever the batch and sequence lengths (tests/backends/test_flex_attention.py
-counts it). On CUDA the kernel's inputs are set up so that dynamic shapes cost nothing: K and V
-each at storage offset 0 (alignment provable) and rows given as `[tiles, 128]` (lengths known
-multiples of the kernel's blocks); before, the same kernel took 1.8-2.0x as long as with static
-shapes. The paged decode is the exception: FlexAttention takes its decoding kernel only for a
-static batch (with a symbolic one it falls back to its main kernel, 1.8x slower), so it
-compiles one static graph per batch bucket (`pad_paged_batch`: 18 up to 256 requests) and
-cache geometry, each in a function of its own.
+Compilation. A configuration is (device type, dtype, head size, query and KV heads, which score
+mods, LSE or not, decode layout or rows); each has its own compiled function, so
+torch.compile's limit of 8 graphs per function never sends one back to the slow eager path.
+Row, key and batch counts are padded to buckets (`flex_attention_plan.pad_rows`, `pad_keys`,
+`pad_decodes`) and compiled as dynamic sizes (per-head score-mod sizes marked static): after
+its first step a configuration does not recompile, whatever the batch and sequence lengths
+(tests/backends/test_flex_attention.py counts it). On CUDA the kernel's inputs are set up so
+that dynamic shapes cost nothing: K and V each at storage offset 0 (alignment provable) and
+rows given as `[tiles, 128]` (lengths known multiples of the kernel's blocks); before, the same
+kernel took 1.8-2.0x as long as with static shapes. The paged decode is the exception:
+FlexAttention takes its decoding kernel only for a static batch (with a symbolic one it falls
+back to its main kernel, 1.8x slower), so it compiles one static graph per batch bucket
+(`pad_paged_batch`: 18 up to 256 requests) and cache geometry, each in a function of its own.
 
 First-call cost on the CPU, measured on a 2-core x86 machine with torch 2.13: about 40 s for
 the first configuration of a cold process (Inductor's start-up and precompiled header
@@ -498,11 +498,12 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         self._mods: dict[str, torch.Tensor] = {"scale": torch.tensor(self.scale)}
         if logits_soft_cap:
             self._mods["soft_cap"] = torch.tensor(float(logits_soft_cap), dtype=torch.float32)
+        # (per-head sizes static: an unmarked one equal to a symbolic size shares its symbol)
         if alibi_slopes is not None:
             slopes = torch.as_tensor(alibi_slopes, dtype=torch.float32)
-            self._mods["alibi_slopes"] = slopes.view(shape)
+            self._mods["alibi_slopes"] = _static_dims(slopes.view(shape).clone(), (0, 1))
         if sinks is not None:
-            self._mods["sinks"] = sinks.detach().float().view(shape)
+            self._mods["sinks"] = _static_dims(sinks.detach().float().view(shape).clone(), (0, 1))
         # Decodes may read the cache in place (flex_attention_paged) when no score needs a
         # key's position, no sink needs a key of its own and the cache holds the model dtype.
         self._may_read_in_place = (
@@ -512,12 +513,15 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
             and not is_fp8_cache(self.kv_cache_dtype)
         )
         self._paged: tuple[torch.Tensor, PagedKV | None] | None = None
+        self._rows_mods_cache: dict[str, torch.Tensor] | None = None  # see `_rows_mods`
 
     def _mods_on(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """The score-mod tensors on `device` (moved once, then kept)."""
+        """The score-mod tensors on `device` (moved once, then kept), per-head ones `[KVH,
+        G]` with their sizes marked static."""
         for name, tensor in self._mods.items():
             if tensor.device != device:
-                self._mods[name] = tensor.to(device)
+                self._mods[name] = _static_dims(tensor.to(device), tuple(range(tensor.dim())))
+                self._rows_mods_cache = None
         return self._mods
 
     def forward(
@@ -672,11 +676,22 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
 
     def _rows_mods(self, mods: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`mods` as the rows' score mod reads them: the kernel's head is the query head
-        (GQA in FlexAttention), so per-head values are `[H, 1]` (`RowsPlan.head` is 0)."""
+        (GQA in FlexAttention), so per-head values are `[H, 1]` (`RowsPlan.head` is 0).
+
+        Made once per device, with their sizes marked static: under dynamic shapes an
+        unmarked size equal to a step's row tile count would share its symbol, and the next
+        step of another size would compile again (a fresh view each call cannot be marked:
+        torch.compile then ties the view's base)."""
         if "alibi_slopes" not in mods and "sinks" not in mods:
             return mods
-        per_head = ("alibi_slopes", "sinks")
-        return {k: v.view(-1, 1) if k in per_head else v for k, v in mods.items()}
+        cached = self._rows_mods_cache
+        if cached is None or cached["scale"] is not mods["scale"]:
+            per_head = ("alibi_slopes", "sinks")
+            cached = self._rows_mods_cache = {
+                k: _static_dims(v.reshape(-1, 1).clone(), (0, 1)) if k in per_head else v
+                for k, v in mods.items()
+            }
+        return cached
 
     def _plans(
         self,

@@ -63,7 +63,7 @@ class RowsPlan:
     num_rows: int
     block_mask: object  # its mask_mod reads the first / last kept key of each row
     q_key_pos: torch.Tensor  # int32 [num_rows]: the row's own position, key coordinates
-    group_index: torch.Tensor  # int32 [num_rows]: query head within its KV head's group
+    group_index: torch.Tensor  # int32 [num_rows]: query head within its group (0 with group 1)
 
     def position(self, b, q_idx):
         return self.q_key_pos[q_idx]
@@ -295,8 +295,10 @@ FROM_KV_BLOCKS_TAKES_COMPUTE_Q = _from_kv_blocks_takes_compute_q()
 
 
 def score_mod(mods: dict[str, torch.Tensor], plan: RowsPlan | DecodePlan) -> Callable:
-    """Scale, soft cap, ALiBi, then the sink logit at key 0: DESIGN.md's order. `h` is the KV
-    head; the plan says which query head of its group and which position a row is."""
+    """Scale, soft cap, ALiBi, then the sink logit at key 0: DESIGN.md's order. `h` is the
+    kernel's head (the KV head in the decode layouts, the query head in FLEX_ATTENTION's rows);
+    the plan says which query head of its group (0 for those rows) and which position a row
+    is, and `mods`' per-head tensors are `[heads, group]` to match."""
     scale, soft_cap = mods["scale"], mods.get("soft_cap")
     slopes, sinks = mods.get("alibi_slopes"), mods.get("sinks")
     position, head = plan.position, plan.head
