@@ -198,26 +198,33 @@ def _count_graphs(monkeypatch) -> list:
 
 
 @needs_flex
-def test_decode_queries_do_not_tie_the_batch_to_the_callers_tensor(monkeypatch):
-    """The decode layout's first call has 8 decodes of 8 query heads; the next 10 decodes
-    reuse its graph. (Passing a view of the caller's query, as an earlier version did when no
-    padding was needed, made torch.compile guard on that tensor's sizes: 8 heads == 8 decodes,
-    then a recompile.) Traced with an eager backend that counts graphs: no Inductor needed."""
+@pytest.mark.parametrize(("kv_heads", "batches"), [(2, (8, 10)), (4, (4, 10))])
+def test_decode_batches_are_tied_to_no_other_size(monkeypatch, kv_heads, batches):
+    """The decode layout's first call has a batch equal to another size it sees: 8 decodes of
+    8 query heads (passing a view of the caller's query, as an earlier version did when no
+    padding was needed, made torch.compile guard on that tensor's sizes), or 4 decodes over 4
+    KV heads (the keys' head count, symbolic on the CPU until marked static); the next 10
+    decodes reuse its graph. Traced with an eager backend that counts graphs: no Inductor."""
     graphs = _count_graphs(monkeypatch)
     torch._dynamo.reset()
-    heads, kv_heads, size = 8, 2, 16
+    heads, size = 8, 16
     impl = FlexAttentionImpl(heads, size, 0.25, kv_heads)
     spec = AttentionSpec(16, kv_heads, size, torch.float32)
     builder = FlexAttentionMetadataBuilder(spec, ["l"], BatchLimits(64, 4096, 4096), "cpu")
     cpu = torch.device("cpu")
-    for n in (8, 10):
+    for n in batches:
         seq_lens = list(range(5, 5 + n))
         table = (torch.arange(n * 4) + 1).int().view(n, 4)
         md = builder.build(0, make_common_attn_metadata([1] * n, seq_lens, table, 16))
         decode_plan, rows_plan = impl._plans(md, False, cpu)
         assert rows_plan is None and decode_plan.batch == n
         shape = (kv_heads, md.kv_rows_padded, size)
-        k, v = (md.workspace.get(name, shape, torch.float32, cpu)[None] for name in "kv")
+        k, v = (  # as the forward hands them over
+            flex_attention._as_kernel_rows(
+                md.workspace.get(x, shape, torch.float32, cpu)[None], cpu
+            )
+            for x in "kv"
+        )
         query = torch.randn(n, heads, size)
         output = torch.zeros_like(query)
         mods = impl._mods_on(cpu)

@@ -436,10 +436,11 @@ def _static_dims(tensor: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
 
 def _as_kernel_rows(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`[1, heads, rows, D]` (any strides) as the compiled templates take it: on CUDA as
-    tiles `[1, heads, rows / TILE, TILE, D]` (a view) with only the tile count symbolic;
-    unchanged on the CPU (whose template fails to compile the tiled form, torch 2.13)."""
+    tiles `[1, heads, rows / TILE, TILE, D]` (a view) with only the tile count symbolic; on
+    the CPU untiled (its template fails to compile the tiled form, torch 2.13), only the row
+    count symbolic (a symbolic head count would share a symbol with an equal decode batch)."""
     if device.type != "cuda":
-        return rows
+        return _static_dims(rows, (0, 1, 3))
     _, heads, num_rows, size = rows.shape
     return _static_dims(rows.view(1, heads, num_rows // TILE, TILE, size), (0, 1, 3, 4))
 
