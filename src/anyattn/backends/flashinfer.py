@@ -500,7 +500,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         if (
             planned is not None
             and all(self._planned_by.get(id(w)) == step.generation for w in planned.wrappers())
-            and self._xqa_current(step, planned)
+            and (not planned.xqa or self._xqa_current(step))
         ):
             if not (decode_wrapper and planned.xqa and planned.decode is None):
                 return planned
@@ -608,11 +608,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         self._xqa_graph[size].fill(block_table[:, :most], seq_lens, host.seq_lens.shape[0])
         self._xqa_filled_by[size] = generation
 
-    def _xqa_current(self, step: _Step, planned: _Planned) -> bool:
+    def _xqa_current(self, step: _Step) -> bool:
         """False when a later build refilled the CUDA-graph buffers `step`'s XQA reads."""
-        if not planned.xqa or step.cudagraph_size is None:
-            return True
-        return self._xqa_filled_by.get(step.cudagraph_size) == step.generation
+        size = step.cudagraph_size
+        return size is None or self._xqa_filled_by.get(size) == step.generation
 
     def _common(self, key: _PlanKey) -> dict[str, Any]:
         """The `plan()` arguments every wrapper of `key` takes alike."""
@@ -675,10 +674,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             self._graph_wrapper_keys.add((size, key))  # an LSE request on an XQA layer
         wrapper = wrapper or (size is not None and (size, key) in self._graph_wrapper_keys)
         if not wrapper and step.xqa is not None and self._xqa_reason(key) is None:
-            if step.cudagraph_size is not None and not self._xqa_current(step, _Planned(xqa=True)):
-                # a stale CUDA-graph step: its buffers hold a later build's batch
-                self._fill_xqa_graph(step.cudagraph_size, step.block_table, step.seq_lens,
-                                     step.host, step.generation)  # fmt: skip
+            if not self._xqa_current(step):  # a stale graph step: the buffers hold a later one
+                self._fill_xqa_graph(size, step.block_table, step.seq_lens, step.host,
+                                     step.generation)  # fmt: skip
             planned.xqa = True
             return
         spec = self.kv_cache_spec
