@@ -13,6 +13,7 @@ import types
 import pytest
 import torch
 
+import anyattn.backends.flashinfer as fi_backend
 from anyattn.backends.flashinfer import (
     FlashInferBackend,
     FlashInferImpl,
@@ -26,6 +27,7 @@ from anyattn.backends.flashinfer_xqa import (
     xqa_decode_reason,
 )
 from anyattn.config import AttentionSpec, BatchLimits
+from anyattn.kv_cache import allocate_kv_cache
 from anyattn.metadata import make_common_attn_metadata
 from anyattn.testing import (
     KitLayer,
@@ -225,6 +227,27 @@ def test_a_graph_captured_with_an_lse_keeps_planning_its_decode_wrapper(monkeypa
     md = builder.build(0, later)
     assert md.step.planned[key].decode is wrapper and len(wrapper.plans) == 2
     assert wrapper.plans[1] == ([0, 1, 2, 3, 6], [1, 11, 21, 31, 32, 33], [5, 6, 7, 8])
+
+
+def test_forward_hands_xqa_the_decode_rows_and_the_steps_table(monkeypatch):
+    calls = []
+    monkeypatch.setattr(fi_backend, "run_xqa_decode", lambda *a, **k: calls.append((a, k)))
+    builder = xqa_cpu_builder()
+    cm = make_common_attn_metadata([1, 1, 1], [40, 3, 150], TABLE[:3, :10], 16)
+    md = builder.build(0, cm)
+    cache = allocate_kv_cache(FlashInferBackend, 81, 16, 2, 64, BF16)
+    query = torch.randn(5, 4, 64, dtype=BF16)  # two padding rows past the step's tokens
+    output = torch.zeros_like(query)
+    one = torch.tensor(1.0)
+    impl = FlashInferImpl(4, 64, 0.125, 2)
+    impl.forward(KitLayer("layer.0", one, one), query, None, None, cache, md, output)
+    ((args, kwargs),) = calls
+    q, kv, table, lens = args
+    assert q.shape == (3, 4, 64) and q.data_ptr() == query.data_ptr()
+    assert kv is cache and (table, lens) == md.step.xqa
+    assert kwargs["out"].shape == (3, 4, 64) and kwargs["out"].data_ptr() == output.data_ptr()
+    assert (kwargs["scale"], kwargs["k_scale"], kwargs["v_scale"]) == (0.125, None, None)
+    assert kwargs["window_left"] == -1 and kwargs["workspace"] is builder.xqa_workspace()
 
 
 def test_auto_uses_xqa_only_where_some_layer_can():
