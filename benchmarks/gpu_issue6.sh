@@ -2,13 +2,16 @@
 # Issue 6's GPU checks in one or two device calls (see ../shared/gpu/README.md for the wheels).
 #
 #   parts 1-3 first, one device call each:  mkdir -p /tmp/gw && cp .gpu-wheels/partK/* /tmp/gw/
-#   then:  bash benchmarks/gpu_issue6.sh tests   (carry .gpu-wheels/part4 and build/gpu_pkgs)
-#   then:  bash benchmarks/gpu_issue6.sh bench   (same machine, while it is still warm)
+#   then:  bash benchmarks/gpu_issue6.sh tests   (carry .gpu-wheels/part4)
+#   then:  bash benchmarks/gpu_issue6.sh bench   (same machine, while it is still warm: it is
+#          released 30 s after a call, and with it /tmp and FlashInfer's JIT cache)
 #   FLEX_ATTENTION's wrapper cost and its breakdown need no wheels (no parts to send first):
 #          bash benchmarks/gpu_issue6.sh flex
 #
-# build/gpu_pkgs holds pytest and its plugins for the device's Python 3.12 (the device has no
-# package registry). Logs go to $OUT; the last lines printed are the summary.
+# The device's Python 3.12 has pytest, xdist and hypothesis (build/gpu_pkgs, when present, is
+# put on the path too). FlashInfer JIT-compiles its modules on first use: a cold `tests` run
+# spends minutes there (TEST_SECONDS, default 480, cuts it; the log lists every PASSED test).
+# Logs go to $OUT; the last lines printed are the summary.
 set -u
 export PYTHONPATH=${PYTHONPATH:-}
 mode=${1:-tests}
@@ -31,13 +34,16 @@ tests)
     timeout -s INT "${TEST_SECONDS:-480}" python3 -m pytest -m gpu -n 12 -p no:warnings \
         -p no:cacheprovider -p no:benchmark --tb=short -rfE -v \
         tests/backends/test_flashinfer.py tests/backends/test_flashinfer_plan.py \
+        tests/backends/test_flashinfer_xqa.py tests/backends/test_flex_attention_paged.py \
         tests/backends/test_flash_attn_gpu.py tests/backends/test_flex_attention.py \
         tests/ops/test_reshape_and_cache.py tests/ops/test_gather_kv_rows.py \
         tests/ops/test_gather_pages.py tests/engine/test_cuda_graphs.py \
         tests/test_benchmarks_kernels.py \
         "${@:2}" >"$out/tests.log" 2>&1
     echo "pytest rc $?"
-    grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -30
+    # per test, so that a run cut short by the time limit still says what passed
+    echo "passed: $(grep -c " PASSED " "$out/tests.log")"
+    grep -E "^(FAILED|ERROR)| FAILED | ERROR " "$out/tests.log" | head -30
     tail -3 "$out/tests.log"
     ;;
 bench)
@@ -45,8 +51,14 @@ bench)
     python3 benchmarks/build_breakdown.py --varied >>"$out/breakdown.md" 2>&1
     python3 benchmarks/kernels.py --only build \
         --backends TRITON,FLASH_ATTN,FLASHINFER,FLEX_ATTENTION,TORCH >"$out/build.md" 2>&1
+    # 64-token blocks: FLASHINFER's decodes take XQA (no plan), its wrapper cost vs XQA direct
+    python3 benchmarks/kernels.py --only build --block-size 64 \
+        --backends TRITON,FLASH_ATTN,FLASHINFER,FLEX_ATTENTION >"$out/build64.md" 2>&1
+    python3 benchmarks/kernels.py --only wrapper --block-size 64 --backends FLASHINFER \
+        --peers fi >"$out/wrapper64.md" 2>&1
+    python3 benchmarks/xqa_decode.py --blocks 16,32,64 >"$out/xqa_decode.md" 2>&1
     grep "^|" "$out/breakdown.md"
-    grep "^|" "$out/build.md"
+    grep "^|" "$out/build.md" "$out/build64.md" "$out/wrapper64.md" "$out/xqa_decode.md"
     ;;
 flex)
     timeout -s INT "${FLEX_SECONDS:-270}" python3 benchmarks/kernels.py --only wrapper \
