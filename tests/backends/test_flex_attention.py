@@ -183,6 +183,16 @@ def test_steps_of_other_sizes_do_not_recompile():
     _assert_recompiles_bounded("cpu", torch.float32)
 
 
+def _workspace_kv(md, kv_heads: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the step's float32 CPU workspace, as the forward hands them to the kernel."""
+    shape = (kv_heads, md.kv_rows_padded, size)
+    cpu = torch.device("cpu")
+    return tuple(
+        flex_attention._as_kernel_rows(md.workspace.get(name, shape, torch.float32, cpu)[None], cpu)
+        for name in "kv"
+    )
+
+
 def _count_graphs(monkeypatch) -> list:
     """The graphs the backend's attention calls compile from now on, traced by an eager
     backend that only counts them (no Inductor): the list fills as they compile."""
@@ -218,13 +228,7 @@ def test_decode_batches_are_tied_to_no_other_size(monkeypatch, kv_heads, batches
         md = builder.build(0, make_common_attn_metadata([1] * n, seq_lens, table, 16))
         decode_plan, rows_plan = impl._plans(md, False, cpu)
         assert rows_plan is None and decode_plan.batch == n
-        shape = (kv_heads, md.kv_rows_padded, size)
-        k, v = (  # as the forward hands them over
-            flex_attention._as_kernel_rows(
-                md.workspace.get(x, shape, torch.float32, cpu)[None], cpu
-            )
-            for x in "kv"
-        )
+        k, v = _workspace_kv(md, kv_heads, size)
         query = torch.randn(n, heads, size)
         output = torch.zeros_like(query)
         mods = impl._mods_on(cpu)
@@ -254,13 +258,7 @@ def test_rows_with_per_head_mods_do_not_tie_a_tile_count_to_the_heads(monkeypatc
         md = builder.build(0, make_common_attn_metadata([tokens], [tokens], table, 16))
         decode_plan, rows_plan = impl._plans(md, False, cpu)
         assert decode_plan is None and rows_plan.num_rows == rows
-        shape = (kv_heads, md.kv_rows_padded, size)
-        k, v = (
-            flex_attention._as_kernel_rows(
-                md.workspace.get(name, shape, torch.float32, cpu)[None], cpu
-            )
-            for name in "kv"
-        )
+        k, v = _workspace_kv(md, kv_heads, size)
         query = torch.randn(tokens, heads, size)
         output = torch.zeros_like(query)
         mods = impl._mods_on(cpu)

@@ -588,7 +588,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 "Keep seq_lens within BatchLimits.max_model_len."
             )
         generation = self._generation + 1  # this build's
-        self._fill_xqa_graph(cudagraph_size, cm.block_table_tensor, cm.seq_lens, host, generation)
+        self._fill_xqa_graph(cudagraph_size, table, seq_lens, host, generation, most)
         return buffers.page_table, buffers.seq_lens
 
     def _most_pages(self, host: HostBatch) -> int:
@@ -602,9 +602,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         seq_lens: torch.Tensor,
         host: HostBatch,
         generation: int,
+        most: int,
     ) -> None:
-        """Copy a step's table and lengths into the graph buffers of `size` (device copies)."""
-        most = self._most_pages(host)
+        """Copy a step's table (its first `most` columns: the longest request's pages) and
+        lengths into the graph buffers of `size` (device copies)."""
         self._xqa_graph[size].fill(block_table[:, :most], seq_lens, host.seq_lens.shape[0])
         self._xqa_filled_by[size] = generation
 
@@ -675,8 +676,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         wrapper = wrapper or (size is not None and (size, key) in self._graph_wrapper_keys)
         if not wrapper and step.xqa is not None and self._xqa_reason(key) is None:
             if not self._xqa_current(step):  # a stale graph step: the buffers hold a later one
-                self._fill_xqa_graph(size, step.block_table, step.seq_lens, step.host,
-                                     step.generation)  # fmt: skip
+                host = step.host
+                self._fill_xqa_graph(size, step.block_table, step.seq_lens, host,
+                                     step.generation, self._most_pages(host))  # fmt: skip
             planned.xqa = True
             return
         spec = self.kv_cache_spec

@@ -265,11 +265,7 @@ def _rectangle(
         ValueError: a request needs more pages than the table has columns.
     """
     n = num_pages.shape[0]
-    if most > num_cols:
-        raise ValueError(
-            f"paged_kv_gather_index: block_table too narrow for the longest sequence (got "
-            f"{num_cols} columns, expected >= {most} for block_size {block_size})."
-        )
+    _check_columns("paged_kv_gather_index", most, block_size, num_cols)
     # FlashInfer's page offsets are int32 (so is `indptr`, which would have wrapped around): the
     # exact total is summed only when the bound n * most allows more.
     if n * most > _INT32_MAX and int(num_pages.sum(dtype=np.int64)) > _INT32_MAX:
@@ -544,12 +540,18 @@ def _check_width(seq: np.ndarray, block_size: int, num_cols: int) -> None:
     """The table-width check of the page gather, for decodes planned without arrays (whose
     kernel reads the table's rows itself)."""
     if seq.size:
-        most = -(-int(seq[seq.argmax()]) // block_size)
-        if most > num_cols:
-            raise ValueError(
-                f"plan_step: block_table too narrow for the longest sequence (got {num_cols} "
-                f"columns, expected >= {most} for block_size {block_size})."
-            )
+        most = -(-int(_largest(seq)) // block_size)
+        _check_columns("plan_step", most, block_size, num_cols)
+
+
+def _check_columns(api: str, most: int, block_size: int, num_cols: int) -> None:
+    """A table of `num_cols` columns holds a request of `most` pages, or `api` says it does
+    not."""
+    if most > num_cols:
+        raise ValueError(
+            f"{api}: block_table too narrow for the longest sequence (got {num_cols} columns, "
+            f"expected >= {most} for block_size {block_size})."
+        )
 
 
 def _check_padding(num_reqs: int, padded_num_reqs: int | None) -> None:

@@ -522,7 +522,6 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         for name, tensor in self._mods.items():
             if tensor.device != device:
                 self._mods[name] = _static_dims(tensor.to(device), tuple(range(tensor.dim())))
-                self._rows_mods_cache = None
         return self._mods
 
     def forward(
@@ -686,6 +685,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         if "alibi_slopes" not in mods and "sinks" not in mods:
             return mods
         cached = self._rows_mods_cache
+        # (made from `mods` as they are: a move to another device replaces every tensor)
         if cached is None or cached["scale"] is not mods["scale"]:
             per_head = ("alibi_slopes", "sinks")
             cached = self._rows_mods_cache = {
