@@ -104,6 +104,12 @@ def test_graph_buffers_take_the_steps_rows_and_pad_the_rest_with_one_key():
     buffers.fill(table[2:], torch.tensor([33, 5], dtype=torch.int32), 1)
     assert buffers.page_table[0].tolist() == [7, 8, 9, 0, 0]
     assert buffers.seq_lens.tolist() == [33, 1, 1, 1]
+    lens = torch.tensor([4, 5, 6, 8], dtype=torch.int32)
+    buffers.fill(table, lens, 3)
+    buffers.fill(table, lens, 3)  # the same size again
+    assert buffers.seq_lens.tolist() == [4, 5, 6, 1]
+    buffers.fill(table, lens + 10, 2)
+    assert buffers.seq_lens.tolist() == [14, 15, 1, 1]
 
 
 def test_contiguous_rows_copies_only_a_column_slice():

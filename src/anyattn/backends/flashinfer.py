@@ -34,7 +34,10 @@ The engine's model runner registers every layer at set-up (`register_layer`, par
 builder contract), so in the engine all planning happens in `build`; a builder used without
 registration learns a signature from the first forward of such a layer, which then plans once
 from the step's CPU arrays. Plans are FlashInfer state: metadata is valid until the builder's
-next `build`; a forward on older metadata plans again.
+next `build`; a forward on older metadata plans again. Each plan writes its schedule into a
+page-locked host buffer that the device copies from later, on the stream: every plan gets a
+buffer no earlier copy still reads (`flashinfer_staging`), so a `build` may run ahead of the
+device (asynchronous scheduling) without rewriting the schedule of a step not yet run.
 
 Caches use the standard logical shape `(num_blocks, 2, block_size, num_kv_heads, head_size)`
 in NHD or HND memory order: the wrappers are built for "NHD" and handed the logical view, whose
@@ -71,6 +74,7 @@ from anyattn.backend import (
 )
 from anyattn.backends.flashinfer_plan import PagedArrays, StepArrays, plan_step
 from anyattn.backends.flashinfer_replan import can_replan, replan_decode
+from anyattn.backends.flashinfer_staging import PlannerStaging
 from anyattn.backends.flashinfer_xqa import (
     XQA_WORKSPACE_BYTES,
     XqaGraphBuffers,
@@ -328,6 +332,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         self._planned_by: dict[int, int] = {}  # id(wrapper) -> generation of its last plan
         self._generation = 0
         self._workspace: torch.Tensor | None = None
+        # Every plan gets a page-locked buffer no copy still reads (builds may run ahead).
+        on_cuda = self.device.type == "cuda"
+        self._staging = PlannerStaging(torch.cuda.Event if on_cuda else None)
         self._installed_version = _installed_flashinfer()[1]
         self.fast_decode_plans = 0  # decode plans made by `replan_decode` (for tests)
         self._capability = (
@@ -637,7 +644,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             common = self._common(key)
         if arrays.ragged_qo_indptr is not None:
             wrapper = self._wrappers(key, "ragged")
-            wrapper.plan(
+            self._staged_plan(
+                wrapper,
+                wrapper.plan,
                 torch.from_numpy(arrays.ragged_qo_indptr),
                 torch.from_numpy(arrays.ragged_kv_indptr),
                 *heads,
@@ -649,7 +658,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         if arrays.paged is not None:
             p = arrays.paged
             wrapper = self._wrappers(key, "paged")
-            wrapper.plan(
+            self._staged_plan(
+                wrapper,
+                wrapper.plan,
                 torch.from_numpy(p.qo_indptr),
                 torch.from_numpy(p.paged_kv_indptr),
                 step.paged_pages,
@@ -693,7 +704,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             and d.num_reqs <= self.limits.max_num_reqs
             and can_replan(decode, self._installed_version)
         ):
-            replan_decode(
+            self._staged_plan(
+                decode,
+                replan_decode,
                 decode,
                 d,
                 step.decode_pages,
@@ -707,7 +720,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             )
             self.fast_decode_plans += 1
         else:
-            decode.plan(
+            self._staged_plan(
+                decode,
+                decode.plan,
                 torch.from_numpy(d.paged_kv_indptr),
                 step.decode_pages,
                 torch.from_numpy(d.paged_kv_last_page_len),
@@ -719,6 +734,15 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 **self._common(key),
             )
         planned.decode = decode
+
+    def _staged_plan(self, wrapper: Any, plan: Any, *args: Any, **kwargs: Any) -> None:
+        """`plan(*args, **kwargs)` for `wrapper`, with a page-locked buffer that no earlier
+        plan's copy still reads (see `flashinfer_staging`)."""
+        self._staging.acquire(wrapper)
+        try:
+            plan(*args, **kwargs)
+        finally:
+            self._staging.release(wrapper)
 
     def _decode_arrays(self, step: _Step) -> PagedArrays:
         """The decode wrapper's plan arrays and device inputs of `step`, made now if the build
@@ -785,6 +809,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
                     workspace, "NHD", backend=self._prefill_kernels()
                 )
+            self._staging.adopt(wrapper)
             setattr(wrappers, part, wrapper)
         return wrapper
 
@@ -807,6 +832,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 paged_kv_last_page_len_buffer=torch.zeros(size, **int32),
                 backend="fa2",
             )
+            self._staging.adopt(wrapper)
             self._graph[(key, size)] = wrapper
         return wrapper
 

@@ -1,0 +1,87 @@
+"""Page-locked buffers for FlashInfer's planners that stay safe when builds run ahead of the GPU.
+
+Every FlashInfer `plan()` (and `replan_decode`) writes the schedule it computes into the
+wrapper's page-locked host buffer, then enqueues one asynchronous copy of that buffer to the
+device on the current stream, and returns without waiting for it. A copy enqueued behind other
+work runs when the stream reaches it. An engine that builds step N+1 while the device has not
+yet reached step N's copy (asynchronous scheduling: the host runs a step ahead) has the next
+plan rewrite the buffer before that copy has read it, and step N's kernels then run on step
+N+1's schedule with step N's plan: wrong outputs, or reads past a request's pages. (The same
+hazard was reported against FlashInfer's users, e.g. mini-sglang pull request 103; FlashInfer
+0.7.2's scheduler issues the copy and never synchronises.)
+
+`PlannerStaging` hands each plan a buffer whose last copy the device has finished (a CUDA
+event query, which never waits) and records an event after the plan, so the buffer goes back to
+the pool once the copy that reads it has run. A synchronous engine loop reuses the buffers the
+wrappers were made with; an engine k steps ahead holds about k times as many (8 MiB each, the
+size of FlashInfer's integer workspace).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["PlannerStaging"]
+
+
+class PlannerStaging:
+    """A pool of page-locked planner buffers, each reused only after the device has run the
+    copy its last plan enqueued.
+
+    Use: `adopt(wrapper)` once when a wrapper is made (its own buffer joins the pool); around
+    every `plan()` of it, `acquire(wrapper)` before and `release(wrapper)` after.
+
+    Args:
+        event_factory: makes the events recorded after each plan (`torch.cuda.Event`); None on
+            a device without asynchronous copies (the CPU), where the pool does nothing.
+        pin_memory: whether buffers the pool adds are page-locked.
+    """
+
+    def __init__(self, event_factory: Callable[[], Any] | None, pin_memory: bool = True) -> None:
+        self._event_factory = event_factory
+        self._pin_memory = pin_memory
+        self._free: dict[int, list[tuple[torch.Tensor, Any]]] = {}  # bytes -> (buffer, event)
+        self._busy: deque[tuple[torch.Tensor, Any]] = deque()  # in the order they were recorded
+        self._held: dict[int, tuple[torch.Tensor, Any]] = {}  # id(wrapper) -> its plan's buffer
+        self.buffers_made = 0  # buffers added beyond the adopted ones (for tests)
+
+    @property
+    def enabled(self) -> bool:
+        return self._event_factory is not None
+
+    def adopt(self, wrapper: Any) -> None:
+        """Put `wrapper`'s own page-locked buffer, not yet used by any plan, into the pool."""
+        if self.enabled:
+            buffer = wrapper._pin_memory_int_workspace_buffer
+            self._free.setdefault(buffer.numel(), []).append((buffer, self._event_factory()))
+
+    def acquire(self, wrapper: Any) -> None:
+        """Give `wrapper` a buffer whose last copy has run, for the plan about to be made."""
+        if not self.enabled:
+            return
+        busy = self._busy
+        while busy and busy[0][1].query():  # events of one stream complete in order
+            buffer, event = busy.popleft()
+            self._free.setdefault(buffer.numel(), []).append((buffer, event))
+        nbytes = wrapper._int_workspace_buffer.numel()
+        free = self._free.get(nbytes)
+        if free:
+            entry = free.pop()
+        else:  # every buffer of this size still has a copy in flight
+            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin_memory)
+            entry = (buffer, self._event_factory())
+            self.buffers_made += 1
+        self._held[id(wrapper)] = entry
+        wrapper._pin_memory_int_workspace_buffer = entry[0]
+
+    def release(self, wrapper: Any) -> None:
+        """Mark the buffer `acquire` gave `wrapper` busy until the copy its plan enqueued (on
+        the current stream) has run."""
+        entry = self._held.pop(id(wrapper), None)
+        if entry is not None:
+            entry[1].record()
+            self._busy.append(entry)

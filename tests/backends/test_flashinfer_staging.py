@@ -1,0 +1,220 @@
+"""FLASHINFER's page-locked planner buffers (`flashinfer_staging`): the pool on its own and in
+the builder with stand-in events and wrappers (CPU), and on the GPU with FlashInfer 0.7.2.post1
+a build made while the device has not yet run the previous step's plan copy."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+import torch
+
+import anyattn.backends.flashinfer as fi_backend
+from anyattn.backends.flashinfer import FlashInferBackend, FlashInferImpl, FlashInferMetadataBuilder
+from anyattn.backends.flashinfer_staging import PlannerStaging
+from anyattn.config import AttentionSpec, BatchLimits
+from anyattn.metadata import make_common_attn_metadata
+from anyattn.testing import KitLayer, attention_oracle, build_batch, error_bound, max_abs_error
+from anyattn.testing.batch_spec import BatchSpec
+
+
+class FakeEvent:
+    """A CUDA event whose completion the test decides (`device_ran`)."""
+
+    def __init__(self):
+        self.recorded = False
+        self.done = True
+
+    def record(self):
+        self.recorded, self.done = True, False
+
+    def query(self):
+        return self.done
+
+
+class FakeWrapper:
+    """A FlashInfer wrapper as the pool sees it: its integer workspace, its page-locked buffer,
+    and a `plan()` that records the buffer it was given."""
+
+    def __init__(self, *args, **kwargs):
+        self._int_workspace_buffer = torch.empty(64, dtype=torch.uint8)
+        self._pin_memory_int_workspace_buffer = torch.empty(64, dtype=torch.uint8)
+        self.seen = []
+
+    def plan(self, *args, **kwargs):
+        self.seen.append(self._pin_memory_int_workspace_buffer)
+
+
+def events_of(staging):
+    return [event for _, event in staging._busy]
+
+
+def device_ran(staging):
+    for event in events_of(staging):
+        event.done = True
+
+
+def test_disabled_pool_leaves_the_wrappers_buffer():
+    staging = PlannerStaging(None)
+    wrapper = FakeWrapper()
+    own = wrapper._pin_memory_int_workspace_buffer
+    staging.adopt(wrapper)
+    staging.acquire(wrapper)
+    staging.release(wrapper)
+    assert wrapper._pin_memory_int_workspace_buffer is own and not staging._busy
+
+
+def test_a_buffer_is_reused_only_after_its_copy_ran():
+    staging = PlannerStaging(FakeEvent, pin_memory=False)
+    wrapper = FakeWrapper()
+    own = wrapper._pin_memory_int_workspace_buffer
+    staging.adopt(wrapper)
+    staging.acquire(wrapper)
+    assert wrapper._pin_memory_int_workspace_buffer is own  # the adopted buffer first
+    staging.release(wrapper)
+    (event,) = events_of(staging)
+    assert event.recorded and not event.done
+    # the device has not run that copy: the next plan gets a new buffer of the same size
+    staging.acquire(wrapper)
+    second = wrapper._pin_memory_int_workspace_buffer
+    assert second is not own and second.numel() == 64 and staging.buffers_made == 1
+    staging.release(wrapper)
+    device_ran(staging)
+    staging.acquire(wrapper)
+    assert any(wrapper._pin_memory_int_workspace_buffer is b for b in (own, second))
+    staging.release(wrapper)
+    assert staging.buffers_made == 1
+    staging.release(wrapper)  # no acquire before it: nothing to mark
+    assert len(staging._busy) == 1
+
+
+def test_buffers_come_back_in_the_order_their_events_were_recorded():
+    staging = PlannerStaging(FakeEvent, pin_memory=False)
+    a, b = FakeWrapper(), FakeWrapper()
+    for wrapper in (a, b):
+        staging.adopt(wrapper)
+    for wrapper in (a, b):
+        staging.acquire(wrapper)
+        staging.release(wrapper)
+    (older, first), (_, second) = staging._busy
+    first.done = True  # only the older copy ran
+    staging.acquire(a)
+    assert a._pin_memory_int_workspace_buffer is older and staging.buffers_made == 0
+    assert not second.done and len(staging._busy) == 1
+    staging.acquire(b)  # the other buffer's copy is still in flight: a new one
+    assert b._pin_memory_int_workspace_buffer is not older and staging.buffers_made == 1
+
+
+@pytest.fixture
+def staged_cpu_builder(monkeypatch):
+    """A CPU builder whose wrappers are `FakeWrapper`s and whose pool records `FakeEvent`s."""
+    fake = types.SimpleNamespace(
+        BatchDecodeWithPagedKVCacheWrapper=FakeWrapper,
+        BatchPrefillWithRaggedKVCacheWrapper=FakeWrapper,
+        BatchPrefillWithPagedKVCacheWrapper=FakeWrapper,
+    )
+    monkeypatch.setattr(fi_backend, "_import_flashinfer", lambda: fake)
+    monkeypatch.setattr(FlashInferMetadataBuilder, "_prefill_kernels", lambda self: "fa2")
+    spec = AttentionSpec(16, 2, 64, torch.bfloat16)
+    builder = FlashInferMetadataBuilder(spec, ["layer.0"], BatchLimits(8, 512, 256), "cpu")
+    builder._staging = PlannerStaging(FakeEvent, pin_memory=False)
+    builder.register_layer(FlashInferImpl(4, 64, 0.125, 2))
+    return builder
+
+
+TABLE = torch.arange(1, 41, dtype=torch.int32).view(8, 5)
+
+
+def test_every_plan_of_a_build_gets_a_buffer_no_copy_still_reads(staged_cpu_builder):
+    builder = staged_cpu_builder
+    # decodes, a fresh prefill and a prefill with context: all three wrappers plan
+    cm = make_common_attn_metadata([1, 1, 5, 17], [40, 3, 70, 17], TABLE[:4], 16)
+    planned = builder.build(0, cm).step.planned[next(iter(builder._layer_keys))]
+    wrappers = planned.wrappers()
+    assert len(wrappers) == 3 and all(len(w.seen) == 1 for w in wrappers)
+    first = [w.seen[0] for w in wrappers]
+    assert len({id(b) for b in first}) == 3 and builder._staging.buffers_made == 0
+    assert len(builder._staging._busy) == 3  # one event recorded after each plan
+    # the device has run none of those copies: the next build's plans get other buffers
+    builder.build(0, cm)
+    second = [w.seen[1] for w in wrappers]
+    assert not {id(b) for b in second} & {id(b) for b in first}
+    assert builder._staging.buffers_made == 3
+    device_ran(builder._staging)
+    builder.build(0, cm)  # now every buffer is free again: none is added
+    third = [w.seen[2] for w in wrappers]
+    assert {id(b) for b in third} <= {id(b) for b in first + second}
+    assert builder._staging.buffers_made == 3
+
+
+def test_a_failed_plan_still_returns_its_buffer(staged_cpu_builder, monkeypatch):
+    builder = staged_cpu_builder
+    monkeypatch.setattr(FakeWrapper, "plan", lambda self, *a, **k: 1 / 0)
+    cm = make_common_attn_metadata([1, 1], [40, 3], TABLE[:2], 16)
+    with pytest.raises(ZeroDivisionError):
+        builder.build(0, cm)
+    assert not builder._staging._held and len(builder._staging._busy) == 1
+
+
+# --- GPU ------------------------------------------------------------------------------------
+
+
+def _gpu(test):
+    marks = [
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        pytest.mark.skipif(
+            FlashInferBackend.get_unavailable_reason() is not None,
+            reason="needs FlashInfer 0.7.2.post1",
+        ),
+    ]
+    for mark in marks:
+        test = mark(test)
+    return test
+
+
+HEADS, KV_HEADS, HEAD_SIZE = 8, 2, 128
+SCALE = HEAD_SIZE**-0.5
+# few long decodes: FlashInfer's planner splits their keys into chunks, so a schedule made for
+# other lengths is a different one
+LONG_DECODES = BatchSpec("long_decodes", (1,) * 4, (3000, 1500, 4000, 700))
+
+
+@_gpu
+def test_a_build_ahead_of_the_device_leaves_the_last_steps_schedule(monkeypatch):
+    # the planned decode wrapper (XQA plans nothing): its plan's copy to the device is the one
+    # a build made too early would overwrite
+    monkeypatch.setattr(FlashInferMetadataBuilder, "decode_kernel", "wrapper")
+    batch = build_batch(
+        FlashInferBackend, LONG_DECODES, num_heads=HEADS, num_kv_heads=KV_HEADS,
+        head_size=HEAD_SIZE, dtype=torch.bfloat16, device="cuda", seed=3,
+    )  # fmt: skip
+    impl = FlashInferImpl(HEADS, HEAD_SIZE, SCALE, KV_HEADS)
+    layer = KitLayer("layer.0", batch.k_scale, batch.v_scale)
+    cm, builder = batch.common_attn_metadata, batch.builder
+    builder.register_layer(impl)
+    impl.do_kv_cache_update(layer, batch.key, batch.value, batch.kv_cache, cm.slot_mapping)
+
+    def forward(md):
+        output = torch.full_like(batch.query, math.nan)
+        impl.forward(layer, batch.query, batch.key, batch.value, batch.kv_cache, md, output)
+        return output
+
+    forward(builder.build(0, cm))  # compiles, makes the wrapper
+    n = cm.num_reqs
+    halves = ((cm.seq_lens_cpu[:n] + 1) // 2).tolist()
+    later = make_common_attn_metadata([1] * n, halves, batch.block_table[:n], batch.block_size,
+                                      device="cuda")  # fmt: skip
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)  # the device falls behind: this step's copy waits
+    output = forward(builder.build(0, cm))
+    builder.build(0, later)  # the next step's plan, made before the device ran that copy
+    torch.cuda.synchronize()
+    n = batch.num_actual_tokens
+    args = (batch.query[:n], batch.oracle_key, batch.oracle_value, batch.spec.query_lens,
+            batch.kv_lens)  # fmt: skip
+    ref64, _ = attention_oracle(*args, scale=SCALE)
+    ref_lowp, _ = attention_oracle(*args, scale=SCALE, compute_dtype=torch.bfloat16)
+    assert max_abs_error(output[:n], ref64) <= error_bound(ref64, ref_lowp, torch.bfloat16)
+    assert builder._staging.buffers_made >= 1  # the in-flight buffer was not reused
