@@ -55,6 +55,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from _timing import cpu_times_us, interleaved_us, markdown_table, median_us, synchronize
@@ -1049,6 +1050,25 @@ def time_build(
     )
 
 
+def host_yardstick_us(device: torch.device | str, reps: int = 300) -> float:
+    """Median host microseconds of the primitive most builds pay for: one 2 KiB int32 array
+    copied to `device` without waiting (through pinned memory on CUDA). Printed next to the
+    build times, so that runs on hosts of different speed can be told apart: the same code
+    measured 1.3-2x slower build times on one lease of the H200 machine than on another."""
+    device = torch.device(device)
+    host = np.arange(513, dtype=np.int32)
+
+    def copy() -> object:
+        tensor = torch.from_numpy(host)
+        if device.type == "cuda":
+            tensor = tensor.pin_memory()
+        return tensor.to(device, non_blocking=True)
+
+    copy()
+    synchronize(device)
+    return statistics.median(cpu_times_us(copy, reps))
+
+
 # --- report ----------------------------------------------------------------------------------
 
 
@@ -1325,7 +1345,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "median of "
                 f"{options.build_reps} calls (host sync: 20 calls under "
                 "torch.cuda.set_sync_debug_mode('error'))\n\n"
-                f"{build_table(builds)}\n"
+                f"{build_table(builds)}\n\n"
+                "Host yardstick (one 2 KiB copy to the device, pinned, not waited for): "
+                f"{host_yardstick_us(device):.1f} us.\n"
             )
     print(f"Total wall time {time.perf_counter() - started:.0f} s.")
     return 0

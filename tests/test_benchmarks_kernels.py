@@ -241,6 +241,7 @@ def test_time_build_on_cpu(kernels, tiny) -> None:
     graphs = kernels.time_build("TORCH", tiny, "cpu", reps=3, num_reqs=8, seq_len=20, graphs=True)
     assert graphs.status == "skip" and graphs.backend == "TORCH (CUDA-graph replay)"
     assert graphs.message == "no decode CUDA graphs (support NEVER)"
+    assert kernels.host_yardstick_us("cpu", reps=3) > 0
 
 
 def test_arguments(kernels) -> None:
@@ -281,4 +282,4 @@ def test_gpu_timing_path_with_torch(kernels, capsys) -> None:
     args = ["--quick", "--only", "build", "--backends", "TORCH", "--peers", "none"]
     assert kernels.main(args) == 0
     out = capsys.readouterr().out
-    assert "build() host time" in out and "| TORCH |" in out
+    assert "build() host time" in out and "| TORCH |" in out and "Host yardstick" in out
