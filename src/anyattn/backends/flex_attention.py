@@ -76,9 +76,9 @@ decoding kernel's key tile is then 16 keys), both reading the cache in place (1.
 1.815x again in the ninth session); prefill 4 x 4096 1.14x with token-major rows (1.22x with
 the GQA-folded rows before them). What is left of the prefill's cost is copies: the compiled
 kernels alone take 1.03x the direct call (1536 vs 1492 us), the query and output copies about
-128 us, the key copy out of the paged cache 41 us. The first step of each new decode batch bucket compiles for 1-4 s on an H200.
-On a 2-core CPU the decode layout took a 16 x 1024 decode step from 32.2 ms (the rows) to
-14.5 ms.
+128 us, the key copy out of the paged cache 41 us. The first step of each new decode batch
+bucket compiles for 1-4 s on an H200. On a 2-core CPU the decode layout took a 16 x 1024
+decode step from 32.2 ms (the rows) to 14.5 ms.
 
 Limits, all declared: LSE output only on CUDA (Inductor's CPU template has no LSE); no cascade;
 sliding window only causal (as TORCH); head sizes multiples of 16 up to 256 (Triton's dot
