@@ -26,24 +26,43 @@ class FakeEvent:
         self.recorded = False
         self.done = True
 
-    def record(self):
-        self.recorded, self.done = True, False
+    def record(self, stream=None):
+        self.recorded, self.done, self.stream = True, False, stream
 
     def query(self):
         return self.done
 
+    def synchronize(self):
+        self.done = True
+
 
 class FakeWrapper:
-    """A FlashInfer wrapper as the pool sees it: its integer workspace, its page-locked buffer,
-    and a `plan()` that records the buffer it was given."""
+    """A FlashInfer wrapper as the pool and `replan_decode` see it: its workspaces, a CUDA-graph
+    decode wrapper's fixed index buffers, and a `plan()` and C++ planner that record the
+    page-locked buffer they were given."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(
+        self, workspace=None, layout="NHD", use_cuda_graph=False, paged_kv_indptr_buffer=None,
+        paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None, **kwargs,
+    ):  # fmt: skip
+        self._float_workspace_buffer = workspace
         self._int_workspace_buffer = torch.empty(64, dtype=torch.uint8)
         self._pin_memory_int_workspace_buffer = torch.empty(64, dtype=torch.uint8)
+        self.is_cuda_graph_enabled = use_cuda_graph
+        self._paged_kv_indptr_buf = paged_kv_indptr_buffer
+        self._paged_kv_indices_buf = paged_kv_indices_buffer
+        self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buffer
+        if use_cuda_graph:
+            self._fixed_batch_size = paged_kv_last_page_len_buffer.shape[0]
+        self._cached_module = types.SimpleNamespace(plan=self._cpp_plan)
         self.seen = []
 
     def plan(self, *args, **kwargs):
         self.seen.append(self._pin_memory_int_workspace_buffer)
+
+    def _cpp_plan(self, float_workspace, int_workspace, page_locked, *args):
+        self.seen.append(page_locked)
+        return "plan info"
 
 
 def events_of(staging):
@@ -66,7 +85,7 @@ def test_disabled_pool_leaves_the_wrappers_buffer():
 
 
 def test_a_buffer_is_reused_only_after_its_copy_ran():
-    staging = PlannerStaging(FakeEvent, pin_memory=False)
+    staging = PlannerStaging(FakeEvent, lambda: "stream", pin_memory=False)
     wrapper = FakeWrapper()
     own = wrapper._pin_memory_int_workspace_buffer
     staging.adopt(wrapper)
@@ -90,7 +109,7 @@ def test_a_buffer_is_reused_only_after_its_copy_ran():
 
 
 def test_buffers_come_back_in_the_order_their_events_were_recorded():
-    staging = PlannerStaging(FakeEvent, pin_memory=False)
+    staging = PlannerStaging(FakeEvent, lambda: "stream", pin_memory=False)
     a, b = FakeWrapper(), FakeWrapper()
     for wrapper in (a, b):
         staging.adopt(wrapper)
@@ -118,7 +137,7 @@ def staged_cpu_builder(monkeypatch):
     monkeypatch.setattr(FlashInferMetadataBuilder, "_prefill_kernels", lambda self: "fa2")
     spec = AttentionSpec(16, 2, 64, torch.bfloat16)
     builder = FlashInferMetadataBuilder(spec, ["layer.0"], BatchLimits(8, 512, 256), "cpu")
-    builder._staging = PlannerStaging(FakeEvent, pin_memory=False)
+    builder._staging = PlannerStaging(FakeEvent, lambda: "stream", pin_memory=False)
     builder.register_layer(FlashInferImpl(4, 64, 0.125, 2))
     return builder
 
@@ -135,7 +154,9 @@ def test_every_plan_of_a_build_gets_a_buffer_no_copy_still_reads(staged_cpu_buil
     assert len(wrappers) == 3 and all(len(w.seen) == 1 for w in wrappers)
     first = [w.seen[0] for w in wrappers]
     assert len({id(b) for b in first}) == 3 and builder._staging.buffers_made == 0
-    assert len(builder._staging._busy) == 3  # one event recorded after each plan
+    # one event recorded after each plan, on the stream FlashInfer copies on
+    assert [event.stream for event in events_of(builder._staging)] == ["stream"] * 3
+    assert all(w._pin_memory_int_workspace_buffer is None for w in wrappers)  # between plans
     # the device has run none of those copies: the next build's plans get other buffers
     builder.build(0, cm)
     second = [w.seen[1] for w in wrappers]
@@ -146,6 +167,39 @@ def test_every_plan_of_a_build_gets_a_buffer_no_copy_still_reads(staged_cpu_buil
     third = [w.seen[2] for w in wrappers]
     assert {id(b) for b in third} <= {id(b) for b in first + second}
     assert builder._staging.buffers_made == 3
+
+
+def test_replanned_and_cuda_graph_decodes_are_staged_too(staged_cpu_builder, monkeypatch):
+    # `replan_decode` hands FlashInfer's C++ planner the buffer itself: the steady-state path
+    monkeypatch.setattr(fi_backend, "can_replan", lambda wrapper, version: True)
+    builder = staged_cpu_builder
+    key = next(iter(builder._layer_keys))
+    md = builder.build(0, make_common_attn_metadata([1] * 3, [40, 3, 70], TABLE[:3], 16))
+    eager = md.step.planned[key].decode
+    capture = make_common_attn_metadata([1] * 4, [1, 2, 3, 17], TABLE[:4], 16)
+    graph = builder.build_for_cudagraph_capture(capture).step.planned[key].decode
+    assert graph.is_cuda_graph_enabled and graph is not eager
+    # a replay step of the captured size, none of the earlier copies run yet
+    replay = make_common_attn_metadata([1] * 4, [5, 6, 7, 40], TABLE[:4], 16)
+    assert builder.build(0, replay).cudagraph_size == 4
+    assert builder.fast_decode_plans == 3 and len(eager.seen) == 1 and len(graph.seen) == 2
+    seen = [*eager.seen, *graph.seen]
+    assert all(b is not None for b in seen) and len({id(b) for b in seen}) == 3
+    assert len(builder._staging._busy) == 3
+
+
+def test_past_max_buffers_a_plan_waits_for_the_oldest_copy():
+    staging = PlannerStaging(FakeEvent, lambda: None, pin_memory=False, max_buffers=2)
+    wrapper = FakeWrapper()
+    own = wrapper._pin_memory_int_workspace_buffer
+    staging.adopt(wrapper)
+    for _ in range(2):  # the adopted buffer, then one more: two in flight
+        staging.acquire(wrapper)
+        staging.release(wrapper)
+    assert staging.buffers_made == 1 and staging.waits == 0
+    staging.acquire(wrapper)
+    assert wrapper._pin_memory_int_workspace_buffer is own and staging.waits == 1
+    assert staging.buffers_made == 1 and len(staging._busy) == 1
 
 
 def test_a_failed_plan_still_returns_its_buffer(staged_cpu_builder, monkeypatch):
@@ -208,8 +262,11 @@ def test_a_build_ahead_of_the_device_leaves_the_last_steps_schedule(monkeypatch)
                                       device="cuda")  # fmt: skip
     torch.cuda.synchronize()
     torch.cuda._sleep(500_000_000)  # the device falls behind: this step's copy waits
+    stalled = torch.cuda.Event()
+    stalled.record()
     output = forward(builder.build(0, cm))
     builder.build(0, later)  # the next step's plan, made before the device ran that copy
+    assert not stalled.query()  # (else the test proves nothing: nothing was still queued)
     torch.cuda.synchronize()
     n = batch.num_actual_tokens
     args = (batch.query[:n], batch.oracle_key, batch.oracle_value, batch.spec.query_lens,

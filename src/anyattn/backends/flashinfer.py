@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -333,8 +334,14 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         self._generation = 0
         self._workspace: torch.Tensor | None = None
         # Every plan gets a page-locked buffer no copy still reads (builds may run ahead).
-        on_cuda = self.device.type == "cuda"
-        self._staging = PlannerStaging(torch.cuda.Event if on_cuda else None)
+        if self.device.type == "cuda":
+            # (FlashInfer copies on the workspace device's stream, maybe not the current one)
+            device = self.device
+            self._staging = PlannerStaging(
+                torch.cuda.Event, lambda: torch.cuda.current_stream(device)
+            )
+        else:
+            self._staging = PlannerStaging(None)
         self._installed_version = _installed_flashinfer()[1]
         self.fast_decode_plans = 0  # decode plans made by `replan_decode` (for tests)
         self._capability = (
@@ -735,7 +742,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             )
         planned.decode = decode
 
-    def _staged_plan(self, wrapper: Any, plan: Any, *args: Any, **kwargs: Any) -> None:
+    def _staged_plan(
+        self, wrapper: Any, plan: Callable[..., object], *args: Any, **kwargs: Any
+    ) -> None:
         """`plan(*args, **kwargs)` for `wrapper`, with a page-locked buffer that no earlier
         plan's copy still reads (see `flashinfer_staging`)."""
         self._staging.acquire(wrapper)

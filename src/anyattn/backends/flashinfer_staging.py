@@ -14,7 +14,9 @@ hazard was reported against FlashInfer's users, e.g. mini-sglang pull request 10
 event query, which never waits) and records an event after the plan, so the buffer goes back to
 the pool once the copy that reads it has run. A synchronous engine loop reuses the buffers the
 wrappers were made with; an engine k steps ahead holds about k times as many (8 MiB each, the
-size of FlashInfer's integer workspace).
+size of FlashInfer's integer workspace), up to `MAX_BUFFERS` of a size: past that a plan waits
+for the oldest copy instead of pinning more memory (a host that many plans ahead is not
+overlapping work any more, it is queueing it).
 """
 
 from __future__ import annotations
@@ -25,43 +27,67 @@ from typing import Any
 
 import torch
 
-__all__ = ["PlannerStaging"]
+__all__ = ["MAX_BUFFERS", "PlannerStaging"]
+
+# Page-locked buffers of one size the pool makes at most (16 x 8 MiB = 128 MiB).
+MAX_BUFFERS = 16
 
 
 class PlannerStaging:
-    """A pool of page-locked planner buffers, each reused only after the device has run the
-    copy its last plan enqueued.
+    """A pool of page-locked planner buffers (uint8 `[int-workspace bytes]`, the size of each
+    wrapper's `_int_workspace_buffer`), each reused only after the device has run the copy its
+    last plan enqueued.
 
     Use: `adopt(wrapper)` once when a wrapper is made (its own buffer joins the pool); around
-    every `plan()` of it, `acquire(wrapper)` before and `release(wrapper)` after.
+    every `plan()` of it, `acquire(wrapper)` before and `release(wrapper)` after. Between
+    plans a wrapper holds no buffer (its attribute is None), so a plan made without `acquire`
+    fails instead of rewriting a buffer another wrapper's copy may still read.
 
     Args:
         event_factory: makes the events recorded after each plan (`torch.cuda.Event`); None on
             a device without asynchronous copies (the CPU), where the pool does nothing.
+        plan_stream: the stream FlashInfer enqueues a plan's copy on: the current stream of
+            the wrappers' device (`torch.cuda.current_stream(device)`, which is not the
+            current device's when another device is current).
         pin_memory: whether buffers the pool adds are page-locked.
+        max_buffers: buffers of one size, adopted ones included, before a plan waits.
     """
 
-    def __init__(self, event_factory: Callable[[], Any] | None, pin_memory: bool = True) -> None:
+    def __init__(
+        self,
+        event_factory: Callable[[], Any] | None,
+        plan_stream: Callable[[], Any] = lambda: None,
+        pin_memory: bool = True,
+        max_buffers: int = MAX_BUFFERS,
+    ) -> None:
         self._event_factory = event_factory
+        self._plan_stream = plan_stream
         self._pin_memory = pin_memory
+        self._max_buffers = max_buffers
         self._free: dict[int, list[tuple[torch.Tensor, Any]]] = {}  # bytes -> (buffer, event)
         self._busy: deque[tuple[torch.Tensor, Any]] = deque()  # in the order they were recorded
         self._held: dict[int, tuple[torch.Tensor, Any]] = {}  # id(wrapper) -> its plan's buffer
+        self._count: dict[int, int] = {}  # bytes -> buffers of that size
         self.buffers_made = 0  # buffers added beyond the adopted ones (for tests)
+        self.waits = 0  # plans that waited for a copy, the pool being full (for tests)
 
     @property
-    def enabled(self) -> bool:
+    def is_enabled(self) -> bool:
         return self._event_factory is not None
 
     def adopt(self, wrapper: Any) -> None:
         """Put `wrapper`'s own page-locked buffer, not yet used by any plan, into the pool."""
-        if self.enabled:
+        if self.is_enabled:
             buffer = wrapper._pin_memory_int_workspace_buffer
             self._free.setdefault(buffer.numel(), []).append((buffer, self._event_factory()))
+            self._count[buffer.numel()] = self._count.get(buffer.numel(), 0) + 1
+            wrapper._pin_memory_int_workspace_buffer = None
 
     def acquire(self, wrapper: Any) -> None:
-        """Give `wrapper` a buffer whose last copy has run, for the plan about to be made."""
-        if not self.enabled:
+        """Give `wrapper` (`_pin_memory_int_workspace_buffer`) a buffer whose last copy has run,
+        for the plan about to be made: a free one, else a new one, else (`max_buffers` made)
+        the oldest in flight once its copy has run (the only case that waits)."""
+        if not self.is_enabled:
             return
         busy = self._busy
         while busy and busy[0][1].query():  # events of one stream complete in order
@@ -71,17 +97,24 @@ class PlannerStaging:
         free = self._free.get(nbytes)
         if free:
             entry = free.pop()
-        else:  # every buffer of this size still has a copy in flight
+        elif self._count.get(nbytes, 0) < self._max_buffers:
             buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin_memory)
             entry = (buffer, self._event_factory())
+            self._count[nbytes] = self._count.get(nbytes, 0) + 1
             self.buffers_made += 1
+        else:
+            entry = next(e for e in busy if e[0].numel() == nbytes)
+            busy.remove(entry)
+            entry[1].synchronize()
+            self.waits += 1
         self._held[id(wrapper)] = entry
         wrapper._pin_memory_int_workspace_buffer = entry[0]
 
     def release(self, wrapper: Any) -> None:
-        """Mark the buffer `acquire` gave `wrapper` busy until the copy its plan enqueued (on
-        the current stream) has run."""
+        """Take back the buffer `acquire` gave `wrapper`, busy until the copy its plan
+        enqueued has run."""
         entry = self._held.pop(id(wrapper), None)
         if entry is not None:
-            entry[1].record()
+            entry[1].record(self._plan_stream())
             self._busy.append(entry)
+            wrapper._pin_memory_int_workspace_buffer = None

@@ -130,13 +130,11 @@ class XqaGraphBuffers:
 
     def fill(self, block_table: torch.Tensor, seq_lens: torch.Tensor, num_reqs: int) -> None:
         """Copy the first `num_reqs` rows of the step's `block_table` `[>= num_reqs, cols]`
-        and `seq_lens` in; the other rows become padding."""
+        and `seq_lens` in; the other rows become padding. (Only `fill` writes the buffers:
+        rows past the last fill's hold length 1 already.)"""
         cols = block_table.shape[1]
-        # one dispatch for both copies (a build's host time is counted in microseconds)
-        torch._foreach_copy_(
-            [self.page_table[:num_reqs, :cols], self.seq_lens[:num_reqs]],
-            [block_table[:num_reqs], seq_lens[:num_reqs]],
-        )
+        self.page_table[:num_reqs, :cols].copy_(block_table[:num_reqs])
+        self.seq_lens[:num_reqs].copy_(seq_lens[:num_reqs])
         if num_reqs < self._real_rows:  # rows past this step's held an earlier step's lengths
             self.seq_lens[num_reqs : self._real_rows].fill_(1)
         self._real_rows = num_reqs
