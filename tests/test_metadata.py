@@ -303,19 +303,6 @@ def test_validate_errors(changes, message):
     assert message in str(raised.value)
 
 
-def test_check_layout_is_validate_without_the_value_checks():
-    # the layout errors are validate's (test_validate_errors); the values are not looked at
-    bad_values = dataclasses.replace(
-        valid(), num_computed_tokens_cpu=torch.tensor([4, 1], dtype=torch.int32)
-    )
-    assert bad_values.check_layout("TestBuilder.build") is None
-    with pytest.raises(ValueError, match="num_computed_tokens_cpu must equal"):
-        bad_values.validate()
-    bad_layout = dataclasses.replace(valid(), slot_mapping=torch.zeros(4, dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"TestBuilder\.build: slot_mapping must be int64"):
-        bad_layout.check_layout("TestBuilder.build")
-
-
 def test_validate_accepts_padding_past_num_reqs():
     m = valid()
     m.query_start_loc_cpu = torch.tensor([0, 1, 4, 4], dtype=torch.int32)

@@ -86,17 +86,6 @@ class CommonAttentionMetadata:
         Raises:
             ValueError: with the field, what it holds and what is expected.
         """
-        self.check_layout(api)
-        return self._check_mirrors(api)
-
-    def check_layout(self, api: str = "CommonAttentionMetadata") -> None:
-        """`validate`'s checks of where the mirrors live and of every shape and dtype, without
-        its checks of the mirrors' values (for a builder whose kernel reads the device tensors
-        only: a few microseconds instead of about fifteen).
-
-        Raises:
-            ValueError: with the field, what it holds and what is expected.
-        """
         num_reqs = self.num_reqs
         checks = (
             ("query_start_loc_cpu", self.query_start_loc_cpu, num_reqs + 1),
@@ -118,10 +107,6 @@ class CommonAttentionMetadata:
             )
         if self.slot_mapping.dtype != torch.int64:
             raise ValueError(f"{api}: slot_mapping must be int64 (got {self.slot_mapping.dtype}).")
-
-    def _check_mirrors(self, api: str) -> HostBatch:
-        """`validate`'s checks of the mirrors' values (after `check_layout`)."""
-        num_reqs = self.num_reqs
         # The value checks run on numpy views of the CPU mirrors, in as few numpy calls as the
         # checks allow: this runs in every build, where a torch op on a small CPU tensor costs
         # microseconds of dispatch and a numpy call about one. Values are taken in int64 so that

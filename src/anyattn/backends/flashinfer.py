@@ -240,8 +240,7 @@ class _Step:
     # the decodes, or the captured size), None where XQA cannot serve this step's decodes.
     xqa: tuple[torch.Tensor, torch.Tensor] | None = None
     # What planning the decode wrapper later needs (`arrays.decode` is None when every
-    # registered layer's decodes run XQA): the build's mirrors (validated; for a step of
-    # XQA decodes only its lengths copied, see `_xqa_decode_host`) and block table.
+    # registered layer's decodes run XQA): the build's validated mirrors and block table.
     host: HostBatch | None = None
     block_table: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None  # int32 `[num_reqs]`, on the device
@@ -360,8 +359,6 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         # Query offsets of one token per request, for `replan_decode`, per batch size up to
         # max_num_reqs (larger eager batches are planned by FlashInfer's `plan()`).
         self._qo_indptrs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # A decode step's query offsets and lengths per batch size, for `_xqa_decode_host`.
-        self._decode_offsets: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def register_layer(self, impl: AttentionImplBase) -> None:
         """Plan for `impl`'s layer signature (query heads, scale, soft cap) in every later
@@ -429,6 +426,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             )
         if cm.encoder_seq_lens_cpu is not None:
             raise ValueError(f"{api}: cross attention not supported (got encoder_seq_lens).")
+        host = cm.validate(api)
         spec = self.kv_cache_spec
         # XQA decodes need no plan arrays; the decode wrapper's are made when a layer needs
         # them (a registered one now, an unregistered one or an LSE request in its forward).
@@ -436,12 +434,6 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         served = [self._xqa_reason(k) is None for k in keys]
         # (no registered layer yet: one learnt in its forward may use XQA)
         xqa = self._xqa_reason(None) is None and (not keys or any(served))
-        # (n requests of at most one token each and n tokens: every one a single-token decode)
-        decodes_only = cm.max_query_len == 1 and cm.num_actual_tokens == cm.num_reqs
-        if xqa and keys and all(served) and decodes_only:
-            host = self._xqa_decode_host(cm, api)
-        else:
-            host = cm.validate(api)
         arrays = plan_step(
             host.query_start_loc,
             host.seq_lens,
@@ -612,24 +604,6 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         generation = self._generation + 1  # this build's
         self._fill_xqa_graph(cudagraph_size, table, seq_lens, host, generation, most)
         return buffers.page_table, buffers.seq_lens
-
-    def _xqa_decode_host(self, cm: CommonAttentionMetadata, api: str) -> HostBatch:
-        """The `HostBatch` of a step of single-token decodes that every layer runs with XQA,
-        which reads the device table and lengths, never the mirrors: `check_layout`'s checks
-        and a copy of the lengths, without `validate`'s checks of the other mirrors' values
-        (10-15 us of a 256-decode build; `plan_step` still checks every length against its
-        query and the table's width)."""
-        cm.check_layout(api)
-        n = cm.num_reqs
-        offsets = self._decode_offsets.get(n)
-        if offsets is None:
-            # int64 `[0, 1, ..., n]` and ones `[n]`, shared by every such step of n requests
-            offsets = (np.arange(n + 1, dtype=np.int64), np.ones(n, dtype=np.int64))
-            for array in offsets:
-                array.flags.writeable = False
-            self._decode_offsets[n] = offsets
-        seq = cm.seq_lens_cpu.numpy()[:n].astype(np.int64)  # the build's own copy
-        return HostBatch(offsets[0], offsets[1], seq, seq - 1)
 
     def _most_pages(self, host: HostBatch) -> int:
         seq = host.seq_lens

@@ -5,9 +5,8 @@ time on the H200 machine) plus the index arrays it takes (page offsets, page ids
 the block table, last-page lengths), about 150 us of `build` in all. Its XQA decode kernel
 (`flashinfer.decode.xqa_batch_decode_with_kv_cache`, from TensorRT-LLM) takes the block table
 and the sequence lengths as they are, on the device, so a decode step needs no planning at all:
-`build` does nothing for the decodes beyond checking the batch's layout, lengths and table
-width (not the other mirrors' values, which XQA never reads), and a CUDA-graph replay step only
-copies the table and lengths into the graph's fixed buffers.
+`build` does nothing for the decodes beyond validating the batch, and a CUDA-graph replay step
+only copies the table and lengths into the graph's fixed buffers.
 
 Measured against the planned tensor-core decode on the H200 (`benchmarks/xqa_decode.py`,
 benchmarks/RESULTS.md; bf16, 32 / 8 heads of 128, 64 x 4096, 256 x 2048 and 8 x 32768): about
