@@ -12,6 +12,8 @@ import types
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import anyattn.backends.flashinfer as fi_backend
 from anyattn.backends.flashinfer import (
@@ -110,6 +112,32 @@ def test_graph_buffers_take_the_steps_rows_and_pad_the_rest_with_one_key():
     assert buffers.seq_lens.tolist() == [4, 5, 6, 1]
     buffers.fill(table, lens + 10, 2)
     assert buffers.seq_lens.tolist() == [14, 15, 1, 1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(st.integers(0, 6), st.integers(1, 5), st.integers(1, 10**4)),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_graph_buffers_after_any_sequence_of_fills(steps):
+    # each fill: (requests, table columns, a seed for its ids and lengths)
+    size, max_pages = 6, 5
+    buffers = XqaGraphBuffers(size, max_pages, torch.device("cpu"))
+    every_id = {0}
+    for num_reqs, cols, seed in steps:
+        g = torch.Generator().manual_seed(seed)
+        table = torch.randint(1, 1000, (size, cols), generator=g, dtype=torch.int32)
+        lens = torch.randint(1, 10**5, (size,), generator=g, dtype=torch.int32)
+        buffers.fill(table, lens, num_reqs)
+        every_id |= set(table[:num_reqs].flatten().tolist())
+        assert buffers.page_table[:num_reqs, :cols].tolist() == table[:num_reqs].tolist()
+        assert buffers.seq_lens[:num_reqs].tolist() == lens[:num_reqs].tolist()
+        assert buffers.seq_lens[num_reqs:].tolist() == [1] * (size - num_reqs)  # padding
+        # padding rows read one key, at a page id some step gave (or zero)
+        assert set(buffers.page_table[num_reqs:, 0].tolist()) <= every_id
 
 
 def test_contiguous_rows_copies_only_a_column_slice():
