@@ -2,13 +2,15 @@
 
 Every FlashInfer `plan()` (and `replan_decode`) writes the schedule it computes into the
 wrapper's page-locked host buffer, then enqueues one asynchronous copy of that buffer to the
-device on the current stream, and returns without waiting for it. A copy enqueued behind other
-work runs when the stream reaches it. An engine that builds step N+1 while the device has not
-yet reached step N's copy (asynchronous scheduling: the host runs a step ahead) has the next
-plan rewrite the buffer before that copy has read it, and step N's kernels then run on step
-N+1's schedule with step N's plan: wrong outputs, or reads past a request's pages. (The same
-hazard was reported against FlashInfer's users, e.g. mini-sglang pull request 103; FlashInfer
-0.7.2's scheduler issues the copy and never synchronises.)
+device on the current stream of the wrapper's device, and returns without waiting for it. A copy
+enqueued behind other work runs when the stream reaches it. An engine that builds step N+1 while
+the device has not yet reached step N's copy (asynchronous scheduling: the host runs a step
+ahead) has the next plan rewrite the buffer before that copy has read it, and step N's kernels
+then run on step N+1's schedule with step N's plan: wrong outputs, or reads past a request's
+pages. (The same hazard was reported against FlashInfer's users, e.g. mini-sglang pull request
+103; FlashInfer 0.7.2's scheduler issues the copy and never synchronises. On an H200 a build
+made behind a stalled stream gave a wrong output with FlashInfer's one buffer per wrapper and
+the right one with this pool: tests/backends/test_flashinfer_staging.py, benchmarks/RESULTS.md.)
 
 `PlannerStaging` hands each plan a buffer whose last copy the device has finished (a CUDA
 event query, which never waits) and records an event after the plan, so the buffer goes back to
