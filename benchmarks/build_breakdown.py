@@ -11,11 +11,17 @@ so that the cost left over can be attributed. FLASHINFER's parts: `cm.validate`,
 Run on a CUDA machine with FlashInfer 0.7.2.post1: `python3 benchmarks/build_breakdown.py`
 (`--varied`: lengths spread over `seq_len / 2 ... 3 * seq_len / 2`, as `kernels.py` times them
 too). Prints a markdown table.
+
+`--xqa` splits instead FLASHINFER's build with 64-token blocks on SM90+, where XQA runs the
+decodes and nothing is planned: the eager and the CUDA-graph replay build, `cm.validate`,
+`plan_step` without decode arrays, XQA's eager inputs (views of the step's table and lengths)
+and a replay step's copy into the graph's fixed buffers.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -25,10 +31,11 @@ import torch
 from anyattn.backends import flashinfer as fi_backend
 from anyattn.backends.flashinfer_plan import plan_step
 from anyattn.backends.flashinfer_replan import planner_arguments, replan_decode
+from anyattn.backends.flashinfer_xqa import XqaGraphBuffers
 from anyattn.backends.flex_attention import FlexAttentionMetadataBuilder
 from anyattn.backends.flex_attention_plan import lay_out_step
 from anyattn.config import AttentionSpec, BatchLimits
-from anyattn.metadata import make_common_attn_metadata
+from anyattn.metadata import CommonAttentionMetadata, make_common_attn_metadata
 from anyattn.testing import assign_blocks
 
 
@@ -48,8 +55,9 @@ def main() -> int:
     parser.add_argument("--num-reqs", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--varied", action="store_true", help="lengths seq_len/2 .. 3*seq_len/2")
+    parser.add_argument("--xqa", action="store_true", help="FLASHINFER's XQA path, block 64")
     args = parser.parse_args()
-    n, seq_len, block_size = args.num_reqs, args.seq_len, 16
+    n, seq_len, block_size = args.num_reqs, args.seq_len, 64 if args.xqa else 16
     device = torch.device("cuda")
     seq_lens = [seq_len] * n
     if args.varied:  # the spread of kernels.py's varied-length build timing
@@ -59,6 +67,9 @@ def main() -> int:
     spec = AttentionSpec(block_size, 8, 128, torch.bfloat16)
     limits = BatchLimits(max_num_reqs=n, max_num_tokens=n, max_model_len=max(seq_lens))
     rows: list[tuple[str, float]] = []
+    if args.xqa:
+        rows = xqa_rows(cm, spec, limits, args.reps)
+        return print_rows(rows, n, seq_len, args)
 
     builder = fi_backend.FlashInferMetadataBuilder(spec, ["l"], limits, device)
     impl = fi_backend.FlashInferImpl(32, 128, 128**-0.5, 8)
@@ -105,8 +116,46 @@ def main() -> int:
         ("FLEX_ATTENTION build (whole)", median_us(lambda: flex.build(0, cm), args.reps)),
         ("  lay_out_step (numpy)", median_us(lambda: lay_out_step(qsl, seq, nct), args.reps)),
     ]
+    return print_rows(rows, n, seq_len, args)
+
+
+def xqa_rows(
+    cm: CommonAttentionMetadata, spec: AttentionSpec, limits: BatchLimits, reps: int
+) -> list[tuple[str, float]]:
+    """The parts of FLASHINFER's build when XQA runs the decodes (see the module docstring)."""
+    n, device = cm.num_reqs, cm.block_table_tensor.device
+    graphs = dataclasses.replace(limits, cudagraph_capture_sizes=(n,))
+    eager = fi_backend.FlashInferMetadataBuilder(spec, ["l"], limits, device)
+    replay = fi_backend.FlashInferMetadataBuilder(spec, ["l"], graphs, device)
+    for builder in (eager, replay):
+        builder.register_layer(fi_backend.FlashInferImpl(32, 128, 128**-0.5, 8))
+    replay.build_for_cudagraph_capture(cm)
+    md = eager.build(0, cm)
+    if md.step.xqa is None:
+        raise SystemExit("build_breakdown --xqa: XQA does not run these decodes (needs SM90+)")
+    host = cm.validate("x")
+    buffers = XqaGraphBuffers(n, -(-limits.max_model_len // spec.block_size), device)
+    most = -(-int(host.seq_lens.max()) // spec.block_size)
+    table = cm.block_table_tensor
+    return [
+        ("FLASHINFER build, XQA decodes (whole)", median_us(lambda: eager.build(0, cm), reps)),
+        ("FLASHINFER build, CUDA-graph replay (whole)", median_us(
+            lambda: replay.build(0, cm), reps)),
+        ("  cm.validate", median_us(lambda: cm.validate("x"), reps)),
+        ("  plan_step (no decode arrays)", median_us(lambda: plan_step(
+            host.query_start_loc, host.seq_lens, spec.block_size, table.shape[1],
+            decode_arrays=False), reps)),
+        ("  XQA inputs, eager (table and lengths checked, views)", median_us(
+            lambda: eager._xqa_inputs(cm, host, n, None), reps)),
+        ("  replay: copy into the graph's buffers", median_us(
+            lambda: buffers.fill(table[:, :most], cm.seq_lens, n), reps)),
+    ]  # fmt: skip
+
+
+def print_rows(rows: list[tuple[str, float]], n: int, seq_len: int, args) -> int:
     keys = f"{seq_len // 2}-{seq_len * 3 // 2 - 1}" if args.varied else seq_len
-    print(f"| part ({n} decodes x {keys} keys) | host us (median of {args.reps}) |")
+    block = 64 if args.xqa else 16
+    print(f"| part ({n} decodes x {keys} keys, block {block}) | host us (median of {args.reps}) |")
     print("|---|---|")
     for name, us in rows:
         print(f"| {name} | {us:.1f} |")

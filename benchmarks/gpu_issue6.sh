@@ -59,6 +59,7 @@ tests | kit)
 bench)
     python3 benchmarks/build_breakdown.py >"$out/breakdown.md" 2>&1
     python3 benchmarks/build_breakdown.py --varied >>"$out/breakdown.md" 2>&1
+    python3 benchmarks/build_breakdown.py --xqa --varied >>"$out/breakdown.md" 2>&1
     python3 benchmarks/kernels.py --only build \
         --backends TRITON,FLASH_ATTN,FLASHINFER,FLEX_ATTENTION,TORCH >"$out/build.md" 2>&1
     # 64-token blocks: FLASHINFER's decodes take XQA (no plan), its wrapper cost vs XQA direct
