@@ -434,16 +434,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         served = [self._xqa_reason(k) is None for k in keys]
         # (no registered layer yet: one learnt in its forward may use XQA)
         xqa = self._xqa_reason(None) is None and (not keys or any(served))
-        arrays = plan_step(
-            host.query_start_loc,
-            host.seq_lens,
-            spec.block_size,
-            cm.block_table_tensor.shape[1],
-            decode_threshold=self.reorder_batch_threshold or 1,
-            allow_ragged=self._allow_ragged,
-            cudagraph_num_reqs=cudagraph_size,
-            decode_arrays=not (xqa and keys and all(served)),
-        )
+        decode_arrays = not (xqa and keys and all(served))
+        arrays = self._step_arrays(host, cm.block_table_tensor, cudagraph_size, decode_arrays)
         xqa_inputs = None
         if xqa and (arrays.split.num_decodes or cudagraph_size):
             xqa_inputs = self._xqa_inputs(cm, host, arrays.split.num_decodes, cudagraph_size)
@@ -459,9 +451,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         table = cm.block_table_tensor
         decode_pages = paged_pages = decode_indptr_and_last = None
         if arrays.decode is not None:
-            # Read by the page gather and by `replan_decode`: one copy for both.
-            decode_indptr_and_last = _to_device(arrays.decode.indptr_and_last, table.device)
-            decode_pages = _gather_pages(table, arrays.decode, decode_indptr_and_last)
+            decode_indptr_and_last, decode_pages = _decode_inputs(table, arrays.decode)
         if arrays.paged is not None:
             paged_pages = _gather_pages(table, arrays.paged, None)
         self._generation += 1
@@ -602,7 +592,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 "Keep seq_lens within BatchLimits.max_model_len."
             )
         generation = self._generation + 1  # this build's
-        self._fill_xqa_graph(cudagraph_size, table, seq_lens, host, generation, most)
+        self._fill_xqa_graph(cudagraph_size, table, seq_lens, cm.num_reqs, generation, most)
         return buffers.page_table, buffers.seq_lens
 
     def _most_pages(self, host: HostBatch) -> int:
@@ -614,13 +604,13 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         size: int,
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
-        host: HostBatch,
+        num_reqs: int,
         generation: int,
         most: int,
     ) -> None:
         """Copy a step's table (its first `most` columns: the longest request's pages) and
         lengths into the graph buffers of `size` (device copies)."""
-        self._xqa_graph[size].fill(block_table[:, :most], seq_lens, host.seq_lens.shape[0])
+        self._xqa_graph[size].fill(block_table[:, :most], seq_lens, num_reqs)
         self._xqa_filled_by[size] = generation
 
     def _xqa_current(self, step: _Step) -> bool:
@@ -695,8 +685,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         if not wrapper and step.xqa is not None and self._xqa_reason(key) is None:
             if not self._xqa_current(step):  # a stale graph step: the buffers hold a later one
                 host = step.host
-                self._fill_xqa_graph(size, step.block_table, step.seq_lens, host,
-                                     step.generation, self._most_pages(host))  # fmt: skip
+                self._fill_xqa_graph(size, step.block_table, step.seq_lens,
+                                     host.seq_lens.shape[0], step.generation,
+                                     self._most_pages(host))  # fmt: skip
             planned.xqa = True
             return
         spec = self.kv_cache_spec
@@ -757,20 +748,31 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         """The decode wrapper's plan arrays and device inputs of `step`, made now if the build
         left them out (every registered layer's decodes ran XQA)."""
         if step.arrays.decode is None:
-            host, table = step.host, step.block_table
-            arrays = plan_step(
-                host.query_start_loc,
-                host.seq_lens,
-                self.kv_cache_spec.block_size,
-                table.shape[1],
-                decode_threshold=self.reorder_batch_threshold or 1,
-                allow_ragged=self._allow_ragged,
-                cudagraph_num_reqs=step.cudagraph_size,
+            table = step.block_table
+            step.arrays = self._step_arrays(step.host, table, step.cudagraph_size)
+            step.decode_indptr_and_last, step.decode_pages = _decode_inputs(
+                table, step.arrays.decode
             )
-            step.arrays = arrays
-            step.decode_indptr_and_last = _to_device(arrays.decode.indptr_and_last, table.device)
-            step.decode_pages = _gather_pages(table, arrays.decode, step.decode_indptr_and_last)
         return step.arrays.decode
+
+    def _step_arrays(
+        self,
+        host: HostBatch,
+        block_table: torch.Tensor,
+        cudagraph_size: int | None,
+        decode_arrays: bool = True,
+    ) -> StepArrays:
+        """`plan_step` of a validated step with this builder's settings."""
+        return plan_step(
+            host.query_start_loc,
+            host.seq_lens,
+            self.kv_cache_spec.block_size,
+            block_table.shape[1],
+            decode_threshold=self.reorder_batch_threshold or 1,
+            allow_ragged=self._allow_ragged,
+            cudagraph_num_reqs=cudagraph_size,
+            decode_arrays=decode_arrays,
+        )
 
     # --- wrappers ---------------------------------------------------------------------------
 
@@ -871,6 +873,15 @@ def _gather_pages(
         first_row=part.first_row,
     )
     return pages
+
+
+def _decode_inputs(
+    block_table: torch.Tensor, decode: PagedArrays
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode wrapper's device inputs: `decode.indptr_and_last` on the table's device (read
+    by the page gather and by `replan_decode`: one copy for both) and the page ids."""
+    indptr_and_last = _to_device(decode.indptr_and_last, block_table.device)
+    return indptr_and_last, _gather_pages(block_table, decode, indptr_and_last)
 
 
 def _to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
