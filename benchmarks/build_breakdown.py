@@ -23,10 +23,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from _timing import cpu_times_us
 
 from anyattn.backends import flashinfer as fi_backend
 from anyattn.backends.flashinfer_plan import plan_step
@@ -40,13 +40,9 @@ from anyattn.testing import assign_blocks
 
 
 def median_us(fn: Callable[[], object], reps: int) -> float:
+    """Median host microseconds of `reps` calls of `fn`, after one warm-up call."""
     fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    return statistics.median(cpu_times_us(fn, reps))
 
 
 def main() -> int:

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
-from _timing import markdown_table, median_us
+from _timing import cpu_times_us, markdown_table, median_us
 
 HEADS, KV_HEADS, HEAD_SIZE = 32, 8, 128
 SCALE = HEAD_SIZE**-0.5
@@ -140,11 +139,7 @@ def bench(blocks) -> str:
                 xqa(queries[s], cache, table, lens, "NHD", workspace, outs[s])
 
             times = [median_us(fn, 3, 5, 30, device) for fn in (run_wrapper, run_xqa) * 2]
-            host = []
-            for _ in range(50):
-                start = time.perf_counter()
-                run_xqa(0)
-                host.append((time.perf_counter() - start) * 1e6)
+            host = cpu_times_us(lambda run_xqa=run_xqa: run_xqa(0), 50)
             torch.cuda.synchronize()
             wrapper_us, xqa_us = min(times[0], times[2]), min(times[1], times[3])
             rows.append((
