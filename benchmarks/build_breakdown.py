@@ -6,7 +6,8 @@ FLEX_ATTENTION's into their steps, each timed alone (median of `--reps` calls, a
 so that the cost left over can be attributed. FLASHINFER's parts: `cm.validate`, `plan_step`
 (numpy), the copy of the decode part's page offsets and last-page lengths to the device,
 `_gather_pages` (one device copy, or the `ops.gather_pages` kernel for unequal lengths),
-`replan_decode` (index buffers + FlashInfer's C++ planner), and the C++ planner call alone.
+`replan_decode` (index buffers + FlashInfer's C++ planner), and the C++ planner call with its
+arguments.
 
 Run on a CUDA machine with FlashInfer 0.7.2.post1: `python3 benchmarks/build_breakdown.py`
 (`--varied`: lengths spread over `seq_len / 2 ... 3 * seq_len / 2`, as `kernels.py` times them
@@ -84,9 +85,10 @@ def main() -> int:
     pages = fi_backend._gather_pages(cm.block_table_tensor, decode, staged)
 
     def replan():
-        replan_decode(wrapper, decode, pages, staged, num_qo_heads=32, num_kv_heads=8,
-                      head_size=128, page_size=block_size, window_left=-1,
-                      **builder._qo_indptr(n))  # fmt: skip
+        builder._staged_plan(
+            wrapper, replan_decode, wrapper, decode, pages, staged, num_qo_heads=32,
+            num_kv_heads=8, head_size=128, page_size=block_size, window_left=-1,
+            **builder._qo_indptr(n))  # fmt: skip
 
     rows += [
         ("FLASHINFER build (whole)", median_us(lambda: builder.build(0, cm), args.reps)),
@@ -96,15 +98,21 @@ def main() -> int:
             lambda: fi_backend._to_device(decode.indptr_and_last, device), args.reps)),
         ("  _gather_pages", median_us(
             lambda: fi_backend._gather_pages(cm.block_table_tensor, decode, staged), args.reps)),
-        ("  replan_decode", median_us(replan, args.reps)),
+        ("  replan_decode (with the pool's lending)", median_us(replan, args.reps)),
     ]  # fmt: skip
-    plan_args = planner_arguments(
-        wrapper, decode, num_qo_heads=32, num_kv_heads=8,
-        head_size=128, page_size=block_size, window_left=-1,
+    plan_kwargs = dict(
+        num_qo_heads=32, num_kv_heads=8, head_size=128, page_size=block_size, window_left=-1,
         qo_indptr_host=builder._qo_indptr(n)["qo_indptr_host"],
     )  # fmt: skip
-    rows.append(("    C++ planner alone", median_us(
-        lambda: wrapper._cached_module.plan(*plan_args), args.reps)))  # fmt: skip
+
+    def planner_alone():
+        # (its arguments are made inside: between plans the wrapper holds no page-locked
+        # buffer, the builder's pool lends it one for each plan)
+        builder._staged_plan(wrapper, lambda: wrapper._cached_module.plan(
+            *planner_arguments(wrapper, decode, **plan_kwargs)))  # fmt: skip
+
+    rows.append(("    C++ planner, its arguments and the pool's lending", median_us(
+        planner_alone, args.reps)))  # fmt: skip
 
     flex = FlexAttentionMetadataBuilder(spec, ["l"], limits, device)
     nct = cm.num_computed_tokens_cpu[:n].numpy()
