@@ -5,7 +5,8 @@ Wraps `flash_attn_varlen_func` of whichever FlashAttention is installed: FA4 (`f
 installed entry point's signature and declares only what it takes; while none is installed the
 declarations are FA4's (what the pinned extra installs) and `get_unavailable_reason()` gives the
 pip command. Every layer picks the newest installed version that serves its head size, ALiBi,
-sinks, fp8 KV and the GPU's compute capability.
+sinks and the GPU's compute capability. No version is declared for fp8 caches: FA3's fp8 kernels
+round the query to e4m3 as well, which misses the conformance kit's bound.
 
 One kernel call serves a whole mixed batch (decodes, fresh and chunked prefills) with no
 reordering: queries by `cu_seqlens_q = query_start_loc`, keys through the page table
@@ -81,7 +82,6 @@ __all__ = [
 ]
 
 _ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
-_FP8_E4M3_MAX = 448.0
 
 
 class _DeclaredByInstalledVersion(abc.ABCMeta):
@@ -161,10 +161,6 @@ class FlashAttentionBackend(AttentionBackend, metaclass=_DeclaredByInstalledVers
     @classmethod
     def supports_non_causal(cls) -> bool:
         return True
-
-    @classmethod
-    def supports_per_head_quant_scales(cls) -> bool:
-        return _any("has_descales")
 
     @classmethod
     def supports_lse(cls) -> bool:
@@ -626,23 +622,18 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
             return output
         # [num_blocks, block_size, num_kv_heads, head_size] views, strides of the layout
         k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]
-        q, descales = query[:n], {}
-        if is_fp8_cache(self.kv_cache_dtype):
-            q, descales = self._quantize_query(layer, q)
+        q = query[:n]
         if md.prefix is None:
             rows = output[:n]
-            out_arg = rows if interface.has_out and not descales and _aligned(rows) else None
+            out_arg = rows if interface.has_out and _aligned(rows) else None
             out, part_lse = self._attend(
-                interface, q, k_cache, v_cache, md.main, self.sinks, lse is not None,
-                out=out_arg, descales=descales,
-            )  # fmt: skip
+                interface, q, k_cache, v_cache, md.main, self.sinks, lse is not None, out=out_arg
+            )
             self._store(output[:n], out, lse, part_lse)
             return output
-        prefix_out, prefix_lse = self._attend(
-            interface, q, k_cache, v_cache, md.prefix, None, True, descales=descales
-        )
+        prefix_out, prefix_lse = self._attend(interface, q, k_cache, v_cache, md.prefix, None, True)
         suffix_out, suffix_lse = self._attend(
-            interface, q, k_cache, v_cache, md.main, self.sinks, True, descales=descales
+            interface, q, k_cache, v_cache, md.main, self.sinks, True
         )
         merge_attn_states(output[:n], prefix_out, prefix_lse, suffix_out, suffix_lse, lse)
         return output
@@ -658,7 +649,6 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
         return_lse: bool,
         *,
         out: torch.Tensor | None = None,
-        descales: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One kernel call (every FlashAttention call of the backend goes through here)."""
         device = q.device
@@ -668,7 +658,6 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
             lens = {"seq_lens": pass_.seq_lens}
         else:
             lens = {"cu_seqlens_k": pass_.cu_seqlens_k}
-        batch = pass_.cu_seqlens_q.shape[0] - 1
         out, lse = interface.call(
             q=q,
             k=k,
@@ -686,10 +675,6 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
             return_lse=return_lse,
             out=out,
             **lens,
-            **{
-                name: d.expand(batch, self.num_kv_heads).contiguous()
-                for name, d in (descales or {}).items()
-            },
         )
         if return_lse and (lse is None or tuple(lse.shape) != (self.num_heads, q.shape[0])):
             got = None if lse is None else tuple(lse.shape)
@@ -710,20 +695,6 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
             output.copy_(out)
         if lse is not None:
             lse.copy_(part_lse)
-
-    def _quantize_query(
-        self, layer: AttentionLayer, q: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """fp8 caches (FA3): its kernels take q, k, v all in e4m3, so the query is quantised
-        per tensor with a device-side scale (no host sync); `*_descale` undo the scales."""
-        amax = q.abs().amax().float().clamp(min=1e-12)
-        q_scale = amax / _FP8_E4M3_MAX  # [] on the device
-        q8 = (q.float() / q_scale).to(torch.float8_e4m3fn)
-        descales = {"q_descale": q_scale.expand(self.num_kv_heads)}
-        for name in ("k_scale", "v_scale"):
-            scale = getattr(layer, name).to(device=q.device, dtype=torch.float32)
-            descales[f"{name[0]}_descale"] = scale.expand(self.num_kv_heads)
-        return q8, descales
 
     def validate_inputs(
         self,
@@ -794,10 +765,10 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
             )
 
     def _check_cache(self, query: torch.Tensor, kv_cache: torch.Tensor, api: str) -> None:
-        """What FlashAttention adds to the shared checks: one dtype for q/k/v unless the cache
-        is fp8 (then descales), and a contiguous head dimension."""
+        """What FlashAttention adds to the shared checks: one dtype for q/k/v and a contiguous
+        head dimension."""
         cache_dtype = cache_torch_dtype(self.kv_cache_dtype, query.dtype)
-        if not is_fp8_cache(self.kv_cache_dtype) and cache_dtype != query.dtype:
+        if cache_dtype != query.dtype:
             raise ValueError(
                 f"{api}: kv_cache dtype differs from the query's (got {cache_dtype} and "
                 f"{query.dtype}, expected one dtype). Use kv_cache_dtype='auto'."

@@ -10,10 +10,11 @@ Three generations ship under different module names, with different arguments:
 A feature is declared only when the installed entry point has the argument that carries it, read
 with `inspect.signature` at run time: paged KV (`page_table` / `block_table`), per-request key
 lengths (`seqused_k` / `cache_seqlens`, else `cu_seqlens_k`), sinks (`learnable_sink` / `s_aux`),
-soft cap (`softcap`), sliding window (`window_size`), ALiBi (`alibi_slopes`), fp8 KV
-(`q_descale`, `k_descale`, `v_descale`), LSE (`return_lse` / `return_softmax_lse` /
-`return_attn_probs`). What no signature says (compute capabilities, head sizes, page sizes) is
-written per version below, with its source.
+soft cap (`softcap`), sliding window (`window_size`), ALiBi (`alibi_slopes`), LSE (`return_lse`
+/ `return_softmax_lse` / `return_attn_probs`). fp8 KV is declared by none: FA3's fp8 kernels
+(`q_descale`, `k_descale`, `v_descale`) round the query to e4m3 too, which misses the
+conformance kit's bound (see `FlashAttnInterface.kv_cache_dtypes`). What no signature says
+(compute capabilities, head sizes, page sizes) is written per version below, with its source.
 
 FA4 is declared from its public varlen call but run through the forward that call wraps
 (`flash_attn.cute.interface._flash_attn_fwd`) when that takes `out`: the kernel then writes the
@@ -242,11 +243,10 @@ class FlashAttnInterface:
 
     @property
     def kv_cache_dtypes(self) -> tuple[str, ...]:
-        base = ("auto", "float16", "bfloat16")
-        # fp8 needs descales; FA3's fp8 kernels are e4m3 only.
-        if self.has_descales and self.version is FlashAttnVersion.FA3:
-            return (*base, "fp8", "fp8_e4m3")
-        return base
+        # No fp8: FA3's fp8 kernels (q / k / v descales) take the query in e4m3 too, and that
+        # rounding alone put the conformance kit's fp8 cases at 1.4-2x the bound in bf16 and
+        # 15x in fp16 (its CPU stand-in, tests/backends/fa_fakes.py); FA4 and FA2 take no fp8.
+        return ("auto", "float16", "bfloat16")
 
     @property
     def attn_types(self) -> tuple[AttentionType, ...]:
@@ -292,10 +292,10 @@ class FlashAttnInterface:
                 f"{self.block_size_multiple})"
             )
         if request.kv_cache_dtype not in self.kv_cache_dtypes:
-            reasons.append(
-                f"kv_cache_dtype {request.kv_cache_dtype} not supported (takes "
-                f"{', '.join(self.kv_cache_dtypes)})"
-            )
+            why = f"takes {', '.join(self.kv_cache_dtypes)}"
+            if self.has_descales and request.kv_cache_dtype.startswith("fp8"):
+                why += "; its fp8 kernels round the query to e4m3, past the error bound"
+            reasons.append(f"kv_cache_dtype {request.kv_cache_dtype} not supported ({why})")
         if request.attn_type not in self.attn_types:
             reasons.append(f"attn_type {request.attn_type.value} not supported (no cu_seqlens_k)")
         bidirectional = request.use_non_causal or request.attn_type is not AttentionType.DECODER
@@ -305,7 +305,7 @@ class FlashAttnInterface:
             (request.has_logits_soft_cap, self.has_softcap, "soft cap (no softcap argument)"),
             (request.has_sliding_window, self.has_window, "sliding window (no window_size)"),
             (request.needs_lse, self.lse_arg, "LSE (no return_lse-style argument)"),
-            (request.use_per_head_quant_scales, self.has_descales, "per-head scales (no descales)"),
+            (request.use_per_head_quant_scales, False, "per-head scales (no fp8 caches)"),
         )
         reasons.extend(f"{label} not supported" for want, has, label in wanted if want and not has)
         if request.has_alibi and self.has_alibi and bidirectional:
