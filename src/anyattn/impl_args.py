@@ -171,8 +171,8 @@ def check_forward_inputs(
         )
     if query.dtype not in supported_dtypes:
         raise ValueError(
-            f"{api}: query dtype not supported (got {query.dtype}, expected float32, "
-            "float16 or bfloat16)."
+            f"{api}: query dtype not supported (got {query.dtype}, expected one of "
+            f"{', '.join(str(d).removeprefix('torch.') for d in supported_dtypes)})."
         )
     if output.shape != query.shape or output.dtype != query.dtype:
         raise ValueError(

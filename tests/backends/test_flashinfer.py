@@ -314,6 +314,28 @@ def test_validate_inputs_checks_the_step_against_the_layer():
         impl.validate_inputs(
             query, None, None, cache, md, torch.empty_like(query), torch.empty(4, 5).double()
         )
+    # FlashInfer's window bounds only the keys before a query: a non-causal step has no window
+    non_causal = cpu_builder(sliding_window=33).build(
+        0, make_common_attn_metadata([1, 4], [9, 4], TABLE[:2], 16, causal=False)
+    )
+    with pytest.raises(NotImplementedError, match="sliding window with non-causal"):
+        impl.validate_inputs(query, None, None, cache, non_causal, torch.empty_like(query))
+
+
+def test_per_head_fp8_scales_are_refused_before_the_cache_is_written():
+    impl = FlashInferImpl(4, 64, 0.125, 2, kv_cache_dtype="fp8")
+    cache = allocate_kv_cache(FlashInferBackend, 8, 16, 2, 64, torch.float8_e4m3fn)
+    key = torch.randn(3, 2, 64, dtype=torch.bfloat16)
+    per_head = torch.ones(2)
+    layer = KitLayer("layer.0", per_head, per_head)
+    with pytest.raises(ValueError, match=r"layer.k_scale must be .* shape \[\] \(got \(2,\)\)"):
+        impl.do_kv_cache_update(layer, key, key, cache, torch.tensor([0, 1, 17]))
+    assert not cache.view(torch.uint8).any()
+    one = torch.ones(())
+    impl.do_kv_cache_update(
+        KitLayer("layer.0", one, one), key, key, cache, torch.tensor([0, 1, 17])
+    )
+    assert cache.view(torch.uint8).any()
 
 
 # --- GPU ---------------------------------------------------------------------------------------

@@ -328,10 +328,12 @@ def test_paged_kv_gather_index_layouts(seq_lens, num_cols, first_row):
     assert index.tolist() == reference_gather_index(seq_lens, 16, first_row, num_cols)
 
 
-def test_paged_kv_indptr_of_empty_and_negative_lengths_keeps_last_page_len_1():
-    indptr, last = paged_kv_indptr(np.array([0, 5, -20, 32], np.int32), 16)
-    assert indptr.tolist() == [0, 0, 1, 0, 2]  # as ceil(seq / 16), cumulated
+def test_paged_kv_indptr_of_empty_lengths_keeps_last_page_len_1_and_refuses_negative_ones():
+    indptr, last = paged_kv_indptr(np.array([0, 5, 0, 32], np.int32), 16)
+    assert indptr.tolist() == [0, 0, 1, 1, 3]  # as ceil(seq / 16), cumulated
     assert last.tolist() == [1, 5, 1, 16]
+    with pytest.raises(ValueError, match=r"seq_lens must not be negative \(got -20\)"):
+        paged_kv_indptr(np.array([0, 5, -20, 32], np.int32), 16)
 
 
 @settings(max_examples=200, deadline=None)

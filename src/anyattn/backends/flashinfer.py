@@ -1031,6 +1031,21 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
         rows = kv_cache[slots // block_size, :, slots % block_size]
         return rows[:, 0], rows[:, 1]
 
+    def do_kv_cache_update(
+        self,
+        layer: AttentionLayer,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """See `AttentionImpl.do_kv_cache_update`; an fp8 cache's scales are checked first, so
+        that scales `forward` would refuse never write the cache."""
+        if is_fp8_cache(self.kv_cache_dtype):
+            for name in ("k_scale", "v_scale"):
+                _per_tensor_scale(layer, name)
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+
     def _kv_scales(self, layer: AttentionLayer) -> tuple[float | None, float | None]:
         if not is_fp8_cache(self.kv_cache_dtype):
             return None, None
@@ -1039,14 +1054,7 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
     def _scale(self, layer: AttentionLayer, name: str) -> float:
         """The layer's per-tensor fp8 scale as a float (FlashInfer takes Python floats), read
         from the device once per scale tensor and kept while the tensor is unchanged."""
-        scale = getattr(layer, name, None)
-        if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
-            got = tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__
-            raise ValueError(
-                f"FLASHINFER forward: layer.{name} must be a float32 tensor of shape [] (got "
-                f"{got}). FlashInfer takes one per-tensor scale; per-head scales are not "
-                "supported."
-            )
+        scale = _per_tensor_scale(layer, name)
         identity = (id(scale), scale._version, scale.data_ptr())
         cached = self._scales.get(name)
         if cached is not None and cached[0] == identity:
@@ -1083,6 +1091,12 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
             raise ValueError(
                 f"{api}: the metadata was built for another KV-cache spec (got num_kv_heads, "
                 f"head_size {spec}, expected {(self.num_kv_heads, self.head_size)})."
+            )
+        if self.sliding_window is not None and not md.causal:
+            # (FlashInfer's window bounds only the keys before a query: not DESIGN.md's window)
+            raise NotImplementedError(
+                f"{api}: sliding window with non-causal attention not supported (got "
+                "attn_metadata.causal=False); the window is defined causally."
             )
         window_left = self.sliding_window - 1 if self.sliding_window else -1
         if window_left != md.window_left:
@@ -1121,6 +1135,18 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
                 f"{api}: output must be contiguous and kv_cache's head dimension too (got "
                 f"strides {output.stride()} and {kv_cache.stride()})."
             )
+
+
+def _per_tensor_scale(layer: AttentionLayer, name: str) -> torch.Tensor:
+    """`layer.<name>`, checked to be one per-tensor scale (no device read)."""
+    scale = getattr(layer, name, None)
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
+        got = tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise ValueError(
+            f"FLASHINFER forward: layer.{name} must be a float32 tensor of shape [] (got "
+            f"{got}). FlashInfer takes one per-tensor scale; per-head scales are not supported."
+        )
+    return scale
 
 
 def _write_lse(output_lse: torch.Tensor | None, rows: tuple[int, int], result: Any) -> None:

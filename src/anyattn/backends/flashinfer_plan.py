@@ -196,6 +196,10 @@ def _page_table(seq: np.ndarray, block_size: int, num_reqs: int) -> tuple[np.nda
     # last page: the tokens past the full pages before it
     np.subtract(seq, (num_pages - 1) * block_size, out=last[:n], casting="unsafe")
     if n and _smallest(num_pages) < 1:
+        if _smallest(seq) < 0:
+            raise ValueError(
+                f"paged_kv_indptr: seq_lens must not be negative (got {int(_smallest(seq))})."
+            )
         last[:n][num_pages < 1] = 1
     if num_reqs > n:  # padding requests: no pages, last-page length 1
         indptr[n + 1 :] = indptr[n]
