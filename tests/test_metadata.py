@@ -292,6 +292,14 @@ def valid() -> CommonAttentionMetadata:
             {"num_computed_tokens_cpu": torch.tensor([4, 1], dtype=torch.int32)},
             "num_computed_tokens_cpu must equal seq_lens - query lens per request",
         ),
+        (  # kernels sized by these would skip queries or keys
+            {"max_query_len": 2},
+            "max_query_len / max_seq_len below the mirrors' longest (got 2 / 5, expected >= 3 / 5)",
+        ),
+        (
+            {"max_seq_len": 4},
+            "max_query_len / max_seq_len below the mirrors' longest (got 3 / 4, expected >= 3 / 5)",
+        ),
     ],
 )
 def test_validate_errors(changes, message):

@@ -122,6 +122,7 @@ class CommonAttentionMetadata:
                 f"{self.num_actual_tokens}, expected {num_tokens})."
             )
         seq_lens = self.seq_lens_cpu.numpy()[:num_reqs]
+        self._check_maxima(api, query_lens, seq_lens)
         context = self.num_computed_tokens_cpu.numpy()[:num_reqs].astype(np.int64)
         # context + query lens is what seq_lens must hold: compared with the mirror, it is the
         # int64 copy of it the builders get, at no extra numpy call.
@@ -135,6 +136,20 @@ class CommonAttentionMetadata:
                 f"{api}: num_computed_tokens_cpu must equal seq_lens - query lens per request."
             )
         return HostBatch(loc, query_lens, expected, context)
+
+    def _check_maxima(self, api: str, query_lens: np.ndarray, seq_lens: np.ndarray) -> None:
+        """`max_query_len` and `max_seq_len` are at least the mirrors' (a kernel sized by
+        smaller ones would skip queries or keys; larger ones only cost work)."""
+        if not query_lens.shape[0]:
+            return
+        longest_query = int(query_lens[query_lens.argmax()])
+        longest_seq = int(seq_lens[seq_lens.argmax()])
+        if self.max_query_len < longest_query or self.max_seq_len < longest_seq:
+            raise ValueError(
+                f"{api}: max_query_len / max_seq_len below the mirrors' longest (got "
+                f"{self.max_query_len} / {self.max_seq_len}, expected >= {longest_query} / "
+                f"{longest_seq})."
+            )
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass is slower to make

@@ -240,9 +240,37 @@ def test_build_reads_no_device_values():
 
 def test_block_table_too_narrow_is_rejected():
     cm = make_common_attn_metadata([1], [9], _ints([[3]]), BLOCK)
-    cm.seq_lens_cpu[0], cm.max_seq_len = 40, 40
+    cm.seq_lens_cpu[0], cm.num_computed_tokens_cpu[0], cm.max_seq_len = 40, 39, 40
     with pytest.raises(ValueError, match="block_table too small"):
         _builder().build(0, cm)
+
+
+def test_build_checks_the_mirrors_the_kernels_are_sized_by():
+    def step():
+        return make_common_attn_metadata([1, 3], [40, 7], _ints([[3, 4, 5], [6, 0, 0]]), BLOCK)
+
+    # the longest sequence understated: the width check (and max_seqlen_k) would be too small
+    cm = step()
+    cm.max_seq_len = 9
+    with pytest.raises(ValueError, match=r"max_seq_len below .* \(got 3 / 9, expected >= 3 / 40\)"):
+        _builder().build(0, cm)
+    cm = step()
+    cm.max_query_len = 1  # the kernel's grid would skip the prefill's last two queries
+    with pytest.raises(ValueError, match="max_query_len / max_seq_len below"):
+        _builder().build(0, cm)
+    cm = step()
+    cm.num_actual_tokens = 3
+    with pytest.raises(ValueError, match="num_actual_tokens disagrees"):
+        _builder().build(0, cm)
+    cm = step()
+    cm.num_computed_tokens_cpu[1] = 0
+    with pytest.raises(ValueError, match="num_computed_tokens_cpu must equal"):
+        _builder().build(0, cm)
+    cm = step()
+    cm.block_table_tensor = cm.block_table_tensor.long()
+    with pytest.raises(ValueError, match="block_table_tensor must be int32"):
+        _builder().build(0, cm)
+    _builder().build(0, step())
 
 
 def test_use_cascade_attention_says_yes_for_16_requests_sharing_512_tokens():

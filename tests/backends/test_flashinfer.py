@@ -257,7 +257,7 @@ def test_build_rejects_cascade_cross_attention_and_narrow_tables():
     cross = make_common_attn_metadata([1], [3], TABLE[:1], 16, encoder_seq_lens=[7])
     with pytest.raises(ValueError, match="cross attention not supported"):
         builder.build(0, cross)
-    cm.seq_lens_cpu[0] = 100
+    cm.seq_lens_cpu[0] = cm.max_seq_len = 100
     cm.num_computed_tokens_cpu[0] = 99
     with pytest.raises(ValueError, match="block_table too narrow"):
         builder.build(0, cm)

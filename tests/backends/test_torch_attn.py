@@ -201,7 +201,7 @@ def test_rejected_call_leaves_the_cache_unchanged(case, error, match):
 
 def test_block_table_too_narrow_is_rejected_by_the_builder():
     cm = make_common_attn_metadata([1], [9], torch.tensor([[3]], dtype=torch.int32), 16)
-    cm.seq_lens_cpu[0] = 40
+    cm.seq_lens_cpu[0] = cm.max_seq_len = 40
     cm.num_computed_tokens_cpu[0] = 39
     with pytest.raises(ValueError, match="block_table too narrow"):
         _builder().build(0, cm)

@@ -15,9 +15,11 @@ metadata's `max_query_len` / `max_seq_len`. Bottom-right causal alignment puts q
 request at position `context + i`; a window of W keys is `window_size = (W - 1, 0)`; LSEs are in
 natural log and count the sink (FA4 folds it into the softmax denominator).
 
-Plan/run split: `build` only slices the step's device tensors and, for cascade and CUDA-graph
-decode batches, fills builder-owned buffers from the CPU mirrors (host-to-device copies that do
-not wait, device-to-device copies); it never reads a device value.
+Plan/run split: `build` validates the step's CPU mirrors (`CommonAttentionMetadata.validate`:
+about ten microseconds of its host time, since the kernels are sized by `max_query_len` /
+`max_seq_len`), slices the step's device tensors and, for cascade and CUDA-graph decode
+batches, fills builder-owned buffers from the CPU mirrors (host-to-device copies that do not
+wait, device-to-device copies); it never reads a device value.
 
 Cascade attention (`common_prefix_len > 0`): a prefix pass runs every query of the step as one
 request against the shared prefix blocks (non-causal: every query follows them); a suffix pass
@@ -309,6 +311,13 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
     ) -> FlashAttentionMetadata:
         cm = common_attn_metadata
         api = "FlashAttentionMetadataBuilder.build"
+        # (the mirrors' values size the kernels: max_seqlen_q / _k, the table width)
+        cm.validate(api)
+        if cm.block_table_tensor.dtype != torch.int32:
+            raise ValueError(
+                f"{api}: block_table_tensor must be int32 (got {cm.block_table_tensor.dtype}); "
+                "FlashAttention reads its page table as int32."
+            )
         cross = cm.encoder_seq_lens is not None
         max_k = int(cm.encoder_seq_lens_cpu[: cm.num_reqs].max()) if cross and cm.num_reqs else 0
         self._check_table_width(cm, max_k if cross else cm.max_seq_len, api)
