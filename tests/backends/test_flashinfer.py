@@ -261,6 +261,10 @@ def test_build_rejects_cascade_cross_attention_and_narrow_tables():
     cm.num_computed_tokens_cpu[0] = 99
     with pytest.raises(ValueError, match="block_table too narrow"):
         builder.build(0, cm)
+    int64 = make_common_attn_metadata([1], [3], TABLE[:1], 16)
+    int64.block_table_tensor = int64.block_table_tensor.long()
+    with pytest.raises(ValueError, match=r"block_table_tensor must be int32 \(got torch.int64\)"):
+        builder.build(0, int64)
 
 
 def test_cudagraph_capture_and_padded_replay_steps():

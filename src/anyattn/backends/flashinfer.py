@@ -427,6 +427,11 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         if cm.encoder_seq_lens_cpu is not None:
             raise ValueError(f"{api}: cross attention not supported (got encoder_seq_lens).")
         host = cm.validate(api)
+        if cm.block_table_tensor.dtype != torch.int32:
+            # (its page ids become FlashInfer's int32 indices, and XQA reads the table raw)
+            raise ValueError(
+                f"{api}: block_table_tensor must be int32 (got {cm.block_table_tensor.dtype})."
+            )
         spec = self.kv_cache_spec
         # XQA decodes need no plan arrays; the decode wrapper's are made when a layer needs
         # them (a registered one now, an unregistered one or an LSE request in its forward).

@@ -456,7 +456,10 @@ def plan_step(
     seq = np.asarray(seq_lens, dtype=np.int64)
     query_lens = loc[1:] - loc[:-1]
     if query_lens.size and _smallest(query_lens) < 1:
-        raise ValueError("plan_step: every request needs at least one query token.")
+        raise ValueError(
+            "plan_step: every request needs at least one query token (got a query length of "
+            f"{int(_smallest(query_lens))}); FlashInfer's wrappers plan no empty requests."
+        )
     n = seq.shape[0]
     if loc.shape[0] == n + 1 and loc[-1] - loc[0] == n and decode_threshold >= 1:
         # n queries of at least one token each, n tokens in all: every request is a
