@@ -273,6 +273,10 @@ def valid() -> CommonAttentionMetadata:
             "slot_mapping must be int64 (got torch.int32)",
         ),
         (
+            {"block_table_tensor": torch.zeros(2, 4, dtype=torch.int64)},
+            "block_table_tensor must be int32 (got torch.int64)",
+        ),
+        (
             {"query_start_loc_cpu": torch.tensor([1, 2, 4], dtype=torch.int32)},
             "query_start_loc must start at 0 and never decrease",
         ),

@@ -105,6 +105,11 @@ class CommonAttentionMetadata:
                 f"{api}: block_table_tensor must be [num_reqs, max_blocks] with num_reqs >= "
                 f"{num_reqs} (got shape {tuple(self.block_table_tensor.shape)})."
             )
+        if self.block_table_tensor.dtype != torch.int32:
+            # (the kernels read it as int32: FlashAttention's page table, FlashInfer's indices)
+            raise ValueError(
+                f"{api}: block_table_tensor must be int32 (got {self.block_table_tensor.dtype})."
+            )
         if self.slot_mapping.dtype != torch.int64:
             raise ValueError(f"{api}: slot_mapping must be int64 (got {self.slot_mapping.dtype}).")
         # The value checks run on numpy views of the CPU mirrors, in as few numpy calls as the

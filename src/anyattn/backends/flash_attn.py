@@ -313,11 +313,6 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         api = "FlashAttentionMetadataBuilder.build"
         # (the mirrors' values size the kernels: max_seqlen_q / _k, the table width)
         cm.validate(api)
-        if cm.block_table_tensor.dtype != torch.int32:
-            raise ValueError(
-                f"{api}: block_table_tensor must be int32 (got {cm.block_table_tensor.dtype}); "
-                "FlashAttention reads its page table as int32."
-            )
         cross = cm.encoder_seq_lens is not None
         max_k = int(cm.encoder_seq_lens_cpu[: cm.num_reqs].max()) if cross and cm.num_reqs else 0
         self._check_table_width(cm, max_k if cross else cm.max_seq_len, api)

@@ -427,11 +427,6 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         if cm.encoder_seq_lens_cpu is not None:
             raise ValueError(f"{api}: cross attention not supported (got encoder_seq_lens).")
         host = cm.validate(api)
-        if cm.block_table_tensor.dtype != torch.int32:
-            # (its page ids become FlashInfer's int32 indices, and XQA reads the table raw)
-            raise ValueError(
-                f"{api}: block_table_tensor must be int32 (got {cm.block_table_tensor.dtype})."
-            )
         spec = self.kv_cache_spec
         # XQA decodes need no plan arrays; the decode wrapper's are made when a layer needs
         # them (a registered one now, an unregistered one or an LSE request in its forward).
@@ -568,8 +563,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         copy of the table's rows if they are not contiguous), or a CUDA-graph step's fixed
         buffers filled with them."""
         table, seq_lens = cm.block_table_tensor, cm.seq_lens
-        # (XQA reads both by raw pointer: a wrong dtype would read garbage page ids)
-        if table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        # (XQA reads both by raw pointer: a wrong dtype would read garbage page ids; the
+        # table's dtype `validate` has checked)
+        if seq_lens.dtype != torch.int32:
             raise ValueError(
                 "FlashInferMetadataBuilder.build: block_table_tensor and seq_lens must be "
                 f"int32 (got {table.dtype} and {seq_lens.dtype})."
