@@ -7,7 +7,8 @@ so that the cost left over can be attributed. FLASHINFER's parts: `cm.validate`,
 (numpy), the copy of the decode part's page offsets and last-page lengths to the device,
 `_gather_pages` (one device copy, or the `ops.gather_pages` kernel for unequal lengths),
 `replan_decode` (index buffers + FlashInfer's C++ planner), and the C++ planner call with its
-arguments.
+arguments; and the whole build once more with `keep_fixed_schedules` off, so that every step
+runs the C++ planner (256 decodes over 8 KV heads otherwise keep their schedule).
 
 Run on a CUDA machine with FlashInfer 0.7.2.post1: `python3 benchmarks/build_breakdown.py`
 (`--varied`: lengths spread over `seq_len / 2 ... 3 * seq_len / 2`, as `kernels.py` times them
@@ -90,8 +91,13 @@ def main() -> int:
             num_kv_heads=8, head_size=128, page_size=block_size, window_left=-1,
             **builder._qo_indptr(n))  # fmt: skip
 
+    rebuilt = fi_backend.FlashInferMetadataBuilder(spec, ["l"], limits, device)
+    rebuilt.keep_fixed_schedules = False
+    rebuilt.register_layer(impl)
     rows += [
         ("FLASHINFER build (whole)", median_us(lambda: builder.build(0, cm), args.reps)),
+        ("  the same, the schedule re-planned every step", median_us(
+            lambda: rebuilt.build(0, cm), args.reps)),
         ("  cm.validate", median_us(lambda: cm.validate("x"), args.reps)),
         ("  plan_step (numpy)", median_us(arrays, args.reps)),
         ("  indptr + last-page lengths to the device", median_us(

@@ -87,36 +87,48 @@ class CommonAttentionMetadata:
             ValueError: with the field, what it holds and what is expected.
         """
         num_reqs = self.num_reqs
-        checks = (
-            ("query_start_loc_cpu", self.query_start_loc_cpu, num_reqs + 1),
-            ("seq_lens_cpu", self.seq_lens_cpu, num_reqs),
-            ("num_computed_tokens_cpu", self.num_computed_tokens_cpu, num_reqs),
-        )
-        for name, tensor, min_len in checks:
-            if not tensor.is_cpu:
-                raise ValueError(f"{api}: {name} must be a CPU tensor (got {tensor.device}).")
-            if tensor.ndim != 1 or tensor.shape[0] < min_len:
-                raise ValueError(
-                    f"{api}: {name} must be 1-D with at least {min_len} entries "
-                    f"(got shape {tuple(tensor.shape)})."
-                )
-        if self.block_table_tensor.ndim != 2 or self.block_table_tensor.shape[0] < num_reqs:
+        # The checks run on numpy views of the CPU mirrors, in as few calls as they allow: this
+        # runs in every build, where a torch op or attribute on a small CPU tensor costs a
+        # microsecond or a fraction of one and its numpy twin a tenth of that.
+        try:
+            loc = self.query_start_loc_cpu.numpy()
+            seq_lens = self.seq_lens_cpu.numpy()
+            context = self.num_computed_tokens_cpu.numpy()
+        except TypeError:  # (what `numpy()` raises for a device tensor)
+            for name, tensor, _ in self._mirrors():
+                if not tensor.is_cpu:
+                    raise ValueError(
+                        f"{api}: {name} must be a CPU tensor (got {tensor.device})."
+                    ) from None
+            raise
+        if (
+            loc.ndim != 1
+            or loc.shape[0] <= num_reqs
+            or seq_lens.ndim != 1
+            or seq_lens.shape[0] < num_reqs
+            or context.ndim != 1
+            or context.shape[0] < num_reqs
+        ):
+            for name, tensor, min_len in self._mirrors():
+                if tensor.ndim != 1 or tensor.shape[0] < min_len:
+                    raise ValueError(
+                        f"{api}: {name} must be 1-D with at least {min_len} entries "
+                        f"(got shape {tuple(tensor.shape)})."
+                    )
+        table = self.block_table_tensor
+        if table.ndim != 2 or table.shape[0] < num_reqs:
             raise ValueError(
                 f"{api}: block_table_tensor must be [num_reqs, max_blocks] with num_reqs >= "
-                f"{num_reqs} (got shape {tuple(self.block_table_tensor.shape)})."
+                f"{num_reqs} (got shape {tuple(table.shape)})."
             )
-        if self.block_table_tensor.dtype != torch.int32:
+        if table.dtype != torch.int32:
             # (the kernels read it as int32: FlashAttention's page table, FlashInfer's indices)
-            raise ValueError(
-                f"{api}: block_table_tensor must be int32 (got {self.block_table_tensor.dtype})."
-            )
+            raise ValueError(f"{api}: block_table_tensor must be int32 (got {table.dtype}).")
         if self.slot_mapping.dtype != torch.int64:
             raise ValueError(f"{api}: slot_mapping must be int64 (got {self.slot_mapping.dtype}).")
-        # The value checks run on numpy views of the CPU mirrors, in as few numpy calls as the
-        # checks allow: this runs in every build, where a torch op on a small CPU tensor costs
-        # microseconds of dispatch and a numpy call about one. Values are taken in int64 so that
-        # no mirror dtype wraps around (`loc` and `context` are int64, so every sum with them is).
-        loc = self.query_start_loc_cpu.numpy()[: num_reqs + 1].astype(np.int64)
+        # Values are taken in int64 so that no mirror dtype wraps around (`loc` and `context`
+        # are int64, so every sum with them is).
+        loc = loc[: num_reqs + 1].astype(np.int64)
         query_lens = loc[1:] - loc[:-1]
         if num_reqs and (loc[0] != 0 or _smallest(query_lens) < 0):
             raise ValueError(f"{api}: query_start_loc must start at 0 and never decrease.")
@@ -126,9 +138,8 @@ class CommonAttentionMetadata:
                 f"{api}: num_actual_tokens disagrees with query_start_loc (got "
                 f"{self.num_actual_tokens}, expected {num_tokens})."
             )
-        seq_lens = self.seq_lens_cpu.numpy()[:num_reqs]
-        self._check_maxima(api, query_lens, seq_lens)
-        context = self.num_computed_tokens_cpu.numpy()[:num_reqs].astype(np.int64)
+        seq_lens = seq_lens[:num_reqs]
+        context = context[:num_reqs].astype(np.int64)
         # context + query lens is what seq_lens must hold: compared with the mirror, it is the
         # int64 copy of it the builders get, at no extra numpy call.
         expected = context + query_lens
@@ -140,15 +151,24 @@ class CommonAttentionMetadata:
             raise ValueError(
                 f"{api}: num_computed_tokens_cpu must equal seq_lens - query lens per request."
             )
+        self._check_maxima(api, query_lens, expected)
         return HostBatch(loc, query_lens, expected, context)
+
+    def _mirrors(self) -> tuple[tuple[str, torch.Tensor, int], ...]:
+        """(name, tensor, least length) of each 1-D CPU mirror, for `validate`'s errors."""
+        return (
+            ("query_start_loc_cpu", self.query_start_loc_cpu, self.num_reqs + 1),
+            ("seq_lens_cpu", self.seq_lens_cpu, self.num_reqs),
+            ("num_computed_tokens_cpu", self.num_computed_tokens_cpu, self.num_reqs),
+        )
 
     def _check_maxima(self, api: str, query_lens: np.ndarray, seq_lens: np.ndarray) -> None:
         """`max_query_len` and `max_seq_len` are at least the mirrors' (a kernel sized by
         smaller ones would skip queries or keys; larger ones only cost work)."""
         if not query_lens.shape[0]:
             return
-        longest_query = int(query_lens[query_lens.argmax()])
-        longest_seq = int(seq_lens[seq_lens.argmax()])
+        longest_query = query_lens[query_lens.argmax()]
+        longest_seq = seq_lens[seq_lens.argmax()]
         if self.max_query_len < longest_query or self.max_seq_len < longest_seq:
             raise ValueError(
                 f"{api}: max_query_len / max_seq_len below the mirrors' longest (got "

@@ -615,6 +615,64 @@ def test_fast_replan_only_for_the_wrappers_and_version_it_reproduces():
 
 
 @_gpu
+def test_kept_decode_schedules_match_flashinfers_plan(monkeypatch):
+    """Eager decode steps of one batch size at or past FlashInfer's split limit (2 * SMs / KV
+    heads: 33 on the H200 with 8 KV heads) keep the schedule of the first re-plan, with no C++
+    planner: the outputs equal those of a builder that has FlashInfer's `plan()` plan every
+    step, bit for bit, and meet the oracle, also when the longest request grows past the
+    lengths the schedule was made for."""
+    from anyattn.testing.batch_spec import BatchSpec
+
+    monkeypatch.setattr(FlashInferMetadataBuilder, "decode_kernel", "wrapper")
+    heads, kv_heads = 16, 8
+    limit = 2 * torch.cuda.get_device_properties(0).multi_processor_count // kv_heads
+    num_reqs = max(40, limit)
+    full = [64 + (61 * i) % 1500 for i in range(num_reqs)]  # keys the cache holds per request
+    spec = BatchSpec("many_long_decodes", (1,) * num_reqs, tuple(full))
+    batch = build_batch(
+        FlashInferBackend, spec, num_heads=heads, num_kv_heads=kv_heads, head_size=HEAD_SIZE,
+        dtype=torch.bfloat16, device="cuda", seed=5,
+    )  # fmt: skip
+    impl = FlashInferImpl(heads, HEAD_SIZE, SCALE, kv_heads)
+    layer = KitLayer("layer.0", batch.k_scale, batch.v_scale)
+    slots = batch.common_attn_metadata.slot_mapping
+    impl.do_kv_cache_update(layer, batch.key, batch.value, batch.kv_cache, slots)
+    full = list(batch.kv_lens)  # (decodes only: the kit kept the spec's order)
+    offsets = np.concatenate([[0], np.cumsum(full)])
+    limits = BatchLimits(num_reqs, 4096, 2048)
+    spec = batch.builder.kv_cache_spec
+    kept = FlashInferMetadataBuilder(spec, ["layer.0"], limits, "cuda")
+    planned = FlashInferMetadataBuilder(spec, ["layer.0"], limits, "cuda")
+    planned.fast_decode_plan = False
+    steps = [
+        [n // 2 for n in full],
+        [n // 2 + 17 for n in full],  # every request a page or two longer
+        [max(1, n // 3) for n in full[:-1]] + [full[-1]],  # the longest far past the others
+        full,
+    ]
+    for seq_lens in steps:
+        outputs = []
+        for builder in (kept, planned):
+            builder.register_layer(impl)
+            cm = make_common_attn_metadata([1] * num_reqs, seq_lens, batch.block_table,
+                                           batch.block_size, device="cuda")  # fmt: skip
+            output = torch.full_like(batch.query, math.nan)
+            impl.forward(layer, batch.query, None, None, batch.kv_cache, builder.build(0, cm),
+                         output)  # fmt: skip
+            outputs.append(output)
+        assert torch.equal(outputs[0], outputs[1]), seq_lens
+        starts = offsets[: len(seq_lens)]
+        rows = np.concatenate([np.arange(o, o + n) for o, n in zip(starts, seq_lens, strict=True)])
+        args = (batch.query, batch.oracle_key[rows], batch.oracle_value[rows], [1] * num_reqs,
+                seq_lens)  # fmt: skip
+        ref64, _ = attention_oracle(*args, scale=SCALE)
+        ref_lowp, _ = attention_oracle(*args, scale=SCALE, compute_dtype=torch.bfloat16)
+        assert max_abs_error(outputs[0], ref64) <= error_bound(ref64, ref_lowp, torch.bfloat16)
+    # plan() sets the wrapper up, one re-plan makes the schedule, the other steps keep it
+    assert kept.kept_decode_schedules == len(steps) - 2 and planned.kept_decode_schedules == 0
+
+
+@_gpu
 def test_eager_decode_batches_past_max_num_reqs_use_flashinfers_plan():
     """The re-plan's query offsets cover max_num_reqs requests; a larger eager decode batch is
     planned by FlashInfer's `plan()` every time, with the right result."""
@@ -670,3 +728,74 @@ def test_replan_decode_sets_what_run_reads(cuda_graph):
     assert [a.tolist() for a in args[3:6]] == [[0, 1, 2, 3], [0, 1, 2, 4], [5, 16, 17]]
     assert args[6:] == (3, 3, 8, 2, 16, cuda_graph, 128, 128, False, -1, -1, False, 0, 0)
     assert (wrapper._plan_info, wrapper._batch_size, wrapper._max_kv_len) == ("info", 3, 17)
+
+
+def test_replan_decode_can_keep_the_last_schedule():
+    """`run_planner=False` (CPU stand-in wrapper): the index buffers change, FlashInfer's C++
+    planner is not called, and only an eager wrapper of the same batch size may keep it."""
+    from types import SimpleNamespace
+
+    from anyattn.backends.flashinfer_plan import plan_step
+    from anyattn.backends.flashinfer_replan import replan_decode
+
+    calls = []
+    wrapper = SimpleNamespace(
+        device=torch.device("cpu"), is_cuda_graph_enabled=False, _qo_indptr_buf=None,
+        _float_workspace_buffer="float", _int_workspace_buffer="int",
+        _pin_memory_int_workspace_buffer=None,
+        _cached_module=SimpleNamespace(plan=lambda *args: calls.append(args) or "info"),
+    )  # fmt: skip
+    int32 = dict(dtype=torch.int32)
+    arange = torch.arange(4, **int32)
+    layer = dict(num_qo_heads=8, num_kv_heads=2, head_size=128, page_size=16, window_left=-1)
+
+    def replan(seq_lens, pages, **kw):
+        arrays = plan_step(np.array([0, 1, 2, 3]), np.array(seq_lens), 16, 4).decode
+        staged = torch.from_numpy(arrays.indptr_and_last)
+        replan_decode(wrapper, arrays, torch.tensor(pages, **int32), staged, **layer,
+                      qo_indptr_host=arange, qo_indptr_device=arange, **kw)  # fmt: skip
+
+    wrapper._pin_memory_int_workspace_buffer = "pinned"
+    replan([5, 16, 17], [7, 8, 9, 10])
+    wrapper._plan_info, wrapper._pin_memory_int_workspace_buffer = "kept", None
+    replan([6, 17, 40], [7, 8, 11, 9, 10, 12], run_planner=False)
+    assert len(calls) == 1 and wrapper._plan_info == "kept"
+    assert wrapper._paged_kv_indptr_buf.tolist() == [0, 1, 3, 6]
+    assert wrapper._paged_kv_last_page_len_buf.tolist() == [6, 1, 8]
+    assert wrapper._paged_kv_indices_buf.tolist() == [7, 8, 11, 9, 10, 12]
+    assert (wrapper._batch_size, wrapper._max_kv_len) == (3, 40)
+    wrapper._batch_size = 2
+    match = r"same batch size .*got 3 requests for an eager wrapper last planned for 2"
+    with pytest.raises(ValueError, match=match):
+        replan([6, 17, 40], [7, 8, 11, 9, 10, 12], run_planner=False)
+
+
+def _flashinfer_splits(page_counts, num_kv_heads, num_sms, page_size=16):
+    """Reference: whether FlashInfer 0.7.2.post1's fa2 planner splits an eager batch of
+    single-token decodes with these page counts (its `PrefillBinarySearchKVChunkSize`, as its
+    `scheduler.cuh` has it: one query tile per request, no window)."""
+    limit = 2 * num_sms // num_kv_heads
+    longest = max(max(page_counts), 1)
+    low, high = max(128 // page_size, 1), longest
+    while low < high:
+        mid = (low + high) // 2
+        units = sum(-(-max(n, 1) // mid) for n in page_counts)
+        low, high = (mid + 1, high) if units > limit else (low, mid)
+    return low < longest
+
+
+def test_fixed_schedule_is_exactly_where_flashinfers_planner_never_splits():
+    from anyattn.backends.flashinfer_replan import schedule_is_fixed
+
+    gen = np.random.default_rng(0)
+    for num_sms, num_kv_heads in [(132, 8), (132, 2), (132, 1), (108, 4), (4, 2)]:
+        limit = 2 * num_sms // num_kv_heads
+        for num_reqs in sorted({1, limit - 1, limit, limit + 1, 2 * limit} - {0}):
+            fixed = schedule_is_fixed(num_reqs, num_kv_heads, num_sms)
+            assert fixed == (num_reqs >= limit), (num_sms, num_kv_heads, num_reqs)
+            for _ in range(20):
+                counts = gen.integers(0, 4000, num_reqs).tolist()
+                if fixed:
+                    assert not _flashinfer_splits(counts, num_kv_heads, num_sms)
+            if not fixed:  # one long request among short ones: the planner splits it
+                assert _flashinfer_splits([1] * (num_reqs - 1) + [4000], num_kv_heads, num_sms)

@@ -212,6 +212,73 @@ def test_a_failed_plan_still_returns_its_buffer(staged_cpu_builder, monkeypatch)
     assert not builder._staging._held and len(builder._staging._busy) == 1
 
 
+def test_an_unsplit_eager_decode_schedule_is_kept_while_the_batch_size_is(
+    staged_cpu_builder, monkeypatch
+):
+    """With the planner's split limit at 4 requests (4 SMs, 2 KV heads), eager decode steps of
+    one size >= 4 run FlashInfer's C++ planner once: later ones only get their index buffers
+    (and stage no page-locked buffer). Other sizes, smaller batches and CUDA-graph decodes
+    are planned every step."""
+    # as FlashInfer has it: a wrapper is re-planned once its own plan() has set it up
+    monkeypatch.setattr(fi_backend, "can_replan", lambda wrapper, version: bool(wrapper.seen))
+    builder = staged_cpu_builder
+    builder._num_sms = 4
+    key = next(iter(builder._layer_keys))
+
+    def decodes(seq_lens):
+        n = len(seq_lens)
+        md = builder.build(0, make_common_attn_metadata([1] * n, seq_lens, TABLE[:n], 16))
+        return md.step.planned[key].decode
+
+    wrapper = decodes([40, 3, 70, 17, 5])  # FlashInfer's plan() (it sets the wrapper up)
+    decodes([41, 4, 71, 18, 6])  # re-planned: no schedule of this size kept yet
+    assert len(wrapper.seen) == 2 and builder.kept_decode_schedules == 0
+    busy = len(builder._staging._busy)
+    decodes([42, 5, 72, 19, 75])  # the longest request changes: the same schedule
+    assert len(wrapper.seen) == 2 and builder.kept_decode_schedules == 1
+    assert len(builder._staging._busy) == busy  # nothing staged
+    assert wrapper._paged_kv_indptr_buf.tolist() == [0, 3, 4, 9, 11, 16]
+    assert wrapper._paged_kv_indices_buf.tolist() == [
+        *TABLE[0, :3],
+        TABLE[1, 0],
+        *TABLE[2, :5],
+        *TABLE[3, :2],
+        *TABLE[4, :5],
+    ]
+    assert (wrapper._batch_size, wrapper._max_kv_len) == (5, 75)
+    for seq_lens, planner_runs in [
+        ([40, 3, 70, 17, 5, 9], 3),  # another size
+        ([41, 4, 71, 18, 6, 10], 3),  # kept again
+        ([40, 3, 70], 4),  # fewer requests than the split limit: always planned
+        ([41, 4, 71], 5),
+    ]:
+        assert decodes(seq_lens) is wrapper and len(wrapper.seen) == planner_runs, seq_lens
+    assert builder.kept_decode_schedules == 2
+    capture = make_common_attn_metadata([1] * 4, [1, 2, 3, 17], TABLE[:4], 16)
+    graph = builder.build_for_cudagraph_capture(capture).step.planned[key].decode
+    for _ in range(2):
+        builder.build(0, make_common_attn_metadata([1] * 4, [5, 6, 7, 40], TABLE[:4], 16))
+    assert len(graph.seen) == 3 and builder.kept_decode_schedules == 2
+
+
+def test_a_failed_decode_plan_keeps_no_schedule(staged_cpu_builder, monkeypatch):
+    monkeypatch.setattr(fi_backend, "can_replan", lambda wrapper, version: True)
+    builder = staged_cpu_builder
+    builder._num_sms = 4
+    lens = [40, 3, 70, 17, 5]
+    cm = make_common_attn_metadata([1] * 5, lens, TABLE[:5], 16)
+    for _ in range(2):
+        md = builder.build(0, cm)  # planned, then its schedule kept
+    md.step.planned[next(iter(builder._layer_keys))].decode._cached_module.plan = lambda *a: 1 / 0
+    other = make_common_attn_metadata([1] * 6, [*lens, 9], TABLE[:6], 16)
+    with pytest.raises(ZeroDivisionError):
+        builder.build(0, other)
+    # the wrapper's schedule is now neither the old one nor a new one: it is planned again
+    with pytest.raises(ZeroDivisionError):
+        builder.build(0, cm)
+    assert builder.kept_decode_schedules == 1
+
+
 # --- GPU ------------------------------------------------------------------------------------
 
 

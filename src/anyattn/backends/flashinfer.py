@@ -8,7 +8,10 @@ offsets; one copy when every request has the same number of pages), so no host-d
 synchronisation happens there and no per-page index is built on the host. `forward`
 only calls `run()`. A decode wrapper that `plan()` has set up once for a layer signature is
 re-planned for later steps by `flashinfer_replan.replan_decode`, which does only the
-batch-dependent part of `plan()` (the index buffers and FlashInfer's C++ planner).
+batch-dependent part of `plan()` (the index buffers and FlashInfer's C++ planner). An eager
+decode batch at or past FlashInfer's split limit (2 * SMs / KV heads requests) gets a schedule
+that depends on its size alone (`flashinfer_replan.schedule_is_fixed`): later steps of that
+size keep it, with no C++ planner and no page-locked buffer, and only get their index buffers.
 
 A step is served by up to three wrappers, decodes first:
 
@@ -57,6 +60,7 @@ JIT on first use of each dtype / head size / feature family (tens of seconds eac
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 from collections.abc import Callable
@@ -74,7 +78,7 @@ from anyattn.backend import (
     AttentionMetadataBuilder,
 )
 from anyattn.backends.flashinfer_plan import PagedArrays, StepArrays, plan_step
-from anyattn.backends.flashinfer_replan import can_replan, replan_decode
+from anyattn.backends.flashinfer_replan import can_replan, replan_decode, schedule_is_fixed
 from anyattn.backends.flashinfer_staging import PlannerStaging
 from anyattn.backends.flashinfer_xqa import (
     XQA_WORKSPACE_BYTES,
@@ -314,6 +318,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     # Decode wrappers already set up by FlashInfer's plan() for their layer signature are
     # re-planned by `flashinfer_replan.replan_decode` (the batch-dependent part only).
     fast_decode_plan: ClassVar[bool] = True
+    # Of those, an eager batch whose schedule depends on its size alone keeps the schedule
+    # while the size does (`flashinfer_replan.schedule_is_fixed`): no C++ planner then.
+    keep_fixed_schedules: ClassVar[bool] = True
     # Which kernel runs the decodes: "auto" (XQA with blocks of 64 tokens or more, where it is
     # as fast as the planned decode, else the wrapper), "xqa" (wherever it can serve the
     # layer) or "wrapper" (FlashInfer's planned decode wrapper always). See flashinfer_xqa.
@@ -344,6 +351,16 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             self._staging = PlannerStaging(None)
         self._installed_version = _installed_flashinfer()[1]
         self.fast_decode_plans = 0  # decode plans made by `replan_decode` (for tests)
+        # Of those, the plans that kept the last schedule, with no C++ planner (for tests):
+        # an eager decode wrapper whose schedule depends on the batch size alone
+        # (`schedule_is_fixed`) is planned again only when that size changes.
+        self.kept_decode_schedules = 0
+        self._fixed_schedule: dict[int, int] = {}  # id(wrapper) -> batch size it is planned for
+        self._num_sms = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count
+            if self.device.type == "cuda"
+            else None
+        )
         self._capability = (
             torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
         )
@@ -698,13 +715,21 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             if step.cudagraph_size
             else self._wrappers(key, "decode")
         )
+        # (cleared first: a plan that fails leaves no schedule to keep)
+        planned_for = self._fixed_schedule.pop(id(decode), None)
         if (
             self.fast_decode_plan
             and d.num_reqs <= self.limits.max_num_reqs
             and can_replan(decode, self._installed_version)
         ):
-            self._staged_plan(
-                decode,
+            fixed = (
+                self.keep_fixed_schedules
+                and self._num_sms is not None
+                and not decode.is_cuda_graph_enabled
+                and schedule_is_fixed(d.num_reqs, spec.num_kv_heads, self._num_sms)
+            )
+            keep = fixed and planned_for == d.num_reqs
+            replan = functools.partial(
                 replan_decode,
                 decode,
                 d,
@@ -717,6 +742,14 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 window_left=self._window_left,
                 **self._qo_indptr(d.num_reqs),
             )
+            if keep:
+                # no page-locked buffer to stage: nothing is written to the wrapper's schedule
+                replan(run_planner=False)
+                self.kept_decode_schedules += 1
+            else:
+                self._staged_plan(decode, replan)
+            if fixed:
+                self._fixed_schedule[id(decode)] = d.num_reqs
             self.fast_decode_plans += 1
         else:
             self._staged_plan(

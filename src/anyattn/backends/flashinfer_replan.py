@@ -27,6 +27,7 @@ __all__ = [
     "can_replan",
     "planner_arguments",
     "replan_decode",
+    "schedule_is_fixed",
 ]
 
 # The FlashInfer release whose `plan()` internals `replan_decode` reproduces.
@@ -51,6 +52,23 @@ def can_replan(wrapper: Any, installed_version: str | None) -> bool:
         return False
 
 
+def schedule_is_fixed(num_reqs: int, num_kv_heads: int, num_sms: int) -> bool:
+    """Whether the fa2 planner gives an eager (not CUDA-graph) batch of `num_reqs`
+    single-token decodes the same schedule whatever the requests' lengths, so that a wrapper
+    planned for one such batch needs no planner for the next of the same size.
+
+    FlashInfer 0.7.2.post1's `PrefillPlan` allows `M = 2 * num_sms // num_kv_heads` work units
+    per KV head for a split batch, takes the shortest KV chunk that keeps the units within `M`
+    and splits only if that chunk is shorter than the longest request. With `num_reqs >= M`,
+    any chunk shorter than the longest request gives more than `M` units, so the batch is never
+    split: unit i is request i, and the schedule (unit indices, output offsets, grid size)
+    depends on the batch size alone. The chunk size the planner also writes (the longest
+    request's) is read by the kernel only for a split batch. The query tile is fixed by the
+    wrapper's heads (one query row per request).
+    """
+    return num_reqs >= (2 * num_sms) // num_kv_heads
+
+
 def replan_decode(
     wrapper: Any,
     arrays: PagedArrays,
@@ -64,6 +82,7 @@ def replan_decode(
     window_left: int,
     qo_indptr_host: torch.Tensor,
     qo_indptr_device: torch.Tensor,
+    run_planner: bool = True,
 ) -> None:
     """Plan `wrapper` (see `can_replan`) for a new batch of single-token decodes.
 
@@ -79,15 +98,26 @@ def replan_decode(
         num_qo_heads, num_kv_heads, head_size, page_size, window_left: as given to `plan()`.
         qo_indptr_host, qo_indptr_device: int32 `[0, 1, ..., B]` (one query row per request), on
             the host and on the wrapper's device; the caller keeps them for later steps.
+        run_planner: False keeps the schedule of the wrapper's last plan (its C++ planner is
+            not run and its page-locked buffer not written): only for an eager wrapper last
+            planned for a batch of this size for which `schedule_is_fixed` holds.
 
     Raises:
-        ValueError: a CUDA-graph wrapper's fixed batch size or page capacity does not fit.
+        ValueError: a CUDA-graph wrapper's fixed batch size or page capacity does not fit, or
+            `run_planner` is False for a CUDA-graph wrapper or for another batch size.
     """
     batch = arrays.num_reqs
     if qo_indptr_host.shape[0] != batch + 1 or qo_indptr_device.shape[0] != batch + 1:
         raise ValueError(
             f"replan_decode: qo_indptr_host / qo_indptr_device must have {batch + 1} entries "
             f"(got {qo_indptr_host.shape[0]} and {qo_indptr_device.shape[0]})."
+        )
+    if not run_planner and (wrapper.is_cuda_graph_enabled or batch != wrapper._batch_size):
+        raise ValueError(
+            "replan_decode: run_planner=False keeps the last schedule, which only an eager "
+            f"wrapper planned for the same batch size can do (got {batch} requests for "
+            f"{'a CUDA-graph' if wrapper.is_cuda_graph_enabled else 'an eager'} wrapper last "
+            f"planned for {wrapper._batch_size})."
         )
     if wrapper.is_cuda_graph_enabled:
         if (
@@ -111,18 +141,19 @@ def replan_decode(
         )
         wrapper._paged_kv_indices_buf = pages
         wrapper._qo_indptr_buf = qo_indptr_device
-    wrapper._plan_info = wrapper._cached_module.plan(
-        *planner_arguments(
-            wrapper,
-            arrays,
-            num_qo_heads=num_qo_heads,
-            num_kv_heads=num_kv_heads,
-            head_size=head_size,
-            page_size=page_size,
-            window_left=window_left,
-            qo_indptr_host=qo_indptr_host,
+    if run_planner:
+        wrapper._plan_info = wrapper._cached_module.plan(
+            *planner_arguments(
+                wrapper,
+                arrays,
+                num_qo_heads=num_qo_heads,
+                num_kv_heads=num_kv_heads,
+                head_size=head_size,
+                page_size=page_size,
+                window_left=window_left,
+                qo_indptr_host=qo_indptr_host,
+            )
         )
-    )
     wrapper._batch_size = batch
     seq_lens = arrays.seq_lens
     wrapper._max_kv_len = int(seq_lens[seq_lens.argmax()]) if batch else 0
