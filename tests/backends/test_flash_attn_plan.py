@@ -202,6 +202,23 @@ def test_replay_steps_rewrite_only_what_changed_and_stay_exact(monkeypatch, fa2_
         assert main.cu_seqlens_q.data_ptr() == first.cu_seqlens_q.data_ptr()
 
 
+def test_replay_steps_copy_from_an_engine_table_wider_and_longer_than_the_batch():
+    """The engine's table may have more rows than requests and more columns than
+    max_model_len needs (a persistent buffer): each request's pages still land in its row."""
+    builder = _builder(capture_sizes=(4,))
+    width = 1024 // BLOCK
+    wide = torch.randint(1, 500, (6, width + 3), dtype=torch.int32)
+    for lens in ([40, 17, 3], [1000, 2, 900]):
+        n = len(lens)
+        cm = make_common_attn_metadata([1] * n, lens, wide[:n], BLOCK)
+        cm.block_table_tensor = wide  # rows past the batch, columns past the buffer's
+        main = builder.build(0, cm).main
+        for row, seq_len in enumerate(lens):
+            pages = -(-seq_len // BLOCK)
+            assert torch.equal(main.page_table[row, :pages], wide[row, :pages]), (lens, row)
+        assert main.page_table.shape == (4, width)
+
+
 def test_capture_sizes_beyond_max_num_reqs_are_refused():
     with pytest.raises(ValueError, match=r"cudagraph_capture_sizes .* \[8\] with max_num_reqs=4"):
         _builder(capture_sizes=(2, 8), max_num_reqs=4)

@@ -302,6 +302,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         # (slicing tensors and making dataclasses was most of a replay step's host time).
         self._decode_passes: dict[tuple[int, bool], FlashAttnPass] = {}
         self._query_offsets_for: tuple[int, int] | None = None  # (num_reqs, padded) written
+        self._table_views: dict[torch.Size, torch.Tensor] = {}  # [n, width] views of the buffer
 
     def build(
         self,
@@ -434,8 +435,15 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             # 0, 1, ..., n, then n for the padding: rewritten only when n or the size changes
             torch.clamp(buf.arange[: padded + 1], max=n, out=main.cu_seqlens_q)
             self._query_offsets_for = (n, padded)
-        width = -(-cm.max_seq_len // self.block_size)
-        buf.block_table[:n, :width].copy_(cm.block_table_tensor[:n, :width], non_blocking=True)
+        # The table's whole rows, up to the buffer's width: columns past the step's longest
+        # request are never read, and one slice fewer (or none) is microseconds a step.
+        table = cm.block_table_tensor
+        if table.shape[0] != n or table.shape[1] > self._max_blocks:
+            table = table[:n, : self._max_blocks]
+        into = self._table_views.get(table.shape)
+        if into is None:
+            into = self._table_views[table.shape] = buf.block_table[:n, : table.shape[1]]
+        into.copy_(table, non_blocking=True)
         if main.cu_seqlens_k is not None:
             torch.cumsum(main.seq_lens, 0, out=main.cu_seqlens_k[1:])
         return self._metadata(cm, main, uses_persistent_buffers=True)
