@@ -359,6 +359,15 @@ def test_validate_rejects_mirrors_off_the_cpu():
         m.validate()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.bool])
+@pytest.mark.parametrize("field", ["query_start_loc_cpu", "num_computed_tokens_cpu"])
+def test_validate_rejects_mirrors_that_are_not_integers(field, dtype):
+    m = valid()
+    setattr(m, field, getattr(m, field).to(dtype))
+    with pytest.raises(ValueError, match=rf"{field} must be an integer tensor \(got {dtype}"):
+        m.validate()
+
+
 def with_mirror_dtype(m: CommonAttentionMetadata, dtype: torch.dtype) -> CommonAttentionMetadata:
     return dataclasses.replace(
         m,

@@ -94,13 +94,20 @@ class CommonAttentionMetadata:
             loc = self.query_start_loc_cpu.numpy()
             seq_lens = self.seq_lens_cpu.numpy()
             context = self.num_computed_tokens_cpu.numpy()
-        except TypeError:  # (what `numpy()` raises for a device tensor)
+        except TypeError:  # (what `numpy()` raises for a device tensor or a bfloat16 one)
             for name, tensor, _ in self._mirrors():
                 if not tensor.is_cpu:
                     raise ValueError(
                         f"{api}: {name} must be a CPU tensor (got {tensor.device})."
                     ) from None
-            raise
+            loc = seq_lens = context = np.empty(0, dtype=np.float32)  # (refused just below)
+        # (numpy kinds "i" and "u": signed and unsigned integers, taken in int64 below)
+        kinds = (loc.dtype.kind, seq_lens.dtype.kind, context.dtype.kind)
+        if kinds != ("i", "i", "i") and not set(kinds) <= {"i", "u"}:
+            for name, tensor, _ in self._mirrors():
+                dtype = tensor.dtype
+                if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+                    raise ValueError(f"{api}: {name} must be an integer tensor (got {dtype}).")
         if (
             loc.ndim != 1
             or loc.shape[0] <= num_reqs

@@ -208,7 +208,7 @@ def test_replay_steps_copy_from_an_engine_table_wider_and_longer_than_the_batch(
     builder = _builder(capture_sizes=(4,))
     width = 1024 // BLOCK
     wide = torch.randint(1, 500, (6, width + 3), dtype=torch.int32)
-    for lens in ([40, 17, 3], [1000, 2, 900]):
+    for lens in ([40, 17, 3], [1000, 2, 900], [70, 1024], [1, 2, 3, 4], [100, 200, 300]):
         n = len(lens)
         cm = make_common_attn_metadata([1] * n, lens, wide[:n], BLOCK)
         cm.block_table_tensor = wide  # rows past the batch, columns past the buffer's
@@ -217,6 +217,9 @@ def test_replay_steps_copy_from_an_engine_table_wider_and_longer_than_the_batch(
             pages = -(-seq_len // BLOCK)
             assert torch.equal(main.page_table[row, :pages], wide[row, :pages]), (lens, row)
         assert main.page_table.shape == (4, width)
+    # one view of the buffer per (requests, longest request's pages rounded up to a power of
+    # two): 3 pages -> 4, 63 and 64 -> 64, 1 -> 1, 19 -> 32
+    assert sorted(builder._table_views) == [(2, 64), (3, 4), (3, 32), (3, 64), (4, 1)]
 
 
 def test_capture_sizes_beyond_max_num_reqs_are_refused():

@@ -302,7 +302,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         # (slicing tensors and making dataclasses was most of a replay step's host time).
         self._decode_passes: dict[tuple[int, bool], FlashAttnPass] = {}
         self._query_offsets_for: tuple[int, int] | None = None  # (num_reqs, padded) written
-        self._table_views: dict[torch.Size, torch.Tensor] = {}  # [n, width] views of the buffer
+        self._table_views: dict[tuple[int, int], torch.Tensor] = {}  # [n, width] buffer views
 
     def build(
         self,
@@ -435,14 +435,18 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             # 0, 1, ..., n, then n for the padding: rewritten only when n or the size changes
             torch.clamp(buf.arange[: padded + 1], max=n, out=main.cu_seqlens_q)
             self._query_offsets_for = (n, padded)
-        # The table's whole rows, up to the buffer's width: columns past the step's longest
-        # request are never read, and one slice fewer (or none) is microseconds a step.
+        # The pages of the step's longest request, rounded up to a power of two: at most twice
+        # the columns read (an engine's table may be max_model_len wide), few distinct widths,
+        # so the buffer's [n, width] views are made once (slicing costs microseconds a step),
+        # and no slice of the step's table when it already has that shape.
         table = cm.block_table_tensor
-        if table.shape[0] != n or table.shape[1] > self._max_blocks:
-            table = table[:n, : self._max_blocks]
-        into = self._table_views.get(table.shape)
+        width = min(1 << (-(-cm.max_seq_len // self.block_size) - 1).bit_length(),
+                    table.shape[1], self._max_blocks)  # fmt: skip
+        if table.shape[0] != n or table.shape[1] != width:
+            table = table[:n, :width]
+        into = self._table_views.get((n, width))
         if into is None:
-            into = self._table_views[table.shape] = buf.block_table[:n, : table.shape[1]]
+            into = self._table_views[(n, width)] = buf.block_table[:n, :width]
         into.copy_(table, non_blocking=True)
         if main.cu_seqlens_k is not None:
             torch.cumsum(main.seq_lens, 0, out=main.cu_seqlens_k[1:])

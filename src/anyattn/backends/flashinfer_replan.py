@@ -61,10 +61,11 @@ def schedule_is_fixed(num_reqs: int, num_kv_heads: int, num_sms: int) -> bool:
     per KV head for a split batch, takes the shortest KV chunk that keeps the units within `M`
     and splits only if that chunk is shorter than the longest request. With `num_reqs >= M`,
     any chunk shorter than the longest request gives more than `M` units, so the batch is never
-    split: unit i is request i, and the schedule (unit indices, output offsets, grid size)
-    depends on the batch size alone. The chunk size the planner also writes (the longest
-    request's) is read by the kernel only for a split batch. The query tile is fixed by the
-    wrapper's heads (one query row per request).
+    split (with a sliding window too: the search runs on the windowed lengths). Each request
+    then gets one unit per query tile, and the query tile is fixed by the wrapper (its GQA
+    group, head size and cache dtype), so the schedule (unit indices, output offsets, grid
+    size) depends on the batch size alone. The chunk size the planner also writes (the
+    longest request's) is read by the kernel only for a split batch.
     """
     return num_reqs >= (2 * num_sms) // num_kv_heads
 
