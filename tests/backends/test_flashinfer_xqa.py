@@ -179,6 +179,21 @@ def xqa_cpu_builder(capture_sizes=(), kernel="xqa", register=True):
 TABLE = torch.arange(1, 81, dtype=torch.int32).view(8, 10)
 
 
+def test_decode_routing_follows_new_layers_and_decode_kernel():
+    """The builder keeps its XQA-or-wrapper decision between builds: a layer registered later
+    (soft-capped, which XQA does not serve) or another `decode_kernel` changes it."""
+    builder = xqa_cpu_builder()
+    cm = make_common_attn_metadata([1, 1], [70, 3], TABLE[:2], 16)
+    step = builder.build(0, cm).step
+    assert step.xqa is not None and step.arrays.decode is None
+    # (the decode wrapper needs FlashInfer: the decision itself, which the build follows)
+    assert builder._decode_routing() == (True, False)  # XQA for some layer, no plan arrays
+    builder.register_layer(FlashInferImpl(4, 64, 0.125, 2, logits_soft_cap=30.0))
+    assert builder._decode_routing() == (True, True)  # both kinds of layer
+    builder.decode_kernel = "wrapper"
+    assert builder._decode_routing() == (False, True)
+
+
 def test_an_xqa_build_hands_the_steps_rows_over_and_plans_nothing():
     builder = xqa_cpu_builder()
     cm = make_common_attn_metadata([1, 1, 1], [40, 3, 150], TABLE[:3, :10], 16)

@@ -367,6 +367,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         # (decode_kernel, plan key or None) -> `_xqa_reason`: a few us a build otherwise
         self._xqa_reasons: dict[tuple[str, _PlanKey | None], str | None] = {}
         self._xqa_reason(None)  # a bad decode_kernel fails here, not in a build
+        self._routing: tuple[tuple[str, int], tuple[bool, bool]] | None = None
         self._xqa_workspace: torch.Tensor | None = None
         self._xqa_graph: dict[int, XqaGraphBuffers] = {}
         self._xqa_filled_by: dict[int, int] = {}  # captured size -> generation of its fill
@@ -445,13 +446,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             raise ValueError(f"{api}: cross attention not supported (got encoder_seq_lens).")
         host = cm.validate(api)
         spec = self.kv_cache_spec
-        # XQA decodes need no plan arrays; the decode wrapper's are made when a layer needs
-        # them (a registered one now, an unregistered one or an LSE request in its forward).
-        keys = self._layer_keys
-        served = [self._xqa_reason(k) is None for k in keys]
-        # (no registered layer yet: one learnt in its forward may use XQA)
-        xqa = self._xqa_reason(None) is None and (not keys or any(served))
-        decode_arrays = not (xqa and keys and all(served))
+        xqa, decode_arrays = self._decode_routing()
         arrays = self._step_arrays(host, cm.block_table_tensor, cudagraph_size, decode_arrays)
         xqa_inputs = None
         if xqa and (arrays.split.num_decodes or cudagraph_size):
@@ -549,6 +544,23 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 XQA_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device
             )
         return self._xqa_workspace
+
+    def _decode_routing(self) -> tuple[bool, bool]:
+        """(XQA may run some layer's decodes, the decode wrapper's plan arrays are needed) for
+        the layers known now. XQA decodes need no plan arrays; the decode wrapper's are made
+        when a layer needs them (a registered one now, an unregistered one or an LSE request
+        in its forward). Kept until the layers or `decode_kernel` change (microseconds of
+        hashing a build otherwise); `_layer_keys` only grows, so its length says which."""
+        known = (self.decode_kernel, len(self._layer_keys))
+        if self._routing is not None and self._routing[0] == known:
+            return self._routing[1]
+        keys = self._layer_keys
+        served = [self._xqa_reason(k) is None for k in keys]
+        # (no registered layer yet: one learnt in its forward may use XQA)
+        xqa = self._xqa_reason(None) is None and (not keys or any(served))
+        routing = (xqa, not (xqa and keys and all(served)))
+        self._routing = (known, routing)
+        return routing
 
     def _xqa_reason(self, key: _PlanKey | None) -> str | None:
         """Why `key`'s decodes (None: any layer's, soft cap aside) run the wrapper, or None."""
