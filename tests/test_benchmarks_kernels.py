@@ -244,6 +244,24 @@ def test_time_build_on_cpu(kernels, tiny) -> None:
     assert kernels.host_yardstick_us("cpu", reps=3) > 0
 
 
+def test_builds_are_timed_in_interleaved_rounds(kernels) -> None:
+    """Every case once per round, in turn: a slow phase of the host falls on all of them."""
+    calls = []
+    cases = [
+        kernels.PreparedBuild("A", lambda: calls.append("A"), "none"),
+        kernels.BuildResult("SKIPPED", "skip", message="not here"),
+        kernels.PreparedBuild("B", lambda: calls.append("B"), "none"),
+    ]
+    results = kernels.time_builds(cases, reps=6, rounds=3)
+    assert calls == ["A", "A", "B", "B"] * 3
+    assert [r.backend for r in results] == ["A", "SKIPPED", "B"]
+    assert results[1].status == "skip"
+    for r in (results[0], results[2]):
+        assert r.status == "ok" and 0 < r.quietest_us <= r.p90_us and r.median_us <= r.p90_us
+    table = kernels.build_table(results)
+    assert "quietest round us" in table and "| SKIPPED | not here |" in table
+
+
 def test_arguments(kernels) -> None:
     args = kernels.parse_args(["--only", "decode,build", "--backends", "triton,torch"])
     assert args.only == ["decode", "build"] and args.backends == ["TRITON", "TORCH"]
