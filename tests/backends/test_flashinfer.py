@@ -11,6 +11,16 @@ import math
 import numpy as np
 import pytest
 import torch
+from flashinfer_gpu import (
+    HEAD_SIZE,
+    HEADS,
+    KV_HEADS,
+    SCALE,
+    assert_matches_oracle,
+    forward,
+    needs_flashinfer,
+    written_batch,
+)
 
 import anyattn.backends.flashinfer as fi_backend
 from anyattn import registry
@@ -345,15 +355,6 @@ def test_per_head_fp8_scales_are_refused_before_the_cache_is_written():
 # --- GPU ---------------------------------------------------------------------------------------
 
 
-def _gpu(test):
-    """Marks a test as needing a CUDA GPU and FlashInfer 0.7.2.post1."""
-    test = pytest.mark.gpu(test)
-    return pytest.mark.skipif(
-        FlashInferBackend.get_unavailable_reason() is not None,
-        reason=f"needs FlashInfer {fi_backend.FLASHINFER_VERSION}",
-    )(test)
-
-
 DTYPES = [torch.bfloat16, torch.float16]
 # Every feature FLASHINFER declares; the kit runs one pytest test per feature and dtype.
 KIT_FEATURES = (
@@ -364,10 +365,9 @@ KIT_FEATURES = (
 NOT_DECLARED = {
     "encoder", "encoder_only", "encoder_decoder", "alibi", "sinks", "per_head_scales", "cascade",
 }  # fmt: skip
-HEADS, KV_HEADS, HEAD_SIZE, SCALE = 8, 2, 128, 0.1
 
 
-@_gpu
+@needs_flashinfer
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("feature", KIT_FEATURES)
 def test_conformance_kit(feature, dtype):
@@ -376,7 +376,7 @@ def test_conformance_kit(feature, dtype):
     assert report.not_declared == [], report.summary()
 
 
-@_gpu
+@needs_flashinfer
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_kit_covers_every_declared_feature(dtype):
     cases, not_declared = plan_cases(FlashInferBackend, "cuda", dtype)
@@ -384,59 +384,24 @@ def test_kit_covers_every_declared_feature(dtype):
     assert {line.split(":")[0] for line in not_declared} == NOT_DECLARED
 
 
-def _batch(spec_name: str = "mixed"):
-    """A kit batch with the step's K/V not yet written, and an impl for it."""
-    batch = build_batch(
-        FlashInferBackend, get_spec(spec_name), num_heads=HEADS, num_kv_heads=KV_HEADS,
-        head_size=HEAD_SIZE, dtype=torch.bfloat16, device="cuda", seed=7,
-    )  # fmt: skip
-    impl = FlashInferImpl(HEADS, HEAD_SIZE, SCALE, KV_HEADS)
-    layer = KitLayer("layer.0", batch.k_scale, batch.v_scale)
-    slots = batch.common_attn_metadata.slot_mapping
-    impl.do_kv_cache_update(layer, batch.key, batch.value, batch.kv_cache, slots)
-    return batch, impl
-
-
-def _run(impl, batch, md, with_lse=False):
-    layer = KitLayer("layer.0", batch.k_scale, batch.v_scale)
-    output = torch.full_like(batch.query, math.nan)
-    lse = torch.full((HEADS, batch.query.shape[0]), math.nan, device="cuda") if with_lse else None
-    impl.forward(
-        layer, batch.query, batch.key, batch.value, batch.kv_cache, md, output, output_lse=lse
-    )
-    return output, lse
-
-
-def _assert_matches_oracle(batch, output):
-    """The STYLE.md tolerance rule against the float64 oracle; returns the oracle's LSE."""
-    n = batch.num_actual_tokens
-    lengths = (batch.spec.query_lens, batch.kv_lens)
-    args = (batch.query[:n], batch.oracle_key, batch.oracle_value, *lengths)
-    ref64, lse64 = attention_oracle(*args, scale=SCALE, causal=batch.causal)
-    low = torch.bfloat16
-    ref_lowp, _ = attention_oracle(*args, scale=SCALE, causal=batch.causal, compute_dtype=low)
-    assert max_abs_error(output[:n], ref64) <= error_bound(ref64, ref_lowp, torch.bfloat16)
-    return lse64
-
-
-@_gpu
+@needs_flashinfer
 def test_lse_is_base_2():
-    batch, impl = _batch()
+    batch, impl = written_batch(get_spec("mixed"), seed=7)
     md = batch.attn_metadata
     # every wrapper runs: decodes, fresh prefills (ragged), a prefill with context (paged)
     assert md.num_decodes and md.ragged_tokens[1] > md.ragged_tokens[0]
     assert md.paged_tokens[1] > md.paged_tokens[0]
-    output, lse = _run(impl, batch, md, with_lse=True)
-    lse64 = _assert_matches_oracle(batch, output)
+    output, lse = forward(impl, batch, md, with_lse=True)
+    lse64 = assert_matches_oracle(batch, output)
     n = batch.num_actual_tokens
     assert torch.allclose(lse[:, :n].double(), lse64 / math.log(2.0), atol=2e-3, rtol=1e-4)
     assert not torch.allclose(lse[:, :n].double(), lse64, atol=0.1)
 
 
-@_gpu
+@needs_flashinfer
 def test_build_never_synchronises_with_the_device():
-    batch, impl = _batch()
-    _run(impl, batch, batch.attn_metadata)  # compiles kernels, makes wrappers, learns the layer
+    batch, impl = written_batch(get_spec("mixed"), seed=7)
+    forward(impl, batch, batch.attn_metadata)  # compiles kernels, makes wrappers, learns the layer
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -444,24 +409,24 @@ def test_build_never_synchronises_with_the_device():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert impl.plan_key in md.step.planned  # planned in build, not in forward
-    output, _ = _run(impl, batch, md)
-    _assert_matches_oracle(batch, output)
+    output, _ = forward(impl, batch, md)
+    assert_matches_oracle(batch, output)
 
 
-@_gpu
+@needs_flashinfer
 def test_stale_metadata_is_planned_again():
-    batch, impl = _batch("chunked_prefill")
+    batch, impl = written_batch(get_spec("chunked_prefill"), seed=7)
     batch.builder.register_layer(impl)
     md = batch.builder.build(0, batch.common_attn_metadata)
     # a later build plans the same wrappers for another batch: md's plans are stale
     table = batch.block_table[:1]
     other = make_common_attn_metadata([1], [50], table, batch.block_size, device="cuda")
     batch.builder.build(0, other)
-    output, _ = _run(impl, batch, md)
-    _assert_matches_oracle(batch, output)
+    output, _ = forward(impl, batch, md)
+    assert_matches_oracle(batch, output)
 
 
-@_gpu
+@needs_flashinfer
 @pytest.mark.parametrize("decode_kernel", ["wrapper", "xqa"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_cudagraph_decode_replay_matches_eager_and_the_oracle(layout, decode_kernel):
@@ -554,11 +519,11 @@ def test_cudagraph_decode_replay_matches_eager_and_the_oracle(layout, decode_ker
         torch.testing.assert_close(output[:n], eager_out, atol=2e-2, rtol=2e-2)
 
 
-@_gpu
+@needs_flashinfer
 def test_fast_decode_replan_matches_flashinfers_plan():
     """Decode wrappers set up once by FlashInfer's plan() are re-planned by `replan_decode` for
     later batches: same outputs, bit for bit, as plan() gives, and the oracle's."""
-    batch, impl = _batch("many_decodes")
+    batch, impl = written_batch(get_spec("many_decodes"), seed=7)
     kv_lens = batch.kv_lens
     gen = torch.Generator().manual_seed(3)
 
@@ -614,7 +579,7 @@ def test_fast_replan_only_for_the_wrappers_and_version_it_reproduces():
     assert not can_replan(SimpleNamespace(use_tensor_cores=True), REPLAN_VERSION)
 
 
-@_gpu
+@needs_flashinfer
 def test_kept_decode_schedules_match_flashinfers_plan(monkeypatch):
     """Eager decode steps of one batch size at or past FlashInfer's split limit (2 * SMs / KV
     heads: 33 on the H200 with 8 KV heads) keep the schedule of the first re-plan, with no C++
@@ -672,11 +637,11 @@ def test_kept_decode_schedules_match_flashinfers_plan(monkeypatch):
     assert kept.kept_decode_schedules == len(steps) - 2 and planned.kept_decode_schedules == 0
 
 
-@_gpu
+@needs_flashinfer
 def test_eager_decode_batches_past_max_num_reqs_use_flashinfers_plan():
     """The re-plan's query offsets cover max_num_reqs requests; a larger eager decode batch is
     planned by FlashInfer's `plan()` every time, with the right result."""
-    batch, impl = _batch("many_decodes")
+    batch, impl = written_batch(get_spec("many_decodes"), seed=7)
     kv_lens, num_reqs = batch.kv_lens, len(batch.kv_lens)
     spec = AttentionSpec(batch.block_size, KV_HEADS, HEAD_SIZE, torch.bfloat16)
     builder = FlashInferMetadataBuilder(spec, ["layer.0"], BatchLimits(4, 256, 1024), "cuda")
@@ -686,8 +651,8 @@ def test_eager_decode_batches_past_max_num_reqs_use_flashinfers_plan():
     )
     for _ in range(2):
         md = builder.build(0, cm)
-        output, _ = _run(impl, batch, md)
-        _assert_matches_oracle(batch, output)
+        output, _ = forward(impl, batch, md)
+        assert_matches_oracle(batch, output)
     assert builder.fast_decode_plans == 0
 
 

@@ -10,6 +10,7 @@ import types
 
 import pytest
 import torch
+from flashinfer_gpu import needs_flashinfer
 
 import anyattn.backends.flashinfer as fi_backend
 from anyattn.backends.flashinfer import FlashInferBackend, FlashInferImpl, FlashInferMetadataBuilder
@@ -282,20 +283,6 @@ def test_a_failed_decode_plan_keeps_no_schedule(staged_cpu_builder, monkeypatch)
 # --- GPU ------------------------------------------------------------------------------------
 
 
-def _gpu(test):
-    marks = [
-        pytest.mark.gpu,
-        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-        pytest.mark.skipif(
-            FlashInferBackend.get_unavailable_reason() is not None,
-            reason="needs FlashInfer 0.7.2.post1",
-        ),
-    ]
-    for mark in marks:
-        test = mark(test)
-    return test
-
-
 HEADS, KV_HEADS, HEAD_SIZE = 8, 2, 128
 SCALE = HEAD_SIZE**-0.5
 # few long decodes: FlashInfer's planner splits their keys into chunks, so a schedule made for
@@ -303,7 +290,7 @@ SCALE = HEAD_SIZE**-0.5
 LONG_DECODES = BatchSpec("long_decodes", (1,) * 4, (3000, 1500, 4000, 700))
 
 
-@_gpu
+@needs_flashinfer
 @pytest.mark.parametrize("pooled", [True, False], ids=["pool", "flashinfers_own_buffer"])
 def test_a_build_ahead_of_the_device_leaves_the_last_steps_schedule(monkeypatch, pooled):
     # the planned decode wrapper (XQA plans nothing): its plan's copy to the device is the one

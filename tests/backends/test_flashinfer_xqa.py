@@ -12,6 +12,16 @@ import types
 
 import pytest
 import torch
+from flashinfer_gpu import (
+    HEAD_SIZE,
+    HEADS,
+    KV_HEADS,
+    SCALE,
+    forward,
+    needs_flashinfer_sm90,
+    oracle,
+    written_batch,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,10 +43,7 @@ from anyattn.kv_cache import allocate_kv_cache
 from anyattn.metadata import make_common_attn_metadata
 from anyattn.testing import (
     KitLayer,
-    attention_oracle,
-    build_batch,
     check_backend,
-    error_bound,
     get_spec,
     max_abs_error,
 )
@@ -344,15 +351,6 @@ def test_run_xqa_decode_passes_flashinfer_the_scales_bounds_and_a_contiguous_que
 # --- GPU ---------------------------------------------------------------------------------------
 
 
-def _gpu(test):
-    """Marks a test as needing a Hopper-or-later GPU and FlashInfer 0.7.2.post1."""
-    test = pytest.mark.gpu(test)
-    usable = FlashInferBackend.get_unavailable_reason() is None and (
-        torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-    )
-    return pytest.mark.skipif(not usable, reason="needs SM90+ and FlashInfer 0.7.2.post1")(test)
-
-
 class XqaBuilder(FlashInferMetadataBuilder):
     decode_kernel = "xqa"
 
@@ -370,10 +368,9 @@ XQA_FEATURES = (
     "decode", "mixed", "chunked", "odd_lengths", "gqa", "mqa", "head_sizes", "block_sizes",
     "layouts", "padding", "kv_sharing", "non_causal", "sliding_window", "soft_cap", "fp8", "lse",
 )  # fmt: skip
-HEADS, KV_HEADS, HEAD_SIZE, SCALE = 8, 2, 128, 0.1
 
 
-@_gpu
+@needs_flashinfer_sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("feature", XQA_FEATURES)
 def test_conformance_kit_with_xqa_decodes(feature, dtype):
@@ -381,42 +378,12 @@ def test_conformance_kit_with_xqa_decodes(feature, dtype):
     report.assert_passed()
 
 
-def _decode_batch(block_size: int):
-    batch = build_batch(
-        FlashInferBackend, get_spec("many_decodes"), num_heads=HEADS, num_kv_heads=KV_HEADS,
-        head_size=HEAD_SIZE, dtype=torch.bfloat16, device="cuda", seed=3, block_size=block_size,
-    )  # fmt: skip
-    impl = FlashInferImpl(HEADS, HEAD_SIZE, SCALE, KV_HEADS)
-    layer = KitLayer("layer.0", batch.k_scale, batch.v_scale)
-    impl.do_kv_cache_update(
-        layer, batch.key, batch.value, batch.kv_cache, batch.common_attn_metadata.slot_mapping
-    )
-    return batch, impl, layer
-
-
-def _forward(impl, layer, batch, md, with_lse=False):
-    output = torch.full_like(batch.query, math.nan)
-    lse = torch.full((HEADS, batch.query.shape[0]), math.nan, device="cuda") if with_lse else None
-    impl.forward(layer, batch.query, batch.key, batch.value, batch.kv_cache, md, output,
-                 output_lse=lse)  # fmt: skip
-    return output, lse
-
-
-def _oracle(batch):
-    n = batch.num_actual_tokens
-    args = (batch.query[:n], batch.oracle_key, batch.oracle_value, batch.spec.query_lens,
-            batch.kv_lens)  # fmt: skip
-    ref64, lse64 = attention_oracle(*args, scale=SCALE)
-    ref_lowp, _ = attention_oracle(*args, scale=SCALE, compute_dtype=torch.bfloat16)
-    return ref64, lse64, error_bound(ref64, ref_lowp, torch.bfloat16)
-
-
-@_gpu
+@needs_flashinfer_sm90
 def test_auto_build_of_large_block_decodes_plans_nothing_and_never_waits():
-    batch, impl, layer = _decode_batch(64)
+    batch, impl = written_batch(get_spec("many_decodes"), seed=3, block_size=64)
     builder = batch.builder
     builder.register_layer(impl)
-    _forward(impl, layer, batch, builder.build(0, batch.common_attn_metadata))  # JIT, buffers
+    forward(impl, batch, builder.build(0, batch.common_attn_metadata))  # JIT, buffers
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -426,20 +393,20 @@ def test_auto_build_of_large_block_decodes_plans_nothing_and_never_waits():
     planned = md.step.planned[impl.plan_key]
     assert planned.xqa and planned.wrappers() == [] and md.step.arrays.decode is None
     assert builder.fast_decode_plans == 0
-    output, _ = _forward(impl, layer, batch, md)
-    ref64, lse64, bound = _oracle(batch)
+    output, _ = forward(impl, batch, md)
+    ref64, lse64, bound = oracle(batch)
     assert max_abs_error(output[: batch.num_actual_tokens], ref64) <= bound
     # an LSE request plans the decode wrapper for this step, in the forward
-    output, lse = _forward(impl, layer, batch, md, with_lse=True)
+    output, lse = forward(impl, batch, md, with_lse=True)
     assert planned.decode is not None
     n = batch.num_actual_tokens
     assert max_abs_error(output[:n], ref64) <= bound
     assert torch.allclose(lse[:, :n].double(), lse64 / math.log(2.0), atol=2e-3, rtol=1e-4)
 
 
-@_gpu
+@needs_flashinfer_sm90
 def test_soft_capped_layers_keep_the_wrapper_next_to_xqa_layers():
-    batch, impl, layer = _decode_batch(64)
+    batch, impl = written_batch(get_spec("many_decodes"), seed=3, block_size=64)
     capped = FlashInferImpl(HEADS, HEAD_SIZE, SCALE, KV_HEADS, logits_soft_cap=30.0)
     batch.builder.register_layer(impl)
     batch.builder.register_layer(capped)
@@ -447,14 +414,14 @@ def test_soft_capped_layers_keep_the_wrapper_next_to_xqa_layers():
     assert md.step.planned[impl.plan_key].xqa
     assert md.step.planned[capped.plan_key].decode is not None
     assert not md.step.planned[capped.plan_key].xqa
-    output, _ = _forward(impl, layer, batch, md)
-    ref64, _, bound = _oracle(batch)
+    output, _ = forward(impl, batch, md)
+    ref64, _, bound = oracle(batch)
     assert max_abs_error(output[: batch.num_actual_tokens], ref64) <= bound
 
 
-@_gpu
+@needs_flashinfer_sm90
 def test_stale_cudagraph_metadata_refills_the_graph_buffers():
-    batch, impl, layer = _decode_batch(16)
+    batch, impl = written_batch(get_spec("many_decodes"), seed=3, block_size=16)
     cm = batch.common_attn_metadata
     n = cm.num_reqs
     spec = batch.builder.kv_cache_spec
@@ -465,6 +432,6 @@ def test_stale_cudagraph_metadata_refills_the_graph_buffers():
     other_table = torch.zeros_like(cm.block_table_tensor)
     other = make_common_attn_metadata([1] * n, [1] * n, other_table, spec.block_size, "cuda")
     builder.build(0, other)  # refills the buffers of size n with another batch
-    output, _ = _forward(impl, layer, batch, md)
-    ref64, _, bound = _oracle(batch)
+    output, _ = forward(impl, batch, md)
+    ref64, _, bound = oracle(batch)
     assert max_abs_error(output[: batch.num_actual_tokens], ref64) <= bound
