@@ -13,7 +13,11 @@
 #                                           call while the machine is warm resumes from the
 #                                           JIT cache the last one filled). KIT_K narrows it
 #                                           to a pytest -k expression, e.g. the features not
-#                                           yet seen passing (benchmarks/RESULTS.md)
+#                                           yet seen passing (benchmarks/RESULTS.md). It runs
+#                                           4 workers with FlashInfer's ninja at 4 jobs each
+#                                           (WORKERS, MAX_JOBS): 16 unbounded workers on 16
+#                                           cores finished 3 tests in 600 s, 4 x 4 finished 10
+#                                           of 12 in 548 s
 #   FLEX_ATTENTION's wrapper cost and its breakdown need no wheels (no parts to send first):
 #          bash benchmarks/gpu_issue6.sh flex
 #
@@ -51,8 +55,14 @@ tests | kit)
             tests/ops/test_gather_pages.py tests/engine/test_cuda_graphs.py
             tests/test_benchmarks_kernels.py -k "not conformance_kit or flash_attn")
     fi
-    # (WORKERS: with one worker per kit test, every test compiles at once and few finish)
-    timeout -s INT "${TEST_SECONDS:-480}" python3 -m pytest -m gpu -n "${WORKERS:-12}" -p no:warnings \
+    # (WORKERS: with one worker per kit test, every test compiles at once and few finish;
+    # MAX_JOBS bounds the ninja jobs of each FlashInfer JIT compile, else about one per core)
+    workers=${WORKERS:-12}
+    if [ "$mode" = kit ]; then
+        workers=${WORKERS:-4}
+        export MAX_JOBS=${MAX_JOBS:-4}
+    fi
+    timeout -s INT "${TEST_SECONDS:-480}" python3 -m pytest -m gpu -n "$workers" -p no:warnings \
         -p no:cacheprovider -p no:benchmark --tb=short -rfE -v --durations=25 \
         "${selection[@]}" "${@:2}" >"$out/$mode.log" 2>&1
     echo "pytest rc $?"
