@@ -94,20 +94,19 @@ class CommonAttentionMetadata:
             loc = self.query_start_loc_cpu.numpy()
             seq_lens = self.seq_lens_cpu.numpy()
             context = self.num_computed_tokens_cpu.numpy()
-        except TypeError:  # (what `numpy()` raises for a device tensor or a bfloat16 one)
+        except TypeError as error:  # (what `numpy()` raises for a device or bfloat16 tensor)
             for name, tensor, _ in self._mirrors():
                 if not tensor.is_cpu:
                     raise ValueError(
                         f"{api}: {name} must be a CPU tensor (got {tensor.device})."
                     ) from None
-            loc = seq_lens = context = np.empty(0, dtype=np.float32)  # (refused just below)
-        # (numpy kinds "i" and "u": signed and unsigned integers, taken in int64 below)
+            self._refuse_non_integer_mirrors(api)
+            raise error
+        # (numpy kinds "i" and "u": signed and unsigned integers, taken in int64 below; the
+        # tuple test first, the usual case, makes no set)
         kinds = (loc.dtype.kind, seq_lens.dtype.kind, context.dtype.kind)
         if kinds != ("i", "i", "i") and not set(kinds) <= {"i", "u"}:
-            for name, tensor, _ in self._mirrors():
-                dtype = tensor.dtype
-                if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-                    raise ValueError(f"{api}: {name} must be an integer tensor (got {dtype}).")
+            self._refuse_non_integer_mirrors(api)
         if (
             loc.ndim != 1
             or loc.shape[0] <= num_reqs
@@ -168,6 +167,14 @@ class CommonAttentionMetadata:
             ("seq_lens_cpu", self.seq_lens_cpu, self.num_reqs),
             ("num_computed_tokens_cpu", self.num_computed_tokens_cpu, self.num_reqs),
         )
+
+    def _refuse_non_integer_mirrors(self, api: str) -> None:
+        """Raises for the first float, bool or complex mirror."""
+        for name, tensor, _ in self._mirrors():
+            dtype = tensor.dtype
+            if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+                message = f"{api}: {name} must be an integer tensor (got {dtype})."
+                raise ValueError(message) from None  # (not numpy's TypeError as its cause)
 
     def _check_maxima(self, api: str, query_lens: np.ndarray, seq_lens: np.ndarray) -> None:
         """`max_query_len` and `max_seq_len` are at least the mirrors' (a kernel sized by
