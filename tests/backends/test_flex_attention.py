@@ -786,6 +786,50 @@ def test_leading_decodes_take_the_decode_layout(query_lens, num_decodes, device)
         assert rows_plan is None
 
 
+@needs_flex
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_rows_read_a_query_of_whole_tiles_as_it_is(device, monkeypatch):
+    """A step without leading decodes whose query holds the padded rows (a bucket's tokens, or
+    the engine's padding past them) is read in place, the padding rows whatever they hold; a
+    shorter query or one after decodes is copied. Every step matches the float64 oracle and
+    recompiles nothing."""
+    requested = []
+    get = flex_attention._Workspace.get
+
+    def recording(self, name, *args, **kwargs):
+        requested.append(name)
+        return get(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(flex_attention._Workspace, "get", recording)
+    forward = FlexAttentionImpl.forward
+
+    def nan_padding(self, layer, query, key, value, kv_cache, md, *args, **kwargs):
+        query[md.num_actual_tokens :] = math.nan  # an engine's padding may hold anything
+        return forward(self, layer, query, key, value, kv_cache, md, *args, **kwargs)
+
+    monkeypatch.setattr(FlexAttentionImpl, "forward", nan_padding)
+    assert plan.pad_rows(256) == 256 and plan.pad_rows(200) == 256
+    steps = (  # (spec, padding tokens, whether the query is copied)
+        (BatchSpec("bucket", (100, 156), (150, 186)), 0, False),
+        (BatchSpec("padded", (90, 110), (90, 140)), 56, False),
+        (BatchSpec("short", (90, 110), (90, 140)), 0, True),
+        (BatchSpec("after_decode", (1, 255), (40, 300)), 0, True),
+    )
+    # The first step may compile (the kit's float32 run compiles its configuration anyway);
+    # the steps of rows alone after it compile nothing, read in place or copied (the last
+    # step's decode is another compiled function).
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    graphs = []
+    for spec, padding, copied in steps:
+        requested.clear()
+        case = Case(f"rows_in_place/{spec.name}", "padding", spec, num_padding_tokens=padding)
+        (result,) = run_case(FlexAttentionBackend, case, device, dtype)
+        assert result.passed, result
+        assert ("query" in requested) == copied, spec.name
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] == graphs[1] == graphs[2]
+
+
 @pytest.mark.gpu
 def test_steps_of_other_sizes_do_not_recompile_on_cuda():
     _assert_recompiles_bounded("cuda", torch.bfloat16)

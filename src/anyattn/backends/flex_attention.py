@@ -32,8 +32,10 @@ How a step is laid out for the kernel (the plan, built from the CPU mirrors only
 - Other tokens: one batch entry, a row per token, every query head (FlexAttention's GQA,
   `enable_gqa`, maps query head h to KV head h // G). The queries are copied token-major
   into a buffer of whole row tiles (`[rows, H, D]`, viewed as `[1, H, rows, D]`: one
-  contiguous copy), and FlexAttention gives the output the query's strides, so the copy into
-  the caller's output is contiguous too. (Before, GQA was folded into the rows, row
+  contiguous copy), unless the caller's contiguous query already holds the padded rows from
+  token 0 on (a step without decodes whose batch is a bucket's size or padded past it: it is
+  read as it is); FlexAttention gives the output the query's strides, so the copy into the
+  caller's output is contiguous too. (Before, GQA was folded into the rows, row
   `t * G + g` of one KV head: two transposing copies, 326 us of a 4 x 4096 prefill on an
   H200 against 133 us for these two, measured in a throwaway experiment.)
 - Masks: token t of request r keeps keys `lo[t] <= kv <= hi[t]` in workspace coordinates
@@ -444,6 +446,25 @@ def _as_kernel_rows(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
     return _static_dims(rows.view(1, heads, num_rows // TILE, TILE, size), (0, 1, 3, 4))
 
 
+def _covers_whole_rows(query: torch.Tensor, first_token: int, num_rows: int) -> bool:
+    """Whether the rows kernel can read `query [tokens, H, D]` itself: its rows start at token
+    0 and the caller's tensor has at least `num_rows` (the padded row count; an engine's
+    padded batch, or a step of exactly a bucket's tokens) in the layout of the workspace's
+    copy: contiguous at storage offset 0. The rows past the step's tokens are the caller's
+    (padding, any values): their outputs are never copied out, and a row's scores depend on
+    its own query only.
+
+    Anything else is copied: a graph compiled for these strides would guard on others and
+    compile again, and a symbolic storage offset hides the alignment Inductor needs (the
+    kernel took 1.3-1.6x as long with one on an H200, benchmarks/RESULTS.md)."""
+    return (
+        first_token == 0
+        and query.shape[0] >= num_rows
+        and query.storage_offset() == 0
+        and query.is_contiguous()
+    )
+
+
 def _soft_cap(mods: dict[str, torch.Tensor]) -> Callable | None:
     """The soft cap alone as a score mod (FlexAttention applies the scale before it)."""
     cap = mods.get("soft_cap")
@@ -663,15 +684,23 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
 
     def _rows_queries(self, query, md, plan: RowsPlan) -> torch.Tensor:
         """Tokens `plan.first_token ...` of `query [n, H, D]` as the rows kernel takes them:
-        `[1, H, rows, D]` (tiled on CUDA), a token-major view of a workspace buffer of the
-        padded row count (rows past the tokens keep earlier values)."""
+        `[1, H, rows, D]` (tiled on CUDA): a token-major view of the caller's query where it
+        covers the padded row count (`_covers_whole_rows`), else of a workspace buffer of that
+        many rows (rows past the tokens keep earlier values)."""
         t0, n = plan.first_token, md.num_actual_tokens
-        shape = (plan.num_rows, self.num_heads, self.head_size)
-        # (a copy all the same: the kernel wants whole tiles of rows, and the caller's query
-        # ends where its tokens do; token-major, so that it is one contiguous copy)
-        q = md.workspace.get("query", shape, query.dtype, query.device)
-        q[: n - t0].copy_(query[t0:n])
-        return _as_kernel_rows(q.unsqueeze(0).transpose(1, 2), query.device)
+        if _covers_whole_rows(query, t0, plan.num_rows):
+            q = query[: plan.num_rows]  # the caller's own rows: nothing to copy
+        else:
+            # a copy: the kernel wants whole tiles of rows, and the caller's query ends where
+            # its tokens do (or starts at the decodes' offset); token-major, one contiguous copy
+            shape = (plan.num_rows, self.num_heads, self.head_size)
+            q = md.workspace.get("query", shape, query.dtype, query.device)
+            q[: n - t0].copy_(query[t0:n])
+        # Detached, a tensor without a base, its heads and head size static: torch.compile
+        # guards on a view's base, and the caller's query and the workspace buffer have bases
+        # of other shapes (a static head count is never tied to a symbolic tile count).
+        rows = _static_dims(q.detach(), (1, 2))
+        return _as_kernel_rows(rows.unsqueeze(0).transpose(1, 2), query.device)
 
     def _rows_mods(self, mods: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`mods` as the rows' score mod reads them: the kernel's head is the query head
