@@ -198,5 +198,5 @@ def run_xqa_decode(
 def contiguous_rows(table: torch.Tensor, num_reqs: int) -> torch.Tensor:
     """The table's first `num_reqs` rows as XQA reads them: contiguous (a device copy when
     the table is a column slice of a wider buffer)."""
-    rows = table[:num_reqs]
+    rows = table if table.shape[0] == num_reqs else table[:num_reqs]
     return rows if rows.is_contiguous() else rows.contiguous()
