@@ -224,6 +224,10 @@ def test_absent_flash_attention_declares_fa4_and_names_the_pip_command(monkeypat
 
 
 _SM80_TOO_OLD = "compute capability sm80 not supported (needs sm90 or newer)"
+_SM80_TOO_OLD_FOR_THE_EXTRA = (
+    f"{_SM80_TOO_OLD}: FA4, which pip install 'anyattn[flash-attn]' installs, runs on sm90+; "
+    "FlashAttention 2 runs on sm80+ (pip install flash-attn)"
+)
 _FA3_NOT_ON_SM100 = (
     "no FlashAttention version takes this combination (FA3 (flash_attn_interface."
     "flash_attn_with_kvcache): compute capability sm100 not supported (runs on sm90 only))"
@@ -243,7 +247,7 @@ _SELECTIONS = [
     ("FA2", SM80, (), None),
     ("FA2", SM90, (), None),
     ("FA2", SM100, (), None),
-    ("none", SM80, (_SM80_TOO_OLD,), _NOT_INSTALLED),
+    ("none", SM80, (_SM80_TOO_OLD_FOR_THE_EXTRA,), _NOT_INSTALLED),
     ("none", SM90, (), _NOT_INSTALLED),
     ("none", SM100, (), _NOT_INSTALLED),
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -628,6 +629,27 @@ def test_registered_and_selected_after_torch_on_cpu():
     assert verdicts["FLEX_ATTENTION"].reasons == ()
     picked = selector.select_backend(_config(), DeviceInfo.cpu(), backend="FLEX_ATTENTION")
     assert picked is FlexAttentionBackend
+
+
+def test_unavailable_reasons_say_what_is_missing_and_how_to_get_it(monkeypatch):
+    """Each reason FLEX_ATTENTION cannot run here names the missing piece and what to do."""
+    reason = flex_attention._unavailable_reason.__wrapped__
+    real_find_spec = flex_attention.importlib.util.find_spec
+
+    def without(missing):
+        return lambda name, *a: None if name == missing else real_find_spec(name, *a)
+
+    monkeypatch.setattr(
+        flex_attention.importlib.util, "find_spec", without("torch.nn.attention.flex_attention")
+    )
+    assert "pip install 'torch>=2.5'" in reason()
+    monkeypatch.setattr(flex_attention.importlib.util, "find_spec", real_find_spec)
+    monkeypatch.setattr(torch._dynamo, "is_dynamo_supported", lambda: False)
+    assert f"got Python {sys.version_info[0]}.{sys.version_info[1]}" in reason()
+    monkeypatch.setattr(torch._dynamo, "is_dynamo_supported", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(flex_attention.importlib.util, "find_spec", without("triton"))
+    assert reason().endswith("pip install triton")
 
 
 def test_lse_is_declared_for_cuda_only():

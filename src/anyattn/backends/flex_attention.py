@@ -91,6 +91,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -227,7 +228,11 @@ def _unavailable_reason() -> str | None:
             "pip install 'torch>=2.5'"
         )
     if not torch._dynamo.is_dynamo_supported():
-        return "torch.compile is not supported on this Python version"
+        version = ".".join(str(v) for v in sys.version_info[:2])
+        return (
+            f"torch.compile is not supported on this Python (got Python {version}): run on a "
+            f"Python version torch {torch.__version__.split('+')[0]} supports for torch.compile"
+        )
     if torch.cuda.is_available():
         if importlib.util.find_spec("triton") is None:
             return "Triton is missing (torch.compile needs it on CUDA): pip install triton"
