@@ -423,12 +423,35 @@ def test_validate_impl_arguments_accepts_declared_features(make_backend):
         (
             {"attn_type": "encoder_only"},
             NotImplementedError,
-            "attn_type encoder_only not supported (supported: decoder)",
+            "attn_type not supported (got encoder_only, expected one of decoder). Pick another "
+            "backend (`anyattn explain --head-size N --attn-type encoder_only` lists",
         ),
-        ({"alibi_slopes": [1.0] * 8}, NotImplementedError, "ALiBi not supported"),
-        ({"sliding_window": 64}, NotImplementedError, "sliding window not supported"),
-        ({"logits_soft_cap": 30.0}, NotImplementedError, "logits soft cap not supported"),
-        ({"sinks": torch.zeros(8)}, NotImplementedError, "attention sinks not supported"),
+        (
+            {"alibi_slopes": [1.0] * 8},
+            NotImplementedError,
+            "ALiBi not supported (got 8 alibi_slopes, expected None; the backend declares no "
+            "ALiBi support). Pick another backend (`anyattn explain --head-size N --has-alibi`",
+        ),
+        (
+            {"sliding_window": 64},
+            NotImplementedError,
+            "sliding window not supported (got sliding_window=64, expected None;",
+        ),
+        (
+            {"logits_soft_cap": 30.0},
+            NotImplementedError,
+            "logits soft cap not supported (got logits_soft_cap=30.0, expected None or 0;",
+        ),
+        (
+            {"sinks": torch.zeros(8)},
+            NotImplementedError,
+            "attention sinks not supported (got sinks of shape (8,), expected None;",
+        ),
+        (
+            {"sinks": [0.0] * 8},
+            NotImplementedError,
+            "attention sinks not supported (got sinks of type list, expected None;",
+        ),
     ],
 )
 def test_validate_impl_arguments_errors(make_backend, changes, error, message):
@@ -459,6 +482,22 @@ def test_validate_impl_arguments_bad_feature_values(make_backend, changes, messa
     with pytest.raises(ValueError) as raised:
         validate_impl_arguments(backend, **{**IMPL_ARGS, **changes})
     assert message in str(raised.value)
+
+
+def test_validate_impl_arguments_refuses_a_window_outside_decoder_attention(make_backend):
+    backend = make_backend(
+        features=["sliding_window"],
+        supported_attn_types=(AttentionType.DECODER, AttentionType.ENCODER),
+    )
+    with pytest.raises(NotImplementedError) as raised:
+        validate_impl_arguments(
+            backend, **{**IMPL_ARGS, "sliding_window": 8, "attn_type": "encoder"}
+        )
+    assert str(raised.value) == (
+        "FAKE impl: sliding window with encoder attention not supported (got sliding_window=8, "
+        "expected None; the window is defined causally). Pass sliding_window=None for encoder "
+        "layers."
+    )
 
 
 # --- builder defaults ------------------------------------------------------------------------

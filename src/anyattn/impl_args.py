@@ -76,12 +76,18 @@ def validate_impl_arguments(
         ) from None
     if not backend.supports_attn_type(attn_type):
         raise NotImplementedError(
-            f"{api}: attn_type {attn_type.value} not supported (supported: "
-            f"{', '.join(t.value for t in backend.supported_attn_types)})."
+            f"{api}: attn_type not supported (got {attn_type.value}, expected one of "
+            f"{', '.join(t.value for t in backend.supported_attn_types)}). "
+            + _pick_another(f"--attn-type {attn_type.value}")
         )
     if alibi_slopes is not None:
         if not backend.supports_alibi():
-            raise NotImplementedError(f"{api}: ALiBi not supported (got alibi_slopes).")
+            count = (
+                f"{len(alibi_slopes)} alibi_slopes"
+                if isinstance(alibi_slopes, Sequence | torch.Tensor)
+                else f"alibi_slopes of type {type(alibi_slopes).__name__}"
+            )
+            raise _undeclared(api, "ALiBi", count, "None", "--has-alibi")
         if not isinstance(alibi_slopes, Sequence | torch.Tensor):
             raise TypeError(
                 f"{api}: alibi_slopes must be a list of floats or a tensor (got "
@@ -94,12 +100,19 @@ def validate_impl_arguments(
             )
     if sliding_window is not None:
         if not backend.supports_sliding_window():
-            raise NotImplementedError(f"{api}: sliding window not supported.")
+            raise _undeclared(
+                api,
+                "sliding window",
+                f"sliding_window={sliding_window!r}",
+                "None",
+                "--has-sliding-window",
+            )
         if attn_type != AttentionType.DECODER:
             # DESIGN.md defines the window causally (p - W < j <= p).
             raise NotImplementedError(
-                f"{api}: sliding window with {attn_type.value} attention not supported (the "
-                "window is defined causally)."
+                f"{api}: sliding window with {attn_type.value} attention not supported (got "
+                f"sliding_window={sliding_window!r}, expected None; the window is defined "
+                f"causally). Pass sliding_window=None for {attn_type.value} layers."
             )
         if (
             isinstance(sliding_window, bool)
@@ -116,21 +129,43 @@ def validate_impl_arguments(
         )
     if logits_soft_cap is not None and logits_soft_cap != 0:
         if not backend.supports_logits_soft_cap():
-            raise NotImplementedError(f"{api}: logits soft cap not supported.")
+            raise _undeclared(
+                api,
+                "logits soft cap",
+                f"logits_soft_cap={logits_soft_cap!r}",
+                "None or 0",
+                "--has-logits-soft-cap",
+            )
         if not math.isfinite(logits_soft_cap) or logits_soft_cap < 0:
             raise ValueError(
                 f"{api}: logits_soft_cap must be a positive float (got {logits_soft_cap!r})."
             )
     if sinks is not None:
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
         if not backend.supports_sink():
-            raise NotImplementedError(f"{api}: attention sinks not supported.")
+            got = f"sinks of {'shape' if isinstance(sinks, torch.Tensor) else 'type'} {shape}"
+            raise _undeclared(api, "attention sinks", got, "None", "--has-sink")
         if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (num_heads,):
-            shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
             raise ValueError(
                 f"{api}: sinks must be a tensor of shape [num_heads] (got {shape}, expected "
                 f"({num_heads},))."
             )
     return kv_heads
+
+
+def _undeclared(api: str, feature: str, got: str, expected: str, flag: str) -> NotImplementedError:
+    """A feature given to a backend that does not declare it: what was given, and the fix."""
+    return NotImplementedError(
+        f"{api}: {feature} not supported (got {got}, expected {expected}; the backend declares "
+        f"no {feature} support). " + _pick_another(flag)
+    )
+
+
+def _pick_another(flag: str) -> str:
+    return (
+        f"Pick another backend (`anyattn explain --head-size N {flag}` lists those that "
+        "support it)."
+    )
 
 
 def check_forward_inputs(

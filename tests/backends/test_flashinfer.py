@@ -163,7 +163,7 @@ def test_impl_rejects_what_is_not_declared():
         FlashInferImpl(4, 64, 0.125, 2, sinks=torch.zeros(4))
     with pytest.raises(ValueError, match="head_size not supported"):
         FlashInferImpl(4, 96, 0.125, 2)
-    with pytest.raises(NotImplementedError, match="attn_type encoder"):
+    with pytest.raises(NotImplementedError, match=r"attn_type not supported \(got encoder,"):
         FlashInferImpl(4, 64, 0.125, 2, attn_type=AttentionType.ENCODER)
     impl = FlashInferImpl(4, 64, 0.125, 2, sliding_window=33, logits_soft_cap=30.0)
     assert (impl.num_kv_heads, impl.sliding_window, impl.logits_soft_cap) == (2, 33, 30.0)
@@ -265,8 +265,11 @@ def test_build_rejects_cascade_cross_attention_and_narrow_tables():
     with pytest.raises(ValueError, match="cascade attention not supported"):
         builder.build(32, cm)
     cross = make_common_attn_metadata([1], [3], TABLE[:1], 16, encoder_seq_lens=[7])
-    with pytest.raises(ValueError, match="cross attention not supported"):
+    with pytest.raises(ValueError) as raised:
         builder.build(0, cross)
+    message = str(raised.value)
+    assert "cross attention not supported (got encoder_seq_lens, expected None;" in message
+    assert "`anyattn explain --head-size N --attn-type encoder_decoder`" in message
     cm.seq_lens_cpu[0] = cm.max_seq_len = 100
     cm.num_computed_tokens_cpu[0] = 99
     with pytest.raises(ValueError, match="block_table too narrow"):
@@ -328,6 +331,11 @@ def test_validate_inputs_checks_the_step_against_the_layer():
         impl.validate_inputs(
             query, None, None, cache, md, torch.empty_like(query), torch.empty(4, 5).double()
         )
+    strided = torch.empty(5, 64, 4, dtype=torch.bfloat16).transpose(1, 2)
+    with pytest.raises(ValueError) as raised:
+        impl.validate_inputs(query, None, None, cache, md, strided)
+    got = f"(got strides (256, 1, 4) and {cache.stride()}, expected (256, 64, 1) and (..., 1))"
+    assert got in str(raised.value)
     # FlashInfer's window bounds only the keys before a query: a non-causal step has no window
     non_causal = cpu_builder(sliding_window=33).build(
         0, make_common_attn_metadata([1, 4], [9, 4], TABLE[:2], 16, causal=False)

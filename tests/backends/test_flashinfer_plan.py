@@ -194,6 +194,21 @@ def test_plan_step_rejects_bad_batches():
         plan_step(loc_of([6]), np.array([5]), 16, num_cols=2)
 
 
+@pytest.mark.parametrize("decode_arrays", [True, False])
+@pytest.mark.parametrize("context", [120, 0], ids=["paged-prefill", "ragged-prefill"])
+def test_plan_step_narrow_table_reports_the_longest_request(context, decode_arrays):
+    # a decode of 13 pages, then a prefill of 19: the step needs 19 columns, not the 13 of the
+    # decode part that is planned first
+    query_lens, seq_lens = [1, 300 - context], [200, 300]
+    with pytest.raises(ValueError) as raised:
+        plan_step(loc_of(query_lens), np.array(seq_lens), 16, 12, decode_arrays=decode_arrays)
+    assert str(raised.value).startswith(
+        "plan_step: block_table too narrow for the longest sequence (got 12 columns, expected "
+        ">= 19 for block_size 16)."
+    )
+    plan_step(loc_of(query_lens), np.array(seq_lens), 16, 19, decode_arrays=decode_arrays)
+
+
 # --- random batches against a loop-by-loop reference -------------------------------------------
 
 

@@ -443,7 +443,12 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 f"{common_prefix_len}, expected 0). FLASHINFER's use_cascade_attention is False."
             )
         if cm.encoder_seq_lens_cpu is not None:
-            raise ValueError(f"{api}: cross attention not supported (got encoder_seq_lens).")
+            raise ValueError(
+                f"{api}: cross attention not supported (got encoder_seq_lens, expected None; "
+                "FLASHINFER serves decoder attention only). Build encoder_decoder layers' steps "
+                "with another backend (`anyattn explain --head-size N --attn-type "
+                "encoder_decoder` lists those that support it)."
+            )
         host = cm.validate(api)
         spec = self.kv_cache_spec
         xqa, decode_arrays = self._decode_routing()
@@ -1181,7 +1186,9 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
         if not output.is_contiguous() or kv_cache.stride(-1) != 1:
             raise ValueError(
                 f"{api}: output must be contiguous and kv_cache's head dimension too (got "
-                f"strides {output.stride()} and {kv_cache.stride()})."
+                f"strides {output.stride()} and {kv_cache.stride()}, expected "
+                f"{(output.shape[1] * output.shape[2], output.shape[2], 1)} and (..., 1)). "
+                "Allocate output with torch.empty and kv_cache in NHD or HND order."
             )
 
 

@@ -248,7 +248,9 @@ def paged_kv_gather_index(
     indptr = np.zeros(seq.shape[0] + 1, dtype=np.int64)
     indptr[1:] = num_pages.cumsum()
     most = int(_largest(num_pages)) if seq.shape[0] else 0
-    rectangle = _rectangle(num_pages, most, indptr, block_size, first_row, num_cols)
+    rectangle = _rectangle(
+        num_pages, most, indptr, block_size, first_row, num_cols, "paged_kv_gather_index"
+    )
     if rectangle is not None:
         return _rectangle_positions(rectangle, num_cols)
     return _index_positions(num_pages, indptr, first_row, num_cols)
@@ -261,16 +263,17 @@ def _rectangle(
     block_size: int,
     first_row: int,
     num_cols: int,
+    api: str,
 ) -> tuple[slice, slice] | None:
     """The `(rows, columns)` rectangle of the block table holding the pages of requests
     `first_row, ...` when every request reads the same number of pages, else None; from each
     request's pages, the most of them (0 without requests) and their offsets (`[n + 1]`).
 
     Raises:
-        ValueError: a request needs more pages than the table has columns.
+        ValueError: a request needs more pages than the table has columns (`api` says so).
     """
     n = num_pages.shape[0]
-    _check_columns("paged_kv_gather_index", most, block_size, num_cols)
+    _check_columns(api, most, block_size, num_cols)
     # FlashInfer's page offsets are int32 (so is `indptr`, which would have wrapped around): the
     # exact total is summed only when the bound n * most allows more.
     if n * most > _INT32_MAX and int(num_pages.sum(dtype=np.int64)) > _INT32_MAX:
@@ -407,7 +410,9 @@ def _paged_arrays(
     joint, num_pages = _page_table(seq, block_size, num_reqs)
     indptr, last = _split_joint(joint)
     most = int(_largest(num_pages)) if end > start else 0
-    rectangle = _rectangle(num_pages, most, indptr[: end - start + 1], block_size, start, num_cols)
+    rectangle = _rectangle(
+        num_pages, most, indptr[: end - start + 1], block_size, start, num_cols, "plan_step"
+    )
     if padded_num_reqs is None:
         seq32 = seq.astype(np.int32)
     else:
@@ -501,11 +506,12 @@ def _plan_any(
             f"plan_step: a CUDA-graph plan needs a batch of decodes only (got "
             f"{seq.shape[0] - split.num_decodes} prefills). Run steps with prefills eagerly."
         )
+    _check_padding(split.num_decodes, cudagraph_num_reqs)
+    # The table holds every request's pages, whichever wrapper reads them: checked on the whole
+    # step, so a refusal reports the longest request, not the first part that does not fit.
+    _check_width(seq, block_size, num_cols)
     decode = None
-    if not decode_arrays:
-        _check_padding(split.num_decodes, cudagraph_num_reqs)
-        _check_width(seq[: split.num_decodes], block_size, num_cols)
-    elif split.num_decodes or cudagraph_num_reqs:
+    if decode_arrays and (split.num_decodes or cudagraph_num_reqs):
         decode = _paged_arrays(
             loc, seq, block_size, num_cols, (0, split.num_decodes), False, cudagraph_num_reqs
         )
@@ -554,8 +560,7 @@ def _arrays_of_decodes(num_decodes: int, num_tokens: int) -> StepArrays:
 
 
 def _check_width(seq: np.ndarray, block_size: int, num_cols: int) -> None:
-    """The table-width check of the page gather, for decodes planned without arrays (whose
-    kernel reads the table's rows itself)."""
+    """`plan_step`'s table-width check: the longest of the requests `seq` (int64) in pages."""
     if seq.size:
         most = -(-int(_largest(seq)) // block_size)
         _check_columns("plan_step", most, block_size, num_cols)
@@ -567,7 +572,8 @@ def _check_columns(api: str, most: int, block_size: int, num_cols: int) -> None:
     if most > num_cols:
         raise ValueError(
             f"{api}: block_table too narrow for the longest sequence (got {num_cols} columns, "
-            f"expected >= {most} for block_size {block_size})."
+            f"expected >= {most} for block_size {block_size}). Give it "
+            "ceil(max_model_len / block_size) columns."
         )
 
 
