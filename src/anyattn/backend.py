@@ -206,6 +206,50 @@ class AttentionBackend(ABC):
         return max(fitting)
 
     @classmethod
+    def check_kv_cache_spec(cls, spec: AttentionSpec, api: str) -> None:
+        """Refuse a builder's spec the kernels do not take, at the builder's construction
+        rather than at its first plan or forward: `spec.block_size` is a kernel block size
+        (engine blocks are split before a builder sees them), so it must be one exactly.
+
+        Raises:
+            ValueError: naming the field, its value and what the backend declares.
+        """
+        name = cls.get_name()
+        checks = (
+            (
+                "block_size",
+                spec.block_size,
+                cls.supports_block_size(spec.block_size)
+                and cls.get_kernel_block_size(spec.block_size) == spec.block_size,
+                _format_block_sizes(cls.get_supported_kernel_block_sizes()),
+            ),
+            (
+                "head_size",
+                spec.head_size,
+                cls.supports_head_size(spec.head_size),
+                ", ".join(str(s) for s in cls.get_supported_head_sizes()) or "any",
+            ),
+            (
+                "dtype",
+                _dtype_name(spec.dtype),
+                cls.supports_dtype(spec.dtype),
+                ", ".join(_dtype_name(d) for d in cls.supported_dtypes),
+            ),
+            (
+                "kv_cache_dtype",
+                spec.kv_cache_dtype,
+                cls.supports_kv_cache_dtype(spec.kv_cache_dtype),
+                ", ".join(cls.supported_kv_cache_dtypes),
+            ),
+        )
+        for field_name, value, ok, accepted in checks:
+            if not ok:
+                raise ValueError(
+                    f"{api}: kv_cache_spec.{field_name} not supported by {name} (got {value}, "
+                    f"expected {accepted}). Build the spec the selector chose {name} for."
+                )
+
+    @classmethod
     def get_preferred_block_size(cls, default_block_size: int = 16) -> int:
         """`default_block_size` when supported, else the smallest supported kernel size."""
         sizes = cls.get_supported_kernel_block_sizes()

@@ -22,6 +22,7 @@ from anyattn.metadata import make_common_attn_metadata
 from anyattn.testing import assign_blocks
 
 BLOCK = 16
+FA2_BLOCK = 256  # FA2's paged KV takes blocks of a multiple of 256 tokens only
 I32 = torch.int32
 
 
@@ -34,8 +35,8 @@ def _fa4_installed(monkeypatch):
     install(monkeypatch, fa4())
 
 
-def _builder(capture_sizes=(), sliding_window=None, max_num_reqs=32, device="cpu"):
-    spec = AttentionSpec(BLOCK, 2, 64, torch.float16, sliding_window=sliding_window)
+def _builder(capture_sizes=(), sliding_window=None, max_num_reqs=32, device="cpu", block=BLOCK):
+    spec = AttentionSpec(block, 2, 64, torch.float16, sliding_window=sliding_window)
     limits = BatchLimits(max_num_reqs, 4096, 1024, cudagraph_capture_sizes=capture_sizes)
     return FlashAttentionMetadataBuilder(spec, ["layer.0"], limits, device)
 
@@ -100,10 +101,10 @@ def test_cascade_is_worthwhile_for_many_requests_sharing_a_long_prefix():
     assert not cascade_is_worthwhile(512, decodes, 8, 1, num_sms=132)
 
 
-def _decode_batch(seq_lens, seed=0, device="cpu"):
+def _decode_batch(seq_lens, seed=0, device="cpu", block=BLOCK):
     gen = torch.Generator().manual_seed(seed)
-    table, _ = assign_blocks(seq_lens, BLOCK, generator=gen)
-    return make_common_attn_metadata([1] * len(seq_lens), seq_lens, table, BLOCK, device), table
+    table, _ = assign_blocks(seq_lens, block, generator=gen)
+    return make_common_attn_metadata([1] * len(seq_lens), seq_lens, table, block, device), table
 
 
 def test_plain_build_slices_the_step_tensors():
@@ -122,8 +123,8 @@ def test_plain_build_slices_the_step_tensors():
 
 def test_fa2_gets_cumulative_key_lengths(monkeypatch):
     install(monkeypatch, fa2())
-    cm, _ = _decode_batch([40, 17, 3])
-    md = _builder().build(0, cm)
+    cm, _ = _decode_batch([40, 17, 3], block=FA2_BLOCK)
+    md = _builder(block=FA2_BLOCK).build(0, cm)
     assert md.main.cu_seqlens_k.tolist() == [0, 40, 57, 60]
 
 
@@ -179,13 +180,15 @@ def test_replay_steps_rewrite_only_what_changed_and_stay_exact(monkeypatch, fa2_
     """The decode layout's views are made once per captured size, and the query offsets are
     rewritten only when the batch or the size changes: over steps that go back and forth
     between sizes and batches, every buffer still holds exactly the step's values."""
+    block = BLOCK
     if fa2_interface:
         install(monkeypatch, fa2())
-    builder = _builder(capture_sizes=(4, 8))
+        block = FA2_BLOCK
+    builder = _builder(capture_sizes=(4, 8), block=block)
     steps = [[40, 17, 3], [41, 18, 4], [41, 18, 4, 9], [5, 6, 7, 8, 9], [42, 19], [4, 5, 6, 7]]
     passes = {}
     for seed, lens in enumerate(steps):
-        cm, table = _decode_batch(lens, seed=seed)
+        cm, table = _decode_batch(lens, seed=seed, block=block)
         main = builder.build(0, cm).main
         padded = 4 if len(lens) <= 4 else 8
         n = len(lens)
@@ -229,7 +232,8 @@ def test_capture_sizes_beyond_max_num_reqs_are_refused():
 
 def test_fa2_decode_layout_carries_cumulative_key_lengths(monkeypatch):
     install(monkeypatch, fa2())
-    md = _builder(capture_sizes=(4,)).build(0, _decode_batch([40, 17, 3])[0])
+    builder = _builder(capture_sizes=(4,), block=FA2_BLOCK)
+    md = builder.build(0, _decode_batch([40, 17, 3], block=FA2_BLOCK)[0])
     assert md.uses_persistent_buffers
     assert md.main.cu_seqlens_k.tolist() == [0, 40, 57, 60, 60]
 

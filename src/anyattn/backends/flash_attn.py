@@ -292,6 +292,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
 
     def __init__(self, kv_cache_spec, layer_names, limits, device) -> None:
         super().__init__(kv_cache_spec, layer_names, limits, device)
+        FlashAttentionBackend.check_kv_cache_spec(kv_cache_spec, "FlashAttentionMetadataBuilder")
         self.block_size = kv_cache_spec.block_size
         # FA2's varlen call has no seqused_k: key lengths go in as cumulative offsets.
         self._needs_cu_seqlens_k = any(

@@ -328,6 +328,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, limits, device) -> None:
         super().__init__(kv_cache_spec, layer_names, limits, device)
+        FlashInferBackend.check_kv_cache_spec(kv_cache_spec, "FlashInferMetadataBuilder")
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
         spec = kv_cache_spec
         self._cache_dtype = spec.cache_dtype

@@ -313,6 +313,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
 
     def __init__(self, kv_cache_spec, layer_names, limits, device) -> None:
         super().__init__(kv_cache_spec, layer_names, limits, device)
+        FlexAttentionBackend.check_kv_cache_spec(kv_cache_spec, "FlexAttentionMetadataBuilder")
         if limits.max_num_reqs > MAX_NUM_REQS:
             raise ValueError(
                 "FlexAttentionMetadataBuilder: too many requests per step for the key gather "
