@@ -646,9 +646,15 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         generation: int,
         most: int,
     ) -> None:
-        """Copy a step's table (its first `most` columns: the longest request's pages) and
-        lengths into the graph buffers of `size` (device copies)."""
-        self._xqa_graph[size].fill(block_table[:, :most], seq_lens, num_reqs)
+        """Copy a step's table (the longest request's `most` pages, rounded up to a power of
+        two columns: a few shapes, whose buffer views are kept, at most twice the columns
+        read) and lengths into the graph buffers of `size` (device copies)."""
+        buffers = self._xqa_graph[size]
+        width = min(1 << (most - 1).bit_length() if most else 1, block_table.shape[1],
+                    buffers.page_table.shape[1])  # fmt: skip
+        if block_table.shape[1] != width:
+            block_table = block_table[:num_reqs, :width]
+        buffers.fill(block_table, seq_lens, num_reqs)
         self._xqa_filled_by[size] = generation
 
     def _xqa_current(self, step: _Step) -> bool:

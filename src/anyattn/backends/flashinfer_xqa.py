@@ -135,14 +135,23 @@ class XqaGraphBuffers:
         self.page_table = torch.zeros(size, max_pages, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
         self._real_rows = 0  # rows a step has filled since they last held padding lengths
+        # (rows, columns) -> the views a fill of that shape writes: made once, since slicing
+        # costs the host about a microsecond a view every replay step
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def fill(self, block_table: torch.Tensor, seq_lens: torch.Tensor, num_reqs: int) -> None:
         """Copy the first `num_reqs` rows of the step's `block_table` `[>= num_reqs, cols]`
         and `seq_lens` in; the other rows become padding. (Only `fill` writes the buffers:
         rows past the last fill's hold length 1 already.)"""
-        cols = block_table.shape[1]
-        self.page_table[:num_reqs, :cols].copy_(block_table[:num_reqs])
-        self.seq_lens[:num_reqs].copy_(seq_lens[:num_reqs])
+        shape = (num_reqs, block_table.shape[1])
+        views = self._views.get(shape)
+        if views is None:
+            views = self._views[shape] = (self.page_table[:num_reqs, : shape[1]],
+                                          self.seq_lens[:num_reqs])  # fmt: skip
+        table = block_table if block_table.shape[0] == num_reqs else block_table[:num_reqs]
+        lens = seq_lens if seq_lens.shape[0] == num_reqs else seq_lens[:num_reqs]
+        views[0].copy_(table)
+        views[1].copy_(lens)
         if num_reqs < self._real_rows:  # rows past this step's held an earlier step's lengths
             self.seq_lens[num_reqs : self._real_rows].fill_(1)
         self._real_rows = num_reqs
