@@ -396,6 +396,8 @@ def test_validate_impl_arguments_accepts_declared_features(make_backend):
     }
     assert validate_impl_arguments(backend, **args) == 2
     assert validate_impl_arguments(backend, **{**args, "alibi_slopes": torch.ones(8)}) == 2
+    with pytest.raises(ValueError, match=r"one slope per query head \(got 1, expected 8\)"):
+        validate_impl_arguments(backend, **{**args, "alibi_slopes": torch.tensor(0.5)})
 
 
 @pytest.mark.parametrize(
@@ -431,6 +433,11 @@ def test_validate_impl_arguments_accepts_declared_features(make_backend):
             NotImplementedError,
             "ALiBi not supported (got 8 alibi_slopes, expected None; the backend declares no "
             "ALiBi support). Pick another backend (`anyattn explain --head-size N --has-alibi`",
+        ),
+        (
+            {"alibi_slopes": torch.tensor(0.5)},  # a 0-d tensor: no len()
+            NotImplementedError,
+            "ALiBi not supported (got 1 alibi_slopes, expected None;",
         ),
         (
             {"sliding_window": 64},

@@ -83,7 +83,7 @@ def validate_impl_arguments(
     if alibi_slopes is not None:
         if not backend.supports_alibi():
             count = (
-                f"{len(alibi_slopes)} alibi_slopes"
+                f"{_num_slopes(alibi_slopes)} alibi_slopes"
                 if isinstance(alibi_slopes, Sequence | torch.Tensor)
                 else f"alibi_slopes of type {type(alibi_slopes).__name__}"
             )
@@ -93,10 +93,10 @@ def validate_impl_arguments(
                 f"{api}: alibi_slopes must be a list of floats or a tensor (got "
                 f"{type(alibi_slopes).__name__})."
             )
-        if len(alibi_slopes) != num_heads:
+        if _num_slopes(alibi_slopes) != num_heads:
             raise ValueError(
-                f"{api}: alibi_slopes needs one slope per query head (got {len(alibi_slopes)}, "
-                f"expected {num_heads})."
+                f"{api}: alibi_slopes needs one slope per query head (got "
+                f"{_num_slopes(alibi_slopes)}, expected {num_heads})."
             )
     if sliding_window is not None:
         if not backend.supports_sliding_window():
@@ -291,3 +291,8 @@ def layer_kv_scale(
     if scale.device != device or scale.dtype != torch.float32:
         scale = scale.to(device=device, dtype=torch.float32)
     return scale
+
+
+def _num_slopes(alibi_slopes: Sequence | torch.Tensor) -> int:
+    """Slopes in a list or a tensor of any rank (a 0-d tensor has no `len`)."""
+    return alibi_slopes.numel() if isinstance(alibi_slopes, torch.Tensor) else len(alibi_slopes)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fa_fakes import fa4, install
 
 from anyattn.backends.flash_attn import FlashAttentionMetadataBuilder
 from anyattn.backends.flashinfer import FlashInferMetadataBuilder
@@ -48,7 +49,8 @@ LIMITS = BatchLimits(8, 64, 1024)
     ],
     ids=["fi-block", "fi-head", "fi-dtype", "fa-block", "flex-head"],
 )
-def test_builders_refuse_specs_their_kernels_do_not_take(builder, spec, message):
+def test_builders_refuse_specs_their_kernels_do_not_take(monkeypatch, builder, spec, message):
+    install(monkeypatch, fa4())  # FLASH_ATTN's declarations follow the installed version
     with pytest.raises(ValueError) as raised:
         builder(spec, ["layer.0"], LIMITS, "cpu")
     assert message in str(raised.value)

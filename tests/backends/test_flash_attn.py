@@ -253,6 +253,13 @@ _SELECTIONS = [
 ]
 
 
+def test_with_nothing_installed_an_older_gpu_is_told_no_version_serves_it(monkeypatch):
+    install(monkeypatch)  # no FlashAttention at all
+    (reason,) = _reasons(DeviceInfo.parse("sm75"))
+    assert reason == "compute capability sm75 not supported (needs sm90 or newer)"
+    assert _reasons(SM80) == [_SM80_TOO_OLD_FOR_THE_EXTRA]  # FA2 would serve sm80
+
+
 @pytest.mark.parametrize(
     ("installed", "device", "reasons", "unavailable"),
     [pytest.param(*row, id=f"{row[0]}-{str(row[1]).split()[-1]}") for row in _SELECTIONS],

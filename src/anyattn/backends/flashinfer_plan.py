@@ -549,6 +549,7 @@ def _plan_decodes(
     return StepArrays(_arrays_of_decodes(n, num_tokens).split, decode, None, None, None)
 
 
+# (a module-level cache, but of pure values: frozen, made from its key alone, bounded)
 @functools.lru_cache(maxsize=4096)
 def _arrays_of_decodes(num_decodes: int, num_tokens: int) -> StepArrays:
     """The split of `num_decodes` single-token decodes (their `num_tokens` token rows), with

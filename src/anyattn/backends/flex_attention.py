@@ -463,7 +463,10 @@ def _covers_whole_rows(query: torch.Tensor, first_token: int, num_rows: int) -> 
 
     Anything else is copied: a graph compiled for these strides would guard on others and
     compile again, and a symbolic storage offset hides the alignment Inductor needs (the
-    kernel took 1.3-1.6x as long with one on an H200, benchmarks/RESULTS.md)."""
+    kernel took 1.3-1.6x as long with one on an H200, benchmarks/RESULTS.md). (torch.compile
+    also guards on a tensor being an inference tensor: a caller alternating steps inside and
+    outside `torch.inference_mode` would compile once for each; the engine runs every step
+    inside it.)"""
     return (
         first_token == 0
         and query.shape[0] >= num_rows
