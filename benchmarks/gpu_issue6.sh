@@ -18,6 +18,9 @@
 #                                           (WORKERS, MAX_JOBS): 16 unbounded workers on 16
 #                                           cores finished 3 tests in 600 s, 4 x 4 finished 10
 #                                           of 12 in 548 s
+#     bash benchmarks/gpu_issue6.sh measure issue 6's measurement, one kernels.py run per block
+#                                           size (16, then 64): every wrapper's cost against its
+#                                           library, then build() of every backend
 #   FLEX_ATTENTION's wrapper cost and its breakdown need no wheels (no parts to send first):
 #          bash benchmarks/gpu_issue6.sh flex
 #
@@ -86,6 +89,15 @@ bench)
     grep "^|" "$out/breakdown.md"
     grep "^|" "$out/build.md" "$out/build64.md" "$out/wrapper64.md" "$out/xqa_decode.md"
     grep "Host yardstick" "$out/build.md" "$out/build64.md"
+    ;;
+measure)
+    for bs in 16 64; do
+        timeout -s INT "${MEASURE_SECONDS:-540}" python3 benchmarks/kernels.py --only wrapper,build \
+            --backends TRITON,FLASH_ATTN,FLASHINFER,FLEX_ATTENTION,TORCH \
+            --peers fi,fa4,fa4-paged,flex --block-size "$bs" >"$out/measure$bs.md" 2>"$out/measure$bs.err"
+        echo "kernels.py block $bs rc $?"
+        grep -E "^\||yardstick|Total" "$out/measure$bs.md"
+    done
     ;;
 flex)
     timeout -s INT "${FLEX_SECONDS:-270}" python3 benchmarks/kernels.py --only wrapper \
