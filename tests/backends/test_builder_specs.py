@@ -11,6 +11,7 @@ from fa_fakes import fa4, install
 from anyattn.backends.flash_attn import FlashAttentionMetadataBuilder
 from anyattn.backends.flashinfer import FlashInferMetadataBuilder
 from anyattn.backends.flex_attention import FlexAttentionMetadataBuilder
+from anyattn.backends.triton_attn import TritonAttentionMetadataBuilder
 from anyattn.config import AttentionSpec, BatchLimits
 
 LIMITS = BatchLimits(8, 64, 1024)
@@ -46,8 +47,13 @@ LIMITS = BatchLimits(8, 64, 1024)
             AttentionSpec(16, 2, 40, torch.float32),
             "kv_cache_spec.head_size not supported by FLEX_ATTENTION (got 40, expected 16, 32,",
         ),
+        (
+            TritonAttentionMetadataBuilder,
+            AttentionSpec(16, 2, 12, torch.float16),
+            "kv_cache_spec.head_size not supported by TRITON (got 12, expected 8, 16,",
+        ),
     ],
-    ids=["fi-block", "fi-head", "fi-dtype", "fa-block", "flex-head"],
+    ids=["fi-block", "fi-head", "fi-dtype", "fa-block", "flex-head", "triton-head"],
 )
 def test_builders_refuse_specs_their_kernels_do_not_take(monkeypatch, builder, spec, message):
     install(monkeypatch, fa4())  # FLASH_ATTN's declarations follow the installed version

@@ -205,6 +205,7 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
 
     def __init__(self, kv_cache_spec, layer_names, limits, device) -> None:
         super().__init__(kv_cache_spec, layer_names, limits, device)
+        TorchAttentionBackend.check_kv_cache_spec(kv_cache_spec, "TorchAttentionMetadataBuilder")
         # Decodes (and spec-decode verification runs of 1 + k tokens) go first, as one group.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
         self._workspace = Workspace()

@@ -233,6 +233,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
 
     def __init__(self, kv_cache_spec, layer_names, limits, device) -> None:
         super().__init__(kv_cache_spec, layer_names, limits, device)
+        TritonAttentionBackend.check_kv_cache_spec(kv_cache_spec, "TritonAttentionMetadataBuilder")
         max_tokens = min(limits.max_num_tokens, _MAX_SPLIT_TOKENS)
         self._workspace = SplitWorkspace(max_tokens, torch.device(device))
 
