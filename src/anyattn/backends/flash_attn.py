@@ -194,17 +194,17 @@ class FlashAttentionBackend(AttentionBackend, metaclass=_DeclaredByInstalledVers
         """The declared checks, then (when they pass on a CUDA device) whether one version takes
         everything together, e.g. head size 192 on sm100 (FA4 takes it on sm90 only)."""
         reasons = super().validate_configuration(config, device)
-        if reasons and device.capability is not None and device.capability >= (8, 0):
-            if not versions.installed_interfaces():
-                # (nothing installed: what is declared is FA4, the extra's; name the version
-                # that serves an sm80-sm89 GPU instead)
-                reasons = [
-                    f"{r}: FA4, which {versions.PIP_COMMAND} installs, runs on sm90+; "
-                    "FlashAttention 2 runs on sm80+ (pip install flash-attn)"
-                    if r.startswith("compute capability")
-                    else r
-                    for r in reasons
-                ]
+        sm80_or_newer = device.capability is not None and device.capability >= (8, 0)
+        if reasons and sm80_or_newer and not versions.installed_interfaces():
+            # (nothing installed: what is declared is FA4, the extra's; name the version that
+            # serves an sm80-sm89 GPU instead)
+            reasons = [
+                f"{r}: FA4, which {versions.PIP_COMMAND} installs, runs on sm90+; "
+                "FlashAttention 2 runs on sm80+ (pip install flash-attn)"
+                if r.startswith("compute capability")
+                else r
+                for r in reasons
+            ]
         if reasons or not device.is_cuda:
             return reasons
         request = versions.FlashAttnRequest.from_config(config, device)

@@ -84,6 +84,7 @@ from anyattn.backends.flashinfer_xqa import (
     XQA_WORKSPACE_BYTES,
     XqaGraphBuffers,
     contiguous_rows,
+    first_rows,
     run_xqa_decode,
     xqa_decode_reason,
 )
@@ -613,9 +614,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 f"and {seq_lens.device}, expected {self.device})."
             )
         if cudagraph_size is None:
-            # (no slice where the step has only these rows: a slice costs the host about 1 us)
-            lens = seq_lens if seq_lens.shape[0] == num_decodes else seq_lens[:num_decodes]
-            return contiguous_rows(table, num_decodes), lens
+            return contiguous_rows(table, num_decodes), first_rows(seq_lens, num_decodes)
         buffers = self._xqa_graph.get(cudagraph_size)
         if buffers is None:
             max_pages = -(-self.limits.max_model_len // self.kv_cache_spec.block_size)

@@ -49,6 +49,7 @@ __all__ = [
     "XQA_WORKSPACE_BYTES",
     "XqaGraphBuffers",
     "contiguous_rows",
+    "first_rows",
     "run_xqa_decode",
     "xqa_decode_reason",
 ]
@@ -148,10 +149,8 @@ class XqaGraphBuffers:
         if views is None:
             views = self._views[shape] = (self.page_table[:num_reqs, : shape[1]],
                                           self.seq_lens[:num_reqs])  # fmt: skip
-        table = block_table if block_table.shape[0] == num_reqs else block_table[:num_reqs]
-        lens = seq_lens if seq_lens.shape[0] == num_reqs else seq_lens[:num_reqs]
-        views[0].copy_(table)
-        views[1].copy_(lens)
+        views[0].copy_(first_rows(block_table, num_reqs))
+        views[1].copy_(first_rows(seq_lens, num_reqs))
         if num_reqs < self._real_rows:  # rows past this step's held an earlier step's lengths
             self.seq_lens[num_reqs : self._real_rows].fill_(1)
         self._real_rows = num_reqs
@@ -207,5 +206,11 @@ def run_xqa_decode(
 def contiguous_rows(table: torch.Tensor, num_reqs: int) -> torch.Tensor:
     """The table's first `num_reqs` rows as XQA reads them: contiguous (a device copy when
     the table is a column slice of a wider buffer)."""
-    rows = table if table.shape[0] == num_reqs else table[:num_reqs]
+    rows = first_rows(table, num_reqs)
     return rows if rows.is_contiguous() else rows.contiguous()
+
+
+def first_rows(tensor: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """`tensor[:num_rows]`, or `tensor` itself when it has just that many rows (a slice costs
+    the host about a microsecond, and these run every step)."""
+    return tensor if tensor.shape[0] == num_rows else tensor[:num_rows]
