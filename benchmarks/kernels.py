@@ -978,10 +978,11 @@ def time_build(
     fast_decode_plan: bool = True,
     varied: bool = False,
     graphs: bool = False,
+    persistent: bool = False,
 ) -> BuildResult:
     """`prepare_build` and `time_builds` of one case (see both)."""
     prepared = prepare_build(
-        name, shape, device, num_reqs, seq_len, fast_decode_plan, varied, graphs
+        name, shape, device, num_reqs, seq_len, fast_decode_plan, varied, graphs, persistent
     )
     if isinstance(prepared, BuildResult):
         return prepared
@@ -1027,6 +1028,7 @@ def prepare_build(
     fast_decode_plan: bool = True,
     varied: bool = False,
     graphs: bool = False,
+    persistent: bool = False,
 ) -> PreparedBuild | BuildResult:
     """A builder for `num_reqs` decodes of `seq_len` keys, its `build` called once; on CUDA,
     then 20 calls under `torch.cuda.set_sync_debug_mode("error")` (a sync raises and is
@@ -1041,7 +1043,9 @@ def prepare_build(
     has them, so that planners which take a shortcut for equal lengths are timed without it.
     `graphs=True` times the build of a step that replays a captured decode graph (the engine's
     usual decode step with CUDA graphs): the batch size is captured first
-    (`build_for_cudagraph_capture`), and a backend without decode graphs is skipped."""
+    (`build_for_cudagraph_capture`), and a backend without decode graphs is skipped;
+    `persistent=True` sets `BatchLimits.persistent_graph_inputs` (the engine's runner does),
+    whose promise holds here: capture and replay pass the same tensors, of the captured size."""
     device = torch.device(device)
     seq_lens = [seq_len] * num_reqs
     if varied:
@@ -1049,7 +1053,7 @@ def prepare_build(
         seq_lens = [seq_len // 2 + (i * 997) % seq_len for i in range(num_reqs)]
         name = f"{name} (varied lengths)"
     if graphs:
-        name = f"{name} (CUDA-graph replay)"
+        name = f"{name} (CUDA-graph replay{', persistent inputs' if persistent else ''})"
     try:
         cls = resolve_backend(name.split(" ")[0], shape, device)
         kbs = cls.get_kernel_block_size(shape.block_size)
@@ -1066,6 +1070,7 @@ def prepare_build(
             max_num_tokens=num_reqs,
             max_model_len=max(seq_lens),
             cudagraph_capture_sizes=(num_reqs,) if graphs else (),
+            persistent_graph_inputs=graphs and persistent,
         )
         kv_spec = AttentionSpec(kbs, shape.num_kv_heads, shape.head_size, shape.dtype)
         if graphs:
@@ -1390,7 +1395,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             cases = [prepare_build(n, shape, device) for n in args.backends]
             cases += [prepare_build(n, shape, device, varied=True) for n in args.backends]
             cases += [
-                prepare_build(n, shape, device, varied=True, graphs=True) for n in args.backends
+                prepare_build(n, shape, device, varied=True, graphs=True, persistent=persistent)
+                for persistent in (False, True)
+                for n in args.backends
             ]
             if "FLASHINFER" in args.backends:
                 cases.append(prepare_build("FLASHINFER", shape, device, fast_decode_plan=False))

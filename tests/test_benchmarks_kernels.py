@@ -241,6 +241,8 @@ def test_time_build_on_cpu(kernels, tiny) -> None:
     graphs = kernels.time_build("TORCH", tiny, "cpu", reps=3, num_reqs=8, seq_len=20, graphs=True)
     assert graphs.status == "skip" and graphs.backend == "TORCH (CUDA-graph replay)"
     assert graphs.message == "no decode CUDA graphs (support NEVER)"
+    persistent = kernels.time_build("TORCH", tiny, "cpu", 3, 8, 20, graphs=True, persistent=True)
+    assert persistent.backend == "TORCH (CUDA-graph replay, persistent inputs)"
     assert kernels.host_yardstick_us("cpu", reps=3) > 0
 
 

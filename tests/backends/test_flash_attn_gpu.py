@@ -10,6 +10,8 @@ Run: `PYTHONPATH=src python3 -m pytest -q -m gpu tests/backends/test_flash_attn_
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -171,6 +173,65 @@ def test_decode_cuda_graph_replays_new_batches_like_eager():
         if previous is not None:
             assert not torch.equal(out_buf[:num_reqs], previous[:num_reqs])
         previous = out_buf.clone()
+
+
+def test_decode_cuda_graph_over_persistent_step_tensors_replays_like_eager():
+    """`persistent_graph_inputs`, as the engine's runner keeps its promise: every step's device
+    tensors are its fixed buffers, padded with dummies (one key over the null block) to the
+    captured size; the graph reads them in place, and each replay matches an eager run."""
+    gen = torch.Generator().manual_seed(3)
+    size, width = 16, 1024 // BLOCK
+    limits = BatchLimits(16, 16, 1024, cudagraph_capture_sizes=(size,),
+                         persistent_graph_inputs=True)  # fmt: skip
+    builder, eager_builder = _builder(limits), _builder(BatchLimits(16, 16, 1024))
+    num_blocks = 1 + 4 * width
+    cache = _cache(num_blocks, gen)
+    impl = FlashAttentionImpl(HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, KV_HEADS)
+    layer = _layer()
+    q_buf = torch.zeros(size, HEADS, HEAD_SIZE, dtype=DTYPE, device="cuda")
+    out_buf = torch.zeros_like(q_buf)
+    buffers = {  # the runner's persistent device tensors
+        "query_start_loc": torch.zeros(size + 1, dtype=torch.int32, device="cuda"),
+        "seq_lens": torch.zeros(size, dtype=torch.int32, device="cuda"),
+        "block_table_tensor": torch.zeros(size, width, dtype=torch.int32, device="cuda"),
+        "slot_mapping": torch.zeros(size, dtype=torch.int64, device="cuda"),
+    }
+
+    def padded_step(seq_lens):
+        real = _decode_step(seq_lens, num_blocks, gen)
+        dummies = size - len(seq_lens)
+        null_rows = torch.zeros(dummies, width, dtype=torch.int32)
+        table = torch.cat([real.block_table_tensor.cpu(), null_rows])
+        padded = make_common_attn_metadata(
+            [1] * size, seq_lens + [1] * dummies, table, BLOCK, "cuda"
+        )
+        for name, buffer in buffers.items():
+            buffer.copy_(getattr(padded, name))
+        return real, replace(padded, **buffers)
+
+    _, capture_cm = padded_step([int(x) for x in torch.randint(1, 1000, (size,), generator=gen)])
+    md = builder.build_for_cudagraph_capture(capture_cm)
+    assert md.main.seq_lens.data_ptr() == buffers["seq_lens"].data_ptr()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: JIT compilation happens outside the capture
+        impl.forward(layer, q_buf, None, None, cache, md, out_buf)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        impl.forward(layer, q_buf, None, None, cache, md, out_buf)
+
+    for num_reqs in (11, 16, 3):
+        seq_lens = [int(x) for x in torch.randint(1, 1000, (num_reqs,), generator=gen)]
+        real, cm = padded_step(seq_lens)
+        replay_md = builder.build(0, cm)
+        assert replay_md.main.page_table.data_ptr() == md.main.page_table.data_ptr()
+        q = torch.randn(num_reqs, HEADS, HEAD_SIZE, generator=gen).to(DTYPE).cuda()
+        q_buf[:num_reqs].copy_(q)
+        graph.replay()
+        eager = torch.empty_like(q)
+        impl.forward(layer, q, None, None, cache, eager_builder.build(0, real), eager)
+        torch.testing.assert_close(out_buf[:num_reqs], eager, atol=1.5e-2, rtol=1.5e-2)
 
 
 def test_build_never_waits_on_the_gpu():

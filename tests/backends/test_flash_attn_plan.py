@@ -35,9 +35,13 @@ def _fa4_installed(monkeypatch):
     install(monkeypatch, fa4())
 
 
-def _builder(capture_sizes=(), sliding_window=None, max_num_reqs=32, device="cpu", block=BLOCK):
+def _builder(
+    capture_sizes=(), sliding_window=None, max_num_reqs=32, device="cpu", block=BLOCK,
+    persistent=False,
+):  # fmt: skip
     spec = AttentionSpec(block, 2, 64, torch.float16, sliding_window=sliding_window)
-    limits = BatchLimits(max_num_reqs, 4096, 1024, cudagraph_capture_sizes=capture_sizes)
+    limits = BatchLimits(max_num_reqs, 4096, 1024, cudagraph_capture_sizes=capture_sizes,
+                         persistent_graph_inputs=persistent)  # fmt: skip
     return FlashAttentionMetadataBuilder(spec, ["layer.0"], limits, device)
 
 
@@ -248,6 +252,49 @@ def test_decodes_beyond_the_capture_sizes_or_prefills_use_the_step_tensors():
     mixed = make_common_attn_metadata([1, 4], [9, 4], _ints([[3], [4]]), BLOCK)
     with pytest.raises(ValueError, match="single-token decodes"):
         builder.build_for_cudagraph_capture(mixed)
+
+
+@pytest.mark.parametrize("fa2_interface", [False, True], ids=["seqused_k", "cu_seqlens_k"])
+def test_persistent_graph_inputs_are_read_in_place(monkeypatch, fa2_interface):
+    """Under `persistent_graph_inputs` a decode batch of a captured size (capture and replay
+    alike) is laid out over the step's own tensors, which the runner keeps at fixed addresses:
+    nothing is copied, FA2's key offsets aside, which land in one builder buffer."""
+    block = BLOCK
+    if fa2_interface:
+        install(monkeypatch, fa2())
+        block = FA2_BLOCK
+    builder = _builder(capture_sizes=(2, 4), block=block, persistent=True)
+    cu_k_address = None
+    for seed, lens in enumerate([[40, 17, 3, 9], [41, 18, 4, 10], [7, 70]]):
+        cm, table = _decode_batch(lens, seed=seed, block=block)
+        md = builder.build_for_cudagraph_capture(cm) if seed == 0 else builder.build(0, cm)
+        main = md.main
+        assert not md.uses_persistent_buffers  # (not the builder's buffers: the step's)
+        assert main.seq_lens.data_ptr() == cm.seq_lens.data_ptr()
+        assert main.page_table.data_ptr() == cm.block_table_tensor.data_ptr()
+        assert main.cu_seqlens_q.data_ptr() == cm.query_start_loc.data_ptr()
+        assert main.seq_lens.tolist() == lens and torch.equal(main.page_table, table)
+        assert main.cu_seqlens_q.tolist() == list(range(len(lens) + 1))
+        # bounded as the graph was captured, whatever this step's longest request
+        assert (main.max_seqlen_q, main.max_seqlen_k) == (1, 1024)
+        if fa2_interface:
+            assert main.cu_seqlens_k.tolist() == np.cumsum([0, *lens]).tolist()
+            cu_k_address = cu_k_address or main.cu_seqlens_k.data_ptr()
+            assert main.cu_seqlens_k.data_ptr() == cu_k_address  # what the graph reads
+        else:
+            assert main.cu_seqlens_k is None
+
+
+def test_persistent_graph_inputs_take_batches_of_other_sizes_as_eager_steps():
+    builder = _builder(capture_sizes=(2, 4), persistent=True)
+    cm, _ = _decode_batch([40, 17, 3])  # 3 requests: no captured size, not a graph step
+    main = builder.build(0, cm).main
+    assert main.seq_lens.data_ptr() == cm.seq_lens.data_ptr()
+    assert main.max_seqlen_k == 40  # the plain layout's: the step's own longest
+    with pytest.raises(ValueError, match=r"padded to a capture size \(got 3 requests"):
+        builder.build_for_cudagraph_capture(cm)
+    with pytest.raises(TypeError, match="persistent_graph_inputs must be a bool"):
+        BatchLimits(4, 4, 64, persistent_graph_inputs=1)
 
 
 def test_build_reads_no_device_values():

@@ -170,11 +170,12 @@ def test_cpu_builders_plan_decode_arrays_as_before():
     assert md.step.xqa is None and md.step.arrays.decode is not None
 
 
-def xqa_cpu_builder(capture_sizes=(), kernel="xqa", register=True):
+def xqa_cpu_builder(capture_sizes=(), kernel="xqa", register=True, persistent=False):
     """A CPU builder that takes the XQA path (its capability set to an H100's): everything
     the build does for XQA decodes is host bookkeeping and device copies, CPU tensors here."""
     spec = AttentionSpec(16, 2, 64, BF16)
-    limits = BatchLimits(8, 512, 256, cudagraph_capture_sizes=capture_sizes)
+    limits = BatchLimits(8, 512, 256, cudagraph_capture_sizes=capture_sizes,
+                         persistent_graph_inputs=persistent)  # fmt: skip
     builder = FlashInferMetadataBuilder(spec, ["layer.0"], limits, "cpu")
     builder._capability, builder.decode_kernel = H100, kernel
     builder._xqa_reasons.clear()
@@ -260,6 +261,30 @@ def test_cudagraph_buffers_are_filled_by_each_build_and_refilled_for_stale_metad
     too_long = make_common_attn_metadata([1] * 4, [300] * 4, wide, 16)  # 19 pages, 16 fit
     with pytest.raises(ValueError, match="needs more pages per request than max_model_len"):
         builder.build(0, too_long)
+
+
+def test_persistent_graph_inputs_hand_xqa_the_steps_own_rows():
+    """Under `persistent_graph_inputs` a graph step's XQA reads the step's table and lengths
+    (the runner's fixed buffers) and nothing is copied; a step not padded to its captured
+    size, or a table whose rows are a column slice, is refused with the reason."""
+    builder = xqa_cpu_builder(capture_sizes=(4,), persistent=True)
+    engine_table = TABLE[:4].clone()  # whole rows of a persistent table buffer
+    for lens in ([1, 2, 3, 4], [40, 3, 150, 1], [5, 6, 7, 8]):
+        cm = make_common_attn_metadata([1] * 4, lens, engine_table, 16)
+        md = builder.build_for_cudagraph_capture(cm) if lens[0] == 1 else builder.build(0, cm)
+        table, seq_lens = md.step.xqa
+        assert table.data_ptr() == cm.block_table_tensor.data_ptr() and table.shape == (4, 10)
+        assert seq_lens.data_ptr() == cm.seq_lens.data_ptr() and seq_lens.tolist() == lens
+        key = next(iter(builder._layer_keys))
+        assert md.step.planned[key].xqa and builder.planned(md, key).xqa
+    assert not builder._xqa_graph  # no graph buffers made, no copy into them
+    short = make_common_attn_metadata([1] * 3, [4, 5, 6], engine_table[:3], 16,
+                                      num_padded_tokens=4)  # fmt: skip
+    with pytest.raises(ValueError, match=r"padded to its captured size \(got 3 requests"):
+        builder.build(0, short)
+    sliced = make_common_attn_metadata([1] * 4, [4, 5, 6, 7], engine_table[:, :5], 16)
+    with pytest.raises(ValueError, match="rows must be contiguous"):
+        builder.build(0, sliced)
 
 
 class RecordingWrapper:

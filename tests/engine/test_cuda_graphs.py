@@ -267,14 +267,21 @@ def _gpu_llm_or_skip(
         ("TRITON", torch.bfloat16, 1.5e-2),
         # planned in build for every layer the runner registered, graphs per captured size
         ("FLASHINFER", torch.bfloat16, 1.5e-2),
+        # XQA decodes and FLASH_ATTN: the graphs read the runner's buffers in place
+        # (BatchLimits.persistent_graph_inputs)
+        ("FLASHINFER:xqa", torch.bfloat16, 1.5e-2),
+        ("FLASH_ATTN", torch.bfloat16, 1.5e-2),
     ],
     ids=str,
 )
 def test_decode_graphs_match_eager_steps(tiny_llm, monkeypatch, backend, dtype, tolerance) -> None:
     plan_callers: list[str] = []  # FLASHINFER: which method planned each layer's wrappers
+    backend, _, decode_kernel = backend.partition(":")
     if backend == "FLASHINFER":
         from anyattn.backends.flashinfer import FlashInferMetadataBuilder
 
+        if decode_kernel:
+            monkeypatch.setattr(FlashInferMetadataBuilder, "decode_kernel", decode_kernel)
         plan = FlashInferMetadataBuilder._plan
 
         def spy(self, key, step):
@@ -288,6 +295,7 @@ def test_decode_graphs_match_eager_steps(tiny_llm, monkeypatch, backend, dtype, 
     assert graphs.num_sms == device.multi_processor_count > 0
     assert graphs.cuda_graphs is not None, graphs.cuda_graph_plan.message
     assert eager.cuda_graphs is None
+    assert graphs.limits.persistent_graph_inputs and not eager.limits.persistent_graph_inputs
     assert graphs.cuda_graph_plan.graph_keys == ((16, 1), (8, 1), (4, 1), (2, 1), (1, 1))
     generator = torch.Generator().manual_seed(0)
     free = torch.randperm(graphs.limits.max_model_len // 16 * 4, generator=generator) + 1
@@ -326,6 +334,9 @@ def test_decode_graphs_match_eager_steps(tiny_llm, monkeypatch, backend, dtype, 
     if backend == "FLASHINFER":
         # The runner registered every layer: all planning in build, none inside a forward.
         assert plan_callers and set(plan_callers) == {"_build"}, set(plan_callers)
+    if decode_kernel == "xqa":
+        for group in graphs.groups:  # XQA served the decodes, reading the runner's buffers
+            assert group.builder._decode_routing()[0] and not group.builder._xqa_graph
 
 
 @pytest.mark.gpu

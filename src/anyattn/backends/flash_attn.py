@@ -32,7 +32,12 @@ out for the smallest capture size that holds it: padding requests have no query 
 keys, and `max_seqlen_k` is `max_model_len`, so a graph captured for that size replays for any
 such batch (a runner that pads the batch itself, with dummy requests, gets the same addresses).
 Such metadata stays valid until the builder's next build. Under replay, output rows between the
-real tokens and the captured size hold unspecified values.
+real tokens and the captured size hold unspecified values. With
+`BatchLimits.persistent_graph_inputs` (the runner keeps a graph step's tensors at fixed
+addresses, padded to the captured size) a batch of a captured size reads the step's own tensors
+instead, as an eager step does: no device copy at replay (FA2's key offsets, which the step does
+not carry, are still summed into a builder buffer); a batch of another size is an eager step
+then.
 
 KV cache: `(num_blocks, 2, block_size, num_kv_heads, head_size)`, NHD or HND (FA4 marks every
 stride of K/V dynamic and only needs the head dim contiguous and 16-byte aligned strides; its
@@ -64,7 +69,7 @@ from anyattn.backends.flash_attn_plan import (
     plan_cascade,
 )
 from anyattn.impl_args import check_forward_inputs
-from anyattn.metadata import CommonAttentionMetadata
+from anyattn.metadata import CommonAttentionMetadata, first_rows
 from anyattn.ops.merge_attn_states import merge_attn_states
 from anyattn.types import (
     AttentionCGSupport,
@@ -338,7 +343,10 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             return self._build_cascade(common_prefix_len, cm, api)
         sizes = self.limits.cudagraph_capture_sizes
         if not cross and sizes and cm.num_reqs <= max(sizes) and self._is_single_decode(cm):
-            return self._build_decode(cm, padded_num_reqs(cm.num_reqs, sizes))
+            if not self.limits.persistent_graph_inputs:
+                return self._build_decode(cm, padded_num_reqs(cm.num_reqs, sizes))
+            if cm.num_reqs in sizes:  # (of another size, it is no graph step: eager)
+                return self._build_decode_in_place(cm)
         return self._build_plain(cm, cross, max_k)
 
     def build_for_cudagraph_capture(
@@ -360,7 +368,15 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             )
         self._check_table_width(cm, cm.max_seq_len, api)
         sizes = self.limits.cudagraph_capture_sizes
-        return self._build_decode(cm, padded_num_reqs(cm.num_reqs, sizes))
+        if not self.limits.persistent_graph_inputs:
+            return self._build_decode(cm, padded_num_reqs(cm.num_reqs, sizes))
+        if cm.num_reqs not in sizes:
+            raise ValueError(
+                f"{api}: with BatchLimits.persistent_graph_inputs a captured batch is padded to "
+                f"a capture size (got {cm.num_reqs} requests, capture sizes {sizes}). Pad it "
+                "with dummy requests, or turn persistent_graph_inputs off."
+            )
+        return self._build_decode_in_place(cm)
 
     def _is_single_decode(self, cm: CommonAttentionMetadata) -> bool:
         # every query length is >= 1, so a maximum of 1 with one token per request means all 1
@@ -463,6 +479,33 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         if main.cu_seqlens_k is not None:
             torch.cumsum(main.seq_lens, 0, out=main.cu_seqlens_k[1:])
         return self._metadata(cm, main, uses_persistent_buffers=True)
+
+    def _build_decode_in_place(self, cm: CommonAttentionMetadata) -> FlashAttentionMetadata:
+        """A graph step of a captured size over the step's own tensors, which the runner keeps
+        at the captured addresses (`BatchLimits.persistent_graph_inputs`): the plain layout
+        with `max_seqlen_k` bounded by `max_model_len`, as the graph was captured."""
+        n = cm.num_reqs
+        lens = first_rows(cm.seq_lens, n)
+        cu_k = None
+        if self._needs_cu_seqlens_k:
+            # FA2 reads key offsets, which the step does not carry: summed on the device into
+            # a builder buffer the graph reads (a fresh tensor would move every step)
+            if self._buffers is None:
+                self._buffers = _DecodeBuffers(
+                    self.limits.max_num_reqs, self._max_blocks, self.device
+                )
+            cu_k = self._buffers.cu_seqlens_k[: n + 1]
+            torch.cumsum(lens, 0, out=cu_k[1:])
+        main = FlashAttnPass(
+            cu_seqlens_q=first_rows(cm.query_start_loc, n + 1),
+            seq_lens=lens,
+            cu_seqlens_k=cu_k,
+            page_table=first_rows(cm.block_table_tensor, n),
+            max_seqlen_q=1,
+            max_seqlen_k=self.limits.max_model_len,
+            causal=cm.causal,
+        )
+        return self._metadata(cm, main)
 
     def _build_cascade(
         self, common_prefix_len: int, cm: CommonAttentionMetadata, api: str

@@ -84,12 +84,11 @@ from anyattn.backends.flashinfer_xqa import (
     XQA_WORKSPACE_BYTES,
     XqaGraphBuffers,
     contiguous_rows,
-    first_rows,
     run_xqa_decode,
     xqa_decode_reason,
 )
 from anyattn.impl_args import check_forward_inputs
-from anyattn.metadata import CommonAttentionMetadata, HostBatch
+from anyattn.metadata import CommonAttentionMetadata, HostBatch, first_rows
 from anyattn.ops.gather_pages import gather_pages
 from anyattn.types import (
     DTYPES,
@@ -309,7 +308,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 
     Decodes served by XQA (`decode_kernel`, see `flashinfer_xqa`) are not planned: the
     kernel takes the block table and lengths themselves, and a CUDA-graph step copies them
-    into the graph's fixed buffers (`XqaGraphBuffers`).
+    into the graph's fixed buffers (`XqaGraphBuffers`), or, under
+    `BatchLimits.persistent_graph_inputs`, has the graph read the step's own.
     """
 
     _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
@@ -615,6 +615,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             )
         if cudagraph_size is None:
             return contiguous_rows(table, num_decodes), first_rows(seq_lens, num_decodes)
+        if self.limits.persistent_graph_inputs:
+            return self._xqa_step_inputs(cm, cudagraph_size)
         buffers = self._xqa_graph.get(cudagraph_size)
         if buffers is None:
             max_pages = -(-self.limits.max_model_len // self.kv_cache_spec.block_size)
@@ -631,6 +633,28 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         generation = self._generation + 1  # this build's
         self._fill_xqa_graph(cudagraph_size, table, seq_lens, cm.num_reqs, generation, most)
         return buffers.page_table, buffers.seq_lens
+
+    def _xqa_step_inputs(
+        self, cm: CommonAttentionMetadata, size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A CUDA-graph step's XQA inputs under `BatchLimits.persistent_graph_inputs`: the
+        step's own table and lengths, which the runner keeps at the captured addresses (XQA
+        reads them by raw pointer, so a copy, made afresh each step, would not do)."""
+        api = "FlashInferMetadataBuilder.build"
+        if cm.num_reqs != size:
+            raise ValueError(
+                f"{api}: with BatchLimits.persistent_graph_inputs a CUDA-graph decode step is "
+                f"padded to its captured size (got {cm.num_reqs} requests for size {size}). "
+                "Pad it with dummy requests, or turn persistent_graph_inputs off."
+            )
+        table = first_rows(cm.block_table_tensor, size)
+        if not table.is_contiguous():
+            raise ValueError(
+                f"{api}: with BatchLimits.persistent_graph_inputs XQA reads the step's block "
+                f"table in place, so its rows must be contiguous (got strides {table.stride()} "
+                f"for shape {tuple(table.shape)}). Pass whole rows of the table buffer."
+            )
+        return table, first_rows(cm.seq_lens, size)
 
     def _most_pages(self, host: HostBatch) -> int:
         seq = host.seq_lens
@@ -659,7 +683,12 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     def _xqa_current(self, step: _Step) -> bool:
         """False when a later build refilled the CUDA-graph buffers `step`'s XQA reads."""
         size = step.cudagraph_size
-        return size is None or self._xqa_filled_by.get(size) == step.generation
+        # (the step's own tensors, under persistent_graph_inputs: never refilled by a build)
+        return (
+            size is None
+            or self.limits.persistent_graph_inputs
+            or self._xqa_filled_by.get(size) == step.generation
+        )
 
     def _common(self, key: _PlanKey) -> dict[str, Any]:
         """The `plan()` arguments every wrapper of `key` takes alike."""

@@ -6,7 +6,8 @@ the block table, last-page lengths), about 150 us of `build` in all. Its XQA dec
 (`flashinfer.decode.xqa_batch_decode_with_kv_cache`, from TensorRT-LLM) takes the block table
 and the sequence lengths as they are, on the device, so a decode step needs no planning at all:
 `build` does nothing for the decodes beyond validating the batch, and a CUDA-graph replay step
-only copies the table and lengths into the graph's fixed buffers.
+only copies the table and lengths into the graph's fixed buffers (not even that when the
+runner keeps its own at fixed addresses: `BatchLimits.persistent_graph_inputs`).
 
 Measured against the planned tensor-core decode on the H200 (`benchmarks/xqa_decode.py`,
 benchmarks/RESULTS.md; bf16, 32 / 8 heads of 128, 64 x 4096, 256 x 2048 and 8 x 32768): about
@@ -43,13 +44,14 @@ from __future__ import annotations
 
 import torch
 
+from anyattn.metadata import first_rows
+
 __all__ = [
     "AUTO_MIN_BLOCK_SIZE",
     "DECODE_KERNELS",
     "XQA_WORKSPACE_BYTES",
     "XqaGraphBuffers",
     "contiguous_rows",
-    "first_rows",
     "run_xqa_decode",
     "xqa_decode_reason",
 ]
@@ -208,9 +210,3 @@ def contiguous_rows(table: torch.Tensor, num_reqs: int) -> torch.Tensor:
     the table is a column slice of a wider buffer)."""
     rows = first_rows(table, num_reqs)
     return rows if rows.is_contiguous() else rows.contiguous()
-
-
-def first_rows(tensor: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """`tensor[:num_rows]`, or `tensor` itself when it has just that many rows (a slice costs
-    the host about a microsecond, and these run every step)."""
-    return tensor if tensor.shape[0] == num_rows else tensor[:num_rows]

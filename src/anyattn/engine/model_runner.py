@@ -182,7 +182,9 @@ class ModelRunner:
         enforce_eager: bool,
     ) -> tuple[CudaGraphPlan, BatchLimits]:
         """The plan (logged: INFO on CUDA, DEBUG elsewhere) and the limits the builders get,
-        whose capture sizes are exactly the captured ones (some builders pad to them)."""
+        whose capture sizes are exactly the captured ones (some builders pad to them), with
+        `persistent_graph_inputs` when graphs are captured: the graph steps' inputs are this
+        runner's persistent buffers (engine/cuda_graphs.py), so builders need not copy them."""
         if self.device.type == "cuda" and not limits.cudagraph_capture_sizes:
             sizes = default_capture_sizes(limits.max_num_reqs, limits.max_num_tokens)
             limits = replace(limits, cudagraph_capture_sizes=sizes)
@@ -197,7 +199,9 @@ class ModelRunner:
         log_level = logging.INFO if self.device.type == "cuda" else logging.DEBUG
         logger.log(log_level, "%s", plan.message)
         captured = tuple(sorted({t for t, _ in plan.graph_keys}))
-        return plan, replace(limits, cudagraph_capture_sizes=captured)
+        return plan, replace(
+            limits, cudagraph_capture_sizes=captured, persistent_graph_inputs=bool(captured)
+        )
 
     def _group_specs(
         self, layers: list[Attention], kv_cache_dtype: str
