@@ -91,7 +91,8 @@ bench)
     grep "Host yardstick" "$out/build.md" "$out/build64.md"
     ;;
 measure)
-    for bs in 16 64; do
+    # (MEASURE_BLOCKS="16" or "64": one block size per call, when both do not fit in one)
+    for bs in ${MEASURE_BLOCKS:-16 64}; do
         timeout -s INT "${MEASURE_SECONDS:-540}" python3 benchmarks/kernels.py --only wrapper,build \
             --backends TRITON,FLASH_ATTN,FLASHINFER,FLEX_ATTENTION,TORCH \
             --peers fi,fa4,fa4-paged,flex --block-size "$bs" >"$out/measure$bs.md" 2>"$out/measure$bs.err"
