@@ -28,6 +28,7 @@ from anyattn.backends.flex_attention_masks import FROM_KV_BLOCKS_TAKES_COMPUTE_Q
 from anyattn.backends.flex_attention_paged import (
     PagedDecodePlan,
     make_paged_decode_plan,
+    paged_decode_options,
     paged_kv_views,
 )
 from anyattn.config import AttentionSpec, BatchLimits
@@ -223,13 +224,26 @@ def test_the_cpu_copies_decode_keys():
     assert _impl()._in_place(cache, md, torch.float32) is None
 
 
+def test_small_pages_get_pipelined_kernel_options_within_the_shared_memory_budget():
+    pipelined = {"num_stages": 4, "num_warps": 2}
+    # stages x (K + V) x block x head size x bytes <= 64 KiB
+    assert paged_decode_options(16, 128, 2) == pipelined  # 32 KiB
+    assert paged_decode_options(32, 128, 2) == pipelined  # 64 KiB
+    assert paged_decode_options(16, 256, 2) == pipelined
+    assert paged_decode_options(16, 128, 4) == pipelined
+    assert paged_decode_options(32, 144, 2) == {"num_stages": 3, "num_warps": 2}  # 4: 72 KiB
+    assert paged_decode_options(32, 256, 2) is None  # 3 stages: 96 KiB
+    assert paged_decode_options(64, 64, 2) is None  # the default is as fast there
+    assert paged_decode_options(128, 128, 2) is None
+
+
 # --- on the GPU ------------------------------------------------------------------------------
 
 
 @pytest.mark.gpu
 @needs_compute_q
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("block_size", [16, 32, 64])  # 16, 32: the pipelined kernel options
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_decodes_read_in_place_match_the_oracle_and_copy_no_key(
     layout, block_size, dtype, monkeypatch

@@ -117,6 +117,7 @@ from anyattn.backends.flex_attention_paged import (
     PagedDecodePlan,
     PagedKV,
     make_paged_decode_plan,
+    paged_decode_options,
     paged_kv_views,
 )
 from anyattn.backends.flex_attention_plan import TILE, StepLayout, lay_out_owned, pad_keys
@@ -389,30 +390,30 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
 # at storage offset 0; benchmarks/RESULTS.md).
 
 
-def _attend(query, key, value, block_mask, score_mod, scale):
+def _attend(query, key, value, block_mask, score_mod, scale, kernel_options=None):
     from torch.nn.attention.flex_attention import flex_attention
 
     query, key, value = (x.flatten(2, 3) if x.dim() == 5 else x for x in (query, key, value))
     # (GQA: the rows' query heads share a KV head; the decode layouts have as many of each)
     return flex_attention(
         query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
-        enable_gqa=True,
+        enable_gqa=True, kernel_options=kernel_options,
     )  # fmt: skip
 
 
-def _attend_with_lse(query, key, value, block_mask, score_mod, scale):
+def _attend_with_lse(query, key, value, block_mask, score_mod, scale, kernel_options=None):
     from torch.nn.attention import flex_attention as flex
 
     query, key, value = (x.flatten(2, 3) if x.dim() == 5 else x for x in (query, key, value))
     if hasattr(flex, "AuxRequest"):
         out, aux = flex.flex_attention(
             query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
-            enable_gqa=True, return_aux=flex.AuxRequest(lse=True),
+            enable_gqa=True, kernel_options=kernel_options, return_aux=flex.AuxRequest(lse=True),
         )  # fmt: skip
         return out, aux.lse
     return flex.flex_attention(
         query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
-        enable_gqa=True, return_lse=True,
+        enable_gqa=True, kernel_options=kernel_options, return_lse=True,
     )  # fmt: skip
 
 
@@ -429,7 +430,7 @@ def _compiled_attend(config: tuple, with_lse: bool, dynamic: bool = True) -> Cal
         # A code object of its own: torch.compile's graph limit (8) counts per code object.
         name = f"{template.__name__}_{len(_COMPILED)}"
         code = template.__code__.replace(co_name=name, co_qualname=name)
-        copy = types.FunctionType(code, template.__globals__, name)
+        copy = types.FunctionType(code, template.__globals__, name, template.__defaults__)
         fn = _COMPILED[(config, with_lse)] = torch.compile(copy, dynamic=dynamic, fullgraph=True)
     return fn
 
@@ -663,10 +664,14 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         # (everything the graph depends on: with a window the mask_mod is another function)
         mask = (md.block_size, self.group, self.sliding_window is not None)
         shapes = (plan.batch, plan.block_mask.kv_indices.shape[-1], paged.key.shape)
-        static = (*config, "paged", *mask, *shapes, paged.key.stride(), aligned, self.scale)
+        options = paged_decode_options(md.block_size, self.head_size, q.element_size())
+        static = (*config, "paged", *mask, *shapes, paged.key.stride(), aligned, self.scale,
+                  str(options))  # fmt: skip
         attend = _compiled_attend(static, with_lse=with_lse, dynamic=False)
         soft_cap = _soft_cap(mods)
-        return lambda: attend(q, paged.key, paged.value, plan.block_mask, soft_cap, self.scale)
+        return lambda: attend(
+            q, paged.key, paged.value, plan.block_mask, soft_cap, self.scale, options
+        )
 
     def _attend_decodes(
         self, query, k, v, md, plan: DecodePlan, mods, config, output, output_lse

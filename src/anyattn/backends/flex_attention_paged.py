@@ -22,6 +22,16 @@ each on an H200), once per process and cache geometry. The block lists are a fix
 wide (`FlexAttentionMetadata.max_blocks_per_req`), so a step whose longest request grew by a
 block does not compile again.
 
+Kernel options (`paged_decode_options`): with pages under 64 tokens the decoding kernel's
+key tile is the page, and FlexAttention's default launch (no software pipelining over the
+tiles) spent 1.79x the GPU time of its own call over contiguous keys on an H200 at 16-token
+pages and 1.22x at 32 (64 x 4096, 32 / 8 heads of 128, bf16). Four pipeline stages and two
+warps took it to 0.94x and 0.95x; at 16-token pages 0.29-1.06x over head sizes 64-256 and
+batches of 8 x 32768 to 256 x 2048 (benchmarks/RESULTS.md, thirteenth session). Three stages
+where four would not fit the shared-memory budget below, the default where three would not
+either (32-token pages at head size 256: 1.26x). 64-token pages keep the default (1.00x there;
+three stages measured 1.04x).
+
 Where it applies (`paged_kv_views`, `FlexAttentionImpl._in_place`): CUDA, a decoder layer
 without ALiBi or sinks (ALiBi needs a key's position, which a view block does not carry; a
 sink would need a key of its own), a cache of the model dtype (fp8 is dequantised by the
@@ -45,11 +55,37 @@ from anyattn.backends.flex_attention_plan import TILE, pad_paged_batch, paged_de
 if TYPE_CHECKING:
     from anyattn.backends.flex_attention import FlexAttentionMetadata
 
-__all__ = ["PagedDecodePlan", "PagedKV", "make_paged_decode_plan", "paged_kv_views"]
+__all__ = [
+    "PagedDecodePlan",
+    "PagedKV",
+    "make_paged_decode_plan",
+    "paged_decode_options",
+    "paged_kv_views",
+]
 
 # The decoding kernel's smallest key tile (Triton's dot needs 16 rows).
 _MIN_BLOCK = 16
 _MAX_ELEMENTS = 2**31
+
+
+# Pages under this many tokens get the pipelined launch (`paged_decode_options`).
+_PIPELINED_BELOW = 64
+# What the pipelined stages' K and V tiles may take of shared memory: well within every
+# CUDA GPU Triton targets (about 99 KiB per block on sm86 / sm89), so that a layer never fails
+# to compile for want of it.
+_STAGED_BYTES = 64 * 1024
+
+
+def paged_decode_options(block_size: int, head_size: int, itemsize: int) -> dict | None:
+    """FlexAttention `kernel_options` for the in-place paged decode over pages of `block_size`
+    tokens (see the module docstring), or None for its defaults."""
+    if block_size >= _PIPELINED_BELOW:
+        return None
+    for stages in (4, 3):
+        # (a stage holds one K and one V tile of a page each)
+        if stages * 2 * block_size * head_size * itemsize <= _STAGED_BYTES:
+            return {"num_stages": stages, "num_warps": 2}
+    return None
 
 
 @dataclass(frozen=True, slots=True)
