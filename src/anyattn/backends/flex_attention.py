@@ -73,13 +73,15 @@ shorten later processes.
 Speed on an H200 (benchmarks/RESULTS.md, torch 2.11, bf16, 32 / 8 heads of 128): this is the
 portable backend, not the fastest. Against FlexAttention called directly on keys already laid
 out (what a user of the library would write for the same batch): decode 64 x 4096 1.03x with
-64-token blocks (274 us; FLASHINFER 254 us) and 1.81x with 16-token blocks (482 us: the
-decoding kernel's key tile is then 16 keys), both reading the cache in place (1.029x and
-1.815x in the ninth session, 1.023x and 1.842x in the twelfth); prefill 4 x 4096 1.10x, its
+64-token blocks (270 us; FLASHINFER 256 us) and 0.96x with 16-token blocks (253 us), both
+reading the cache in place (16-token pages took 1.81x with FlexAttention's default launch:
+`flex_attention_paged.paged_decode_options` pipelines them); prefill 4 x 4096 1.10x, its
 query read in place (1.14x with the query copied, 1.22x with the GQA-folded rows before
-that). What is left of the prefill's cost is copies: the compiled kernels alone take 1.03x
-the direct call (1538 vs 1491 us), the output copy about 67 us (FlexAttention has no
-`out=`), the key copy out of the paged cache 41 us. The first step of each new decode batch
+that). What is left of the prefill's cost is copies: the compiled kernels alone take 1.00-1.03x
+the direct call, the output copy 55-67 us (FlexAttention has no `out=`, and Inductor does not
+fuse a copy compiled after it into its template), the key copy out of the paged cache 41 us
+(a prefill reading the cache in place measured slower: 1.11x at 64-token pages, thirteenth
+session). The first step of each new decode batch
 bucket compiles for 1-4 s on an H200. On a 2-core CPU the decode layout took a 16 x 1024
 decode step from 32.2 ms (the rows) to 14.5 ms.
 
