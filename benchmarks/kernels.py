@@ -1044,7 +1044,7 @@ def prepare_build(
     `graphs=True` times the build of a step that replays a captured decode graph (the engine's
     usual decode step with CUDA graphs): the batch size is captured first
     (`build_for_cudagraph_capture`), and a backend without decode graphs is skipped;
-    `persistent=True` sets `BatchLimits.persistent_graph_inputs` (the engine's runner does),
+    `persistent=True` sets `BatchLimits.has_persistent_graph_inputs` (the engine's runner does),
     whose promise holds here: capture and replay pass the same tensors, of the captured size."""
     device = torch.device(device)
     seq_lens = [seq_len] * num_reqs
@@ -1070,7 +1070,7 @@ def prepare_build(
             max_num_tokens=num_reqs,
             max_model_len=max(seq_lens),
             cudagraph_capture_sizes=(num_reqs,) if graphs else (),
-            persistent_graph_inputs=graphs and persistent,
+            has_persistent_graph_inputs=graphs and persistent,
         )
         kv_spec = AttentionSpec(kbs, shape.num_kv_heads, shape.head_size, shape.dtype)
         if graphs:

@@ -128,6 +128,13 @@ def test_batch_limits_errors(changes, message):
     assert message in str(raised.value)
 
 
+def test_batch_limits_persistent_graph_inputs_is_a_bool():
+    assert not BatchLimits(8, 256, 4096).has_persistent_graph_inputs
+    assert BatchLimits(8, 256, 4096, has_persistent_graph_inputs=True).has_persistent_graph_inputs
+    with pytest.raises(TypeError, match=r"^BatchLimits: has_persistent_graph_inputs must be a"):
+        BatchLimits(8, 256, 4096, has_persistent_graph_inputs=1)
+
+
 def test_attention_spec_page_size():
     spec = AttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype="bfloat16")
     assert spec.cache_dtype is torch.bfloat16

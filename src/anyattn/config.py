@@ -131,14 +131,17 @@ class BatchLimits:
         max_model_len: longest sequence (context + new tokens) of a request.
         num_speculative_tokens: draft tokens per request in speculative decoding (0: none).
         cudagraph_capture_sizes: batch sizes (in tokens) the engine captures CUDA graphs for.
-        persistent_graph_inputs: the engine's promise that every CUDA-graph step (capture,
-            warm-up and replay) passes a `CommonAttentionMetadata` padded to the captured
-            size whose device tensors are views of buffers that keep their addresses from
-            capture to replay (as `anyattn.engine`'s runner does: engine/cuda_graphs.py).
-            Builders that copy a step's tensors into buffers of their own for the graph to
-            read (FLASH_ATTN, FLASHINFER's XQA decodes) then let it read the step's own
-            instead: no device copy at replay. False (the default): they copy, and any
-            tensors will do.
+        has_persistent_graph_inputs: the engine's promise, for every CUDA-graph step
+            (capture, warm-up and replay), as `anyattn.engine`'s runner keeps it
+            (engine/cuda_graphs.py): its `CommonAttentionMetadata` says `num_reqs` = the
+            captured size, padding requests included, each with at least one key over a
+            valid block (the null block will do); its device tensors are views of buffers
+            that keep their addresses from capture to replay, the block table whole rows of
+            its buffer. Builders that copy a step's tensors into buffers of their own for the
+            graph to read (FLASH_ATTN, FLASHINFER's XQA decodes) then let it read the step's
+            own: no device copy at replay. A decode step whose slot mapping has a captured
+            size's rows but fewer requests is refused. False (the default): they copy, and
+            any tensors will do.
     """
 
     max_num_reqs: int
@@ -146,7 +149,7 @@ class BatchLimits:
     max_model_len: int
     num_speculative_tokens: int = 0
     cudagraph_capture_sizes: tuple[int, ...] = ()
-    persistent_graph_inputs: bool = False
+    has_persistent_graph_inputs: bool = False
 
     def __post_init__(self) -> None:
         api = "BatchLimits"
@@ -162,10 +165,10 @@ class BatchLimits:
         for size in sizes:
             _positive_int(api, "cudagraph_capture_sizes entry", size)
         object.__setattr__(self, "cudagraph_capture_sizes", tuple(sorted(set(sizes))))
-        if not isinstance(self.persistent_graph_inputs, bool):
+        if not isinstance(self.has_persistent_graph_inputs, bool):
             raise TypeError(
-                f"{api}: persistent_graph_inputs must be a bool (got "
-                f"{self.persistent_graph_inputs!r})."
+                f"{api}: has_persistent_graph_inputs must be a bool (got "
+                f"{self.has_persistent_graph_inputs!r})."
             )
 
 

@@ -176,13 +176,13 @@ def test_decode_cuda_graph_replays_new_batches_like_eager():
 
 
 def test_decode_cuda_graph_over_persistent_step_tensors_replays_like_eager():
-    """`persistent_graph_inputs`, as the engine's runner keeps its promise: every step's device
+    """`has_persistent_graph_inputs`, as the engine's runner keeps its promise: every step's device
     tensors are its fixed buffers, padded with dummies (one key over the null block) to the
     captured size; the graph reads them in place, and each replay matches an eager run."""
     gen = torch.Generator().manual_seed(3)
     size, width = 16, 1024 // BLOCK
     limits = BatchLimits(16, 16, 1024, cudagraph_capture_sizes=(size,),
-                         persistent_graph_inputs=True)  # fmt: skip
+                         has_persistent_graph_inputs=True)  # fmt: skip
     builder, eager_builder = _builder(limits), _builder(BatchLimits(16, 16, 1024))
     num_blocks = 1 + 4 * width
     cache = _cache(num_blocks, gen)

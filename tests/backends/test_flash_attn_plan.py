@@ -41,7 +41,7 @@ def _builder(
 ):  # fmt: skip
     spec = AttentionSpec(block, 2, 64, torch.float16, sliding_window=sliding_window)
     limits = BatchLimits(max_num_reqs, 4096, 1024, cudagraph_capture_sizes=capture_sizes,
-                         persistent_graph_inputs=persistent)  # fmt: skip
+                         has_persistent_graph_inputs=persistent)  # fmt: skip
     return FlashAttentionMetadataBuilder(spec, ["layer.0"], limits, device)
 
 
@@ -256,7 +256,7 @@ def test_decodes_beyond_the_capture_sizes_or_prefills_use_the_step_tensors():
 
 @pytest.mark.parametrize("fa2_interface", [False, True], ids=["seqused_k", "cu_seqlens_k"])
 def test_persistent_graph_inputs_are_read_in_place(monkeypatch, fa2_interface):
-    """Under `persistent_graph_inputs` a decode batch of a captured size (capture and replay
+    """Under `has_persistent_graph_inputs` a decode batch of a captured size (capture and replay
     alike) is laid out over the step's own tensors, which the runner keeps at fixed addresses:
     nothing is copied, FA2's key offsets aside, which land in one builder buffer."""
     block = BLOCK
@@ -293,8 +293,13 @@ def test_persistent_graph_inputs_take_batches_of_other_sizes_as_eager_steps():
     assert main.max_seqlen_k == 40  # the plain layout's: the step's own longest
     with pytest.raises(ValueError, match=r"padded to a capture size \(got 3 requests"):
         builder.build_for_cudagraph_capture(cm)
-    with pytest.raises(TypeError, match="persistent_graph_inputs must be a bool"):
-        BatchLimits(4, 4, 64, persistent_graph_inputs=1)
+    # 3 requests over a captured size's 4 slot rows: a replay the runner did not pad (the
+    # graph would read a fourth request's row and, on FA2, key offsets nobody wrote)
+    gen = torch.Generator().manual_seed(0)
+    table, _ = assign_blocks([40, 17, 3], BLOCK, generator=gen)
+    unpadded = make_common_attn_metadata([1] * 3, [40, 17, 3], table, BLOCK, num_padded_tokens=4)
+    with pytest.raises(ValueError, match=r"got 3 requests over 4 slot_mapping rows"):
+        builder.build(0, unpadded)
 
 
 def test_build_reads_no_device_values():

@@ -175,7 +175,7 @@ def xqa_cpu_builder(capture_sizes=(), kernel="xqa", register=True, persistent=Fa
     the build does for XQA decodes is host bookkeeping and device copies, CPU tensors here."""
     spec = AttentionSpec(16, 2, 64, BF16)
     limits = BatchLimits(8, 512, 256, cudagraph_capture_sizes=capture_sizes,
-                         persistent_graph_inputs=persistent)  # fmt: skip
+                         has_persistent_graph_inputs=persistent)  # fmt: skip
     builder = FlashInferMetadataBuilder(spec, ["layer.0"], limits, "cpu")
     builder._capability, builder.decode_kernel = H100, kernel
     builder._xqa_reasons.clear()
@@ -264,7 +264,7 @@ def test_cudagraph_buffers_are_filled_by_each_build_and_refilled_for_stale_metad
 
 
 def test_persistent_graph_inputs_hand_xqa_the_steps_own_rows():
-    """Under `persistent_graph_inputs` a graph step's XQA reads the step's table and lengths
+    """Under `has_persistent_graph_inputs` a graph step's XQA reads the step's table and lengths
     (the runner's fixed buffers) and nothing is copied; a step not padded to its captured
     size, or a table whose rows are a column slice, is refused with the reason."""
     builder = xqa_cpu_builder(capture_sizes=(4,), persistent=True)
@@ -278,6 +278,11 @@ def test_persistent_graph_inputs_hand_xqa_the_steps_own_rows():
         key = next(iter(builder._layer_keys))
         assert md.step.planned[key].xqa and builder.planned(md, key).xqa
     assert not builder._xqa_graph  # no graph buffers made, no copy into them
+    # an older step's metadata after a newer build: still its own tensors, nothing refilled
+    older = builder.build(0, make_common_attn_metadata([1] * 4, [9, 9, 9, 9], engine_table, 16))
+    builder.build(0, make_common_attn_metadata([1] * 4, [3, 3, 3, 3], engine_table, 16))
+    assert builder.planned(older, key).xqa and older.step.xqa[1].tolist() == [9, 9, 9, 9]
+    assert not builder._xqa_graph
     short = make_common_attn_metadata([1] * 3, [4, 5, 6], engine_table[:3], 16,
                                       num_padded_tokens=4)  # fmt: skip
     with pytest.raises(ValueError, match=r"padded to its captured size \(got 3 requests"):

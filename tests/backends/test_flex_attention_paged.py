@@ -226,14 +226,16 @@ def test_the_cpu_copies_decode_keys():
 
 def test_small_pages_get_pipelined_kernel_options_within_the_shared_memory_budget():
     pipelined = {"num_stages": 4, "num_warps": 2}
-    # stages x (K + V) x block x head size x bytes <= 64 KiB
+    # 4 stages x (K + V) x block x head size (rounded up to a power of two) x bytes <= 64 KiB
     assert paged_decode_options(16, 128, 2) == pipelined  # 32 KiB
     assert paged_decode_options(32, 128, 2) == pipelined  # 64 KiB
     assert paged_decode_options(16, 256, 2) == pipelined
     assert paged_decode_options(16, 128, 4) == pipelined
-    assert paged_decode_options(32, 144, 2) == {"num_stages": 3, "num_warps": 2}  # 4: 72 KiB
-    assert paged_decode_options(32, 256, 2) is None  # 3 stages: 96 KiB
-    assert paged_decode_options(64, 64, 2) is None  # the default is as fast there
+    assert paged_decode_options(16, 80, 2) == pipelined  # 80 -> 128
+    assert paged_decode_options(32, 144, 2) is None  # 144 -> 256: 128 KiB
+    assert paged_decode_options(32, 256, 2) is None
+    assert paged_decode_options(16, 256, 4) is None
+    assert paged_decode_options(64, 64, 2) is None  # 64-token pages: the defaults
     assert paged_decode_options(128, 128, 2) is None
 
 

@@ -268,7 +268,7 @@ def _gpu_llm_or_skip(
         # planned in build for every layer the runner registered, graphs per captured size
         ("FLASHINFER", torch.bfloat16, 1.5e-2),
         # XQA decodes and FLASH_ATTN: the graphs read the runner's buffers in place
-        # (BatchLimits.persistent_graph_inputs)
+        # (BatchLimits.has_persistent_graph_inputs)
         ("FLASHINFER:xqa", torch.bfloat16, 1.5e-2),
         ("FLASH_ATTN", torch.bfloat16, 1.5e-2),
     ],
@@ -295,7 +295,8 @@ def test_decode_graphs_match_eager_steps(tiny_llm, monkeypatch, backend, dtype, 
     assert graphs.num_sms == device.multi_processor_count > 0
     assert graphs.cuda_graphs is not None, graphs.cuda_graph_plan.message
     assert eager.cuda_graphs is None
-    assert graphs.limits.persistent_graph_inputs and not eager.limits.persistent_graph_inputs
+    assert graphs.limits.has_persistent_graph_inputs
+    assert not eager.limits.has_persistent_graph_inputs
     assert graphs.cuda_graph_plan.graph_keys == ((16, 1), (8, 1), (4, 1), (2, 1), (1, 1))
     generator = torch.Generator().manual_seed(0)
     free = torch.randperm(graphs.limits.max_model_len // 16 * 4, generator=generator) + 1
@@ -337,6 +338,9 @@ def test_decode_graphs_match_eager_steps(tiny_llm, monkeypatch, backend, dtype, 
     if decode_kernel == "xqa":
         for group in graphs.groups:  # XQA served the decodes, reading the runner's buffers
             assert group.builder._decode_routing()[0] and not group.builder._xqa_graph
+    if backend == "FLASH_ATTN":
+        for group in graphs.groups:  # the graphs read the runner's buffers: none of its own
+            assert group.builder._buffers is None and not group.builder._decode_passes
 
 
 @pytest.mark.gpu

@@ -33,7 +33,7 @@ keys, and `max_seqlen_k` is `max_model_len`, so a graph captured for that size r
 such batch (a runner that pads the batch itself, with dummy requests, gets the same addresses).
 Such metadata stays valid until the builder's next build. Under replay, output rows between the
 real tokens and the captured size hold unspecified values. With
-`BatchLimits.persistent_graph_inputs` (the runner keeps a graph step's tensors at fixed
+`BatchLimits.has_persistent_graph_inputs` (the runner keeps a graph step's tensors at fixed
 addresses, padded to the captured size) a batch of a captured size reads the step's own tensors
 instead, as an eager step does: no device copy at replay (FA2's key offsets, which the step does
 not carry, are still summed into a builder buffer); a batch of another size is an eager step
@@ -261,7 +261,10 @@ class FlashAttentionMetadata:
         main: the whole batch (the suffix pass under cascade).
         prefix: the cascade prefix pass, else None.
         common_prefix_len: shared prefix tokens (0: no cascade).
-        uses_persistent_buffers: the tensors are the builder's CUDA-graph buffers.
+        uses_persistent_buffers: the tensors are the builder's CUDA-graph buffers. (Under
+            `BatchLimits.has_persistent_graph_inputs` a graph step's are the step's own, False
+            here, but FA2's `cu_seqlens_k` is a builder buffer all the same: valid until the
+            next build, as these are.)
     """
 
     num_actual_tokens: int
@@ -343,20 +346,23 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             return self._build_cascade(common_prefix_len, cm, api)
         sizes = self.limits.cudagraph_capture_sizes
         if not cross and sizes and cm.num_reqs <= max(sizes) and self._is_single_decode(cm):
-            if not self.limits.persistent_graph_inputs:
+            if not self.limits.has_persistent_graph_inputs:
                 return self._build_decode(cm, padded_num_reqs(cm.num_reqs, sizes))
-            if cm.num_reqs in sizes:  # (of another size, it is no graph step: eager)
+            if cm.num_reqs in sizes:
                 return self._build_decode_in_place(cm)
+            self._refuse_unpadded_graph_step(cm, api)  # else no graph step: eager
         return self._build_plain(cm, cross, max_k)
 
     def build_for_cudagraph_capture(
         self, common_attn_metadata: CommonAttentionMetadata
     ) -> FlashAttentionMetadata:
-        """Metadata in the builder's persistent buffers, for capturing a decode graph.
+        """Metadata in the builder's persistent buffers, for capturing a decode graph (under
+        `BatchLimits.has_persistent_graph_inputs`, over the step's own tensors).
 
         Raises:
             ValueError: not a batch of single-token decodes within `max_num_reqs` (the level
-                is UNIFORM_SINGLE_TOKEN_DECODE).
+                is UNIFORM_SINGLE_TOKEN_DECODE); under `has_persistent_graph_inputs`, a batch
+                whose size is not a capture size.
         """
         cm = common_attn_metadata
         api = "FlashAttentionMetadataBuilder.build_for_cudagraph_capture"
@@ -368,15 +374,28 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             )
         self._check_table_width(cm, cm.max_seq_len, api)
         sizes = self.limits.cudagraph_capture_sizes
-        if not self.limits.persistent_graph_inputs:
+        if not self.limits.has_persistent_graph_inputs:
             return self._build_decode(cm, padded_num_reqs(cm.num_reqs, sizes))
         if cm.num_reqs not in sizes:
             raise ValueError(
-                f"{api}: with BatchLimits.persistent_graph_inputs a captured batch is padded to "
-                f"a capture size (got {cm.num_reqs} requests, capture sizes {sizes}). Pad it "
-                "with dummy requests, or turn persistent_graph_inputs off."
+                f"{api}: with BatchLimits.has_persistent_graph_inputs a captured batch is "
+                f"padded to a capture size (got {cm.num_reqs} requests, capture sizes "
+                f"{sizes}). Pad it with dummy requests, or turn has_persistent_graph_inputs off."
             )
         return self._build_decode_in_place(cm)
+
+    def _refuse_unpadded_graph_step(self, cm: CommonAttentionMetadata, api: str) -> None:
+        """Under `has_persistent_graph_inputs`, a decode step whose slot mapping has a captured
+        size's rows but fewer requests looks like a replay of that graph not padded to it: the
+        graph would read rows (and FA2's key offsets) this step does not write."""
+        rows = cm.slot_mapping.shape[0]
+        if rows in self.limits.cudagraph_capture_sizes and cm.num_reqs < rows:
+            raise ValueError(
+                f"{api}: with BatchLimits.has_persistent_graph_inputs a CUDA-graph decode step "
+                f"has num_reqs equal to its captured size (got {cm.num_reqs} requests over "
+                f"{rows} slot_mapping rows, capture sizes {self.limits.cudagraph_capture_sizes})."
+                " Pad the batch with dummy requests, or turn has_persistent_graph_inputs off."
+            )
 
     def _is_single_decode(self, cm: CommonAttentionMetadata) -> bool:
         # every query length is >= 1, so a maximum of 1 with one token per request means all 1
@@ -482,7 +501,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
 
     def _build_decode_in_place(self, cm: CommonAttentionMetadata) -> FlashAttentionMetadata:
         """A graph step of a captured size over the step's own tensors, which the runner keeps
-        at the captured addresses (`BatchLimits.persistent_graph_inputs`): the plain layout
+        at the captured addresses (`BatchLimits.has_persistent_graph_inputs`): the plain layout
         with `max_seqlen_k` bounded by `max_model_len`, as the graph was captured."""
         n = cm.num_reqs
         lens = first_rows(cm.seq_lens, n)

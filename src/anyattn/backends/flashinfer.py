@@ -303,13 +303,14 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     CUDA graphs: `build_for_cudagraph_capture` plans a batch of N single-token decodes into
     the CUDA-graph decode wrapper of size N, whose index buffers are fixed. A later step of
     single-token decodes whose `slot_mapping` has N rows (N requests, dummies included, or
-    fewer requests padded to N rows) is planned into the same wrapper, so the captured graph
+    fewer requests padded to N rows; not under `BatchLimits.has_persistent_graph_inputs`
+    where XQA runs the decodes) is planned into the same wrapper, so the captured graph
     replays the new plan; FlashInfer plans it for N requests, the missing ones without keys.
 
     Decodes served by XQA (`decode_kernel`, see `flashinfer_xqa`) are not planned: the
     kernel takes the block table and lengths themselves, and a CUDA-graph step copies them
     into the graph's fixed buffers (`XqaGraphBuffers`), or, under
-    `BatchLimits.persistent_graph_inputs`, has the graph read the step's own.
+    `BatchLimits.has_persistent_graph_inputs`, has the graph read the step's own.
     """
 
     _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
@@ -411,7 +412,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     ) -> FlashInferMetadata:
         """Plan a batch of single-token decodes into the CUDA-graph wrappers of its size.
 
-        Later decode-only steps padded to this size (`len(slot_mapping)`) reuse them.
+        Later decode-only steps padded to this size (`len(slot_mapping)`) reuse them (under
+        `BatchLimits.has_persistent_graph_inputs` with XQA decodes, only steps of this many
+        requests: see `_xqa_step_inputs`).
         """
         cm = common_attn_metadata
         api = "FlashInferMetadataBuilder.build_for_cudagraph_capture"
@@ -615,7 +618,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             )
         if cudagraph_size is None:
             return contiguous_rows(table, num_decodes), first_rows(seq_lens, num_decodes)
-        if self.limits.persistent_graph_inputs:
+        if self.limits.has_persistent_graph_inputs:
             return self._xqa_step_inputs(cm, cudagraph_size)
         buffers = self._xqa_graph.get(cudagraph_size)
         if buffers is None:
@@ -637,20 +640,20 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     def _xqa_step_inputs(
         self, cm: CommonAttentionMetadata, size: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A CUDA-graph step's XQA inputs under `BatchLimits.persistent_graph_inputs`: the
+        """A CUDA-graph step's XQA inputs under `BatchLimits.has_persistent_graph_inputs`: the
         step's own table and lengths, which the runner keeps at the captured addresses (XQA
         reads them by raw pointer, so a copy, made afresh each step, would not do)."""
         api = "FlashInferMetadataBuilder.build"
         if cm.num_reqs != size:
             raise ValueError(
-                f"{api}: with BatchLimits.persistent_graph_inputs a CUDA-graph decode step is "
+                f"{api}: with BatchLimits.has_persistent_graph_inputs a CUDA-graph decode step is "
                 f"padded to its captured size (got {cm.num_reqs} requests for size {size}). "
-                "Pad it with dummy requests, or turn persistent_graph_inputs off."
+                "Pad it with dummy requests, or turn has_persistent_graph_inputs off."
             )
         table = first_rows(cm.block_table_tensor, size)
         if not table.is_contiguous():
             raise ValueError(
-                f"{api}: with BatchLimits.persistent_graph_inputs XQA reads the step's block "
+                f"{api}: with BatchLimits.has_persistent_graph_inputs XQA reads the step's block "
                 f"table in place, so its rows must be contiguous (got strides {table.stride()} "
                 f"for shape {tuple(table.shape)}). Pass whole rows of the table buffer."
             )
@@ -683,10 +686,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     def _xqa_current(self, step: _Step) -> bool:
         """False when a later build refilled the CUDA-graph buffers `step`'s XQA reads."""
         size = step.cudagraph_size
-        # (the step's own tensors, under persistent_graph_inputs: never refilled by a build)
+        # (the step's own tensors, under has_persistent_graph_inputs: never refilled by a build)
         return (
             size is None
-            or self.limits.persistent_graph_inputs
+            or self.limits.has_persistent_graph_inputs
             or self._xqa_filled_by.get(size) == step.generation
         )
 

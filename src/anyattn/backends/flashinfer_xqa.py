@@ -7,7 +7,7 @@ the block table, last-page lengths), about 150 us of `build` in all. Its XQA dec
 and the sequence lengths as they are, on the device, so a decode step needs no planning at all:
 `build` does nothing for the decodes beyond validating the batch, and a CUDA-graph replay step
 only copies the table and lengths into the graph's fixed buffers (not even that when the
-runner keeps its own at fixed addresses: `BatchLimits.persistent_graph_inputs`).
+runner keeps its own at fixed addresses: `BatchLimits.has_persistent_graph_inputs`).
 
 Measured against the planned tensor-core decode on the H200 (`benchmarks/xqa_decode.py`,
 benchmarks/RESULTS.md; bf16, 32 / 8 heads of 128, 64 x 4096, 256 x 2048 and 8 x 32768): about

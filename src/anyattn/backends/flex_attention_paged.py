@@ -27,10 +27,11 @@ key tile is the page, and FlexAttention's default launch (no software pipelining
 tiles) spent 1.79x the GPU time of its own call over contiguous keys on an H200 at 16-token
 pages and 1.22x at 32 (64 x 4096, 32 / 8 heads of 128, bf16). Four pipeline stages and two
 warps took it to 0.94x and 0.95x; at 16-token pages 0.29-1.06x over head sizes 64-256 and
-batches of 8 x 32768 to 256 x 2048 (benchmarks/RESULTS.md, thirteenth session). Three stages
-where four would not fit the shared-memory budget below, the default where three would not
-either (32-token pages at head size 256: 1.26x). 64-token pages keep the default (1.00x there;
-three stages measured 1.04x).
+batches of 8 x 32768 to 256 x 2048 (benchmarks/RESULTS.md, thirteenth session). They are used
+where the four stages' K and V tiles fit a shared-memory budget that every GPU this backend
+declares has (`_STAGED_BYTES`); elsewhere FlexAttention's defaults: 64-token pages (1.00x with
+them; four stages measured 0.95x on the H200 but need 128 KiB at head size 128), 32-token
+pages at head size 256 (1.26x) and some fp32 caches.
 
 Where it applies (`paged_kv_views`, `FlexAttentionImpl._in_place`): CUDA, a decoder layer
 without ALiBi or sinks (ALiBi needs a key's position, which a view block does not carry; a
@@ -70,22 +71,32 @@ _MAX_ELEMENTS = 2**31
 
 # Pages under this many tokens get the pipelined launch (`paged_decode_options`).
 _PIPELINED_BELOW = 64
-# What the pipelined stages' K and V tiles may take of shared memory: well within every
-# CUDA GPU Triton targets (about 99 KiB per block on sm86 / sm89), so that a layer never fails
-# to compile for want of it.
+_STAGES = 4
+# What the pipelined stages' K and V tiles may take of shared memory: with the query tile
+# and the rest, within every GPU this backend declares (sm80 and up; sm86 and sm89 have
+# about 99 KiB per block), so that a layer never fails to compile for want of it.
 _STAGED_BYTES = 64 * 1024
 
 
 def paged_decode_options(block_size: int, head_size: int, itemsize: int) -> dict | None:
-    """FlexAttention `kernel_options` for the in-place paged decode over pages of `block_size`
-    tokens (see the module docstring), or None for its defaults."""
-    if block_size >= _PIPELINED_BELOW:
+    """FlexAttention `kernel_options` for the in-place paged decode (see the module
+    docstring).
+
+    Args:
+        block_size: tokens per page (the decoding kernel's key tile).
+        head_size: the layer's head size.
+        itemsize: bytes per element of K and V.
+
+    Returns:
+        Four pipeline stages and two warps for pages under 64 tokens whose staged K and V
+        tiles fit `_STAGED_BYTES`, else None (FlexAttention's defaults).
+    """
+    # (FlexAttention's template sizes its tiles by the head size rounded up to a power of two)
+    rounded = 1 << (head_size - 1).bit_length()
+    staged = _STAGES * 2 * block_size * rounded * itemsize  # (K and V tiles per stage)
+    if block_size >= _PIPELINED_BELOW or staged > _STAGED_BYTES:
         return None
-    for stages in (4, 3):
-        # (a stage holds one K and one V tile of a page each)
-        if stages * 2 * block_size * head_size * itemsize <= _STAGED_BYTES:
-            return {"num_stages": stages, "num_warps": 2}
-    return None
+    return {"num_stages": _STAGES, "num_warps": 2}
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ metadata builder, for every graph step:
   every group, and replays the graph. The builder is responsible for returning metadata whose
   device tensors live at the captured addresses: views of the common metadata's tensors or of
   its own persistent buffers, written in place. What it returns is not passed anywhere: the
-  graph reads the captured addresses. The builders get `BatchLimits.persistent_graph_inputs`
+  graph reads the captured addresses. The builders get `BatchLimits.has_persistent_graph_inputs`
   (this contract, as a flag), so those that would copy the step's tensors into buffers of
   their own (FLASH_ATTN, FLASHINFER's XQA decodes) read them in place instead.
 - Which steps. Only uniform decode batches: every request has query length 1, or 1 + k under

@@ -183,7 +183,7 @@ class ModelRunner:
     ) -> tuple[CudaGraphPlan, BatchLimits]:
         """The plan (logged: INFO on CUDA, DEBUG elsewhere) and the limits the builders get,
         whose capture sizes are exactly the captured ones (some builders pad to them), with
-        `persistent_graph_inputs` when graphs are captured: the graph steps' inputs are this
+        `has_persistent_graph_inputs` when graphs are captured: the graph steps' inputs are this
         runner's persistent buffers (engine/cuda_graphs.py), so builders need not copy them."""
         if self.device.type == "cuda" and not limits.cudagraph_capture_sizes:
             sizes = default_capture_sizes(limits.max_num_reqs, limits.max_num_tokens)
@@ -200,7 +200,7 @@ class ModelRunner:
         logger.log(log_level, "%s", plan.message)
         captured = tuple(sorted({t for t, _ in plan.graph_keys}))
         return plan, replace(
-            limits, cudagraph_capture_sizes=captured, persistent_graph_inputs=bool(captured)
+            limits, cudagraph_capture_sizes=captured, has_persistent_graph_inputs=bool(captured)
         )
 
     def _group_specs(
