@@ -133,6 +133,20 @@ def _decode_step(seq_lens, num_blocks, gen):
     return make_common_attn_metadata([1] * len(seq_lens), seq_lens, table, BLOCK, "cuda")
 
 
+def _capture(impl, layer, q_buf, cache, md, out_buf) -> torch.cuda.CUDAGraph:
+    """`impl.forward` over `md` captured once, after a warm-up on a side stream (JIT
+    compilation happens outside the capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        impl.forward(layer, q_buf, None, None, cache, md, out_buf)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        impl.forward(layer, q_buf, None, None, cache, md, out_buf)
+    return graph
+
+
 def test_decode_cuda_graph_replays_new_batches_like_eager():
     gen = torch.Generator().manual_seed(1)
     limits = BatchLimits(16, 16, 1024, cudagraph_capture_sizes=(16,))
@@ -147,14 +161,7 @@ def test_decode_cuda_graph_replays_new_batches_like_eager():
     capture_cm = _decode_step([int(x) for x in torch.randint(1, 1000, (16,), generator=gen)],
                               num_blocks, gen)  # fmt: skip
     md = graph_builder.build_for_cudagraph_capture(capture_cm)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up: JIT compilation happens outside the capture
-        impl.forward(layer, q_buf, None, None, cache, md, out_buf)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        impl.forward(layer, q_buf, None, None, cache, md, out_buf)
+    graph = _capture(impl, layer, q_buf, cache, md, out_buf)
 
     previous = None
     for num_reqs in (11, 16, 3):
@@ -212,14 +219,7 @@ def test_decode_cuda_graph_over_persistent_step_tensors_replays_like_eager():
     _, capture_cm = padded_step([int(x) for x in torch.randint(1, 1000, (size,), generator=gen)])
     md = builder.build_for_cudagraph_capture(capture_cm)
     assert md.main.seq_lens.data_ptr() == buffers["seq_lens"].data_ptr()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up: JIT compilation happens outside the capture
-        impl.forward(layer, q_buf, None, None, cache, md, out_buf)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        impl.forward(layer, q_buf, None, None, cache, md, out_buf)
+    graph = _capture(impl, layer, q_buf, cache, md, out_buf)
 
     for num_reqs in (11, 16, 3):
         seq_lens = [int(x) for x in torch.randint(1, 1000, (num_reqs,), generator=gen)]

@@ -69,7 +69,7 @@ from anyattn.backends.flash_attn_plan import (
     plan_cascade,
 )
 from anyattn.impl_args import check_forward_inputs
-from anyattn.metadata import CommonAttentionMetadata, first_rows
+from anyattn.metadata import CommonAttentionMetadata, first_rows, graph_table_width
 from anyattn.ops.merge_attn_states import merge_attn_states
 from anyattn.types import (
     AttentionCGSupport,
@@ -457,10 +457,14 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         )
         return self._metadata(cm, main)
 
-    def _build_decode(self, cm: CommonAttentionMetadata, padded: int) -> FlashAttentionMetadata:
+    def _decode_buffers(self) -> _DecodeBuffers:
+        """The CUDA-graph buffers, made by the first build that needs them."""
         if self._buffers is None:
             self._buffers = _DecodeBuffers(self.limits.max_num_reqs, self._max_blocks, self.device)
-        buf, n = self._buffers, cm.num_reqs
+        return self._buffers
+
+    def _build_decode(self, cm: CommonAttentionMetadata, padded: int) -> FlashAttentionMetadata:
+        buf, n = self._decode_buffers(), cm.num_reqs
         main = self._decode_passes.get((padded, cm.causal))
         if main is None:
             main = self._decode_passes[(padded, cm.causal)] = FlashAttnPass(
@@ -482,13 +486,11 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             # 0, 1, ..., n, then n for the padding: rewritten only when n or the size changes
             torch.clamp(buf.arange[: padded + 1], max=n, out=main.cu_seqlens_q)
             self._query_offsets_for = (n, padded)
-        # The pages of the step's longest request, rounded up to a power of two: at most twice
-        # the columns read (an engine's table may be max_model_len wide), few distinct widths,
-        # so the buffer's [n, width] views are made once (slicing costs microseconds a step),
-        # and no slice of the step's table when it already has that shape.
+        # (an engine's table may be max_model_len wide: only the columns the longest request
+        # reads, rounded up; no slice of the step's table when it already has that shape)
         table = cm.block_table_tensor
-        width = min(1 << (-(-cm.max_seq_len // self.block_size) - 1).bit_length(),
-                    table.shape[1], self._max_blocks)  # fmt: skip
+        most = -(-cm.max_seq_len // self.block_size)
+        width = graph_table_width(most, table.shape[1], self._max_blocks)
         if table.shape[0] != n or table.shape[1] != width:
             table = table[:n, :width]
         into = self._table_views.get((n, width))
@@ -509,11 +511,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         if self._needs_cu_seqlens_k:
             # FA2 reads key offsets, which the step does not carry: summed on the device into
             # a builder buffer the graph reads (a fresh tensor would move every step)
-            if self._buffers is None:
-                self._buffers = _DecodeBuffers(
-                    self.limits.max_num_reqs, self._max_blocks, self.device
-                )
-            cu_k = self._buffers.cu_seqlens_k[: n + 1]
+            cu_k = self._decode_buffers().cu_seqlens_k[: n + 1]
             torch.cumsum(lens, 0, out=cu_k[1:])
         main = FlashAttnPass(
             cu_seqlens_q=first_rows(cm.query_start_loc, n + 1),

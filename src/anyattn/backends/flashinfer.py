@@ -88,7 +88,7 @@ from anyattn.backends.flashinfer_xqa import (
     xqa_decode_reason,
 )
 from anyattn.impl_args import check_forward_inputs
-from anyattn.metadata import CommonAttentionMetadata, HostBatch, first_rows
+from anyattn.metadata import CommonAttentionMetadata, HostBatch, first_rows, graph_table_width
 from anyattn.ops.gather_pages import gather_pages
 from anyattn.types import (
     DTYPES,
@@ -672,12 +672,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         generation: int,
         most: int,
     ) -> None:
-        """Copy a step's table (the longest request's `most` pages, rounded up to a power of
-        two columns: a few shapes, whose buffer views are kept, at most twice the columns
-        read) and lengths into the graph buffers of `size` (device copies)."""
+        """Copy a step's table (`graph_table_width` columns for its longest request's `most`
+        pages) and lengths into the graph buffers of `size` (device copies)."""
         buffers = self._xqa_graph[size]
-        width = min(1 << (most - 1).bit_length() if most else 1, block_table.shape[1],
-                    buffers.page_table.shape[1])  # fmt: skip
+        width = graph_table_width(most, block_table.shape[1], buffers.page_table.shape[1])
         if block_table.shape[1] != width:
             block_table = block_table[:num_reqs, :width]
         buffers.fill(block_table, seq_lens, num_reqs)
