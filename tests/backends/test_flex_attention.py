@@ -374,6 +374,31 @@ def test_tile_runs_and_block_lists_match_the_brute_force(
     _check_tiles(lo, hi, layout, group, has_sink)
 
 
+def test_fresh_prefills_keep_the_causal_diagonal_on_tile_boundaries():
+    """Keys start one tile into the workspace (row 0 is the sink slot): fresh prefills visit
+    the tiles FlexAttention visits over the same keys packed from row 0, one key tile on, so
+    no row tile gets a second partly masked tile next to its diagonal."""
+    query_lens = np.array([256, 200, 300])
+    start = np.concatenate(([0], np.cumsum(query_lens)))
+    layout = plan.lay_out_step(start, query_lens, np.zeros(3, np.int64))
+    row_tiles = -(-int(start[-1]) // plan.TILE)
+    key_tiles = -(-layout.num_key_rows // plan.TILE)
+    partial, full = plan.tile_masks(
+        layout.lo, layout.hi_causal, start, 1, (row_tiles, key_tiles), has_sink=False
+    )
+    # the same requests over keys packed from row 0 (what kernels.prepare_flex lays out)
+    shift = plan.FIRST_KEY_ROW
+    packed_partial, packed_full = plan.tile_masks(
+        layout.lo - shift, layout.hi_causal - shift, start, 1, (row_tiles, key_tiles - 1),
+        has_sink=False,
+    )  # fmt: skip
+    assert not partial[:, 0].any() and not full[:, 0].any()
+    assert np.array_equal(partial[:, 1:], packed_partial)
+    assert np.array_equal(full[:, 1:], packed_full)
+    # request 0's two row tiles: each partly masks only its diagonal, key tile (row tile + 1)
+    assert [np.flatnonzero(partial[t]).tolist() for t in (0, 1)] == [[1], [2]]
+
+
 def _plan_batch():
     """A mixed step (decodes, a fresh and a chunked prefill) and its metadata."""
     table = (torch.randperm(200)[: 5 * 17] + 1).int().view(5, 17)
@@ -444,15 +469,17 @@ def test_plan_off_the_cpu_copies_one_host_buffer():
 def test_lay_out_step_exactly():
     # a decode at position 19 of 20 keys, a fresh prefill of 3, a chunk of 2 after 4 keys
     layout = plan.lay_out_step(np.array([0, 1, 4, 6]), np.array([20, 3, 6]), np.array([19, 0, 4]))
-    assert layout.num_key_rows == 1 + 20 + 3 + 6  # row 0: the sink slot
-    assert layout.lo.tolist() == [1, 21, 21, 21, 24, 24]
-    assert layout.q_key_pos.tolist() == [20, 21, 22, 23, 28, 29]
+    # row 0: the sink slot; the keys from row 128 (one tile on), in workspace coordinates
+    assert plan.FIRST_KEY_ROW == plan.TILE == 128
+    assert layout.num_key_rows == 128 + 20 + 3 + 6
+    assert layout.lo.tolist() == [128, 148, 148, 148, 151, 151]
+    assert layout.q_key_pos.tolist() == [147, 148, 149, 150, 155, 156]
     assert layout.hi_causal.tolist() == layout.q_key_pos.tolist()
-    assert layout.hi_full.tolist() == [20, 23, 23, 23, 29, 29]
-    assert layout.key_start.tolist() == [1, 21, 24]
-    assert plan.window_lo(layout, 2).tolist() == [19, 21, 21, 22, 27, 28]
+    assert layout.hi_full.tolist() == [147, 150, 150, 150, 156, 156]
+    assert layout.key_start.tolist() == [128, 148, 151]
+    assert plan.window_lo(layout, 2).tolist() == [146, 148, 148, 149, 154, 155]
     empty = plan.lay_out_step(np.array([0]), np.zeros(0, np.int64), np.zeros(0, np.int64))
-    assert empty.num_key_rows == 1 and empty.lo.shape == (0,)
+    assert empty.num_key_rows == 128 and empty.lo.shape == (0,)
     # int32 mirrors as the builder passes them; a request with no query token this step
     same = plan.lay_out_step(
         np.array([0, 1, 1, 4, 6], np.int32),
@@ -460,9 +487,9 @@ def test_lay_out_step_exactly():
         np.array([19, 8, 0, 4], np.int32),
     )
     assert same.num_key_rows == layout.num_key_rows + 8 and same.key_start.dtype == np.int64
-    assert same.lo.tolist() == [1, 29, 29, 29, 32, 32]
-    assert same.q_key_pos.tolist() == [p + 8 * (p > 20) for p in layout.q_key_pos.tolist()]
-    assert same.hi_full.tolist() == [20, 31, 31, 31, 37, 37]
+    assert same.lo.tolist() == [128, 156, 156, 156, 159, 159]
+    assert same.q_key_pos.tolist() == [p + 8 * (p > 147) for p in layout.q_key_pos.tolist()]
+    assert same.hi_full.tolist() == [147, 158, 158, 158, 164, 164]
     # single-token requests at the front: one here, then none (a request with no token first)
     assert layout.num_decodes == same.num_decodes == 1 and empty.num_decodes == 0
     assert (
@@ -526,7 +553,7 @@ def test_decode_block_lists_match_the_brute_force(ranges, has_sink):
 
 def _lay_out_by_hand(query_lens, key_lens, contexts):
     """`lay_out_step`'s per-token arrays, one token at a time."""
-    lo, hi_full, q_key_pos, row = [], [], [], 1
+    lo, hi_full, q_key_pos, row = [], [], [], plan.FIRST_KEY_ROW
     for q, keys, context in zip(query_lens, key_lens, contexts, strict=True):
         for i in range(q):
             lo.append(row)
@@ -550,12 +577,13 @@ def test_lay_out_step_random_batches(lens, decodes, dtype):
     start = np.concatenate([[0], np.cumsum(query_lens, dtype=np.int64)]).astype(dtype)
     layout = plan.lay_out_step(start, np.array(key_lens, dtype), np.array(contexts, dtype))
     lo, hi_full, q_key_pos = _lay_out_by_hand(query_lens, key_lens, contexts)
-    assert layout.num_key_rows == 1 + sum(key_lens)
+    assert layout.num_key_rows == plan.FIRST_KEY_ROW + sum(key_lens)
     for name, expected in (("lo", lo), ("hi_full", hi_full), ("q_key_pos", q_key_pos)):
         assert getattr(layout, name).dtype == np.int64
         assert getattr(layout, name).tolist() == expected
     assert layout.hi_causal.tolist() == q_key_pos
-    assert layout.key_start.tolist() == [1 + sum(key_lens[:r]) for r in range(len(key_lens))]
+    first = plan.FIRST_KEY_ROW
+    assert layout.key_start.tolist() == [first + sum(key_lens[:r]) for r in range(len(key_lens))]
     leading = next((r for r, q in enumerate(query_lens) if q != 1), len(query_lens))
     assert layout.num_decodes == leading
     if decodes and lens:
@@ -587,20 +615,20 @@ def test_builder_reads_only_cpu_mirrors():
     table = (torch.randperm(40)[:12] + 1).view(4, 3).int()
     cm = make_common_attn_metadata([1, 1, 9, 4], [20, 33, 9, 40], table, 16, device="meta")
     md = _builder().build(0, cm)
-    assert md.layout.num_key_rows == 1 + 20 + 33 + 9 + 40
+    assert md.layout.num_key_rows == 128 + 20 + 33 + 9 + 40
     assert md.block_table is cm.block_table_tensor and md.max_key_len == 40
     assert md.key_lens.device.type == "meta" and md.key_lens.shape == (4,)
-    assert md.kv_rows_padded == plan.pad_keys(103)
-    # request 2 (a fresh prefill of 9) keeps workspace rows from 1 + 20 + 33 = 54 on
-    assert md.layout.lo[2] == 54 and md.layout.q_key_pos[2:11].tolist() == list(range(54, 63))
-    assert md.layout.key_start.tolist() == [1, 21, 54, 63]
+    assert md.kv_rows_padded == plan.pad_keys(230)
+    # request 2 (a fresh prefill of 9) keeps workspace rows from 128 + 20 + 33 = 181 on
+    assert md.layout.lo[2] == 181 and md.layout.q_key_pos[2:11].tolist() == list(range(181, 190))
+    assert md.layout.key_start.tolist() == [128, 148, 181, 190]
     # cross attention: the keys are the encoder's
     cm = make_common_attn_metadata(
         [1, 2], [5, 2], table[:2], 16, device="meta", causal=False, encoder_seq_lens=[7, 30]
     )
     md = _builder().build(0, cm)
-    assert md.layout.num_key_rows == 1 + 7 + 30 and md.max_key_len == 30
-    assert md.key_lens.shape == (2,) and md.layout.hi_full.tolist() == [7, 37, 37]
+    assert md.layout.num_key_rows == 128 + 7 + 30 and md.max_key_len == 30
+    assert md.key_lens.shape == (2,) and md.layout.hi_full.tolist() == [134, 164, 164]
 
 
 def test_builder_rejects_cascade_and_narrow_block_tables():
@@ -875,7 +903,9 @@ def test_build_never_waits_for_the_gpu():
         md = builder.build(0, cm)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert md.key_lens.device.type == "cuda" and md.layout.num_key_rows == 1 + sum(seq_lens)
+    assert md.key_lens.device.type == "cuda" and md.layout.num_key_rows == plan.FIRST_KEY_ROW + sum(
+        seq_lens
+    )
 
 
 # Issue 6: host time of one build for the decode batch below, median of many.
@@ -901,7 +931,8 @@ def test_decode_batch_build_launches_nothing_on_the_device():
             md = builder.build(0, cm)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert md.layout.num_key_rows == 1 + num_reqs * seq_len and md.max_key_len == seq_len
+    assert md.layout.num_key_rows == plan.FIRST_KEY_ROW + num_reqs * seq_len
+    assert md.max_key_len == seq_len
     assert seen.ops == []
 
 

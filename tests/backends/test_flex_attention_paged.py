@@ -266,7 +266,10 @@ def test_decodes_read_in_place_match_the_oracle_and_copy_no_key(
     for case, first_rows in (
         (Case("paged_decodes", "decode", decodes, **cache), set()),
         (Case("paged_window", "sliding_window", decodes, sliding_window=20, **cache), set()),
-        (Case("paged_mixed", "mixed", get_spec("mixed"), **cache), {1 + 40 + 1 + 129}),
+        (
+            Case("paged_mixed", "mixed", get_spec("mixed"), **cache),
+            {plan.FIRST_KEY_ROW + 40 + 1 + 129},
+        ),
     ):
         copies.clear()
         (result,) = run_case(FlexAttentionBackend, case, "cuda", dtype)

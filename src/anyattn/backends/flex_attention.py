@@ -12,8 +12,10 @@ How a step is laid out for the kernel (the plan, built from the CPU mirrors only
   CUDA, which reads the block table and the device `seq_lens` directly, so no per-key index
   array is ever made and the builder does no device work at all. Row 0 is reserved (the sink
   slot: V = 0; its key's score is replaced by the sink logit or masked, so K row 0 is not
-  cleared: it holds zeros or earlier finite keys); request r's keys follow at
-  `key_start[r] ...`. Encoder attention copies the step's own key/value there.
+  cleared: it holds zeros or earlier finite keys); the requests' keys follow back to back
+  from row `FIRST_KEY_ROW` (one tile on: a fresh prefill's causal diagonal then lies on tile
+  boundaries), request r's at `key_start[r] ...`. Encoder attention copies the step's own
+  key/value there.
 - Decodes on CUDA read the cache in place (`flex_attention_paged`): K and V are strided views
   of the cache, each request's BlockMask lists its own blocks, and FlexAttention's decoding
   kernel runs compiled for a static batch bucket; no key is copied, and a mixed step copies
@@ -75,15 +77,16 @@ portable backend, not the fastest. Against FlexAttention called directly on keys
 out (what a user of the library would write for the same batch): decode 64 x 4096 1.03x with
 64-token blocks (270 us; FLASHINFER 256 us) and 0.96x with 16-token blocks (253 us), both
 reading the cache in place (16-token pages took 1.81x with FlexAttention's default launch:
-`flex_attention_paged.paged_decode_options` pipelines them); prefill 4 x 4096 1.10x, its
-query read in place (1.14x with the query copied, 1.22x with the GQA-folded rows before
-that). What is left of the prefill's cost is copies: the compiled kernels alone take 1.00-1.03x
-the direct call, the output copy 55-67 us (FlexAttention has no `out=`, and Inductor does not
-fuse a copy compiled after it into its template), the key copy out of the paged cache 41 us
-(a prefill reading the cache in place measured slower: 1.11x at 64-token pages, thirteenth
-session). The first step of each new decode batch
-bucket compiles for 1-4 s on an H200. On a 2-core CPU the decode layout took a 16 x 1024
-decode step from 32.2 ms (the rows) to 14.5 ms.
+`flex_attention_paged.paged_decode_options` pipelines them); prefill 4 x 4096 1.03-1.04x
+and 16 x 1024 1.14x, with the keys one tile into the workspace (`FIRST_KEY_ROW`: 1.10x and
+1.32x with the keys from row 1, whose causal diagonal straddled two key tiles) and the query
+read in place (1.14x at 4 x 4096 with the query copied). What is left of the prefill's cost
+is copies: the compiled kernels alone take 0.94-0.96x the direct call, the output copy 55-67
+us (FlexAttention has no `out=`, and Inductor does not fuse a copy compiled after it into its
+template), the key copy out of the paged cache 41 us (a prefill reading the cache in place
+measured slower: 1.11x at 64-token pages, thirteenth session). The first step of each new
+decode batch bucket compiles for 1-4 s on an H200. On a 2-core CPU the decode layout took a
+16 x 1024 decode step from 32.2 ms (the rows) to 14.5 ms.
 
 Limits, all declared: LSE output only on CUDA (Inductor's CPU template has no LSE); no cascade;
 sliding window only causal (as TORCH); head sizes multiples of 16 up to 256 (Triton's dot
@@ -122,7 +125,13 @@ from anyattn.backends.flex_attention_paged import (
     paged_decode_options,
     paged_kv_views,
 )
-from anyattn.backends.flex_attention_plan import TILE, StepLayout, lay_out_owned, pad_keys
+from anyattn.backends.flex_attention_plan import (
+    FIRST_KEY_ROW,
+    TILE,
+    StepLayout,
+    lay_out_owned,
+    pad_keys,
+)
 from anyattn.impl_args import check_forward_inputs, layer_kv_scale
 from anyattn.metadata import CommonAttentionMetadata
 from anyattn.ops.gather_kv_rows import MAX_NUM_REQS, gather_kv_rows
@@ -797,8 +806,8 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         rows = md.layout.num_key_rows
         if encoder:
             # Encoder attention reads the step's own K/V; its rows follow the token order.
-            k_rows[:, 1:rows] = key[: rows - 1].transpose(0, 1)
-            v_rows[:, 1:rows] = value[: rows - 1].transpose(0, 1)
+            k_rows[:, FIRST_KEY_ROW:rows] = key[: rows - FIRST_KEY_ROW].transpose(0, 1)
+            v_rows[:, FIRST_KEY_ROW:rows] = value[: rows - FIRST_KEY_ROW].transpose(0, 1)
             return k_rows, v_rows
         scales = (None, None)
         if is_fp8_cache(self.kv_cache_dtype):
@@ -806,8 +815,9 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
                 layer_kv_scale(_API, layer, name, self.num_kv_heads, device)
                 for name in ("k_scale", "v_scale")
             )
-        # (requests' keys lie back to back from row 1: skipping some starts the copy later)
-        first_row = int(md.layout.key_start[skip]) if skip else 1
+        # (requests' keys lie back to back from FIRST_KEY_ROW: skipping some starts the copy
+        # later)
+        first_row = int(md.layout.key_start[skip]) if skip else FIRST_KEY_ROW
         gather_kv_rows(
             kv_cache,
             md.block_table[skip:] if skip else md.block_table,

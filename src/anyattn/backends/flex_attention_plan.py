@@ -4,7 +4,8 @@ Everything here works on numpy arrays from the `*_cpu` mirrors of `CommonAttenti
 so it is tested exactly on the CPU and never synchronises with a GPU:
 
 - `lay_out_step` (and `lay_out_owned`, its no-copy form for the builder): where each
-  request's keys go in the key workspace (row 0 is the sink slot) and, per query token, the
+  request's keys go in the key workspace (row 0 is the sink slot, the keys start at
+  `FIRST_KEY_ROW`) and, per query token, the
   range of key rows it keeps (causal or bidirectional) and its own position, in workspace
   coordinates.
 - `window_lo`: the first kept key row under a sliding window.
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = [
+    "FIRST_KEY_ROW",
     "TILE",
     "StepLayout",
     "TileRuns",
@@ -44,6 +46,14 @@ __all__ = [
 
 # FlexAttention's sparse block: a BlockMask marks tiles of 128 query rows x 128 key rows.
 TILE = 128
+# The key workspace's first request key row. Row 0 is the sink slot; starting the keys one
+# whole tile later (rows 1 ... TILE - 1 stay unused) keeps a fresh prefill's causal diagonal
+# on tile boundaries: its query row t and its key row FIRST_KEY_ROW + t sit at the same place
+# in their tiles, as in FlexAttention over keys packed from row 0. With the keys from row 1,
+# every row tile's diagonal straddled two key tiles, one more partly masked tile per row
+# tile. On an H200 the prefill kernel went from 1.03x to 0.96x FlexAttention over packed keys
+# at 4 x 4096, and from 1.12x to 0.94x at 16 x 1024 (benchmarks/RESULTS.md).
+FIRST_KEY_ROW = TILE
 # Two tiles at least: torch.compile specialises dimensions of size 1 (one more graph).
 _MIN_ROWS = 2 * TILE
 
@@ -146,7 +156,8 @@ class StepLayout:
     shared: `hi_causal` is `q_key_pos`, and for single-token decodes `lo` is `key_start`).
 
     Attributes:
-        num_key_rows: key rows in use: 1 (the sink slot) + every request's keys.
+        num_key_rows: key rows in use: `FIRST_KEY_ROW` (the sink slot and unused rows) +
+            every request's keys.
         query_start_loc: `[num_reqs + 1]`, as given (int32 or int64).
         key_start: int64 `[num_reqs]`: each request's first key row.
         key_lens: `[num_reqs]`: each request's keys, as given (int32 or int64).
@@ -176,7 +187,8 @@ class StepLayout:
 def lay_out_step(
     query_start_loc: np.ndarray, key_lens: np.ndarray, context_lens: np.ndarray
 ) -> StepLayout:
-    """Lay requests' keys back to back after the sink slot, and bound each token's keys.
+    """Lay requests' keys back to back from row `FIRST_KEY_ROW` (row 0 is the sink slot), and
+    bound each token's keys.
 
     Host work grows with requests and query tokens, never with keys.
 
@@ -206,10 +218,12 @@ def lay_out_owned(
     # per-request values are written in place into one array, then repeated once per token.
     per_request = np.empty((3, num_reqs), dtype=np.int64)
     key_start, key_end, offset = per_request[0], per_request[1], per_request[2]
-    # each request's last key row (the ufunc itself: `cumsum` adds a wrapper and a cast)
+    # each request's keys so far (the ufunc itself: `cumsum` adds a wrapper and a cast), then
+    # its first and its last key row
     np.add.accumulate(key_lens, dtype=np.int64, out=key_end)
     np.subtract(key_end, key_lens, out=key_start)
-    key_start += 1
+    key_start += FIRST_KEY_ROW
+    key_end += FIRST_KEY_ROW - 1
     # A token's own key row is its index in the step plus its request's offset.
     np.add(key_start, context_lens, out=offset)
     if (
@@ -231,7 +245,7 @@ def lay_out_owned(
         # (argmax finds the first request with another query length; one exists here)
         num_decodes = int((query_lens != 1).argmax()) if num_reqs else 0
     return StepLayout(
-        num_key_rows=1 + (int(key_end[-1]) if num_reqs else 0),
+        num_key_rows=int(key_end[-1]) + 1 if num_reqs else FIRST_KEY_ROW,
         query_start_loc=q_start,
         key_start=key_start,
         key_lens=key_lens,
