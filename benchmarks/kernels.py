@@ -23,7 +23,9 @@ Contenders:
   (`flash_attn.cute.flash_attn_varlen_func`: page table for decode and mixed, contiguous varlen
   for prefill, and "FA4 paged" through the page table for prefill too) and torch SDPA with the
   cuDNN and flash backends over contiguous K/V, as a bound; torch FlexAttention directly over
-  the requests' keys packed contiguously once (untimed), with a document-causal block mask.
+  the requests' keys laid out once (untimed): a batch entry per decode (its decoding kernel)
+  and the other requests' keys packed with a document-causal block mask, both calls for the
+  mixed batch, as FLEX_ATTENTION lays a step out.
 Every contender is first checked against a float64 reference on a slice of rows (first, middle
 and last requests; the first and last 32 rows of long queries); a wrong result is timed but
 marked. Then the median of per-call CUDA-event times of device work (host overhead excluded),
@@ -719,27 +721,85 @@ def prepare_sdpa(data: CaseData, backend: str) -> Prepared:
 
 def prepare_flex(data: CaseData) -> Prepared:
     """torch FlexAttention called directly, compiled for the case's shapes, as a user of the
-    library would call it on the same inputs with the keys already laid out (untimed):
+    library would call it on the same inputs with the keys already laid out (untimed), in the
+    calls FLEX_ATTENTION makes for such a batch:
 
-    - a batch of single-token decodes: the batch is the requests, `[num_reqs, H, 1, D]`
-      queries over each request's keys `[num_reqs, KVH, longest, D]` (GQA by `enable_gqa`),
-      with a length mask where lengths differ (FlexAttention's decoding kernel);
-    - any other batch: one call over every request's keys packed back to back
-      (`[1, KVH, total_keys, D]`) with a document-causal block mask.
+    - its single-token decodes: the batch is the requests, `[num_decodes, H, 1, D]` queries
+      over each request's keys `[num_decodes, KVH, longest, D]` (GQA by `enable_gqa`), with a
+      length mask where lengths differ (FlexAttention's decoding kernel);
+    - its other requests: one call over their keys packed back to back (`[1, KVH, keys, D]`)
+      with a document-causal block mask.
 
-    FLEX_ATTENTION's forward has to copy the keys out of the paged cache first (every call):
-    that copy is part of its cost. (Eager on the CPU, where it serves the benchmark's tests.)"""
+    A mixed batch makes both calls, each on its own requests' queries (picked out untimed) and
+    with its own output: FLEX_ATTENTION's forward also writes both into the caller's output,
+    and has to copy the keys out of the paged cache first (every call); those copies are part
+    of its cost. (Eager on the CPU, where it serves the benchmark's tests.)"""
+    spec = data.spec
+    decodes = [r for r, n in enumerate(spec.query_lens) if n == 1]
+    others = [r for r, n in enumerate(spec.query_lens) if n != 1]
+    calls = [
+        make(data, reqs)
+        for make, reqs in ((_flex_decode_call, decodes), (_flex_packed_call, others))
+        if reqs
+    ]
+    shape = data.queries[0].shape
+
+    def run(slot: int) -> tuple[torch.Tensor, ...]:
+        return tuple(call.run(slot) for call in calls)
+
+    def rows(outs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        out = torch.empty(shape, dtype=outs[0].dtype, device=outs[0].device)
+        for call, result in zip(calls, outs, strict=True):
+            out[call.tokens] = call.rows(result)
+        return out
+
+    path = " + ".join(call.path for call in calls)
+    return Prepared(run, rows, lambda: f"FlexAttention, {path}")
+
+
+@dataclass
+class _FlexCall:
+    """One FlexAttention call of `prepare_flex` over some of the case's requests.
+
+    Attributes:
+        run: `run(slot)` on query set `slot`, returning FlexAttention's output.
+        rows: that output as `[len(tokens), num_heads, head_size]` rows.
+        tokens: int64 the rows' token indices in the case (arrival order).
+        path: how tables name the call.
+    """
+
+    run: Callable[[int], torch.Tensor]
+    rows: Callable[[torch.Tensor], torch.Tensor]
+    tokens: torch.Tensor
+    path: str
+
+
+def _request_tokens(data: CaseData, reqs: list[int]) -> torch.Tensor:
+    """int64 token indices of requests `reqs`, in order, on the case's device."""
+    loc = data.query_start_loc.tolist()
+    return torch.cat([torch.arange(loc[r], loc[r + 1]) for r in reqs]).to(data.device)
+
+
+def _flex_queries(data: CaseData, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """Each query set's rows `tokens` (`[len(tokens), H, D]`): the sets themselves where the
+    tokens are all of them, else copies (made before anything is timed)."""
+    if tokens.shape[0] == data.spec.num_tokens:  # tokens are 0 ... num_tokens - 1 then
+        return list(data.queries)
+    return [q[tokens] for q in data.queries]
+
+
+def _flex_packed_call(data: CaseData, reqs: list[int]) -> _FlexCall:
+    """Requests `reqs` in one batch entry, their keys packed back to back, document-causal."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     spec, shape, device = data.spec, data.shape, data.device
-    if all(n == 1 for n in spec.query_lens):
-        return _prepare_flex_decode(data)
-    keys, values = (x.unsqueeze(0) for x in _packed_kv(data))
+    keys, values = (x.unsqueeze(0) for x in _packed_kv(data, reqs))
     key_req, key_pos, q_req, q_pos = [], [], [], []
-    for r, (n_new, n_keys) in enumerate(zip(spec.query_lens, spec.seq_lens, strict=True)):
-        key_req.append(torch.full((n_keys,), r))
+    for i, r in enumerate(reqs):
+        n_new, n_keys = spec.query_lens[r], spec.seq_lens[r]
+        key_req.append(torch.full((n_keys,), i))
         key_pos.append(torch.arange(n_keys))
-        q_req.append(torch.full((n_new,), r))
+        q_req.append(torch.full((n_new,), i))
         q_pos.append(torch.arange(n_keys - n_new, n_keys))
     kv_req, kv_pos = torch.cat(key_req).to(device), torch.cat(key_pos).to(device)
     tok_req, tok_pos = torch.cat(q_req).to(device), torch.cat(q_pos).to(device)
@@ -747,17 +807,17 @@ def prepare_flex(data: CaseData) -> Prepared:
     def document_causal(b, h, q_idx, kv_idx):
         return (tok_req[q_idx] == kv_req[kv_idx]) & (kv_pos[kv_idx] <= tok_pos[q_idx])
 
-    mask = create_block_mask(
-        document_causal, None, None, spec.num_tokens, keys.shape[2], device=device
-    )
+    tokens = _request_tokens(data, reqs)
+    num_tokens = tokens.shape[0]
+    mask = create_block_mask(document_causal, None, None, num_tokens, keys.shape[2], device=device)
     attend = (
         torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
     )
     # [T, H, D] -> [1, H, T, D] views of each input set
-    queries = [q.transpose(0, 1).unsqueeze(0) for q in data.queries]
+    queries = [q.transpose(0, 1).unsqueeze(0) for q in _flex_queries(data, tokens)]
     # Under 128 queries Inductor picks its flex-decoding kernel, which found no valid config for
     # 64 queries over 262144 keys on the H200 (torch 2.11: NoValidChoicesError); the main one.
-    options = {"FORCE_USE_FLEX_ATTENTION": True} if spec.num_tokens < 128 else None
+    options = {"FORCE_USE_FLEX_ATTENTION": True} if num_tokens < 128 else None
 
     def run(slot: int) -> torch.Tensor:
         return attend(
@@ -768,53 +828,55 @@ def prepare_flex(data: CaseData) -> Prepared:
     def rows(out: torch.Tensor) -> torch.Tensor:
         return out[0].transpose(0, 1)
 
-    return Prepared(run, rows, lambda: "FlexAttention, packed K/V, document-causal block mask")
+    return _FlexCall(run, rows, tokens, "packed K/V, document-causal block mask")
 
 
-def _packed_kv(data: CaseData) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every request's keys and values out of the paged cache, back to back:
-    `[KVH, total_keys, D]` each, contiguous."""
+def _packed_kv(data: CaseData, reqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Requests `reqs`' keys and values out of the paged cache, back to back:
+    `[KVH, their keys, D]` each, contiguous."""
     spec, bs = data.spec, data.shape.block_size
     blocks, offsets = [], []
-    for r, n_keys in enumerate(spec.seq_lens):
-        positions = torch.arange(n_keys)
+    for r in reqs:
+        positions = torch.arange(spec.seq_lens[r])
         blocks.append(data.block_table[r, positions // bs].long())
         offsets.append(positions % bs)
     blocks_d, offsets_d = torch.cat(blocks).to(data.device), torch.cat(offsets).to(data.device)
-    # [total_keys, KVH, D] -> [KVH, total_keys, D]
+    # [keys, KVH, D] -> [KVH, keys, D]
     return tuple(data.cache[blocks_d, i, offsets_d].transpose(0, 1).contiguous() for i in (0, 1))  # type: ignore[return-value]
 
 
-def _prepare_flex_decode(data: CaseData) -> Prepared:
-    """`prepare_flex` for a batch of single-token decodes: one batch entry per request."""
+def _flex_decode_call(data: CaseData, reqs: list[int]) -> _FlexCall:
+    """Single-token requests `reqs`, one batch entry each (FlexAttention's decoding kernel)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    spec, shape, device = data.spec, data.shape, data.device
-    longest = max(spec.seq_lens)
-    packed = _packed_kv(data)
-    # [num_reqs, KVH, longest, D], each request's keys from position 0 (zeros past its end)
+    shape, device = data.shape, data.device
+    seq_lens = [data.spec.seq_lens[r] for r in reqs]
+    longest = max(seq_lens)
+    packed = _packed_kv(data, reqs)
+    # [requests, KVH, longest, D], each request's keys from position 0 (zeros past its end)
     keys, values = (
-        torch.zeros(spec.num_reqs, *x.shape[:1], longest, x.shape[2], dtype=x.dtype, device=device)
+        torch.zeros(len(reqs), *x.shape[:1], longest, x.shape[2], dtype=x.dtype, device=device)
         for x in packed
     )
     start = 0
-    for r, n_keys in enumerate(spec.seq_lens):
-        keys[r, :, :n_keys] = packed[0][:, start : start + n_keys]
-        values[r, :, :n_keys] = packed[1][:, start : start + n_keys]
+    for i, n_keys in enumerate(seq_lens):
+        keys[i, :, :n_keys] = packed[0][:, start : start + n_keys]
+        values[i, :, :n_keys] = packed[1][:, start : start + n_keys]
         start += n_keys
     mask = None
-    if len(set(spec.seq_lens)) > 1:
-        lens = torch.tensor(spec.seq_lens, device=device)
+    if len(set(seq_lens)) > 1:
+        lens = torch.tensor(seq_lens, device=device)
 
         def within(b, h, q_idx, kv_idx):
             return kv_idx < lens[b]
 
-        mask = create_block_mask(within, spec.num_reqs, None, 1, longest, device=device)
+        mask = create_block_mask(within, len(reqs), None, 1, longest, device=device)
     attend = (
         torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
     )
-    # [num_reqs, H, D] -> [num_reqs, H, 1, D] views of each input set
-    queries = [q.unsqueeze(2) for q in data.queries]
+    tokens = _request_tokens(data, reqs)
+    # [requests, H, D] -> [requests, H, 1, D] views of each input set
+    queries = [q.unsqueeze(2) for q in _flex_queries(data, tokens)]
 
     def run(slot: int) -> torch.Tensor:
         return attend(
@@ -824,7 +886,7 @@ def _prepare_flex_decode(data: CaseData) -> Prepared:
     def rows(out: torch.Tensor) -> torch.Tensor:
         return out[:, :, 0]
 
-    return Prepared(run, rows, lambda: "FlexAttention, a batch entry per request")
+    return _FlexCall(run, rows, tokens, "a batch entry per decode")
 
 
 def make_contenders(

@@ -190,6 +190,10 @@ def test_flex_attention_peer_matches_the_reference(kernels, tiny, spec_args) -> 
         assert rows.shape == data.queries[slot].shape
     error, ok = kernels.compare(peer.rows(peer.run(0)), kernels.make_reference(data), tiny.dtype)
     assert ok and error < 1e-5, error
+    # the calls FLEX_ATTENTION makes: the decodes' batch entries, the other requests' rows
+    calls = [section in ("decode", "varied decodes", "mixed"), section in ("prefill", "mixed")]
+    names = ["a batch entry per decode", "packed K/V"]
+    assert [name in peer.path() for name in names] == calls, peer.path()
 
 
 def test_backend_with_smaller_kernel_blocks_and_reordering(kernels, tiny, register) -> None:
