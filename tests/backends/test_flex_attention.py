@@ -447,6 +447,36 @@ def test_plan_tensors_exactly():
         assert all(t.storage_offset() == 0 for t in (*lists, made.q_key_pos, made.group_index))
 
 
+def test_rows_plan_without_the_decodes_keys_is_the_plan_of_the_other_requests_alone():
+    """With the leading decodes read in place (CUDA), the rows' keys are the other requests'
+    alone, from the workspace's first key row: the same plan as for a step of those requests,
+    and a workspace sized for their keys, not for every decode's too."""
+    full = _plan_batch()  # decodes of 9 and 260 keys, then a prefill, a decode, a chunk
+    md = _builder().build(0, full)
+    rest = make_common_attn_metadata([37, 1, 200], [37, 129, 260], full.block_table_tensor[2:], 16)
+    md_rest = _builder().build(0, rest)
+    assert md.layout.num_decodes == 2
+    assert plan.skipping_keys(md.layout, 0) == (0, md.kv_rows_padded)
+    assert plan.skipping_keys(md.layout, 2) == (9 + 260, md_rest.kv_rows_padded)
+    assert md_rest.layout.num_key_rows == md.layout.num_key_rows - (9 + 260)
+    cpu = torch.device("cpu")
+    for causal, window, group, has_sink in _PLAN_SETTINGS:
+        made = make_rows_plan(
+            md, causal, window, group, has_sink, cpu, first_token=2, keys_skipped=True
+        )
+        want = make_rows_plan(md_rest, causal, window, group, has_sink, cpu)
+        assert made.first_token == 2 and made.num_rows == want.num_rows
+        tensors = (*_block_mask_lists(made.block_mask), made.q_key_pos, made.group_index)
+        expected = (*_block_mask_lists(want.block_mask), want.q_key_pos, want.group_index)
+        for tensor, value in zip(tensors, expected, strict=True):
+            assert torch.equal(tensor, value)
+        rows = torch.arange(made.num_rows)[:, None]
+        keys = torch.arange(md_rest.kv_rows_padded)[None, :]
+        assert torch.equal(
+            made.block_mask.mask_mod(0, 0, rows, keys), want.block_mask.mask_mod(0, 0, rows, keys)
+        )
+
+
 def test_plan_off_the_cpu_copies_one_host_buffer():
     """Off the CPU (the meta device stands in for a GPU here) the plan fills one host buffer
     and copies each of its sections once, to tensors of their own at storage offset 0."""

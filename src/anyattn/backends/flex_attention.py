@@ -19,7 +19,8 @@ How a step is laid out for the kernel (the plan, built from the CPU mirrors only
 - Decodes on CUDA read the cache in place (`flex_attention_paged`): K and V are strided views
   of the cache, each request's BlockMask lists its own blocks, and FlexAttention's decoding
   kernel runs compiled for a static batch bucket; no key is copied, and a mixed step copies
-  only its other requests' keys. This needs a decoder layer without ALiBi or sinks, a cache
+  only its other requests' keys, into a workspace sized for them alone
+  (`flex_attention_plan.skipping_keys`). This needs a decoder layer without ALiBi or sinks, a cache
   of the model dtype and a block size that is a power of two of at least 16; other decodes
   (and every decode on the CPU, whose template cannot compile that plan) take the decode
   layout.
@@ -131,6 +132,7 @@ from anyattn.backends.flex_attention_plan import (
     StepLayout,
     lay_out_owned,
     pad_keys,
+    skipping_keys,
 )
 from anyattn.impl_args import check_forward_inputs, layer_kv_scale
 from anyattn.metadata import CommonAttentionMetadata
@@ -774,8 +776,18 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
                 decodes = make_decode_plan(md, causal, window, self.group, has_sink, device)
             plans = md.step_cache[key] = (
                 decodes,
-                # one row per token: FlexAttention's GQA serves a token's query heads
-                make_rows_plan(md, causal, window, 1, has_sink, device, first_token=num_decodes)
+                # one row per token: FlexAttention's GQA serves a token's query heads; with the
+                # decodes read in place, over the other requests' keys alone
+                make_rows_plan(
+                    md,
+                    causal,
+                    window,
+                    1,
+                    has_sink,
+                    device,
+                    first_token=num_decodes,
+                    keys_skipped=paged is not None,
+                )
                 if num_decodes < md.num_actual_tokens
                 else None,
             )
@@ -792,14 +804,17 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         skip: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's keys and values in workspace rows, `[KVH, kv_rows_padded, D]` each, of
-        the model dtype; row 0 is the sink slot (V zero, K not cleared). The first `skip`
-        requests' rows are left as they are (their decodes read the cache in place)."""
+        the model dtype; row 0 is the sink slot (V zero, K not cleared). Without the first
+        `skip` requests' keys (their decodes read the cache in place): the others' keys start
+        at `FIRST_KEY_ROW` all the same (`skipping_keys`), so that the workspace holds only
+        them, not rows for every decode's keys."""
         encoder = self.attn_type in _ENCODER_TYPES
         device = key.device if encoder else kv_cache.device
         # K and V in buffers of their own, each at storage offset 0: a symbolic offset (V's,
         # in one shared buffer) left Inductor unable to prove alignment, and the kernel
         # took 1.3-1.6x as long on an H200 (benchmarks/RESULTS.md).
-        shape = (self.num_kv_heads, md.kv_rows_padded, self.head_size)
+        key_offset, kv_rows_padded = skipping_keys(md.layout, skip)
+        shape = (self.num_kv_heads, kv_rows_padded, self.head_size)
         k_rows = md.workspace.get("k", shape, dtype, device)
         v_rows = md.workspace.get("v", shape, dtype, device)
         v_rows[:, 0].zero_()  # the sink's value must be zero (its key's score is replaced)
@@ -815,18 +830,16 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
                 layer_kv_scale(_API, layer, name, self.num_kv_heads, device)
                 for name in ("k_scale", "v_scale")
             )
-        # (requests' keys lie back to back from FIRST_KEY_ROW: skipping some starts the copy
-        # later)
-        first_row = int(md.layout.key_start[skip]) if skip else FIRST_KEY_ROW
+        # (requests' keys lie back to back from FIRST_KEY_ROW, those skipped left out)
         gather_kv_rows(
             kv_cache,
             md.block_table[skip:] if skip else md.block_table,
             md.key_lens[skip:] if skip else md.key_lens,
             k_rows,
             v_rows,
-            num_keys=rows - first_row,
+            num_keys=rows - key_offset - FIRST_KEY_ROW,
             max_key_len=md.max_key_len,
-            first_row=first_row,
+            first_row=FIRST_KEY_ROW,
             k_scale=scales[0],
             v_scale=scales[1],
         )

@@ -36,6 +36,7 @@ from anyattn.backends.flex_attention_plan import (
     decode_block_lists,
     pad_decodes,
     pad_rows,
+    skipping_keys,
     tile_runs,
     window_lo,
 )
@@ -97,21 +98,31 @@ def make_rows_plan(
     has_sink: bool,
     device: torch.device,
     first_token: int = 0,
+    keys_skipped: bool = False,
 ) -> RowsPlan:
     """Per-row key bounds and the BlockMask for one (causal, window, group, sink) combination,
-    over the tokens from `first_token` on (which start a request)."""
+    over the tokens from `first_token` on (which start a request). With `keys_skipped` the
+    requests before them have no keys in the workspace (`skipping_keys`: their decodes read
+    the cache in place), and the bounds are in the rows' own key coordinates."""
     layout, t0 = md.layout, first_token
+    # (tokens before t0 are single-token requests: t0 is also the count of requests skipped)
+    key_offset, kv_rows_padded = (
+        skipping_keys(layout, t0) if keys_skipped else (0, md.kv_rows_padded)
+    )
     lo, hi = (bound[t0:] for bound in _key_bounds(layout, causal, window))
+    q_key_pos = layout.q_key_pos[t0:]
+    if key_offset:
+        lo, hi, q_key_pos = lo - key_offset, hi - key_offset, q_key_pos - key_offset
     q_start = layout.query_start_loc
     # the requests from token t0 on (t0 is 0 or the count of leading single-token requests)
     q_start = q_start[t0:] - q_start[t0] if t0 else q_start
     num_rows = pad_rows((md.num_actual_tokens - t0) * group)
-    shape = (num_rows // TILE, md.kv_rows_padded // TILE)
+    shape = (num_rows // TILE, kv_rows_padded // TILE)
     runs = tile_runs(lo, hi, q_start, group, has_sink)
-    tensors = _plan_tensors(lo, hi, layout.q_key_pos[t0:], group, num_rows, runs, shape, device)
+    tensors = _plan_tensors(lo, hi, q_key_pos, group, num_rows, runs, shape, device)
     row_lo, row_hi, q_key_pos, group_index, *lists = tensors
     # (row and key tile counts vary with the step)
-    seq_lengths = (num_rows, md.kv_rows_padded)
+    seq_lengths = (num_rows, kv_rows_padded)
     block_mask = _block_mask(lists, row_lo, row_hi, False, has_sink, seq_lengths, (2, 3))
     return RowsPlan(
         first_token=t0,

@@ -39,6 +39,7 @@ __all__ = [
     "pad_paged_batch",
     "pad_rows",
     "paged_decode_lists",
+    "skipping_keys",
     "tile_masks",
     "tile_runs",
     "window_lo",
@@ -255,6 +256,22 @@ def lay_out_owned(
         q_key_pos=q_key_pos,
         num_decodes=num_decodes,
     )
+
+
+def skipping_keys(layout: StepLayout, num_skipped: int) -> tuple[int, int]:
+    """Where the keys go when the first `num_skipped` requests' keys are not copied (decodes
+    reading the cache in place): the copied keys start at `FIRST_KEY_ROW` all the same, so
+    the workspace holds only them.
+
+    Returns:
+        `(key_offset, kv_rows_padded)`: what to subtract from the layout's key rows (`lo`,
+        `hi_*`, `q_key_pos`, `key_start`) to get workspace rows, and the padded key length
+        (`pad_keys` of the rows in use). `(0, pad_keys(layout.num_key_rows))` for none.
+    """
+    if not num_skipped:
+        return 0, pad_keys(layout.num_key_rows)
+    offset = int(layout.key_start[num_skipped]) - FIRST_KEY_ROW
+    return offset, pad_keys(layout.num_key_rows - offset)
 
 
 def window_lo(layout: StepLayout, window: int | None) -> np.ndarray:
