@@ -774,6 +774,20 @@ class _FlexCall:
     path: str
 
 
+def _flex_attention_for(device: torch.device) -> Callable:
+    """FlexAttention compiled for static shapes on CUDA, eager elsewhere (the CPU serves the
+    benchmark's tests). Every compiled call shares `flex_attention`'s code object, so
+    torch.compile's recompile limit counts all of a run's shapes together; past it a call would
+    run eagerly, silently, and be timed so: raised here well above a run's count (8 today)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 64)
+    return torch.compile(flex_attention, dynamic=False)
+
+
 def _request_tokens(data: CaseData, reqs: list[int]) -> torch.Tensor:
     """int64 token indices of requests `reqs`, in order, on the case's device."""
     loc = data.query_start_loc.tolist()
@@ -790,7 +804,7 @@ def _flex_queries(data: CaseData, tokens: torch.Tensor) -> list[torch.Tensor]:
 
 def _flex_packed_call(data: CaseData, reqs: list[int]) -> _FlexCall:
     """Requests `reqs` in one batch entry, their keys packed back to back, document-causal."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     spec, shape, device = data.spec, data.shape, data.device
     keys, values = (x.unsqueeze(0) for x in _packed_kv(data, reqs))
@@ -810,9 +824,7 @@ def _flex_packed_call(data: CaseData, reqs: list[int]) -> _FlexCall:
     tokens = _request_tokens(data, reqs)
     num_tokens = tokens.shape[0]
     mask = create_block_mask(document_causal, None, None, num_tokens, keys.shape[2], device=device)
-    attend = (
-        torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
-    )
+    attend = _flex_attention_for(device)
     # [T, H, D] -> [1, H, T, D] views of each input set
     queries = [q.transpose(0, 1).unsqueeze(0) for q in _flex_queries(data, tokens)]
     # Under 128 queries Inductor picks its flex-decoding kernel, which found no valid config for
@@ -847,7 +859,7 @@ def _packed_kv(data: CaseData, reqs: list[int]) -> tuple[torch.Tensor, torch.Ten
 
 def _flex_decode_call(data: CaseData, reqs: list[int]) -> _FlexCall:
     """Single-token requests `reqs`, one batch entry each (FlexAttention's decoding kernel)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     shape, device = data.shape, data.device
     seq_lens = [data.spec.seq_lens[r] for r in reqs]
@@ -871,9 +883,7 @@ def _flex_decode_call(data: CaseData, reqs: list[int]) -> _FlexCall:
             return kv_idx < lens[b]
 
         mask = create_block_mask(within, len(reqs), None, 1, longest, device=device)
-    attend = (
-        torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
-    )
+    attend = _flex_attention_for(device)
     tokens = _request_tokens(data, reqs)
     # [requests, H, D] -> [requests, H, 1, D] views of each input set
     queries = [q.unsqueeze(2) for q in _flex_queries(data, tokens)]

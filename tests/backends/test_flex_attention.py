@@ -458,6 +458,8 @@ def test_rows_plan_without_the_decodes_keys_is_the_plan_of_the_other_requests_al
     assert md.layout.num_decodes == 2
     assert plan.skipping_keys(md.layout, 0) == (0, md.kv_rows_padded)
     assert plan.skipping_keys(md.layout, 2) == (9 + 260, md_rest.kv_rows_padded)
+    every_key = md.layout.num_key_rows - plan.FIRST_KEY_ROW
+    assert plan.skipping_keys(md.layout, 5) == (every_key, plan.pad_keys(plan.FIRST_KEY_ROW))
     assert md_rest.layout.num_key_rows == md.layout.num_key_rows - (9 + 260)
     cpu = torch.device("cpu")
     for causal, window, group, has_sink in _PLAN_SETTINGS:
@@ -475,6 +477,46 @@ def test_rows_plan_without_the_decodes_keys_is_the_plan_of_the_other_requests_al
         assert torch.equal(
             made.block_mask.mask_mod(0, 0, rows, keys), want.block_mask.mask_mod(0, 0, rows, keys)
         )
+
+
+@needs_flex
+@pytest.mark.parametrize("window", [None, 20])
+def test_rows_over_the_other_requests_keys_alone_match_the_forward(monkeypatch, window):
+    """A mixed step whose decodes read the cache in place (CUDA only) copies only the other
+    requests' keys, from the workspace's first key row, and shifts their plan: here on the CPU,
+    those rows (`_load_kv` skipping the decodes, `keys_skipped`) against the forward's, which
+    copies every key. FlexAttention runs eagerly (no Inductor) in both."""
+    eager = {False: flex_attention._attend, True: flex_attention._attend_with_lse}
+    monkeypatch.setattr(
+        flex_attention, "_compiled_attend", lambda config, with_lse, dynamic=True: eager[with_lse]
+    )
+    # three decodes (one of 300 keys), a fresh prefill, a request without tokens, a chunk
+    query_lens, seq_lens = [1, 1, 1, 37, 0, 20], [9, 300, 129, 37, 0, 150]
+    gen = torch.Generator().manual_seed(0)
+    table = (torch.randperm(299, generator=gen)[:120] + 1).int().view(6, 20)
+    spec = AttentionSpec(16, 2, 16, torch.float32)
+    builder = FlexAttentionMetadataBuilder(spec, ["l"], BatchLimits(64, 4096, 4096), "cpu")
+    md = builder.build(0, make_common_attn_metadata(query_lens, seq_lens, table, 16))
+    cache = torch.randn(300, 2, 16, 2, 16, generator=gen)
+    layer = KitLayer("l", torch.ones(()), torch.ones(()))
+    impl = FlexAttentionImpl(4, 16, 0.25, 2, sliding_window=window, logits_soft_cap=30.0)
+    query = torch.randn(sum(query_lens), 4, 16, generator=gen)
+    output = torch.zeros_like(query)
+    impl.forward(layer, query, None, None, cache, md, output)
+    cpu, skip = torch.device("cpu"), md.layout.num_decodes
+    k, v = (
+        flex_attention._as_kernel_rows(x[None], cpu)
+        for x in impl._load_kv(layer, None, None, cache, md, torch.float32, skip)
+    )
+    key_offset, kv_rows = plan.skipping_keys(md.layout, skip)
+    assert (skip, key_offset) == (3, 9 + 300 + 129) and k.shape[2] == kv_rows < md.kv_rows_padded
+    rows = make_rows_plan(md, True, window, 1, False, cpu, first_token=skip, keys_skipped=True)
+    mods = impl._mods_on(cpu)
+    config = ("cpu", torch.float32, 16, 4, 2, *sorted(mods))
+    alone = torch.zeros_like(query)
+    impl._attend_rows(query, k, v, md, rows, mods, config, alone, None)
+    torch.testing.assert_close(alone[skip:], output[skip:], rtol=0, atol=1e-6)
+    assert not alone[:skip].any()
 
 
 def test_plan_off_the_cpu_copies_one_host_buffer():

@@ -256,21 +256,21 @@ def test_decodes_read_in_place_match_the_oracle_and_copy_no_key(
     gather = flex_attention.gather_kv_rows
 
     def counting(*args, **kwargs):
-        copies.append((kwargs["first_row"], kwargs["num_keys"]))
+        copies.append((kwargs["first_row"], kwargs["num_keys"], kwargs["max_key_len"]))
         return gather(*args, **kwargs)
 
     monkeypatch.setattr(flex_attention, "gather_kv_rows", counting)
     cache = {"block_size": block_size, "layout": KVCacheLayout(layout)}
     decodes = get_spec("many_decodes")
     # the kit puts decodes first (in `mixed`, keys of 40, 1 and 129): the other requests'
-    # keys (17 + 70 + 33) are copied alone, from the workspace's first key row, not after
-    # rows left for the decodes
+    # keys (17 + 70 + 33, the longest 70) are copied alone, from the workspace's first key
+    # row, not after rows left for the decodes
     for case, first_rows in (
         (Case("paged_decodes", "decode", decodes, **cache), set()),
         (Case("paged_window", "sliding_window", decodes, sliding_window=20, **cache), set()),
         (
             Case("paged_mixed", "mixed", get_spec("mixed"), **cache),
-            {(plan.FIRST_KEY_ROW, 17 + 70 + 33)},
+            {(plan.FIRST_KEY_ROW, 17 + 70 + 33, 70)},
         ),
     ):
         copies.clear()

@@ -14,8 +14,9 @@ How a step is laid out for the kernel (the plan, built from the CPU mirrors only
   slot: V = 0; its key's score is replaced by the sink logit or masked, so K row 0 is not
   cleared: it holds zeros or earlier finite keys); the requests' keys follow back to back
   from row `FIRST_KEY_ROW` (one tile on: a fresh prefill's causal diagonal then lies on tile
-  boundaries), request r's at `key_start[r] ...`. Encoder attention copies the step's own
-  key/value there.
+  boundaries), request r's at `key_start[r] ...` (less the skipped requests' keys where
+  decodes read the cache in place, below). Encoder attention copies the step's own key/value
+  there.
 - Decodes on CUDA read the cache in place (`flex_attention_paged`): K and V are strided views
   of the cache, each request's BlockMask lists its own blocks, and FlexAttention's decoding
   kernel runs compiled for a static batch bucket; no key is copied, and a mixed step copies
@@ -290,7 +291,9 @@ class FlexAttentionMetadata:
         causal: the step's causal flag (decoder layers only).
         layout: where keys and queries sit in workspace coordinates (CPU, see
             `flex_attention_plan.lay_out_step`).
-        kv_rows_padded: the bucketed key length the kernel sees.
+        kv_rows_padded: the bucketed key length of the workspace for every request's keys
+            (a step whose decodes read the cache in place copies fewer:
+            `flex_attention_plan.skipping_keys`).
         block_table: int32 `[>= num_reqs, max_blocks]` (device), the step's block table.
         key_lens: int32 `[num_reqs]` (device): keys per request (`seq_lens`, or the encoder
             lengths for cross attention); a view, made without any device work.
@@ -838,7 +841,8 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
             k_rows,
             v_rows,
             num_keys=rows - key_offset - FIRST_KEY_ROW,
-            max_key_len=md.max_key_len,
+            # (the longest copied: with decodes skipped, their keys would size the grid)
+            max_key_len=int(md.layout.key_lens[skip:].max(initial=0)) if skip else md.max_key_len,
             first_row=FIRST_KEY_ROW,
             k_scale=scales[0],
             v_scale=scales[1],

@@ -63,7 +63,9 @@ class RowsPlan:
     first_token: int
     num_rows: int
     block_mask: object  # its mask_mod reads the first / last kept key of each row
-    q_key_pos: torch.Tensor  # int32 [num_rows]: the row's own position, key coordinates
+    # int32 [num_rows]: the row's own position in the workspace's key rows (shifted with
+    # `keys_skipped`)
+    q_key_pos: torch.Tensor
     group_index: torch.Tensor  # int32 [num_rows]: query head within its group (0 with group 1)
 
     def position(self, b, q_idx):

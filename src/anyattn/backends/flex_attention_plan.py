@@ -270,7 +270,10 @@ def skipping_keys(layout: StepLayout, num_skipped: int) -> tuple[int, int]:
     """
     if not num_skipped:
         return 0, pad_keys(layout.num_key_rows)
-    offset = int(layout.key_start[num_skipped]) - FIRST_KEY_ROW
+    if num_skipped < layout.key_start.shape[0]:
+        offset = int(layout.key_start[num_skipped]) - FIRST_KEY_ROW
+    else:  # every request skipped: no key is left to copy
+        offset = layout.num_key_rows - FIRST_KEY_ROW
     return offset, pad_keys(layout.num_key_rows - offset)
 
 
