@@ -21,8 +21,8 @@ How a step is laid out for the kernel (the plan, built from the CPU mirrors only
   of the cache, each request's BlockMask lists its own blocks, and FlexAttention's decoding
   kernel runs compiled for a static batch bucket; no key is copied, and a mixed step copies
   only its other requests' keys, into a workspace sized for them alone
-  (`flex_attention_plan.skipping_keys`). This needs a decoder layer without ALiBi or sinks, a cache
-  of the model dtype and a block size that is a power of two of at least 16; other decodes
+  (`flex_attention_plan.skipping_keys`). This needs a decoder layer without ALiBi or sinks, a
+  cache of the model dtype and a block size that is a power of two of at least 16; other decodes
   (and every decode on the CPU, whose template cannot compile that plan) take the decode
   layout.
 - The decode layout: the builder asks for decodes first (`reorder_batch_threshold` 1), and
@@ -451,6 +451,22 @@ def _compiled_attend(config: tuple, with_lse: bool, dynamic: bool = True) -> Cal
     return fn
 
 
+def _copied_keys(md: FlexAttentionMetadata, skip: int) -> tuple[int, int, int]:
+    """`(key_offset, kv_rows_padded, max_key_len)` of the keys a layer copies when the first
+    `skip` requests' are not copied (`flex_attention_plan.skipping_keys`; the longest copied
+    request sizes the gather's grid, not a skipped decode). Made once per step, for every
+    layer that reads its decodes in place."""
+    if not skip:
+        return 0, md.kv_rows_padded, md.max_key_len
+    key = ("copied keys", skip)
+    copied = md.step_cache.get(key)
+    if copied is None:
+        key_offset, kv_rows_padded = skipping_keys(md.layout, skip)
+        longest = int(md.layout.key_lens[skip:].max(initial=0))
+        copied = md.step_cache[key] = (key_offset, kv_rows_padded, longest)
+    return copied
+
+
 def _static_dims(tensor: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     """Marks `dims` static for torch.compile (compiled with dynamic=True, every size would
     otherwise be a symbol, and heads and head sizes never vary)."""
@@ -816,7 +832,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         # K and V in buffers of their own, each at storage offset 0: a symbolic offset (V's,
         # in one shared buffer) left Inductor unable to prove alignment, and the kernel
         # took 1.3-1.6x as long on an H200 (benchmarks/RESULTS.md).
-        key_offset, kv_rows_padded = skipping_keys(md.layout, skip)
+        key_offset, kv_rows_padded, max_key_len = _copied_keys(md, skip)
         shape = (self.num_kv_heads, kv_rows_padded, self.head_size)
         k_rows = md.workspace.get("k", shape, dtype, device)
         v_rows = md.workspace.get("v", shape, dtype, device)
@@ -841,8 +857,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
             k_rows,
             v_rows,
             num_keys=rows - key_offset - FIRST_KEY_ROW,
-            # (the longest copied: with decodes skipped, their keys would size the grid)
-            max_key_len=int(md.layout.key_lens[skip:].max(initial=0)) if skip else md.max_key_len,
+            max_key_len=max_key_len,
             first_row=FIRST_KEY_ROW,
             k_scale=scales[0],
             v_scale=scales[1],
