@@ -20,7 +20,7 @@ GPU times by CUDA events (`_timing.median_us`). On the CPU (`--device cpu`, a ti
 layer) it only checks that every part runs: the benchmark's own test.
 
 Run on the GPU machine: `PYTHONPATH=src python3 benchmarks/flex_breakdown.py [--cases
-decode,prefill,mixed] [--reps 30]`. Prints a markdown table per case.
+decode,prefill,mixed] [--block-size 16] [--reps 30]`. Prints a markdown table per case.
 """
 
 from __future__ import annotations
@@ -176,6 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="decode,prefill,mixed")
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--block-size", type=int, help="tokens per page (default: kernels.py's)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -183,10 +184,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("flex_breakdown.py: no CUDA device; nothing to time (--device cpu to check it).")
         return 0
     shape, cases = (kernels.Shape(), CASES) if device.type == "cuda" else (TINY, TINY_CASES)
+    if args.block_size:
+        shape = dataclasses.replace(shape, block_size=args.block_size)
     failed = 0
     for name in args.cases.split(","):
         spec = cases[name]
-        print(f"### FLEX_ATTENTION forward, {spec.section} {spec.label} ({device.type})\n")
+        where = f"{device.type}, {shape.block_size}-token blocks"
+        print(f"### FLEX_ATTENTION forward, {spec.section} {spec.label} ({where})\n")
         try:
             with torch.no_grad():
                 rows = time_parts(parts(spec, shape, device), device, args.reps)
