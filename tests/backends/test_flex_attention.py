@@ -952,6 +952,57 @@ def test_rows_read_a_query_of_whole_tiles_as_it_is(device, monkeypatch):
     assert graphs[0] == graphs[1] == graphs[2]
 
 
+@needs_flex
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_decodes_read_a_query_covering_their_padded_batch_as_it_is(device, monkeypatch):
+    """The decodes' queries are read in place where the caller's query has a row for every
+    entry of the padded decode batch (the tokens after the decodes, or the engine's padding,
+    whatever it holds), and copied where it has fewer. Every step matches the float64 oracle;
+    a step read in place compiles nothing a copied step of the same bucket did not."""
+    requested = []
+    get = flex_attention._Workspace.get
+
+    def recording(self, name, *args, **kwargs):
+        requested.append(name)
+        return get(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(flex_attention._Workspace, "get", recording)
+    seen = []  # (query rows, padded decode batch) per call
+    decode_queries = FlexAttentionImpl._decode_queries
+
+    def spying(self, query, md, n, batch):
+        seen.append((query.shape[0], batch))
+        return decode_queries(self, query, md, n, batch)
+
+    monkeypatch.setattr(FlexAttentionImpl, "_decode_queries", spying)
+    forward = FlexAttentionImpl.forward
+
+    def nan_padding(self, layer, query, key, value, kv_cache, md, *args, **kwargs):
+        query[md.num_actual_tokens :] = math.nan  # an engine's padding may hold anything
+        return forward(self, layer, query, key, value, kv_cache, md, *args, **kwargs)
+
+    monkeypatch.setattr(FlexAttentionImpl, "forward", nan_padding)
+    steps = (  # (spec, padding tokens): 3 decodes pad to a batch of 4 or 6 on both devices
+        (BatchSpec("short", (1, 1, 1), (40, 50, 60)), 0),
+        (BatchSpec("padded", (1, 1, 1), (70, 20, 90)), 3),
+        (BatchSpec("then_a_prefill", (1, 1, 37), (40, 50, 80)), 0),
+    )
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    graphs, in_place = [], []
+    for spec, padding in steps:
+        requested.clear()
+        seen.clear()
+        case = Case(f"decodes_in_place/{spec.name}", "padding", spec, num_padding_tokens=padding)
+        (result,) = run_case(FlexAttentionBackend, case, device, dtype)
+        assert result.passed, result
+        ((rows, batch),) = set(seen)  # one decode batch per step, whatever the layer
+        assert ("decode_query" in requested) == (rows < batch), spec.name
+        in_place.append(rows >= batch)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert in_place == [False, True, True]
+    assert graphs[0] == graphs[1]
+
+
 @pytest.mark.gpu
 def test_steps_of_other_sizes_do_not_recompile_on_cuda():
     _assert_recompiles_bounded("cuda", torch.bfloat16)

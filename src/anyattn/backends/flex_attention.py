@@ -664,15 +664,20 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         self._write_decodes(result, plan.num_decodes, output, output_lse)
 
     def _decode_queries(self, query, md, n: int, batch: int) -> torch.Tensor:
-        """The first `n` tokens' queries in the decode buffer `[batch, KVH, G, D]` of the
-        workspace (both decode paths; rows past `n` keep earlier values)."""
+        """The first `n` tokens' queries as the decode kernels take them, `[batch, KVH, G, D]`
+        (both decode paths): a view of the caller's query where it covers the padded batch
+        (`_covers_whole_rows`), else of a workspace buffer (rows past `n` keep earlier
+        values). Entries past `n` are padding either way: their outputs are never copied out."""
         # query [n, H, D] is [n, KVH, G, D] already: batch entry, KV head, its query heads.
-        # Copied into a buffer of the padded batch all the same: a view of the caller's query
-        # would have torch.compile guard on that tensor's sizes too, and recompile.
         shape = (self.num_kv_heads, self.group, self.head_size)
-        q = md.workspace.get("decode_query", (batch, *shape), query.dtype, query.device)
-        q[:n].copy_(query[:n].view(n, *shape))
-        return q
+        if _covers_whole_rows(query, 0, batch):
+            q = query[:batch].view(batch, *shape)  # (a copy: a kernel launch, 2-3 us)
+        else:
+            q = md.workspace.get("decode_query", (batch, *shape), query.dtype, query.device)
+            q[:n].copy_(query[:n].view(n, *shape))
+        # Detached, without a base, either way: torch.compile guards on a view's base (the
+        # caller's query, whose token count changes from step to step, or the workspace's)
+        return q.detach()
 
     def _write_decodes(self, result, n: int, output, output_lse) -> None:
         """Writes a decode batch's result (`out [batch, KVH, G, D]`, with `lse [batch, KVH,
