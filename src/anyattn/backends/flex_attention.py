@@ -76,11 +76,12 @@ shorten later processes.
 
 Speed on an H200 (benchmarks/RESULTS.md, torch 2.11, bf16, 32 / 8 heads of 128): this is the
 portable backend, not the fastest. Against FlexAttention called directly on keys already laid
-out (what a user of the library would write for the same batch): decode 64 x 4096 1.03x with
-64-token blocks (270 us; FLASHINFER 256 us) and 0.96x with 16-token blocks (253 us), both
-reading the cache in place (16-token pages took 1.81x with FlexAttention's default launch:
-`flex_attention_paged.paged_decode_options` pipelines them); prefill 4 x 4096 1.03-1.04x
-and 16 x 1024 1.14x, with the keys one tile into the workspace (`FIRST_KEY_ROW`: 1.10x and
+out (what a user of the library would write for the same batch): decode 64 x 4096 0.95-0.96x
+with 16- and 64-token blocks (250-255 us; FLASHINFER 248 us), reading the cache in place
+(16-token pages took 1.81x and 64-token pages 1.02x with FlexAttention's default launch:
+`flex_attention_paged.paged_decode_options` pipelines them); a mixed step of 48 such decodes
+and 2 chunked prefills 0.99x with 64-token blocks and 1.04x with 16 (the prefills' key copy
+and the output copies); prefill 4 x 4096 1.03x and 16 x 1024 1.14x, with the keys one tile into the workspace (`FIRST_KEY_ROW`: 1.10x and
 1.32x with the keys from row 1, whose causal diagonal straddled two key tiles) and the query
 read in place (1.14x at 4 x 4096 with the query copied). What is left of the prefill's cost
 is copies: the compiled kernels alone take 0.94-0.96x the direct call, the output copy 55-67
