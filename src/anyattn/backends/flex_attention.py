@@ -81,9 +81,10 @@ with 16- and 64-token blocks (250-255 us; FLASHINFER 248 us), reading the cache 
 (16-token pages took 1.81x and 64-token pages 1.02x with FlexAttention's default launch:
 `flex_attention_paged.paged_decode_options` pipelines them); a mixed step of 48 such decodes
 and 2 chunked prefills 0.99x with 64-token blocks and 1.04x with 16 (the prefills' key copy
-and the output copies); prefill 4 x 4096 1.03x and 16 x 1024 1.14x, with the keys one tile into the workspace (`FIRST_KEY_ROW`: 1.10x and
-1.32x with the keys from row 1, whose causal diagonal straddled two key tiles) and the query
-read in place (1.14x at 4 x 4096 with the query copied). What is left of the prefill's cost
+and the output copies); prefill 4 x 4096 1.03x and 16 x 1024 1.14x, with the keys one tile
+into the workspace (`FIRST_KEY_ROW`: 1.10x and 1.32x with the keys from row 1, whose causal
+diagonal straddled two key tiles) and the query read in place (1.14x at 4 x 4096 with the
+query copied). What is left of the prefill's cost
 is copies: the compiled kernels alone take 0.94-0.96x the direct call, the output copy 55-67
 us (FlexAttention has no `out=`, and Inductor does not fuse a copy compiled after it into its
 template), the key copy out of the paged cache 41 us (a prefill reading the cache in place
