@@ -1041,21 +1041,11 @@ class PreparedBuild:
 
 
 def time_build(
-    name: str,
-    shape: Shape,
-    device: torch.device | str,
-    reps: int,
-    num_reqs: int = 256,
-    seq_len: int = 2048,
-    fast_decode_plan: bool = True,
-    varied: bool = False,
-    graphs: bool = False,
-    persistent: bool = False,
+    name: str, shape: Shape, device: torch.device | str, reps: int, *args, **kwargs
 ) -> BuildResult:
-    """`prepare_build` and `time_builds` of one case (see both)."""
-    prepared = prepare_build(
-        name, shape, device, num_reqs, seq_len, fast_decode_plan, varied, graphs, persistent
-    )
+    """`prepare_build(name, shape, device, *args, **kwargs)` and `time_builds` of it, `reps`
+    calls in one round (see both)."""
+    prepared = prepare_build(name, shape, device, *args, **kwargs)
     if isinstance(prepared, BuildResult):
         return prepared
     return time_builds([prepared], reps, rounds=1)[0]

@@ -16,11 +16,12 @@ def test_every_part_runs_and_agrees_on_the_cpu(capsys) -> None:
     sys.path.insert(0, str(BENCHMARKS))
     try:
         breakdown = importlib.import_module("flex_breakdown")
-        assert breakdown.main(["--device", "cpu", "--cases", "decode", "--reps", "2"]) == 0
+        args = ["--device", "cpu", "--cases", "decode", "--reps", "2", "--block-size", "32"]
+        assert breakdown.main(args) == 0
     finally:
         sys.path.remove(str(BENCHMARKS))
     out = capsys.readouterr().out
-    assert "### FLEX_ATTENTION forward, decode 3 x 40 (cpu)" in out
+    assert "### FLEX_ATTENTION forward, decode 3 x 40 (cpu, 32-token blocks)" in out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
     assert [row.split(" | ")[0].lstrip("| ") for row in rows[1:]] == [
         "forward (whole)",
