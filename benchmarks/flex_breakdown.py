@@ -11,7 +11,8 @@ does), each part of one layer's forward alone, so that the gap can be attributed
   decodes read the cache in place, and only the other requests' keys are copied);
 - the attention calls on the workspace, as the forward makes them (the decode layout's and
   the rows', compiled with dynamic shapes so that no step size recompiles), with their
-  query and output copies;
+  output copies and their query copies (none where the caller's query covers the padded
+  rows or decode batch);
 - the same compiled kernels alone, on queries already in their layout (no copies);
 - FlexAttention called directly on keys laid out once (`kernels.prepare_flex`, the
   wrapper-cost peer).
@@ -111,7 +112,8 @@ def parts(spec: kernels.CaseSpec, shape: kernels.Shape, device: torch.device) ->
         if rows_plan is not None:
             impl._attend_rows(query, k, v, md, rows_plan, mods, config, output, None)
 
-    # The kernels alone: their queries as the calls above leave them in the workspace.
+    # The kernels alone: their queries as the forward hands them over (a view of the caller's
+    # query where it covers the padded rows or batch, else the workspace's copy).
     kernel_calls = []
     if decode_plan is not None:
         q = impl._decode_queries(query, md, decode_plan.num_decodes, decode_plan.batch)

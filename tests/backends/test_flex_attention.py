@@ -982,9 +982,10 @@ def test_decodes_read_a_query_covering_their_padded_batch_as_it_is(device, monke
         return forward(self, layer, query, key, value, kv_cache, md, *args, **kwargs)
 
     monkeypatch.setattr(FlexAttentionImpl, "forward", nan_padding)
-    # (spec, padding tokens): 3 decodes pad to a batch of 4 or 6 on both devices; the first
-    # two steps differ in their padding alone (the paged decode's graph is static in the
-    # batch and in the block lists' width, which follows the longest request)
+    # (spec, padding tokens): 3 decodes pad to a batch of 4 on both devices (G = 2), which the
+    # padded step's 6 query rows cover; the first two steps differ in their padding alone
+    # (the paged decode's graph is static in the batch and in the block lists' width, which
+    # follows the longest request)
     steps = (
         (BatchSpec("short", (1, 1, 1), (40, 50, 60)), 0),
         (BatchSpec("padded", (1, 1, 1), (40, 50, 60)), 3),

@@ -28,7 +28,8 @@ How a step is laid out for the kernel (the plan, built from the CPU mirrors only
 - The decode layout: the builder asks for decodes first (`reorder_batch_threshold` 1), and
   the step's leading single-token requests take the decode layout: batch entry b is request b,
   its query rows are its G query heads of one KV head (`[batch, KVH, G, D]`, the query's own
-  layout, copied into a buffer of the padded batch), and its block lists name only its own key
+  layout, read in place where the caller's query has a row for every padded entry, else
+  copied into a buffer of the padded batch), and its block lists name only its own key
   tiles, so FlexAttention's decoding kernel reads each request's keys once. (Served by the
   rows instead, when they folded GQA into rows, a 128-row tile held 128 / G requests and
   visited all their keys for every row: for 64 x 4096 on an H200 the attention took 3.3 ms
@@ -489,19 +490,20 @@ def _as_kernel_rows(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _covers_whole_rows(query: torch.Tensor, first_token: int, num_rows: int) -> bool:
-    """Whether the rows kernel can read `query [tokens, H, D]` itself: its rows start at token
-    0 and the caller's tensor has at least `num_rows` (the padded row count; an engine's
-    padded batch, or a step of exactly a bucket's tokens) in the layout of the workspace's
-    copy: contiguous at storage offset 0. The rows past the step's tokens are the caller's
-    (padding, any values): their outputs are never copied out, and a row's scores depend on
-    its own query only.
+    """Whether the rows kernel or a decode kernel can read `query [tokens, H, D]` itself: its
+    rows start at token 0 and the caller's tensor has at least `num_rows` (the padded row
+    count or decode batch; an engine's padded batch, a step of exactly a bucket's tokens, or
+    the tokens after the decodes) in the layout of the workspace's copy: contiguous at storage
+    offset 0. The rows past the step's tokens (or decodes) are the caller's (padding, any
+    values): their outputs are never copied out, and a row's scores depend on its own query
+    only.
 
     Anything else is copied: a graph compiled for these strides would guard on others and
     compile again, and a symbolic storage offset hides the alignment Inductor needs (the
     kernel took 1.3-1.6x as long with one on an H200, benchmarks/RESULTS.md). (torch.compile
     also guards on a tensor being an inference tensor: a caller alternating steps inside and
-    outside `torch.inference_mode` would compile once for each; the engine runs every step
-    inside it.)"""
+    outside `torch.inference_mode` would compile once for each, the paged decode once per
+    batch bucket too; the engine runs every step inside it.)"""
     return (
         first_token == 0
         and query.shape[0] >= num_rows
@@ -673,7 +675,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         # query [n, H, D] is [n, KVH, G, D] already: batch entry, KV head, its query heads.
         shape = (self.num_kv_heads, self.group, self.head_size)
         if _covers_whole_rows(query, 0, batch):
-            q = query[:batch].view(batch, *shape)  # (a copy: a kernel launch, 2-3 us)
+            q = query[:batch].view(batch, *shape)  # no copy (one is a kernel launch, 2-3 us)
         else:
             q = md.workspace.get("decode_query", (batch, *shape), query.dtype, query.device)
             q[:n].copy_(query[:n].view(n, *shape))
