@@ -908,13 +908,10 @@ def test_leading_decodes_take_the_decode_layout(query_lens, num_decodes, device)
         assert rows_plan is None
 
 
-@needs_flex
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_rows_read_a_query_of_whole_tiles_as_it_is(device, monkeypatch):
-    """A step without leading decodes whose query holds the padded rows (a bucket's tokens, or
-    the engine's padding past them) is read in place, the padding rows whatever they hold; a
-    shorter query or one after decodes is copied. Every step matches the float64 oracle and
-    recompiles nothing."""
+def _record_buffers_and_nan_padding(monkeypatch) -> list[str]:
+    """Patches FLEX_ATTENTION so that every forward fills the query's padding rows with NaN
+    first (an engine's padding may hold anything), and returns the list that every workspace
+    buffer request appends its name to."""
     requested = []
     get = flex_attention._Workspace.get
 
@@ -926,10 +923,21 @@ def test_rows_read_a_query_of_whole_tiles_as_it_is(device, monkeypatch):
     forward = FlexAttentionImpl.forward
 
     def nan_padding(self, layer, query, key, value, kv_cache, md, *args, **kwargs):
-        query[md.num_actual_tokens :] = math.nan  # an engine's padding may hold anything
+        query[md.num_actual_tokens :] = math.nan
         return forward(self, layer, query, key, value, kv_cache, md, *args, **kwargs)
 
     monkeypatch.setattr(FlexAttentionImpl, "forward", nan_padding)
+    return requested
+
+
+@needs_flex
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_rows_read_a_query_of_whole_tiles_as_it_is(device, monkeypatch):
+    """A step without leading decodes whose query holds the padded rows (a bucket's tokens, or
+    the engine's padding past them) is read in place, the padding rows whatever they hold; a
+    shorter query or one after decodes is copied. Every step matches the float64 oracle and
+    recompiles nothing."""
+    requested = _record_buffers_and_nan_padding(monkeypatch)
     assert plan.pad_rows(256) == 256 and plan.pad_rows(200) == 256
     steps = (  # (spec, padding tokens, whether the query is copied)
         (BatchSpec("bucket", (100, 156), (150, 186)), 0, False),
@@ -959,14 +967,7 @@ def test_decodes_read_a_query_covering_their_padded_batch_as_it_is(device, monke
     entry of the padded decode batch (the tokens after the decodes, or the engine's padding,
     whatever it holds), and copied where it has fewer. Every step matches the float64 oracle;
     a step read in place compiles nothing a copied step of the same bucket did not."""
-    requested = []
-    get = flex_attention._Workspace.get
-
-    def recording(self, name, *args, **kwargs):
-        requested.append(name)
-        return get(self, name, *args, **kwargs)
-
-    monkeypatch.setattr(flex_attention._Workspace, "get", recording)
+    requested = _record_buffers_and_nan_padding(monkeypatch)
     seen = []  # (query rows, padded decode batch) per call
     decode_queries = FlexAttentionImpl._decode_queries
 
@@ -975,13 +976,6 @@ def test_decodes_read_a_query_covering_their_padded_batch_as_it_is(device, monke
         return decode_queries(self, query, md, n, batch)
 
     monkeypatch.setattr(FlexAttentionImpl, "_decode_queries", spying)
-    forward = FlexAttentionImpl.forward
-
-    def nan_padding(self, layer, query, key, value, kv_cache, md, *args, **kwargs):
-        query[md.num_actual_tokens :] = math.nan  # an engine's padding may hold anything
-        return forward(self, layer, query, key, value, kv_cache, md, *args, **kwargs)
-
-    monkeypatch.setattr(FlexAttentionImpl, "forward", nan_padding)
     # (spec, padding tokens): 3 decodes pad to a batch of 4 on both devices (G = 2), which the
     # padded step's 6 query rows cover; the first two steps differ in their padding alone
     # (the paged decode's graph is static in the batch and in the block lists' width, which

@@ -81,17 +81,16 @@ out (what a user of the library would write for the same batch): decode 64 x 409
 with 16- and 64-token blocks (250-255 us; FLASHINFER 248 us), reading the cache in place
 (16-token pages took 1.81x and 64-token pages 1.02x with FlexAttention's default launch:
 `flex_attention_paged.paged_decode_options` pipelines them); a mixed step of 48 such decodes
-and 2 chunked prefills 0.99x with 64-token blocks and 1.04x with 16 (the prefills' key copy
-and the output copies); prefill 4 x 4096 1.03x and 16 x 1024 1.14x, with the keys one tile
-into the workspace (`FIRST_KEY_ROW`: 1.10x and 1.32x with the keys from row 1, whose causal
-diagonal straddled two key tiles) and the query read in place (1.14x at 4 x 4096 with the
-query copied). What is left of the prefill's cost
-is copies: the compiled kernels alone take 0.94-0.96x the direct call, the output copy 55-67
-us (FlexAttention has no `out=`, and Inductor does not fuse a copy compiled after it into its
-template), the key copy out of the paged cache 41 us (a prefill reading the cache in place
-measured slower: 1.11x at 64-token pages, thirteenth session). The first step of each new
-decode batch bucket compiles for 1-4 s on an H200. On a 2-core CPU the decode layout took a
-16 x 1024 decode step from 32.2 ms (the rows) to 14.5 ms.
+and 2 chunked prefills 0.99x with 64-token blocks and 1.04x with 16 (the prefills' key copy and
+the output copies); prefill 4 x 4096 1.03x and 16 x 1024 1.14x, with the keys one tile into the
+workspace (`FIRST_KEY_ROW`: 1.10x and 1.32x with the keys from row 1, whose causal diagonal
+straddled two key tiles) and the query read in place (1.14x at 4 x 4096 with the query copied).
+What is left of the prefill's cost is copies: the compiled kernels alone take 0.94-0.96x the
+direct call, the output copy 55-67 us (FlexAttention has no `out=`, and Inductor does not fuse
+a copy compiled after it into its template), the key copy out of the paged cache 41 us (a
+prefill reading the cache in place measured slower: 1.11x at 64-token pages, thirteenth
+session). The first step of each new decode batch bucket compiles for 1-4 s on an H200. On a
+2-core CPU the decode layout took a 16 x 1024 decode step from 32.2 ms (the rows) to 14.5 ms.
 
 Limits, all declared: LSE output only on CUDA (Inductor's CPU template has no LSE); no cascade;
 sliding window only causal (as TORCH); head sizes multiples of 16 up to 256 (Triton's dot
@@ -512,6 +511,26 @@ def _covers_whole_rows(query: torch.Tensor, first_token: int, num_rows: int) -> 
     )
 
 
+def _padded_queries(
+    query: torch.Tensor,
+    md: FlexAttentionMetadata,
+    name: str,
+    first: int,
+    end: int,
+    num_rows: int,
+) -> torch.Tensor:
+    """Tokens `first ... end - 1` of `query [tokens, H, D]` in `num_rows` rows `[num_rows, H,
+    D]` for a kernel: the caller's own rows where they cover them (`_covers_whole_rows`:
+    nothing to copy; a copy is a kernel launch, 2-3 us for a decode batch), else workspace
+    buffer `name`, the tokens copied token-major in one contiguous copy (rows past them keep
+    earlier values)."""
+    if _covers_whole_rows(query, first, num_rows):
+        return query[:num_rows]
+    q = md.workspace.get(name, (num_rows, *query.shape[1:]), query.dtype, query.device)
+    q[: end - first].copy_(query[first:end])
+    return q
+
+
 def _soft_cap(mods: dict[str, torch.Tensor]) -> Callable | None:
     """The soft cap alone as a score mod (FlexAttention applies the scale before it)."""
     cap = mods.get("soft_cap")
@@ -669,19 +688,13 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
 
     def _decode_queries(self, query, md, n: int, batch: int) -> torch.Tensor:
         """The first `n` tokens' queries as the decode kernels take them, `[batch, KVH, G, D]`
-        (both decode paths): a view of the caller's query where it covers the padded batch
-        (`_covers_whole_rows`), else of a workspace buffer (rows past `n` keep earlier
-        values). Entries past `n` are padding either way: their outputs are never copied out."""
+        (both decode paths; `_padded_queries`). Entries past `n` are padding: their outputs
+        are never copied out."""
         # query [n, H, D] is [n, KVH, G, D] already: batch entry, KV head, its query heads.
-        shape = (self.num_kv_heads, self.group, self.head_size)
-        if _covers_whole_rows(query, 0, batch):
-            q = query[:batch].view(batch, *shape)  # no copy (one is a kernel launch, 2-3 us)
-        else:
-            q = md.workspace.get("decode_query", (batch, *shape), query.dtype, query.device)
-            q[:n].copy_(query[:n].view(n, *shape))
-        # Detached, without a base, either way: torch.compile guards on a view's base (the
-        # caller's query, whose token count changes from step to step, or the workspace's)
-        return q.detach()
+        q = _padded_queries(query, md, "decode_query", 0, n, batch)
+        # Detached, without a base: torch.compile guards on a view's base (the caller's query,
+        # whose token count changes from step to step, or the workspace's)
+        return q.view(batch, self.num_kv_heads, self.group, self.head_size).detach()
 
     def _write_decodes(self, result, n: int, output, output_lse) -> None:
         """Writes a decode batch's result (`out [batch, KVH, G, D]`, with `lse [batch, KVH,
@@ -743,15 +756,10 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         `[1, H, rows, D]` (tiled on CUDA): a token-major view of the caller's query where it
         covers the padded row count (`_covers_whole_rows`), else of a workspace buffer of that
         many rows (rows past the tokens keep earlier values)."""
+        # (a copy where the caller's query ends where its tokens do, or starts at the
+        # decodes' offset: the kernel wants whole tiles of rows)
         t0, n = plan.first_token, md.num_actual_tokens
-        if _covers_whole_rows(query, t0, plan.num_rows):
-            q = query[: plan.num_rows]  # the caller's own rows: nothing to copy
-        else:
-            # a copy: the kernel wants whole tiles of rows, and the caller's query ends where
-            # its tokens do (or starts at the decodes' offset); token-major, one contiguous copy
-            shape = (plan.num_rows, self.num_heads, self.head_size)
-            q = md.workspace.get("query", shape, query.dtype, query.device)
-            q[: n - t0].copy_(query[t0:n])
+        q = _padded_queries(query, md, "query", t0, n, plan.num_rows)
         # Detached, a tensor without a base, its heads and head size static: torch.compile
         # guards on a view's base, and the caller's query and the workspace buffer have bases
         # of other shapes (a static head count is never tied to a symbolic tile count).
