@@ -5,9 +5,8 @@ so it is tested exactly on the CPU and never synchronises with a GPU:
 
 - `lay_out_step` (and `lay_out_owned`, its no-copy form for the builder): where each
   request's keys go in the key workspace (row 0 is the sink slot, the keys start at
-  `FIRST_KEY_ROW`) and, per query token, the
-  range of key rows it keeps (causal or bidirectional) and its own position, in workspace
-  coordinates.
+  `FIRST_KEY_ROW`) and, per query token, the range of key rows it keeps (causal or
+  bidirectional) and its own position, in workspace coordinates.
 - `window_lo`: the first kept key row under a sliding window.
 - `pad_rows`, `pad_keys`: the bucketed lengths the compiled kernel sees.
 - `tile_runs`, `block_lists`: FlexAttention's block-sparse mask (which 128 x 128 tiles of
