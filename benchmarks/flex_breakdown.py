@@ -128,7 +128,7 @@ def parts(spec: kernels.CaseSpec, shape: kernels.Shape, device: torch.device) ->
         )  # fmt: skip
     if rows_plan is not None:
         q = impl._rows_queries(query, md, rows_plan)
-        kernel_calls.append((flex._compiled_attend(config, False), q, rows_plan))
+        kernel_calls.append((impl._rows_kernel(config, False, query), q, rows_plan))
 
     def kernels_alone(slot: int) -> None:
         for compiled, q, plan in kernel_calls:

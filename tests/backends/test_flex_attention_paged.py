@@ -28,7 +28,6 @@ from anyattn.backends.flex_attention_masks import FROM_KV_BLOCKS_TAKES_COMPUTE_Q
 from anyattn.backends.flex_attention_paged import (
     PagedDecodePlan,
     make_paged_decode_plan,
-    paged_decode_options,
     paged_kv_views,
 )
 from anyattn.config import AttentionSpec, BatchLimits
@@ -222,28 +221,6 @@ def test_the_cpu_copies_decode_keys():
     spec = AttentionSpec(16, 2, 16, torch.float32)
     md = FlexAttentionMetadataBuilder(spec, ["l"], BatchLimits(8, 64, 256), "cpu").build(0, cm)
     assert _impl()._in_place(cache, md, torch.float32) is None
-
-
-def test_pages_get_pipelined_kernel_options_within_the_shared_memory_budget():
-    deep, wide = {"num_stages": 4, "num_warps": 2}, {"num_stages": 2, "num_warps": 4}
-    # stages x (K + V) x key tile x head size (rounded up to a power of two) x bytes <= 64 KiB,
-    # the key tile being the page up to 64 tokens; pages under 64 tokens take 4 stages where
-    # they fit, else 2, as larger pages do
-    assert paged_decode_options(16, 128, 2) == deep  # 32 KiB
-    assert paged_decode_options(32, 128, 2) == deep  # 64 KiB
-    assert paged_decode_options(16, 256, 2) == deep
-    assert paged_decode_options(16, 128, 4) == deep
-    assert paged_decode_options(16, 80, 2) == deep  # 80 -> 128
-    assert paged_decode_options(32, 144, 2) == wide  # 144 -> 256: 128 KiB at 4 stages, 64 at 2
-    assert paged_decode_options(32, 256, 2) == wide
-    assert paged_decode_options(16, 256, 4) == wide
-    assert paged_decode_options(64, 64, 2) == wide  # 32 KiB; 64-token pages take 2 stages
-    assert paged_decode_options(64, 128, 2) == wide  # 64 KiB
-    assert paged_decode_options(64, 256, 2) is None  # 128 KiB: FlexAttention's defaults
-    assert paged_decode_options(128, 128, 2) == wide  # a key tile of 64: 64 KiB
-    assert paged_decode_options(256, 128, 2) == wide
-    assert paged_decode_options(128, 256, 2) is None
-    assert paged_decode_options(32, 256, 4) is None
 
 
 # --- on the GPU ------------------------------------------------------------------------------

@@ -115,6 +115,7 @@ from anyattn.backend import (
     AttentionLayer,
     AttentionMetadataBuilder,
 )
+from anyattn.backends.flex_attention_launch import paged_decode_options, rows_kernel_options
 from anyattn.backends.flex_attention_masks import (
     DecodePlan,
     RowsPlan,
@@ -126,7 +127,6 @@ from anyattn.backends.flex_attention_paged import (
     PagedDecodePlan,
     PagedKV,
     make_paged_decode_plan,
-    paged_decode_options,
     paged_kv_views,
 )
 from anyattn.backends.flex_attention_plan import (
@@ -469,6 +469,12 @@ def _copied_keys(md: FlexAttentionMetadata, skip: int) -> tuple[int, int, int]:
     return copied
 
 
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA compute capability of `device`, None off CUDA (looked up once per device)."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
 def _static_dims(tensor: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     """Marks `dims` static for torch.compile (compiled with dynamic=True, every size would
     otherwise be a symbol, and heads and head sizes never vary)."""
@@ -741,7 +747,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
     ) -> None:
         """The rows: tokens `plan.first_token ...`, one batch entry, every query head."""
         t0, n = plan.first_token, md.num_actual_tokens
-        attend = _compiled_attend(config, with_lse=output_lse is not None)
+        attend = self._rows_kernel(config, output_lse is not None, query)
         q = self._rows_queries(query, md, plan)
         result = attend(q, k, v, plan.block_mask, score_mod(self._rows_mods(mods), plan), 1.0)
         out, lse = result if output_lse is not None else (result, None)
@@ -750,6 +756,13 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         output[t0:n].copy_(out[0, :, : n - t0].transpose(0, 1))
         if lse is not None:
             output_lse[:, t0:n].copy_(lse[0, :, : n - t0])  # lse: [1, H, rows]
+
+    def _rows_kernel(self, config: tuple, with_lse: bool, query: torch.Tensor) -> Callable:
+        """The rows' compiled call, `attend(q, k, v, block_mask, score_mod, scale)`, with its
+        launch settings for the query's GPU bound (`rows_kernel_options`)."""
+        options = rows_kernel_options(_capability(query.device), self.head_size, query.itemsize)
+        attend = _compiled_attend((*config, "rows", str(options)), with_lse)
+        return functools.partial(attend, kernel_options=options)
 
     def _rows_queries(self, query, md, plan: RowsPlan) -> torch.Tensor:
         """Tokens `plan.first_token ...` of `query [n, H, D]` as the rows kernel takes them:

@@ -22,20 +22,8 @@ each on an H200), once per process and cache geometry. The block lists are a fix
 wide (`FlexAttentionMetadata.max_blocks_per_req`), so a step whose longest request grew by a
 block does not compile again.
 
-Kernel options (`paged_decode_options`): the decoding kernel's key tile is the page, up to 64
-tokens (FlexAttention's default tile, which it lowers to the page and never raises), and its
-default launch is a single stage, without software pipelining over the tiles (read in torch
-2.13's source; the H200's torch 2.11 measured as that predicts). That spent 1.79x the GPU time
-of its own call over contiguous keys on an H200 at 16-token pages, 1.22x at 32 and 1.00-1.03x
-at 64 (64 x 4096, 32 / 8 heads of 128, bf16). Pages under 64 tokens get four pipeline stages
-and two warps: 0.94x and 0.95x there, 0.29-1.06x over head sizes 64-256 and batches of 8 x
-32768 to 256 x 2048 at 16-token pages (benchmarks/RESULTS.md, thirteenth session). Larger
-pages, and smaller ones whose four stages do not fit, get two stages and four warps: 0.26-0.98x
-at 64-token pages over the same shapes against 0.33-1.08x with the defaults, 0.96x at 128
-(1.03x), 1.01x at 32-token pages of head size 256 (1.29x) (fifteenth session). Each is used
-only where its stages' K and V tiles fit a shared-memory budget that every GPU this backend
-declares has (`_STAGED_BYTES`); elsewhere FlexAttention's defaults (64-token pages of head size
-256, some fp32 caches).
+Kernel options: `flex_attention_launch.paged_decode_options` pipelines the decoding kernel
+(its default launch is one stage: 1.79x its own call over contiguous keys at 16-token pages).
 
 Where it applies (`paged_kv_views`, `FlexAttentionImpl._in_place`): CUDA, a decoder layer
 without ALiBi or sinks (ALiBi needs a key's position, which a view block does not carry; a
@@ -64,48 +52,12 @@ __all__ = [
     "PagedDecodePlan",
     "PagedKV",
     "make_paged_decode_plan",
-    "paged_decode_options",
     "paged_kv_views",
 ]
 
 # The decoding kernel's smallest key tile (Triton's dot needs 16 rows).
 _MIN_BLOCK = 16
 _MAX_ELEMENTS = 2**31
-
-
-# Pages under this many tokens get the deeper pipeline (`paged_decode_options`).
-_PIPELINED_BELOW = 64
-# The decoding kernel's widest key tile: FlexAttention's default BLOCK_N, lowered to the page
-# where the page is smaller, never raised (torch/_inductor/kernel/flex/flex_decoding.py).
-_MAX_KEY_TILE = 64
-# What the pipelined stages' K and V tiles may take of shared memory: with the query tile
-# and the rest, within every GPU this backend declares (sm80 and up; sm86 and sm89 have
-# about 99 KiB per block), so that a layer never fails to compile for want of it.
-_STAGED_BYTES = 64 * 1024
-
-
-def paged_decode_options(block_size: int, head_size: int, itemsize: int) -> dict | None:
-    """FlexAttention `kernel_options` for the in-place paged decode (see the module
-    docstring).
-
-    Args:
-        block_size: tokens per page (the decoding kernel's key tile, up to `_MAX_KEY_TILE`).
-        head_size: the layer's head size.
-        itemsize: bytes per element of K and V.
-
-    Returns:
-        Pages under 64 tokens: four pipeline stages and two warps; larger pages: two stages
-        and four warps; each where its stages' K and V tiles fit `_STAGED_BYTES`. Otherwise
-        None (FlexAttention's defaults).
-    """
-    # (FlexAttention's template sizes its tiles by the head size rounded up to a power of two)
-    rounded = 1 << (head_size - 1).bit_length()
-    tile = min(block_size, _MAX_KEY_TILE)
-    small = block_size < _PIPELINED_BELOW
-    for stages, warps in ((4, 2), (2, 4)) if small else ((2, 4),):
-        if stages * 2 * tile * rounded * itemsize <= _STAGED_BYTES:  # (K and V per stage)
-            return {"num_stages": stages, "num_warps": warps}
-    return None
 
 
 @dataclass(frozen=True, slots=True)

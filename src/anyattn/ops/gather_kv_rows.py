@@ -10,9 +10,12 @@ Everything per key happens on the device: the launcher reads only tensor shapes 
 integers it is given (`num_keys`, `max_key_len`, both known to a builder from the CPU mirrors),
 never tensor values, so it does not synchronise with the GPU.
 
-On CUDA, when triton is importable, the copy is one Triton kernel launch: program (t, r) copies
-key tile t (`TILE_N` keys, every head, K and V) of request r, finding the request's first row
-by summing `key_lens[:r]` itself, so no per-key or per-request array is made beforehand. The
+On CUDA, when triton is importable, the copy is one Triton kernel launch: program (t, r, h)
+copies key tile t (`TILE_N` keys) of request r for KV head h, K and V, finding the request's
+first row by summing `key_lens[:r]` itself, so no per-key or per-request array is made
+beforehand. Heads are programs, not a loop, so that enough copies are in flight to use the
+memory bandwidth: with the heads looped in one program, a prefill's copy of 16384 keys (8 heads
+of 128, bf16) ran at about half the H200's copy bandwidth (benchmarks/RESULTS.md). The
 vectorised PyTorch path (a handful of ops) serves the CPU and CUDA without triton; `impl=`
 forces either one (tests run the kernel on the CPU under `TRITON_INTERPRET=1`).
 """
@@ -37,6 +40,7 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Elements of one (keys x head_size) tile per head; requests are summed this many at a time.
 _TILE_ELEMENTS = 4096
 _BLOCK_R = 256
+_NUM_WARPS = 4
 MAX_NUM_REQS = 65535  # CUDA's limit on the grid's second dimension
 
 
@@ -145,37 +149,26 @@ def _gather_with_triton(
     dequantize = k_scale is not None
     # Never read without scales: the pointers only need a valid tensor.
     scales = (k_scale, v_scale) if dequantize else (key_lens, key_lens)
-    grid = (triton.cdiv(max_key_len, tile_n), key_lens.shape[0])
+    grid = (triton.cdiv(max_key_len, tile_n), key_lens.shape[0], num_kv_heads)
     _gather_kv_rows_kernel[grid](
         kv_cache, block_table, key_lens, k_rows, v_rows, scales[0], scales[1],
-        first_row, num_kv_heads, head_size, kv_cache.shape[2],
+        first_row, head_size, kv_cache.shape[2],
         *kv_cache.stride(), *block_table.stride(), key_lens.stride(0), *k_rows.stride(),
         _scale_stride(k_scale), _scale_stride(v_scale),
         DEQUANTIZE=dequantize, TILE_N=tile_n, BLOCK_D=block_d, BLOCK_R=_BLOCK_R,
-        num_warps=4,
+        num_warps=_NUM_WARPS,
     )  # fmt: skip
 
 
 if triton is not None:
 
     @triton.jit
-    def _copy_head(
-        cache_ptr, out_ptr, scale_ptr, head, src, dst, dims, mask,
-        stride_c_head, stride_c_dim, stride_o_head, stride_o_dim, stride_scale,
-        DEQUANTIZE: tl.constexpr,
-    ):  # fmt: skip
-        # One head (int64: rows * head_size may pass 2**31) of TILE_N keys: [TILE_N, BLOCK_D].
-        x = tl.load(
-            cache_ptr + src[:, None] + head * stride_c_head + dims[None, :] * stride_c_dim,
-            mask=mask,
-        )
+    def _load_head(cache_ptr, scale_ptr, src, dims, mask, stride_c_dim, DEQUANTIZE: tl.constexpr):
+        # One head's TILE_N keys, [TILE_N, BLOCK_D] (src: int64 offsets of their dim 0).
+        x = tl.load(cache_ptr + src[:, None] + dims[None, :] * stride_c_dim, mask=mask)
         if DEQUANTIZE:
-            x = x.to(tl.float32) * tl.load(scale_ptr + head * stride_scale)
-        tl.store(
-            out_ptr + dst[:, None] + head * stride_o_head + dims[None, :] * stride_o_dim,
-            x.to(out_ptr.dtype.element_ty),
-            mask=mask,
-        )
+            x = x.to(tl.float32) * tl.load(scale_ptr)
+        return x
 
     @triton.jit
     def _gather_kv_rows_kernel(
@@ -187,7 +180,6 @@ if triton is not None:
         k_scale_ptr,
         v_scale_ptr,
         first_row,
-        num_kv_heads,
         head_size,
         block_size,
         stride_c_block,
@@ -210,6 +202,7 @@ if triton is not None:
     ):
         tile = tl.program_id(0)
         req = tl.program_id(1)
+        head = tl.program_id(2).to(tl.int64)  # (int64: rows * head_size may pass 2**31)
         key_len = tl.load(lens_ptr + req * stride_lens)
         # Requests shorter than the longest have empty tiles: they stop here.
         if tile * TILE_N < key_len:
@@ -228,26 +221,20 @@ if triton is not None:
                 mask=is_key,
                 other=0,
             ).to(tl.int64)
-            # src, dst: int64 [TILE_N], offsets of each key's (head 0, dim 0) element
+            # src, dst: int64 [TILE_N], offsets of each key's (this head, dim 0) element
             src = block * stride_c_block + (keys % block_size) * stride_c_offset
-            dst = (start + keys) * stride_o_row
+            src += head * stride_c_head
+            dst = (start + keys) * stride_o_row + head * stride_o_head
             dims = tl.arange(0, BLOCK_D)
             mask = is_key[:, None] & (dims[None, :] < head_size)
-            # A while loop, not range(num_kv_heads): the interpreter rejects a runtime range
-            # bound with NumPy 2, and there is nothing here to software-pipeline.
-            head = tl.full((), 0, tl.int64)
-            while head < num_kv_heads:
-                _copy_head(
-                    cache_ptr, k_out_ptr, k_scale_ptr, head, src, dst, dims, mask,
-                    stride_c_head, stride_c_dim, stride_o_head, stride_o_dim, stride_k_scale,
-                    DEQUANTIZE,
-                )  # fmt: skip
-                _copy_head(
-                    cache_ptr + stride_c_kv, v_out_ptr, v_scale_ptr, head, src, dst, dims, mask,
-                    stride_c_head, stride_c_dim, stride_o_head, stride_o_dim, stride_v_scale,
-                    DEQUANTIZE,
-                )  # fmt: skip
-                head += 1
+            # Both loads before either store: two tiles in flight per program.
+            k = _load_head(cache_ptr, k_scale_ptr + head * stride_k_scale, src, dims, mask,
+                           stride_c_dim, DEQUANTIZE)  # fmt: skip
+            v = _load_head(cache_ptr + stride_c_kv, v_scale_ptr + head * stride_v_scale, src,
+                           dims, mask, stride_c_dim, DEQUANTIZE)  # fmt: skip
+            out = dst[:, None] + dims[None, :] * stride_o_dim
+            tl.store(k_out_ptr + out, k.to(k_out_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_out_ptr + out, v.to(v_out_ptr.dtype.element_ty), mask=mask)
 
 
 def gather_kv_rows_ref(
