@@ -78,19 +78,20 @@ shorten later processes.
 Speed on an H200 (benchmarks/RESULTS.md, torch 2.11, bf16, 32 / 8 heads of 128): this is the
 portable backend, not the fastest. Against FlexAttention called directly on keys already laid
 out (what a user of the library would write for the same batch): decode 64 x 4096 0.95-0.96x
-with 16- and 64-token blocks (250-255 us; FLASHINFER 248 us), reading the cache in place
+with 16- and 64-token blocks (250-255 us; FLASHINFER 248-256 us), reading the cache in place
 (16-token pages took 1.81x and 64-token pages 1.02x with FlexAttention's default launch:
-`flex_attention_paged.paged_decode_options` pipelines them); a mixed step of 48 such decodes
-and 2 chunked prefills 0.99x with 64-token blocks and 1.04x with 16 (the prefills' key copy and
-the output copies); prefill 4 x 4096 1.03x and 16 x 1024 1.14x, with the keys one tile into the
-workspace (`FIRST_KEY_ROW`: 1.10x and 1.32x with the keys from row 1, whose causal diagonal
-straddled two key tiles) and the query read in place (1.14x at 4 x 4096 with the query copied).
-What is left of the prefill's cost is copies: the compiled kernels alone take 0.94-0.96x the
-direct call, the output copy 55-67 us (FlexAttention has no `out=`, and Inductor does not fuse
-a copy compiled after it into its template), the key copy out of the paged cache 41 us (a
-prefill reading the cache in place measured slower: 1.11x at 64-token pages, thirteenth
-session). The first step of each new decode batch bucket compiles for 1-4 s on an H200. On a
-2-core CPU the decode layout took a 16 x 1024 decode step from 32.2 ms (the rows) to 14.5 ms.
+`flex_attention_launch.paged_decode_options` pipelines them); a mixed step of 48 such decodes
+and 2 chunked prefills 1.01x with 16-token blocks and 0.96x with 64; prefill 4 x 4096 0.94-0.95x
+(16 x 1024: 1.14x, measured before the rows launch below). The prefill's kernels run with
+64-row query tiles on sm90 (`flex_attention_launch.rows_kernel_options`, 0.91x the default
+launch's time), the keys one tile into the workspace (`FIRST_KEY_ROW`: 1.10x with the keys from
+row 1, whose causal diagonal straddled two key tiles) and the query read in place. What the
+wrapper adds is copies: the output copy, 55-67 us of a 4 x 4096 prefill (FlexAttention has no
+`out=`, and Inductor does not fuse a copy compiled after it into its template), and the key
+copy out of the paged cache, 41 us there at 1.08x a contiguous copy of its bytes (a prefill
+reading the cache in place measured slower: 1.11x at 64-token pages, thirteenth session). The
+first step of each new decode batch bucket compiles for 1-4 s on an H200. On a 2-core CPU the
+decode layout took a 16 x 1024 decode step from 32.2 ms (the rows) to 14.5 ms.
 
 Limits, all declared: LSE output only on CUDA (Inductor's CPU template has no LSE); no cascade;
 sliding window only causal (as TORCH); head sizes multiples of 16 up to 256 (Triton's dot
