@@ -161,8 +161,8 @@ def _paged_graphs() -> int:
     return sum(1 for config, _ in flex_attention._COMPILED if "paged" in config)
 
 
-def _assert_recompiles_bounded(device: str, dtype: torch.dtype) -> None:
-    cases = _step_cases()
+def _assert_recompiles_bounded(device: str, dtype: torch.dtype, head_size: int = 64) -> None:
+    cases = [dataclasses.replace(case, head_size=head_size) for case in _step_cases()]
     assert len({_padded_shapes(c) for c in cases}) >= 6, "steps must differ in padded size"
     first, *rest = cases
     # The first step may compile (or reuse the kit's graph of the same configuration).
@@ -855,7 +855,8 @@ def test_conforms_on_cuda(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_size", [16, 80, 96, 256])
+# (128: the rows' own launch on sm90, flex_attention_launch.rows_kernel_options)
+@pytest.mark.parametrize("head_size", [16, 80, 96, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_other_head_sizes_on_cuda(head_size, dtype):
     case = Case(f"head_size{head_size}", "head_sizes", get_spec("mixed"), head_size=head_size)
@@ -1002,8 +1003,9 @@ def test_decodes_read_a_query_covering_their_padded_batch_as_it_is(device, monke
 
 
 @pytest.mark.gpu
-def test_steps_of_other_sizes_do_not_recompile_on_cuda():
-    _assert_recompiles_bounded("cuda", torch.bfloat16)
+@pytest.mark.parametrize("head_size", [64, 128])  # 128: the rows' own launch on sm90
+def test_steps_of_other_sizes_do_not_recompile_on_cuda(head_size):
+    _assert_recompiles_bounded("cuda", torch.bfloat16, head_size)
 
 
 @pytest.mark.gpu

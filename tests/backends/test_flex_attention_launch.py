@@ -32,7 +32,7 @@ def test_pages_get_pipelined_kernel_options_within_the_shared_memory_budget():
 def test_rows_take_64_row_tiles_only_where_measured():
     narrow = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     assert rows_kernel_options((9, 0), 128, 2) == narrow  # bf16 / fp16 on an H100 / H200
-    assert rows_kernel_options((9, 0), 96, 2) == narrow  # the template's tiles: 96 -> 128
+    assert rows_kernel_options((9, 0), 96, 2) is None  # FlexAttention's default: the same
     assert rows_kernel_options((9, 0), 128, 4) is None  # float32
     assert rows_kernel_options((9, 0), 64, 2) is None
     assert rows_kernel_options((9, 0), 256, 2) is None

@@ -67,7 +67,7 @@ def make_inputs(
     if cache_dtype in FP8:
         # Powers of two: products are exact in every dtype.
         k_scale = torch.tensor([0.5, 2.0, 4.0]) if per_head else torch.tensor(0.25)
-        v_scale = torch.tensor([2.0])
+        v_scale = torch.tensor([4.0, 0.5, 2.0]) if per_head else torch.tensor([2.0])
     num_keys = sum(KEY_LENS)
     first_row = 2
     rows = torch.randn(2, NUM_KV_HEADS, first_row + num_keys + 5, 2 * head_size, generator=gen)

@@ -88,8 +88,9 @@ launch's time), the keys one tile into the workspace (`FIRST_KEY_ROW`: 1.10x wit
 row 1, whose causal diagonal straddled two key tiles) and the query read in place. What the
 wrapper adds is copies: the output copy, 55-67 us of a 4 x 4096 prefill (FlexAttention has no
 `out=`, and Inductor does not fuse a copy compiled after it into its template), and the key
-copy out of the paged cache, 41 us there at 1.08x a contiguous copy of its bytes (a prefill
-reading the cache in place measured slower: 1.11x at 64-token pages, thirteenth session). The
+copy out of the paged cache, 41.7 us of the forward there (`ops.gather_kv_rows` alone: 38.1 us,
+1.08x a contiguous copy of its bytes; a prefill reading the cache in place measured slower:
+1.11x at 64-token pages, thirteenth session). The
 first step of each new decode batch bucket compiles for 1-4 s on an H200. On a 2-core CPU the
 decode layout took a 16 x 1024 decode step from 32.2 ms (the rows) to 14.5 ms.
 

@@ -2,7 +2,9 @@
 
 FlexAttention picks a default launch for each kernel by GPU, dtype and head size; for two of
 FLEX_ATTENTION's calls another was measured faster on an H200, and is passed as
-`kernel_options`. Both are part of each compiled graph's identity (FlexAttention bakes them in).
+`kernel_options`. Each launch has compiled functions of its own (`flex_attention._compiled_attend`
+keys them by it): under dynamic shapes torch.compile may trace the options' integers as
+symbols, and only that key keeps one compiled graph from serving two launches.
 
 The paged decode (`paged_decode_options`, flex_attention_paged): FlexAttention's decoding kernel's
 key tile is the page, up to 64 tokens (FlexAttention's default tile, which it lowers to the page and
@@ -27,8 +29,10 @@ prefill (1320 against 1457 us) and 0.92x for the 2 x 512 chunked prefills of a m
 the same 64-key tiles, so each row sums its keys in the same order (no output changed by a
 bit). Other settings tried there: TMA loads 0.98x, 128-key tiles 0.97-1.05x, two stages
 1.15-1.27x, four warps with 128-row tiles 1.39x (benchmarks/RESULTS.md, sixteenth session).
-Used where it was measured, sm90 and 16-bit; for every head size FlexAttention's template
-rounds up to 128 (its tiles are the rounded size wide); elsewhere FlexAttention's defaults.
+Used where it was measured, sm90 at head size 128, in bf16 and in fp16 (not swept: the same
+tiles and matrix-instruction rate as bf16, assumed to behave alike); elsewhere
+FlexAttention's defaults (for head sizes without an entry of their own in that table, 80 to
+112 among them, the default is this launch already).
 """
 
 from __future__ import annotations
@@ -86,10 +90,9 @@ def rows_kernel_options(
         itemsize: bytes per element of the query, K and V (the model dtype).
 
     Returns:
-        On sm90 with 16-bit inputs of a head size FlexAttention rounds up to 128: 64-row query
-        tiles, four warps, three stages. Otherwise None (FlexAttention's defaults).
+        On sm90 with 16-bit inputs of head size 128: 64-row query tiles, four warps, three
+        stages (a fresh dict). Otherwise None (FlexAttention's defaults).
     """
-    rounded = 1 << (head_size - 1).bit_length()
-    if compute_capability == (9, 0) and itemsize == 2 and rounded == 128:
+    if compute_capability == (9, 0) and itemsize == 2 and head_size == 128:
         return dict(_SM90_ROWS_OPTIONS)
     return None

@@ -14,8 +14,10 @@ On CUDA, when triton is importable, the copy is one Triton kernel launch: progra
 copies key tile t (`TILE_N` keys) of request r for KV head h, K and V, finding the request's
 first row by summing `key_lens[:r]` itself, so no per-key or per-request array is made
 beforehand. Heads are programs, not a loop, so that enough copies are in flight to use the
-memory bandwidth: with the heads looped in one program, a prefill's copy of 16384 keys (8 heads
-of 128, bf16) ran at about half the H200's copy bandwidth (benchmarks/RESULTS.md). The
+memory bandwidth: with the heads looped in one program, a mixed step's 2 x 2048 keys (8 heads
+of 128, bf16; 128 programs) took 18.3 us on an H200, 1.49x a contiguous copy of their bytes,
+and take 13.7 us (1.11x) now; a 4 x 4096 prefill's copy was at 1.09x already and stayed there
+(benchmarks/RESULTS.md, sixteenth session). The
 vectorised PyTorch path (a handful of ops) serves the CPU and CUDA without triton; `impl=`
 forces either one (tests run the kernel on the CPU under `TRITON_INTERPRET=1`).
 """
@@ -206,7 +208,8 @@ if triton is not None:
         key_len = tl.load(lens_ptr + req * stride_lens)
         # Requests shorter than the longest have empty tiles: they stop here.
         if tile * TILE_N < key_len:
-            # The request's first row: first_row + sum(key_lens[:req]), BLOCK_R at a time.
+            # The request's first row: first_row + sum(key_lens[:req]), BLOCK_R at a time
+            # (every tile and head of the request sums the same few lengths again: L2 hits)
             start = tl.full((), 0, tl.int64) + first_row
             base = 0
             while base < req:
