@@ -21,7 +21,8 @@
 #     bash benchmarks/gpu_issue6.sh measure issue 6's measurement, one kernels.py run per block
 #                                           size (16, then 64): every wrapper's cost against its
 #                                           library, then build() of every backend
-#   FLEX_ATTENTION's wrapper cost and its breakdown need no wheels (no parts to send first):
+#   FLEX_ATTENTION's wrapper cost, its breakdown and its key copy need no wheels (no parts to
+#   send first):
 #          bash benchmarks/gpu_issue6.sh flex
 #
 # The device's Python 3.12 has pytest, xdist and hypothesis (build/gpu_pkgs, when present, is
@@ -111,8 +112,11 @@ flex)
     timeout -s INT "${FLEX_SECONDS:-270}" python3 benchmarks/flex_breakdown.py \
         >"$out/flex_breakdown.md" 2>"$out/flex_breakdown.err"
     echo "flex_breakdown.py rc $?"
+    # the key copy out of the paged cache against a contiguous copy of its bytes
+    timeout -s INT 120 python3 benchmarks/gather_kv_rows.py >"$out/gather_kv_rows.md" 2>&1
+    echo "gather_kv_rows.py rc $?"
     grep "^|" "$out/flex_wrapper.md" "$out/flex_wrapper64.md"
-    grep -E "^(###|\||failed)" "$out/flex_breakdown.md"
+    grep -E "^(###|\||failed)" "$out/flex_breakdown.md" "$out/gather_kv_rows.md"
     tail -3 "$out/flex_breakdown.err"
     ;;
 esac
