@@ -609,6 +609,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         )
         self._paged: tuple[torch.Tensor, PagedKV | None] | None = None
         self._rows_mods_cache: dict[str, torch.Tensor] | None = None  # see `_rows_mods`
+        self._rows_kernels: dict[tuple, Callable] = {}  # see `_rows_kernel`
 
     def _mods_on(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The score-mod tensors on `device` (moved once, then kept), per-head ones `[KVH,
@@ -761,10 +762,16 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
 
     def _rows_kernel(self, config: tuple, with_lse: bool, query: torch.Tensor) -> Callable:
         """The rows' compiled call, `attend(q, k, v, block_mask, score_mod, scale)`, with its
-        launch settings for the query's GPU bound (`rows_kernel_options`)."""
-        options = rows_kernel_options(_capability(query.device), self.head_size, query.itemsize)
-        attend = _compiled_attend((*config, "rows", str(options)), with_lse)
-        return functools.partial(attend, kernel_options=options)
+        launch settings for the query's GPU bound (`rows_kernel_options`). Made once per
+        configuration and device, then kept: every layer's forward asks for it."""
+        key = (config, with_lse, query.device)
+        bound = self._rows_kernels.get(key)
+        if bound is None:
+            capability = _capability(query.device)
+            options = rows_kernel_options(capability, self.head_size, query.itemsize)
+            attend = _compiled_attend((*config, "rows", str(options)), with_lse)
+            bound = self._rows_kernels[key] = functools.partial(attend, kernel_options=options)
+        return bound
 
     def _rows_queries(self, query, md, plan: RowsPlan) -> torch.Tensor:
         """Tokens `plan.first_token ...` of `query [n, H, D]` as the rows kernel takes them:
