@@ -4,11 +4,13 @@
 `benchmarks/kernels.py` times each backend's whole `build`; this splits FLASHINFER's and
 FLEX_ATTENTION's into their steps, each timed alone (median of `--reps` calls, after a warm-up),
 so that the cost left over can be attributed. FLASHINFER's parts: `cm.validate`, `plan_step`
-(numpy), the copy of the decode part's page offsets and last-page lengths to the device,
-`_gather_pages` (one device copy, or the `ops.gather_pages` kernel for unequal lengths),
-`replan_decode` (index buffers + FlashInfer's C++ planner), and the C++ planner call with its
-arguments; and the whole build once more with `keep_fixed_schedules` off, so that every step
-runs the C++ planner (256 decodes over 8 KV heads otherwise keep their schedule).
+without the decode wrapper's host arrays (numpy), the decode layout made on the device
+(`ops.paged_kv_layout`: page offsets, last-page lengths and pages in one launch),
+`replan_decode` keeping the schedule (what a steady-state step of 256 decodes over 8 KV heads
+does), and what a step whose schedule is planned adds: `plan_step`'s decode arrays,
+`replan_decode` with FlashInfer's C++ planner, and the planner call with its arguments alone;
+and the whole build once more with `keep_fixed_schedules` off, so that every step runs the
+C++ planner.
 
 Run on a CUDA machine with FlashInfer 0.7.2.post1: `python3 benchmarks/build_breakdown.py`
 (`--varied`: lengths spread over `seq_len / 2 ... 3 * seq_len / 2`, as `kernels.py` times them
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import statistics
 from collections.abc import Callable
 
@@ -76,20 +79,25 @@ def main() -> int:
     md = builder.build(0, cm)
     wrapper = md.step.planned[impl.plan_key].decode
     qsl, seq = cm.query_start_loc_cpu[: n + 1].numpy(), cm.seq_lens_cpu[:n].numpy()
+    host = cm.validate("x")
+    width = cm.block_table_tensor.shape[1]
 
-    def arrays():
-        return plan_step(qsl, seq, block_size, cm.block_table_tensor.shape[1])
+    def arrays(decode_arrays=True):
+        return plan_step(qsl, seq, block_size, width, decode_arrays=decode_arrays)
 
-    step_arrays = arrays()
-    decode = step_arrays.decode
-    staged = fi_backend._to_device(decode.indptr_and_last, device)
-    pages = fi_backend._gather_pages(cm.block_table_tensor, decode, staged)
+    decode = arrays().decode
+    layout = builder._decode_layout(cm, host, n, None, 0)
+    layer = dict(num_qo_heads=32, num_kv_heads=8, head_size=128, page_size=block_size,
+                 window_left=-1)  # fmt: skip
 
-    def replan():
-        builder._staged_plan(
-            wrapper, replan_decode, wrapper, decode, pages, staged, num_qo_heads=32,
-            num_kv_heads=8, head_size=128, page_size=block_size, window_left=-1,
-            **builder._qo_indptr(n))  # fmt: skip
+    def replan(run_planner=True):
+        call = functools.partial(
+            replan_decode, wrapper, layout, decode if run_planner else None, **layer,
+            **builder._qo_indptr(n), run_planner=run_planner)  # fmt: skip
+        if run_planner:
+            builder._staged_plan(wrapper, call)
+        else:
+            call()
 
     rebuilt = fi_backend.FlashInferMetadataBuilder(spec, ["l"], limits, device)
     rebuilt.keep_fixed_schedules = False
@@ -99,17 +107,18 @@ def main() -> int:
         ("  the same, the schedule re-planned every step", median_us(
             lambda: rebuilt.build(0, cm), args.reps)),
         ("  cm.validate", median_us(lambda: cm.validate("x"), args.reps)),
-        ("  plan_step (numpy)", median_us(arrays, args.reps)),
-        ("  indptr + last-page lengths to the device", median_us(
-            lambda: fi_backend._to_device(decode.indptr_and_last, device), args.reps)),
-        ("  _gather_pages", median_us(
-            lambda: fi_backend._gather_pages(cm.block_table_tensor, decode, staged), args.reps)),
-        ("  replan_decode (with the pool's lending)", median_us(replan, args.reps)),
+        ("  plan_step without decode arrays (numpy)", median_us(
+            lambda: arrays(False), args.reps)),
+        ("  the decode layout on the device (ops.paged_kv_layout, one launch)", median_us(
+            lambda: builder._decode_layout(cm, host, n, None, 0), args.reps)),
+        ("  replan_decode keeping the schedule", median_us(
+            lambda: replan(False), args.reps)),
+        ("  where the planner runs: plan_step's decode arrays (numpy)", median_us(
+            arrays, args.reps)),
+        ("  where the planner runs: replan_decode (with the pool's lending)", median_us(
+            replan, args.reps)),
     ]  # fmt: skip
-    plan_kwargs = dict(
-        num_qo_heads=32, num_kv_heads=8, head_size=128, page_size=block_size, window_left=-1,
-        qo_indptr_host=builder._qo_indptr(n)["qo_indptr_host"],
-    )  # fmt: skip
+    plan_kwargs = dict(**layer, qo_indptr_host=builder._qo_indptr(n)["qo_indptr_host"])
 
     def planner_alone():
         # (its arguments are made inside: between plans the wrapper holds no page-locked

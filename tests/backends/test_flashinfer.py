@@ -248,7 +248,11 @@ def test_build_splits_decodes_fresh_and_context_prefills():
     assert (md.num_decodes, md.num_decode_tokens, md.decode_rows) == (2, 2, 2)
     assert (md.paged_tokens, md.ragged_tokens) == ((2, 7), (7, 24))
     assert (md.window_left, md.cudagraph_size, md.causal) == (-1, None, True)
-    assert md.step.decode_pages.tolist() == [1, 2, 3, 6]
+    layout = md.step.decode_layout
+    assert (layout.indptr.tolist(), layout.last_page_len.tolist()) == ([0, 3, 4], [8, 3])
+    assert layout.indices[:4].tolist() == [1, 2, 3, 6] and layout.max_seq_len == 40
+    # (the host arrays for the decode wrapper's C++ planner, made alike)
+    assert md.step.arrays.decode.paged_kv_indptr.tolist() == [0, 3, 4]
     assert md.step.paged_pages.tolist() == [11, 12, 13, 14, 15]
     assert md.step.planned == {}
 
@@ -294,7 +298,11 @@ def test_cudagraph_capture_and_padded_replay_steps():
     padded = make_common_attn_metadata([1] * 3, [9, 40, 2], TABLE[:3], 16, num_padded_tokens=4)
     md = builder.build(0, padded)
     assert (md.cudagraph_size, md.decode_rows, md.num_actual_tokens) == (4, 4, 3)
-    assert md.step.arrays.decode.paged_kv_indptr.tolist() == [0, 1, 4, 5, 5]
+    layout = md.step.decode_layout
+    assert layout.indptr.tolist() == [0, 1, 4, 5, 5]
+    assert layout.last_page_len.tolist() == [9, 8, 2, 1]
+    assert layout.indices[:5].tolist() == [1, 6, 7, 8, 11]
+    assert builder._decode_arrays(md.step).paged_kv_indptr.tolist() == [0, 1, 4, 5, 5]
     eager = make_common_attn_metadata([1] * 3, [9, 40, 2], TABLE[:3], 16)
     assert builder.build(0, eager).cudagraph_size is None
     mixed = make_common_attn_metadata([1, 2], [9, 40], TABLE[:2], 16, num_padded_tokens=4)
@@ -435,13 +443,18 @@ def test_stale_metadata_is_planned_again():
 
 
 @needs_flashinfer
-@pytest.mark.parametrize("decode_kernel", ["wrapper", "xqa"])
+@pytest.mark.parametrize("decode_kernel", ["wrapper", "xqa", "wrapper-unsplit"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_cudagraph_decode_replay_matches_eager_and_the_oracle(layout, decode_kernel):
     # "xqa": the graphs run FlashInfer's XQA decode (no plan: the build copies the table and
-    # lengths into the graph's buffers), checked against the eager planned wrapper too
+    # lengths into the graph's buffers), checked against the eager planned wrapper too.
+    # "wrapper-unsplit": the builder takes the split limit to be 8 requests, so that the size-8
+    # graph is planned without splits and its replays keep that schedule (no C++ planner),
+    # while the size-4 graph is planned with splits every step
     if decode_kernel == "xqa" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("XQA needs SM90+")
+    unsplit = decode_kernel == "wrapper-unsplit"
+    decode_kernel = decode_kernel.removesuffix("-unsplit")
     torch.manual_seed(0)
     block_size, size, width = 16, 8, 32
     dtype = torch.bfloat16
@@ -449,6 +462,8 @@ def test_cudagraph_decode_replay_matches_eager_and_the_oracle(layout, decode_ker
     limits = BatchLimits(size, 256, block_size * width, cudagraph_capture_sizes=(4, size))
     builder = FlashInferMetadataBuilder(spec, ["layer.0"], limits, "cuda")
     builder.decode_kernel = decode_kernel
+    if unsplit:
+        builder._num_sms = size * KV_HEADS // 2  # split limit 2 * SMs // KV heads = size
     impl = FlashInferImpl(HEADS, HEAD_SIZE, SCALE, KV_HEADS)
     builder.register_layer(impl)
     num_blocks = size * width + 1
@@ -525,6 +540,8 @@ def test_cudagraph_decode_replay_matches_eager_and_the_oracle(layout, decode_ker
         eager_out = torch.zeros(n, HEADS, HEAD_SIZE, device="cuda", dtype=dtype)
         impl.forward(layer, query[:n].clone(), None, None, cache, eager_md, eager_out)
         torch.testing.assert_close(output[:n], eager_out, atol=2e-2, rtol=2e-2)
+    if unsplit:  # size 8 re-planned once (after FlashInfer's plan()), then kept
+        assert builder.kept_decode_schedules == 3
 
 
 @needs_flashinfer
@@ -671,7 +688,7 @@ def test_replan_decode_sets_what_run_reads(cuda_graph):
     from types import SimpleNamespace
 
     from anyattn.backends.flashinfer_plan import plan_step
-    from anyattn.backends.flashinfer_replan import replan_decode
+    from anyattn.backends.flashinfer_replan import DecodeLayout, replan_decode
 
     calls = []
     int32 = dict(dtype=torch.int32)
@@ -688,8 +705,10 @@ def test_replan_decode_sets_what_run_reads(cuda_graph):
     pages = torch.tensor([7, 8, 9, 10], **int32)
     arange = torch.arange(4, **int32)
     layer = dict(num_qo_heads=8, num_kv_heads=2, head_size=128, page_size=16, window_left=-1)
-    staged = torch.from_numpy(arrays.indptr_and_last)
-    replan_decode(wrapper, arrays, pages, staged, **layer, qo_indptr_host=arange,
+    layout = DecodeLayout(
+        torch.tensor([0, 1, 2, 4], **int32), torch.tensor([5, 16, 1], **int32), pages, 17
+    )
+    replan_decode(wrapper, layout, arrays, **layer, qo_indptr_host=arange,
                   qo_indptr_device=arange)  # fmt: skip
     assert wrapper._paged_kv_indptr_buf.tolist() == [0, 1, 2, 4]
     assert wrapper._paged_kv_last_page_len_buf.tolist() == [5, 16, 1]
@@ -709,7 +728,7 @@ def test_replan_decode_can_keep_the_last_schedule():
     from types import SimpleNamespace
 
     from anyattn.backends.flashinfer_plan import plan_step
-    from anyattn.backends.flashinfer_replan import replan_decode
+    from anyattn.backends.flashinfer_replan import DecodeLayout, replan_decode
 
     calls = []
     wrapper = SimpleNamespace(
@@ -722,11 +741,15 @@ def test_replan_decode_can_keep_the_last_schedule():
     arange = torch.arange(4, **int32)
     layer = dict(num_qo_heads=8, num_kv_heads=2, head_size=128, page_size=16, window_left=-1)
 
-    def replan(seq_lens, pages, **kw):
+    def replan(seq_lens, pages, run_planner=True):
         arrays = plan_step(np.array([0, 1, 2, 3]), np.array(seq_lens), 16, 4).decode
-        staged = torch.from_numpy(arrays.indptr_and_last)
-        replan_decode(wrapper, arrays, torch.tensor(pages, **int32), staged, **layer,
-                      qo_indptr_host=arange, qo_indptr_device=arange, **kw)  # fmt: skip
+        indptr, last = (
+            torch.from_numpy(a) for a in (arrays.paged_kv_indptr, arrays.paged_kv_last_page_len)
+        )
+        layout = DecodeLayout(indptr, last, torch.tensor(pages, **int32), max(seq_lens))
+        replan_decode(wrapper, layout, arrays if run_planner else None, **layer,
+                      qo_indptr_host=arange, qo_indptr_device=arange,
+                      run_planner=run_planner)  # fmt: skip
 
     wrapper._pin_memory_int_workspace_buffer = "pinned"
     replan([5, 16, 17], [7, 8, 9, 10])
@@ -738,9 +761,14 @@ def test_replan_decode_can_keep_the_last_schedule():
     assert wrapper._paged_kv_indices_buf.tolist() == [7, 8, 11, 9, 10, 12]
     assert (wrapper._batch_size, wrapper._max_kv_len) == (3, 40)
     wrapper._batch_size = 2
-    match = r"same batch size .*got 3 requests for an eager wrapper last planned for 2"
+    match = r"same batch size .*got 3 requests for a wrapper last planned for 2"
     with pytest.raises(ValueError, match=match):
         replan([6, 17, 40], [7, 8, 11, 9, 10, 12], run_planner=False)
+    wrapper._batch_size = 3
+    layout = DecodeLayout(arange, arange[:3], arange, 40)
+    with pytest.raises(ValueError, match=r"the C\+\+ planner needs the batch's host arrays"):
+        replan_decode(wrapper, layout, None, **layer, qo_indptr_host=arange,
+                      qo_indptr_device=arange)  # fmt: skip
 
 
 def _flashinfer_splits(page_counts, num_kv_heads, num_sms, page_size=16):

@@ -5,6 +5,7 @@ pool, wrong with FlashInfer's one buffer per wrapper)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import types
 
@@ -218,8 +219,9 @@ def test_an_unsplit_eager_decode_schedule_is_kept_while_the_batch_size_is(
 ):
     """With the planner's split limit at 4 requests (4 SMs, 2 KV heads), eager decode steps of
     one size >= 4 run FlashInfer's C++ planner once: later ones only get their index buffers
-    (and stage no page-locked buffer). Other sizes, smaller batches and CUDA-graph decodes
-    are planned every step."""
+    (and stage no page-locked buffer). Other sizes and smaller batches are planned every
+    step. So is a CUDA-graph size below the limit; one at it is planned without splits, and
+    once re-planned like an eager one, its replays keep that schedule."""
     # as FlashInfer has it: a wrapper is re-planned once its own plan() has set it up
     monkeypatch.setattr(fi_backend, "can_replan", lambda wrapper, version: bool(wrapper.seen))
     builder = staged_cpu_builder
@@ -239,7 +241,7 @@ def test_an_unsplit_eager_decode_schedule_is_kept_while_the_batch_size_is(
     assert len(wrapper.seen) == 2 and builder.kept_decode_schedules == 1
     assert len(builder._staging._busy) == busy  # nothing staged
     assert wrapper._paged_kv_indptr_buf.tolist() == [0, 3, 4, 9, 11, 16]
-    assert wrapper._paged_kv_indices_buf.tolist() == [
+    assert wrapper._paged_kv_indices_buf[:16].tolist() == [
         *TABLE[0, :3],
         TABLE[1, 0],
         *TABLE[2, :5],
@@ -255,11 +257,37 @@ def test_an_unsplit_eager_decode_schedule_is_kept_while_the_batch_size_is(
     ]:
         assert decodes(seq_lens) is wrapper and len(wrapper.seen) == planner_runs, seq_lens
     assert builder.kept_decode_schedules == 2
-    capture = make_common_attn_metadata([1] * 4, [1, 2, 3, 17], TABLE[:4], 16)
-    graph = builder.build_for_cudagraph_capture(capture).step.planned[key].decode
-    for _ in range(2):
-        builder.build(0, make_common_attn_metadata([1] * 4, [5, 6, 7, 40], TABLE[:4], 16))
-    assert len(graph.seen) == 3 and builder.kept_decode_schedules == 2
+    plans = []
+    monkeypatch.setattr(FakeWrapper, "plan", lambda self, *a, **k: plans.append(k) or
+                        self.seen.append(self._pin_memory_int_workspace_buffer))  # fmt: skip
+    builder.limits = dataclasses.replace(builder.limits, cudagraph_capture_sizes=(3, 4))
+    for size, replays_planned in ((3, 3), (4, 2)):
+        capture = make_common_attn_metadata([1] * size, [1, 2, 3, 17][:size], TABLE[:size], 16)
+        graph = builder.build_for_cudagraph_capture(capture).step.planned[key].decode
+        for _ in range(2):
+            lens = [5, 6, 7, 40][:size]
+            md = builder.build(0, make_common_attn_metadata([1] * size, lens, TABLE[:size], 16))
+            assert md.step.planned[key].decode is graph
+        assert len(graph.seen) == replays_planned, size
+        # FlashInfer's plan() of the capture: splits allowed below the limit, not at it
+        assert plans[-1]["disable_split_kv"] is (size == 4)
+    assert builder.kept_decode_schedules == 3
+    assert graph._paged_kv_indptr_buf.tolist() == [0, 1, 2, 3, 6]
+    assert graph._paged_kv_last_page_len_buf.tolist() == [5, 6, 7, 8]
+
+
+def test_a_kept_schedule_makes_no_host_arrays(staged_cpu_builder, monkeypatch):
+    """A step whose decodes keep their schedule plans from the device layout alone: the
+    decode wrapper's host arrays (its C++ planner's input) are not made; a step whose
+    planner runs makes them."""
+    monkeypatch.setattr(fi_backend, "can_replan", lambda wrapper, version: bool(wrapper.seen))
+    builder = staged_cpu_builder
+    builder._num_sms = 4
+    steps = [builder.build(0, make_common_attn_metadata([1] * 5, lens, TABLE[:5], 16)).step
+             for lens in ([40, 3, 70, 17, 5], [41, 4, 71, 18, 6], [42, 5, 72, 19, 75])]  # fmt: skip
+    assert builder.kept_decode_schedules == 1
+    assert [step.arrays.decode is None for step in steps] == [False, False, True]
+    assert steps[2].decode_layout.indptr.tolist() == [0, 3, 4, 9, 11, 16]
 
 
 def test_a_failed_decode_plan_keeps_no_schedule(staged_cpu_builder, monkeypatch):

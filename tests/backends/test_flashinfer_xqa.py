@@ -167,7 +167,7 @@ def test_cpu_builders_plan_decode_arrays_as_before():
     builder.decode_kernel = "xqa"
     table = torch.arange(1, 9, dtype=torch.int32).view(2, 4)
     md = builder.build(0, make_common_attn_metadata([1, 1], [70, 3], table, 64))
-    assert md.step.xqa is None and md.step.arrays.decode is not None
+    assert md.step.xqa is None and md.step.decode_layout is not None
 
 
 def xqa_cpu_builder(capture_sizes=(), kernel="xqa", register=True, persistent=False):
@@ -208,7 +208,7 @@ def test_an_xqa_build_hands_the_steps_rows_over_and_plans_nothing():
     md = builder.build(0, cm)
     key = next(iter(builder._layer_keys))
     assert md.step.planned[key].xqa and md.step.planned[key].wrappers() == []
-    assert md.step.arrays.decode is None and md.step.decode_pages is None
+    assert md.step.arrays.decode is None and md.step.decode_layout is None
     page_table, seq_lens = md.step.xqa
     assert page_table.data_ptr() == cm.block_table_tensor.data_ptr()  # the step's own rows
     assert page_table.tolist() == TABLE[:3].tolist() and seq_lens.tolist() == [40, 3, 150]
@@ -227,13 +227,13 @@ def test_the_decode_wrapper_arrays_made_on_demand_equal_a_wrapper_build():
         .build(0, cm)
         .step
     )
-    made = step.builder._decode_arrays(step)
-    assert made.paged_kv_indptr.tolist() == wrapper.arrays.decode.paged_kv_indptr.tolist()
-    assert (
-        made.paged_kv_last_page_len.tolist()
-        == wrapper.arrays.decode.paged_kv_last_page_len.tolist()
-    )
-    assert step.decode_pages.tolist() == wrapper.decode_pages.tolist()
+    made, built = step.builder._step_decode_layout(step), wrapper.decode_layout
+    assert made.indptr.tolist() == built.indptr.tolist() == [0, 3, 4, 14]
+    assert made.last_page_len.tolist() == built.last_page_len.tolist() == [8, 3, 6]
+    assert made.indices[:14].tolist() == built.indices[:14].tolist()
+    arrays = step.builder._decode_arrays(step)
+    assert arrays.paged_kv_indptr.tolist() == [0, 3, 4, 14]
+    assert arrays.paged_kv_last_page_len.tolist() == [8, 3, 6]
 
 
 def test_cudagraph_buffers_are_filled_by_each_build_and_refilled_for_stale_metadata():
@@ -295,11 +295,15 @@ def test_persistent_graph_inputs_hand_xqa_the_steps_own_rows():
 class RecordingWrapper:
     """Stands in for FlashInfer's CUDA-graph decode wrapper: records its plans."""
 
+    is_cuda_graph_enabled = True
+
     def __init__(self):
         self.plans = []
 
     def plan(self, indptr, pages, last_page_len, *args, **kwargs):
-        self.plans.append((indptr.tolist(), pages.tolist(), last_page_len.tolist()))
+        # (the kernels read the pages up to indptr[-1]; past it the list is scratch)
+        num_pages = int(indptr[-1])
+        self.plans.append((indptr.tolist(), pages[:num_pages].tolist(), last_page_len.tolist()))
 
 
 def test_a_graph_captured_with_an_lse_keeps_planning_its_decode_wrapper(monkeypatch):
@@ -346,7 +350,7 @@ def test_auto_uses_xqa_only_where_some_layer_can():
     builder = xqa_cpu_builder(kernel="auto", register=False)
     cm = make_common_attn_metadata([1, 1], [40, 3], TABLE[:2], 16)
     md = builder.build(0, cm)
-    assert md.step.xqa is None and md.step.arrays.decode is not None
+    assert md.step.xqa is None and md.step.decode_layout is not None
 
 
 def test_xqa_inputs_must_be_int32():

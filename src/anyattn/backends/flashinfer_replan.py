@@ -16,6 +16,7 @@ version, and the builder falls back to `plan()` whenever it says no.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from anyattn.backends.flashinfer_plan import PagedArrays
 
 __all__ = [
     "REPLAN_VERSION",
+    "DecodeLayout",
     "can_replan",
     "planner_arguments",
     "replan_decode",
@@ -32,6 +34,29 @@ __all__ = [
 
 # The FlashInfer release whose `plan()` internals `replan_decode` reproduces.
 REPLAN_VERSION = "0.7.2.post1"
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLayout:
+    """A step's single-token decodes as the decode wrapper's kernel reads them, on the device
+    (`ops.paged_kv_layout` makes them there from the step's `seq_lens` and block table).
+
+    Attributes:
+        indptr: int32 `[B + 1]` page offsets (B: the decodes, or the CUDA-graph size they are
+            padded to).
+        last_page_len: int32 `[B]` tokens in each request's last page.
+        indices: int32 `[>= indptr[-1]]` the pages, request by request.
+        max_seq_len: the longest decode's tokens (from the CPU mirrors).
+    """
+
+    indptr: torch.Tensor
+    last_page_len: torch.Tensor
+    indices: torch.Tensor
+    max_seq_len: int
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.last_page_len.shape[0])
 
 
 def can_replan(wrapper: Any, installed_version: str | None) -> bool:
@@ -72,9 +97,8 @@ def schedule_is_fixed(num_reqs: int, num_kv_heads: int, num_sms: int) -> bool:
 
 def replan_decode(
     wrapper: Any,
-    arrays: PagedArrays,
-    pages: torch.Tensor,
-    indptr_and_last: torch.Tensor,
+    layout: DecodeLayout,
+    arrays: PagedArrays | None,
     *,
     num_qo_heads: int,
     num_kv_heads: int,
@@ -84,42 +108,52 @@ def replan_decode(
     qo_indptr_host: torch.Tensor,
     qo_indptr_device: torch.Tensor,
     run_planner: bool = True,
+    disable_split_kv: bool = False,
 ) -> None:
     """Plan `wrapper` (see `can_replan`) for a new batch of single-token decodes.
 
     Args:
         wrapper: a `BatchDecodeWithPagedKVCacheWrapper` planned before by its `plan()` with the
             same heads, head size, page size, window, soft cap, scale and dtypes.
-        arrays: the decode part of the step (`flashinfer_plan.plan_step`): int32 host
-            `paged_kv_indptr [B + 1]` (the planner's input), `seq_lens [B]` (passed as the
-            planner's key counts; their largest becomes the wrapper's `_max_kv_len`).
-        pages: int32 `[paged_kv_indptr[-1]]` page ids on the wrapper's device.
-        indptr_and_last: `arrays.indptr_and_last` on the wrapper's device (the builder copies
-            it once per step, for the page gather and for every decode wrapper).
+        layout: the batch on the wrapper's device, what its kernel reads.
+        arrays: the same batch's host arrays (`flashinfer_plan.plan_step`'s decode part), which
+            the C++ planner reads: int32 `paged_kv_indptr [B + 1]` and `seq_lens [B]` (passed
+            as its key counts). Only needed with `run_planner`.
         num_qo_heads, num_kv_heads, head_size, page_size, window_left: as given to `plan()`.
         qo_indptr_host, qo_indptr_device: int32 `[0, 1, ..., B]` (one query row per request), on
             the host and on the wrapper's device; the caller keeps them for later steps.
         run_planner: False keeps the schedule of the wrapper's last plan (its C++ planner is
-            not run and its page-locked buffer not written): only for an eager wrapper last
-            planned for a batch of this size for which `schedule_is_fixed` holds.
+            not run and its page-locked buffer not written): only for a wrapper last planned
+            for a batch of this size whose schedule depends on the size alone (an eager one
+            for which `schedule_is_fixed` holds, a CUDA-graph one planned with
+            `disable_split_kv`).
+        disable_split_kv: the planner's `disable_split_kv` (every request's keys in one
+            chunk, no merge pass).
 
     Raises:
-        ValueError: a CUDA-graph wrapper's fixed batch size or page capacity does not fit, or
-            `run_planner` is False for a CUDA-graph wrapper or for another batch size.
+        ValueError: a CUDA-graph wrapper's fixed batch size or page capacity does not fit,
+            `run_planner` is False for a CUDA-graph wrapper or for another batch size, or
+            `arrays` is missing or of another batch size where the planner runs.
     """
-    batch = arrays.num_reqs
+    batch = layout.num_reqs
     if qo_indptr_host.shape[0] != batch + 1 or qo_indptr_device.shape[0] != batch + 1:
         raise ValueError(
             f"replan_decode: qo_indptr_host / qo_indptr_device must have {batch + 1} entries "
             f"(got {qo_indptr_host.shape[0]} and {qo_indptr_device.shape[0]})."
         )
-    if not run_planner and (wrapper.is_cuda_graph_enabled or batch != wrapper._batch_size):
+    if not run_planner and batch != wrapper._batch_size:
         raise ValueError(
-            "replan_decode: run_planner=False keeps the last schedule, which only an eager "
-            f"wrapper planned for the same batch size can do (got {batch} requests for "
-            f"{'a CUDA-graph' if wrapper.is_cuda_graph_enabled else 'an eager'} wrapper last "
+            "replan_decode: run_planner=False keeps the last schedule, which only a wrapper "
+            f"planned for the same batch size can do (got {batch} requests for a wrapper last "
             f"planned for {wrapper._batch_size})."
         )
+    if run_planner and (arrays is None or arrays.num_reqs != batch):
+        raise ValueError(
+            "replan_decode: the C++ planner needs the batch's host arrays (got "
+            f"{'none' if arrays is None else f'{arrays.num_reqs} requests'} for a layout of "
+            f"{batch})."
+        )
+    pages = layout.indices
     if wrapper.is_cuda_graph_enabled:
         if (
             batch != wrapper._fixed_batch_size
@@ -131,15 +165,18 @@ def replan_decode(
                 f"{wrapper._fixed_batch_size} requests and <= "
                 f"{wrapper._paged_kv_indices_buf.shape[0]} pages)."
             )
-        # The captured kernels read these buffers: write into them, never replace them.
-        wrapper._paged_kv_indptr_buf.copy_(indptr_and_last[: batch + 1], non_blocking=True)
-        wrapper._paged_kv_last_page_len_buf.copy_(indptr_and_last[batch + 1 :], non_blocking=True)
-        wrapper._paged_kv_indices_buf[: pages.shape[0]].copy_(pages, non_blocking=True)
+        # The captured kernels read these buffers: write into them, never replace them (a
+        # layout made in them already needs no copy).
+        for buffer, made in (
+            (wrapper._paged_kv_indptr_buf, layout.indptr),
+            (wrapper._paged_kv_last_page_len_buf, layout.last_page_len),
+            (wrapper._paged_kv_indices_buf, pages),
+        ):
+            if made is not buffer:
+                buffer[: made.shape[0]].copy_(made, non_blocking=True)
     else:
-        # (`split_with_sizes`: `split` adds a Python wrapper, several microseconds a call)
-        wrapper._paged_kv_indptr_buf, wrapper._paged_kv_last_page_len_buf = (
-            indptr_and_last.split_with_sizes((batch + 1, batch))
-        )
+        wrapper._paged_kv_indptr_buf = layout.indptr
+        wrapper._paged_kv_last_page_len_buf = layout.last_page_len
         wrapper._paged_kv_indices_buf = pages
         wrapper._qo_indptr_buf = qo_indptr_device
     if run_planner:
@@ -153,11 +190,11 @@ def replan_decode(
                 page_size=page_size,
                 window_left=window_left,
                 qo_indptr_host=qo_indptr_host,
+                disable_split_kv=disable_split_kv,
             )
         )
     wrapper._batch_size = batch
-    seq_lens = arrays.seq_lens
-    wrapper._max_kv_len = int(seq_lens[seq_lens.argmax()]) if batch else 0
+    wrapper._max_kv_len = layout.max_seq_len
 
 
 def planner_arguments(
@@ -170,6 +207,7 @@ def planner_arguments(
     page_size: int,
     window_left: int,
     qo_indptr_host: torch.Tensor,
+    disable_split_kv: bool = False,
 ) -> list[Any]:
     """The fa2 C++ planner's arguments for a batch of single-token decodes, in the order
     FlashInfer 0.7.2.post1's `plan()` passes them (see `replan_decode` for the arguments).
@@ -196,7 +234,7 @@ def planner_arguments(
         False,  # causal: one query token sees every key
         window_left,
         -1,  # fixed_split_size: the planner's choice
-        False,  # disable_split_kv
+        disable_split_kv,
         0,  # num_colocated_ctas
         0,  # uniform_q_len (only for several query tokens per request)
     ]
