@@ -86,7 +86,12 @@ def main() -> int:
         return plan_step(qsl, seq, block_size, width, decode_arrays=decode_arrays)
 
     decode = arrays().decode
-    layout = builder._decode_layout(cm, host, n, None, 0)
+    table = cm.block_table_tensor
+
+    def make_layout():
+        return builder._decode_layout(table, cm.seq_lens, host, n, None, 0)
+
+    layout = make_layout()
     layer = dict(num_qo_heads=32, num_kv_heads=8, head_size=128, page_size=block_size,
                  window_left=-1)  # fmt: skip
 
@@ -110,7 +115,7 @@ def main() -> int:
         ("  plan_step without decode arrays (numpy)", median_us(
             lambda: arrays(False), args.reps)),
         ("  the decode layout on the device (ops.paged_kv_layout, one launch)", median_us(
-            lambda: builder._decode_layout(cm, host, n, None, 0), args.reps)),
+            make_layout, args.reps)),
         ("  replan_decode keeping the schedule", median_us(
             lambda: replan(False), args.reps)),
         ("  where the planner runs: plan_step's decode arrays (numpy)", median_us(

@@ -251,8 +251,9 @@ def test_build_splits_decodes_fresh_and_context_prefills():
     layout = md.step.decode_layout
     assert (layout.indptr.tolist(), layout.last_page_len.tolist()) == ([0, 3, 4], [8, 3])
     assert layout.indices[:4].tolist() == [1, 2, 3, 6] and layout.max_seq_len == 40
-    # (the host arrays for the decode wrapper's C++ planner, made alike)
-    assert md.step.arrays.decode.paged_kv_indptr.tolist() == [0, 3, 4]
+    # (the host arrays for the decode wrapper's C++ planner: made by a plan that needs them)
+    assert md.step.arrays.decode is None
+    assert builder._decode_arrays(md.step).paged_kv_indptr.tolist() == [0, 3, 4]
     assert md.step.paged_pages.tolist() == [11, 12, 13, 14, 15]
     assert md.step.planned == {}
 
@@ -540,8 +541,8 @@ def test_cudagraph_decode_replay_matches_eager_and_the_oracle(layout, decode_ker
         eager_out = torch.zeros(n, HEADS, HEAD_SIZE, device="cuda", dtype=dtype)
         impl.forward(layer, query[:n].clone(), None, None, cache, eager_md, eager_out)
         torch.testing.assert_close(output[:n], eager_out, atol=2e-2, rtol=2e-2)
-    if unsplit:  # size 8 re-planned once (after FlashInfer's plan()), then kept
-        assert builder.kept_decode_schedules == 3
+    if unsplit:  # size 8: FlashInfer's plan() at the capture, every replay keeps it
+        assert builder.kept_decode_schedules == 4
 
 
 @needs_flashinfer
@@ -607,7 +608,7 @@ def test_fast_replan_only_for_the_wrappers_and_version_it_reproduces():
 @needs_flashinfer
 def test_kept_decode_schedules_match_flashinfers_plan(monkeypatch):
     """Eager decode steps of one batch size at or past FlashInfer's split limit (2 * SMs / KV
-    heads: 33 on the H200 with 8 KV heads) keep the schedule of the first re-plan, with no C++
+    heads: 33 on the H200 with 8 KV heads) keep the schedule of the first plan, with no C++
     planner: the outputs equal those of a builder that has FlashInfer's `plan()` plan every
     step, bit for bit, and meet the oracle, also when the longest request grows past the
     lengths the schedule was made for."""
@@ -658,8 +659,8 @@ def test_kept_decode_schedules_match_flashinfers_plan(monkeypatch):
         ref64, _ = attention_oracle(*args, scale=SCALE)
         ref_lowp, _ = attention_oracle(*args, scale=SCALE, compute_dtype=torch.bfloat16)
         assert max_abs_error(outputs[0], ref64) <= error_bound(ref64, ref_lowp, torch.bfloat16)
-    # plan() sets the wrapper up, one re-plan makes the schedule, the other steps keep it
-    assert kept.kept_decode_schedules == len(steps) - 2 and planned.kept_decode_schedules == 0
+    # plan() sets the wrapper up and makes the schedule, the other steps keep it
+    assert kept.kept_decode_schedules == len(steps) - 1 and planned.kept_decode_schedules == 0
 
 
 @needs_flashinfer
@@ -683,6 +684,7 @@ def test_eager_decode_batches_past_max_num_reqs_use_flashinfers_plan():
 
 @pytest.mark.parametrize("cuda_graph", [False, True])
 def test_replan_decode_sets_what_run_reads(cuda_graph):
+    # (a CUDA-graph wrapper here also asks for no splits: the planner's disable_split_kv)
     """`replan_decode` on a stand-in wrapper (CPU): the index buffers `run()` reads and the C++
     planner's arguments, as FlashInfer 0.7.2.post1's `plan()` sets them for 3 decodes."""
     from types import SimpleNamespace
@@ -709,7 +711,7 @@ def test_replan_decode_sets_what_run_reads(cuda_graph):
         torch.tensor([0, 1, 2, 4], **int32), torch.tensor([5, 16, 1], **int32), pages, 17
     )
     replan_decode(wrapper, layout, arrays, **layer, qo_indptr_host=arange,
-                  qo_indptr_device=arange)  # fmt: skip
+                  qo_indptr_device=arange, disable_split_kv=cuda_graph)  # fmt: skip
     assert wrapper._paged_kv_indptr_buf.tolist() == [0, 1, 2, 4]
     assert wrapper._paged_kv_last_page_len_buf.tolist() == [5, 16, 1]
     assert wrapper._paged_kv_indices_buf[:4].tolist() == [7, 8, 9, 10]
@@ -718,13 +720,13 @@ def test_replan_decode_sets_what_run_reads(cuda_graph):
     (args,) = calls
     assert args[:3] == ("float", "int", "pinned")
     assert [a.tolist() for a in args[3:6]] == [[0, 1, 2, 3], [0, 1, 2, 4], [5, 16, 17]]
-    assert args[6:] == (3, 3, 8, 2, 16, cuda_graph, 128, 128, False, -1, -1, False, 0, 0)
+    assert args[6:] == (3, 3, 8, 2, 16, cuda_graph, 128, 128, False, -1, -1, cuda_graph, 0, 0)
     assert (wrapper._plan_info, wrapper._batch_size, wrapper._max_kv_len) == ("info", 3, 17)
 
 
 def test_replan_decode_can_keep_the_last_schedule():
     """`run_planner=False` (CPU stand-in wrapper): the index buffers change, FlashInfer's C++
-    planner is not called, and only an eager wrapper of the same batch size may keep it."""
+    planner is not called, and only a wrapper planned for the same batch size may keep it."""
     from types import SimpleNamespace
 
     from anyattn.backends.flashinfer_plan import plan_step

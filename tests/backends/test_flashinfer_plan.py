@@ -18,6 +18,7 @@ from anyattn.backends.flashinfer import _gather_pages
 from anyattn.backends.flashinfer_plan import (
     BatchSplit,
     _plan_any,
+    decode_part,
     paged_kv_gather_index,
     paged_kv_indices,
     paged_kv_indptr,
@@ -583,3 +584,32 @@ def test_gather_pages_on_the_gpu(query_lens, seq_lens):
         assert pages.is_cuda and pages.dtype == torch.int32
         expected = flat[torch.from_numpy(part.gather_positions(num_cols)).long()]
         assert torch.equal(pages.cpu(), expected)
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens", "padded"),
+    [
+        ([1, 1, 1], [40, 3, 150], None),  # decodes only
+        ([1, 1, 5, 17], [40, 3, 70, 17], None),  # decodes, then prefills
+        ([1, 1, 1], [40, 3, 33], 5),  # a CUDA-graph batch padded to 5
+        ([5, 17], [70, 17], None),  # no decodes
+        ([], [], 4),  # only padding
+    ],
+)
+def test_decode_part_is_plan_steps_decode_part(query_lens, seq_lens, padded):
+    """A step planned without the decode arrays gets them later from `decode_part`, equal to
+    those `plan_step` makes in one go."""
+    loc, seq = loc_of(query_lens), np.array(seq_lens, dtype=np.int64)
+    whole = plan_step(loc, seq, 16, 12, cudagraph_num_reqs=padded)
+    without = plan_step(loc, seq, 16, 12, cudagraph_num_reqs=padded, decode_arrays=False)
+    assert without.decode is None
+    if whole.decode is None:
+        return
+    part = decode_part(seq, 16, 12, without.split.num_decodes, padded)
+    for name in ("paged_kv_indptr", "paged_kv_last_page_len", "seq_lens", "indptr_and_last"):
+        assert getattr(part, name).tolist() == getattr(whole.decode, name).tolist(), name
+    assert (part.num_real_reqs, part.max_pages, part.rectangle) == (
+        whole.decode.num_real_reqs,
+        whole.decode.max_pages,
+        whole.decode.rectangle,
+    )

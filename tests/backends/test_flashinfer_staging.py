@@ -60,8 +60,9 @@ class FakeWrapper:
         self._cached_module = types.SimpleNamespace(plan=self._cpp_plan)
         self.seen = []
 
-    def plan(self, *args, **kwargs):
+    def plan(self, indptr, *args, **kwargs):
         self.seen.append(self._pin_memory_int_workspace_buffer)
+        self._batch_size = indptr.shape[0] - 1  # (as FlashInfer's plan() sets it)
 
     def _cpp_plan(self, float_workspace, int_workspace, page_locked, *args):
         self.seen.append(page_locked)
@@ -218,10 +219,10 @@ def test_an_unsplit_eager_decode_schedule_is_kept_while_the_batch_size_is(
     staged_cpu_builder, monkeypatch
 ):
     """With the planner's split limit at 4 requests (4 SMs, 2 KV heads), eager decode steps of
-    one size >= 4 run FlashInfer's C++ planner once: later ones only get their index buffers
-    (and stage no page-locked buffer). Other sizes and smaller batches are planned every
-    step. So is a CUDA-graph size below the limit; one at it is planned without splits, and
-    once re-planned like an eager one, its replays keep that schedule."""
+    one size >= 4 are planned once (by FlashInfer's plan() or its C++ planner): later ones
+    only get their index buffers (and stage no page-locked buffer). Smaller batches are
+    planned every step. So is a CUDA-graph size below the limit; one at it is planned without
+    splits at its capture, and its replays keep that schedule."""
     # as FlashInfer has it: a wrapper is re-planned once its own plan() has set it up
     monkeypatch.setattr(fi_backend, "can_replan", lambda wrapper, version: bool(wrapper.seen))
     builder = staged_cpu_builder
@@ -234,11 +235,11 @@ def test_an_unsplit_eager_decode_schedule_is_kept_while_the_batch_size_is(
         return md.step.planned[key].decode
 
     wrapper = decodes([40, 3, 70, 17, 5])  # FlashInfer's plan() (it sets the wrapper up)
-    decodes([41, 4, 71, 18, 6])  # re-planned: no schedule of this size kept yet
-    assert len(wrapper.seen) == 2 and builder.kept_decode_schedules == 0
+    assert len(wrapper.seen) == 1 and builder.kept_decode_schedules == 0
+    decodes([41, 4, 71, 18, 6])  # kept: the schedule of this size is planned
     busy = len(builder._staging._busy)
     decodes([42, 5, 72, 19, 75])  # the longest request changes: the same schedule
-    assert len(wrapper.seen) == 2 and builder.kept_decode_schedules == 1
+    assert len(wrapper.seen) == 1 and builder.kept_decode_schedules == 2
     assert len(builder._staging._busy) == busy  # nothing staged
     assert wrapper._paged_kv_indptr_buf.tolist() == [0, 3, 4, 9, 11, 16]
     assert wrapper._paged_kv_indices_buf[:16].tolist() == [
@@ -250,18 +251,23 @@ def test_an_unsplit_eager_decode_schedule_is_kept_while_the_batch_size_is(
     ]
     assert (wrapper._batch_size, wrapper._max_kv_len) == (5, 75)
     for seq_lens, planner_runs in [
-        ([40, 3, 70, 17, 5, 9], 3),  # another size
-        ([41, 4, 71, 18, 6, 10], 3),  # kept again
-        ([40, 3, 70], 4),  # fewer requests than the split limit: always planned
-        ([41, 4, 71], 5),
+        ([40, 3, 70, 17, 5, 9], 2),  # another size: the C++ planner
+        ([41, 4, 71, 18, 6, 10], 2),  # kept again
+        ([40, 3, 70], 3),  # fewer requests than the split limit: always planned
+        ([41, 4, 71], 4),
     ]:
         assert decodes(seq_lens) is wrapper and len(wrapper.seen) == planner_runs, seq_lens
-    assert builder.kept_decode_schedules == 2
+    assert builder.kept_decode_schedules == 3
     plans = []
-    monkeypatch.setattr(FakeWrapper, "plan", lambda self, *a, **k: plans.append(k) or
-                        self.seen.append(self._pin_memory_int_workspace_buffer))  # fmt: skip
+    recording = FakeWrapper.plan
+
+    def plan(self, *args, **kwargs):
+        plans.append(kwargs)
+        recording(self, *args, **kwargs)
+
+    monkeypatch.setattr(FakeWrapper, "plan", plan)
     builder.limits = dataclasses.replace(builder.limits, cudagraph_capture_sizes=(3, 4))
-    for size, replays_planned in ((3, 3), (4, 2)):
+    for size, replays_planned in ((3, 3), (4, 1)):
         capture = make_common_attn_metadata([1] * size, [1, 2, 3, 17][:size], TABLE[:size], 16)
         graph = builder.build_for_cudagraph_capture(capture).step.planned[key].decode
         for _ in range(2):
@@ -271,7 +277,7 @@ def test_an_unsplit_eager_decode_schedule_is_kept_while_the_batch_size_is(
         assert len(graph.seen) == replays_planned, size
         # FlashInfer's plan() of the capture: splits allowed below the limit, not at it
         assert plans[-1]["disable_split_kv"] is (size == 4)
-    assert builder.kept_decode_schedules == 3
+    assert builder.kept_decode_schedules == 5
     assert graph._paged_kv_indptr_buf.tolist() == [0, 1, 2, 3, 6]
     assert graph._paged_kv_last_page_len_buf.tolist() == [5, 6, 7, 8]
 
@@ -285,9 +291,32 @@ def test_a_kept_schedule_makes_no_host_arrays(staged_cpu_builder, monkeypatch):
     builder._num_sms = 4
     steps = [builder.build(0, make_common_attn_metadata([1] * 5, lens, TABLE[:5], 16)).step
              for lens in ([40, 3, 70, 17, 5], [41, 4, 71, 18, 6], [42, 5, 72, 19, 75])]  # fmt: skip
-    assert builder.kept_decode_schedules == 1
-    assert [step.arrays.decode is None for step in steps] == [False, False, True]
+    assert builder.kept_decode_schedules == 2
+    # (the first: FlashInfer's plan() sets the wrapper up, from the host arrays)
+    assert [step.arrays.decode is None for step in steps] == [False, True, True]
     assert steps[2].decode_layout.indptr.tolist() == [0, 3, 4, 9, 11, 16]
+
+
+def test_graph_steps_planned_again_remake_the_shared_index_buffers(staged_cpu_builder, monkeypatch):
+    """Every layer signature's CUDA-graph decode wrapper of a size reads one set of index
+    buffers, which each build writes. A forward on older metadata plans its step again and
+    writes its layout back; a forward of the newer step then finds the buffers not its own
+    and writes them again, for every signature (layers of two steps interleaved)."""
+    monkeypatch.setattr(fi_backend, "can_replan", lambda wrapper, version: bool(wrapper.seen))
+    builder = staged_cpu_builder
+    builder.limits = dataclasses.replace(builder.limits, cudagraph_capture_sizes=(4,))
+    builder.register_layer(FlashInferImpl(4, 64, 0.25, 2))  # a second signature
+    keys = list(builder._layer_keys)
+    builder.build_for_cudagraph_capture(
+        make_common_attn_metadata([1] * 4, [1, 2, 3, 17], TABLE[:4], 16)
+    )
+    older = builder.build(0, make_common_attn_metadata([1] * 4, [5, 6, 7, 40], TABLE[:4], 16))
+    newer = builder.build(0, make_common_attn_metadata([1] * 4, [33, 6, 7, 8], TABLE[:4], 16))
+    want = {id(older): [0, 1, 2, 3, 6], id(newer): [0, 3, 4, 5, 6]}
+    for md, key in [(older, keys[0]), (newer, keys[1]), (older, keys[1]), (newer, keys[0]),
+                    (newer, keys[1]), (older, keys[0])]:  # fmt: skip
+        decode = builder.planned(md, key).decode
+        assert decode._paged_kv_indptr_buf.tolist() == want[id(md)], (md is older, key)
 
 
 def test_a_failed_decode_plan_keeps_no_schedule(staged_cpu_builder, monkeypatch):

@@ -160,7 +160,7 @@ def test_contiguous_rows_copies_only_a_column_slice():
     assert narrow.is_contiguous() and narrow.tolist() == [[0, 1, 2, 3], [6, 7, 8, 9]]
 
 
-def test_cpu_builders_plan_decode_arrays_as_before():
+def test_cpu_builders_make_the_decode_wrapper_layout():
     # off CUDA no layer's decodes can run XQA: the build keeps the wrapper's arrays
     spec = AttentionSpec(64, 2, 64, BF16)
     builder = FlashInferMetadataBuilder(spec, ["layer.0"], BatchLimits(4, 64, 256), "cpu")

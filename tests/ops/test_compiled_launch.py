@@ -48,3 +48,61 @@ def test_constexprs_must_come_last() -> None:
     kernel = triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["x_ptr"])(early)
     with pytest.raises(ValueError, match="constexpr parameters must come last"):
         CompiledLaunch(kernel, pointers=("x_ptr",))
+
+
+class FakeCompiled:
+    """What CompiledLaunch reads of Triton's CompiledKernel: the launcher and its handles."""
+
+    packed_metadata = "metadata"
+    function = "function"
+
+    def __init__(self, launches: list) -> None:
+        self.run = lambda *args: launches.append(("direct", args))
+
+
+class FakeKernel:
+    """A jitted function as CompiledLaunch sees it: parameters, and `kernel[grid](...)`."""
+
+    __name__ = "fake"
+
+    def __init__(self) -> None:
+        param = lambda name, constexpr=False: type("P", (), dict(  # noqa: E731
+            name=name, is_constexpr=constexpr, do_not_specialize=True,
+            do_not_specialize_on_alignment=True))  # fmt: skip
+        self.params = [param("x_ptr"), param("n"), param("TILE", constexpr=True)]
+        self.jit_calls: list = []
+        self.launches: list = []
+
+    def __getitem__(self, grid):
+        def call(*args, **options):
+            self.jit_calls.append((grid, args, options))
+            return FakeCompiled(self.launches)
+
+        return call
+
+
+def test_the_compiled_kernel_is_kept_per_options(monkeypatch) -> None:
+    """The first call of a set of options goes through the JIT; the next ones launch the kept
+    compiled kernel on the current stream, with the constexprs appended in parameter order."""
+    import types
+
+    from anyattn.ops import compiled_launch
+
+    stream = types.SimpleNamespace(active=types.SimpleNamespace(get_current_stream=lambda d: 7))
+    monkeypatch.setattr(compiled_launch, "driver", stream)
+    monkeypatch.setattr(compiled_launch, "_current_device", lambda: 0)
+    kernel = FakeKernel()
+    launch = CompiledLaunch(kernel, pointers=("x_ptr",))
+    launch((4, 1, 1), "x", 3, TILE=64, num_warps=4)
+    launch((2, 1, 1), "y", 5, TILE=64, num_warps=4)
+    launch((2, 1, 1), "z", 5, TILE=128, num_warps=4)  # other options: the JIT again
+    assert [call[0] for call in kernel.jit_calls] == [(4, 1, 1), (2, 1, 1)]
+    assert kernel.jit_calls[1][2] == {"TILE": 128, "num_warps": 4}
+    assert kernel.launches == [
+        ("direct", (2, 1, 1, 7, "function", "metadata", None, None, None, "y", 5, 64))
+    ]
+
+
+def test_pointers_must_name_runtime_parameters() -> None:
+    with pytest.raises(ValueError, match=r"pointers names no runtime parameter of copy"):
+        CompiledLaunch(_kernel(), pointers=("x_ptr", "y_ptr"))

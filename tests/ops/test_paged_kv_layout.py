@@ -21,6 +21,7 @@ from anyattn.ops import paged_kv_layout as module
 from anyattn.ops.paged_kv_layout import MAX_PAGES_PER_REQUEST, paged_kv_layout, paged_kv_layout_ref
 
 SENTINEL = -7  # what the outputs hold before a call: entries the op must not write keep it
+INTERPRETED_RANDOM = 12  # seeded random batches the interpreter runs beside the fixed cases
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,12 +142,28 @@ CASES = [
 ]
 
 
-def run_cases(device: str, impl: str) -> list[str]:
+def seeded_cases(count: int, seed: int = 0) -> list[Case]:
+    """Random batches from a fixed seed (the interpreter runs these, beside `CASES`): up to 80
+    requests, so that the kernel's request vector is 64 and 128 entries wide."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(low: int, high: int) -> int:
+        return int(torch.randint(low, high + 1, (1,), generator=gen))
+
+    cases = []
+    for _ in range(count):
+        lens = tuple(draw(0, 40) for _ in range(draw(0, 80)))
+        cases.append(Case(lens, draw(1, 16), padding=draw(0, 3), first_row=draw(0, 2),
+                          max_pages_extra=draw(0, 1), is_strided=bool(draw(0, 1))))  # fmt: skip
+    return cases
+
+
+def run_cases(device: str, impl: str, cases: list[Case] = CASES) -> list[str]:
     failed = []
     saved = module._TILE_COLS
     module._TILE_COLS = 2  # several column tiles per request
     try:
-        for case in CASES:
+        for case in cases:
             try:
                 check_case(case, device, impl)
             except Exception as error:
@@ -167,7 +184,7 @@ def test_torch_path_matches_the_specification(case: Case, impl: str) -> None:
 
 def test_kernel_under_interpreter(triton_interpreter: Any) -> None:
     stdout = triton_interpreter(__file__)
-    assert f"ran {len(CASES)} cases, 0 failed" in stdout, stdout
+    assert f"ran {len(CASES) + INTERPRETED_RANDOM + 1} cases, 0 failed" in stdout, stdout
 
 
 @st.composite
@@ -190,17 +207,41 @@ def test_random_batches_torch_path(case: Case) -> None:
     check_case(case, "cpu", "torch")
 
 
-def test_a_bound_below_the_device_lengths_never_writes_past_it() -> None:
+def check_bound_below_the_lengths(impl: str) -> None:
     """`max_pages` caps each request's pages: device lengths longer than the host mirrors said
-    (an engine bug) cannot write past `num_reqs * max_pages` entries of `indices`."""
-    case = Case((40, 70), 16)
+    (an engine bug) cannot write past `num_reqs * max_pages` entries of `indices`, and the
+    capped requests' last page is a full one (never more than `block_size` tokens, which the
+    kernels would read past the page)."""
+    case = Case((40, 70, 3), 16)
     x = make_inputs(case, "cpu")
     paged_kv_layout(
-        x.table, x.seq_lens, x.indptr, x.last_page_len, x.indices[:4], block_size=16,
-        num_reqs=2, max_pages=2, impl="torch",
+        x.table, x.seq_lens, x.indptr, x.last_page_len, x.indices[:6], block_size=16,
+        num_reqs=3, max_pages=2, impl=impl,
     )  # fmt: skip
-    assert x.indptr.tolist() == [0, 2, 4]
-    assert x.indices[4:].tolist() == [SENTINEL] * (x.indices.shape[0] - 4)
+    ref = paged_kv_layout_ref(x.table, x.seq_lens, 3, block_size=16, num_reqs=3, max_pages=2)
+    table = x.table.tolist()
+    assert ref == ([0, 2, 4, 5], [16, 16, 3], table[0][:2] + table[1][:2] + table[2][:1])
+    assert (x.indptr.tolist(), x.last_page_len.tolist()) == ref[:2]
+    assert x.indices[:5].tolist() == ref[2]
+    assert x.indices[6:].tolist() == [SENTINEL] * (x.indices.shape[0] - 6)
+
+
+def test_a_bound_below_the_device_lengths_never_writes_past_it() -> None:
+    check_bound_below_the_lengths("torch")
+
+
+def test_trusted_calls_skip_the_checks_and_compute_the_same() -> None:
+    """`is_trusted=True` (no checks, for a caller that made the outputs itself) writes what
+    the checked call writes."""
+    case = Case((40, 3, 70), 16, padding=1, first_row=1)
+    checked, trusted = make_inputs(case, "cpu"), make_inputs(case, "cpu")
+    for x, is_trusted in ((checked, False), (trusted, True)):
+        paged_kv_layout(
+            x.table, x.seq_lens, x.indptr, x.last_page_len, x.indices, block_size=16,
+            num_reqs=3, max_pages=x.max_pages, first_row=1, is_trusted=is_trusted,
+        )  # fmt: skip
+    for name in ("indptr", "last_page_len", "indices"):
+        assert getattr(trusted, name).tolist() == getattr(checked, name).tolist()
 
 
 def _valid_args() -> dict[str, Any]:
@@ -247,6 +288,8 @@ REJECTED = [
     ({"block_size": 0}, ValueError, "block_size must be >= 1"),
     ({"max_pages": -1}, ValueError, "max_pages=-1"),
     ({"first_row": -1}, ValueError, "first_row=-1"),
+    ({"max_num_reqs": -1}, ValueError, "max_num_reqs=-1"),
+    ({"max_num_reqs": 2.0}, TypeError, "max_num_reqs must be an int (got float)"),
     ({"num_reqs": 5}, ValueError, "with R >= num_reqs (got 5 and 4 for num_reqs=5)"),
     ({"last_page_len": _i32(3)}, ValueError, "(got 5 and 3 for num_reqs=3)"),
     ({"max_pages": MAX_PAGES_PER_REQUEST + 1}, ValueError, "too many pages for the kernel's grid"),
@@ -318,8 +361,12 @@ def test_decode_batches_on_cuda_through_the_compiled_launch() -> None:
 
 if __name__ == "__main__":
     # Run by test_kernel_under_interpreter with TRITON_INTERPRET=1.
-    failures = run_cases("cpu", "triton")
+    failures = run_cases("cpu", "triton", CASES + seeded_cases(INTERPRETED_RANDOM))
+    try:
+        check_bound_below_the_lengths("triton")
+    except Exception as error:
+        failures.append(f"bound below the lengths: {type(error).__name__}: {error}")
     for failure in failures:
         print(failure, file=sys.stderr)
-    print(f"ran {len(CASES)} cases, {len(failures)} failed")
+    print(f"ran {len(CASES) + INTERPRETED_RANDOM + 1} cases, {len(failures)} failed")
     sys.exit(1 if failures else 0)

@@ -2,16 +2,20 @@
 
 Plan/run split, as FlashInfer's own API has it: the builder turns each step into the index
 arrays FlashInfer's planners take (`flashinfer_plan.plan_step`, pure numpy on the CPU mirrors)
-and calls the wrappers' `plan()` in `build` with CPU index tensors and device page ids gathered
-from the block table on the device (`ops.gather_pages`, one kernel launch reading the page
-offsets; one copy when every request has the same number of pages), so no host-device
-synchronisation happens there and no per-page index is built on the host. `forward`
-only calls `run()`. A decode wrapper that `plan()` has set up once for a layer signature is
-re-planned for later steps by `flashinfer_replan.replan_decode`, which does only the
-batch-dependent part of `plan()` (the index buffers and FlashInfer's C++ planner). An eager
-decode batch at or past FlashInfer's split limit (2 * SMs / KV heads requests) gets a schedule
-that depends on its size alone (`flashinfer_replan.schedule_is_fixed`): later steps of that
-size keep it, with no C++ planner and no page-locked buffer, and only get their index buffers.
+and calls the wrappers' `plan()` in `build`, so that `forward` only calls `run()`. Nothing in
+`build` waits on the device and no per-page index is built on the host: the decode wrapper's
+page offsets, last-page lengths and flat page list are made on the device from the step's
+`seq_lens` and block table in one kernel launch (`ops.paged_kv_layout`), the paged prefill
+wrapper's pages are gathered there from host offsets (`ops.gather_pages`). A decode wrapper
+that `plan()` has set up once for a layer signature is re-planned for later steps by
+`flashinfer_replan.replan_decode`, which does only the batch-dependent part of `plan()` (the
+index buffers and FlashInfer's C++ planner). A decode batch at or past FlashInfer's split
+limit (2 * SMs / KV heads requests) gets a schedule that depends on its size alone (eager:
+`flashinfer_replan.schedule_is_fixed`; CUDA graphs of such a size are planned with
+`disable_split_kv`, see `_fixed_schedule_of`): later steps of that size keep it, with no C++
+planner, no page-locked buffer and no host arrays, and only get their index buffers. The
+CUDA-graph decode wrappers of one size share their fixed index buffers, which each step's
+layout is made into.
 
 A step is served by up to three wrappers, decodes first:
 
@@ -60,6 +64,7 @@ JIT on first use of each dtype / head size / feature family (tens of seconds eac
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.metadata
 import importlib.util
@@ -77,7 +82,7 @@ from anyattn.backend import (
     AttentionLayer,
     AttentionMetadataBuilder,
 )
-from anyattn.backends.flashinfer_plan import PagedArrays, StepArrays, plan_step
+from anyattn.backends.flashinfer_plan import PagedArrays, StepArrays, decode_part, plan_step
 from anyattn.backends.flashinfer_replan import (
     DecodeLayout,
     can_replan,
@@ -327,8 +332,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     # Decode wrappers already set up by FlashInfer's plan() for their layer signature are
     # re-planned by `flashinfer_replan.replan_decode` (the batch-dependent part only).
     fast_decode_plan: ClassVar[bool] = True
-    # Of those, an eager batch whose schedule depends on its size alone keeps the schedule
-    # while the size does (`flashinfer_replan.schedule_is_fixed`): no C++ planner then.
+    # Of those, a batch whose schedule depends on its size alone keeps the schedule while the
+    # size does: no C++ planner then (eager: `flashinfer_replan.schedule_is_fixed`; CUDA
+    # graphs of such a size are planned without splits, see `_fixed_schedule_of`).
     keep_fixed_schedules: ClassVar[bool] = True
     # Which kernel runs the decodes: "auto" (XQA with blocks of 64 tokens or more, where it is
     # as fast as the planned decode, else the wrapper), "xqa" (wherever it can serve the
@@ -348,6 +354,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         self._graph: dict[tuple[_PlanKey, int], Any] = {}
         self._graph_buffers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._graph_layout_by: dict[int, int] = {}  # captured size -> generation of its layout
+        # captured size -> whether its decode wrappers are planned without splits: decided at
+        # its first plan and kept, as the captured graphs are (see `_fixed_schedule_of`)
+        self._graph_unsplit: dict[int, bool] = {}
         self._graph_sizes: set[int] = set()
         self._planned_by: dict[int, int] = {}  # id(wrapper) -> generation of its last plan
         self._generation = 0
@@ -364,8 +373,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         self._installed_version = _installed_flashinfer()[1]
         self.fast_decode_plans = 0  # decode plans made by `replan_decode` (for tests)
         # Of those, the plans that kept the last schedule, with no C++ planner (for tests):
-        # an eager decode wrapper whose schedule depends on the batch size alone
-        # (`schedule_is_fixed`) is planned again only when that size changes.
+        # a decode wrapper whose schedule depends on the batch size alone is planned again
+        # only when that size changes (see `_fixed_schedule_of`).
         self.kept_decode_schedules = 0
         self._fixed_schedule: dict[int, int] = {}  # id(wrapper) -> batch size it is planned for
         self._num_sms = (
@@ -467,19 +476,16 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         spec = self.kv_cache_spec
         xqa, wrapper_decodes = self._decode_routing()
         table = cm.block_table_tensor
-        # The decode wrapper's host arrays are its C++ planner's input: left out where the
-        # step will likely keep its schedule (made later if it does not).
-        planner_arrays = wrapper_decodes and not (
-            cudagraph_size is None and self._may_keep_schedule(cm.num_reqs)
-        )
-        arrays = self._step_arrays(host, table, cudagraph_size, planner_arrays)
+        # (the decode wrapper's host arrays, its C++ planner's input, are made by the plan that
+        # needs them: none where the schedule is kept)
+        arrays = self._step_arrays(host, table, cudagraph_size, decode_arrays=False)
         num_decodes = arrays.split.num_decodes
         xqa_inputs = decode_layout = None
         if xqa and (num_decodes or cudagraph_size):
             xqa_inputs = self._xqa_inputs(cm, host, num_decodes, cudagraph_size)
         if wrapper_decodes and (num_decodes or cudagraph_size):
             decode_layout = self._decode_layout(
-                cm, host, num_decodes, cudagraph_size, self._generation + 1
+                table, cm.seq_lens, host, num_decodes, cudagraph_size, self._generation + 1
             )
         paged_pages = None
         if arrays.paged is not None:
@@ -534,6 +540,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             planned is not None
             and all(self._planned_by.get(id(w)) == step.generation for w in planned.wrappers())
             and (not planned.xqa or self._xqa_current(step))
+            and (planned.decode is None or self._layout_current(step))
         ):
             if not (decode_wrapper and planned.xqa and planned.decode is None):
                 return planned
@@ -563,9 +570,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         return self._xqa_workspace
 
     def _decode_routing(self) -> tuple[bool, bool]:
-        """(XQA may run some layer's decodes, the decode wrapper's plan arrays are needed) for
-        the layers known now. XQA decodes need no plan arrays; the decode wrapper's are made
-        when a layer needs them (a registered one now, an unregistered one or an LSE request
+        """(XQA may run some layer's decodes, the decode wrapper's layout is needed) for the
+        layers known now. XQA decodes need no layout; the decode wrapper's is made when a layer
+        needs it (a registered one now, an unregistered one or an LSE request
         in its forward). Kept until the layers or `decode_kernel` change (microseconds of
         hashing a build otherwise); `_layer_keys` only grows, so its length says which."""
         known = (self.decode_kernel, len(self._layer_keys))
@@ -688,6 +695,12 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         buffers.fill(block_table, seq_lens, num_reqs)
         self._xqa_filled_by[size] = generation
 
+    def _layout_current(self, step: _Step) -> bool:
+        """False when a later plan has rewritten the CUDA-graph index buffers that `step`'s
+        decode wrappers read (every layer signature's wrapper of a size reads the same ones)."""
+        size = step.cudagraph_size
+        return size is None or self._graph_layout_by.get(size) == step.generation
+
     def _xqa_current(self, step: _Step) -> bool:
         """False when a later build refilled the CUDA-graph buffers `step`'s XQA reads."""
         size = step.cudagraph_size
@@ -773,11 +786,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         spec = self.kv_cache_spec
         layout = self._step_decode_layout(step)
         num_reqs = layout.num_reqs
-        decode = (
-            self._graph_decode(key, step.cudagraph_size)
-            if step.cudagraph_size
-            else self._wrappers(key, "decode")
-        )
+        decode = self._graph_decode(key, size) if size else self._wrappers(key, "decode")
+        fixed = self._fixed_schedule_of(size, num_reqs)
+        unsplit = fixed and size is not None
         # (cleared first: a plan that fails leaves no schedule to keep)
         planned_for = self._fixed_schedule.pop(id(decode), None)
         if (
@@ -785,8 +796,6 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             and num_reqs <= self.limits.max_num_reqs
             and can_replan(decode, self._installed_version)
         ):
-            fixed = self._may_keep_schedule(num_reqs)
-            keep = fixed and planned_for == num_reqs
             replan = functools.partial(
                 replan_decode,
                 decode,
@@ -798,17 +807,14 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 window_left=self._window_left,
                 **self._qo_indptr(num_reqs),
             )
-            if keep:
+            if fixed and planned_for == num_reqs:
                 # no page-locked buffer to stage: nothing is written to the wrapper's schedule
                 replan(None, run_planner=False)
                 self.kept_decode_schedules += 1
             else:
-                disable_split_kv = fixed and decode.is_cuda_graph_enabled
                 self._staged_plan(
-                    decode, replan, self._decode_arrays(step), disable_split_kv=disable_split_kv
+                    decode, replan, self._decode_arrays(step), disable_split_kv=unsplit
                 )
-            if fixed:
-                self._fixed_schedule[id(decode)] = num_reqs
             self.fast_decode_plans += 1
         else:
             d = self._decode_arrays(step)
@@ -823,10 +829,11 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 spec.head_size,
                 spec.block_size,
                 kv_data_type=self._cache_dtype,
-                # (a CUDA-graph batch FlashInfer would not split anyway: see _may_keep_schedule)
-                disable_split_kv=decode.is_cuda_graph_enabled and self._may_keep_schedule(num_reqs),
+                disable_split_kv=unsplit,
                 **self._common(key),
             )
+        if fixed:
+            self._fixed_schedule[id(decode)] = num_reqs
         planned.decode = decode
 
     def _staged_plan(
@@ -840,17 +847,28 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         finally:
             self._staging.release(wrapper)
 
-    def _may_keep_schedule(self, num_decodes: int) -> bool:
-        """Whether a batch of `num_decodes` decodes has a schedule a decode wrapper can keep,
-        so that its steps need no host arrays and no C++ planner once planned.
+    def _fixed_schedule_of(self, cudagraph_size: int | None, num_decodes: int) -> bool:
+        """Whether the decode wrapper of a batch of `num_decodes` decodes (padded to
+        `cudagraph_size`) keeps its schedule, so that its steps need no host arrays and no C++
+        planner once planned.
 
-        Eager: `schedule_is_fixed`, FlashInfer's planner never splits the batch. CUDA graphs:
-        in graph mode that planner always runs the split path (partial results, then a merge
-        pass), even for such a batch, whose keys it leaves in one chunk per request; its graph
-        wrappers are planned with `disable_split_kv` instead, the same work without the merge,
-        and a schedule that depends on the batch size alone. The flag is fixed per size, as
-        the captured graph is: `keep_fixed_schedules` must not change once graphs are
-        captured."""
+        Eager: `_may_keep_schedule`. CUDA graphs: in graph mode FlashInfer's planner always
+        runs the split path (partial results, then a merge pass), even for a batch past its
+        split limit, whose keys it leaves in one chunk per request; the graph wrappers of such
+        a size are planned with `disable_split_kv` instead, the same work without the merge,
+        and a schedule that depends on the size alone. Decided at the size's first plan and
+        kept: the captured graph runs the kernels of that plan whatever the flags are later."""
+        if cudagraph_size is None:
+            return self._may_keep_schedule(num_decodes)
+        unsplit = self._graph_unsplit.get(cudagraph_size)
+        if unsplit is None:
+            unsplit = self._graph_unsplit[cudagraph_size] = self._may_keep_schedule(cudagraph_size)
+        return unsplit
+
+    def _may_keep_schedule(self, num_decodes: int) -> bool:
+        """Whether a batch of `num_decodes` decodes is at or past FlashInfer's split limit
+        (`schedule_is_fixed`: its planner never splits such an eager batch) with schedules
+        kept (`fast_decode_plan`, `keep_fixed_schedules`)."""
         return (
             self.fast_decode_plan
             and self.keep_fixed_schedules
@@ -861,8 +879,13 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     def _decode_arrays(self, step: _Step) -> PagedArrays:
         """The decode wrapper's host arrays of `step` (for its C++ planner), made on first
         need."""
-        if step.arrays.decode is None:
-            step.arrays = self._step_arrays(step.host, step.block_table, step.cudagraph_size)
+        arrays = step.arrays
+        if arrays.decode is None:
+            decode = decode_part(
+                step.host.seq_lens, self.kv_cache_spec.block_size, step.block_table.shape[1],
+                arrays.split.num_decodes, step.cudagraph_size,
+            )  # fmt: skip
+            step.arrays = dataclasses.replace(arrays, decode=decode)
         return step.arrays.decode
 
     def _step_decode_layout(self, step: _Step) -> DecodeLayout:
@@ -874,32 +897,30 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             size is not None and self._graph_layout_by.get(size) != step.generation
         ):
             step.decode_layout = self._decode_layout(
-                None, step.host, step.arrays.split.num_decodes, size, step.generation,
-                step.block_table, step.seq_lens,
+                step.block_table, step.seq_lens, step.host, step.arrays.split.num_decodes, size,
+                step.generation,
             )  # fmt: skip
         return step.decode_layout
 
     def _decode_layout(
         self,
-        cm: CommonAttentionMetadata | None,
+        table: torch.Tensor,
+        seq_lens: torch.Tensor,
         host: HostBatch,
         num_decodes: int,
         cudagraph_size: int | None,
         generation: int,
-        table: torch.Tensor | None = None,
-        seq_lens: torch.Tensor | None = None,
     ) -> DecodeLayout:
         """The decode wrapper's page offsets, last-page lengths and pages for the step's
         `num_decodes` leading decodes (padded to `cudagraph_size`), made on the device from its
-        `seq_lens` and block table (`cm`'s, or `table` and `seq_lens`): one kernel launch,
+        `seq_lens` and block `table`: one kernel launch,
         nothing copied from the host. Eager steps get an allocation of their own; a CUDA-graph
         step writes its size's fixed buffers (`_graph_index_buffers`), as the build of
         `generation`."""
-        if cm is not None:
-            table, seq_lens = cm.block_table_tensor, cm.seq_lens
         api = "FlashInferMetadataBuilder.build"
         block_size = self.kv_cache_spec.block_size
-        longest = int(_largest(host.seq_lens[:num_decodes])) if num_decodes else 0
+        seq = host.seq_lens[:num_decodes]
+        longest = int(seq[seq.argmax()]) if num_decodes else 0
         most = -(-longest // block_size)
         if cudagraph_size is not None:
             per_request = -(-self.limits.max_model_len // block_size)
@@ -914,13 +935,14 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         if (
             seq_lens.dtype != torch.int32
             or seq_lens.device != table.device
+            or table.device.type != self.device.type
             or seq_lens.dim() != 1
             or seq_lens.shape[0] < num_decodes
         ):
             raise ValueError(
-                f"{api}: seq_lens must be int32 [num_reqs] on the block table's device (got "
-                f"{seq_lens.dtype} of shape {tuple(seq_lens.shape)} on {seq_lens.device}, "
-                f"expected {table.device})."
+                f"{api}: seq_lens must be int32 [num_reqs], on the builder's device as the block "
+                f"table (got {seq_lens.dtype} of shape {tuple(seq_lens.shape)} on "
+                f"{seq_lens.device}, the table on {table.device}, expected {self.device})."
             )
         if cudagraph_size is not None:
             indptr, last_page_len, indices = self._graph_index_buffers(cudagraph_size)
@@ -935,7 +957,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             )
         paged_kv_layout(
             table, seq_lens, indptr, last_page_len, indices, block_size=block_size,
-            num_reqs=num_decodes, max_pages=most, trusted=True,
+            num_reqs=num_decodes, max_pages=most, max_num_reqs=self.limits.max_num_reqs,
+            is_trusted=True,
         )  # fmt: skip
         return DecodeLayout(indptr, last_page_len, indices, longest)
 
@@ -1074,11 +1097,6 @@ def _gather_pages(
         first_row=part.first_row,
     )
     return pages
-
-
-def _largest(values: np.ndarray) -> np.integer:
-    """`values.max()` of a non-empty array, without `ndarray.max`'s Python-level wrapper."""
-    return values[values.argmax()]
 
 
 def _to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:

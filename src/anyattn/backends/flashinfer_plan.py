@@ -39,6 +39,7 @@ __all__ = [
     "BatchSplit",
     "PagedArrays",
     "StepArrays",
+    "decode_part",
     "paged_kv_gather_index",
     "paged_kv_indices",
     "paged_kv_indptr",
@@ -428,6 +429,27 @@ def _paged_arrays(
         num_real_reqs=end - start,
         max_pages=most,
         indptr_and_last=joint,
+    )
+
+
+def decode_part(
+    seq_lens: np.ndarray,
+    block_size: int,
+    num_cols: int,
+    num_decodes: int,
+    cudagraph_num_reqs: int | None = None,
+) -> PagedArrays:
+    """The decode wrapper's arrays of a step's `num_decodes` leading decodes (padded to
+    `cudagraph_num_reqs`): what `plan_step` returns as `decode`, for a step planned without
+    them (`decode_arrays=False`) whose decode wrapper's planner turns out to need them.
+
+    Args:
+        seq_lens: int `[>= num_decodes]` the step's lengths (its requests' order).
+        block_size, num_cols: as `plan_step` takes them.
+    """
+    seq = np.asarray(seq_lens, dtype=np.int64)
+    return _paged_arrays(
+        None, seq, block_size, num_cols, (0, num_decodes), False, cudagraph_num_reqs
     )
 
 

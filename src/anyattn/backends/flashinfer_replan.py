@@ -132,7 +132,7 @@ def replan_decode(
 
     Raises:
         ValueError: a CUDA-graph wrapper's fixed batch size or page capacity does not fit,
-            `run_planner` is False for a CUDA-graph wrapper or for another batch size, or
+            `run_planner` is False for a wrapper last planned for another batch size, or
             `arrays` is missing or of another batch size where the planner runs.
     """
     batch = layout.num_reqs

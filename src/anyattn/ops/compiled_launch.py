@@ -29,6 +29,9 @@ try:
 except ImportError:  # triton is an optional extra (nothing here runs without it)
     knobs = driver = None
 
+# (torch's: the same as Triton's driver answers on CUDA, without its lazy proxy)
+_current_device = torch.cuda.current_device if torch.cuda.is_available() else None
+
 __all__ = ["CompiledLaunch"]
 
 
@@ -49,6 +52,12 @@ class CompiledLaunch:
 
     def __init__(self, kernel: Any, pointers: tuple[str, ...]) -> None:
         params = _parameters(kernel)
+        unknown = set(pointers) - {name for name, is_constexpr, _, _ in params if not is_constexpr}
+        if unknown:
+            raise ValueError(
+                f"CompiledLaunch: pointers names no runtime parameter of {kernel.__name__} (got "
+                f"{sorted(unknown)})."
+            )
         constexprs = [name for name, is_constexpr, _, _ in params if is_constexpr]
         runtime = [p for p in params if not p[1]]
         if [p[0] for p in params[len(runtime) :]] != constexprs:
@@ -67,13 +76,14 @@ class CompiledLaunch:
         self._constexprs = constexprs
         self._compiled: dict[tuple[Any, ...], Any] = {}
 
-    def __call__(
-        self, grid: tuple[int, int, int], device: torch.device, *args: Any, **options: Any
-    ) -> None:
-        """Launch on `grid` with the runtime `args` (in parameter order); `options` holds every
-        constexpr by name and Triton's launch options (`num_warps`, ...), the same at every
-        call for one compiled kernel."""
-        key = (device.index, *options.items())
+    def __call__(self, grid: tuple[int, int, int], *args: Any, **options: Any) -> None:
+        """Launch on `grid` with the runtime `args` (in parameter order) on the current CUDA
+        device and stream, as Triton's JIT does; `options` holds every constexpr by name and
+        Triton's launch options (`num_warps`, ...), the same at every call for one compiled
+        kernel."""
+        # (the current device: the one Triton compiles for, loads into and launches on)
+        device = _current_device() if _current_device is not None else None
+        key = (device, *options.items())
         launch = self._compiled.get(key)
         if launch is not None:
             launch(grid, device, args, [options[name] for name in self._constexprs])
@@ -98,13 +108,13 @@ class _Launcher:
         self._hooks = knobs.runtime
 
     def __call__(
-        self, grid: tuple[int, int, int], device: torch.device, args: tuple, constexprs: list
+        self, grid: tuple[int, int, int], device: int, args: tuple, constexprs: list
     ) -> None:
         hooks = self._hooks
         if hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
             self._compiled[grid](*args, *constexprs)
             return
-        stream = self._stream(device.index)
+        stream = self._stream(device)
         self._run(*grid, stream, self._function, self._metadata, None, None, None, *args,
                   *constexprs)  # fmt: skip
 

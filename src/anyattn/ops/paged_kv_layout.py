@@ -59,8 +59,9 @@ def paged_kv_layout(
     num_reqs: int,
     max_pages: int,
     first_row: int = 0,
+    max_num_reqs: int = 0,
     impl: str = "auto",
-    trusted: bool = False,
+    is_trusted: bool = False,
 ) -> None:
     """Write the layout of requests `first_row .. first_row + num_reqs - 1`, in place.
 
@@ -78,12 +79,16 @@ def paged_kv_layout(
             the CPU mirrors. The kernel copies at most this many pages of a request, so `indices`
             is never written past `num_reqs * max_pages`, whatever the device's `seq_lens` hold.
         first_row: the block-table row and `seq_lens` entry of request 0.
+        max_num_reqs: the most requests the caller will pass (a builder's
+            `BatchLimits.max_num_reqs`): the kernel is compiled for batches up to the next power
+            of two of the larger of it and `num_reqs`, so that a caller whose batches vary gets
+            one compiled kernel, not one per power of two met while serving.
         impl: "auto" (the Triton kernel on CUDA when triton is importable, else PyTorch),
             "torch" or "triton" (on the CPU it needs `TRITON_INTERPRET=1` set before triton is
             imported).
-        trusted: skip the checks, for a caller that made the outputs itself and has checked
-            its inputs as they do (a builder's call every step, where the checks would cost
-            about as much host time as the launch).
+        is_trusted: skip the checks, for a caller that made the outputs itself and has
+            checked its inputs as they do (a builder's call every step, where the checks would
+            cost about as much host time as the launch).
 
     Raises:
         TypeError: a non-tensor argument, a wrong dtype or rank, a non-contiguous output.
@@ -92,10 +97,10 @@ def paged_kv_layout(
 
     Reads no tensor value on the host: no synchronisation with the GPU.
     """
-    if not trusted:
+    if not is_trusted:
         _validate(
             block_table, seq_lens, indptr, last_page_len, indices,
-            block_size, num_reqs, max_pages, first_row,
+            block_size, num_reqs, max_pages, first_row, max_num_reqs,
         )  # fmt: skip
     chosen = use_triton(_OP, impl, block_table.device)
     padded = indptr.shape[0] - 1
@@ -103,20 +108,25 @@ def paged_kv_layout(
         indptr.zero_()
         return
     if chosen:
-        # (plain arithmetic: triton.cdiv and next_power_of_2 are jitted helpers, microseconds
-        # each when called from the host)
+        # (plain arithmetic: triton.cdiv and next_power_of_2 are constexpr-function wrappers,
+        # microseconds each when called from the host)
         grid = (padded, -(-max(max_pages, 1) // _TILE_COLS), 1)
         _launch(
-            grid, block_table.device, block_table, seq_lens, indptr, last_page_len, indices,
+            grid, block_table, seq_lens, indptr, last_page_len, indices,
             block_size, num_reqs, max_pages, first_row, *block_table.stride(), seq_lens.stride(0),
-            TILE_COLS=_TILE_COLS, TILE_REQS=max(1 << (num_reqs - 1).bit_length(), _MIN_TILE_REQS),
-            num_warps=4,
+            TILE_COLS=_TILE_COLS, TILE_REQS=_tile_reqs(max(num_reqs, max_num_reqs)), num_warps=4,
         )  # fmt: skip
         return
     _torch_path(
         block_table, seq_lens, indptr, last_page_len, indices, block_size, num_reqs, max_pages,
         first_row,
     )  # fmt: skip
+
+
+def _tile_reqs(num_reqs: int) -> int:
+    """The kernel's request vector: `num_reqs` rounded up to a power of two, at least
+    `_MIN_TILE_REQS`."""
+    return max(1 << (num_reqs - 1).bit_length(), _MIN_TILE_REQS)
 
 
 def _torch_path(
@@ -138,7 +148,8 @@ def _torch_path(
     if num_reqs:
         indptr[1 : num_reqs + 1] = counts.cumsum(0)
     indptr[num_reqs + 1 :] = indptr[num_reqs]
-    last = seq - (counts - 1) * block_size
+    # (at most a page: where `max_pages` cut a request short, its last page is full)
+    last = (seq - (counts - 1) * block_size).clamp(max=block_size)
     last_page_len[:num_reqs] = torch.where(counts > 0, last, torch.ones_like(last))
     last_page_len[num_reqs:] = 1
     if not num_reqs or not max_pages:
@@ -201,7 +212,7 @@ if triton is not None:
             seq = tl.load(seq_ptr + (first_row + req).to(tl.int64) * stride_seq).to(tl.int64)
             count = tl.minimum(tl.maximum((seq + block_size - 1) // block_size, 0), max_pages)
             if count > 0:
-                last = seq - (count - 1) * block_size
+                last = tl.minimum(seq - (count - 1) * block_size, block_size)
         if tile == 0:
             tl.store(indptr_ptr + req + 1, (start + count).to(tl.int32))
             tl.store(last_ptr + req, last.to(tl.int32))
@@ -217,6 +228,8 @@ if triton is not None:
             )
             tl.store(indices_ptr + start + cols, pages, mask=is_page)
 
+    # (a cache of compiled kernels, as Triton keeps one per jitted function: the same values
+    # for every caller, made from the kernel and its launch options alone)
     _launch = CompiledLaunch(
         _paged_kv_layout_kernel,
         pointers=("table_ptr", "seq_ptr", "indptr_ptr", "last_ptr", "indices_ptr"),
@@ -230,19 +243,23 @@ def paged_kv_layout_ref(
     *,
     block_size: int,
     num_reqs: int,
+    max_pages: int | None = None,
     first_row: int = 0,
 ) -> tuple[list[int], list[int], list[int]]:
-    """Reference for `paged_kv_layout`, one request at a time over plain lists: `(indptr,
-    last_page_len, indices)` of `padded_num_reqs` requests. No validation."""
+    """Reference for `paged_kv_layout`, one request at a time over the tensors' values as
+    Python lists: `(indptr, last_page_len, indices)` of `padded_num_reqs` requests, each of at
+    most `max_pages` pages (None: no bound). No validation."""
     table = block_table.tolist()
     lens = seq_lens.tolist()
     indptr, last, indices = [0], [], []
     for i in range(padded_num_reqs):
         seq = lens[first_row + i] if i < num_reqs else 0
         count = max(-(-seq // block_size), 0)
+        if max_pages is not None:
+            count = min(count, max_pages)
         indices += table[first_row + i][:count]
         indptr.append(indptr[-1] + count)
-        last.append(seq - (count - 1) * block_size if count else 1)
+        last.append(min(seq - (count - 1) * block_size, block_size) if count else 1)
     return indptr, last, indices
 
 
@@ -256,6 +273,7 @@ def _validate(
     num_reqs: int,
     max_pages: int,
     first_row: int,
+    max_num_reqs: int,
 ) -> None:
     """Shapes, dtypes, devices and host integers; never tensor values (no sync)."""
     tensors = (
@@ -286,15 +304,15 @@ def _validate(
             )
     for name, value in (
         ("block_size", block_size), ("num_reqs", num_reqs), ("max_pages", max_pages),
-        ("first_row", first_row),
+        ("first_row", first_row), ("max_num_reqs", max_num_reqs),
     ):  # fmt: skip
         if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"{_OP}: {name} must be an int (got {type(value).__name__}).")
-    if block_size < 1 or min(num_reqs, max_pages, first_row) < 0:
+    if block_size < 1 or min(num_reqs, max_pages, first_row, max_num_reqs) < 0:
         raise ValueError(
-            f"{_OP}: block_size must be >= 1 and num_reqs, max_pages, first_row >= 0 (got "
-            f"block_size={block_size}, num_reqs={num_reqs}, max_pages={max_pages}, "
-            f"first_row={first_row})."
+            f"{_OP}: block_size must be >= 1 and num_reqs, max_pages, first_row, max_num_reqs "
+            f">= 0 (got block_size={block_size}, num_reqs={num_reqs}, max_pages={max_pages}, "
+            f"first_row={first_row}, max_num_reqs={max_num_reqs})."
         )
     padded = indptr.shape[0] - 1
     if padded < num_reqs or last_page_len.shape[0] != padded:
