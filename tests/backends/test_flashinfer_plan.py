@@ -431,7 +431,7 @@ def test_gather_pages_matches_a_plain_index_select(
     for part in (arrays.decode, arrays.paged):
         if part is None:
             continue
-        pages = _gather_pages(table, part, None)
+        pages = _gather_pages(table, part)
         assert pages.shape == (part.num_pages,)
         expected = flat[torch.from_numpy(part.gather_positions(num_cols)).long()]
         assert pages.dtype == torch.int32 and pages.is_contiguous()
@@ -446,7 +446,7 @@ def test_gather_pages_of_a_padded_cudagraph_plan_reads_only_the_real_rows():
                        cudagraph_num_reqs=6)  # fmt: skip
     d = arrays.decode
     assert d.rectangle is None and d.num_reqs == 6 and d.num_real_reqs == 3
-    pages = _gather_pages(table, d, torch.from_numpy(d.indptr_and_last))
+    pages = _gather_pages(table, d)
     assert pages.tolist() == [11, 12, 21, 31, 32, 33]
 
 
@@ -580,7 +580,7 @@ def test_gather_pages_on_the_gpu(query_lens, seq_lens):
     for part in (arrays.decode, arrays.paged):
         if part is None:
             continue
-        pages = _gather_pages(table.cuda(), part, None)
+        pages = _gather_pages(table.cuda(), part)
         assert pages.is_cuda and pages.dtype == torch.int32
         expected = flat[torch.from_numpy(part.gather_positions(num_cols)).long()]
         assert torch.equal(pages.cpu(), expected)

@@ -489,7 +489,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             )
         paged_pages = None
         if arrays.paged is not None:
-            paged_pages = _gather_pages(table, arrays.paged, None)
+            paged_pages = _gather_pages(table, arrays.paged)
         self._generation += 1
         step = _Step(
             self,
@@ -636,8 +636,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             return self._xqa_step_inputs(cm, cudagraph_size)
         buffers = self._xqa_graph.get(cudagraph_size)
         if buffers is None:
-            max_pages = -(-self.limits.max_model_len // self.kv_cache_spec.block_size)
-            buffers = XqaGraphBuffers(cudagraph_size, max_pages, self.device)
+            buffers = XqaGraphBuffers(cudagraph_size, self._max_pages_per_request(), self.device)
             self._xqa_graph[cudagraph_size] = buffers
         max_pages = buffers.page_table.shape[1]
         most = self._most_pages(host)
@@ -892,13 +891,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         """`step`'s decodes on the device, made now if the build left them out (every
         registered layer's decodes ran XQA) or, for a CUDA-graph step, made again if a later
         build has rewritten its size's buffers (metadata planned again after a newer build)."""
-        size = step.cudagraph_size
-        if step.decode_layout is None or (
-            size is not None and self._graph_layout_by.get(size) != step.generation
-        ):
+        if step.decode_layout is None or not self._layout_current(step):
             step.decode_layout = self._decode_layout(
-                step.block_table, step.seq_lens, step.host, step.arrays.split.num_decodes, size,
-                step.generation,
+                step.block_table, step.seq_lens, step.host, step.arrays.split.num_decodes,
+                step.cudagraph_size, step.generation,
             )  # fmt: skip
         return step.decode_layout
 
@@ -923,7 +919,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         longest = int(seq[seq.argmax()]) if num_decodes else 0
         most = -(-longest // block_size)
         if cudagraph_size is not None:
-            per_request = -(-self.limits.max_model_len // block_size)
+            per_request = self._max_pages_per_request()
             if most > per_request:
                 raise ValueError(
                     f"{api}: a CUDA-graph decode step needs more pages per request than "
@@ -948,13 +944,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             indptr, last_page_len, indices = self._graph_index_buffers(cudagraph_size)
             self._graph_layout_by[cudagraph_size] = generation
         else:
-            rows = num_decodes
-            joint = torch.empty(
-                2 * rows + 1 + num_decodes * most, dtype=torch.int32, device=table.device
-            )
-            indptr, last_page_len, indices = joint.split_with_sizes(
-                (rows + 1, rows, num_decodes * most)
-            )
+            sizes = (num_decodes + 1, num_decodes, num_decodes * most)
+            joint = torch.empty(sum(sizes), dtype=torch.int32, device=table.device)
+            indptr, last_page_len, indices = joint.split_with_sizes(sizes)
         paged_kv_layout(
             table, seq_lens, indptr, last_page_len, indices, block_size=block_size,
             num_reqs=num_decodes, max_pages=most, max_num_reqs=self.limits.max_num_reqs,
@@ -1054,6 +1046,11 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             self._graph[(key, size)] = wrapper
         return wrapper
 
+    def _max_pages_per_request(self) -> int:
+        """Pages of a request of `max_model_len` tokens: what the CUDA-graph buffers hold per
+        request."""
+        return -(-self.limits.max_model_len // self.kv_cache_spec.block_size)
+
     def _graph_index_buffers(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The fixed index buffers (int32 indptr `[size + 1]`, last-page lengths `[size]`,
         pages `[size * ceil(max_model_len / block_size)]`) that every layer signature's
@@ -1061,32 +1058,24 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         once, whatever the number of signatures."""
         buffers = self._graph_buffers.get(size)
         if buffers is None:
-            per_request = -(-self.limits.max_model_len // self.kv_cache_spec.block_size)
             int32 = dict(dtype=torch.int32, device=self.device)
             buffers = (
                 torch.zeros(size + 1, **int32),
                 torch.ones(size, **int32),
-                torch.zeros(size * per_request, **int32),
+                torch.zeros(size * self._max_pages_per_request(), **int32),
             )
             self._graph_buffers[size] = buffers
         return buffers
 
 
-def _gather_pages(
-    block_table: torch.Tensor, part: PagedArrays, indptr_and_last: torch.Tensor | None
-) -> torch.Tensor:
+def _gather_pages(block_table: torch.Tensor, part: PagedArrays) -> torch.Tensor:
     """int32 `[part.num_pages]` on the table's device: the part's page ids, gathered from the
     block table on the device (no synchronisation, no per-page index from the host), never a
-    view of the table.
-
-    Args:
-        indptr_and_last: `part.indptr_and_last` on the device, which the gather reads when the
-            pages are not a rectangle of the table (None: copied here when needed).
-    """
+    view of the table: one device copy of the table's rectangle, or the part's page offsets
+    copied to the device and read by `ops.gather_pages`."""
     if part.rectangle is not None:  # one device copy of the table's rectangle
         return block_table[part.rectangle].clone(memory_format=torch.contiguous_format).view(-1)
-    if indptr_and_last is None:
-        indptr_and_last = _to_device(part.indptr_and_last, block_table.device)
+    indptr_and_last = _to_device(part.indptr_and_last, block_table.device)
     pages = torch.empty(part.num_pages, dtype=torch.int32, device=block_table.device)
     gather_pages(
         block_table,
