@@ -3,14 +3,15 @@
 
 `benchmarks/kernels.py` times each backend's whole `build`; this splits FLASHINFER's and
 FLEX_ATTENTION's into their steps, each timed alone (median of `--reps` calls, after a warm-up),
-so that the cost left over can be attributed. FLASHINFER's parts: `cm.validate`, `plan_step`
-without the decode wrapper's host arrays (numpy), the decode layout made on the device
-(`ops.paged_kv_layout`: page offsets, last-page lengths and pages in one launch),
-`replan_decode` keeping the schedule (what a steady-state step of 256 decodes over 8 KV heads
-does), and what a step whose schedule is planned adds: `plan_step`'s decode arrays,
-`replan_decode` with FlashInfer's C++ planner, and the planner call with its arguments alone;
-and the whole build once more with `keep_fixed_schedules` off, so that every step runs the
-C++ planner.
+so that the cost left over can be attributed. FLASHINFER's parts: `cm.validate`, the split of
+a decode-only step (`decode_step_arrays`, and `plan_step` without the decode wrapper's host
+arrays for comparison), the decode layout made on the device (`DecodeLayouts.make`: page
+offsets, last-page lengths and pages in one launch, into a buffer the builder keeps),
+`keep_schedule` (what a steady-state step of 256 decodes over 8 KV heads does to the wrapper;
+`replan_decode` keeping the schedule for comparison), and what a step whose schedule is
+planned adds: `plan_step`'s decode arrays, `replan_decode` with FlashInfer's C++ planner, and
+the planner call with its arguments alone; and the whole build once more with
+`keep_fixed_schedules` off, so that every step runs the C++ planner.
 
 Run on a CUDA machine with FlashInfer 0.7.2.post1: `python3 benchmarks/build_breakdown.py`
 (`--varied`: lengths spread over `seq_len / 2 ... 3 * seq_len / 2`, as `kernels.py` times them
@@ -34,8 +35,8 @@ import torch
 from _timing import cpu_times_us
 
 from anyattn.backends import flashinfer as fi_backend
-from anyattn.backends.flashinfer_plan import plan_step
-from anyattn.backends.flashinfer_replan import planner_arguments, replan_decode
+from anyattn.backends.flashinfer_plan import decode_step_arrays, plan_step
+from anyattn.backends.flashinfer_replan import keep_schedule, planner_arguments, replan_decode
 from anyattn.backends.flashinfer_xqa import XqaGraphBuffers
 from anyattn.backends.flex_attention import FlexAttentionMetadataBuilder
 from anyattn.backends.flex_attention_plan import lay_out_step
@@ -112,11 +113,15 @@ def main() -> int:
         ("  the same, the schedule re-planned every step", median_us(
             lambda: rebuilt.build(0, cm), args.reps)),
         ("  cm.validate", median_us(lambda: cm.validate("x"), args.reps)),
-        ("  plan_step without decode arrays (numpy)", median_us(
+        ("  decode_step_arrays (the split of a decode-only step)", median_us(
+            lambda: decode_step_arrays(n, host.max_seq_len, block_size, width), args.reps)),
+        ("  (plan_step without decode arrays, numpy, for comparison)", median_us(
             lambda: arrays(False), args.reps)),
-        ("  the decode layout on the device (ops.paged_kv_layout, one launch)", median_us(
+        ("  the decode layout on the device (DecodeLayouts.make: one launch)", median_us(
             make_layout, args.reps)),
-        ("  replan_decode keeping the schedule", median_us(
+        ("  keep_schedule (the wrapper pointed at the layout)", median_us(
+            lambda: keep_schedule(wrapper, layout), args.reps)),
+        ("  (replan_decode keeping the schedule, for comparison)", median_us(
             lambda: replan(False), args.reps)),
         ("  where the planner runs: plan_step's decode arrays (numpy)", median_us(
             arrays, args.reps)),

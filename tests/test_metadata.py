@@ -328,6 +328,9 @@ def test_validate_accepts_padding_past_num_reqs():
     assert host.query_lens.tolist() == [1, 3]
     assert host.seq_lens.tolist() == [5, 3]
     assert host.context_lens.tolist() == [4, 0]
+    # the real requests' longest (the padding's 0 tokens and the fields' bounds aside)
+    assert (host.max_query_len, host.max_seq_len) == (3, 5)
+    assert all(type(v) is int for v in (host.max_query_len, host.max_seq_len))
     arrays = (host.query_start_loc, host.query_lens, host.seq_lens, host.context_lens)
     assert all(a.dtype == np.int64 for a in arrays)
     # copies, not views: the engine may refill its mirrors once the build has returned
@@ -341,6 +344,7 @@ def test_validate_of_an_empty_step_gives_empty_arrays():
     host = metadata([], []).validate()
     assert host.query_start_loc.tolist() == [0]
     assert host.query_lens.size == host.seq_lens.size == host.context_lens.size == 0
+    assert (host.max_query_len, host.max_seq_len) == (0, 0)
 
 
 @pytest.mark.gpu

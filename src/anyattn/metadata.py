@@ -159,8 +159,8 @@ class CommonAttentionMetadata:
             raise ValueError(
                 f"{api}: num_computed_tokens_cpu must equal seq_lens - query lens per request."
             )
-        self._check_maxima(api, query_lens, expected)
-        return HostBatch(loc, query_lens, expected, context)
+        longest_query, longest_seq = self._check_maxima(api, query_lens, expected)
+        return HostBatch(loc, query_lens, expected, context, longest_query, longest_seq)
 
     def _mirrors(self) -> tuple[tuple[str, torch.Tensor, int], ...]:
         """(name, tensor, least length) of each 1-D CPU mirror, for `validate`'s errors."""
@@ -178,19 +178,23 @@ class CommonAttentionMetadata:
                 message = f"{api}: {name} must be an integer tensor (got {dtype})."
                 raise ValueError(message) from None  # (not numpy's TypeError as its cause)
 
-    def _check_maxima(self, api: str, query_lens: np.ndarray, seq_lens: np.ndarray) -> None:
+    def _check_maxima(
+        self, api: str, query_lens: np.ndarray, seq_lens: np.ndarray
+    ) -> tuple[int, int]:
         """`max_query_len` and `max_seq_len` are at least the mirrors' (a kernel sized by
-        smaller ones would skip queries or keys; larger ones only cost work)."""
+        smaller ones would skip queries or keys; larger ones only cost work). Returns the
+        mirrors' (0, 0 for an empty batch)."""
         if not query_lens.shape[0]:
-            return
-        longest_query = query_lens[query_lens.argmax()]
-        longest_seq = seq_lens[seq_lens.argmax()]
+            return 0, 0
+        longest_query = int(query_lens[query_lens.argmax()])
+        longest_seq = int(seq_lens[seq_lens.argmax()])
         if self.max_query_len < longest_query or self.max_seq_len < longest_seq:
             raise ValueError(
                 f"{api}: max_query_len / max_seq_len below the mirrors' longest (got "
                 f"{self.max_query_len} / {self.max_seq_len}, expected >= {longest_query} / "
                 f"{longest_seq})."
             )
+        return longest_query, longest_seq
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass is slower to make
@@ -205,12 +209,16 @@ class HostBatch:
         query_lens: `[num_reqs]`.
         seq_lens: `[num_reqs]`.
         context_lens: `[num_reqs]` (`num_computed_tokens_cpu`).
+        max_query_len, max_seq_len: the longest of `query_lens` and of `seq_lens` (0 for an
+            empty batch): the mirrors' own, where the metadata's fields are upper bounds.
     """
 
     query_start_loc: np.ndarray
     query_lens: np.ndarray
     seq_lens: np.ndarray
     context_lens: np.ndarray
+    max_query_len: int
+    max_seq_len: int
 
 
 def first_rows(tensor: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -689,8 +689,9 @@ def test_replan_decode_sets_what_run_reads(cuda_graph):
     planner's arguments, as FlashInfer 0.7.2.post1's `plan()` sets them for 3 decodes."""
     from types import SimpleNamespace
 
+    from anyattn.backends.flashinfer_layouts import DecodeLayout
     from anyattn.backends.flashinfer_plan import plan_step
-    from anyattn.backends.flashinfer_replan import DecodeLayout, replan_decode
+    from anyattn.backends.flashinfer_replan import replan_decode
 
     calls = []
     int32 = dict(dtype=torch.int32)
@@ -729,8 +730,9 @@ def test_replan_decode_can_keep_the_last_schedule():
     planner is not called, and only a wrapper planned for the same batch size may keep it."""
     from types import SimpleNamespace
 
+    from anyattn.backends.flashinfer_layouts import DecodeLayout
     from anyattn.backends.flashinfer_plan import plan_step
-    from anyattn.backends.flashinfer_replan import DecodeLayout, replan_decode
+    from anyattn.backends.flashinfer_replan import replan_decode
 
     calls = []
     wrapper = SimpleNamespace(

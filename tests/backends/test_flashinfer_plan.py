@@ -19,6 +19,7 @@ from anyattn.backends.flashinfer_plan import (
     BatchSplit,
     _plan_any,
     decode_part,
+    decode_step_arrays,
     paged_kv_gather_index,
     paged_kv_indices,
     paged_kv_indptr,
@@ -546,6 +547,32 @@ def test_a_step_without_decode_arrays_has_the_same_split_and_width_check(
     assert not isinstance(with_arrays, tuple), with_arrays  # refused with the arrays only
     assert without.decode is None
     assert_same_step(without, dataclasses.replace(with_arrays, decode=None))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    block_size=st.sampled_from([1, 16, 64]),
+    seq_lens=st.lists(st.integers(1, 300), max_size=12),
+    extra_cols=st.integers(-1, 2),
+    padding=st.sampled_from([None, 0, 1, 5, -1]),
+)
+def test_decode_step_arrays_is_plan_step_of_a_decode_batch(
+    block_size, seq_lens, extra_cols, padding
+):
+    # (from the longest request alone: the same split, and the same refusals)
+    n = len(seq_lens)
+    num_cols = max(max((-(-s // block_size) for s in seq_lens), default=0) + extra_cols, 0)
+    padded = None if padding is None else max(n + padding, 0)
+    longest = max(seq_lens, default=0)
+    lean = outcome(decode_step_arrays, n, longest, block_size, num_cols, padded)
+    full = outcome(
+        plan_step, loc_of([1] * n), np.array(seq_lens, np.int64), block_size, num_cols,
+        cudagraph_num_reqs=padded, decode_arrays=False,
+    )  # fmt: skip
+    if isinstance(lean, tuple) or isinstance(full, tuple):
+        assert lean == full
+    else:
+        assert_same_step(lean, full)
 
 
 def test_decode_batches_take_the_fast_path(monkeypatch):

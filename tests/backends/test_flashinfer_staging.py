@@ -319,6 +319,33 @@ def test_graph_steps_planned_again_remake_the_shared_index_buffers(staged_cpu_bu
         assert decode._paged_kv_indptr_buf.tolist() == want[id(md)], (md is older, key)
 
 
+def test_eager_steps_built_further_ahead_than_the_ring_get_their_layout_again(
+    staged_cpu_builder, monkeypatch
+):
+    """Eager layouts are made into `RING` buffers in turn: a forward on metadata up to
+    `RING - 1` builds old finds its layout where it was made; an older one's buffer holds a
+    newer step's, so its layout is made again, into memory of its own, leaving the newer
+    step's as it was."""
+    from anyattn.backends.flashinfer_layouts import RING
+
+    monkeypatch.setattr(fi_backend, "can_replan", lambda wrapper, version: bool(wrapper.seen))
+    builder = staged_cpu_builder
+    key = next(iter(builder._layer_keys))
+    lens = [[40 + i, 3, 70, 17 + 16 * (i % 2), 5] for i in range(RING + 1)]
+    mds = [builder.build(0, make_common_attn_metadata([1] * 5, x, TABLE[:5], 16)) for x in lens]
+    first, second, newest = mds[0].step, mds[1].step, mds[-1].step
+    assert first.decode_layout.home == newest.decode_layout.home  # the ring came round
+    assert not builder._layout_current(first) and builder._layout_current(second)
+    want = [0, 3, 4, 9, 11, 12]
+    decode = builder.planned(mds[0], key).decode
+    assert first.decode_layout.home is None  # made again, in memory of its own
+    assert decode._paged_kv_indptr_buf.tolist() == want
+    assert newest.decode_layout.indptr.tolist() == want  # (lens[-1][3] is 17 + 16 * 0)
+    decode = builder.planned(mds[1], key).decode
+    assert mds[1].step.decode_layout is second.decode_layout  # still in its ring buffer
+    assert decode._paged_kv_indptr_buf.tolist() == [0, 3, 4, 9, 12, 13]
+
+
 def test_a_failed_decode_plan_keeps_no_schedule(staged_cpu_builder, monkeypatch):
     monkeypatch.setattr(fi_backend, "can_replan", lambda wrapper, version: True)
     builder = staged_cpu_builder

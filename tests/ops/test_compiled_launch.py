@@ -106,3 +106,53 @@ def test_the_compiled_kernel_is_kept_per_options(monkeypatch) -> None:
 def test_pointers_must_name_runtime_parameters() -> None:
     with pytest.raises(ValueError, match=r"pointers names no runtime parameter of copy"):
         CompiledLaunch(_kernel(), pointers=("x_ptr", "y_ptr"))
+
+
+class FakeCudaLauncher:
+    """Triton 3.6's `CudaLauncher` as `_Launcher` reads it: the C launch and its flags."""
+
+    launch_cooperative_grid = False
+    launch_pdl = True
+    profile_scratch_size = 0
+
+    def __init__(self, launches: list, global_scratch_size: int = 0) -> None:
+        self.global_scratch_size = global_scratch_size
+        self.launch = lambda *args: launches.append(("c", args))
+        self._launches = launches
+
+    def __call__(self, *args):
+        self._launches.append(("wrapper", args))
+
+
+def test_a_kernel_without_scratch_is_launched_through_the_c_launcher(monkeypatch) -> None:
+    """`bound` gives the kept kernel of a set of options (None before it compiled); without
+    scratch memory it calls Triton's C launch with CudaLauncher's own arguments, with
+    scratch CudaLauncher itself (which allocates it)."""
+    import types
+
+    from anyattn.ops import compiled_launch
+
+    stream = types.SimpleNamespace(active=types.SimpleNamespace(get_current_stream=lambda d: 7))
+    monkeypatch.setattr(compiled_launch, "driver", stream)
+    monkeypatch.setattr(compiled_launch, "_current_device", lambda: 0)
+    for scratch, expected in ((0, "c"), (64, "wrapper")):
+        kernel = FakeKernel()
+        compiled = FakeCompiled(kernel.launches)
+        compiled.run = FakeCudaLauncher(kernel.launches, global_scratch_size=scratch)
+        launch = CompiledLaunch(kernel, pointers=("x_ptr",))
+        assert launch.bound(TILE=64, num_warps=4) is None
+        # (the JIT call returns `compiled`)
+        monkeypatch.setattr(
+            FakeKernel, "__getitem__", lambda self, grid, c=compiled: lambda *a, **o: c
+        )
+        launch((4, 1, 1), "x", 3, TILE=64, num_warps=4)
+        bound = launch.bound(TILE=64, num_warps=4)
+        assert bound is not None and bound.device == 0
+        assert launch.bound(TILE=128, num_warps=4) is None
+        bound((2, 1, 1), 1234, 5)  # a raw address for the pointer
+        if expected == "c":
+            want = (2, 1, 1, 7, "function", False, True, None, None, "metadata", None, None,
+                    None, 1234, 5, 64)  # fmt: skip
+        else:
+            want = (2, 1, 1, 7, "function", "metadata", None, None, None, 1234, 5, 64)
+        assert kernel.launches == [(expected, want)]

@@ -18,7 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from anyattn.ops import paged_kv_layout as module
-from anyattn.ops.paged_kv_layout import MAX_PAGES_PER_REQUEST, paged_kv_layout, paged_kv_layout_ref
+from anyattn.ops.paged_kv_layout import (
+    MAX_PAGES_PER_REQUEST,
+    PagedKvLayoutLaunch,
+    paged_kv_layout,
+    paged_kv_layout_ref,
+)
 
 SENTINEL = -7  # what the outputs hold before a call: entries the op must not write keep it
 INTERPRETED_RANDOM = 12  # seeded random batches the interpreter runs beside the fixed cases
@@ -357,6 +362,64 @@ def test_decode_batches_on_cuda_through_the_compiled_launch() -> None:
         want_indptr, want_last, want_pages = spec(x.table.cpu().tolist(), case)
         assert x.indptr.tolist() == want_indptr and x.last_page_len.tolist() == want_last
         assert x.indices[: len(want_pages)].tolist() == want_pages
+
+
+def check_launcher_batch(
+    launcher: PagedKvLayoutLaunch, case: Case, device: str, no_sync: bool = False
+) -> None:
+    """`launcher` (first_row 0) writes `case`'s specified layout, given the outputs' addresses
+    or not; `no_sync`: the call runs under sync-debug mode "error" (a host wait raises)."""
+    x = make_inputs(case, device)
+    addresses = None
+    if device == "cuda" and case.padding % 2:  # both ways of passing the outputs
+        addresses = (x.indptr.data_ptr(), x.last_page_len.data_ptr(), x.indices.data_ptr())
+    if no_sync:
+        torch.cuda.synchronize()
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        launcher(
+            x.table, x.seq_lens, x.indptr, x.last_page_len, x.indices,
+            num_reqs=len(case.seq_lens), max_pages=x.max_pages, addresses=addresses,
+        )  # fmt: skip
+    finally:
+        if no_sync:
+            torch.cuda.set_sync_debug_mode(previous)
+    want_indptr, want_last, want_pages = spec(x.table.cpu().tolist(), case)
+    assert x.indptr.tolist() == want_indptr and x.last_page_len.tolist() == want_last
+    assert x.indices[: len(want_pages)].tolist() == want_pages
+    untouched = x.indices[len(want_pages) :].tolist()
+    assert untouched == [SENTINEL] * len(untouched)
+
+
+LAUNCHER_CASES = [
+    Case((5, 16, 17, 1), 16, padding=2),
+    Case((300, 1, 129 * 16 + 3), 16, padding=1, is_strided=True),
+    Case((7,), 4),
+    Case((), 16, padding=3),
+]
+
+
+def test_launcher_is_the_op_on_the_cpu() -> None:
+    for case in LAUNCHER_CASES:
+        check_launcher_batch(PagedKvLayoutLaunch(case.block_size, 8), case, "cpu")
+
+
+@pytest.mark.gpu
+def test_launcher_takes_the_bound_kernel_on_cuda() -> None:
+    """After its first call, `PagedKvLayoutLaunch` launches the bound compiled kernel with raw
+    addresses: every batch exactly right, no call waiting on the GPU; a batch past its
+    `max_num_reqs` takes the op itself."""
+    pytest.importorskip("triton")
+    launcher = PagedKvLayoutLaunch(16, 260)
+    check_launcher_batch(launcher, dataclasses.replace(decode_batch(3), first_row=0), "cuda")
+    assert launcher._bound is not None, "the compiled kernel was not bound"
+    cases = [dataclasses.replace(decode_batch(s), first_row=0, padding=s) for s in (4, 5)]
+    for case in cases + [c for c in LAUNCHER_CASES if c.block_size == 16]:
+        check_launcher_batch(launcher, case, "cuda", no_sync=True)
+    small = PagedKvLayoutLaunch(16, 2)
+    for case in LAUNCHER_CASES[:2]:  # 6 and 4 rows: past max_num_reqs
+        check_launcher_batch(small, case, "cuda")
 
 
 if __name__ == "__main__":

@@ -82,10 +82,17 @@ from anyattn.backend import (
     AttentionLayer,
     AttentionMetadataBuilder,
 )
-from anyattn.backends.flashinfer_plan import PagedArrays, StepArrays, decode_part, plan_step
+from anyattn.backends.flashinfer_layouts import DecodeLayout, DecodeLayouts
+from anyattn.backends.flashinfer_plan import (
+    PagedArrays,
+    StepArrays,
+    decode_part,
+    decode_step_arrays,
+    plan_step,
+)
 from anyattn.backends.flashinfer_replan import (
-    DecodeLayout,
     can_replan,
+    keep_schedule,
     replan_decode,
     schedule_is_fixed,
 )
@@ -100,7 +107,6 @@ from anyattn.backends.flashinfer_xqa import (
 from anyattn.impl_args import check_forward_inputs
 from anyattn.metadata import CommonAttentionMetadata, HostBatch, first_rows, graph_table_width
 from anyattn.ops.gather_pages import gather_pages
-from anyattn.ops.paged_kv_layout import paged_kv_layout
 from anyattn.types import (
     DTYPES,
     AttentionCGSupport,
@@ -352,8 +358,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         self._layer_keys: dict[_PlanKey, None] = {}
         self._eager: dict[_PlanKey, _Wrappers] = {}
         self._graph: dict[tuple[_PlanKey, int], Any] = {}
-        self._graph_buffers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._graph_layout_by: dict[int, int] = {}  # captured size -> generation of its layout
+        self._layouts = DecodeLayouts(
+            self.device, spec.block_size, limits.max_num_reqs, self._max_pages_per_request()
+        )
         # captured size -> whether its decode wrappers are planned without splits: decided at
         # its first plan and kept, as the captured graphs are (see `_fixed_schedule_of`)
         self._graph_unsplit: dict[int, bool] = {}
@@ -478,7 +485,14 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         table = cm.block_table_tensor
         # (the decode wrapper's host arrays, its C++ planner's input, are made by the plan that
         # needs them: none where the schedule is kept)
-        arrays = self._step_arrays(host, table, cudagraph_size, decode_arrays=False)
+        if host.max_query_len == 1 and cm.num_actual_tokens == cm.num_reqs:
+            # single-token decodes only (the usual step): their split needs no pass over the
+            # lengths (every token a request, none longer than one)
+            arrays = decode_step_arrays(
+                cm.num_reqs, host.max_seq_len, spec.block_size, table.shape[1], cudagraph_size
+            )
+        else:
+            arrays = self._step_arrays(host, table, cudagraph_size, decode_arrays=False)
         num_decodes = arrays.split.num_decodes
         xqa_inputs = decode_layout = None
         if xqa and (num_decodes or cudagraph_size):
@@ -695,10 +709,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         self._xqa_filled_by[size] = generation
 
     def _layout_current(self, step: _Step) -> bool:
-        """False when a later plan has rewritten the CUDA-graph index buffers that `step`'s
-        decode wrappers read (every layer signature's wrapper of a size reads the same ones)."""
-        size = step.cudagraph_size
-        return size is None or self._graph_layout_by.get(size) == step.generation
+        """False when a later build has made its decode layout into the memory that holds
+        `step`'s (see `flashinfer_layouts`)."""
+        layout = step.decode_layout
+        return layout is None or self._layouts.is_current(layout)
 
     def _xqa_current(self, step: _Step) -> bool:
         """False when a later build refilled the CUDA-graph buffers `step`'s XQA reads."""
@@ -782,14 +796,26 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                                      self._most_pages(host))  # fmt: skip
             planned.xqa = True
             return
-        spec = self.kv_cache_spec
         layout = self._step_decode_layout(step)
         num_reqs = layout.num_reqs
         decode = self._graph_decode(key, size) if size else self._wrappers(key, "decode")
         fixed = self._fixed_schedule_of(size, num_reqs)
-        unsplit = fixed and size is not None
         # (cleared first: a plan that fails leaves no schedule to keep)
         planned_for = self._fixed_schedule.pop(id(decode), None)
+        if (
+            fixed
+            and planned_for == num_reqs
+            and self.fast_decode_plan
+            and keep_schedule(decode, layout)
+        ):
+            # the steady state: no C++ planner, no page-locked buffer, no host arrays
+            self.kept_decode_schedules += 1
+            self.fast_decode_plans += 1
+            self._fixed_schedule[id(decode)] = num_reqs
+            planned.decode = decode
+            return
+        spec = self.kv_cache_spec
+        unsplit = fixed and size is not None
         if (
             self.fast_decode_plan
             and num_reqs <= self.limits.max_num_reqs
@@ -806,14 +832,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 window_left=self._window_left,
                 **self._qo_indptr(num_reqs),
             )
-            if fixed and planned_for == num_reqs:
-                # no page-locked buffer to stage: nothing is written to the wrapper's schedule
-                replan(None, run_planner=False)
-                self.kept_decode_schedules += 1
-            else:
-                self._staged_plan(
-                    decode, replan, self._decode_arrays(step), disable_split_kv=unsplit
-                )
+            self._staged_plan(decode, replan, self._decode_arrays(step), disable_split_kv=unsplit)
             self.fast_decode_plans += 1
         else:
             d = self._decode_arrays(step)
@@ -831,7 +850,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 disable_split_kv=unsplit,
                 **self._common(key),
             )
-        if fixed:
+        # (kept from here on only where `keep_schedule` may serve the next step of this size)
+        if fixed and can_replan(decode, self._installed_version):
             self._fixed_schedule[id(decode)] = num_reqs
         planned.decode = decode
 
@@ -889,12 +909,14 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 
     def _step_decode_layout(self, step: _Step) -> DecodeLayout:
         """`step`'s decodes on the device, made now if the build left them out (every
-        registered layer's decodes ran XQA) or, for a CUDA-graph step, made again if a later
-        build has rewritten its size's buffers (metadata planned again after a newer build)."""
+        registered layer's decodes ran XQA) or made again if a later build has made its layout
+        into the same memory (metadata planned again after a newer build): an eager step's
+        into memory of its own, a CUDA-graph step's into its size's buffers (which the graph
+        reads)."""
         if step.decode_layout is None or not self._layout_current(step):
             step.decode_layout = self._decode_layout(
                 step.block_table, step.seq_lens, step.host, step.arrays.split.num_decodes,
-                step.cudagraph_size, step.generation,
+                step.cudagraph_size, step.generation, own_memory=True,
             )  # fmt: skip
         return step.decode_layout
 
@@ -906,53 +928,20 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         num_decodes: int,
         cudagraph_size: int | None,
         generation: int,
+        own_memory: bool = False,
     ) -> DecodeLayout:
         """The decode wrapper's page offsets, last-page lengths and pages for the step's
         `num_decodes` leading decodes (padded to `cudagraph_size`), made on the device from its
-        `seq_lens` and block `table`: one kernel launch,
-        nothing copied from the host. Eager steps get an allocation of their own; a CUDA-graph
-        step writes its size's fixed buffers (`_graph_index_buffers`), as the build of
-        `generation`."""
-        api = "FlashInferMetadataBuilder.build"
-        block_size = self.kv_cache_spec.block_size
-        seq = host.seq_lens[:num_decodes]
-        longest = int(seq[seq.argmax()]) if num_decodes else 0
-        most = -(-longest // block_size)
-        if cudagraph_size is not None:
-            per_request = self._max_pages_per_request()
-            if most > per_request:
-                raise ValueError(
-                    f"{api}: a CUDA-graph decode step needs more pages per request than "
-                    f"max_model_len allows (got {most}, expected <= {per_request}). "
-                    "Keep seq_lens within BatchLimits.max_model_len."
-                )
-        # (what `paged_kv_layout` would check and the build's own checks have not: the
-        # table's dtype, rank, rows and width `validate` and `plan_step` have)
-        if (
-            seq_lens.dtype != torch.int32
-            or seq_lens.device != table.device
-            or table.device.type != self.device.type
-            or seq_lens.dim() != 1
-            or seq_lens.shape[0] < num_decodes
-        ):
-            raise ValueError(
-                f"{api}: seq_lens must be int32 [num_reqs], on the builder's device as the block "
-                f"table (got {seq_lens.dtype} of shape {tuple(seq_lens.shape)} on "
-                f"{seq_lens.device}, the table on {table.device}, expected {self.device})."
-            )
-        if cudagraph_size is not None:
-            indptr, last_page_len, indices = self._graph_index_buffers(cudagraph_size)
-            self._graph_layout_by[cudagraph_size] = generation
+        `seq_lens` and block `table` in one kernel launch (`DecodeLayouts.make`), by the build
+        of `generation`."""
+        seq = host.seq_lens
+        if num_decodes == seq.shape[0]:
+            longest = host.max_seq_len
         else:
-            sizes = (num_decodes + 1, num_decodes, num_decodes * most)
-            joint = torch.empty(sum(sizes), dtype=torch.int32, device=table.device)
-            indptr, last_page_len, indices = joint.split_with_sizes(sizes)
-        paged_kv_layout(
-            table, seq_lens, indptr, last_page_len, indices, block_size=block_size,
-            num_reqs=num_decodes, max_pages=most, max_num_reqs=self.limits.max_num_reqs,
-            is_trusted=True,
-        )  # fmt: skip
-        return DecodeLayout(indptr, last_page_len, indices, longest)
+            longest = int(seq[:num_decodes].max()) if num_decodes else 0
+        return self._layouts.make(
+            table, seq_lens, num_decodes, longest, generation, cudagraph_size, own_memory
+        )
 
     def _step_arrays(
         self,
@@ -1031,7 +1020,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         wrapper = self._graph.get((key, size))
         if wrapper is None:
             fi = _import_flashinfer()
-            indptr, last_page_len, indices = self._graph_index_buffers(size)
+            indptr, last_page_len, indices = self._layouts.graph_buffers(size)
             wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
                 self._float_workspace(),
                 "NHD",
@@ -1050,22 +1039,6 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         """Pages of a request of `max_model_len` tokens: what the CUDA-graph buffers hold per
         request."""
         return -(-self.limits.max_model_len // self.kv_cache_spec.block_size)
-
-    def _graph_index_buffers(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The fixed index buffers (int32 indptr `[size + 1]`, last-page lengths `[size]`,
-        pages `[size * ceil(max_model_len / block_size)]`) that every layer signature's
-        CUDA-graph decode wrapper of `size` reads: each step's decode layout is made into them
-        once, whatever the number of signatures."""
-        buffers = self._graph_buffers.get(size)
-        if buffers is None:
-            int32 = dict(dtype=torch.int32, device=self.device)
-            buffers = (
-                torch.zeros(size + 1, **int32),
-                torch.ones(size, **int32),
-                torch.zeros(size * self._max_pages_per_request(), **int32),
-            )
-            self._graph_buffers[size] = buffers
-        return buffers
 
 
 def _gather_pages(block_table: torch.Tensor, part: PagedArrays) -> torch.Tensor:

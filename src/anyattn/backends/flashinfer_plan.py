@@ -40,6 +40,7 @@ __all__ = [
     "PagedArrays",
     "StepArrays",
     "decode_part",
+    "decode_step_arrays",
     "paged_kv_gather_index",
     "paged_kv_indices",
     "paged_kv_indptr",
@@ -569,6 +570,27 @@ def _plan_decodes(
     if n or cudagraph_num_reqs:
         decode = _paged_arrays(loc, seq, block_size, num_cols, (0, n), False, cudagraph_num_reqs)
     return StepArrays(_arrays_of_decodes(n, num_tokens).split, decode, None, None, None)
+
+
+def decode_step_arrays(
+    num_decodes: int,
+    max_seq_len: int,
+    block_size: int,
+    num_cols: int,
+    cudagraph_num_reqs: int | None = None,
+) -> StepArrays:
+    """`plan_step(..., decode_arrays=False)` of a validated batch known to be `num_decodes`
+    single-token decodes (`HostBatch.max_query_len` 1, as many tokens as requests), from its
+    longest request (`max_seq_len` keys, at least 1) alone: the same checks (padding, the
+    table's width) and result, without a pass over the lengths.
+
+    Raises:
+        ValueError: as `plan_step` does for such a batch.
+    """
+    _check_padding(num_decodes, cudagraph_num_reqs)
+    if num_decodes:
+        _check_columns("plan_step", -(-max_seq_len // block_size), block_size, num_cols)
+    return _arrays_of_decodes(num_decodes, num_decodes)
 
 
 # (a module-level cache, but of pure values: frozen, made from its key alone, bounded)

@@ -16,17 +16,17 @@ version, and the builder falls back to `plan()` whenever it says no.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from anyattn.backends.flashinfer_layouts import DecodeLayout
 from anyattn.backends.flashinfer_plan import PagedArrays
 
 __all__ = [
     "REPLAN_VERSION",
-    "DecodeLayout",
     "can_replan",
+    "keep_schedule",
     "planner_arguments",
     "replan_decode",
     "schedule_is_fixed",
@@ -34,29 +34,6 @@ __all__ = [
 
 # The FlashInfer release whose `plan()` internals `replan_decode` reproduces.
 REPLAN_VERSION = "0.7.2.post1"
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeLayout:
-    """A step's single-token decodes as the decode wrapper's kernel reads them, on the device
-    (`ops.paged_kv_layout` makes them there from the step's `seq_lens` and block table).
-
-    Attributes:
-        indptr: int32 `[B + 1]` page offsets (B: the decodes, or the CUDA-graph size they are
-            padded to).
-        last_page_len: int32 `[B]` tokens in each request's last page.
-        indices: int32 `[>= indptr[-1]]` the pages, request by request.
-        max_seq_len: the longest decode's tokens (from the CPU mirrors).
-    """
-
-    indptr: torch.Tensor
-    last_page_len: torch.Tensor
-    indices: torch.Tensor
-    max_seq_len: int
-
-    @property
-    def num_reqs(self) -> int:
-        return int(self.last_page_len.shape[0])
 
 
 def can_replan(wrapper: Any, installed_version: str | None) -> bool:
@@ -93,6 +70,30 @@ def schedule_is_fixed(num_reqs: int, num_kv_heads: int, num_sms: int) -> bool:
     longest request's) is read by the kernel only for a split batch.
     """
     return num_reqs >= (2 * num_sms) // num_kv_heads
+
+
+def keep_schedule(wrapper: Any, layout: DecodeLayout) -> bool:
+    """`replan_decode(wrapper, layout, None, run_planner=False, ...)` at the cost of a few
+    attribute writes, for a wrapper `replan_decode` may plan (`can_replan`) whose last plan was
+    for a batch of this size with a schedule that depends on the size alone (see
+    `run_planner`): an eager wrapper is pointed at the layout (its query offsets, one row per
+    request, are already those of this size); a CUDA-graph wrapper whose fixed buffers the
+    layout was made in needs nothing but the longest length. Returns False, changing nothing,
+    for a CUDA-graph wrapper whose buffers do not hold the layout (`replan_decode` copies it
+    in)."""
+    if wrapper.is_cuda_graph_enabled:
+        if (
+            layout.indptr is not wrapper._paged_kv_indptr_buf
+            or layout.last_page_len is not wrapper._paged_kv_last_page_len_buf
+            or layout.indices is not wrapper._paged_kv_indices_buf
+        ):
+            return False
+    else:
+        wrapper._paged_kv_indptr_buf = layout.indptr
+        wrapper._paged_kv_last_page_len_buf = layout.last_page_len
+        wrapper._paged_kv_indices_buf = layout.indices
+    wrapper._max_kv_len = layout.max_seq_len
+    return True
 
 
 def replan_decode(

@@ -83,40 +83,69 @@ class CompiledLaunch:
         kernel."""
         # (the current device: the one Triton compiles for, loads into and launches on)
         device = _current_device() if _current_device is not None else None
-        key = (device, *options.items())
-        launch = self._compiled.get(key)
+        launch = self._compiled.get((device, *options.items()))
         if launch is not None:
-            launch(grid, device, args, [options[name] for name in self._constexprs])
+            launch(grid, *args)
             return
         compiled = self._kernel[grid](*args, **options)
         # (None under the interpreter; a CompiledKernel otherwise, once compiled)
         if compiled is not None and hasattr(compiled, "packed_metadata"):
-            self._compiled[key] = _Launcher(compiled)
+            constexprs = tuple(options[name] for name in self._constexprs)
+            self._compiled[(device, *options.items())] = _Launcher(compiled, device, constexprs)
+
+    def bound(self, **options: Any) -> _Launcher | None:
+        """The kept compiled kernel of `options` on the current device, as a launch
+        `bound(grid, *args)` (None before a call with these options compiled it there).
+
+        For a caller that launches one configuration every step: a bound launch skips the
+        device and options lookup, and takes each pointer argument as a tensor or as its raw
+        device address (an int, which Triton's launcher passes on without the method call and
+        driver query a tensor costs it). The caller checks what the JIT would have: the
+        dtypes, and that every pointer is on `bound.device`, the current device."""
+        device = _current_device() if _current_device is not None else None
+        return self._compiled.get((device, *options.items()))
 
 
 class _Launcher:
-    """One compiled kernel's launch: what `CompiledKernel[grid](*args)` does (Triton 3.6), less
-    its per-call closure and launch-metadata dictionary, which only launch hooks (profilers)
-    read; with a hook installed, that path itself."""
+    """One compiled kernel's launch on one device: what `CompiledKernel[grid](*args)` does
+    (Triton 3.6), less its per-call closure and launch-metadata dictionary, which only launch
+    hooks (profilers) read (with a hook installed, that path itself), and, for a kernel that
+    needs no scratch memory, less the Python wrapper of Triton's C launcher (`CudaLauncher`,
+    which would only allocate that scratch)."""
 
-    def __init__(self, compiled: Any) -> None:
+    def __init__(self, compiled: Any, device: int | None, constexprs: tuple[Any, ...]) -> None:
+        self.device = device
         self._compiled = compiled
-        self._run = compiled.run  # (the loaded module's launcher, after the first launch)
+        self._constexprs = constexprs
         self._function = compiled.function
         self._metadata = compiled.packed_metadata
         self._stream = driver.active.get_current_stream
         self._hooks = knobs.runtime
+        run = compiled.run  # (the loaded module's launcher, after the first launch)
+        self._run = run
+        self._c_launch = None
+        fields = ("launch", "launch_cooperative_grid", "launch_pdl", "global_scratch_size",
+                  "profile_scratch_size")  # fmt: skip
+        if all(hasattr(run, name) for name in fields) and not (
+            run.global_scratch_size or run.profile_scratch_size
+        ):
+            self._c_launch = run.launch
+            self._grid_flags = (run.launch_cooperative_grid, run.launch_pdl)
 
-    def __call__(
-        self, grid: tuple[int, int, int], device: int, args: tuple, constexprs: list
-    ) -> None:
+    def __call__(self, grid: tuple[int, int, int], *args: Any) -> None:
         hooks = self._hooks
         if hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
-            self._compiled[grid](*args, *constexprs)
+            self._compiled[grid](*args, *self._constexprs)
             return
-        stream = self._stream(device)
+        stream = self._stream(self.device)
+        if self._c_launch is not None:
+            # (CudaLauncher's own call: grid, stream, function, its two flags, no scratch, then
+            # the kernel metadata, no launch metadata or hooks, and the arguments)
+            self._c_launch(*grid, stream, self._function, *self._grid_flags, None, None,
+                           self._metadata, None, None, None, *args, *self._constexprs)  # fmt: skip
+            return
         self._run(*grid, stream, self._function, self._metadata, None, None, None, *args,
-                  *constexprs)  # fmt: skip
+                  *self._constexprs)  # fmt: skip
 
 
 def _parameters(kernel: Any) -> list[tuple[str, bool, bool, bool]]:

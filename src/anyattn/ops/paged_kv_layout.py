@@ -35,7 +35,12 @@ try:
 except ImportError:  # triton is an optional extra
     triton = None
 
-__all__ = ["MAX_PAGES_PER_REQUEST", "paged_kv_layout", "paged_kv_layout_ref"]
+__all__ = [
+    "MAX_PAGES_PER_REQUEST",
+    "PagedKvLayoutLaunch",
+    "paged_kv_layout",
+    "paged_kv_layout_ref",
+]
 
 _OP = "paged_kv_layout"
 _TILE_COLS = 128
@@ -121,6 +126,64 @@ def paged_kv_layout(
         block_table, seq_lens, indptr, last_page_len, indices, block_size, num_reqs, max_pages,
         first_row,
     )  # fmt: skip
+
+
+class PagedKvLayoutLaunch:
+    """`paged_kv_layout(..., is_trusted=True)` for a caller that launches it every step (a
+    builder), at a fraction of its host time: once the kernel has compiled on the current
+    device, it is launched through `CompiledLaunch.bound` with raw device addresses, which
+    the caller may keep for outputs it reuses. The caller checks what `is_trusted` skips.
+
+    Args:
+        block_size: tokens per page.
+        max_num_reqs: as `paged_kv_layout` takes it (the most requests of one call, padding
+            included, that the compiled kernel is sized for).
+    """
+
+    def __init__(self, block_size: int, max_num_reqs: int) -> None:
+        self.block_size = block_size
+        self.max_num_reqs = max_num_reqs
+        self._options = dict(TILE_COLS=_TILE_COLS, TILE_REQS=_tile_reqs(max_num_reqs), num_warps=4)
+        self._bound: object | None = None
+
+    def __call__(
+        self,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        indptr: torch.Tensor,
+        last_page_len: torch.Tensor,
+        indices: torch.Tensor,
+        *,
+        num_reqs: int,
+        max_pages: int,
+        addresses: tuple[int, int, int] | None = None,
+    ) -> None:
+        """`paged_kv_layout(block_table, seq_lens, indptr, last_page_len, indices, ...)` of
+        requests `0 .. num_reqs - 1` (`first_row` 0), trusted; `addresses`: the three outputs'
+        `data_ptr()`s, where the caller keeps them. Padded batches up to `max_num_reqs`
+        requests take the kept kernel; larger ones `paged_kv_layout` itself."""
+        padded = indptr.shape[0] - 1
+        bound = self._bound
+        if (
+            bound is not None
+            and 0 < padded <= self.max_num_reqs
+            and bound.device == torch.cuda.current_device()
+        ):
+            if addresses is None:
+                addresses = (indptr.data_ptr(), last_page_len.data_ptr(), indices.data_ptr())
+            grid = (padded, -(-max(max_pages, 1) // _TILE_COLS), 1)
+            bound(
+                grid, block_table.data_ptr(), seq_lens.data_ptr(), *addresses, self.block_size,
+                num_reqs, max_pages, 0, *block_table.stride(), seq_lens.stride(0),
+            )  # fmt: skip
+            return
+        paged_kv_layout(
+            block_table, seq_lens, indptr, last_page_len, indices, block_size=self.block_size,
+            num_reqs=num_reqs, max_pages=max_pages, max_num_reqs=self.max_num_reqs,
+            is_trusted=True,
+        )  # fmt: skip
+        if bound is None and triton is not None and block_table.is_cuda:
+            self._bound = _launch.bound(**self._options)
 
 
 def _tile_reqs(num_reqs: int) -> int:
