@@ -138,7 +138,48 @@ class CommonAttentionMetadata:
         # are int64, so every sum with them is).
         loc = loc[: num_reqs + 1].astype(np.int64)
         query_lens = loc[1:] - loc[:-1]
-        if num_reqs and (loc[0] != 0 or _smallest(query_lens) < 0):
+        seq_lens = seq_lens[:num_reqs]
+        context = context[:num_reqs].astype(np.int64)
+        # context + query lens is what seq_lens must hold: compared with the mirror, it is the
+        # int64 copy of it the builders get, at no extra numpy call.
+        expected = context + query_lens
+        # One test for every rule on the values (offsets from 0 that never decrease, context
+        # not negative, seq_lens = context + query lens, num_actual_tokens the offsets' last);
+        # which one failed is worked out only on the way to the error.
+        if num_reqs:
+            lows = np.minimum(query_lens, context)
+            if (
+                loc[0] != 0
+                or lows[lows.argmin()] < 0
+                or np.count_nonzero(expected != seq_lens)
+                or loc[-1] != self.num_actual_tokens
+            ):
+                self._refuse_values(api, loc, query_lens, seq_lens, context)
+            longest_query = int(query_lens[query_lens.argmax()])
+            longest_seq = int(expected[expected.argmax()])
+            if self.max_query_len < longest_query or self.max_seq_len < longest_seq:
+                raise ValueError(
+                    f"{api}: max_query_len / max_seq_len below the mirrors' longest (got "
+                    f"{self.max_query_len} / {self.max_seq_len}, expected >= {longest_query} / "
+                    f"{longest_seq})."
+                )
+        else:
+            if loc[-1] != self.num_actual_tokens:
+                self._refuse_values(api, loc, query_lens, seq_lens, context)
+            longest_query = longest_seq = 0
+        return HostBatch(loc, query_lens, expected, context, longest_query, longest_seq)
+
+    def _refuse_values(
+        self,
+        api: str,
+        loc: np.ndarray,
+        query_lens: np.ndarray,
+        seq_lens: np.ndarray,
+        context: np.ndarray,
+    ) -> None:
+        """Raises for the first rule on the mirrors' values that `validate` found broken (in
+        int64: `loc` `[num_reqs + 1]`, the others `[num_reqs]`)."""
+        if query_lens.size and (loc[0] != 0 or query_lens.min() < 0):
             raise ValueError(f"{api}: query_start_loc must start at 0 and never decrease.")
         num_tokens = int(loc[-1])
         if num_tokens != self.num_actual_tokens:
@@ -146,21 +187,11 @@ class CommonAttentionMetadata:
                 f"{api}: num_actual_tokens disagrees with query_start_loc (got "
                 f"{self.num_actual_tokens}, expected {num_tokens})."
             )
-        seq_lens = seq_lens[:num_reqs]
-        context = context[:num_reqs].astype(np.int64)
-        # context + query lens is what seq_lens must hold: compared with the mirror, it is the
-        # int64 copy of it the builders get, at no extra numpy call.
-        expected = context + query_lens
-        # One test for both rules (context = seq_lens - query lens, and it is not negative);
-        # which one failed is worked out only on the way to the error.
-        if num_reqs and (_smallest(context) < 0 or np.count_nonzero(expected != seq_lens)):
-            if _smallest(seq_lens - query_lens) < 0:
-                raise ValueError(f"{api}: a request has seq_len shorter than its query length.")
-            raise ValueError(
-                f"{api}: num_computed_tokens_cpu must equal seq_lens - query lens per request."
-            )
-        longest_query, longest_seq = self._check_maxima(api, query_lens, expected)
-        return HostBatch(loc, query_lens, expected, context, longest_query, longest_seq)
+        if (seq_lens - query_lens).min() < 0:
+            raise ValueError(f"{api}: a request has seq_len shorter than its query length.")
+        raise ValueError(
+            f"{api}: num_computed_tokens_cpu must equal seq_lens - query lens per request."
+        )
 
     def _mirrors(self) -> tuple[tuple[str, torch.Tensor, int], ...]:
         """(name, tensor, least length) of each 1-D CPU mirror, for `validate`'s errors."""
@@ -177,24 +208,6 @@ class CommonAttentionMetadata:
             if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
                 message = f"{api}: {name} must be an integer tensor (got {dtype})."
                 raise ValueError(message) from None  # (not numpy's TypeError as its cause)
-
-    def _check_maxima(
-        self, api: str, query_lens: np.ndarray, seq_lens: np.ndarray
-    ) -> tuple[int, int]:
-        """`max_query_len` and `max_seq_len` are at least the mirrors' (a kernel sized by
-        smaller ones would skip queries or keys; larger ones only cost work). Returns the
-        mirrors' (0, 0 for an empty batch)."""
-        if not query_lens.shape[0]:
-            return 0, 0
-        longest_query = int(query_lens[query_lens.argmax()])
-        longest_seq = int(seq_lens[seq_lens.argmax()])
-        if self.max_query_len < longest_query or self.max_seq_len < longest_seq:
-            raise ValueError(
-                f"{api}: max_query_len / max_seq_len below the mirrors' longest (got "
-                f"{self.max_query_len} / {self.max_seq_len}, expected >= {longest_query} / "
-                f"{longest_seq})."
-            )
-        return longest_query, longest_seq
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass is slower to make
@@ -233,12 +246,6 @@ def graph_table_width(num_pages: int, *bounds: int) -> int:
     widths, so that a builder keeps one buffer view per width: slicing costs microseconds a
     step), capped by `bounds` (the table's width, the buffer's)."""
     return min(1 << (num_pages - 1).bit_length() if num_pages > 0 else 1, *bounds)
-
-
-def _smallest(values: np.ndarray) -> np.integer:
-    """`values.min()` of a non-empty array, without `ndarray.min`'s Python-level wrapper
-    (`argmin` is one C call: half the host time at a few hundred entries)."""
-    return values[values.argmin()]
 
 
 def make_common_attn_metadata(

@@ -37,7 +37,7 @@ __all__ = ["RING", "DecodeLayout", "DecodeLayouts"]
 RING = 4
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # (not frozen: a frozen dataclass costs a build four times as much)
 class DecodeLayout:
     """A step's single-token decodes as the decode wrapper's kernel reads them, on the device.
 
@@ -49,6 +49,7 @@ class DecodeLayout:
         max_seq_len: the longest decode's tokens (from the CPU mirrors).
         home: which of `DecodeLayouts`' memory holds it (None: memory of its own).
         generation: the build that made it.
+        num_reqs: B (None: taken from `indptr`).
     """
 
     indptr: torch.Tensor
@@ -57,10 +58,11 @@ class DecodeLayout:
     max_seq_len: int
     home: Hashable | None = None
     generation: int = 0
+    num_reqs: int | None = None
 
-    @property
-    def num_reqs(self) -> int:
-        return self.indptr.shape[0] - 1
+    def __post_init__(self) -> None:
+        if self.num_reqs is None:
+            self.num_reqs = self.indptr.shape[0] - 1
 
 
 @dataclass(slots=True)
@@ -205,13 +207,10 @@ class DecodeLayouts:
                 memory = _Memory.make(max(rows, self.max_num_reqs), grown, self.device)
                 self._ring[slot] = memory
         indptr, last, pages, addresses = memory.of(rows)
-        self._launch(
-            block_table, seq_lens, indptr, last, pages, num_reqs=num_decodes, max_pages=most,
-            addresses=addresses,
-        )  # fmt: skip
+        self._launch(block_table, seq_lens, indptr, last, pages, num_decodes, most, addresses, rows)
         if home is not None:
             self._held[home] = generation
-        return DecodeLayout(indptr, last, pages, max_seq_len, home, generation)
+        return DecodeLayout(indptr, last, pages, max_seq_len, home, generation, rows)
 
     def is_current(self, layout: DecodeLayout) -> bool:
         """Whether `layout`'s memory still holds it (no later step has been made into it)."""

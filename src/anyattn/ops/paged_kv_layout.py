@@ -153,16 +153,18 @@ class PagedKvLayoutLaunch:
         indptr: torch.Tensor,
         last_page_len: torch.Tensor,
         indices: torch.Tensor,
-        *,
         num_reqs: int,
         max_pages: int,
         addresses: tuple[int, int, int] | None = None,
+        padded: int | None = None,
     ) -> None:
         """`paged_kv_layout(block_table, seq_lens, indptr, last_page_len, indices, ...)` of
         requests `0 .. num_reqs - 1` (`first_row` 0), trusted; `addresses`: the three outputs'
-        `data_ptr()`s, where the caller keeps them. Padded batches up to `max_num_reqs`
-        requests take the kept kernel; larger ones `paged_kv_layout` itself."""
-        padded = indptr.shape[0] - 1
+        `data_ptr()`s, and `padded`: `indptr`'s length less one, where the caller keeps them.
+        Padded batches up to `max_num_reqs` requests take the kept kernel; larger ones
+        `paged_kv_layout` itself."""
+        if padded is None:
+            padded = indptr.shape[0] - 1
         bound = self._bound
         if (
             bound is not None
@@ -174,7 +176,7 @@ class PagedKvLayoutLaunch:
             grid = (padded, -(-max(max_pages, 1) // _TILE_COLS), 1)
             bound(
                 grid, block_table.data_ptr(), seq_lens.data_ptr(), *addresses, self.block_size,
-                num_reqs, max_pages, 0, *block_table.stride(), seq_lens.stride(0),
+                num_reqs, max_pages, 0, *block_table.stride(), *seq_lens.stride(),
             )  # fmt: skip
             return
         paged_kv_layout(
