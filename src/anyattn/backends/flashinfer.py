@@ -688,8 +688,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         return table, first_rows(cm.seq_lens, size)
 
     def _most_pages(self, host: HostBatch) -> int:
-        seq = host.seq_lens
-        return -(-int(seq[seq.argmax()]) // self.kv_cache_spec.block_size) if seq.size else 0
+        """Pages of the step's longest request (`validate`'s maximum)."""
+        return -(-host.max_seq_len // self.kv_cache_spec.block_size)
 
     def _fill_xqa_graph(
         self,

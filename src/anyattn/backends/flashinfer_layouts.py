@@ -134,11 +134,14 @@ class DecodeLayouts:
         """The fixed index buffers of CUDA-graph size `size` (int32 indptr `[size + 1]`,
         last-page lengths `[size]`, pages `[size * max_pages_per_request]`), made on first
         use: what its decode wrappers are built over and its steps' layouts are made into."""
+        return self._graph_memory(size).of(size)[:3]
+
+    def _graph_memory(self, size: int) -> _Memory:
         memory = self._graphs.get(size)
         if memory is None:
             memory = _Memory.make(size, size * self.max_pages_per_request, self.device)
             self._graphs[size] = memory
-        return memory.of(size)[:3]
+        return memory
 
     def make(
         self,
@@ -188,9 +191,8 @@ class DecodeLayouts:
                     f"{self.max_pages_per_request}). Keep seq_lens within "
                     "BatchLimits.max_model_len."
                 )
-            self.graph_buffers(cudagraph_size)
             home: Hashable | None = cudagraph_size
-            memory = self._graphs[cudagraph_size]
+            memory = self._graph_memory(cudagraph_size)
             rows = cudagraph_size
         elif own_memory:
             home = None

@@ -113,13 +113,10 @@ def paged_kv_layout(
         indptr.zero_()
         return
     if chosen:
-        # (plain arithmetic: triton.cdiv and next_power_of_2 are constexpr-function wrappers,
-        # microseconds each when called from the host)
-        grid = (padded, -(-max(max_pages, 1) // _TILE_COLS), 1)
         _launch(
-            grid, block_table, seq_lens, indptr, last_page_len, indices,
+            _grid(padded, max_pages), block_table, seq_lens, indptr, last_page_len, indices,
             block_size, num_reqs, max_pages, first_row, *block_table.stride(), seq_lens.stride(0),
-            TILE_COLS=_TILE_COLS, TILE_REQS=_tile_reqs(max(num_reqs, max_num_reqs)), num_warps=4,
+            **_launch_options(max(num_reqs, max_num_reqs)),
         )  # fmt: skip
         return
     _torch_path(
@@ -143,7 +140,8 @@ class PagedKvLayoutLaunch:
     def __init__(self, block_size: int, max_num_reqs: int) -> None:
         self.block_size = block_size
         self.max_num_reqs = max_num_reqs
-        self._options = dict(TILE_COLS=_TILE_COLS, TILE_REQS=_tile_reqs(max_num_reqs), num_warps=4)
+        # (the options `paged_kv_layout` compiles batches up to max_num_reqs with)
+        self._options = _launch_options(max_num_reqs)
         self._bound: object | None = None
 
     def __call__(
@@ -173,10 +171,9 @@ class PagedKvLayoutLaunch:
         ):
             if addresses is None:
                 addresses = (indptr.data_ptr(), last_page_len.data_ptr(), indices.data_ptr())
-            grid = (padded, -(-max(max_pages, 1) // _TILE_COLS), 1)
             bound(
-                grid, block_table.data_ptr(), seq_lens.data_ptr(), *addresses, self.block_size,
-                num_reqs, max_pages, 0, *block_table.stride(), *seq_lens.stride(),
+                _grid(padded, max_pages), block_table.data_ptr(), seq_lens.data_ptr(), *addresses,
+                self.block_size, num_reqs, max_pages, 0, *block_table.stride(), *seq_lens.stride(),
             )  # fmt: skip
             return
         paged_kv_layout(
@@ -192,6 +189,19 @@ def _tile_reqs(num_reqs: int) -> int:
     """The kernel's request vector: `num_reqs` rounded up to a power of two, at least
     `_MIN_TILE_REQS`."""
     return max(1 << (num_reqs - 1).bit_length(), _MIN_TILE_REQS)
+
+
+def _launch_options(num_reqs: int) -> dict[str, int]:
+    """The constexprs and launch options of the kernel for batches of up to `num_reqs`
+    requests, padding included: one set for `paged_kv_layout` and `PagedKvLayoutLaunch`, so
+    that the compiled kernel the one keeps is the one the other binds."""
+    return dict(TILE_COLS=_TILE_COLS, TILE_REQS=_tile_reqs(num_reqs), num_warps=4)
+
+
+def _grid(padded_num_reqs: int, max_pages: int) -> tuple[int, int, int]:
+    """One program per request and column tile. (Plain arithmetic: triton.cdiv is a
+    constexpr-function wrapper, microseconds when called from the host.)"""
+    return (padded_num_reqs, -(-max(max_pages, 1) // _TILE_COLS), 1)
 
 
 def _torch_path(
