@@ -15,7 +15,6 @@ from anyattn.metadata import (
     apply_swaps,
     compute_slot_mapping,
     expand_block_table,
-    graph_table_width,
     make_common_attn_metadata,
     reorder_batch_to_split_decodes_and_prefills,
     split_decodes_and_prefills,
@@ -396,11 +395,3 @@ def test_validate_any_integer_mirror_dtype(dtype):
         broken = with_mirror_dtype(dataclasses.replace(valid(), **changes), dtype)
         with pytest.raises(ValueError, match=message):
             broken.validate()
-
-
-def test_graph_table_width_rounds_the_longest_request_up_to_a_power_of_two_within_bounds():
-    assert [graph_table_width(p, 64) for p in (0, 1, 2, 3, 4, 5, 33, 64)] == [
-        1, 1, 2, 4, 4, 8, 64, 64,
-    ]  # fmt: skip
-    assert graph_table_width(5, 64, 6) == 6  # the smaller bound: the table's or the buffer's
-    assert graph_table_width(100, 64) == 64

@@ -21,7 +21,6 @@ __all__ = [
     "compute_slot_mapping",
     "expand_block_table",
     "first_rows",
-    "graph_table_width",
     "make_common_attn_metadata",
     "reorder_batch_to_split_decodes_and_prefills",
     "split_decodes_and_prefills",
@@ -238,14 +237,6 @@ def first_rows(tensor: torch.Tensor, num_rows: int) -> torch.Tensor:
     """`tensor[:num_rows]`, or `tensor` itself when it has just that many rows: builders take
     a step's leading rows every step, and a slice costs the host about a microsecond."""
     return tensor if tensor.shape[0] == num_rows else tensor[:num_rows]
-
-
-def graph_table_width(num_pages: int, *bounds: int) -> int:
-    """Columns of a step's block table that a CUDA-graph buffer copies: the longest request's
-    `num_pages` rounded up to a power of two (at most twice the columns read, and few distinct
-    widths, so that a builder keeps one buffer view per width: slicing costs microseconds a
-    step), capped by `bounds` (the table's width, the buffer's)."""
-    return min(1 << (num_pages - 1).bit_length() if num_pages > 0 else 1, *bounds)
 
 
 def make_common_attn_metadata(

@@ -224,9 +224,21 @@ def test_replay_steps_copy_from_an_engine_table_wider_and_longer_than_the_batch(
             pages = -(-seq_len // BLOCK)
             assert torch.equal(main.page_table[row, :pages], wide[row, :pages]), (lens, row)
         assert main.page_table.shape == (4, width)
-    # one view of the buffer per (requests, longest request's pages rounded up to a power of
-    # two): 3 pages -> 4, 63 and 64 -> 64, 1 -> 1, 19 -> 32
-    assert sorted(builder._table_views) == [(2, 64), (3, 4), (3, 32), (3, 64), (4, 1)]
+
+
+def test_replay_steps_refuse_lengths_the_copy_cannot_read_before_writing():
+    """A replay step's table and lengths are copied by raw address: device lengths of another
+    dtype are refused with the builder's name, and the graph's buffers keep the last step."""
+    builder = _builder(capture_sizes=(4,))
+    table = torch.randint(1, 500, (3, 8), dtype=torch.int32)
+    main = builder.build(0, make_common_attn_metadata([1] * 3, [40, 17, 3], table, BLOCK)).main
+    before = (main.seq_lens.clone(), main.page_table.clone())
+    cm = make_common_attn_metadata([1] * 3, [50, 20, 9], table.flip(0), BLOCK)
+    cm.seq_lens = cm.seq_lens.long()
+    with pytest.raises(ValueError, match=r"FlashAttentionMetadataBuilder\.build: seq_lens must be"):
+        builder.build(0, cm)
+    assert before[0].tolist() == [40, 17, 3, 0]
+    assert torch.equal(main.seq_lens, before[0]) and torch.equal(main.page_table, before[1])
 
 
 def test_capture_sizes_beyond_max_num_reqs_are_refused():

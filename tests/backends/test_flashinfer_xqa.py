@@ -41,6 +41,7 @@ from anyattn.backends.flashinfer_xqa import (
 from anyattn.config import AttentionSpec, BatchLimits
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.metadata import make_common_attn_metadata
+from anyattn.ops.graph_decode_inputs import GraphDecodeInputsLaunch
 from anyattn.testing import (
     KitLayer,
     check_backend,
@@ -108,21 +109,25 @@ def test_a_bad_decode_kernel_is_refused_when_the_builder_is_made():
         Fast(spec, ["layer.0"], BatchLimits(4, 64, 256), "cpu")
 
 
+def cpu_copy() -> GraphDecodeInputsLaunch:
+    return GraphDecodeInputsLaunch(torch.device("cpu"), "FlashInferMetadataBuilder.build")
+
+
 def test_graph_buffers_take_the_steps_rows_and_pad_the_rest_with_one_key():
-    buffers = XqaGraphBuffers(4, 5, torch.device("cpu"))
+    buffers = XqaGraphBuffers(4, 5, torch.device("cpu"), cpu_copy())
     table = torch.arange(1, 13, dtype=torch.int32).view(4, 3)
-    buffers.fill(table[:, :2], torch.tensor([20, 7, 3, 99], dtype=torch.int32), 2)
+    buffers.fill(table, torch.tensor([20, 7, 3, 99], dtype=torch.int32), 2, 2)
     assert buffers.page_table.tolist() == [[1, 2, 0, 0, 0], [4, 5, 0, 0, 0]] + [[0] * 5] * 2
     assert buffers.seq_lens.tolist() == [20, 7, 1, 1]
     # a later, smaller step: earlier rows past it keep valid ids, their lengths become 1
-    buffers.fill(table[2:], torch.tensor([33, 5], dtype=torch.int32), 1)
+    buffers.fill(table[2:], torch.tensor([33, 5], dtype=torch.int32), 1, 3)
     assert buffers.page_table[0].tolist() == [7, 8, 9, 0, 0]
     assert buffers.seq_lens.tolist() == [33, 1, 1, 1]
     lens = torch.tensor([4, 5, 6, 8], dtype=torch.int32)
-    buffers.fill(table, lens, 3)
-    buffers.fill(table, lens, 3)  # the same size again
+    buffers.fill(table, lens, 3, 3)
+    buffers.fill(table, lens, 3, 3)  # the same size again
     assert buffers.seq_lens.tolist() == [4, 5, 6, 1]
-    buffers.fill(table, lens + 10, 2)
+    buffers.fill(table, lens + 10, 2, 3)
     assert buffers.seq_lens.tolist() == [14, 15, 1, 1]
 
 
@@ -137,13 +142,13 @@ def test_graph_buffers_take_the_steps_rows_and_pad_the_rest_with_one_key():
 def test_graph_buffers_after_any_sequence_of_fills(steps):
     # each fill: (requests, table columns, a seed for its ids and lengths)
     size, max_pages = 6, 5
-    buffers = XqaGraphBuffers(size, max_pages, torch.device("cpu"))
+    buffers = XqaGraphBuffers(size, max_pages, torch.device("cpu"), cpu_copy())
     every_id = {0}
     for num_reqs, cols, seed in steps:
         g = torch.Generator().manual_seed(seed)
         table = torch.randint(1, 1000, (size, cols), generator=g, dtype=torch.int32)
         lens = torch.randint(1, 10**5, (size,), generator=g, dtype=torch.int32)
-        buffers.fill(table, lens, num_reqs)
+        buffers.fill(table, lens, num_reqs, cols)
         every_id |= set(table[:num_reqs].flatten().tolist())
         assert buffers.page_table[:num_reqs, :cols].tolist() == table[:num_reqs].tolist()
         assert buffers.seq_lens[:num_reqs].tolist() == lens[:num_reqs].tolist()

@@ -27,12 +27,13 @@ runs each request against its remaining blocks; `merge_attn_states` joins the tw
 Sinks go to the suffix pass only, so they are counted once.
 
 CUDA graphs (UNIFORM_SINGLE_TOKEN_DECODE): a batch of single-token decodes of at most the
-largest capture size is copied into buffers the builder owns (sized from `BatchLimits`), laid
-out for the smallest capture size that holds it: padding requests have no query token and no
-keys, and `max_seqlen_k` is `max_model_len`, so a graph captured for that size replays for any
-such batch (a runner that pads the batch itself, with dummy requests, gets the same addresses).
-Such metadata stays valid until the builder's next build. Under replay, output rows between the
-real tokens and the captured size hold unspecified values. With
+largest capture size is copied into buffers the builder owns (sized from `BatchLimits`, in one
+launch: `ops.graph_decode_inputs`), laid out for the smallest capture size that holds it:
+padding requests have no query token and no keys, and `max_seqlen_k` is `max_model_len`, so a
+graph captured for that size replays for any such batch (a runner that pads the batch itself,
+with dummy requests, gets the same addresses). Such metadata stays valid until the builder's
+next build. Under replay, output rows between the real tokens and the captured size hold
+unspecified values. With
 `BatchLimits.has_persistent_graph_inputs` (the runner keeps a graph step's tensors at fixed
 addresses, padded to the captured size) a batch of a captured size reads the step's own tensors
 instead, as an eager step does: no device copy at replay (FA2's key offsets, which the step does
@@ -69,7 +70,8 @@ from anyattn.backends.flash_attn_plan import (
     plan_cascade,
 )
 from anyattn.impl_args import check_forward_inputs
-from anyattn.metadata import CommonAttentionMetadata, first_rows, graph_table_width
+from anyattn.metadata import CommonAttentionMetadata, first_rows
+from anyattn.ops.graph_decode_inputs import GraphDecodeInputsLaunch
 from anyattn.ops.merge_attn_states import merge_attn_states
 from anyattn.types import (
     AttentionCGSupport,
@@ -291,6 +293,8 @@ class _DecodeBuffers:
         self.seq_lens = torch.zeros(max_num_reqs, **int32)
         self.cu_seqlens_k = torch.zeros(max_num_reqs + 1, **int32)
         self.block_table = torch.zeros(max_num_reqs, max_blocks, **int32)
+        # (what a replay step's copy writes, as the raw addresses its launch takes)
+        self.addresses = (self.block_table.data_ptr(), self.seq_lens.data_ptr())
 
 
 class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
@@ -322,7 +326,9 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         # (slicing tensors and making dataclasses was most of a replay step's host time).
         self._decode_passes: dict[tuple[int, bool], FlashAttnPass] = {}
         self._query_offsets_for: tuple[int, int] | None = None  # (num_reqs, padded) written
-        self._table_views: dict[tuple[int, int], torch.Tensor] = {}  # [n, width] buffer views
+        self._copy_inputs = GraphDecodeInputsLaunch(
+            self.device, "FlashAttentionMetadataBuilder.build"
+        )
 
     def build(
         self,
@@ -477,26 +483,17 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
                 max_seqlen_k=self.limits.max_model_len,
                 causal=cm.causal,
             )
-        # Device-side copies and fills only: a captured graph reads these same addresses.
-        lens = cm.seq_lens if cm.seq_lens.shape[0] == n else cm.seq_lens[:n]
-        (main.seq_lens if n == padded else buf.seq_lens[:n]).copy_(lens, non_blocking=True)
-        if n < padded:
-            buf.seq_lens[n:padded].zero_()
+        # Device-side writes only, into the addresses the captured graph reads: one launch
+        # copies the table's rows (the columns the longest request reads, which `build` has
+        # checked the table and the buffer hold) and the lengths, padding rows of length 0.
+        self._copy_inputs(
+            cm.block_table_tensor, cm.seq_lens, buf.block_table, main.seq_lens, n,
+            -(-cm.max_seq_len // self.block_size), 0, buf.addresses,
+        )  # fmt: skip
         if self._query_offsets_for != (n, padded):
             # 0, 1, ..., n, then n for the padding: rewritten only when n or the size changes
             torch.clamp(buf.arange[: padded + 1], max=n, out=main.cu_seqlens_q)
             self._query_offsets_for = (n, padded)
-        # (an engine's table may be max_model_len wide: only the columns the longest request
-        # reads, rounded up; no slice of the step's table when it already has that shape)
-        table = cm.block_table_tensor
-        most = -(-cm.max_seq_len // self.block_size)
-        width = graph_table_width(most, table.shape[1], self._max_blocks)
-        if table.shape[0] != n or table.shape[1] != width:
-            table = table[:n, :width]
-        into = self._table_views.get((n, width))
-        if into is None:
-            into = self._table_views[(n, width)] = buf.block_table[:n, :width]
-        into.copy_(table, non_blocking=True)
         if main.cu_seqlens_k is not None:
             torch.cumsum(main.seq_lens, 0, out=main.cu_seqlens_k[1:])
         return self._metadata(cm, main, uses_persistent_buffers=True)

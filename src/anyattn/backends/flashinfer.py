@@ -105,8 +105,9 @@ from anyattn.backends.flashinfer_xqa import (
     xqa_decode_reason,
 )
 from anyattn.impl_args import check_forward_inputs
-from anyattn.metadata import CommonAttentionMetadata, HostBatch, first_rows, graph_table_width
+from anyattn.metadata import CommonAttentionMetadata, HostBatch, first_rows
 from anyattn.ops.gather_pages import gather_pages
+from anyattn.ops.graph_decode_inputs import GraphDecodeInputsLaunch
 from anyattn.types import (
     DTYPES,
     AttentionCGSupport,
@@ -398,6 +399,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         self._routing: tuple[tuple[str, int], tuple[bool, bool]] | None = None
         self._xqa_workspace: torch.Tensor | None = None
         self._xqa_graph: dict[int, XqaGraphBuffers] = {}
+        self._copy_inputs = GraphDecodeInputsLaunch(self.device, "FlashInferMetadataBuilder.build")
         self._xqa_filled_by: dict[int, int] = {}  # captured size -> generation of its fill
         # (captured size, plan key) whose graph decode wrapper an LSE request planned: a graph
         # captured then replays that wrapper, so every later build of the size plans it too
@@ -651,7 +653,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             return self._xqa_step_inputs(cm, cudagraph_size)
         buffers = self._xqa_graph.get(cudagraph_size)
         if buffers is None:
-            buffers = XqaGraphBuffers(cudagraph_size, self._max_pages_per_request(), self.device)
+            buffers = XqaGraphBuffers(
+                cudagraph_size, self._max_pages_per_request(), self.device, self._copy_inputs
+            )
             self._xqa_graph[cudagraph_size] = buffers
         max_pages = buffers.page_table.shape[1]
         most = self._most_pages(host)
@@ -700,13 +704,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         generation: int,
         most: int,
     ) -> None:
-        """Copy a step's table (`graph_table_width` columns for its longest request's `most`
-        pages) and lengths into the graph buffers of `size` (device copies)."""
-        buffers = self._xqa_graph[size]
-        width = graph_table_width(most, block_table.shape[1], buffers.page_table.shape[1])
-        if block_table.shape[1] != width:
-            block_table = block_table[:num_reqs, :width]
-        buffers.fill(block_table, seq_lens, num_reqs)
+        """Copy a step's table (the columns of its longest request's `most` pages, which the
+        caller has checked the table and the buffers hold) and lengths into the graph buffers
+        of `size` (one device launch)."""
+        self._xqa_graph[size].fill(block_table, seq_lens, num_reqs, most)
         self._xqa_filled_by[size] = generation
 
     def _layout_current(self, step: _Step) -> bool:

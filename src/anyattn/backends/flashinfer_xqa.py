@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 
 from anyattn.metadata import first_rows
+from anyattn.ops.graph_decode_inputs import GraphDecodeInputsLaunch
 
 __all__ = [
     "AUTO_MIN_BLOCK_SIZE",
@@ -127,35 +128,35 @@ def xqa_decode_reason(
 
 class XqaGraphBuffers:
     """The fixed block table and sequence lengths a captured XQA decode reads, one per
-    captured batch size: a replay step copies its own into them (device copies only).
+    captured batch size: a replay step copies its own into them (one device launch,
+    `ops.graph_decode_inputs`, through the builder's `copy`).
 
     Padding rows (the captured size past the step's requests) get length 1 over whatever
     page id their row holds (zero, or a page of an earlier step: every id is one of the
     cache's), so the kernel never sees an empty sequence.
     """
 
-    def __init__(self, size: int, max_pages: int, device: torch.device) -> None:
+    def __init__(
+        self, size: int, max_pages: int, device: torch.device, copy: GraphDecodeInputsLaunch
+    ) -> None:
         self.page_table = torch.zeros(size, max_pages, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
-        self._real_rows = 0  # rows a step has filled since they last held padding lengths
-        # (rows, columns) -> the views a fill of that shape writes: made once, since slicing
-        # costs the host about a microsecond a view every replay step
-        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._copy = copy
+        self._addresses = (self.page_table.data_ptr(), self.seq_lens.data_ptr())
 
-    def fill(self, block_table: torch.Tensor, seq_lens: torch.Tensor, num_reqs: int) -> None:
-        """Copy the first `num_reqs` rows of the step's `block_table` `[>= num_reqs, cols]`
-        and `seq_lens` in; the other rows become padding. (Only `fill` writes the buffers:
-        rows past the last fill's hold length 1 already.)"""
-        shape = (num_reqs, block_table.shape[1])
-        views = self._views.get(shape)
-        if views is None:
-            views = self._views[shape] = (self.page_table[:num_reqs, : shape[1]],
-                                          self.seq_lens[:num_reqs])  # fmt: skip
-        views[0].copy_(first_rows(block_table, num_reqs))
-        views[1].copy_(first_rows(seq_lens, num_reqs))
-        if num_reqs < self._real_rows:  # rows past this step's held an earlier step's lengths
-            self.seq_lens[num_reqs : self._real_rows].fill_(1)
-        self._real_rows = num_reqs
+    def fill(
+        self, block_table: torch.Tensor, seq_lens: torch.Tensor, num_reqs: int, num_pages: int
+    ) -> None:
+        """Copy the first `num_pages` columns of the first `num_reqs` rows of the step's
+        `block_table` `[>= num_reqs, >= num_pages]` and their `seq_lens` in; the other rows
+        become padding.
+
+        Raises:
+            ValueError: `seq_lens` or the table not int32 on the buffers' device, `seq_lens`
+                with fewer than `num_reqs` entries (nothing written then).
+        """
+        self._copy(block_table, seq_lens, self.page_table, self.seq_lens, num_reqs, num_pages, 1,
+                   self._addresses)  # fmt: skip
 
 
 def run_xqa_decode(

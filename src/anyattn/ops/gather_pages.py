@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from anyattn.ops.impl_choice import use_triton
+from anyattn.ops.tensor_checks import check_tensors_on_one_device
 
 try:
     import triton
@@ -144,14 +145,9 @@ def _validate(
     first_row: int,
 ) -> None:
     """Shapes, dtypes, devices and host integers; never tensor values (no sync)."""
-    for name, x in (("block_table", block_table), ("page_indptr", page_indptr), ("out", out)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{_OP}: {name} must be a torch.Tensor (got {type(x).__name__}).")
-        if x.device != block_table.device:
-            raise ValueError(
-                f"{_OP}: {name} is on another device than block_table (got {x.device}, "
-                f"expected {block_table.device}). Put every tensor on one device."
-            )
+    check_tensors_on_one_device(
+        _OP, (("block_table", block_table), ("page_indptr", page_indptr), ("out", out))
+    )
     if block_table.dtype != torch.int32 or block_table.dim() != 2:
         raise TypeError(
             f"{_OP}: block_table must be int32 [rows, max_blocks] (got {block_table.dtype} of "

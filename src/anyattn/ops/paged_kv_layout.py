@@ -28,6 +28,7 @@ import torch
 
 from anyattn.ops.compiled_launch import CompiledLaunch
 from anyattn.ops.impl_choice import use_triton
+from anyattn.ops.tensor_checks import check_tensors_on_one_device
 
 try:
     import triton
@@ -355,16 +356,7 @@ def _validate(
         ("block_table", block_table), ("seq_lens", seq_lens), ("indptr", indptr),
         ("last_page_len", last_page_len), ("indices", indices),
     )  # fmt: skip
-    for name, x in tensors:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{_OP}: {name} must be a torch.Tensor (got {type(x).__name__}).")
-        if x.device != block_table.device:
-            raise ValueError(
-                f"{_OP}: {name} is on another device than block_table (got {x.device}, "
-                f"expected {block_table.device}). Put every tensor on one device."
-            )
-        if x.dtype != torch.int32:
-            raise TypeError(f"{_OP}: {name} must be int32 (got {x.dtype}).")
+    check_tensors_on_one_device(_OP, tensors, torch.int32)
     if block_table.dim() != 2:
         raise TypeError(
             f"{_OP}: block_table must be [rows, max_blocks] (got shape {list(block_table.shape)})."
