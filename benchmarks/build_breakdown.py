@@ -42,6 +42,7 @@ from anyattn.backends.flex_attention import FlexAttentionMetadataBuilder
 from anyattn.backends.flex_attention_plan import lay_out_step
 from anyattn.config import AttentionSpec, BatchLimits
 from anyattn.metadata import CommonAttentionMetadata, make_common_attn_metadata
+from anyattn.ops.graph_decode_inputs import GraphDecodeInputsLaunch
 from anyattn.testing import assign_blocks
 
 
@@ -163,7 +164,8 @@ def xqa_rows(
     if md.step.xqa is None:
         raise SystemExit("build_breakdown --xqa: XQA does not run these decodes (needs SM90+)")
     host = cm.validate("x")
-    buffers = XqaGraphBuffers(n, -(-limits.max_model_len // spec.block_size), device)
+    copy = GraphDecodeInputsLaunch(device, "build_breakdown")
+    buffers = XqaGraphBuffers(n, -(-limits.max_model_len // spec.block_size), device, copy)
     most = -(-int(host.seq_lens.max()) // spec.block_size)
     table = cm.block_table_tensor
     return [
@@ -176,8 +178,8 @@ def xqa_rows(
             decode_arrays=False), reps)),
         ("  XQA inputs, eager (table and lengths checked, views)", median_us(
             lambda: eager._xqa_inputs(cm, host, n, None), reps)),
-        ("  replay: copy into the graph's buffers", median_us(
-            lambda: buffers.fill(table[:, :most], cm.seq_lens, n), reps)),
+        ("  replay: copy into the graph's buffers (one launch)", median_us(
+            lambda: buffers.fill(table, cm.seq_lens, n, most), reps)),
     ]  # fmt: skip
 
 
