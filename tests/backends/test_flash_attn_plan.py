@@ -241,6 +241,28 @@ def test_replay_steps_refuse_lengths_the_copy_cannot_read_before_writing():
     assert torch.equal(main.seq_lens, before[0]) and torch.equal(main.page_table, before[1])
 
 
+def test_a_builder_for_cuda_is_made_without_touching_cuda(monkeypatch):
+    """Making a builder reads no CUDA state (its graph copy resolves the device at its first
+    call): an engine may make builders before CUDA is up."""
+
+    def fail():
+        raise AssertionError("CUDA touched")
+
+    for name in ("current_device", "init", "get_device_properties"):
+        monkeypatch.setattr(torch.cuda, name, fail)
+    builder = _builder(capture_sizes=(4,), device="cuda")
+    assert builder.device == torch.device("cuda")
+
+
+def test_capture_validates_the_mirrors_the_copy_is_sized_by():
+    builder = _builder(capture_sizes=(4,))
+    cm = make_common_attn_metadata([1] * 3, [100, 17, 3], torch.ones(3, 8, dtype=torch.int32),
+                                   BLOCK)  # fmt: skip
+    cm.max_seq_len = 10  # below the longest request: the copy would take too few columns
+    with pytest.raises(ValueError, match="build_for_cudagraph_capture: max_query_len / max_seq"):
+        builder.build_for_cudagraph_capture(cm)
+
+
 def test_capture_sizes_beyond_max_num_reqs_are_refused():
     with pytest.raises(ValueError, match=r"cudagraph_capture_sizes .* \[8\] with max_num_reqs=4"):
         _builder(capture_sizes=(2, 8), max_num_reqs=4)

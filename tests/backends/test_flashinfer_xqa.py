@@ -268,6 +268,33 @@ def test_cudagraph_buffers_are_filled_by_each_build_and_refilled_for_stale_metad
         builder.build(0, too_long)
 
 
+def test_graph_buffers_refuse_steps_past_them_before_writing():
+    buffers = XqaGraphBuffers(2, 3, torch.device("cpu"), cpu_copy())
+    table = torch.arange(1, 16, dtype=torch.int32).view(3, 5)
+    lens = torch.tensor([9, 8, 7], dtype=torch.int32)
+    for num_reqs, num_pages in ((3, 2), (2, 4), (-1, 2)):
+        with pytest.raises(ValueError, match="larger than its graph's buffers"):
+            buffers.fill(table, lens, num_reqs, num_pages)
+    with pytest.raises(ValueError, match="seq_lens must be an int32 tensor"):
+        buffers.fill(table, lens.long(), 2, 2)
+    assert buffers.page_table.tolist() == [[0] * 3] * 2 and buffers.seq_lens.tolist() == [1, 1]
+
+
+def test_a_replay_step_the_copy_cannot_read_is_refused_and_the_buffers_keep_the_last():
+    builder = xqa_cpu_builder(capture_sizes=(4,))
+    builder.build_for_cudagraph_capture(
+        make_common_attn_metadata([1] * 4, [1, 2, 3, 4], TABLE[:4], 16)
+    )
+    buffers = builder._xqa_graph[4]
+    before = (buffers.page_table.clone(), buffers.seq_lens.clone())
+    step = make_common_attn_metadata([1] * 3, [40, 3, 150], TABLE[4:7], 16, num_padded_tokens=4)
+    # the right lengths, strided: XQA reads them by raw pointer
+    step.seq_lens = torch.tensor([40, 0, 3, 0, 150, 0], dtype=torch.int32)[::2]
+    with pytest.raises(ValueError, match="seq_lens must be contiguous"):
+        builder.build(0, step)
+    assert torch.equal(buffers.page_table, before[0]) and torch.equal(buffers.seq_lens, before[1])
+
+
 def test_persistent_graph_inputs_hand_xqa_the_steps_own_rows():
     """Under `has_persistent_graph_inputs` a graph step's XQA reads the step's table and lengths
     (the runner's fixed buffers) and nothing is copied; a step not padded to its captured

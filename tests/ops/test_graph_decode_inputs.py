@@ -39,12 +39,16 @@ class Case:
     pad_len: int = 1
     extra_rows: int = 0  # step rows past num_reqs (a runner's larger buffer)
     is_strided: bool = False  # a column-sliced step table and strided seq_lens
+    # "column-major": a transposed step table; "expanded": one row repeated (stride 0) and one
+    # length for all; "graph": FLASH_ATTN's buffers, a table of more rows than the lengths (of
+    # `padded`) in a wider allocation
+    layout: str = "plain"
 
 
 def case_id(case: Case) -> str:
     return (
         f"n{case.num_reqs}-pad{case.padded}-cols{case.num_cols}of{case.cols}to{case.out_cols}"
-        f"-len{case.pad_len}{'-strided' if case.is_strided else ''}"
+        f"-len{case.pad_len}{'-strided' if case.is_strided else ''}-{case.layout}"
     )
 
 
@@ -56,12 +60,19 @@ CASES = [
     Case(4, 4, 300, 310, 320, is_strided=True),  # two column tiles
     Case(2, 6, 600, 600, 700, pad_len=0, extra_rows=1, is_strided=True),  # three tiles
     Case(5, 5, 0, 3, 3),
+    Case(3, 4, 3, 5, 6, layout="column-major"),
+    Case(4, 6, 200, 300, 300, pad_len=0, layout="column-major"),
+    Case(3, 5, 4, 4, 4, layout="expanded"),
+    Case(2, 3, 3, 5, 8, pad_len=0, layout="graph"),
 ]
+# (rows of a "graph" case's table past its lengths: never written)
+GRAPH_EXTRA_ROWS = 2
 
 
 def spec(table: list[list[int]], lens: list[int], case: Case) -> tuple[list[list[int]], list[int]]:
     """The specification over plain lists: the graph buffers after the call."""
-    out = [[SENTINEL] * case.out_cols for _ in range(case.padded)]
+    rows = case.padded + (GRAPH_EXTRA_ROWS if case.layout == "graph" else 0)
+    out = [[SENTINEL] * case.out_cols for _ in range(rows)]
     for row in range(case.num_reqs):
         for col in range(case.num_cols):
             out[row][col] = table[row][col]
@@ -87,9 +98,17 @@ def make_inputs(case: Case, device: str, seed: int = 0) -> Inputs:
     table = table[:, 1 : 1 + case.cols] if case.is_strided else table[:, : case.cols].clone()
     seq_lens = torch.randint(1, 5000, (2 * rows,), generator=gen, dtype=torch.int32)
     seq_lens = seq_lens[::2] if case.is_strided else seq_lens[:rows].clone()
-    table_out = torch.full((case.padded, case.out_cols), SENTINEL, dtype=torch.int32)
+    out_rows = case.padded + (GRAPH_EXTRA_ROWS if case.layout == "graph" else 0)
+    table_out = torch.full((out_rows, case.out_cols + 2), SENTINEL, dtype=torch.int32)
+    table_out = table_out[:, : case.out_cols]  # (rows of a wider allocation)
     lens_out = torch.full((case.padded,), SENTINEL, dtype=torch.int32)
-    return Inputs(*(x.to(device) for x in (table, seq_lens, table_out, lens_out)))
+    tensors = [x.to(device) for x in (table, seq_lens, table_out, lens_out)]
+    if case.layout == "column-major":
+        tensors[0] = tensors[0].t().contiguous().t()
+    elif case.layout == "expanded":
+        tensors[0] = tensors[0][:1].expand(rows, -1)
+        tensors[1] = tensors[1][:1].expand(rows)
+    return Inputs(*tensors)
 
 
 def check_case(case: Case, device: str, impl: str, seed: int = 0) -> None:
@@ -180,25 +199,41 @@ def test_launcher_is_the_op_on_the_cpu() -> None:
 
 
 def test_launcher_checks_the_steps_tensors_before_writing() -> None:
-    """What a raw-address launch reads of the step is checked: `seq_lens` int32 with a row per
-    request, both tensors int32 on the builder's device."""
+    """What a raw-address launch reads of the step is checked, each failure named: both
+    tensors int32 of their rank on the builder's device, with a row per request and the
+    table the columns copied."""
     launcher = GraphDecodeInputsLaunch(torch.device("cpu"), "Builder.build")
     x = make_inputs(GOOD, "cpu")
     bad = [
-        (x.table, x.seq_lens.long()),
-        (x.table.long(), x.seq_lens),
-        (x.table, x.seq_lens[:2]),
-        (x.table, x.seq_lens[None]),
+        (x.table, x.seq_lens.long(), "seq_lens must be an int32 tensor of rank 1"),
+        (x.table, x.seq_lens[None], "seq_lens must be an int32 tensor of rank 1"),
+        (x.table.long(), x.seq_lens, "block_table_tensor must be an int32 tensor of rank 2"),
+        (x.table[0], x.seq_lens, "block_table_tensor must be an int32 tensor of rank 2"),
+        (x.table, x.seq_lens[:2], r"too small .* 3 requests and 2 table columns"),
+        (x.table[:2], x.seq_lens, "too small"),
+        (x.table[:, :1], x.seq_lens, r"block_table_tensor of shape \(3, 1\)"),
     ]
-    for table, seq_lens in bad:
-        with pytest.raises(ValueError, match=r"Builder\.build: seq_lens must be int32"):
+    for table, seq_lens, match in bad:
+        with pytest.raises(ValueError, match=f"Builder\\.build: .*{match}"):
             launcher(table, seq_lens, x.table_out, x.lens_out, 3, 2, 1)
     # (a builder of another device: the CPU tensors are not on it)
     elsewhere = GraphDecodeInputsLaunch(torch.device("cuda", 0), "Builder.build")
-    with pytest.raises(ValueError, match="expected cuda:0"):
+    with pytest.raises(ValueError, match="on cpu, expected cuda:0"):
         elsewhere(x.table, x.seq_lens, x.table_out, x.lens_out, 3, 2, 1)
     assert x.table_out.tolist() == [[SENTINEL] * 3] * 4
     assert x.lens_out.tolist() == [SENTINEL] * 4
+
+
+def test_a_launcher_for_cuda_is_made_without_touching_cuda(monkeypatch) -> None:
+    """A builder is made before any step (on a machine whose CUDA may not be up yet): a
+    launcher for "cuda" resolves the current device at its first call, not when made."""
+
+    def fail() -> int:
+        raise AssertionError("CUDA touched")
+
+    monkeypatch.setattr(torch.cuda, "current_device", fail)
+    launcher = GraphDecodeInputsLaunch(torch.device("cuda"), "Builder.build")
+    assert launcher.device == torch.device("cuda")
 
 
 GOOD = Case(3, 4, 2, 3, 3)
@@ -213,6 +248,10 @@ REJECTED = [
     ({"num_reqs": 2.0}, TypeError, "num_reqs must be an int"),
     ({"pad_len": True}, TypeError, "pad_len must be an int"),
     ({"pad_len": -1}, ValueError, "must be >= 0"),
+    ({"num_reqs": -1}, ValueError, "must be >= 0"),
+    ({"num_cols": -2}, ValueError, "must be >= 0"),
+    ({"lens_out": "short"}, ValueError, "too few rows for num_reqs=3"),
+    ({"num_reqs": 0, "num_cols": 2**25}, ValueError, "too many columns for the kernel's grid"),
     ({"num_reqs": 5}, ValueError, "too few rows for num_reqs=5"),
     ({"num_cols": 4}, ValueError, "num_cols past a table's width"),
     ({"impl": "cuda"}, ValueError, "impl"),
@@ -229,6 +268,7 @@ def rejected_args(changes: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, A
         "2-D": lambda t: t[None],
         "column-major": lambda t: t.t().contiguous().t(),
         "strided": lambda t: torch.full((2 * t.shape[0],), SENTINEL, dtype=t.dtype)[::2],
+        "short": lambda t: t[:2],
     }
     for name in tensors:
         if name in changes:

@@ -18,8 +18,9 @@ natural log and count the sink (FA4 folds it into the softmax denominator).
 Plan/run split: `build` validates the step's CPU mirrors (`CommonAttentionMetadata.validate`:
 about ten microseconds of its host time, since the kernels are sized by `max_query_len` /
 `max_seq_len`), slices the step's device tensors and, for cascade and CUDA-graph decode
-batches, fills builder-owned buffers from the CPU mirrors (host-to-device copies that do not
-wait, device-to-device copies); it never reads a device value.
+batches, fills builder-owned buffers (cascade: host-to-device copies from the CPU mirrors that
+do not wait; CUDA graphs: one device launch copying the step's table and lengths); it never
+reads a device value.
 
 Cascade attention (`common_prefix_len > 0`): a prefix pass runs every query of the step as one
 request against the shared prefix blocks (non-causal: every query follows them); a suffix pass
@@ -282,6 +283,11 @@ class FlashAttentionMetadata:
     uses_persistent_buffers: bool = False
 
 
+# The key length of a CUDA-graph batch's padding rows: FlashAttention skips a request without
+# keys (its query offsets give it no query token either).
+_PADDING_LEN = 0
+
+
 class _DecodeBuffers:
     """The builder's persistent buffers, sized from `BatchLimits`, that hold the CUDA-graph
     decode layout (int32, on the builder's device)."""
@@ -339,7 +345,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         cm = common_attn_metadata
         api = "FlashAttentionMetadataBuilder.build"
         # (the mirrors' values size the kernels: max_seqlen_q / _k, the table width)
-        cm.validate(api)
+        host = cm.validate(api)
         cross = cm.encoder_seq_lens is not None
         max_k = int(cm.encoder_seq_lens_cpu[: cm.num_reqs].max()) if cross and cm.num_reqs else 0
         self._check_table_width(cm, max_k if cross else cm.max_seq_len, api)
@@ -353,7 +359,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         sizes = self.limits.cudagraph_capture_sizes
         if not cross and sizes and cm.num_reqs <= max(sizes) and self._is_single_decode(cm):
             if not self.limits.has_persistent_graph_inputs:
-                return self._build_decode(cm, padded_num_reqs(cm.num_reqs, sizes))
+                return self._build_decode(cm, padded_num_reqs(cm.num_reqs, sizes), host.max_seq_len)
             if cm.num_reqs in sizes:
                 return self._build_decode_in_place(cm)
             self._refuse_unpadded_graph_step(cm, api)  # else no graph step: eager
@@ -372,6 +378,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         """
         cm = common_attn_metadata
         api = "FlashAttentionMetadataBuilder.build_for_cudagraph_capture"
+        host = cm.validate(api)
         if not self._is_single_decode(cm) or cm.encoder_seq_lens is not None:
             raise ValueError(
                 f"{api}: CUDA graphs are supported for batches of single-token decodes (got "
@@ -381,7 +388,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         self._check_table_width(cm, cm.max_seq_len, api)
         sizes = self.limits.cudagraph_capture_sizes
         if not self.limits.has_persistent_graph_inputs:
-            return self._build_decode(cm, padded_num_reqs(cm.num_reqs, sizes))
+            return self._build_decode(cm, padded_num_reqs(cm.num_reqs, sizes), host.max_seq_len)
         if cm.num_reqs not in sizes:
             raise ValueError(
                 f"{api}: with BatchLimits.has_persistent_graph_inputs a captured batch is "
@@ -469,7 +476,11 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             self._buffers = _DecodeBuffers(self.limits.max_num_reqs, self._max_blocks, self.device)
         return self._buffers
 
-    def _build_decode(self, cm: CommonAttentionMetadata, padded: int) -> FlashAttentionMetadata:
+    def _build_decode(
+        self, cm: CommonAttentionMetadata, padded: int, longest: int
+    ) -> FlashAttentionMetadata:
+        """The CUDA-graph decode layout of `cm`'s decodes padded to `padded`, in the builder's
+        buffers (`longest`: the mirrors' longest sequence, whose pages are the columns copied)."""
         buf, n = self._decode_buffers(), cm.num_reqs
         main = self._decode_passes.get((padded, cm.causal))
         if main is None:
@@ -488,7 +499,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         # checked the table and the buffer hold) and the lengths, padding rows of length 0.
         self._copy_inputs(
             cm.block_table_tensor, cm.seq_lens, buf.block_table, main.seq_lens, n,
-            -(-cm.max_seq_len // self.block_size), 0, buf.addresses,
+            -(-longest // self.block_size), _PADDING_LEN, buf.addresses,
         )  # fmt: skip
         if self._query_offsets_for != (n, padded):
             # 0, 1, ..., n, then n for the padding: rewritten only when n or the size changes

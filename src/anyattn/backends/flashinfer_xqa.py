@@ -69,6 +69,9 @@ XQA_Q_TILE_BYTES = 16 * 1024
 # multi-block scratch, whose need is bounded by the SM count (about 0.75 CTAs per SM split
 # over the sequence), not by the batch: a few MiB for 132 SMs.
 XQA_WORKSPACE_BYTES = 64 * 1024 * 1024
+# The length a CUDA-graph batch's padding rows get: XQA runs every row of the captured size and
+# must not meet an empty sequence, so each reads one key of a page id its row holds.
+XQA_PADDING_LEN = 1
 
 
 def xqa_decode_reason(
@@ -148,15 +151,22 @@ class XqaGraphBuffers:
         self, block_table: torch.Tensor, seq_lens: torch.Tensor, num_reqs: int, num_pages: int
     ) -> None:
         """Copy the first `num_pages` columns of the first `num_reqs` rows of the step's
-        `block_table` `[>= num_reqs, >= num_pages]` and their `seq_lens` in; the other rows
-        become padding.
+        `block_table` `[>= num_reqs, >= num_pages]` and their `seq_lens` `[>= num_reqs]` in;
+        the other rows become padding.
 
         Raises:
-            ValueError: `seq_lens` or the table not int32 on the buffers' device, `seq_lens`
-                with fewer than `num_reqs` entries (nothing written then).
+            ValueError: more requests or pages than the buffers hold; `seq_lens` or the table
+                not int32 on the buffers' device, or too small (nothing written then).
         """
-        self._copy(block_table, seq_lens, self.page_table, self.seq_lens, num_reqs, num_pages, 1,
-                   self._addresses)  # fmt: skip
+        size, max_pages = self.page_table.shape
+        if not 0 <= num_reqs <= size or not 0 <= num_pages <= max_pages:
+            raise ValueError(
+                f"{self._copy.api}: a CUDA-graph step larger than its graph's buffers (got "
+                f"{num_reqs} requests of up to {num_pages} pages, expected <= {size} of <= "
+                f"{max_pages})."
+            )
+        self._copy(block_table, seq_lens, self.page_table, self.seq_lens, num_reqs, num_pages,
+                   XQA_PADDING_LEN, self._addresses)  # fmt: skip
 
 
 def run_xqa_decode(

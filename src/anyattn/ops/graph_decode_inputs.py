@@ -13,7 +13,9 @@ lengths; rows `num_reqs .. P - 1` (padding) get the length `pad_len`, their tabl
 they are (every id an earlier step wrote there is one of the cache's, and zeros are the null
 block: a padding row of length 1 reads one page of its row, a row of length 0 none). Columns at
 and past `num_cols` are left as they are: `num_cols` covers the pages of the step's longest
-request, and no kernel reads a request's row past its pages.
+request, and no kernel reads a request's row past its pages. The step's tensors may be the
+buffers themselves, but must not otherwise overlap them (the copy is not ordered: torch refuses
+such a copy, the kernel would race).
 
 On CUDA, when triton is importable, one Triton kernel, program (row, column tile); the PyTorch
 path (three ops) serves the CPU and CUDA without triton; `impl=` forces either one (tests run
@@ -23,11 +25,19 @@ plain-Python reference.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from anyattn.ops.compiled_launch import CompiledLaunch
 from anyattn.ops.impl_choice import use_triton
 from anyattn.ops.tensor_checks import check_tensors_on_one_device
+
+if TYPE_CHECKING:
+    from anyattn.ops.compiled_launch import _Launcher
+
+# (torch's current CUDA device, as compiled_launch reads it; None without CUDA)
+_current_device = torch.cuda.current_device if torch.cuda.is_available() else None
 
 try:
     import triton
@@ -109,10 +119,11 @@ def copy_graph_decode_inputs(
 
 class GraphDecodeInputsLaunch:
     """`copy_graph_decode_inputs` for a builder that copies every replay step into buffers it
-    owns: the step's tensors are checked (dtype, rank, rows, device: what a raw-address launch
-    needs of them, for a microsecond), the outputs and host integers are trusted, and once the
-    kernel has compiled on the current device it is launched through `CompiledLaunch.bound`
-    with raw device addresses, which the caller may keep for its buffers.
+    owns. The step's tensors are checked (what a raw-address launch needs of them: dtypes, ranks,
+    sizes, device; about a microsecond), the outputs and host integers are trusted. Once the
+    kernel has compiled on the builder's device it is launched through `CompiledLaunch.bound`
+    with raw device addresses, which the caller may keep for its buffers; a call while another
+    CUDA device is current launches on the builder's.
 
     Args:
         device: the builder's device (the step's tensors must be on it).
@@ -122,10 +133,10 @@ class GraphDecodeInputsLaunch:
     def __init__(self, device: torch.device, api: str) -> None:
         self.device = device
         self.api = api
-        self._device_index = device.index if device.type == "cuda" else -1
-        if device.type == "cuda" and self._device_index is None:
-            self._device_index = torch.cuda.current_device()
-        self._bound: object | None = None
+        # (a CUDA device without an index is the current one, resolved at the first call, so
+        # that making a builder never starts CUDA)
+        self._device_index: int | None = device.index if device.type == "cuda" else -1
+        self._bound: _Launcher | None = None
 
     def __call__(
         self,
@@ -142,30 +153,32 @@ class GraphDecodeInputsLaunch:
         `addresses`: the two outputs' `data_ptr()`s, where the caller keeps them.
 
         Args:
-            block_table: int32 `[>= num_reqs, >= num_cols]` on the builder's device (its shape
-                is the caller's to check).
+            block_table: int32 `[>= num_reqs, >= num_cols]` on the builder's device.
+            seq_lens: int32 `[>= num_reqs]` on the builder's device.
+            table_out, lens_out: the builder's buffers, as `copy_graph_decode_inputs` takes
+                them, with room for `num_reqs` rows and `num_cols` columns (not checked).
 
         Raises:
-            ValueError: `seq_lens` not int32 `[>= num_reqs]`, or either tensor not int32 on
-                the builder's device.
+            ValueError: a step tensor of another dtype, rank, size or device (nothing written).
         """
+        index = self._device_index
+        if index is None:
+            index = self._device_index = torch.cuda.current_device()
         if (
             seq_lens.dtype != torch.int32
             or block_table.dtype != torch.int32
             or seq_lens.dim() != 1
+            or block_table.dim() != 2
             or seq_lens.shape[0] < num_reqs
-            or seq_lens.get_device() != self._device_index
-            or block_table.get_device() != self._device_index
+            or block_table.shape[0] < num_reqs
+            or block_table.shape[1] < num_cols
+            or seq_lens.get_device() != index
+            or block_table.get_device() != index
         ):
-            raise ValueError(
-                f"{self.api}: seq_lens must be int32 [num_reqs] and the block table int32, both "
-                f"on the builder's device (got seq_lens {seq_lens.dtype} of shape "
-                f"{tuple(seq_lens.shape)} on {seq_lens.device}, the table {block_table.dtype} "
-                f"on {block_table.device}, expected {self.device})."
-            )
-        bound = self._bound
+            self._refuse(block_table, seq_lens, num_reqs, num_cols)
         padded = lens_out.shape[0]
-        if bound is not None and padded and bound.device == torch.cuda.current_device():
+        bound = self._bound
+        if bound is not None and padded and _current_device() == index:
             if addresses is None:
                 addresses = (table_out.data_ptr(), lens_out.data_ptr())
             bound(
@@ -174,12 +187,38 @@ class GraphDecodeInputsLaunch:
                 table_out.stride(0),
             )  # fmt: skip
             return
+        if index >= 0 and _current_device() != index:
+            # (Triton launches on the current device: the builder's is made current)
+            with torch.cuda.device(index):
+                copy_graph_decode_inputs(
+                    block_table, seq_lens, table_out, lens_out, num_reqs=num_reqs,
+                    num_cols=num_cols, pad_len=pad_len, is_trusted=True,
+                )  # fmt: skip
+            return
         copy_graph_decode_inputs(
             block_table, seq_lens, table_out, lens_out, num_reqs=num_reqs, num_cols=num_cols,
             pad_len=pad_len, is_trusted=True,
         )  # fmt: skip
-        if bound is None and triton is not None and block_table.is_cuda:
+        if bound is None and triton is not None and index >= 0:
             self._bound = _launch.bound(**_OPTIONS)
+
+    def _refuse(
+        self, block_table: torch.Tensor, seq_lens: torch.Tensor, num_reqs: int, num_cols: int
+    ) -> None:
+        """Raises for the first step tensor `__call__` found unfit."""
+        expected = self.device if self._device_index < 0 else f"cuda:{self._device_index}"
+        for name, x, dim in (("block_table_tensor", block_table, 2), ("seq_lens", seq_lens, 1)):
+            if x.dtype != torch.int32 or x.dim() != dim or x.get_device() != self._device_index:
+                raise ValueError(
+                    f"{self.api}: {name} must be an int32 tensor of rank {dim} on the builder's "
+                    f"device (got {x.dtype} of shape {tuple(x.shape)} on {x.device}, expected "
+                    f"{expected})."
+                )
+        raise ValueError(
+            f"{self.api}: the step's tensors are too small for a CUDA-graph copy of {num_reqs} "
+            f"requests and {num_cols} table columns (got block_table_tensor of shape "
+            f"{tuple(block_table.shape)}, seq_lens of shape {tuple(seq_lens.shape)})."
+        )
 
 
 def _grid(padded: int, num_cols: int) -> tuple[int, int, int]:
