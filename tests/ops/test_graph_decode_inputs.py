@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from anyattn.ops import graph_decode_inputs
 from anyattn.ops.graph_decode_inputs import (
     GraphDecodeInputsLaunch,
     copy_graph_decode_inputs,
@@ -313,10 +314,10 @@ def test_cases_on_cuda(impl: str) -> None:
 
 
 @pytest.mark.gpu
-def test_launcher_takes_the_bound_kernel_on_cuda() -> None:
+def test_launcher_takes_the_bound_kernel_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """After its first call `GraphDecodeInputsLaunch` launches the bound compiled kernel with
-    raw addresses: a 256-request decode step in a 260-row graph, with fewer requests next, each
-    exactly right and none waiting on the GPU."""
+    raw addresses (the op itself is not called again): a 256-request decode step in a 260-row
+    graph, with fewer requests next, each exactly right and none waiting on the GPU."""
     pytest.importorskip("triton")
     launcher = GraphDecodeInputsLaunch(torch.device("cuda"), "Builder.build")
     first = Case(256, 260, 192, 256, 256, is_strided=True)
@@ -326,6 +327,11 @@ def test_launcher_takes_the_bound_kernel_on_cuda() -> None:
     assert (x.table_out.tolist(), x.lens_out.tolist()) == spec(
         x.table.tolist(), x.seq_lens.tolist(), first
     )
+
+    def not_the_bound_path(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the launcher went through copy_graph_decode_inputs")
+
+    monkeypatch.setattr(graph_decode_inputs, "copy_graph_decode_inputs", not_the_bound_path)
     previous = torch.cuda.get_sync_debug_mode()
     for seed, case in enumerate([Case(200, 260, 130, 256, 256), Case(256, 260, 1, 256, 256)]):
         y = make_inputs(case, "cuda", seed + 1)
