@@ -25,19 +25,17 @@ plain-Python reference.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
 
-from anyattn.ops.compiled_launch import CompiledLaunch
+from anyattn.ops.compiled_launch import CompiledLaunch, _current_device
 from anyattn.ops.impl_choice import use_triton
 from anyattn.ops.tensor_checks import check_tensors_on_one_device
 
 if TYPE_CHECKING:
     from anyattn.ops.compiled_launch import _Launcher
-
-# (torch's current CUDA device, as compiled_launch reads it; None without CUDA)
-_current_device = torch.cuda.current_device if torch.cuda.is_available() else None
 
 try:
     import triton
@@ -187,20 +185,16 @@ class GraphDecodeInputsLaunch:
                 table_out.stride(0),
             )  # fmt: skip
             return
-        if index >= 0 and _current_device() != index:
-            # (Triton launches on the current device: the builder's is made current)
-            with torch.cuda.device(index):
-                copy_graph_decode_inputs(
-                    block_table, seq_lens, table_out, lens_out, num_reqs=num_reqs,
-                    num_cols=num_cols, pad_len=pad_len, is_trusted=True,
-                )  # fmt: skip
-            return
-        copy_graph_decode_inputs(
-            block_table, seq_lens, table_out, lens_out, num_reqs=num_reqs, num_cols=num_cols,
-            pad_len=pad_len, is_trusted=True,
-        )  # fmt: skip
-        if bound is None and triton is not None and index >= 0:
-            self._bound = _launch.bound(**_OPTIONS)
+        # (Triton compiles for and launches on the current device: the builder's is made
+        # current where another is, and the kernel is bound under it)
+        elsewhere = index >= 0 and _current_device() != index
+        with torch.cuda.device(index) if elsewhere else contextlib.nullcontext():
+            copy_graph_decode_inputs(
+                block_table, seq_lens, table_out, lens_out, num_reqs=num_reqs,
+                num_cols=num_cols, pad_len=pad_len, is_trusted=True,
+            )  # fmt: skip
+            if bound is None and triton is not None and index >= 0:
+                self._bound = _launch.bound(**_OPTIONS)
 
     def _refuse(
         self, block_table: torch.Tensor, seq_lens: torch.Tensor, num_reqs: int, num_cols: int
