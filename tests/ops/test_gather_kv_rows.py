@@ -8,12 +8,12 @@ decides at import whether kernels are interpreted) and, marked `gpu`, on CUDA (b
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
+from case_runner import exit_with_report, failures_of
 
 from anyattn.ops import gather_kv_rows as module
 from anyattn.ops.gather_kv_rows import gather_kv_rows, gather_kv_rows_ref
@@ -142,14 +142,7 @@ def case_id(case: tuple[Callable[..., None], tuple[Any, ...]]) -> str:
 
 def run_cases(device: str, impl: str) -> list[str]:
     """Run every case, return the ids (and errors) of those that failed."""
-    failed = []
-    for case in cases(device, impl):
-        check, args = case
-        try:
-            check(*args)
-        except Exception as error:
-            failed.append(f"{case_id(case)}: {type(error).__name__}: {error}")
-    return failed
+    return failures_of(cases(device, impl), lambda case: case[0](*case[1]), case_id)
 
 
 # --- on the CPU -------------------------------------------------------------------------------
@@ -277,8 +270,4 @@ def test_auto_takes_triton_on_cuda_without_sync(monkeypatch: pytest.MonkeyPatch)
 
 if __name__ == "__main__":
     # Run by test_kernel_under_interpreter with TRITON_INTERPRET=1.
-    failures = run_cases("cpu", "triton")
-    for failure in failures:
-        print(failure, file=sys.stderr)
-    print(f"ran {len(cases('cpu', 'triton'))} cases, {len(failures)} failed")
-    sys.exit(1 if failures else 0)
+    exit_with_report(run_cases("cpu", "triton"), len(cases("cpu", "triton")))

@@ -10,12 +10,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from case_runner import exit_with_report, failures_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -186,13 +186,7 @@ CASES = [
 
 def run_cases(device: str, impl: str) -> list[str]:
     """Run every case, return the ids (and errors) of those that failed."""
-    failed = []
-    for case in CASES:
-        try:
-            check_case(case, device, impl)
-        except Exception as error:
-            failed.append(f"{case_id(case)}: {type(error).__name__}: {error}")
-    return failed
+    return failures_of(CASES, lambda case: check_case(case, device, impl), case_id)
 
 
 # --- on the CPU -------------------------------------------------------------------------------
@@ -409,8 +403,4 @@ def test_no_sync_on_cuda(impl: str) -> None:
 
 if __name__ == "__main__":
     # Run by test_kernel_under_interpreter with TRITON_INTERPRET=1.
-    failures = run_cases("cpu", "triton")
-    for failure in failures:
-        print(failure, file=sys.stderr)
-    print(f"ran {len(CASES)} cases, {len(failures)} failed")
-    sys.exit(1 if failures else 0)
+    exit_with_report(run_cases("cpu", "triton"), len(CASES))

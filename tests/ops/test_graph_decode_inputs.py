@@ -8,11 +8,11 @@ rejected input, each leaving the outputs as they were.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Any
 
 import pytest
 import torch
+from case_runner import exit_with_report, failures_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -134,13 +134,8 @@ def seeded_cases(count: int) -> list[Case]:
 
 
 def run_cases(device: str, impl: str, cases: list[Case] = CASES) -> list[str]:
-    failures = []
-    for case in cases:
-        try:
-            check_case(case, device, impl)
-        except Exception as error:  # (a script run reports them all)
-            failures.append(f"{case_id(case)}: {type(error).__name__}: {error}")
-    return failures
+    """Run every case, return the ids (and errors) of those that failed."""
+    return failures_of(cases, lambda case: check_case(case, device, impl), case_id)
 
 
 # --- on the CPU -------------------------------------------------------------------------------
@@ -350,8 +345,5 @@ def test_launcher_takes_the_bound_kernel_on_cuda(monkeypatch: pytest.MonkeyPatch
 
 if __name__ == "__main__":
     # Run by test_kernel_under_interpreter with TRITON_INTERPRET=1.
-    failures = run_cases("cpu", "triton", CASES + seeded_cases(INTERPRETED_RANDOM))
-    for failure in failures:
-        print(failure, file=sys.stderr)
-    print(f"ran {len(CASES) + INTERPRETED_RANDOM} cases, {len(failures)} failed")
-    sys.exit(1 if failures else 0)
+    cases = CASES + seeded_cases(INTERPRETED_RANDOM)
+    exit_with_report(run_cases("cpu", "triton", cases), len(cases))

@@ -10,12 +10,12 @@ holds exactly (scaling and saturation, no rounding); the `gpu` tests add bf16 an
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from case_runner import exit_with_report, failures_of
 
 from anyattn.ops.merge_attn_states import merge_attn_states, merge_attn_states_ref
 from anyattn.ops.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
@@ -192,14 +192,7 @@ def case_id(case: tuple[Callable[..., None], tuple[Any, ...]]) -> str:
 
 def run_cases(device: str) -> list[str]:
     """Run every case, return the ids (and errors) of those that failed."""
-    failed = []
-    for case in cases(device):
-        check, args = case
-        try:
-            check(*args)
-        except Exception as error:
-            failed.append(f"{case_id(case)}: {type(error).__name__}: {error}")
-    return failed
+    return failures_of(cases(device), lambda case: case[0](*case[1]), case_id)
 
 
 def test_kernels_under_interpreter(triton_interpreter: Callable[..., str]) -> None:
@@ -277,8 +270,4 @@ def test_auto_uses_triton_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 
 if __name__ == "__main__":
     # Run by test_kernels_under_interpreter with TRITON_INTERPRET=1.
-    failures = run_cases("cpu")
-    for failure in failures:
-        print(failure, file=sys.stderr)
-    print(f"ran {len(cases('cpu'))} cases, {len(failures)} failed")
-    sys.exit(1 if failures else 0)
+    exit_with_report(run_cases("cpu"), len(cases("cpu")))

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import sys
 from typing import Any
 
 import pytest
 import torch
+from case_runner import exit_with_report, failures_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -164,18 +164,14 @@ def seeded_cases(count: int, seed: int = 0) -> list[Case]:
 
 
 def run_cases(device: str, impl: str, cases: list[Case] = CASES) -> list[str]:
-    failed = []
+    """Run every case with two-column tiles (several tiles per request), return the ids (and
+    errors) of those that failed."""
     saved = module._TILE_COLS
-    module._TILE_COLS = 2  # several column tiles per request
+    module._TILE_COLS = 2
     try:
-        for case in cases:
-            try:
-                check_case(case, device, impl)
-            except Exception as error:
-                failed.append(f"{case_id(case)}: {type(error).__name__}: {error}")
+        return failures_of(cases, lambda case: check_case(case, device, impl), case_id)
     finally:
         module._TILE_COLS = saved
-    return failed
 
 
 # --- on the CPU -------------------------------------------------------------------------------
@@ -424,12 +420,9 @@ def test_launcher_takes_the_bound_kernel_on_cuda() -> None:
 
 if __name__ == "__main__":
     # Run by test_kernel_under_interpreter with TRITON_INTERPRET=1.
-    failures = run_cases("cpu", "triton", CASES + seeded_cases(INTERPRETED_RANDOM))
-    try:
-        check_bound_below_the_lengths("triton")
-    except Exception as error:
-        failures.append(f"bound below the lengths: {type(error).__name__}: {error}")
-    for failure in failures:
-        print(failure, file=sys.stderr)
-    print(f"ran {len(CASES) + INTERPRETED_RANDOM + 1} cases, {len(failures)} failed")
-    sys.exit(1 if failures else 0)
+    cases = CASES + seeded_cases(INTERPRETED_RANDOM)
+    failures = run_cases("cpu", "triton", cases)
+    failures += failures_of(
+        ["triton"], check_bound_below_the_lengths, lambda _: "bound below the lengths"
+    )
+    exit_with_report(failures, len(cases) + 1)
