@@ -6,7 +6,10 @@ from __future__ import annotations
 import torch
 
 from anyattn.backends.torch_attn import TorchAttentionMetadataBuilder
+from anyattn.config import BatchLimits
+from anyattn.engine.model_runner import ModelRunner
 from anyattn.engine.sampling_params import SamplingParams
+from anyattn.layer import Attention
 
 
 def test_gemma2_alternating_windows_make_two_groups_each_built_once_per_step(tiny_llm):
@@ -88,3 +91,36 @@ def test_cascade_decision_gets_the_query_heads_and_the_sm_count(tiny_llm):
     assert asked[0]["num_query_heads"] == hf_model.config.num_attention_heads == 4
     assert asked[0]["num_kv_heads"] == hf_model.config.num_key_value_heads == 1
     assert asked[0]["num_sms"] == runner.num_sms == 0  # CPU: no SM count
+    assert asked[0]["use_alibi"] is False
+    # a group with an ALiBi layer says so (a position-dependent bias rules cascade out)
+    runner.groups[0].has_alibi = True
+    runner.execute(tokens, [5, 5], [1, 1], [[1, 2], [1, 3]], [True, True])
+    assert asked[1]["use_alibi"] is True
+
+
+class _TwoLayers(torch.nn.Module):
+    """Just what ModelRunner reads at set-up: the attention layers."""
+
+    def __init__(self, alibi: list[list[float] | None]) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            Attention(2, 8, 8**-0.5, 1, layer_name=f"l{i}", alibi_slopes=slopes, backend="TORCH")
+            for i, slopes in enumerate(alibi)
+        )
+
+    def attention_layers(self):
+        return iter(self.layers)
+
+
+def make_runner(model: torch.nn.Module) -> ModelRunner:
+    limits = BatchLimits(max_num_reqs=2, max_num_tokens=16, max_model_len=16)
+    return ModelRunner(
+        model, num_blocks=4, block_size=4, limits=limits, device=torch.device("cpu"),
+        dtype=torch.float32,
+    )  # fmt: skip
+
+
+def test_a_group_has_alibi_when_any_of_its_layers_does():
+    assert [g.has_alibi for g in make_runner(_TwoLayers([None, None])).groups] == [False]
+    # (ALiBi is not part of the KV-cache spec: both layers share one group)
+    assert [g.has_alibi for g in make_runner(_TwoLayers([None, [0.5, 0.25]])).groups] == [True]

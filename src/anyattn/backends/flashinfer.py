@@ -330,6 +330,13 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     kernel takes the block table and lengths themselves, and a CUDA-graph step copies them
     into the graph's fixed buffers (`XqaGraphBuffers`), or, under
     `BatchLimits.has_persistent_graph_inputs`, has the graph read the step's own.
+
+    Memory: each captured size N keeps its own fixed page list, `N * ceil(max_model_len /
+    block_size)` int32 (and as much again for XQA's graph table where XQA layers are captured
+    too). With `max_model_len` 131072 and 16-token blocks: about 34 MB per kind of buffer for
+    the engine's capture sizes (powers of two up to 512: 1023 rows in all), about 545 MB for
+    vLLM's (1, 2, 4, then every 8 up to 512: 16647 rows). One buffer of the largest size, viewed
+    by every size, would serve as well, the writes being stream-ordered; not done yet.
     """
 
     _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE

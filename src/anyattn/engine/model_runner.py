@@ -50,7 +50,8 @@ class KVCacheGroup:
     """Layers that share a backend and a KV-cache spec, and the one builder serving them.
 
     `num_query_heads` is the query heads of its layers (the spec holds only the KV heads); the
-    largest, should they differ, for the cascade cost model.
+    largest, should they differ, for the cascade cost model. `has_alibi`: whether any of them
+    biases by ALiBi (position-dependent, which rules cascade attention out).
     """
 
     backend: type[AttentionBackend]
@@ -59,6 +60,7 @@ class KVCacheGroup:
     builder: AttentionMetadataBuilder
     kernel_block_size: int
     num_query_heads: int
+    has_alibi: bool = False
 
 
 @dataclass
@@ -140,6 +142,7 @@ class ModelRunner:
                 backend.get_builder_cls()(spec, names, self.limits, self.device),
                 spec.block_size,
                 max(layers[name].num_heads for name in names),
+                any(layers[name].config.has_alibi for name in names),
             )
             for (backend, spec), names in specs.items()
         ]
@@ -344,7 +347,7 @@ class ModelRunner:
                 query_lens,
                 num_query_heads=group.num_query_heads,
                 num_kv_heads=group.spec.num_kv_heads,
-                use_alibi=False,
+                use_alibi=group.has_alibi,
                 use_sliding_window=group.spec.sliding_window is not None,
                 use_local_attention=False,
                 num_sms=self.num_sms,
