@@ -12,7 +12,8 @@ The pieces: `BatchSpec` and the curated `CATALOGUE` (decodes, long prefill, mixe
 prefill over long contexts, odd lengths 1/7/97/1025, encoder, cross attention, cascade);
 `build_batch` (inputs, a shuffled paged cache with a null block, the backend's own metadata);
 `attention_oracle` (dense, per-request loops, any dtype); the tolerance rule (`error_bound`);
-`plan_cases` / `run_case` / `check_backend` and the `ConformanceReport` they fill.
+`plan_cases` / `run_case` / `check_backend` and the `ConformanceReport` they fill;
+`declaration_cases` (the sweep: every value a backend declares, once each).
 """
 
 from anyattn.testing.batch_spec import CATALOGUE, QUICK_CATALOGUE, BatchSpec, get_spec
@@ -22,6 +23,7 @@ from anyattn.testing.check import KitLayer, check_backend, run_case
 from anyattn.testing.oracle import attention_oracle
 from anyattn.testing.paged import PagedBatch, assign_blocks, build_batch
 from anyattn.testing.report import CaseResult, ConformanceReport
+from anyattn.testing.sweep import SweepCase, declaration_cases, sweep_spec
 from anyattn.testing.tolerance import error_bound, max_abs_error
 
 __all__ = [
@@ -34,10 +36,12 @@ __all__ = [
     "ConformanceReport",
     "KitLayer",
     "PagedBatch",
+    "SweepCase",
     "assign_blocks",
     "attention_oracle",
     "build_batch",
     "check_backend",
+    "declaration_cases",
     "dequantize_kv",
     "error_bound",
     "get_spec",
@@ -46,5 +50,6 @@ __all__ = [
     "quantize_kv",
     "read_kv",
     "run_case",
+    "sweep_spec",
     "write_kv",
 ]

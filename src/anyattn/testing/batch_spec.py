@@ -119,6 +119,13 @@ CATALOGUE: tuple[BatchSpec, ...] = (
     BatchSpec("odd_lengths", (1, 3, 97, 33), (1, 7, 97, 1025)),
     BatchSpec("encoder", (7, 1, 97, 16), (7, 1, 97, 16)),
     BatchSpec("encoder_decoder", (1, 5, 1, 2), (1, 5, 9, 40), encoder_seq_lens=(7, 97, 16, 1)),
+    # Long encoders behind decodes, first steps and a chunk (FLASH_ATTN once got fp16 wrong here).
+    BatchSpec(
+        "cross_attention_long",
+        (1, 1, 1, 20),
+        (201, 1, 1, 220),
+        encoder_seq_lens=(1100, 1027, 434, 1026),
+    ),
     _cascade("cascade", 16, 512),
 )
 """The full catalogue, used by `check_backend(..., quick=False)`."""
@@ -132,6 +139,9 @@ QUICK_CATALOGUE: tuple[BatchSpec, ...] = (
     BatchSpec("odd_lengths", (1, 3, 33, 9), (1, 7, 33, 65)),
     BatchSpec("encoder", (7, 1, 17), (7, 1, 17)),
     BatchSpec("encoder_decoder", (1, 5, 1, 2), (1, 5, 9, 40), encoder_seq_lens=(7, 17, 16, 1)),
+    BatchSpec(
+        "cross_attention_long", (1, 1, 1, 5), (21, 1, 1, 25), encoder_seq_lens=(70, 67, 34, 66)
+    ),
     _cascade("cascade", 4, 64),
 )
 """Small versions of the same shapes, for slow kernels (e.g. the Triton interpreter)."""

@@ -39,7 +39,8 @@ FEATURES: Mapping[str, str] = MappingProxyType(
         "non_causal": "bidirectional decoder attention over the paged cache",
         "encoder": "AttentionType.ENCODER, bidirectional, no cache",
         "encoder_only": "AttentionType.ENCODER_ONLY, bidirectional, no cache",
-        "encoder_decoder": "cross attention over encoder K/V kept in the layer's cache",
+        "encoder_decoder": "cross attention over encoder K/V kept in the layer's cache; and 8 "
+        "query heads on 1 KV head over encoders of 434-1100 tokens (head size 80 where declared)",
         "sliding_window": "windows of 33 and 7 keys",
         "alibi": "ALiBi with the standard geometric slopes",
         "soft_cap": "logits soft cap 2.0",
@@ -265,8 +266,18 @@ def _feature_cases(
     if feature in ("encoder", "encoder_only"):
         return [case(feature, "encoder", attn_type=AttentionType(feature))], []
     if feature == "encoder_decoder":
-        spec_name = "encoder_decoder"
-        return [case(feature, spec_name, attn_type=AttentionType.ENCODER_DECODER)], []
+        cross = AttentionType.ENCODER_DECODER
+        # Eight query heads on one KV head over long encoders, at head size 80 where declared.
+        long_head_size = 80 if backend.supports_head_size(80) else base.head_size
+        long = case(
+            "encoder_decoder/long",
+            "cross_attention_long",
+            attn_type=cross,
+            num_heads=8,
+            num_kv_heads=1,
+            head_size=long_head_size,
+        )
+        return [case(feature, "encoder_decoder", attn_type=cross), long], []
     if feature == "sliding_window":
         return [
             case("window33", "chunked_prefill", sliding_window=33),

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The declaration sweep (tests/backends/test_declarations.py) and other GPU tests on a CUDA
+# machine, spread over pytest-xdist workers.
+#
+#   bash benchmarks/gpu_sweep.sh "<pytest -k expression>" [pytest arguments...]
+#
+# WORKERS (default 12) sets the xdist workers and MAX_JOBS (default 4) FlashInfer's ninja jobs
+# per JIT compile; SECONDS_LIMIT (default 520) cuts the run so that its log still comes back.
+# FlashInfer and FlashAttention-4 are used when importable (staged wheels in .gpu-wheels/part4
+# are unpacked to /tmp/gpusite first when present). The log lists every test with its outcome;
+# the last lines printed are the counts and the failures.
+set -u
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+if [ -d .gpu-wheels/part4 ] && [ ! -d /tmp/gpusite ]; then
+    exports=$(mkdir -p /tmp/gw && cp .gpu-wheels/part4/* /tmp/gw/ && python3 /tmp/gw/install.py) \
+        || exit 1
+    eval "$exports"
+fi
+export PYTHONPATH=$PWD/src:/tmp/gpusite:/tmp/gpusite/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
+export MAX_JOBS=${MAX_JOBS:-4}
+expr=${1:-}
+log="$out/sweep_$(date +%H%M%S).log"
+timeout -s INT "${SECONDS_LIMIT:-520}" python3 -m pytest -m gpu -n "${WORKERS:-12}" \
+    -p no:warnings -p no:benchmark --tb=line -rfE -v tests/backends/test_declarations.py \
+    -k "$expr" "${@:2}" >"$log" 2>&1
+echo "pytest rc $? ($expr)"
+echo "passed: $(grep -c " PASSED " "$log")  failed: $(grep -c " FAILED " "$log")  skipped: $(grep -c " SKIPPED " "$log")"
+grep -E "^(FAILED|ERROR) " "$log" | cut -c1-400 | head -60
+tail -2 "$log"
