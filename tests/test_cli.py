@@ -71,9 +71,10 @@ def test_make_run_generates_a_chat_answer():
 
 def test_generate_with_a_missing_model_is_one_clear_line(tmp_path):
     result = run_cli("generate", "hi", "--model", str(tmp_path / "nope.gguf"))
-    assert result.returncode == 1
-    assert result.stderr.startswith("anyattn generate: error: LLM: model path does not exist")
-    assert "Traceback" not in result.stderr
+    assert result.returncode == 2
+    assert_one_error_line(
+        result.stderr, "anyattn generate: error: argument --model: no such file or folder (got"
+    )
 
 
 def test_nothing_fits_exits_1():
@@ -366,3 +367,18 @@ def test_plugin_that_raises_on_import(capsys, tmp_path, monkeypatch, register):
     assert result["chosen"] == "TORCH"
     raising = next(b for b in result["backends"] if b["name"] == "RAISING")
     assert "RuntimeError: no driver" in raising["unavailable"]
+
+
+def test_names_and_reasons_in_square_brackets_are_printed_as_given(
+    capsys, monkeypatch, make_backend, register
+):
+    # Text that is not the command's own (plugin names, install hints) is never read as markup.
+    monkeypatch.setenv("COLUMNS", "200")
+    hint = "pip install 'anyattn[flashinfer]' :smile:"
+    register("FAKE[RED]", make_backend("fake[red]", unavailable=hint))
+    assert main(["backends"]) == 0
+    out = capsys.readouterr().out
+    assert "fake[red]" in out and hint in out
+    assert main(["explain", "--head-size", "64", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "FAKE[RED]" in out and hint in out

@@ -1,10 +1,11 @@
-"""Command line: `anyattn backends | explain | env`.
+"""Command line: `anyattn backends | explain | env | generate`.
 
 `backends` lists what every registered backend declares, `explain` shows which backend the
 selector picks for a layer configuration and why every other one was not picked, `env` reports
-the versions and devices that selection depends on. Tables are for people; `--json` prints plain
-JSON for programs. Exit status: 0 success (for `explain`: a backend was chosen), 1 nothing fits
-or the requested backend is unknown or does not fit, 2 a usage error.
+the versions and devices that selection depends on, `generate` (in `anyattn.engine.cli`) runs a
+model through the engine. Tables are for people; `--json` prints plain JSON for programs. Exit
+status: 0 success (for `explain`: a backend was chosen), 1 nothing fits or the requested backend
+is unknown or does not fit, 2 a usage error.
 """
 
 from __future__ import annotations
@@ -15,16 +16,22 @@ import json
 import os
 import platform
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import MISSING, fields
-from typing import NoReturn
 
 from rich import box
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 import anyattn
+from anyattn.cli_common import (
+    ArgumentParser,
+    arg_type,
+    backend_request,
+    make_console,
+    positive_int,
+    print_error,
+)
 from anyattn.config import AttentionSelectorConfig
 from anyattn.registry import ENTRY_POINT_GROUP, backend_names, get_backend_class
 from anyattn.selector import ENV_VAR, Explanation, explain
@@ -58,40 +65,8 @@ _FLAG_HELP = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line on stderr (exit status 2)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message.rstrip('.')}; see '{self.prog} --help'.\n")
-
-
-def _arg_type(parse: Callable[[str], object], label: str) -> Callable[[str], object]:
-    """Wrap a parser from anyattn.types so argparse reports its message, not a generic one."""
-
-    def convert(text: str) -> object:
-        try:
-            return parse(text)
-        except ValueError as error:
-            # The library prefixes messages with the argument name it was given; argparse adds
-            # its own "argument --flag:" prefix, so drop ours to avoid saying it twice.
-            raise argparse.ArgumentTypeError(str(error).removeprefix(f"{label}: ")) from None
-
-    convert.__name__ = label
-    return convert
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive int (got {text!r}, expected >= 1)")
-    return value
-
-
 def _build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = ArgumentParser(
         prog="anyattn",
         description="Attention backends for LLM inference: what exists, what is chosen, why.",
     )
@@ -115,21 +90,21 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     ex.add_argument(
         "--head-size",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         required=True,
         help="size of each attention head",
     )
     ex.add_argument(
         "--dtype",
-        type=_arg_type(lambda s: parse_dtype(s, argument="--dtype"), "--dtype"),
+        type=arg_type(lambda s: parse_dtype(s, argument="--dtype"), "--dtype"),
         metavar="DTYPE",
         default="bfloat16",
         help="model dtype: float32, float16, bfloat16 (default: bfloat16)",
     )
     ex.add_argument(
         "--kv-cache-dtype",
-        type=_arg_type(
+        type=arg_type(
             lambda s: parse_cache_dtype(s, argument="--kv-cache-dtype"), "--kv-cache-dtype"
         ),
         default="auto",
@@ -137,12 +112,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     ex.add_argument(
         "--block-size",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="engine KV block size (default: backend's choice)",
     )
-    ex.add_argument("--num-heads", type=_positive_int, metavar="N", help="query heads of the layer")
-    ex.add_argument("--num-kv-heads", type=_positive_int, metavar="N", help="KV heads of the layer")
+    ex.add_argument("--num-heads", type=positive_int, metavar="N", help="query heads of the layer")
+    ex.add_argument("--num-kv-heads", type=positive_int, metavar="N", help="KV heads of the layer")
     ex.add_argument(
         "--attn-type",
         choices=[t.value for t in AttentionType],
@@ -163,7 +138,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     ex.add_argument(
         "--device",
-        type=_arg_type(DeviceInfo.parse, "device"),
+        type=arg_type(DeviceInfo.parse, "device"),
         help="cpu, cuda (this machine's GPU), or a capability: sm80, sm90, sm100 "
         "(default: this machine)",
     )
@@ -174,7 +149,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     from anyattn.engine.cli import add_generate_parser
 
-    add_generate_parser(commands, _positive_int)
+    add_generate_parser(commands)
     return parser
 
 
@@ -202,26 +177,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from anyattn.engine.cli import run_generate
+    from anyattn.engine.cli import UsageError, run_generate
 
     try:
         return run_generate(args)
+    except UsageError as error:
+        # A value only the model can judge (a prompt longer than its context): still a usage
+        # error, found before the model loads.
+        print_error("generate", str(error))
+        return 2
     except (FileNotFoundError, ValueError, TypeError, NotImplementedError) as error:
-        # User mistakes (a missing model, bad sampling parameters, ...) get one line.
-        _error("generate", str(error))
+        # User mistakes the arguments cannot show (a missing default model, an unknown backend
+        # name, a backend that does not fit) get one line.
+        print_error("generate", str(error))
         return 1
     except KeyboardInterrupt:
         sys.stderr.write("\nanyattn generate: interrupted\n")
         return 130
-
-
-def _console() -> Console:
-    # No highlighting: it colours numbers and quotes in reasons at random.
-    return Console(highlight=False)
-
-
-def _error(command: str, message: str) -> None:
-    sys.stderr.write(f"anyattn {command}: error: {message}\n")
 
 
 # --- backends ------------------------------------------------------------------------------
@@ -253,7 +225,7 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(records, indent=2))
         return 0
-    console = _console()
+    console = make_console()
     if not records:
         console.print(f"No backends registered (entry-point group '{ENTRY_POINT_GROUP}').")
         return 0
@@ -318,26 +290,19 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     try:
         config = _config_from_args(args)
     except (TypeError, ValueError) as error:
-        _error("explain", f"invalid configuration: {error}")
+        print_error("explain", f"invalid configuration: {error}")
         return 2
-    requested = args.backend
-    source = "--backend"
-    if requested is None and os.environ.get(ENV_VAR, "").strip():
-        requested, source = os.environ[ENV_VAR].strip(), ENV_VAR
-    # Checked here rather than left to the selector, so the error names where the name came from.
-    if requested is not None and requested.upper() not in backend_names():
-        _error(
-            "explain",
-            f"{source}: unknown backend name (got {requested!r}, expected one of "
-            f"{', '.join(backend_names())}).",
-        )
+    try:
+        backend_request(args.backend)  # an unknown name, told with where it came from
+    except ValueError as error:
+        print_error("explain", str(error))
         return 1
     try:
         result = explain(config, args.device, args.backend)
     # A plugin may fail in ways the selector does not catch (e.g. a RuntimeError raised while
     # importing); report it in one line instead of a traceback.
     except Exception as error:
-        _error("explain", f"backend selection failed ({type(error).__name__}: {error}).")
+        print_error("explain", f"backend selection failed ({type(error).__name__}: {error}).")
         return 1
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
@@ -347,18 +312,20 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         return 0
     if result.requested is not None:
         by = "--backend" if result.requested_by == "argument" else result.requested_by
-        _error(
+        print_error(
             "explain",
             f"requested backend {result.requested} (from {by}) does not fit this config on "
             f"{result.device}; see its reasons above.",
         )
     else:
-        _error("explain", f"no backend fits this config on {result.device}; see the reasons above.")
+        print_error(
+            "explain", f"no backend fits this config on {result.device}; see the reasons above."
+        )
     return 1
 
 
 def _print_explanation(result: Explanation) -> None:
-    console = _console()
+    console = make_console()
     console.print(Text(f"device: {result.device}"))
     console.print(Text(f"config: {_config_summary(result.config)}"))
     if result.requested is not None:
@@ -455,7 +422,7 @@ def _cmd_env(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
-    console = _console()
+    console = make_console()
     table = Table(box=box.SIMPLE, show_header=False)
     table.add_column("field", style="bold", no_wrap=True)
     table.add_column("value", overflow="fold")

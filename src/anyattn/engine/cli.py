@@ -1,40 +1,222 @@
-"""`anyattn generate`: stream text from a model through the backend layer."""
+"""`anyattn generate`: generate text with a model through the backend layer.
+
+One prompt streams its text as it is generated. Several run as one batch, and each answer is
+printed as one line, `[i] text` (i: the prompt's position from 1; a newline in the answer shown
+as `\\n`), as soon as its request finishes. Every argument is checked before the model loads:
+values at parsing (exit status 2, naming the flag), the backend name, and the prompts' lengths
+against the model's context, read from its config and tokenizer alone.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
+import torch
 from rich.console import Console
 
-__all__ = ["DEFAULT_PROMPT", "add_generate_parser", "run_generate"]
+from anyattn.cli_common import arg_type, backend_request, make_console, print_error
+from anyattn.engine.sampling_params import SamplingParams
+from anyattn.selector import ENV_VAR
+from anyattn.types import parse_dtype
+
+__all__ = ["DEFAULT_PROMPT", "UsageError", "add_generate_parser", "run_generate"]
 
 DEFAULT_PROMPT = "Give me three tips for writing clear Python code."
 
+# The longest prompt + answer the command runs (LLM's own default); models with a longer
+# context are capped here, shorter ones at their context.
+_MAX_MODEL_LEN = 4096
 
-def add_generate_parser(
-    commands: argparse._SubParsersAction, positive_int: Callable[[str], int]
-) -> None:
+
+class UsageError(ValueError):
+    """An argument that only the model shows to be wrong (exit status 2)."""
+
+
+def _sampling_type(field: str, number: type[int] | type[float]) -> Callable[[str], object]:
+    """An argparse type checked by SamplingParams' own rule for `field`, so the command and the
+    library accept the same values; the message names the flag, not the field."""
+
+    def convert(text: str) -> object:
+        try:
+            value = number(text)
+        except ValueError:
+            kind = "an int" if number is int else "a number"
+            raise argparse.ArgumentTypeError(f"must be {kind} (got {text!r})") from None
+        try:
+            SamplingParams(**{field: value})
+        except ValueError as error:
+            message = str(error).removeprefix(f"SamplingParams: {field} ")
+            raise argparse.ArgumentTypeError(message) from None
+        return value
+
+    convert.__name__ = field
+    return convert
+
+
+def _device(text: str) -> torch.device:
+    try:
+        device = torch.device(text)
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"must be cpu or cuda (got {text!r})")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} names this machine's GPU, but torch sees none (got torch "
+            f"{torch.__version__}, expected cpu)"
+        )
+    return device
+
+
+def _model_path(text: str) -> Path:
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise argparse.ArgumentTypeError(
+            f"no such file or folder (got {text!r}, expected a .gguf file or a Hugging Face "
+            "folder with config.json and *.safetensors)"
+        )
+    return path
+
+
+def _prompt(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must not be empty (got {text!r})")
+    return text
+
+
+def add_generate_parser(commands: argparse._SubParsersAction) -> None:
     """Register the `generate` subcommand on the main parser's subcommands."""
     gen = commands.add_parser(
         "generate",
         help="generate text with a model (default: the embedded SmolLM2-135M-Instruct)",
-        description="Stream a completion; prints the attention backend chosen and tokens/s.",
+        description=(
+            "Stream a completion; prints the attention backend chosen and tokens/s. Several "
+            "prompts run as one batch; each answer is one line, '[i] text', printed when it "
+            "is done. Exit status 0: success; 1: the backend is unknown or does not fit, the "
+            "model cannot be loaded, or a request failed; 2: bad arguments (checked before "
+            "the model loads)."
+        ),
     )
-    gen.add_argument("prompts", nargs="*", metavar="PROMPT", help=f"default: {DEFAULT_PROMPT!r}")
-    gen.add_argument("--model", help="a .gguf file or a Hugging Face folder")
-    gen.add_argument("--backend", help="attention backend name (default: selected)")
-    gen.add_argument("--max-tokens", type=positive_int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument(
+        "prompts",
+        nargs="*",
+        type=_prompt,
+        metavar="PROMPT",
+        help=f"text to complete (default: {DEFAULT_PROMPT!r})",
+    )
+    gen.add_argument(
+        "--model",
+        type=_model_path,
+        metavar="PATH",
+        help="a .gguf file or a Hugging Face folder (config.json + *.safetensors) "
+        "(default: the embedded SmolLM2-135M-Instruct GGUF)",
+    )
+    gen.add_argument(
+        "--backend",
+        metavar="NAME",
+        help="attention backend for every layer, an error if it does not fit "
+        f"(default: ${ENV_VAR} if set, else the selector's choice)",
+    )
+    gen.add_argument(
+        "--max-tokens",
+        type=_sampling_type("max_tokens", int),
+        metavar="N",
+        default=128,
+        help="most tokens to generate per prompt (default: %(default)s)",
+    )
+    gen.add_argument(
+        "--temperature",
+        type=_sampling_type("temperature", float),
+        metavar="T",
+        default=0.0,
+        help="divides the logits before sampling (default: %(default)s: greedy)",
+    )
+    gen.add_argument(
+        "--top-k",
+        type=_sampling_type("top_k", int),
+        metavar="K",
+        default=0,
+        help="sample from the K most likely tokens (default: %(default)s: all)",
+    )
+    gen.add_argument(
+        "--top-p",
+        type=_sampling_type("top_p", float),
+        metavar="P",
+        default=1.0,
+        help="sample from the most likely tokens whose probability reaches P "
+        "(default: %(default)s: off)",
+    )
+    gen.add_argument(
+        "--seed",
+        type=_sampling_type("seed", int),
+        metavar="S",
+        default=None,
+        help="seed of each request's own generator (default: none, torch's global one)",
+    )
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    gen.add_argument("--dtype", default=None, help="float32, float16 or bfloat16")
+    gen.add_argument(
+        "--device",
+        type=_device,
+        default=None,
+        help="cpu or cuda (default: cuda if torch sees a GPU, else cpu)",
+    )
+    gen.add_argument(
+        "--dtype",
+        type=arg_type(lambda s: parse_dtype(s, argument="--dtype"), "--dtype"),
+        metavar="DTYPE",
+        default=None,
+        help="float32, float16 or bfloat16 (default: float32 on cpu, bfloat16 on cuda)",
+    )
     gen.add_argument("-v", "--verbose", action="store_true", help="explain the backend choice")
+
+
+def _read_model(model: Path | None) -> tuple[Path, int, object]:
+    """The model's path, context length and tokenizer, read without its weights."""
+    from anyattn.engine.default_model import default_model_path
+    from anyattn.engine.model_config import ModelConfig
+
+    path = default_model_path() if model is None else model
+    if path.is_file():
+        from anyattn.engine.gguf_loader import load_gguf_tokenizer, read_gguf
+
+        config, _ = read_gguf(path)  # tensors are read lazily: this reads the metadata only
+        context = ModelConfig.from_hf(config).max_position_embeddings
+        return path, context, load_gguf_tokenizer(path)
+    from anyattn.engine.hf_loader import load_hf_folder, load_tokenizer
+
+    config, _ = load_hf_folder(path)
+    return path, config.max_position_embeddings, load_tokenizer(path)
+
+
+def _num_prompt_tokens(tokenizer, prompt: str, chat: bool) -> int:
+    # The encoding LLM.encode_prompt gives a text prompt.
+    if not chat:
+        return len(tokenizer.encode(prompt))
+    messages = [{"role": "user", "content": prompt}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _check_prompts(
+    prompts: Sequence[str], tokenizer, chat: bool, max_model_len: int, context: int
+) -> None:
+    limit = "" if max_model_len == context else f", the model's {context} capped"
+    for index, prompt in enumerate(prompts, 1):
+        n = _num_prompt_tokens(tokenizer, prompt, chat)
+        if n == 0:
+            raise UsageError(
+                f"argument PROMPT: prompt {index} has no tokens (got {prompt!r}, expected at "
+                "least one). Give it some text."
+            )
+        if n > max_model_len:
+            raise UsageError(
+                f"argument PROMPT: prompt {index} is longer than the model's context (got {n} "
+                f"tokens, expected at most {max_model_len}{limit}). Shorten it."
+            )
 
 
 def _explain_layers(llm, backend: str | None, console: Console) -> None:
@@ -55,12 +237,75 @@ def _explain_layers(llm, backend: str | None, console: Console) -> None:
             console.print(f"  {verdict.name}: {mark}")
 
 
-def run_generate(args: argparse.Namespace) -> int:
-    """Load the model, then stream one prompt or generate several; 0 on success."""
-    from anyattn.engine.llm import LLM
-    from anyattn.engine.sampling_params import SamplingParams
+def _one_line(text: str) -> str:
+    return text.replace("\r", "\\r").replace("\n", "\\n")
 
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+def _stream_one(llm, prompt: str, params: SamplingParams, chat: bool, err: Console) -> int:
+    """Stream one prompt's text to stdout; returns its token count."""
+    if chat:
+        err.print(f"> {prompt}")
+    start = time.perf_counter()
+    first_at = None
+    for delta in llm.stream(prompt, params, chat=chat):
+        first_at = first_at or time.perf_counter()
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if first_at is not None:
+        err.print(f"first text after {first_at - start:.2f} s")
+    return len(llm.last_stream_output.outputs[0].token_ids)
+
+
+def _run_several(
+    llm, prompts: Sequence[str], params: SamplingParams, chat: bool, err: Console
+) -> tuple[int, int]:
+    """Run the prompts as one batch, printing each answer as one line when its request
+    finishes; returns (tokens generated, requests failed)."""
+    for index, prompt in enumerate(prompts, 1):
+        err.print(f"[{index}] > {_one_line(prompt)}")
+    index_of: dict[int, int] = {}
+    tokens = failed = 0
+    try:
+        for index, prompt in enumerate(prompts, 1):
+            index_of[llm.add_request(prompt, params, chat)] = index
+        pending = set(index_of)
+        while pending:
+            for output in llm.step():
+                if not output.finished or output.request_id not in pending:
+                    continue
+                pending.discard(output.request_id)
+                index = index_of[output.request_id]
+                completion = output.outputs[0]
+                tokens += len(completion.token_ids)
+                if output.error:
+                    failed += 1
+                    print_error("generate", f"[{index}] {output.error}")
+                else:
+                    sys.stdout.write(f"[{index}] {_one_line(completion.text)}\n")
+                    sys.stdout.flush()
+    finally:
+        for request_id in index_of:  # on an interrupt, stop what is still running
+            llm.abort_request(request_id)
+    return tokens, failed
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Check the arguments the parser could not, load the model, then generate.
+
+    Returns:
+        0 on success, 1 when a request failed.
+
+    Raises:
+        UsageError: a prompt longer than the model's context (or of no tokens), found before
+            the model's weights are read.
+        ValueError: an unknown backend name (naming --backend or ANYATTN_BACKEND), a backend
+            that does not fit, or a model the engine cannot run.
+        FileNotFoundError: the default model is not installed.
+    """
+    from anyattn.engine.llm import LLM
+
+    err = make_console(stderr=True, soft_wrap=True)
     params = SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -68,46 +313,37 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_tokens=args.max_tokens,
     )
+    requested, source = backend_request(args.backend)
+    how = "chosen by the selector" if requested is None else f"requested by {source}"
+    prompts = args.prompts or [DEFAULT_PROMPT]
     start = time.perf_counter()
-    llm = LLM(args.model, backend=args.backend, dtype=args.dtype, device=args.device)
-    layers = llm.model.attention_layers()
+    path, context, tokenizer = _read_model(args.model)
+    max_model_len = min(context, _MAX_MODEL_LEN)
+    _check_prompts(prompts, tokenizer, args.chat, max_model_len, context)
+    # The selector reads ANYATTN_BACKEND itself when no --backend is given, so that its
+    # errors say where the request came from.
+    llm = LLM(
+        path,
+        backend=args.backend,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=max_model_len,
+    )
     err.print(
-        f"model {llm.model_path.name}: {len(layers)} attention layers on {llm.device}, "
-        f"{str(llm.dtype).removeprefix('torch.')}; attention backend: "
-        f"{', '.join(llm.backend_names)} (loaded in {time.perf_counter() - start:.1f} s)"
+        f"model {llm.model_path.name}: {len(llm.model.attention_layers())} attention layers on "
+        f"{llm.device}, {str(llm.dtype).removeprefix('torch.')}; attention backend: "
+        f"{', '.join(llm.backend_names)} ({how}; loaded in {time.perf_counter() - start:.1f} s)"
     )
     if args.verbose:
         _explain_layers(llm, args.backend, err)
-    prompts = args.prompts or [DEFAULT_PROMPT]
+    start = time.perf_counter()
     if len(prompts) == 1:
-        if args.chat:
-            err.print(f"> {prompts[0]}")
-        start = time.perf_counter()
-        first_at = None
-        for delta in llm.stream(prompts[0], params, chat=args.chat):
-            first_at = first_at or time.perf_counter()
-            sys.stdout.write(delta)
-            sys.stdout.flush()
-        elapsed = time.perf_counter() - start
-        sys.stdout.write("\n")
-        tokens = len(llm.last_stream_output.outputs[0].token_ids)
-        if first_at is not None:
-            err.print(f"first text after {first_at - start:.2f} s")
+        tokens = _stream_one(llm, prompts[0], params, args.chat, err)
     else:
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, chat=args.chat)
-        elapsed = time.perf_counter() - start
-        failed = 0
-        for output in outputs:
-            print(f"--- {output.prompt}")
-            if output.error:
-                failed += 1
-                err.print(f"anyattn generate: error: {output.error}")
-            else:
-                print(output.outputs[0].text)
-        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        tokens, failed = _run_several(llm, prompts, params, args.chat, err)
         if failed:
-            err.print(f"{tokens} tokens; {failed} of {len(outputs)} requests failed")
+            err.print(f"{tokens} tokens; {failed} of {len(prompts)} requests failed")
             return 1
+    elapsed = time.perf_counter() - start
     err.print(f"{tokens} tokens in {elapsed:.2f} s: {tokens / max(elapsed, 1e-9):.1f} tokens/s")
     return 0

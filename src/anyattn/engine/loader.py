@@ -32,9 +32,11 @@ def _with_progress(weights: Iterable[tuple[str, torch.Tensor]], label: str, tota
     if not sys.stderr.isatty():
         yield from weights
         return
-    from rich.progress import Progress
+    from rich.progress import Progress, TextColumn
 
-    with Progress(transient=True) as progress:
+    # The label holds a file name: printed as given, not read as markup ("smol[bold].gguf").
+    columns = (TextColumn("{task.description}", markup=False), *Progress.get_default_columns()[1:])
+    with Progress(*columns, transient=True) as progress:
         task = progress.add_task(label, total=total)
         for item in weights:
             yield item
