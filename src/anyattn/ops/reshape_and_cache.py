@@ -8,9 +8,9 @@ The cache has the logical shape `(num_blocks, 2, block_size, num_kv_heads, head_
 being K (0) / V (1), with any strides (NHD or HND, see `anyattn.kv_cache.allocate_kv_cache`);
 every write goes through that view, so both layouts work. Token `t` goes to
 `slot = slot_mapping[t] = block_id * block_size + offset`; slot -1 is padding and is never
-written. fp8 caches hold `(x.float() / scale).to(fp8)`, where `scale` (float32, shape `[]` or
-`[num_kv_heads]`) is `k_scale` for K and `v_scale` for V; values beyond the fp8 range saturate to
-its largest finite value (448 for e4m3, 57344 for e5m2), as vLLM's kernels do, never inf or NaN.
+written. fp8 caches hold `x / scale` rounded by the one rule of `anyattn.ops.fp8_quant` (IEEE
+float32 division, nearest-even fp8, saturation at 448 for e4m3 and 57344 for e5m2, NaN as 0x7F),
+where `scale` (float32, `[]` or `[num_kv_heads]`) is `k_scale` for K and `v_scale` for V.
 
 On CUDA, when triton is importable, the write is one Triton kernel launch (one program per
 token); the vectorised PyTorch path serves the CPU and CUDA without triton. `impl=` forces
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from anyattn.ops.fp8_quant import quantize_fp8
 from anyattn.ops.impl_choice import use_triton
 from anyattn.ops.slot_checks import check_slot_and_scale_values
 from anyattn.types import CACHE_DTYPES, cache_torch_dtype, is_fp8_cache
@@ -167,7 +168,7 @@ def _write_with_triton(
         *kv_cache.stride(),
         slot_mapping.stride(0),
         FP8=fp8,
-        FP8_MAX=torch.finfo(kv_cache.dtype).max if fp8 else 0.0,
+        IS_E4M3=kv_cache.dtype == torch.float8_e4m3fn,
         K_SCALE_PER_HEAD=fp8 and k_scale is not None and k_scale.dim() == 1,
         V_SCALE_PER_HEAD=fp8 and v_scale is not None and v_scale.dim() == 1,
         BLOCK_H=block_h,
@@ -177,6 +178,7 @@ def _write_with_triton(
 
 
 if triton is not None:
+    from anyattn.ops.fp8_quant import fp8_bits
 
     @triton.jit
     def _store_rows(
@@ -195,7 +197,7 @@ if triton is not None:
         stride_c_head,
         stride_c_dim,
         FP8: tl.constexpr,
-        FP8_MAX: tl.constexpr,
+        IS_E4M3: tl.constexpr,
         SCALE_PER_HEAD: tl.constexpr,
     ):
         # x: [BLOCK_H, BLOCK_D] rows of one token, in the model dtype
@@ -206,18 +208,19 @@ if triton is not None:
             + dims[None, :] * stride_x_dim,
             mask=mask,
         )
+        # float32 holds every model-dtype value exactly: one rounding, as in torch's cast.
+        x = x.to(tl.float32)
         if FP8:
             if SCALE_PER_HEAD:
                 scale = tl.load(scale_ptr + heads, mask=head_mask, other=1.0)[:, None]
             else:
                 scale = tl.load(scale_ptr)
-            y = x.to(tl.float32) / scale
-            y = tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+            # fp8_quant's rule: IEEE division (`/` is approximate on NVIDIA), integer rounding.
+            y = fp8_bits(tl.div_rn(x, scale), IS_E4M3).to(cache_ptr.dtype.element_ty, bitcast=True)
         else:
-            # float32 holds every model-dtype value exactly: one rounding, as in torch's cast.
-            y = x.to(tl.float32)
+            y = x.to(cache_ptr.dtype.element_ty)
         offsets = cache_row + heads[:, None] * stride_c_head + dims[None, :] * stride_c_dim
-        tl.store(cache_ptr + offsets, y.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(cache_ptr + offsets, y, mask=mask)
 
     @triton.jit
     def _reshape_and_cache_kernel(
@@ -243,7 +246,7 @@ if triton is not None:
         stride_c_dim,
         stride_slot,
         FP8: tl.constexpr,
-        FP8_MAX: tl.constexpr,
+        IS_E4M3: tl.constexpr,
         K_SCALE_PER_HEAD: tl.constexpr,
         V_SCALE_PER_HEAD: tl.constexpr,
         BLOCK_H: tl.constexpr,
@@ -263,13 +266,13 @@ if triton is not None:
             _store_rows(
                 key_ptr, cache_ptr, k_scale_ptr, token, row, heads, dims, head_mask, mask,
                 stride_k_token, stride_k_head, stride_k_dim, stride_c_head, stride_c_dim,
-                FP8, FP8_MAX, K_SCALE_PER_HEAD,
+                FP8, IS_E4M3, K_SCALE_PER_HEAD,
             )  # fmt: skip
             _store_rows(
                 value_ptr, cache_ptr, v_scale_ptr, token, row + stride_c_kv, heads, dims,
                 head_mask, mask,
                 stride_v_token, stride_v_head, stride_v_dim, stride_c_head, stride_c_dim,
-                FP8, FP8_MAX, V_SCALE_PER_HEAD,
+                FP8, IS_E4M3, V_SCALE_PER_HEAD,
             )  # fmt: skip
 
 
@@ -316,9 +319,8 @@ def reshape_and_cache_ref(
         block, offset = divmod(slot, block_size)
         k, v = key[token].float(), value[token].float()
         if fp8:
-            fp8_max = torch.finfo(kv_cache.dtype).max
-            k = (k / _per_head(k_scale)).clamp(-fp8_max, fp8_max)
-            v = (v / _per_head(v_scale)).clamp(-fp8_max, fp8_max)
+            k = quantize_fp8(k, _per_head(k_scale), kv_cache.dtype)
+            v = quantize_fp8(v, _per_head(v_scale), kv_cache.dtype)
         kv_cache[block, 0, offset] = k.to(kv_cache.dtype)
         kv_cache[block, 1, offset] = v.to(kv_cache.dtype)
 
@@ -362,14 +364,12 @@ def dequantize_cache(
 
 
 def _to_cache_dtype(x: torch.Tensor, scale: torch.Tensor | None, cache_dtype: str) -> torch.Tensor:
-    # x: [num_tokens, num_kv_heads, head_size]. fp8: divide in float32, saturate (torch's own
-    # cast gives inf or NaN out of range, depending on the format and version), round once.
+    # x: [num_tokens, num_kv_heads, head_size]; fp8 by the rule of anyattn.ops.fp8_quant.
     dtype = cache_torch_dtype(cache_dtype, x.dtype)
     if not is_fp8_cache(cache_dtype):
         return x.to(dtype)
     assert scale is not None
-    fp8_max = torch.finfo(dtype).max
-    return (x.float() / _per_head(scale)).clamp(-fp8_max, fp8_max).to(dtype)
+    return quantize_fp8(x, _per_head(scale), dtype)
 
 
 def _per_head(scale: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from anyattn.ops.fp8_quant import quantize_fp8
 from anyattn.types import is_fp8_cache
 
 __all__ = ["dequantize_kv", "quantize_kv", "read_kv", "write_kv"]
@@ -32,8 +33,9 @@ def quantize_kv(
 ) -> torch.Tensor:
     """The values a cache of `kv_cache_dtype` stores for `x`.
 
-    fp8: `(x.float() / scale).to(fp8)`, the division done in float32 and values past the fp8
-    range saturated to its largest finite value; otherwise a cast.
+    fp8: `x / scale` by `anyattn.ops.fp8_quant.quantize_fp8`, the one rule of every fp8 cache
+    write (an IEEE float32 division, nearest-even fp8, saturation at the format's largest finite
+    value, NaN as the byte 0x7F); otherwise a cast.
 
     Args:
         x: `[num_tokens, num_kv_heads, head_size]`.
@@ -41,8 +43,7 @@ def quantize_kv(
         scale: float32 `[]` or `[num_kv_heads]` (fp8 only; None means 1).
     """
     if is_fp8_cache(kv_cache_dtype):
-        fp8_max = torch.finfo(cache_dtype).max
-        return (x.float() / _broadcast_scale(scale, x)).clamp(-fp8_max, fp8_max).to(cache_dtype)
+        return quantize_fp8(x, _broadcast_scale(scale, x), cache_dtype)
     return x.to(cache_dtype)
 
 
