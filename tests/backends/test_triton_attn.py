@@ -10,6 +10,7 @@ there, bf16 and fp8 rounding on the GPU.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import sys
 from collections.abc import Callable
 
@@ -30,7 +31,7 @@ from anyattn.ops.unified_attention import (
     unified_attention_ref,
 )
 from anyattn.selector import explain, select_backend
-from anyattn.testing import check_backend
+from anyattn.testing import check_backend, plan_cases, run_case
 from anyattn.types import DeviceInfo
 
 
@@ -215,6 +216,22 @@ def check_awkward_shapes(device: str, dtype: torch.dtype) -> None:
             )
 
 
+def check_soft_cap_decodes(device: str, dtype: torch.dtype) -> None:
+    """The kit's decodes with soft caps 20 and 50, three seeds each, within the oracle's bound
+    (in float32 they were not while the cap was computed as 1 - 2 / (exp(2x) + 1))."""
+    backend = InterpretedTriton if device == "cpu" else TritonAttentionBackend
+    cases, _ = plan_cases(backend, device, dtype, features=["decode"], quick=device == "cpu")
+    assert [case.name for case in cases] == ["single_decode", "many_decodes"]
+    failed = []
+    for case, cap, seed in itertools.product(cases, (20.0, 50.0), range(3)):
+        capped = dataclasses.replace(case, logits_soft_cap=cap)
+        for result in run_case(backend, capped, device, dtype, seed):
+            if not result.passed:
+                error = f"{result.max_error:.3g} (bound {result.bound:.3g})"
+                failed.append(f"{case.name} cap {cap} seed {seed}: {error} {result.detail}")
+    assert not failed, failed
+
+
 def run_interpreter_cases() -> list[str]:
     """The CPU cases (run with TRITON_INTERPRET=1); returns failure messages."""
     failures = []
@@ -226,6 +243,7 @@ def run_interpreter_cases() -> list[str]:
             check_split_kv_forced_and_forbidden,
             check_fresh_prefill_from_inputs,
             check_awkward_shapes,
+            check_soft_cap_decodes,
         )
         for check in checks:
             try:
@@ -326,6 +344,12 @@ def test_conformance_kit_on_cuda(dtype: torch.dtype) -> None:
     pytest.importorskip("triton")
     report = check_backend(TritonAttentionBackend, "cuda", dtype)
     report.assert_passed()
+
+
+@pytest.mark.gpu
+def test_soft_cap_decodes_on_cuda() -> None:
+    pytest.importorskip("triton")
+    check_soft_cap_decodes("cuda", torch.float32)
 
 
 @pytest.mark.gpu

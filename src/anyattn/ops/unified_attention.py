@@ -430,6 +430,8 @@ def unified_attention_ref(
 
 
 if triton is not None:
+    from anyattn.ops.soft_cap import apply_soft_cap
+
     _INTERPRETED = tl.constexpr(_INTERPRETED)
 
     @triton.jit
@@ -529,8 +531,8 @@ if triton is not None:
         if HAS_SOFTCAP or HAS_ALIBI:
             s = s * qk_scale  # scale * k_scale
             if HAS_SOFTCAP:
-                # cap * tanh(s / cap), with tanh(x) = 1 - 2 / (exp(2x) + 1): exact at +-inf.
-                s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0))
+                # float32 inputs (IEEE_DOT) need the accurate form to meet their error bound.
+                s = apply_soft_cap(s, soft_cap, IEEE_DOT)
             if HAS_ALIBI:
                 s += slopes[:, None] * (keys[None, :] - q_pos[:, None]).to(tl.float32)
             s = s * 1.4426950408889634  # to the exp2 domain
