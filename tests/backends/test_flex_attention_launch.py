@@ -42,3 +42,14 @@ def test_rows_take_64_row_tiles_only_where_measured():
     # a fresh dict each call: a caller's change never reaches the next layer
     rows_kernel_options((9, 0), 128, 2)["BLOCK_M"] = 128
     assert rows_kernel_options((9, 0), 128, 2) == narrow
+
+
+def test_wide_fp32_rows_take_small_single_stage_tiles_on_every_gpu():
+    # FlexAttention's default launch for these asks for more shared memory than an H200 has.
+    small = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+    for head_size in (144, 160, 176, 192, 208, 224, 240):
+        assert rows_kernel_options((9, 0), head_size, 4) == small
+        assert rows_kernel_options((8, 0), head_size, 4) == small
+    assert rows_kernel_options((9, 0), 256, 4) is None  # FlexAttention's own entry fits
+    assert rows_kernel_options((9, 0), 160, 2) is None  # 16-bit: the default fits
+    assert rows_kernel_options(None, 160, 4) is None  # the CPU

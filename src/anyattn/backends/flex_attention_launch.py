@@ -77,6 +77,10 @@ def paged_decode_options(block_size: int, head_size: int, itemsize: int) -> dict
 
 # The rows kernel's launch on sm90 (`rows_kernel_options`).
 _SM90_ROWS_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+# fp32 rows of head sizes 129-255: FlexAttention's default launch for them (64-row tiles over
+# the head size rounded up to 256) asks for 336 KiB of shared memory and fails to compile on an
+# H200 (232 KiB per block). 32-row query and key tiles in one stage take about 96 KiB.
+_WIDE_FP32_ROWS_OPTIONS = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
 
 
 def rows_kernel_options(
@@ -91,8 +95,14 @@ def rows_kernel_options(
 
     Returns:
         On sm90 with 16-bit inputs of head size 128: 64-row query tiles, four warps, three
-        stages (a fresh dict). Otherwise None (FlexAttention's defaults).
+        stages. On any GPU with fp32 inputs of head size 129-255: 32-row query and key tiles,
+        one stage (the default launch does not fit shared memory). A fresh dict; otherwise
+        None (FlexAttention's defaults).
     """
+    if compute_capability is None:
+        return None
     if compute_capability == (9, 0) and itemsize == 2 and head_size == 128:
         return dict(_SM90_ROWS_OPTIONS)
+    if itemsize == 4 and 128 < head_size < 256:
+        return dict(_WIDE_FP32_ROWS_OPTIONS)
     return None
