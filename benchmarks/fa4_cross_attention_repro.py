@@ -1,13 +1,18 @@
-"""Cross attention through FLASH_ATTN and through FlashAttention-4 called directly, vs float64.
+"""FLASH_ATTN and FlashAttention-4 called directly on the same paged batches, vs float64.
 
-A reproducer for one failing configuration (8 query heads on 1 KV head, long encoders, block 16,
-NHD; the kit's `cross_attention_long` batch): for each dtype and head size it prints the error
-of the FLASH_ATTN backend and of FA4's public `flash_attn_varlen_func` called directly on the
-same paged cache, with a few of its options, against the float64 oracle, and the kit's bound.
+A reproducer for FA4's paged-KV results at some head sizes: for each configuration it prints
+the error of the FLASH_ATTN backend (the kit's `run_case`), of FA4's public
+`flash_attn_varlen_func` called directly on the same paged cache (`page_table`), and of the same
+call over the same keys gathered into contiguous rows (`cu_seqlens_k`, no page table), each
+against the float64 oracle, with the kit's bound. Configurations: the kit's
+`cross_attention_long` batch (8 query heads on 1 KV head, encoders of 434-1100 tokens, block 16,
+NHD), and its `chunked_prefill` batch (contexts up to 700) causal and not.
 Run on a CUDA machine with FA4 installed: `python benchmarks/fa4_cross_attention_repro.py`.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -17,68 +22,93 @@ from anyattn.testing.cases import Case
 from anyattn.testing.tolerance import error_bound, max_abs_error
 from anyattn.types import AttentionType
 
+CONFIGS = (  # (label, batch, attention type, causal, head sizes)
+    ("cross", "cross_attention_long", AttentionType.ENCODER_DECODER, False, (64, 80, 96, 160)),
+    ("causal", "chunked_prefill", AttentionType.DECODER, True, (80, 96, 160, 208, 224, 240)),
+    ("noncausal", "chunked_prefill", AttentionType.DECODER, False, (80, 96)),
+)
 
-def _direct(batch, scale: float, **options) -> torch.Tensor:
+
+def _direct(batch, scale: float, causal: bool, paged: bool) -> torch.Tensor:
     from flash_attn.cute import flash_attn_varlen_func
 
     cm = batch.common_attn_metadata
     n, r = batch.num_actual_tokens, cm.num_reqs
-    cache = batch.expected_kv_cache  # the encoder K/V as the backend must have written them
-    out = flash_attn_varlen_func(
-        batch.query[:n],
-        cache[:, 0],
-        cache[:, 1],
+    lens = cm.encoder_seq_lens if batch.attn_type is AttentionType.ENCODER_DECODER else cm.seq_lens
+    common = dict(
         cu_seqlens_q=cm.query_start_loc[: r + 1],
-        seqused_k=cm.encoder_seq_lens[:r],
-        page_table=cm.block_table_tensor[:r],
         max_seqlen_q=cm.max_query_len,
         softmax_scale=scale,
-        causal=False,
-        **options,
+        causal=causal,
     )
+    if paged:
+        cache = batch.expected_kv_cache  # the keys as the backend must have written them
+        out = flash_attn_varlen_func(
+            batch.query[:n],
+            cache[:, 0],
+            cache[:, 1],
+            seqused_k=lens[:r],
+            page_table=cm.block_table_tensor[:r],
+            **common,
+        )
+    else:
+        dtype = batch.query.dtype
+        cu_k = torch.zeros(r + 1, dtype=torch.int32)
+        cu_k[1:] = torch.tensor(batch.kv_lens).cumsum(0)
+        out = flash_attn_varlen_func(
+            batch.query[:n],
+            batch.oracle_key.to(dtype),
+            batch.oracle_value.to(dtype),
+            cu_seqlens_k=cu_k.cuda(),
+            max_seqlen_k=max(batch.kv_lens),
+            **common,
+        )
     return out[0] if isinstance(out, tuple) else out
 
 
 def main() -> None:
+    import flash_attn.cute as fa
+
+    print("FA4 module:", fa.__file__, file=sys.stderr)
     backend = get_backend_class("FLASH_ATTN")
-    spec = get_spec("cross_attention_long")
-    cross = AttentionType.ENCODER_DECODER
-    print("dtype     head  via                       error      bound")
-    for dtype in (torch.float16, torch.bfloat16):
-        for head_size in (64, 80, 96, 128):
-            case = Case("cross", "x", spec, 8, 1, head_size, attn_type=cross)
-            (result,) = run_case(backend, case, "cuda", dtype)[:1]
-            row = f"{str(dtype)[6:]:9} {head_size:4}"
-            print(f"{row}  FLASH_ATTN               {result.max_error:9.3g}  {result.bound:9.3g}")
+    dtype = torch.float16
+    print("batch      head  FLASH_ATTN  fa4_paged  fa4_contiguous  bound")
+    for label, spec_name, attn_type, causal, head_sizes in CONFIGS:
+        spec = get_spec(spec_name)
+        for head_size in head_sizes:
+            heads = (8, 1) if attn_type is AttentionType.ENCODER_DECODER else (4, 2)
+            case = Case(label, "x", spec, *heads, head_size, attn_type=attn_type, causal=causal)
+            result = run_case(backend, case, "cuda", dtype)[0]
             batch = build_batch(
                 backend,
                 spec,
-                num_heads=8,
-                num_kv_heads=1,
+                num_heads=heads[0],
+                num_kv_heads=heads[1],
                 head_size=head_size,
                 dtype=dtype,
                 device="cuda",
-                attn_type=cross,
+                attn_type=attn_type,
+                causal=causal,
             )
             n = batch.num_actual_tokens
             args = (batch.query[:n], batch.oracle_key, batch.oracle_value)
             lens = (batch.spec.query_lens, batch.kv_lens)
-            ref64, _ = attention_oracle(*args, *lens, scale=case.scale, causal=False)
-            low, _ = attention_oracle(
-                *args, *lens, scale=case.scale, causal=False, compute_dtype=dtype
-            )
-            bound = error_bound(ref64, low, dtype)
-            for label, options in (
-                ("fa4 direct", {}),
-                ("fa4 pack_gqa=False", {"pack_gqa": False}),
-                ("fa4 num_splits=1", {"num_splits": 1}),
-                ("fa4 both", {"pack_gqa": False, "num_splits": 1}),
-            ):
+            semantics = dict(scale=case.scale, causal=causal)
+            ref64, _ = attention_oracle(*args, *lens, **semantics)
+            low, _ = attention_oracle(*args, *lens, compute_dtype=dtype, **semantics)
+            errors = []
+            for paged in (True, False):
                 try:
-                    error = max_abs_error(_direct(batch, case.scale, **options), ref64)
-                    print(f"{row}  {label:24} {error:9.3g}  {bound:9.3g}")
+                    out = _direct(batch, case.scale, causal, paged)
+                    errors.append(f"{max_abs_error(out, ref64):9.3g}")
                 except Exception as e:  # report and go on: this is a diagnosis
-                    print(f"{row}  {label:24} raised {type(e).__name__}: {str(e)[:80]}")
+                    errors.append(f"raised {type(e).__name__}")
+            bound = error_bound(ref64, low, dtype)
+            print(
+                f"{label:10} {head_size:4}  {result.max_error:9.3g}  {errors[0]}  "
+                f"{errors[1]:>14}  {bound:.3g}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu_sweep.sh "<pytest -k expression>" [pytest arguments...]
 #
-# WORKERS (default 12) sets the xdist workers and MAX_JOBS (default 4) FlashInfer's ninja jobs
+# LOG_NAME names the log under $OUT. WORKERS (default 12) sets the xdist workers and MAX_JOBS (default 4) FlashInfer's ninja jobs
 # per JIT compile; SECONDS_LIMIT (default 520) cuts the run so that its log still comes back.
 # FlashInfer and FlashAttention-4 are used when importable (staged wheels in .gpu-wheels/part4
 # are unpacked to /tmp/gpusite first when present). The log lists every test with its outcome;
@@ -17,10 +17,11 @@ if [ -d .gpu-wheels/part4 ] && [ ! -d /tmp/gpusite ]; then
         || exit 1
     eval "$exports"
 fi
-export PYTHONPATH=$PWD/src:/tmp/gpusite:/tmp/gpusite/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
+# (paths already on PYTHONPATH come first: another build of a library can be tried that way)
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src:/tmp/gpusite:/tmp/gpusite/nvidia_cutlass_dsl/dsl_packages
 export MAX_JOBS=${MAX_JOBS:-4}
 expr=${1:-}
-log="$out/sweep_$(date +%H%M%S).log"
+log="$out/${LOG_NAME:-sweep_$(date +%H%M%S)}.log"
 timeout -s INT "${SECONDS_LIMIT:-520}" python3 -m pytest -m gpu -n "${WORKERS:-12}" \
     -p no:warnings -p no:benchmark --tb=line -rfE -v tests/backends/test_declarations.py \
     -k "$expr" "${@:2}" >"$log" 2>&1
