@@ -508,7 +508,7 @@ def prepare_backend(name: str, data: CaseData, torch_max_kv_tokens: int | None =
     one = torch.ones((), dtype=torch.float32, device=data.device)
     layer = _Layer("bench.0", one, one)
     if not cls.forward_includes_kv_cache_update:
-        impl.do_kv_cache_update(layer, key, value, kv_cache, common.slot_mapping)
+        impl.do_kv_cache_update(layer, key, value, kv_cache, common.slot_mapping, metadata)
     outputs = [torch.empty_like(q) for q in queries]
 
     def run(slot: int) -> torch.Tensor:

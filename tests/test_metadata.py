@@ -49,7 +49,8 @@ def test_make_common_attn_metadata_hand_case():
     assert m.query_start_loc.dtype is torch.int32 and m.seq_lens.dtype is torch.int32
     assert m.causal and m.encoder_seq_lens is None and m.encoder_seq_lens_cpu is None
     assert m.device == torch.device("cpu")
-    m.validate()
+    # the CPU mirrors of the block table and the slot mapping (here the tensors themselves)
+    assert m.block_table_cpu is block_table and m.slot_mapping_cpu is m.slot_mapping
 
 
 def test_make_common_attn_metadata_padding_and_encoder():
@@ -103,7 +104,8 @@ def test_split_empty_batch():
 def test_split_reads_only_the_real_requests():
     m = metadata([1, 1, 4])
     # CUDA-graph padding: tensors longer than num_reqs must not count.
-    m.query_start_loc_cpu = torch.tensor([0, 1, 2, 6, 6, 6], dtype=torch.int32)
+    loc = torch.tensor([0, 1, 2, 6, 6, 6], dtype=torch.int32)
+    m = dataclasses.replace(m, query_start_loc_cpu=loc)
     assert split_decodes_and_prefills(m) == (2, 1, 2, 4)
 
 
@@ -238,7 +240,7 @@ def test_expanded_table_gives_the_same_slots():
     assert torch.equal(coarse, fine)
 
 
-# --- CommonAttentionMetadata.validate --------------------------------------------------------
+# --- CommonAttentionMetadata: checked when made ----------------------------------------------
 
 
 def valid() -> CommonAttentionMetadata:
@@ -307,21 +309,22 @@ def valid() -> CommonAttentionMetadata:
     ],
 )
 def test_validate_errors(changes, message):
-    valid().validate()
-    broken = dataclasses.replace(valid(), **changes)
     with pytest.raises(ValueError) as raised:
-        broken.validate(api="TestBuilder.build")
-    assert str(raised.value).startswith("TestBuilder.build: ")
+        dataclasses.replace(valid(), **changes)
+    assert str(raised.value).startswith("CommonAttentionMetadata: ")
     assert message in str(raised.value)
 
 
 def test_validate_accepts_padding_past_num_reqs():
-    m = valid()
-    m.query_start_loc_cpu = torch.tensor([0, 1, 4, 4], dtype=torch.int32)
-    m.seq_lens_cpu = torch.tensor([5, 3, 0], dtype=torch.int32)
-    m.num_computed_tokens_cpu = torch.tensor([4, 0, 0], dtype=torch.int32)
-    m.block_table_tensor = torch.zeros(3, 2, dtype=torch.int32)
-    host = m.validate()
+    m = dataclasses.replace(
+        valid(),
+        query_start_loc_cpu=torch.tensor([0, 1, 4, 4], dtype=torch.int32),
+        seq_lens_cpu=torch.tensor([5, 3, 0], dtype=torch.int32),
+        num_computed_tokens_cpu=torch.tensor([4, 0, 0], dtype=torch.int32),
+        block_table_tensor=torch.zeros(3, 2, dtype=torch.int32),
+        block_table_cpu=None,
+    )
+    host = m.host_batch
     # the real requests' mirrors, for the builder's host planning
     assert host.query_start_loc.tolist() == [0, 1, 4]
     assert host.query_lens.tolist() == [1, 3]
@@ -337,10 +340,12 @@ def test_validate_accepts_padding_past_num_reqs():
     m.num_computed_tokens_cpu[0] = 7
     m.seq_lens_cpu[0] = 9
     assert host.query_start_loc[1] == 1 and host.context_lens[0] == 4 and host.seq_lens[0] == 5
+    # every builder of the step reads the same arrays: none may write them
+    assert not any(a.flags.writeable for a in arrays)
 
 
 def test_validate_of_an_empty_step_gives_empty_arrays():
-    host = metadata([], []).validate()
+    host = metadata([], []).host_batch
     assert host.query_start_loc.tolist() == [0]
     assert host.query_lens.size == host.seq_lens.size == host.context_lens.size == 0
     assert (host.max_query_len, host.max_seq_len) == (0, 0)
@@ -349,27 +354,24 @@ def test_validate_of_an_empty_step_gives_empty_arrays():
 @pytest.mark.gpu
 def test_validate_rejects_device_mirrors():
     m = valid()
-    m.seq_lens_cpu = m.seq_lens_cpu.cuda()
     with pytest.raises(ValueError, match="seq_lens_cpu must be a CPU tensor"):
-        m.validate()
+        dataclasses.replace(m, seq_lens_cpu=m.seq_lens_cpu.cuda())
 
 
 def test_validate_rejects_mirrors_off_the_cpu():
-    m = valid()
-    m.num_computed_tokens_cpu = torch.tensor([4, 0], dtype=torch.int32, device="meta")
+    meta = torch.tensor([4, 0], dtype=torch.int32, device="meta")
     with pytest.raises(
         ValueError, match=r"num_computed_tokens_cpu must be a CPU tensor \(got meta"
     ):
-        m.validate()
+        dataclasses.replace(valid(), num_computed_tokens_cpu=meta)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.bool])
 @pytest.mark.parametrize("field", ["query_start_loc_cpu", "num_computed_tokens_cpu"])
 def test_validate_rejects_mirrors_that_are_not_integers(field, dtype):
     m = valid()
-    setattr(m, field, getattr(m, field).to(dtype))
     with pytest.raises(ValueError, match=rf"{field} must be an integer tensor \(got {dtype}"):
-        m.validate()
+        dataclasses.replace(m, **{field: getattr(m, field).to(dtype)})
 
 
 def with_mirror_dtype(m: CommonAttentionMetadata, dtype: torch.dtype) -> CommonAttentionMetadata:
@@ -384,7 +386,7 @@ def with_mirror_dtype(m: CommonAttentionMetadata, dtype: torch.dtype) -> CommonA
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int16, torch.uint8])
 def test_validate_any_integer_mirror_dtype(dtype):
     # differences are taken without wrapping around, unsigned mirrors included
-    with_mirror_dtype(valid(), dtype).validate()
+    with_mirror_dtype(valid(), dtype)
     cases = [
         ({"query_start_loc_cpu": torch.tensor([0, 3, 2])}, "start at 0 and never decrease"),
         ({"num_actual_tokens": 5}, "num_actual_tokens disagrees"),
@@ -392,6 +394,62 @@ def test_validate_any_integer_mirror_dtype(dtype):
         ({"num_computed_tokens_cpu": torch.tensor([4, 1])}, "num_computed_tokens_cpu must equal"),
     ]
     for changes, message in cases:
-        broken = with_mirror_dtype(dataclasses.replace(valid(), **changes), dtype)
+        changes = {k: v.to(dtype) if torch.is_tensor(v) else v for k, v in changes.items()}
         with pytest.raises(ValueError, match=message):
-            broken.validate()
+            dataclasses.replace(with_mirror_dtype(valid(), dtype), **changes)
+
+
+# --- the block table's and slot mapping's CPU mirrors -----------------------------------------
+
+
+def test_mirrors_are_required_for_device_tensors():
+    m = make_common_attn_metadata([1, 3], [5, 3], torch.tensor([[2], [3]]).int(), 16, "meta")
+    assert m.block_table_cpu.is_cpu and m.slot_mapping_cpu.is_cpu
+    for name in ("block_table", "slot_mapping"):
+        with pytest.raises(ValueError, match=rf"{name}_cpu is required for a {name} on meta"):
+            dataclasses.replace(m, **{f"{name}_cpu": None})
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"block_table_cpu": torch.zeros(2, 3, dtype=torch.int32)},
+            "block_table_cpu must mirror its device tensor on the CPU (got cpu torch.int32 (2, 3),"
+            " expected cpu torch.int32 (2, 1))",
+        ),
+        (
+            {"block_table_cpu": torch.zeros(2, 1, dtype=torch.int64)},
+            "block_table_cpu must mirror its device tensor",
+        ),
+        (
+            {"slot_mapping_cpu": torch.zeros(4, dtype=torch.int32)},
+            "slot_mapping_cpu must mirror its device tensor",
+        ),
+        (
+            {"slot_mapping_cpu": torch.tensor([80, 81, -2, 83])},
+            "slot_mapping has a negative slot at entry 2 (got -2, expected -1 for padding or a "
+            "slot >= 0)",
+        ),
+        (
+            {"slot_mapping_cpu": torch.tensor([80, 81, 82, 81])},
+            "slot_mapping gives slot 81 to two tokens (got entries 1 and 3, expected distinct "
+            "slots, -1 excepted)",
+        ),
+    ],
+)
+def test_mirrors_are_checked_when_made(changes, message):
+    m = make_common_attn_metadata([1, 3], [5, 3], torch.tensor([[4], [5]]).int(), 16, "meta")
+    assert m.slot_mapping_cpu.tolist() == [68, 80, 81, 82]
+    with pytest.raises(ValueError) as raised:
+        dataclasses.replace(m, **changes)
+    assert str(raised.value).startswith("CommonAttentionMetadata: ")
+    assert message in str(raised.value)
+
+
+def test_metadata_is_read_only_once_made():
+    m = valid()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.max_seq_len = 40
+    # a copy with changes is made, and checked, anew
+    assert dataclasses.replace(m, causal=False).checks is not m.checks

@@ -32,6 +32,7 @@ from anyattn.types import (
     is_fp8_cache,
     parse_cache_dtype,
 )
+from anyattn.validation import check_kv_write
 
 if TYPE_CHECKING:
     from anyattn.config import AttentionSelectorConfig, AttentionSpec, BatchLimits
@@ -616,10 +617,11 @@ class AttentionImpl(AttentionImplBase[M], Generic[M]):
         output: torch.Tensor,
         output_lse: torch.Tensor | None = None,
     ) -> None:
-        """Raise a clear error for inputs `forward` would reject.
+        """Raise a clear error for inputs `forward` would reject (host checks only).
 
-        The layer calls it before `do_kv_cache_update`, so that a rejected call writes nothing.
-        The default checks nothing; impls override it (and call it from `forward`).
+        `anyattn.validation.check_layer_call` calls it before `do_kv_cache_update`, so that a
+        rejected call writes nothing; `forward` through `anyattn.validation.check_forward`.
+        The default checks nothing; impls override it.
         """
 
     def do_kv_cache_update(
@@ -629,24 +631,21 @@ class AttentionImpl(AttentionImplBase[M], Generic[M]):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        attn_metadata: object = None,
     ) -> None:
-        """Write new K/V into the paged cache (`slot_mapping` -1 entries are skipped).
+        """Write new K/V into the paged cache (`slot_mapping` -1 entries are skipped), after
+        `anyattn.validation.check_kv_write`. Pass the step's `attn_metadata` (what `forward`
+        gets): the slots and block table are then checked from its CPU mirrors before the
+        write; without it a device `slot_mapping` is read back to be checked.
 
         Layers that share another layer's KV cache write nothing.
         """
         if self.kv_sharing_target_layer_name is not None:
             return
-        from anyattn.ops.reshape_and_cache import reshape_and_cache
+        from anyattn.ops.reshape_and_cache import reshape_and_cache_unchecked
 
-        reshape_and_cache(
-            key,
-            value,
-            kv_cache,
-            slot_mapping,
-            kv_cache_dtype=self.kv_cache_dtype,
-            k_scale=getattr(layer, "k_scale", None),
-            v_scale=getattr(layer, "v_scale", None),
-        )
+        args = check_kv_write(self, layer, key, value, kv_cache, slot_mapping, attn_metadata)
+        reshape_and_cache_unchecked(key, value, kv_cache, slot_mapping, *args)
 
 
 class MLAAttentionImpl(AttentionImplBase[M], Generic[M]):

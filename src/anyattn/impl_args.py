@@ -1,7 +1,7 @@
 """Checks shared by every impl constructor: arguments against the backend's declarations.
 
 Nothing is silently ignored: a feature the backend does not declare raises here, at
-construction, not on the first forward.
+construction, not on the first forward. A call's inputs are checked by `anyattn.validation`.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from anyattn.types import AttentionType, cache_torch_dtype, parse_cache_dtype
+from anyattn.types import AttentionType, parse_cache_dtype
 
 if TYPE_CHECKING:
-    from anyattn.backend import AttentionBackend, AttentionImpl
+    from anyattn.backend import AttentionBackend
 
-__all__ = ["check_forward_inputs", "layer_kv_scale", "validate_impl_arguments"]
+__all__ = ["validate_impl_arguments"]
 
 
 def validate_impl_arguments(
@@ -166,131 +166,6 @@ def _pick_another(flag: str) -> str:
         f"Pick another backend (`anyattn explain --head-size N {flag}` lists those that "
         "support it)."
     )
-
-
-def check_forward_inputs(
-    api: str,
-    impl: AttentionImpl,
-    supported_dtypes: tuple[torch.dtype, ...],
-    query: torch.Tensor,
-    key: torch.Tensor | None,
-    value: torch.Tensor | None,
-    kv_cache: torch.Tensor,
-    *,
-    block_size: int,
-    num_actual_tokens: int,
-    output: torch.Tensor,
-    output_lse: torch.Tensor | None,
-    reads_cache: bool = True,
-) -> None:
-    """Shapes, dtypes and devices of one `forward` call's tensors, checked before anything is
-    written (the shared part of every impl's `validate_inputs`).
-
-    Args:
-        api: names the caller in messages, e.g. "TRITON forward".
-        impl: the impl (`num_heads`, `head_size`, `num_kv_heads`, `kv_cache_dtype`,
-            `attn_type`).
-        supported_dtypes: query dtypes the backend takes.
-        query, key, value, kv_cache, output, output_lse: `forward`'s arguments.
-        block_size: tokens per block of the step's block table.
-        num_actual_tokens: real tokens of the step.
-        reads_cache: False for attention that takes K/V only from its inputs (encoder).
-
-    Raises:
-        ValueError: the first mismatch, naming the argument, what was given and expected.
-    """
-    heads = (impl.num_heads, impl.head_size)
-    if query.dim() != 3 or tuple(query.shape[1:]) != heads:
-        raise ValueError(
-            f"{api}: query must be [num_tokens, {heads[0]}, {heads[1]}] (got {tuple(query.shape)})."
-        )
-    if query.dtype not in supported_dtypes:
-        raise ValueError(
-            f"{api}: query dtype not supported (got {query.dtype}, expected one of "
-            f"{', '.join(str(d).removeprefix('torch.') for d in supported_dtypes)})."
-        )
-    if output.shape != query.shape or output.dtype != query.dtype:
-        raise ValueError(
-            f"{api}: output must match query in shape and dtype (got {tuple(output.shape)} "
-            f"{output.dtype}, expected {tuple(query.shape)} {query.dtype})."
-        )
-    if num_actual_tokens > query.shape[0]:
-        raise ValueError(
-            f"{api}: query has fewer rows than the metadata's tokens (got {query.shape[0]}, "
-            f"expected >= {num_actual_tokens})."
-        )
-    if (key is None) != (value is None):
-        raise ValueError(f"{api}: key and value must both be given or both be None.")
-    kv_shape = (impl.num_kv_heads, impl.head_size)
-    for name, tensor in (("key", key), ("value", value)):
-        if tensor is None:
-            continue
-        if tensor.dim() != 3 or tuple(tensor.shape[1:]) != kv_shape:
-            raise ValueError(
-                f"{api}: {name} must be [num_tokens, {kv_shape[0]}, {kv_shape[1]}] (got "
-                f"{tuple(tensor.shape)})."
-            )
-        if tensor.dtype != query.dtype:
-            raise ValueError(
-                f"{api}: {name} dtype differs from query (got {tensor.dtype}, expected "
-                f"{query.dtype})."
-            )
-        if impl.attn_type != AttentionType.ENCODER_DECODER and tensor.shape[0] != query.shape[0]:
-            raise ValueError(
-                f"{api}: {name} and query differ in tokens (got {tensor.shape[0]} and "
-                f"{query.shape[0]})."
-            )
-    if not reads_cache:
-        if key is None:
-            raise ValueError(f"{api}: {impl.attn_type.value} attention needs key and value.")
-    else:
-        cache_dtype = cache_torch_dtype(impl.kv_cache_dtype, query.dtype)
-        expected = ("num_blocks", 2, block_size, *kv_shape)
-        if kv_cache.dim() != 5 or tuple(kv_cache.shape[1:]) != expected[1:]:
-            raise ValueError(
-                f"{api}: kv_cache must be {list(expected)} (got {tuple(kv_cache.shape)}). "
-                "Allocate it with anyattn.kv_cache.allocate_kv_cache."
-            )
-        if kv_cache.dtype != cache_dtype:
-            raise ValueError(
-                f"{api}: kv_cache dtype does not match kv_cache_dtype "
-                f"{impl.kv_cache_dtype!r} (got {kv_cache.dtype}, expected {cache_dtype})."
-            )
-        if kv_cache.device != query.device:
-            raise ValueError(
-                f"{api}: kv_cache and query are on different devices (got {kv_cache.device} "
-                f"and {query.device})."
-            )
-    if output_lse is not None and (
-        output_lse.dtype != torch.float32
-        or output_lse.dim() != 2
-        or output_lse.shape[0] != impl.num_heads
-        or output_lse.shape[1] < num_actual_tokens
-    ):
-        raise ValueError(
-            f"{api}: output_lse must be float32 [{impl.num_heads}, num_tokens] (got "
-            f"{output_lse.dtype} {tuple(output_lse.shape)})."
-        )
-
-
-def layer_kv_scale(
-    api: str, layer: object, name: str, num_kv_heads: int, device: torch.device
-) -> torch.Tensor:
-    """`layer.k_scale` or `layer.v_scale` of an fp8 cache as float32 on `device`.
-
-    Raises:
-        ValueError: missing, or not of shape `[]`, `[1]` or `[num_kv_heads]`.
-    """
-    scale = getattr(layer, name, None)
-    if not isinstance(scale, torch.Tensor) or tuple(scale.shape) not in ((), (1,), (num_kv_heads,)):
-        got = tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__
-        raise ValueError(
-            f"{api}: layer.{name} must be a float32 tensor of shape [] or [{num_kv_heads}] "
-            f"for an fp8 KV cache (got {got})."
-        )
-    if scale.device != device or scale.dtype != torch.float32:
-        scale = scale.to(device=device, dtype=torch.float32)
-    return scale
 
 
 def _num_slopes(alibi_slopes: Sequence | torch.Tensor) -> int:

@@ -15,6 +15,7 @@ from anyattn.backend import AttentionBackend
 from anyattn.config import AttentionSelectorConfig
 from anyattn.selector import select_backend
 from anyattn.types import AttentionType, DeviceInfo
+from anyattn.validation import check_layer_call
 
 __all__ = ["Attention"]
 
@@ -145,10 +146,14 @@ class Attention(nn.Module):
         output[getattr(attn_metadata, "num_actual_tokens", 0) :].zero_()
         # Encoder self-attention keeps no cache; backends whose forward writes it do so there.
         writes_cache = self.attn_type not in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
-        # Everything is checked before the cache is written: a rejected call changes nothing.
-        self.impl.validate_inputs(query, key, value, kv_cache, attn_metadata, output, output_lse)
-        if writes_cache and key is not None and not self.backend.forward_includes_kv_cache_update:
-            self.impl.do_kv_cache_update(self, key, value, kv_cache, attn_metadata.slot_mapping)
+        writes_cache = writes_cache and key is not None
+        # One check of the whole call before the cache is written (a rejected call changes
+        # nothing); the impl's two entry points below skip theirs for this very call.
+        check_layer_call(self.impl, self, query, key, value, kv_cache, attn_metadata, output,
+                         output_lse, writes_kv=writes_cache)  # fmt: skip
+        if writes_cache and not self.backend.forward_includes_kv_cache_update:
+            slot_mapping = attn_metadata.slot_mapping
+            self.impl.do_kv_cache_update(self, key, value, kv_cache, slot_mapping, attn_metadata)
         return self.impl.forward(
             self, query, key, value, kv_cache, attn_metadata, output, output_lse=output_lse
         )

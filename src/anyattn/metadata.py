@@ -1,7 +1,8 @@
 """The per-step batch description every builder reads, and helpers around it.
 
 `CommonAttentionMetadata` carries device tensors together with CPU mirrors so that builders
-never synchronise with the device. The helpers split a batch into decodes and prefills, reorder
+and the checks never synchronise with the device; it checks its mirrors once, when it is made
+(docs/design.md, "Validation"). The helpers split a batch into decodes and prefills, reorder
 a batch so decodes come first (fewest swaps), compute slot mappings from block tables, and
 expand block tables when the kernel block size is smaller than the engine's.
 """
@@ -9,7 +10,7 @@ expand block tables when the kernel block size is smaller than the engine's.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -17,6 +18,7 @@ import torch
 __all__ = [
     "CommonAttentionMetadata",
     "HostBatch",
+    "StepChecks",
     "apply_swaps",
     "compute_slot_mapping",
     "expand_block_table",
@@ -27,12 +29,16 @@ __all__ = [
 ]
 
 
-@dataclass
+@dataclass(frozen=True)
 class CommonAttentionMetadata:
-    """One step's batch, shared by every backend's builder.
+    """One step's batch, shared by every backend's builder. Read-only once made.
 
     Requests are laid out back to back in the flat token dimension. Tensors may be padded past
-    `num_reqs` / `num_actual_tokens` (CUDA graphs); only the real part is meaningful.
+    `num_reqs` / `num_actual_tokens` (CUDA graphs); only the real part is meaningful. The CPU
+    mirrors must hold the device tensors' values (the engine fills both from one source): every
+    check reads the mirrors, never the device. Making one checks the mirrors (`host_batch` holds
+    the result); the slots and block ids are checked against a cache's size by
+    `anyattn.validation` at the first layer call with that cache.
 
     Attributes:
         query_start_loc: int32 `[num_reqs + 1]` (device): offsets of each request's new tokens.
@@ -44,13 +50,24 @@ class CommonAttentionMetadata:
         num_actual_tokens: real tokens; output rows past it are left untouched.
         max_query_len: longest query (new tokens) among the real requests.
         max_seq_len: longest sequence among the real requests.
-        block_table_tensor: int32 `[num_reqs, max_blocks]` (device): physical block ids in
-            kernel-block units; unused entries are 0 (the null block, never allocated).
-        slot_mapping: int64 `[num_tokens]` (device): cache slot of each new token's K/V,
-            `block_id * block_size + offset`; -1 marks padding that is never written.
+        block_table_tensor: int32 `[>= num_reqs, max_blocks]` (device): physical block ids in
+            kernel-block units. Entries past a request's keys and rows past `num_reqs` are
+            never read, nor checked (the engine leaves them 0: the null block, never allocated).
+        slot_mapping: int64 `[num_tokens]` (device): cache slot of each new token's K/V (for
+            cross attention: of the encoder tokens written this step), `block_id * block_size
+            + offset`; -1 marks padding that is never written.
         causal: False for bidirectional attention.
         encoder_seq_lens: int32 `[num_reqs]` (device) for cross-attention, else None.
         encoder_seq_lens_cpu: the same, on the CPU.
+        block_table_cpu: `block_table_tensor` on the CPU (int32, same shape); may be left None
+            when `block_table_tensor` is a CPU tensor (it is then its own mirror).
+        slot_mapping_cpu: `slot_mapping` on the CPU (int64, same shape); likewise.
+        host_batch: the checked mirrors (`HostBatch`), made with the metadata.
+        checks: what `anyattn.validation` has checked of this step since (`StepChecks`).
+
+    Raises:
+        ValueError: when made, for mirrors that are not CPU integer tensors of the expected
+            shapes, or whose values contradict each other, or a slot below -1 or used twice.
     """
 
     query_start_loc: torch.Tensor
@@ -67,6 +84,30 @@ class CommonAttentionMetadata:
     causal: bool = True
     encoder_seq_lens: torch.Tensor | None = None
     encoder_seq_lens_cpu: torch.Tensor | None = None
+    block_table_cpu: torch.Tensor | None = None
+    slot_mapping_cpu: torch.Tensor | None = None
+    host_batch: HostBatch = field(init=False, repr=False, compare=False)
+    checks: StepChecks = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        api = "CommonAttentionMetadata"
+        for name, tensor in (
+            ("block_table", self.block_table_tensor),
+            ("slot_mapping", self.slot_mapping),
+        ):
+            if getattr(self, f"{name}_cpu") is None:
+                if not tensor.is_cpu:
+                    raise ValueError(
+                        f"{api}: {name}_cpu is required for a {name} on {tensor.device} (got "
+                        f"None, expected its CPU mirror). Fill it from the same host values."
+                    )
+                object.__setattr__(self, f"{name}_cpu", tensor)  # a CPU tensor is its own mirror
+        host = self._validate(api)
+        self._check_table_and_slots(api)
+        for array in (host.query_start_loc, host.query_lens, host.seq_lens, host.context_lens):
+            array.flags.writeable = False  # shared by every builder of the step
+        object.__setattr__(self, "host_batch", host)
+        object.__setattr__(self, "checks", StepChecks())
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:
@@ -78,15 +119,9 @@ class CommonAttentionMetadata:
     def device(self) -> torch.device:
         return self.query_start_loc.device
 
-    def validate(self, api: str = "CommonAttentionMetadata") -> HostBatch:
-        """Check shapes, dtypes and mirrors (CPU tensors only: no device synchronisation).
-
-        Returns:
-            The checked mirrors as numpy arrays (`HostBatch`), for a builder's host planning.
-
-        Raises:
-            ValueError: with the field, what it holds and what is expected.
-        """
+    def _validate(self, api: str) -> HostBatch:
+        """Check shapes, dtypes and the lengths' mirrors (CPU tensors only: no device
+        synchronisation); returns them as numpy arrays (`HostBatch`), for builders' planning."""
         num_reqs = self.num_reqs
         # The checks run on numpy views of the CPU mirrors, in as few calls as they allow: this
         # runs in every build, where a torch op or attribute on a small CPU tensor costs a
@@ -192,6 +227,40 @@ class CommonAttentionMetadata:
             f"{api}: num_computed_tokens_cpu must equal seq_lens - query lens per request."
         )
 
+    def _check_table_and_slots(self, api: str) -> None:
+        """The block table's and slot mapping's mirrors: CPU, int32 / int64, their device
+        tensors' shapes; every slot -1 or >= 0, no slot twice (range: `anyattn.validation`)."""
+        pairs = (
+            ("block_table_cpu", self.block_table_cpu, self.block_table_tensor, torch.int32),
+            ("slot_mapping_cpu", self.slot_mapping_cpu, self.slot_mapping, torch.int64),
+        )
+        for name, mirror, tensor, dtype in pairs:
+            if not mirror.is_cpu or mirror.dtype != dtype or mirror.shape != tensor.shape:
+                raise ValueError(
+                    f"{api}: {name} must mirror its device tensor on the CPU (got {mirror.device} "
+                    f"{mirror.dtype} {tuple(mirror.shape)}, expected cpu {dtype} "
+                    f"{tuple(tensor.shape)})."
+                )
+        slots = self.slot_mapping_cpu.numpy()
+        if slots.ndim != 1:
+            raise ValueError(f"{api}: slot_mapping must be 1-D (got shape {slots.shape}).")
+        if slots.size and slots[slots.argmin()] < -1:
+            entry = int(slots.argmin())
+            raise ValueError(
+                f"{api}: slot_mapping has a negative slot at entry {entry} (got {slots[entry]}, "
+                "expected -1 for padding or a slot >= 0)."
+            )
+        real = np.sort(slots[slots >= 0])
+        repeated = np.flatnonzero(real[1:] == real[:-1])
+        if repeated.size:
+            slot = int(real[repeated[0]])
+            entries = np.flatnonzero(slots == slot)[:2].tolist()
+            raise ValueError(
+                f"{api}: slot_mapping gives slot {slot} to two tokens (got entries {entries[0]} "
+                f"and {entries[1]}, expected distinct slots, -1 excepted). Check the block table "
+                "the slots were computed from."
+            )
+
     def _mirrors(self) -> tuple[tuple[str, torch.Tensor, int], ...]:
         """(name, tensor, least length) of each 1-D CPU mirror, for `validate`'s errors."""
         return (
@@ -209,12 +278,28 @@ class CommonAttentionMetadata:
                 raise ValueError(message) from None  # (not numpy's TypeError as its cause)
 
 
+@dataclass(slots=True)
+class StepChecks:
+    """What `anyattn.validation` has checked of one step since its metadata was made: a
+    record the library keeps on its own object, never on the caller's tensors.
+
+    Attributes:
+        caches: `(num_blocks, block_size)` of every cache the step's slots and block ids were
+            checked against.
+        call: the arguments of the layer call last checked in full (`check_layer_call`), by
+            identity, until that call's `forward` takes it; else None.
+    """
+
+    caches: set[tuple[int, int]] = field(default_factory=set)
+    call: tuple[object, ...] | None = None
+
+
 @dataclass(slots=True)  # not frozen: a frozen dataclass is slower to make
 class HostBatch:
-    """A validated step's CPU mirrors as numpy arrays (`CommonAttentionMetadata.validate`),
+    """A checked step's CPU mirrors as numpy arrays (`CommonAttentionMetadata.host_batch`),
     real requests only, so that a builder plans from them without converting again. Every
-    array is the builder's own (no view of a mirror, which the engine may refill for the next
-    step), all int64.
+    array is a copy (no view of a mirror, which the engine may refill for the next step), all
+    int64, read-only: every builder of the step shares them.
 
     Attributes:
         query_start_loc: `[num_reqs + 1]`.
@@ -249,6 +334,7 @@ def make_common_attn_metadata(
     causal: bool = True,
     encoder_seq_lens: Sequence[int] | None = None,
     num_padded_tokens: int | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> CommonAttentionMetadata:
     """Build a `CommonAttentionMetadata` from per-request lengths (engine and test helper).
 
@@ -261,6 +347,9 @@ def make_common_attn_metadata(
         causal: False for bidirectional attention.
         encoder_seq_lens: encoder tokens per request for cross-attention.
         num_padded_tokens: pad the slot mapping with -1 up to this many tokens.
+        slot_mapping: int64 CPU slots of the K/V the step writes, when they are not its new
+            tokens' (cross attention: the encoder tokens of first-step requests); default:
+            the new tokens' slots, from `block_table`.
     """
     if len(query_lens) != len(seq_lens):
         raise ValueError(
@@ -274,9 +363,10 @@ def make_common_attn_metadata(
     torch.cumsum(query_lens_t, 0, out=query_start_loc_cpu[1:])
     num_tokens = int(query_start_loc_cpu[-1])
     block_table_cpu = block_table.to("cpu", torch.int32)
-    slot_mapping = compute_slot_mapping(
-        block_table_cpu, query_start_loc_cpu, seq_lens_cpu, block_size, num_padded_tokens
-    )
+    if slot_mapping is None:
+        slot_mapping = compute_slot_mapping(
+            block_table_cpu, query_start_loc_cpu, seq_lens_cpu, block_size, num_padded_tokens
+        )
     enc_cpu = (
         None
         if encoder_seq_lens is None
@@ -297,6 +387,8 @@ def make_common_attn_metadata(
         causal=causal,
         encoder_seq_lens=None if enc_cpu is None else enc_cpu.to(device),
         encoder_seq_lens_cpu=enc_cpu,
+        block_table_cpu=block_table_cpu,
+        slot_mapping_cpu=slot_mapping,
     )
 
 

@@ -3,6 +3,8 @@ in its metadata (plain, cascade, CUDA-graph decode layout), all on the CPU."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -218,7 +220,8 @@ def test_replay_steps_copy_from_an_engine_table_wider_and_longer_than_the_batch(
     for lens in ([40, 17, 3], [1000, 2, 900], [70, 1024], [1, 2, 3, 4], [100, 200, 300]):
         n = len(lens)
         cm = make_common_attn_metadata([1] * n, lens, wide[:n], BLOCK)
-        cm.block_table_tensor = wide  # rows past the batch, columns past the buffer's
+        # rows past the batch, columns past the buffer's
+        cm = dataclasses.replace(cm, block_table_tensor=wide, block_table_cpu=wide)
         main = builder.build(0, cm).main
         for row, seq_len in enumerate(lens):
             pages = -(-seq_len // BLOCK)
@@ -234,7 +237,7 @@ def test_replay_steps_refuse_lengths_the_copy_cannot_read_before_writing():
     main = builder.build(0, make_common_attn_metadata([1] * 3, [40, 17, 3], table, BLOCK)).main
     before = (main.seq_lens.clone(), main.page_table.clone())
     cm = make_common_attn_metadata([1] * 3, [50, 20, 9], table.flip(0), BLOCK)
-    cm.seq_lens = cm.seq_lens.long()
+    cm = dataclasses.replace(cm, seq_lens=cm.seq_lens.long())
     with pytest.raises(ValueError, match=r"FlashAttentionMetadataBuilder\.build: seq_lens must be"):
         builder.build(0, cm)
     assert before[0].tolist() == [40, 17, 3, 0]
@@ -254,13 +257,12 @@ def test_a_builder_for_cuda_is_made_without_touching_cuda(monkeypatch):
     assert builder.device == torch.device("cuda")
 
 
-def test_capture_validates_the_mirrors_the_copy_is_sized_by():
-    builder = _builder(capture_sizes=(4,))
+def test_the_mirrors_the_capture_copy_is_sized_by_are_checked_when_made():
     cm = make_common_attn_metadata([1] * 3, [100, 17, 3], torch.ones(3, 8, dtype=torch.int32),
                                    BLOCK)  # fmt: skip
-    cm.max_seq_len = 10  # below the longest request: the copy would take too few columns
-    with pytest.raises(ValueError, match="build_for_cudagraph_capture: max_query_len / max_seq"):
-        builder.build_for_cudagraph_capture(cm)
+    # below the longest request: the copy would take too few columns
+    with pytest.raises(ValueError, match="CommonAttentionMetadata: max_query_len / max_seq"):
+        dataclasses.replace(cm, max_seq_len=10)
 
 
 def test_capture_sizes_beyond_max_num_reqs_are_refused():
@@ -350,37 +352,29 @@ def test_build_reads_no_device_values():
 
 def test_block_table_too_narrow_is_rejected():
     cm = make_common_attn_metadata([1], [9], _ints([[3]]), BLOCK)
-    cm.seq_lens_cpu[0], cm.num_computed_tokens_cpu[0], cm.max_seq_len = 40, 39, 40
+    lens = torch.tensor([40], dtype=torch.int32)  # more keys than the table's one column holds
+    cm = dataclasses.replace(
+        cm, seq_lens=lens, seq_lens_cpu=lens, num_computed_tokens_cpu=lens - 1, max_seq_len=40
+    )
     with pytest.raises(ValueError, match="block_table too small"):
         _builder().build(0, cm)
 
 
-def test_build_checks_the_mirrors_the_kernels_are_sized_by():
-    def step():
-        return make_common_attn_metadata([1, 3], [40, 7], _ints([[3, 4, 5], [6, 0, 0]]), BLOCK)
-
-    # the longest sequence understated: the width check (and max_seqlen_k) would be too small
-    cm = step()
-    cm.max_seq_len = 9
-    with pytest.raises(ValueError, match=r"max_seq_len below .* \(got 3 / 9, expected >= 3 / 40\)"):
-        _builder().build(0, cm)
-    cm = step()
-    cm.max_query_len = 1  # the kernel's grid would skip the prefill's last two queries
-    with pytest.raises(ValueError, match="max_query_len / max_seq_len below"):
-        _builder().build(0, cm)
-    cm = step()
-    cm.num_actual_tokens = 3
-    with pytest.raises(ValueError, match="num_actual_tokens disagrees"):
-        _builder().build(0, cm)
-    cm = step()
-    cm.num_computed_tokens_cpu[1] = 0
-    with pytest.raises(ValueError, match="num_computed_tokens_cpu must equal"):
-        _builder().build(0, cm)
-    cm = step()
-    cm.block_table_tensor = cm.block_table_tensor.long()
-    with pytest.raises(ValueError, match="block_table_tensor must be int32"):
-        _builder().build(0, cm)
-    _builder().build(0, step())
+def test_the_mirrors_the_kernels_are_sized_by_are_checked_when_made():
+    step = make_common_attn_metadata([1, 3], [40, 7], _ints([[3, 4, 5], [6, 0, 0]]), BLOCK)
+    cases = [
+        # the longest sequence understated: the width check (and max_seqlen_k) would be too small
+        ({"max_seq_len": 9}, r"max_seq_len below .* \(got 3 / 9, expected >= 3 / 40\)"),
+        # the kernel's grid would skip the prefill's last two queries
+        ({"max_query_len": 1}, "max_query_len / max_seq_len below"),
+        ({"num_actual_tokens": 3}, "num_actual_tokens disagrees"),
+        ({"num_computed_tokens_cpu": _ints([39, 0])}, "num_computed_tokens_cpu must equal"),
+        ({"block_table_tensor": step.block_table_tensor.long()}, "block_table_tensor must be"),
+    ]
+    for changes, message in cases:
+        with pytest.raises(ValueError, match=f"CommonAttentionMetadata: .*{message}"):
+            dataclasses.replace(step, **changes)
+    _builder().build(0, step)
 
 
 def test_use_cascade_attention_says_yes_for_16_requests_sharing_512_tokens():

@@ -6,6 +6,7 @@ stale metadata, and base-2 LSEs against the oracle's."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -275,14 +276,15 @@ def test_build_rejects_cascade_cross_attention_and_narrow_tables():
     message = str(raised.value)
     assert "cross attention not supported (got encoder_seq_lens, expected None;" in message
     assert "`anyattn explain --head-size N --attn-type encoder_decoder`" in message
-    cm.seq_lens_cpu[0] = cm.max_seq_len = 100
-    cm.num_computed_tokens_cpu[0] = 99
+    lens = torch.tensor([100, 33], dtype=torch.int32)  # more keys than the table holds
+    cm = dataclasses.replace(
+        cm, seq_lens=lens, seq_lens_cpu=lens, num_computed_tokens_cpu=lens - 1, max_seq_len=100
+    )
     with pytest.raises(ValueError, match="block_table too narrow"):
         builder.build(0, cm)
     int64 = make_common_attn_metadata([1], [3], TABLE[:1], 16)
-    int64.block_table_tensor = int64.block_table_tensor.long()
     with pytest.raises(ValueError, match=r"block_table_tensor must be int32 \(got torch.int64\)"):
-        builder.build(0, int64)
+        dataclasses.replace(int64, block_table_tensor=int64.block_table_tensor.long())
 
 
 def test_cudagraph_capture_and_padded_replay_steps():

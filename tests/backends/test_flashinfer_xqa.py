@@ -6,6 +6,7 @@ CUDA-graph step (CUDA-graph replay with XQA: tests/backends/test_flashinfer.py).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import types
@@ -289,7 +290,8 @@ def test_a_replay_step_the_copy_cannot_read_is_refused_and_the_buffers_keep_the_
     before = (buffers.page_table.clone(), buffers.seq_lens.clone())
     step = make_common_attn_metadata([1] * 3, [40, 3, 150], TABLE[4:7], 16, num_padded_tokens=4)
     # the right lengths, strided: XQA reads them by raw pointer
-    step.seq_lens = torch.tensor([40, 0, 3, 0, 150, 0], dtype=torch.int32)[::2]
+    strided = torch.tensor([40, 0, 3, 0, 150, 0], dtype=torch.int32)[::2]
+    step = dataclasses.replace(step, seq_lens=strided)
     with pytest.raises(ValueError, match="seq_lens must be contiguous"):
         builder.build(0, step)
     assert torch.equal(buffers.page_table, before[0]) and torch.equal(buffers.seq_lens, before[1])
@@ -388,7 +390,8 @@ def test_auto_uses_xqa_only_where_some_layer_can():
 def test_xqa_inputs_must_be_int32():
     builder = xqa_cpu_builder()
     cm = make_common_attn_metadata([1, 1], [40, 3], TABLE[:2], 16)
-    cm.seq_lens = cm.seq_lens.long()  # (every build refuses a table that is not int32)
+    # (the metadata refuses a table that is not int32 when it is made)
+    cm = dataclasses.replace(cm, seq_lens=cm.seq_lens.long())
     with pytest.raises(ValueError, match="block_table_tensor and seq_lens must be int32"):
         builder.build(0, cm)
 

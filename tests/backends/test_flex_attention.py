@@ -707,8 +707,10 @@ def test_builder_rejects_cascade_and_narrow_block_tables():
     cm = make_common_attn_metadata([1], [9], torch.tensor([[3]], dtype=torch.int32), 16)
     with pytest.raises(ValueError, match="cascade attention not supported"):
         _builder().build(16, cm)
-    cm.seq_lens_cpu[0] = cm.max_seq_len = 40
-    cm.num_computed_tokens_cpu[0] = 39
+    lens = torch.tensor([40], dtype=torch.int32)  # more keys than the table's one column holds
+    cm = dataclasses.replace(
+        cm, seq_lens=lens, seq_lens_cpu=lens, num_computed_tokens_cpu=lens - 1, max_seq_len=40
+    )
     with pytest.raises(ValueError, match="block_table too narrow"):
         _builder().build(0, cm)
 

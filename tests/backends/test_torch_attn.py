@@ -3,6 +3,8 @@ builder, spec-decode groups, and rejected calls that leave the cache unchanged."
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -201,8 +203,10 @@ def test_rejected_call_leaves_the_cache_unchanged(case, error, match):
 
 def test_block_table_too_narrow_is_rejected_by_the_builder():
     cm = make_common_attn_metadata([1], [9], torch.tensor([[3]], dtype=torch.int32), 16)
-    cm.seq_lens_cpu[0] = cm.max_seq_len = 40
-    cm.num_computed_tokens_cpu[0] = 39
+    lens = torch.tensor([40], dtype=torch.int32)  # more keys than the table's one column holds
+    cm = dataclasses.replace(
+        cm, seq_lens=lens, seq_lens_cpu=lens, num_computed_tokens_cpu=lens - 1, max_seq_len=40
+    )
     with pytest.raises(ValueError, match="block_table too narrow"):
         _builder().build(0, cm)
 

@@ -319,7 +319,7 @@ def test_builder_plans_from_cpu_mirrors_and_refuses_cascade() -> None:
     spec = AttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
     limits = BatchLimits(max_num_reqs=64, max_num_tokens=2048, max_model_len=32768)
     builder = TritonAttentionBackend.get_builder_cls()(spec, ["l0"], limits, "cpu")
-    table = torch.zeros(8, 1250, dtype=torch.int32)
+    table = torch.arange(1, 8 * 1250 + 1, dtype=torch.int32).view(8, 1250)
     cm = make_common_attn_metadata([1] * 8, [20000] * 8, table, 16)
     md = builder.build(0, cm)
     assert isinstance(md, TritonAttentionMetadata)

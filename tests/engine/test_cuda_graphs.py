@@ -175,7 +175,7 @@ def test_metadata_are_views_of_fixed_buffers_and_kernel_tables_are_expanded() ->
         device=torch.device("cpu"),
     )
     addresses = set()
-    for tables, padded in (([[3, 5]], 2), ([[1], [2, 6], [7]], 4)):
+    for tables, padded in (([[3, 5]], 2), ([[1, 4], [2, 6], [7, 8]], 4)):
         num = len(tables)
         ids, positions, common = inputs.prepare(
             [[1] * 9] * num, [4] * num, tables, query_len=1, num_padded_reqs=padded
@@ -184,11 +184,14 @@ def test_metadata_are_views_of_fixed_buffers_and_kernel_tables_are_expanded() ->
         assert metadata["a"] is common and metadata["b"] is metadata["c"]
         assert common.num_reqs == padded and common.num_actual_tokens == padded
         assert common.max_query_len == 1 and common.max_seq_len == 5
-        common.validate()
+        # the CPU mirrors are views of the pinned host buffers, expanded for kernel blocks too
+        assert common.block_table_cpu.data_ptr() == inputs.host.block_table.data_ptr()
+        assert common.slot_mapping_cpu.data_ptr() == inputs.host.slot_mapping.data_ptr()
         assert torch.equal(
             metadata["b"].block_table_tensor,
             expand_block_table(common.block_table_tensor, 4, 2),
         )
+        assert torch.equal(metadata["b"].block_table_cpu, metadata["b"].block_table_tensor)
         addresses.add(
             tuple(
                 t.data_ptr()

@@ -209,7 +209,7 @@ def test_writing_padding_rows_or_shared_caches_is_caught() -> None:
             output[attn_metadata.num_actual_tokens :] = 0
             return output
 
-        def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping, md=None):
             from anyattn.ops.reshape_and_cache import reshape_and_cache
 
             # Ignores kv_sharing_target_layer_name: a shared layer overwrites its target's cache.

@@ -15,8 +15,8 @@ metadata's `max_query_len` / `max_seq_len`. Bottom-right causal alignment puts q
 request at position `context + i`; a window of W keys is `window_size = (W - 1, 0)`; LSEs are in
 natural log and count the sink (FA4 folds it into the softmax denominator).
 
-Plan/run split: `build` validates the step's CPU mirrors (`CommonAttentionMetadata.validate`:
-about ten microseconds of its host time, since the kernels are sized by `max_query_len` /
+Plan/run split: `build` plans from the step's CPU mirrors, checked when the metadata was made
+(`CommonAttentionMetadata.host_batch`: the kernels are sized by `max_query_len` /
 `max_seq_len`), slices the step's device tensors and, for cascade and CUDA-graph decode
 batches, fills builder-owned buffers (cascade: host-to-device copies from the CPU mirrors that
 do not wait; CUDA graphs: one device launch copying the step's table and lengths); it never
@@ -70,7 +70,6 @@ from anyattn.backends.flash_attn_plan import (
     padded_num_reqs,
     plan_cascade,
 )
-from anyattn.impl_args import check_forward_inputs
 from anyattn.metadata import CommonAttentionMetadata, first_rows
 from anyattn.ops.graph_decode_inputs import GraphDecodeInputsLaunch
 from anyattn.ops.merge_attn_states import merge_attn_states
@@ -82,6 +81,7 @@ from anyattn.types import (
     cache_torch_dtype,
     is_fp8_cache,
 )
+from anyattn.validation import check_forward, check_forward_inputs
 
 __all__ = [
     "FlashAttentionBackend",
@@ -268,6 +268,7 @@ class FlashAttentionMetadata:
             `BatchLimits.has_persistent_graph_inputs` a graph step's are the step's own, False
             here, but FA2's `cu_seqlens_k` is a builder buffer all the same: valid until the
             next build, as these are.)
+        common_attn_metadata: the step it was built from (its mirrors for the checks).
     """
 
     num_actual_tokens: int
@@ -278,6 +279,7 @@ class FlashAttentionMetadata:
     query_start_loc: torch.Tensor
     max_query_len: int
     main: FlashAttnPass
+    common_attn_metadata: CommonAttentionMetadata
     prefix: FlashAttnPass | None = None
     common_prefix_len: int = 0
     uses_persistent_buffers: bool = False
@@ -345,7 +347,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         cm = common_attn_metadata
         api = "FlashAttentionMetadataBuilder.build"
         # (the mirrors' values size the kernels: max_seqlen_q / _k, the table width)
-        host = cm.validate(api)
+        host = cm.host_batch
         cross = cm.encoder_seq_lens is not None
         max_k = int(cm.encoder_seq_lens_cpu[: cm.num_reqs].max()) if cross and cm.num_reqs else 0
         self._check_table_width(cm, max_k if cross else cm.max_seq_len, api)
@@ -378,7 +380,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         """
         cm = common_attn_metadata
         api = "FlashAttentionMetadataBuilder.build_for_cudagraph_capture"
-        host = cm.validate(api)
+        host = cm.host_batch
         if not self._is_single_decode(cm) or cm.encoder_seq_lens is not None:
             raise ValueError(
                 f"{api}: CUDA graphs are supported for batches of single-token decodes (got "
@@ -444,6 +446,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             query_start_loc=kw.pop("query_start_loc", main.cu_seqlens_q),
             max_query_len=cm.max_query_len,
             main=main,
+            common_attn_metadata=cm,
             **kw,
         )
 
@@ -701,7 +704,7 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
                 "Quantise the output after the call."
             )
         md = attn_metadata
-        self.validate_inputs(query, key, value, kv_cache, md, output, output_lse)
+        check_forward(self, query, key, value, kv_cache, md, output, output_lse)
         n = md.num_actual_tokens
         if n == 0:
             return output
@@ -804,18 +807,6 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
     ) -> None:
         """See `AttentionImpl.validate_inputs`; shapes, dtypes, devices and feature joints."""
         api = "FLASH_ATTN forward"
-        if not isinstance(md, FlashAttentionMetadata):
-            raise TypeError(
-                f"{api}: attn_metadata must come from FlashAttentionMetadataBuilder.build (got "
-                f"{type(md).__name__})."
-            )
-        self._check_features(md, output_lse, api)
-        interface = self._interface_for(query.device)
-        if md.block_size % interface.block_size_multiple:
-            raise ValueError(
-                f"{api}: {interface.label} needs blocks of a multiple of "
-                f"{interface.block_size_multiple} tokens (got block_size {md.block_size})."
-            )
         check_forward_inputs(
             api,
             self,
@@ -824,24 +815,27 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
             key,
             value,
             kv_cache,
-            block_size=md.block_size,
-            num_actual_tokens=md.num_actual_tokens,
+            md,
+            FlashAttentionMetadata,
             output=output,
             output_lse=output_lse,
             reads_cache=self.attn_type not in _ENCODER_TYPES,
         )
+        self._check_features(md, output_lse, api)
+        interface = self._interface_for(query.device)
+        if md.block_size % interface.block_size_multiple:
+            raise ValueError(
+                f"{api}: {interface.label} needs blocks of a multiple of "
+                f"{interface.block_size_multiple} tokens (got block_size {md.block_size})."
+            )
         if self.attn_type not in _ENCODER_TYPES:
             self._check_cache(query, kv_cache, api)
 
     def _check_features(
         self, md: FlashAttentionMetadata, output_lse: torch.Tensor | None, api: str
     ) -> None:
+        # (a sliding window with non-causal attention: refused by check_forward_inputs)
         bidirectional = not md.causal or self.attn_type is not AttentionType.DECODER
-        if self.sliding_window is not None and bidirectional:
-            raise NotImplementedError(
-                f"{api}: sliding window with non-causal attention not supported (got "
-                "attn_metadata.causal=False); the window is defined causally."
-            )
         if self.alibi_slopes is not None and bidirectional:
             raise NotImplementedError(
                 f"{api}: ALiBi with non-causal attention not supported (got "

@@ -104,7 +104,6 @@ from anyattn.backends.flashinfer_xqa import (
     run_xqa_decode,
     xqa_decode_reason,
 )
-from anyattn.impl_args import check_forward_inputs
 from anyattn.metadata import CommonAttentionMetadata, HostBatch, first_rows
 from anyattn.ops.gather_pages import gather_pages
 from anyattn.ops.graph_decode_inputs import GraphDecodeInputsLaunch
@@ -116,6 +115,7 @@ from anyattn.types import (
     MultipleOf,
     is_fp8_cache,
 )
+from anyattn.validation import check_forward, check_forward_inputs, check_metadata_type
 
 __all__ = [
     "FlashInferBackend",
@@ -287,6 +287,7 @@ class FlashInferMetadata:
         cudagraph_size: the captured batch size this step is planned for, or None.
         block_size, num_kv_heads, head_size, dtype, cache_dtype, window_left: the KV-cache
             spec the step was planned for (`window_left = sliding_window - 1`, -1 for none).
+        common_attn_metadata: the step it was built from (its mirrors for the checks).
     """
 
     num_actual_tokens: int
@@ -305,6 +306,7 @@ class FlashInferMetadata:
     cache_dtype: torch.dtype
     window_left: int
     step: _Step = field(repr=False)
+    common_attn_metadata: CommonAttentionMetadata = field(repr=False)
 
 
 @dataclass
@@ -488,7 +490,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 "with another backend (`anyattn explain --head-size N --attn-type "
                 "encoder_decoder` lists those that support it)."
             )
-        host = cm.validate(api)
+        host = cm.host_batch
         spec = self.kv_cache_spec
         xqa, wrapper_decodes = self._decode_routing()
         table = cm.block_table_tensor
@@ -546,6 +548,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             self._cache_dtype,
             self._window_left,
             step,
+            cm,
         )
         for key in self._layer_keys:
             self._plan(key, step)
@@ -1145,7 +1148,7 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
                 "output_scale). Quantise the output after the call."
             )
         md = attn_metadata
-        self.validate_inputs(query, key, value, kv_cache, md, output, output_lse)
+        check_forward(self, query, key, value, kv_cache, md, output, output_lse)
         if md.num_actual_tokens == 0:
             return output
         want_lse = output_lse is not None
@@ -1228,13 +1231,14 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        attn_metadata: object = None,
     ) -> None:
         """See `AttentionImpl.do_kv_cache_update`; an fp8 cache's scales are checked first, so
         that scales `forward` would refuse never write the cache."""
         if is_fp8_cache(self.kv_cache_dtype):
             for name in ("k_scale", "v_scale"):
                 _per_tensor_scale(layer, name)
-        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping, attn_metadata)
 
     def _kv_scales(self, layer: AttentionLayer) -> tuple[float | None, float | None]:
         if not is_fp8_cache(self.kv_cache_dtype):
@@ -1271,22 +1275,12 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
     ) -> None:
         """See `AttentionImpl.validate_inputs`; shapes, dtypes and the metadata's spec."""
         api = "FLASHINFER forward"
-        if not isinstance(md, FlashInferMetadata):
-            raise TypeError(
-                f"{api}: attn_metadata must come from FlashInferMetadataBuilder.build (got "
-                f"{type(md).__name__})."
-            )
+        check_metadata_type(api, md, FlashInferMetadata)
         spec = (md.num_kv_heads, md.head_size)
         if spec != (self.num_kv_heads, self.head_size):
             raise ValueError(
                 f"{api}: the metadata was built for another KV-cache spec (got num_kv_heads, "
                 f"head_size {spec}, expected {(self.num_kv_heads, self.head_size)})."
-            )
-        if self.sliding_window is not None and not md.causal:
-            # (FlashInfer's window bounds only the keys before a query: not DESIGN.md's window)
-            raise NotImplementedError(
-                f"{api}: sliding window with non-causal attention not supported (got "
-                "attn_metadata.causal=False); the window is defined causally."
             )
         window_left = self.sliding_window - 1 if self.sliding_window else -1
         if window_left != md.window_left:
@@ -1300,20 +1294,10 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
                 f"{api}: query dtype differs from the KV-cache spec's dtype (got {query.dtype}, "
                 f"expected {md.dtype})."
             )
-        rows = max(md.num_actual_tokens, md.decode_rows)  # graph steps run padded rows too
-        check_forward_inputs(
-            api,
-            self,
-            FlashInferBackend.supported_dtypes,
-            query,
-            key,
-            value,
-            kv_cache,
-            block_size=md.block_size,
-            num_actual_tokens=rows,
-            output=output,
-            output_lse=output_lse,
-        )
+        check_forward_inputs(api, self, FlashInferBackend.supported_dtypes, query, key, value,
+                             kv_cache, md, FlashInferMetadata, output=output,
+                             output_lse=output_lse,  # graph steps run their padded rows too
+                             num_rows=max(md.num_actual_tokens, md.decode_rows))  # fmt: skip
         # What the step was planned for, and what the wrappers need beyond the shared checks.
         if kv_cache.dtype != md.cache_dtype:
             raise ValueError(

@@ -139,15 +139,10 @@ from anyattn.backends.flex_attention_plan import (
     pad_keys,
     skipping_keys,
 )
-from anyattn.impl_args import check_forward_inputs, layer_kv_scale
 from anyattn.metadata import CommonAttentionMetadata
 from anyattn.ops.gather_kv_rows import MAX_NUM_REQS, gather_kv_rows
-from anyattn.types import (
-    AttentionCGSupport,
-    AttentionType,
-    KVCacheLayout,
-    is_fp8_cache,
-)
+from anyattn.types import AttentionCGSupport, AttentionType, KVCacheLayout, is_fp8_cache
+from anyattn.validation import check_forward, check_forward_inputs, layer_kv_scale
 
 __all__ = [
     "FlexAttentionBackend",
@@ -306,6 +301,7 @@ class FlexAttentionMetadata:
             block lists are at least this wide).
         workspace: the builder's buffers.
         step_cache: plans made by the first layer that needs them, reused by the others.
+        common_attn_metadata: the step it was built from (its mirrors for the checks).
     """
 
     num_actual_tokens: int
@@ -317,6 +313,7 @@ class FlexAttentionMetadata:
     block_table: torch.Tensor
     key_lens: torch.Tensor
     max_key_len: int
+    common_attn_metadata: CommonAttentionMetadata
     max_blocks_per_req: int = 0
     workspace: _Workspace = field(default_factory=_Workspace)
     step_cache: dict = field(default_factory=dict)
@@ -354,7 +351,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
     ) -> FlexAttentionMetadata:
         api = "FlexAttentionMetadataBuilder.build"
         cm = common_attn_metadata
-        host = cm.validate(api)
+        host = cm.host_batch
         if common_prefix_len:
             raise ValueError(
                 f"{api}: cascade attention not supported (got common_prefix_len="
@@ -398,6 +395,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
             # slicing a tensor costs a microsecond or two; the engine's is already this long
             key_lens=key_lens if key_lens.shape[0] == num_reqs else key_lens[:num_reqs],
             max_key_len=max_key_len,
+            common_attn_metadata=cm,
             max_blocks_per_req=-(-self.limits.max_model_len // block_size),
             workspace=self._workspace,
         )
@@ -640,7 +638,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
                 "FLEX_ATTENTION forward: fused output quantisation not supported (got "
                 "output_scale). Quantise the output after the call."
             )
-        self.validate_inputs(query, key, value, kv_cache, md, output, output_lse)
+        check_forward(self, query, key, value, kv_cache, md, output, output_lse)
         n = md.num_actual_tokens
         if n == 0:
             return output
@@ -914,34 +912,23 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         output_lse: torch.Tensor | None = None,
     ) -> None:
         """See `AttentionImpl.validate_inputs`; shapes, dtypes and devices of every input."""
-        api = _API
-        if not isinstance(md, FlexAttentionMetadata):
-            raise TypeError(
-                f"{api}: attn_metadata must come from FlexAttentionMetadataBuilder.build (got "
-                f"{type(md).__name__})."
-            )
-        if self.sliding_window is not None and not md.causal:
-            raise NotImplementedError(
-                f"{api}: sliding window with non-causal attention not supported (got "
-                "attn_metadata.causal=False); the window is defined causally."
-            )
         check_forward_inputs(
-            api,
+            _API,
             self,
             FlexAttentionBackend.supported_dtypes,
             query,
             key,
             value,
             kv_cache,
-            block_size=md.block_size,
-            num_actual_tokens=md.num_actual_tokens,
+            md,
+            FlexAttentionMetadata,
             output=output,
             output_lse=output_lse,
             reads_cache=self.attn_type not in _ENCODER_TYPES,
         )
         if output_lse is not None and query.device.type != "cuda":
             raise NotImplementedError(
-                f"{api}: output_lse not supported on {query.device.type} (Inductor's CPU "
+                f"{_API}: output_lse not supported on {query.device.type} (Inductor's CPU "
                 "FlexAttention returns no LSE). Use the TORCH backend when LSEs are needed "
                 "on the CPU."
             )

@@ -211,7 +211,7 @@ def lay_out_owned(
 ) -> StepLayout:
     """`lay_out_step` of arrays the layout may keep as they are (no copies), with each
     request's query length given (`query_start_loc[1:] - query_start_loc[:-1]`): the
-    builder's path, from the arrays `CommonAttentionMetadata.validate` returns."""
+    builder's path, from the arrays of `CommonAttentionMetadata.host_batch`."""
     q_start = query_start_loc
     num_reqs = key_lens.shape[0]
     # This runs on the per-step host path, where each numpy call costs about a microsecond:

@@ -25,7 +25,6 @@ from anyattn.backend import (
     AttentionLayer,
     AttentionMetadataBuilder,
 )
-from anyattn.impl_args import check_forward_inputs, layer_kv_scale
 from anyattn.metadata import CommonAttentionMetadata, split_decodes_and_prefills
 from anyattn.ops.dense_attention import DenseKV, PagedKV, ScoreMods, dense_attention
 from anyattn.ops.merge_attn_states import merge_attn_states
@@ -36,6 +35,7 @@ from anyattn.types import (
     cache_torch_dtype,
     is_fp8_cache,
 )
+from anyattn.validation import check_forward, check_forward_inputs, layer_kv_scale
 
 __all__ = [
     "TorchAttentionBackend",
@@ -170,6 +170,7 @@ class TorchAttentionMetadata:
         workspace: the builder's gather buffer, reused by every layer.
         step_cache: tensors derived from this metadata alone (key positions and masks), made
             by the first layer that needs them and reused by the others.
+        common_attn_metadata: the step it was built from (its mirrors for the checks).
     """
 
     num_actual_tokens: int
@@ -191,6 +192,7 @@ class TorchAttentionMetadata:
     decode_num_blocks: int
     segments: list[Segment]
     all_segments: list[Segment]
+    common_attn_metadata: CommonAttentionMetadata
     common_prefix_len: int = 0
     prefix_blocks: torch.Tensor | None = None
     token_positions: torch.Tensor | None = None
@@ -217,7 +219,6 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
         fast_build: bool = False,
     ) -> TorchAttentionMetadata:
         cm = common_attn_metadata
-        cm.validate("TorchAttentionMetadataBuilder.build")
         block_size = self.kv_cache_spec.block_size
         num_reqs = cm.num_reqs
         cross = cm.encoder_seq_lens_cpu is not None
@@ -269,6 +270,7 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
             num_decode_tokens=num_decode_tokens,
             segments=all_segments[num_decodes:],
             all_segments=all_segments,
+            common_attn_metadata=cm,
             common_prefix_len=common_prefix_len,
             prefix_blocks=cm.block_table_tensor[0, :prefix_blocks] if common_prefix_len else None,
             token_positions=token_positions,
@@ -433,7 +435,7 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
                 "TORCH forward: fused output quantisation not supported (got output_scale). "
                 "Quantise the output after the call."
             )
-        self.validate_inputs(query, key, value, kv_cache, md, output, output_lse)
+        check_forward(self, query, key, value, kv_cache, md, output, output_lse)
         n = md.num_actual_tokens
         if n == 0:
             return output
@@ -482,27 +484,16 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
         output_lse: torch.Tensor | None = None,
     ) -> None:
         """See `AttentionImpl.validate_inputs`; shapes, dtypes and devices of every input."""
-        api = "TORCH forward"
-        if not isinstance(md, TorchAttentionMetadata):
-            raise TypeError(
-                f"{api}: attn_metadata must come from TorchAttentionMetadataBuilder.build (got "
-                f"{type(md).__name__})."
-            )
-        if self.sliding_window is not None and not md.causal:
-            raise NotImplementedError(
-                f"{api}: sliding window with non-causal attention not supported (got "
-                "attn_metadata.causal=False); the window is defined causally."
-            )
         check_forward_inputs(
-            api,
+            "TORCH forward",
             self,
             TorchAttentionBackend.supported_dtypes,
             query,
             key,
             value,
             kv_cache,
-            block_size=md.block_size,
-            num_actual_tokens=md.num_actual_tokens,
+            md,
+            TorchAttentionMetadata,
             output=output,
             output_lse=output_lse,
             reads_cache=self.attn_type not in _ENCODER_TYPES,

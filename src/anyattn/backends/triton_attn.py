@@ -27,7 +27,6 @@ from anyattn.backend import (
     AttentionLayer,
     AttentionMetadataBuilder,
 )
-from anyattn.impl_args import check_forward_inputs, layer_kv_scale
 from anyattn.metadata import CommonAttentionMetadata
 from anyattn.ops.unified_attention import (
     UnifiedAttentionParams,
@@ -35,6 +34,7 @@ from anyattn.ops.unified_attention import (
     unified_attention,
 )
 from anyattn.types import AttentionCGSupport, AttentionType, DeviceInfo, KVCacheLayout
+from anyattn.validation import check_forward, check_forward_inputs, layer_kv_scale
 
 __all__ = [
     "TritonAttentionBackend",
@@ -192,6 +192,7 @@ class TritonAttentionMetadata:
             the step's new K/V instead of the pages.
         workspace: the builder's split-KV buffers.
         kernel_path: which kernel path runs, for logs and benchmarks.
+        common_attn_metadata: the step it was built from (its mirrors for the checks).
     """
 
     num_actual_tokens: int
@@ -207,6 +208,7 @@ class TritonAttentionMetadata:
     is_fresh_prefill: bool
     workspace: SplitWorkspace
     kernel_path: str
+    common_attn_metadata: CommonAttentionMetadata
 
 
 def choose_num_splits(
@@ -292,6 +294,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
             is_fresh_prefill=is_fresh,
             workspace=self._workspace,
             kernel_path=path,
+            common_attn_metadata=cm,
         )
 
 
@@ -363,7 +366,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
                 f"{_API}: fused output quantisation not supported (got output_scale). "
                 "Quantise the output after the call."
             )
-        self.validate_inputs(query, key, value, kv_cache, md, output, output_lse)
+        check_forward(self, query, key, value, kv_cache, md, output, output_lse)
         if md.num_actual_tokens == 0:
             return output
         alibi_slopes, sinks = self._on(query.device)
@@ -445,16 +448,6 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         output_lse: torch.Tensor | None = None,
     ) -> None:
         """See `AttentionImpl.validate_inputs`; shapes, dtypes and devices of every input."""
-        if not isinstance(md, TritonAttentionMetadata):
-            raise TypeError(
-                f"{_API}: attn_metadata must come from TritonAttentionMetadataBuilder.build (got "
-                f"{type(md).__name__})."
-            )
-        if self.sliding_window is not None and not md.causal:
-            raise NotImplementedError(
-                f"{_API}: sliding window with non-causal attention not supported (got "
-                "attn_metadata.causal=False); the window is defined causally."
-            )
         check_forward_inputs(
             _API,
             self,
@@ -463,8 +456,8 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             key,
             value,
             kv_cache,
-            block_size=md.block_size,
-            num_actual_tokens=md.num_actual_tokens,
+            md,
+            TritonAttentionMetadata,
             output=output,
             output_lse=output_lse,
         )

@@ -57,6 +57,7 @@ import torch
 from anyattn.config import BatchLimits
 from anyattn.engine.decode_inputs import StaticDecodeInputs
 from anyattn.types import AttentionCGSupport
+from anyattn.validation import check_step_against_cache, step_of
 
 if TYPE_CHECKING:
     from anyattn.engine.model_runner import KVCacheGroup
@@ -310,7 +311,13 @@ class CudaGraphRunner:
             token_ids, num_computed, block_tables, query_len, num_tokens // query_len
         )
         # The builders fill their own persistent buffers; the graph reads the captured addresses.
-        self.inputs.build(common, for_capture=False)
+        metadata = self.inputs.build(common, for_capture=False)
+        # A replay runs no layer's Python: the step is checked against each group's cache here.
+        for group in self.inputs.groups:
+            name = group.layer_names[0]
+            step = step_of(metadata[name])
+            if step is not None:
+                check_step_against_cache("CudaGraphRunner.run", step, self.kv_caches[name])
         self.graphs[key].replay()
         self._step_done.record()
         self.num_replays += 1

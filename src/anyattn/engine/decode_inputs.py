@@ -229,6 +229,8 @@ class StaticDecodeInputs:
             max_seq_len=longest if max_seq_len is None else max_seq_len,
             block_table_tensor=dev.block_table[:num_reqs],
             slot_mapping=dev.slot_mapping[:num_tokens],
+            block_table_cpu=host.block_table[:num_reqs],
+            slot_mapping_cpu=host.slot_mapping[:num_tokens],
         )
         return dev.input_ids[:num_tokens], dev.positions[:num_tokens], common
 
@@ -239,7 +241,10 @@ class StaticDecodeInputs:
             group_common = common
             if index in self.kernel_tables:
                 table = self.kernel_tables[index][: common.num_reqs]
-                group_common = replace(common, block_table_tensor=table)
+                table_cpu = expand_block_table(
+                    common.block_table_cpu, self.block_size, group.kernel_block_size
+                )
+                group_common = replace(common, block_table_tensor=table, block_table_cpu=table_cpu)
             if for_capture:
                 built = group.builder.build_for_cudagraph_capture(group_common)
             else:

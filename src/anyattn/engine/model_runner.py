@@ -338,10 +338,13 @@ class ModelRunner:
         for group in self.groups:
             group_common = common
             if group.kernel_block_size != self.block_size:
-                table = expand_block_table(
-                    common.block_table_tensor, self.block_size, group.kernel_block_size
+                tables = (
+                    expand_block_table(table, self.block_size, group.kernel_block_size)
+                    for table in (common.block_table_tensor, common.block_table_cpu)
                 )
-                group_common = replace(common, block_table_tensor=table)
+                group_common = replace(
+                    common, block_table_tensor=next(tables), block_table_cpu=next(tables)
+                )
             cascade = prefix_len > 0 and group.builder.use_cascade_attention(
                 prefix_len,
                 query_lens,

@@ -16,9 +16,9 @@ On CUDA, when triton is importable, the write is one Triton kernel launch (one p
 token); the vectorised PyTorch path serves the CPU and CUDA without triton. `impl=` forces
 either one (tests run the kernel on the CPU under `TRITON_INTERPRET=1`).
 
-The values of `slot_mapping` and of the scales (which need a device-to-host sync on CUDA) are
-checked by `anyattn.ops.slot_checks`, once per unchanged tensor, so a step's later layers do not
-sync.
+Its arguments are checked by `anyattn.ops.tensor_checks.check_kv_write_args`; an attention
+impl, which checks a layer call once from the step's CPU mirrors (`anyattn.validation`,
+docs/design.md), writes with `reshape_and_cache_unchecked`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch
 
 from anyattn.ops.fp8_quant import quantize_fp8
 from anyattn.ops.impl_choice import use_triton
-from anyattn.ops.slot_checks import check_slot_and_scale_values
-from anyattn.types import CACHE_DTYPES, cache_torch_dtype, is_fp8_cache
+from anyattn.ops.tensor_checks import check_kv_write_args, check_scale, check_tensor
+from anyattn.types import cache_torch_dtype, is_fp8_cache
 
 try:
     import triton
@@ -36,10 +36,14 @@ try:
 except ImportError:  # triton is an optional extra
     triton = None
 
-__all__ = ["dequantize_cache", "reshape_and_cache", "reshape_and_cache_ref"]
+__all__ = [
+    "dequantize_cache",
+    "reshape_and_cache",
+    "reshape_and_cache_ref",
+    "reshape_and_cache_unchecked",
+]
 
 _OP = "reshape_and_cache"
-_MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def reshape_and_cache(
@@ -84,12 +88,32 @@ def reshape_and_cache(
             `impl`.
         RuntimeError: `impl="triton"` without triton installed.
 
-    Validation reads `slot_mapping` (and the scales) on the host in one transfer: on CUDA one
-    device-to-host sync, made only when one of them has not been checked unchanged before (see
-    `anyattn.ops.slot_checks`), so a step's later layers do not sync. While a CUDA graph is being
-    captured the value checks are skipped (a sync is illegal there); the write never syncs.
+    The values of `slot_mapping[:num_tokens]` and of the scales are checked on the host: on a
+    device they are read back first (a device-to-host copy on every call; none while a CUDA
+    graph is being captured, when they are not checked). The write itself never syncs.
     """
-    cache_dtype = _validate(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+    cache_dtype = check_kv_write_args(
+        _OP, key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale
+    )
+    reshape_and_cache_unchecked(
+        key, value, kv_cache, slot_mapping, cache_dtype, k_scale, v_scale, impl=impl
+    )
+
+
+def reshape_and_cache_unchecked(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cache_dtype: str,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    *,
+    impl: str = "auto",
+) -> None:
+    """`reshape_and_cache` without its checks, for a caller that has made them (an attention
+    impl, after `anyattn.validation.check_kv_write`): the same arguments, scales None for a
+    non-fp8 cache."""
     use_triton = _use_triton(impl, kv_cache, cache_dtype)
     num_tokens = key.shape[0]
     if num_tokens == 0:
@@ -345,7 +369,7 @@ def dequantize_cache(
         ValueError: a part of rank < 2, a scale of the wrong shape or on another device.
     """
     op = "dequantize_cache"
-    _check_tensor(op, "kv_cache_part", kv_cache_part)
+    check_tensor(op, "kv_cache_part", kv_cache_part)
     if not isinstance(dtype, torch.dtype):
         raise TypeError(
             f"{op}: dtype must be a torch.dtype (got {type(dtype).__name__}, expected e.g. "
@@ -358,7 +382,7 @@ def dequantize_cache(
         )
     values = kv_cache_part.to(torch.float32)
     if scale is not None:
-        _check_scale(op, "scale", scale, kv_cache_part.shape[-2], kv_cache_part.device)
+        check_scale(op, "scale", scale, kv_cache_part.shape[-2], kv_cache_part.device)
         values = values * _per_head(scale)
     return values.to(dtype)
 
@@ -375,123 +399,3 @@ def _to_cache_dtype(x: torch.Tensor, scale: torch.Tensor | None, cache_dtype: st
 def _per_head(scale: torch.Tensor) -> torch.Tensor:
     # [] broadcasts as is; [num_kv_heads] -> [num_kv_heads, 1] to broadcast over head_size.
     return scale if scale.dim() == 0 else scale[:, None]
-
-
-def _check_tensor(op: str, name: str, x: object) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor (got {type(x).__name__}).")
-
-
-def _check_scale(
-    op: str, name: str, scale: object, num_kv_heads: int, device: torch.device
-) -> None:
-    _check_tensor(op, name, scale)
-    assert isinstance(scale, torch.Tensor)
-    if scale.dtype != torch.float32:
-        raise TypeError(
-            f"{op}: {name} has the wrong dtype (got {scale.dtype}, expected torch.float32). "
-            f"Pass {name}.float()."
-        )
-    if tuple(scale.shape) not in ((), (num_kv_heads,)):
-        raise ValueError(
-            f"{op}: {name} has the wrong shape (got {list(scale.shape)}, expected [] per tensor "
-            f"or [{num_kv_heads}] per KV head)."
-        )
-    if scale.device != device:
-        raise ValueError(
-            f"{op}: {name} is on another device (got {scale.device}, expected {device}). "
-            f"Move {name} to the cache's device."
-        )
-
-
-def _validate(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-) -> str:
-    """Every check of `reshape_and_cache`; returns the cache dtype string."""
-    _validate_layout(key, value, kv_cache, slot_mapping)
-    if kv_cache_dtype not in CACHE_DTYPES:
-        raise ValueError(
-            f"{_OP}: unknown kv_cache_dtype (got {kv_cache_dtype!r}, expected one of "
-            f"{', '.join(CACHE_DTYPES)})."
-        )
-    expected = cache_torch_dtype(kv_cache_dtype, key.dtype)
-    if kv_cache.dtype != expected:
-        raise TypeError(
-            f"{_OP}: kv_cache has the wrong dtype for kv_cache_dtype={kv_cache_dtype!r} (got "
-            f"{kv_cache.dtype}, expected {expected}). Allocate the cache with the same "
-            "kv_cache_dtype and model dtype."
-        )
-    fp8 = is_fp8_cache(kv_cache_dtype)
-    num_kv_heads = kv_cache.shape[3]
-    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if scale is None:
-            if fp8:
-                raise ValueError(
-                    f"{_OP}: {name} is required for an fp8 cache (got None, expected a float32 "
-                    f"tensor of shape [] or [{num_kv_heads}]). Pass the layer's {name}."
-                )
-            continue
-        _check_scale(_OP, name, scale, num_kv_heads, kv_cache.device)
-    check_slot_and_scale_values(_OP, key.shape[0], kv_cache, slot_mapping, fp8, k_scale, v_scale)
-    return kv_cache_dtype
-
-
-def _validate_layout(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    for name, x in (("key", key), ("value", value), ("kv_cache", kv_cache)):
-        _check_tensor(_OP, name, x)
-    _check_tensor(_OP, "slot_mapping", slot_mapping)
-    if key.dim() != 3:
-        raise ValueError(
-            f"{_OP}: key must be [num_tokens, num_kv_heads, head_size] (got rank {key.dim()}, "
-            "expected 3)."
-        )
-    if value.shape != key.shape:
-        raise ValueError(
-            f"{_OP}: value's shape differs from key's (got {list(value.shape)}, expected "
-            f"{list(key.shape)})."
-        )
-    if key.dtype not in _MODEL_DTYPES:
-        raise TypeError(
-            f"{_OP}: key has an unsupported dtype (got {key.dtype}, expected float32, float16 "
-            "or bfloat16)."
-        )
-    if value.dtype != key.dtype:
-        raise TypeError(
-            f"{_OP}: value's dtype differs from key's (got {value.dtype}, expected {key.dtype})."
-        )
-    num_tokens, num_kv_heads, head_size = key.shape
-    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
-        raise ValueError(
-            f"{_OP}: kv_cache must be (num_blocks, 2, block_size, num_kv_heads, head_size) (got "
-            f"{list(kv_cache.shape)}). Allocate it with the backend's get_kv_cache_shape."
-        )
-    if tuple(kv_cache.shape[3:]) != (num_kv_heads, head_size):
-        raise ValueError(
-            f"{_OP}: kv_cache's [num_kv_heads, head_size] do not match key's (got "
-            f"{list(kv_cache.shape[3:])}, expected [{num_kv_heads}, {head_size}])."
-        )
-    if slot_mapping.dtype != torch.int64:
-        raise TypeError(
-            f"{_OP}: slot_mapping has the wrong dtype (got {slot_mapping.dtype}, expected "
-            "torch.int64). Pass slot_mapping.long()."
-        )
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] < num_tokens:
-        raise ValueError(
-            f"{_OP}: slot_mapping must be 1-D with at least num_tokens entries (got shape "
-            f"{list(slot_mapping.shape)}, expected [>= {num_tokens}])."
-        )
-    for name, x in (("value", value), ("slot_mapping", slot_mapping), ("kv_cache", kv_cache)):
-        if x.device != key.device:
-            raise ValueError(
-                f"{_OP}: {name} is on another device than key (got {x.device}, expected "
-                f"{key.device}). Put key, value, kv_cache, slot_mapping and the scales on one "
-                "device."
-            )

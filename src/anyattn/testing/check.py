@@ -3,9 +3,10 @@
 `check_backend` is the entry point; `run_case` runs one planned `Case` (for parametrised
 suites). The kit plays the model's attention layer: when the backend's
 `forward_includes_kv_cache_update` is False it calls `impl.do_kv_cache_update(layer, key, value,
-kv_cache, slot_mapping)` first (never for ENCODER / ENCODER_ONLY, which have no cache, nor for
-cross attention steps whose key/value are None), then `impl.forward(layer, query, key, value,
-kv_cache, attn_metadata, output, output_lse=...)` with `output` and `output_lse` filled with NaN.
+kv_cache, slot_mapping, attn_metadata)` first (never for ENCODER / ENCODER_ONLY, which have no
+cache, nor for cross attention steps whose key/value are None), then `impl.forward(layer, query,
+key, value, kv_cache, attn_metadata, output, output_lse=...)` with `output` and `output_lse`
+filled with NaN: the impl's two entry points called directly, as an engine may.
 
 A case fails when the backend raises, when its output (or LSE) is further from the float64
 oracle than the tolerance rule allows, or when an exact check breaks: the cache after the step
@@ -94,7 +95,9 @@ def _step(
     has_cache = batch.attn_type not in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
     if has_cache and key is not None and not backend.forward_includes_kv_cache_update:
         slot_mapping = batch.common_attn_metadata.slot_mapping
-        impl.do_kv_cache_update(layer, key, value, batch.kv_cache, slot_mapping)
+        impl.do_kv_cache_update(
+            layer, key, value, batch.kv_cache, slot_mapping, batch.attn_metadata
+        )
     # NaN everywhere: rows the backend forgets to write show up as NaN errors.
     output = torch.full_like(query, math.nan)
     output_lse = None

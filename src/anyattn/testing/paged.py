@@ -11,7 +11,6 @@ head_size)` (index 1: 0 = K, 1 = V); NHD and HND layouts differ only in strides.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -316,8 +315,7 @@ def build_batch(
     spec, drawn = spec.permuted(order), drawn.reordered(order)
     kv_lens = tuple(kv_lens_in[i] for i in order)
 
-    # Cross attention: the table also needs columns for the decoder positions, which
-    # make_common_attn_metadata maps (that slot mapping is then replaced).
+    # Cross attention: as wide as the decoder's positions too, columns its keys never read.
     engine_table, num_engine_blocks = assign_blocks(
         kv_lens,
         block_size,
@@ -377,12 +375,12 @@ def build_batch(
         causal=causal and attn_type is AttentionType.DECODER,
         encoder_seq_lens=spec.encoder_seq_lens if is_cross else None,
         num_padded_tokens=spec.num_tokens + num_padding_tokens if num_padding_tokens else None,
+        slot_mapping=(
+            _cross_slot_mapping(block_table, kv_lens, spec.is_first_step, kernel_block_size)
+            if is_cross
+            else None
+        ),
     )
-    if is_cross:
-        cross_slots = _cross_slot_mapping(
-            block_table, kv_lens, spec.is_first_step, kernel_block_size
-        )
-        common = dataclasses.replace(common, slot_mapping=cross_slots.to(device))
     attn_metadata = builder.build(spec.common_prefix_len, common)
 
     all_key, all_value = torch.cat(drawn.keys).to(device), torch.cat(drawn.values).to(device)

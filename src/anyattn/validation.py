@@ -1,0 +1,413 @@
+"""Validation of a layer call: what is checked, where and when (docs/design.md, "Validation").
+
+Three levels, each checked once, all on the host:
+
+- The step: `CommonAttentionMetadata` checks its CPU mirrors when it is made (anyattn.metadata).
+- The step against one cache: `check_step_against_cache`: every slot below `num_blocks *
+  block_size`, every block id a request reads (columns `[0, ceil(keys / block_size))` of its
+  row) in `[0, num_blocks)`, from the mirrors, at the first call with a cache of that size;
+  remembered on the metadata (`StepChecks.caches`), so a step's later layers only look it up.
+- The call: shapes, dtypes and devices of the call's tensors (`check_forward_inputs`, the
+  shared part of every impl's `validate_inputs`; `check_kv_write`, the write's arguments).
+
+`check_layer_call` checks a whole layer call before its cache write and records it on the
+step (`StepChecks.call`): `do_kv_cache_update` and `forward`, called next with the same
+arguments, then skip their checks. Called directly, each checks what it is given; the write
+checks the step against the cache first when it gets the step's metadata (`attn_metadata=`).
+Nothing here reads the device or writes to the caller's tensors; only a write given no step
+has the values of a device `slot_mapping` read back (`anyattn.ops.tensor_checks`, as the
+standalone `reshape_and_cache` op does).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import numpy as np
+import torch
+
+from anyattn.metadata import CommonAttentionMetadata
+from anyattn.ops.tensor_checks import (
+    check_kv_write_args,
+    check_scale_values,
+    check_slot_mapping,
+    check_slot_values,
+)
+from anyattn.types import AttentionType, cache_torch_dtype, is_fp8_cache
+
+__all__ = [
+    "check_forward",
+    "check_forward_inputs",
+    "check_kv_write",
+    "check_layer_call",
+    "check_metadata_type",
+    "check_step_against_cache",
+    "layer_kv_scale",
+    "step_of",
+]
+
+_ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+
+
+class AttentionImpl(Protocol):
+    """What the checks read of an `anyattn.backend.AttentionImpl` (which imports this module)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    kv_cache_dtype: str
+    attn_type: AttentionType
+    sliding_window: int | None
+    kv_sharing_target_layer_name: str | None
+
+    def validate_inputs(self, query, key, value, kv_cache, attn_metadata, output, output_lse):
+        """See `anyattn.backend.AttentionImpl.validate_inputs`."""
+
+
+class _Call(NamedTuple):
+    """A layer call checked in full, by its arguments' identities (`StepChecks.call`)."""
+
+    impl: object
+    layer: object
+    query: torch.Tensor
+    key: torch.Tensor | None
+    value: torch.Tensor | None
+    kv_cache: torch.Tensor
+    slot_mapping: object
+    attn_metadata: object
+    output: torch.Tensor
+    output_lse: torch.Tensor | None
+
+
+def step_of(attn_metadata: object) -> CommonAttentionMetadata | None:
+    """The step behind `attn_metadata`: itself when it is a `CommonAttentionMetadata`, else its
+    `common_attn_metadata` (every shipped backend's metadata has one), else None."""
+    if isinstance(attn_metadata, CommonAttentionMetadata):
+        return attn_metadata
+    common = getattr(attn_metadata, "common_attn_metadata", None)
+    return common if isinstance(common, CommonAttentionMetadata) else None
+
+
+def check_layer_call(
+    impl: AttentionImpl, layer: object, query: torch.Tensor, key: torch.Tensor | None,
+    value: torch.Tensor | None, kv_cache: torch.Tensor, attn_metadata: object,
+    output: torch.Tensor, output_lse: torch.Tensor | None, *, writes_kv: bool,
+) -> None:  # fmt: skip
+    """Check one layer call in full, before its cache write (what `Attention.forward` does
+    first): the impl's `validate_inputs` (which must check every tensor `forward` and the write
+    read, as the shipped impls do with `check_forward_inputs`), the step against the cache, and
+    when `writes_kv` the write's slot mapping and fp8 scales. The call is then recorded on its
+    step, so that `do_kv_cache_update` and `forward` with these very arguments
+    (`attn_metadata.slot_mapping` for the write) skip their checks.
+
+    Raises:
+        ValueError, TypeError, NotImplementedError: the first problem found.
+    """
+    impl.validate_inputs(query, key, value, kv_cache, attn_metadata, output, output_lse)
+    slot_mapping = getattr(attn_metadata, "slot_mapping", None)
+    step = step_of(attn_metadata)
+    if step is not None and impl.attn_type not in _ENCODER_TYPES:  # (remembered: a look-up)
+        check_step_against_cache(f"{type(impl).__name__}.forward", step, kv_cache)
+    if writes_kv and key is not None and impl.kv_sharing_target_layer_name is None:
+        api = f"{type(impl).__name__}.do_kv_cache_update"
+        check_slot_mapping(api, slot_mapping, key.shape[0], kv_cache.device)
+        if step is None or slot_mapping is not step.slot_mapping:
+            check_slot_values(api, slot_mapping[: key.shape[0]], kv_cache)
+        _write_scales(api, impl, layer, kv_cache)
+    if step is not None:
+        step.checks.call = _Call(impl, layer, query, key, value, kv_cache, slot_mapping,
+                                 attn_metadata, output, output_lse)  # fmt: skip
+
+
+def check_forward(
+    impl: AttentionImpl, query: torch.Tensor, key: torch.Tensor | None,
+    value: torch.Tensor | None, kv_cache: torch.Tensor, attn_metadata: object,
+    output: torch.Tensor, output_lse: torch.Tensor | None = None,
+) -> None:  # fmt: skip
+    """`forward`'s checks, its first step: none for the call `check_layer_call` has just
+    checked (the record is taken), else the impl's `validate_inputs`."""
+    step = step_of(attn_metadata)
+    if step is not None and step.checks.call is not None:
+        call, step.checks.call = step.checks.call, None  # one call's record serves one call
+        checked = (call.impl, call.query, call.key, call.value, call.kv_cache,
+                   call.attn_metadata, call.output, call.output_lse)  # fmt: skip
+        if _same(checked, (impl, query, key, value, kv_cache, attn_metadata, output, output_lse)):
+            return
+    impl.validate_inputs(query, key, value, kv_cache, attn_metadata, output, output_lse)
+
+
+def check_kv_write(
+    impl: AttentionImpl, layer: object, key: torch.Tensor, value: torch.Tensor,
+    kv_cache: torch.Tensor, slot_mapping: torch.Tensor, attn_metadata: object = None,
+) -> tuple[str, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    """`do_kv_cache_update`'s checks: none for the call `check_layer_call` has checked; else
+    the arguments as `reshape_and_cache` takes them, the cache against the impl, and the step
+    against the cache when `attn_metadata` (or its `CommonAttentionMetadata`) is given: then
+    `slot_mapping`, when it is the step's own, is checked from its CPU mirror.
+
+    Returns:
+        `(kv_cache_dtype, k_scale, v_scale)` for the write: float32 scales on the cache's
+        device for an fp8 cache, else None.
+    """
+    api = f"{type(impl).__name__}.do_kv_cache_update"
+    step = step_of(attn_metadata)
+    call = None if step is None else step.checks.call
+    if call is not None and _same(
+        (call.impl, call.layer, call.key, call.value, call.kv_cache, call.slot_mapping),
+        (impl, layer, key, value, kv_cache, slot_mapping),
+    ):
+        return (impl.kv_cache_dtype, *_write_scales(api, impl, layer, kv_cache, check=False))
+    scales = _write_scales(api, impl, layer, kv_cache)
+    is_mirrored = step is not None and slot_mapping is step.slot_mapping
+    check_kv_write_args(api, key, value, kv_cache, slot_mapping, impl.kv_cache_dtype,
+                        *scales, check_values=not is_mirrored)  # fmt: skip
+    if tuple(kv_cache.shape[3:]) != (impl.num_kv_heads, impl.head_size):
+        raise ValueError(
+            f"{api}: kv_cache's [num_kv_heads, head_size] differ from the layer's (got "
+            f"{list(kv_cache.shape[3:])}, expected [{impl.num_kv_heads}, {impl.head_size}])."
+        )
+    if step is not None:
+        check_step_against_cache(api, step, kv_cache)
+    return (impl.kv_cache_dtype, *scales)
+
+
+def check_step_against_cache(
+    api: str, step: CommonAttentionMetadata, kv_cache: torch.Tensor
+) -> None:
+    """Check the step's slots and the block ids its requests read against `kv_cache`'s
+    `(num_blocks, 2, block_size, ...)`, from the CPU mirrors; once per step and cache size.
+
+    Raises:
+        ValueError: a slot at or past `num_blocks * block_size`, a table too narrow for a
+            request's keys, or a block id a request reads outside `[0, num_blocks)`; the
+            message names the request, the entry, the value and the valid range.
+    """
+    num_blocks, block_size = int(kv_cache.shape[0]), int(kv_cache.shape[2])
+    if (num_blocks, block_size) in step.checks.caches:
+        return
+    slots = step.slot_mapping_cpu.numpy()
+    num_slots = num_blocks * block_size
+    if slots.size and slots[slots.argmax()] >= num_slots:
+        entry = int(slots.argmax())
+        token = f"entry {entry}"
+        if step.encoder_seq_lens_cpu is None and entry < step.num_actual_tokens:
+            request = int(np.searchsorted(step.host_batch.query_start_loc, entry, "right")) - 1
+            token = f"token {entry} (request {request})"
+        raise ValueError(
+            f"{api}: slot_mapping has a slot outside the cache at {token} (got {slots[entry]}, "
+            f"expected -1 or 0 <= slot < num_blocks * block_size = {num_blocks} * {block_size})."
+            " Compute the slots from the block table of this cache."
+        )
+    _check_block_table(api, step, num_blocks, block_size)
+    step.checks.caches.add((num_blocks, block_size))
+
+
+def _check_block_table(
+    api: str, step: CommonAttentionMetadata, num_blocks: int, block_size: int
+) -> None:
+    num_reqs = step.num_reqs
+    table = step.block_table_cpu.numpy()[:num_reqs]
+    keys = step.host_batch.seq_lens
+    if step.encoder_seq_lens_cpu is not None:  # cross attention reads the encoder's keys
+        keys = step.encoder_seq_lens_cpu.numpy()[:num_reqs].astype(np.int64)
+    num_cols = -(-keys // block_size)  # [num_reqs]: the columns each request reads
+    width = table.shape[1]
+    if num_reqs and num_cols[num_cols.argmax()] > width:
+        request = int(num_cols.argmax())
+        raise ValueError(
+            f"{api}: block_table_tensor too narrow for request {request} (got {width} columns, "
+            f"expected >= {num_cols[request]} for its {keys[request]} keys at block_size "
+            f"{block_size})."
+        )
+    # The whole of the real rows first (one pass each way): columns past a request's keys may
+    # hold anything, so only a failure there looks at which columns are read.
+    if not table.size or (table.min() >= 0 and table.max() < num_blocks):
+        return
+    is_read = np.arange(width) < num_cols[:, None]
+    bad = np.argwhere(is_read & ((table < 0) | (table >= num_blocks)))
+    if bad.size:
+        request, column = (int(i) for i in bad[0])
+        raise ValueError(
+            f"{api}: block_table_tensor has a block outside the cache for request {request}, "
+            f"column {column} (got {table[request, column]}, expected 0 <= block < num_blocks "
+            f"= {num_blocks} in the {num_cols[request]} columns its {keys[request]} keys read at "
+            f"block_size {block_size}). Fix the block table or allocate a larger cache."
+        )
+
+
+def check_forward_inputs(
+    api: str, impl: AttentionImpl, supported_dtypes: tuple[torch.dtype, ...],
+    query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+    kv_cache: torch.Tensor, attn_metadata: object, metadata_type: type, *,
+    output: torch.Tensor, output_lse: torch.Tensor | None, reads_cache: bool = True,
+    num_rows: int | None = None,
+) -> None:  # fmt: skip
+    """Shapes, dtypes and devices of one `forward` call's tensors, and the step against the
+    cache (`check_step_against_cache`): the shared part of every impl's `validate_inputs`.
+
+    Args:
+        api: names the caller in messages, e.g. "TRITON forward".
+        impl: the impl (`num_heads`, `head_size`, `num_kv_heads`, `kv_cache_dtype`,
+            `attn_type`, `sliding_window`).
+        supported_dtypes: query dtypes the backend takes.
+        attn_metadata: the backend's metadata, of `metadata_type` (its `block_size`,
+            `num_actual_tokens`, `causal` and `common_attn_metadata` are read).
+        reads_cache: False for attention that takes K/V only from its inputs (encoder).
+        num_rows: query rows the kernels run (default: `num_actual_tokens`).
+
+    Raises:
+        TypeError: metadata of another backend.
+        ValueError, NotImplementedError: the first mismatch, naming the argument.
+    """
+    check_metadata_type(api, attn_metadata, metadata_type)
+    md = attn_metadata
+    if impl.sliding_window is not None and not md.causal:
+        raise NotImplementedError(
+            f"{api}: sliding window with non-causal attention not supported (got "
+            "attn_metadata.causal=False); the window is defined causally."
+        )
+    num_rows = md.num_actual_tokens if num_rows is None else num_rows
+    heads = (impl.num_heads, impl.head_size)
+    if query.dim() != 3 or tuple(query.shape[1:]) != heads:
+        raise ValueError(
+            f"{api}: query must be [num_tokens, {heads[0]}, {heads[1]}] (got {tuple(query.shape)})."
+        )
+    if query.dtype not in supported_dtypes:
+        raise ValueError(
+            f"{api}: query dtype not supported (got {query.dtype}, expected one of "
+            f"{', '.join(str(d).removeprefix('torch.') for d in supported_dtypes)})."
+        )
+    if output.shape != query.shape or output.dtype != query.dtype:
+        raise ValueError(
+            f"{api}: output must match query in shape and dtype (got {tuple(output.shape)} "
+            f"{output.dtype}, expected {tuple(query.shape)} {query.dtype})."
+        )
+    if num_rows > query.shape[0]:
+        raise ValueError(
+            f"{api}: query has fewer rows than the metadata's tokens (got {query.shape[0]}, "
+            f"expected >= {num_rows})."
+        )
+    _check_forward_kv(api, impl, query, key, value)
+    if not reads_cache:
+        if key is None:
+            raise ValueError(f"{api}: {impl.attn_type.value} attention needs key and value.")
+    else:
+        cache_dtype = cache_torch_dtype(impl.kv_cache_dtype, query.dtype)
+        expected = ("num_blocks", 2, md.block_size, impl.num_kv_heads, impl.head_size)
+        if kv_cache.dim() != 5 or tuple(kv_cache.shape[1:]) != expected[1:]:
+            raise ValueError(
+                f"{api}: kv_cache must be {list(expected)} (got {tuple(kv_cache.shape)}). "
+                "Allocate it with anyattn.kv_cache.allocate_kv_cache."
+            )
+        if kv_cache.dtype != cache_dtype:
+            raise ValueError(
+                f"{api}: kv_cache dtype does not match kv_cache_dtype "
+                f"{impl.kv_cache_dtype!r} (got {kv_cache.dtype}, expected {cache_dtype})."
+            )
+        if kv_cache.device != query.device:
+            raise ValueError(
+                f"{api}: kv_cache and query are on different devices (got {kv_cache.device} "
+                f"and {query.device})."
+            )
+    if output_lse is not None and (
+        output_lse.dtype != torch.float32
+        or output_lse.dim() != 2
+        or output_lse.shape[0] != impl.num_heads
+        or output_lse.shape[1] < num_rows
+    ):
+        raise ValueError(
+            f"{api}: output_lse must be float32 [{impl.num_heads}, num_tokens] (got "
+            f"{output_lse.dtype} {tuple(output_lse.shape)})."
+        )
+    step = step_of(md)
+    if reads_cache and step is not None:
+        check_step_against_cache(api, step, kv_cache)
+
+
+def check_metadata_type(api: str, attn_metadata: object, metadata_type: type) -> None:
+    """Raise `TypeError` unless `attn_metadata` is a `metadata_type` (a backend's metadata,
+    made by the builder of the same name)."""
+    if not isinstance(attn_metadata, metadata_type):
+        builder = metadata_type.__name__.removesuffix("Metadata") + "MetadataBuilder"
+        raise TypeError(
+            f"{api}: attn_metadata must come from {builder}.build (got "
+            f"{type(attn_metadata).__name__})."
+        )
+
+
+def _check_forward_kv(
+    api: str,
+    impl: AttentionImpl,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+) -> None:
+    if (key is None) != (value is None):
+        raise ValueError(f"{api}: key and value must both be given or both be None.")
+    kv_shape = (impl.num_kv_heads, impl.head_size)
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor is None:
+            continue
+        if tensor.dim() != 3 or tuple(tensor.shape[1:]) != kv_shape:
+            raise ValueError(
+                f"{api}: {name} must be [num_tokens, {kv_shape[0]}, {kv_shape[1]}] (got "
+                f"{tuple(tensor.shape)})."
+            )
+        if tensor.dtype != query.dtype or tensor.device != query.device:
+            raise ValueError(
+                f"{api}: {name} dtype or device differs from query's (got {tensor.dtype} on "
+                f"{tensor.device}, expected {query.dtype} on {query.device})."
+            )
+        if impl.attn_type != AttentionType.ENCODER_DECODER and tensor.shape[0] != query.shape[0]:
+            raise ValueError(
+                f"{api}: {name} and query differ in tokens (got {tensor.shape[0]} and "
+                f"{query.shape[0]})."
+            )
+
+
+def layer_kv_scale(
+    api: str, layer: object, name: str, num_kv_heads: int, device: torch.device
+) -> torch.Tensor:
+    """`layer.k_scale` or `layer.v_scale` of an fp8 cache as float32 on `device`, shape `[]`
+    or `[num_kv_heads]` (a `[1]` scale taken as `[]`). Values are not read.
+
+    Raises:
+        ValueError: missing, or not of shape `[]`, `[1]` or `[num_kv_heads]`.
+    """
+    scale = getattr(layer, name, None)
+    if not isinstance(scale, torch.Tensor) or tuple(scale.shape) not in ((), (1,), (num_kv_heads,)):
+        got = tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise ValueError(
+            f"{api}: layer.{name} must be a float32 tensor of shape [] or [{num_kv_heads}] "
+            f"for an fp8 KV cache (got {got})."
+        )
+    return _on(scale, device)
+
+
+def _on(scale: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if scale.device != device or scale.dtype != torch.float32:
+        scale = scale.to(device=device, dtype=torch.float32)
+    return scale.reshape(()) if scale.dim() == 1 and scale.shape[0] == 1 else scale
+
+
+def _write_scales(
+    api: str, impl: AttentionImpl, layer: object, kv_cache: torch.Tensor, check: bool = True
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The write's scales: the layer's, for an fp8 cache only (others ignore them); a CPU
+    scale's values are checked (finite, > 0), a device scale's are not read."""
+    if not is_fp8_cache(impl.kv_cache_dtype):
+        return None, None
+    if not check:  # checked by `check_layer_call`: only converted
+        return _on(layer.k_scale, kv_cache.device), _on(layer.v_scale, kv_cache.device)
+    scales = []
+    for name in ("k_scale", "v_scale"):
+        scale = layer_kv_scale(api, layer, name, impl.num_kv_heads, kv_cache.device)
+        if getattr(layer, name).is_cpu:
+            check_scale_values(api, f"layer.{name}", getattr(layer, name), fp8=True)
+        scales.append(scale)
+    return scales[0], scales[1]
+
+
+def _same(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
+    """Whether two argument tuples hold the very same objects."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
