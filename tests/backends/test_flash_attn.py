@@ -106,6 +106,30 @@ def test_arguments_map_to_each_versions_names():
 
 # --- declarations and selection ----------------------------------------------------------------
 
+# FA4 on sm90: what passed every run of the declaration sweep on an H200.
+FA4_SM90_HEAD_SIZES = [*range(16, 129, 16), 144, 176, 192, 256]
+
+
+@pytest.mark.parametrize("head_size", [80, 96, 144, 256])
+@pytest.mark.parametrize("bidirectional", ["cross", "non_causal"])
+def test_fa4_refuses_paged_bidirectional_attention_where_its_paged_kernel_is_wrong(
+    monkeypatch, head_size, bidirectional
+):
+    # benchmarks/fa4_cross_attention_repro.py: wrong rows at 80 and 96 over paged keys (right
+    # over contiguous ones), an illegal memory access at 160.
+    install(monkeypatch, fa4())
+    changes = (
+        {"attn_type": AttentionType.ENCODER_DECODER}
+        if bidirectional == "cross"
+        else {"use_non_causal": True}
+    )
+    (reason,) = _reasons(SM90, head_size=head_size, **changes)
+    assert f"head_size {head_size} with cross or non-causal attention" in reason
+    assert _reasons(SM90, head_size=head_size) == []  # causal attention is fine
+    assert _reasons(SM90, head_size=head_size, attn_type=AttentionType.ENCODER) == []  # no cache
+    assert _reasons(SM90, head_size=128, **changes) == []
+    assert _reasons(SM90, head_size=64, **changes) == []
+
 
 def test_fa4_declarations(monkeypatch):
     install(monkeypatch, fa4())
@@ -113,7 +137,7 @@ def test_fa4_declarations(monkeypatch):
     assert b.get_unavailable_reason() is None
     assert b.supported_dtypes == (torch.float16, torch.bfloat16)
     assert b.supported_kv_cache_dtypes == ("auto", "float16", "bfloat16")
-    assert b.get_supported_head_sizes() == list(range(16, 257, 16))
+    assert b.get_supported_head_sizes() == FA4_SM90_HEAD_SIZES
     assert b.get_supported_kernel_block_sizes() == [MultipleOf(16)]
     assert [str(x) for x in b.supported_kv_cache_layouts()] == ["NHD", "HND"]
     assert b.supported_attn_types == tuple(AttentionType)
@@ -139,8 +163,12 @@ def test_fa4_selection_by_device(monkeypatch):
     assert "head_size 192 not supported" in reason
     assert _reasons(SM90, head_size=192) == []
     assert _reasons(SM90, head_size=72) == [
-        "head_size 72 not supported (supported: " + ", ".join(map(str, range(16, 257, 16))) + ")"
+        "head_size 72 not supported (supported: " + ", ".join(map(str, FA4_SM90_HEAD_SIZES)) + ")"
     ]
+    # Sizes whose paged results were wrong in the declaration sweep on an H200 are not declared.
+    for head_size in (160, 208, 224, 240):
+        assert _reasons(SM90, head_size=head_size) != []
+    assert _reasons(SM100, head_size=160) != []
     assert _reasons(SM90, dtype=torch.float32) == [
         "dtype float32 not supported (supported: float16, bfloat16)"
     ]
@@ -214,7 +242,7 @@ def test_absent_flash_attention_declares_fa4_and_names_the_pip_command(monkeypat
     reason = b.get_unavailable_reason()
     assert reason.endswith("Install it with: pip install 'anyattn[flash-attn]'")
     assert _reasons(SM90) == []  # capabilities are FA4's, availability is separate
-    assert b.get_supported_head_sizes() == list(range(16, 257, 16))
+    assert b.get_supported_head_sizes() == FA4_SM90_HEAD_SIZES
     verdicts = {v.name: v for v in explain(_config(), SM90).verdicts}
     assert verdicts["FLASH_ATTN"].reasons == () and "anyattn[flash-attn]" in (
         verdicts["FLASH_ATTN"].unavailable
