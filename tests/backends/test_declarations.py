@@ -25,11 +25,9 @@ def _params() -> list:
         backend = get_backend_class(name)
         for device in backend.supported_device_types:
             mark = pytest.mark.gpu if device == "cuda" else pytest.mark.slow
-            skip = None
+            skip = backend.get_unavailable_reason()
             if device == "cuda" and not torch.cuda.is_available():
                 skip = "no CUDA device"
-            elif backend.get_unavailable_reason() is not None:
-                skip = backend.get_unavailable_reason()
             if skip is not None:
                 marks = [mark, pytest.mark.skip(reason=f"{name}: {skip}")]
                 params.append(pytest.param(name, device, None, id=f"{name}-{device}", marks=marks))
