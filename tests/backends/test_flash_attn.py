@@ -25,6 +25,7 @@ from anyattn.backends.flash_attn import (
     FlashAttentionImpl,
     FlashAttentionMetadataBuilder,
 )
+from anyattn.backends.flash_attn_plan import contiguous_key_rows
 from anyattn.config import AttentionSelectorConfig, AttentionSpec, BatchLimits
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.layer import Attention
@@ -110,25 +111,52 @@ def test_arguments_map_to_each_versions_names():
 FA4_SM90_HEAD_SIZES = [*range(16, 129, 16), 144, 176, 192, 256]
 
 
-@pytest.mark.parametrize("head_size", [80, 96, 144, 256])
-@pytest.mark.parametrize("bidirectional", ["cross", "non_causal"])
-def test_fa4_refuses_paged_bidirectional_attention_where_its_paged_kernel_is_wrong(
-    monkeypatch, head_size, bidirectional
+@pytest.mark.parametrize("head_size", FA4_SM90_HEAD_SIZES)
+@pytest.mark.parametrize("attn", ["cross", "non_causal", "causal", "encoder"])
+def test_fa4_takes_every_declared_head_size_for_every_attention_type_on_sm90(
+    monkeypatch, head_size, attn
 ):
-    # benchmarks/fa4_cross_attention_repro.py: wrong rows at 80 and 96 over paged keys (right
-    # over contiguous ones), an illegal memory access at 160.
+    # (where FA4's paged bidirectional kernel is wrong, the builder reads keys contiguously)
     install(monkeypatch, fa4())
-    changes = (
-        {"attn_type": AttentionType.ENCODER_DECODER}
-        if bidirectional == "cross"
-        else {"use_non_causal": True}
-    )
-    (reason,) = _reasons(SM90, head_size=head_size, **changes)
-    assert f"head_size {head_size} with cross or non-causal attention" in reason
-    assert _reasons(SM90, head_size=head_size) == []  # causal attention is fine
-    assert _reasons(SM90, head_size=head_size, attn_type=AttentionType.ENCODER) == []  # no cache
-    assert _reasons(SM90, head_size=128, **changes) == []
-    assert _reasons(SM90, head_size=64, **changes) == []
+    changes = {
+        "cross": {"attn_type": AttentionType.ENCODER_DECODER},
+        "non_causal": {"use_non_causal": True},
+        "causal": {},
+        "encoder": {"attn_type": AttentionType.ENCODER},
+    }[attn]
+    assert _reasons(SM90, head_size=head_size, **changes) == []
+
+
+def test_contiguous_key_rows_follow_each_requests_pages():
+    table = torch.tensor([[5, 2, 7], [1, 0, 0], [3, 4, 6]], dtype=torch.int32)
+    lens = torch.tensor([35, 0, 17])
+    blocks, offsets = contiguous_key_rows(table, lens, 16)
+    expected = [(table[r, p // 16].item(), p % 16) for r in range(3) for p in range(lens[r])]
+    assert list(zip(blocks.tolist(), offsets.tolist(), strict=True)) == expected
+    assert blocks.dtype == offsets.dtype == torch.int64
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_keys_read_contiguously_where_the_paged_bidirectional_kernel_is_wrong(monkeypatch, dtype):
+    """With FA4's paged bidirectional kernel marked faulty, cross and non-causal passes reach it
+    with contiguous keys (no page table) and still match the oracle; causal ones stay paged."""
+    install(monkeypatch, fa4())
+    monkeypatch.setattr(versions, "paged_bidirectional_is_faulty", lambda *args: True)
+    calls = []
+    real_call = versions.FlashAttnInterface.call
+
+    def spy(self, **kwargs):
+        calls.append((kwargs["causal"], kwargs["page_table"] is None))
+        return real_call(self, **kwargs)
+
+    monkeypatch.setattr(versions.FlashAttnInterface, "call", spy)
+    features = ["non_causal", "encoder_decoder", "mixed", "cascade"]
+    cases, _ = _kit_cases(monkeypatch, dtype, features)
+    assert {c.feature for c in cases} == set(features)
+    _assert_cases_pass(cases, dtype)
+    bidirectional_paged = [c for c in calls if not c[0] and not c[1]]
+    assert not bidirectional_paged, "a bidirectional pass read paged keys"
+    assert (True, False) in calls and (False, True) in calls
 
 
 def test_fa4_declarations(monkeypatch):

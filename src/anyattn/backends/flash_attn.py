@@ -66,6 +66,7 @@ from anyattn.backends import flash_attn_versions as versions
 from anyattn.backends.flash_attn_plan import (
     cascade_block_tables,
     cascade_is_worthwhile,
+    contiguous_key_rows,
     cu_seqlens_from_lens,
     padded_num_reqs,
     plan_cascade,
@@ -235,6 +236,11 @@ class FlashAttnPass:
         page_table: int32 `[batch, max_blocks]` (device); None for encoder attention.
         max_seqlen_q, max_seqlen_k: bounds on the lengths.
         causal: bottom-right causal masking.
+        key_rows: int64 `(blocks, offsets)`, each `[sum of key lengths]` (device), when the
+            keys are read out of the paged cache into contiguous rows (`cache[blocks,
+            offsets]`, by `cu_seqlens_k`) because the kernel's paged bidirectional path is
+            wrong at this head size (`flash_attn_versions.paged_bidirectional_is_faulty`);
+            `page_table` is then None.
     """
 
     cu_seqlens_q: torch.Tensor
@@ -244,6 +250,7 @@ class FlashAttnPass:
     max_seqlen_q: int
     max_seqlen_k: int
     causal: bool
+    key_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -330,12 +337,21 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
                 f"max_num_reqs={limits.max_num_reqs}). Drop those sizes or raise max_num_reqs."
             )
         self._buffers: _DecodeBuffers | None = None  # made by the first decode-layout build
-        # The decode layout's pass per (padded batch, causal): views of the buffers, made once
+        # The decode layout's pass per padded batch: views of the buffers, made once
         # (slicing tensors and making dataclasses was most of a replay step's host time).
-        self._decode_passes: dict[tuple[int, bool], FlashAttnPass] = {}
+        self._decode_passes: dict[int, FlashAttnPass] = {}
         self._query_offsets_for: tuple[int, int] | None = None  # (num_reqs, padded) written
         self._copy_inputs = GraphDecodeInputsLaunch(
             self.device, "FlashAttentionMetadataBuilder.build"
+        )
+        # Bidirectional passes read their keys contiguously where the newest installed version's
+        # paged kernel is wrong for them (the impl runs the newest version that takes a layer).
+        installed = versions.installed_interfaces()
+        capability = None
+        if self.device.type == "cuda" and installed:
+            capability = torch.cuda.get_device_capability(self.device)
+        self._gather_bidirectional = bool(installed) and versions.paged_bidirectional_is_faulty(
+            installed[0], capability, kv_cache_spec.head_size
         )
 
     def build(
@@ -351,7 +367,9 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         cross = cm.encoder_seq_lens is not None
         max_k = int(cm.encoder_seq_lens_cpu[: cm.num_reqs].max()) if cross and cm.num_reqs else 0
         self._check_table_width(cm, max_k if cross else cm.max_seq_len, api)
-        if common_prefix_len:
+        if common_prefix_len and not self._gather_bidirectional:
+            # (under gathering the cascade's bidirectional prefix pass would read paged keys;
+            # the plain layout gives the same result)
             if cross or self.kv_cache_spec.sliding_window is not None:
                 raise ValueError(
                     f"{api}: cascade attention needs decoder attention without a sliding window "
@@ -459,6 +477,20 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             if cross
             else (cm.seq_lens, cm.seq_lens_cpu)
         )
+        if self._gather_bidirectional and (cross or not cm.causal):
+            table = cm.block_table_tensor if cm.block_table_cpu is None else cm.block_table_cpu
+            blocks, offsets = contiguous_key_rows(table, lens_cpu[:num_reqs], self.block_size)
+            main = FlashAttnPass(
+                cu_seqlens_q=cm.query_start_loc[: num_reqs + 1],
+                seq_lens=None,
+                cu_seqlens_k=self._upload(cu_seqlens_from_lens(lens_cpu[:num_reqs])),
+                page_table=None,
+                max_seqlen_q=cm.max_query_len,
+                max_seqlen_k=max_cross_len if cross else cm.max_seq_len,
+                causal=False,
+                key_rows=(self._upload(blocks), self._upload(offsets)),
+            )
+            return self._metadata(cm, main)
         cu_k = None
         if self._needs_cu_seqlens_k:
             cu_k = self._upload(cu_seqlens_from_lens(lens_cpu[:num_reqs]))
@@ -485,9 +517,9 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         """The CUDA-graph decode layout of `cm`'s decodes padded to `padded`, in the builder's
         buffers (`longest`: the mirrors' longest sequence, whose pages are the columns copied)."""
         buf, n = self._decode_buffers(), cm.num_reqs
-        main = self._decode_passes.get((padded, cm.causal))
+        main = self._decode_passes.get(padded)
         if main is None:
-            main = self._decode_passes[(padded, cm.causal)] = FlashAttnPass(
+            main = self._decode_passes[padded] = FlashAttnPass(
                 cu_seqlens_q=buf.query_start_loc[: padded + 1],
                 seq_lens=buf.seq_lens[:padded],
                 cu_seqlens_k=buf.cu_seqlens_k[: padded + 1] if self._needs_cu_seqlens_k else None,
@@ -495,7 +527,9 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
                 max_seqlen_q=1,
                 # a bound every replay of the graph satisfies
                 max_seqlen_k=self.limits.max_model_len,
-                causal=cm.causal,
+                # one query token per request, the last: causal and bidirectional agree, and
+                # the causal kernel is right where FA4's paged bidirectional one is not
+                causal=True,
             )
         # Device-side writes only, into the addresses the captured graph reads: one launch
         # copies the table's rows (the columns the longest request reads, which `build` has
@@ -531,7 +565,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             page_table=first_rows(cm.block_table_tensor, n),
             max_seqlen_q=1,
             max_seqlen_k=self.limits.max_model_len,
-            causal=cm.causal,
+            causal=True,  # one query token per request, as in `_build_decode`
         )
         return self._metadata(cm, main)
 
@@ -588,6 +622,8 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         `flash_attn_plan.cascade_is_worthwhile`); position-dependent modifiers, context
         parallelism and versions without LSE rule it out."""
         if use_alibi or use_sliding_window or use_local_attention or dcp_world_size > 1:
+            return False
+        if self._gather_bidirectional:  # its prefix pass would be bidirectional over pages
             return False
         if self.kv_cache_spec.sliding_window is not None or common_prefix_len % self.block_size:
             return False
@@ -722,6 +758,9 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
         # [num_blocks, block_size, num_kv_heads, head_size] views, strides of the layout
         k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]
         q = query[:n]
+        if md.main.key_rows is not None:
+            blocks, offsets = md.main.key_rows  # [keys, num_kv_heads, head_size] each
+            k_cache, v_cache = k_cache[blocks, offsets], v_cache[blocks, offsets]
         if md.prefix is None:
             rows = output[:n]
             out_arg = rows if interface.has_out and _aligned(rows) else None

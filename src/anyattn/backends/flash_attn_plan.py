@@ -49,6 +49,20 @@ def cu_seqlens_from_lens(lens: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def contiguous_key_rows(
+    block_table: torch.Tensor, lens: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each request's keys lie in the paged cache, request after request: int64 block ids
+    and offsets, both `[sum(lens)]`, so that `cache[blocks, offsets]` is the keys laid out for
+    `cu_seqlens_k = cu_seqlens_from_lens(lens)`. CPU tensors in and out (`block_table`
+    `[>= n, max_blocks]`, `lens` `[n]`).
+    """
+    lens = lens.long()
+    request = torch.repeat_interleave(torch.arange(lens.shape[0]), lens)
+    position = torch.arange(request.shape[0]) - (torch.cumsum(lens, 0) - lens)[request]
+    return block_table[request, position // block_size].long(), position % block_size
+
+
 def padded_num_reqs(num_reqs: int, capture_sizes: Sequence[int]) -> int:
     """Requests a single-token decode batch is laid out for: the smallest CUDA-graph capture size
     that holds it, else `num_reqs` itself (no graph that large)."""

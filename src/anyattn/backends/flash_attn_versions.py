@@ -153,9 +153,24 @@ def _head_sizes(version: FlashAttnVersion, capability: tuple[int, int] | None) -
 _FA4_SM90_WIDE_HEAD_SIZES = (144, 176, 192, 256)
 # FA4 4.0.0b36 and 4.0.0b40 on sm90, paged keys, bidirectional (cross attention, non-causal
 # decoder): head sizes 65-96 (its 144-key tile) give wrong rows, and 160 an illegal memory access,
-# where the same call over contiguous keys is right (benchmarks/fa4_cross_attention_repro.py);
-# above 128 none ran. Causal attention at these sizes passed the declaration sweep.
+# where the same call over contiguous keys is right (benchmarks/fa4_cross_attention_repro.py).
+# The builder gathers such passes' keys into contiguous rows (`paged_bidirectional_is_faulty`).
 _FA4_PAGED_BIDIRECTIONAL_BAD = (range(65, 97), range(129, 257))
+
+
+def paged_bidirectional_is_faulty(
+    interface: FlashAttnInterface, capability: tuple[int, int] | None, head_size: int
+) -> bool:
+    """Whether `interface` returns wrong rows for bidirectional attention (cross attention, a
+    non-causal decoder) over paged keys at `head_size` on a device of `capability`; the caller
+    then passes the keys contiguously (`cu_seqlens_k`), which that kernel gets right."""
+    return (
+        interface.version is FlashAttnVersion.FA4
+        and capability is not None
+        and capability[0] == 9
+        and any(head_size in bad for bad in _FA4_PAGED_BIDIRECTIONAL_BAD)
+    )
+
 
 _HEAD_SIZE_TEXT = {
     FlashAttnVersion.FA4: "multiples of 16 up to 128, and 144, 176, 192, 256, on sm90; up to "
@@ -319,15 +334,6 @@ class FlashAttnInterface:
             (request.use_per_head_quant_scales, False, "per-head scales (no fp8 caches)"),
         )
         reasons.extend(f"{label} not supported" for want, has, label in wanted if want and not has)
-        paged = request.attn_type in (AttentionType.DECODER, AttentionType.ENCODER_DECODER)
-        sm90 = cap is not None and cap[0] == 9  # (None: a layer not yet on a device)
-        if self.version is FlashAttnVersion.FA4 and sm90 and paged and bidirectional:
-            if any(request.head_size in bad for bad in _FA4_PAGED_BIDIRECTIONAL_BAD):
-                reasons.append(
-                    f"head_size {request.head_size} with cross or non-causal attention over the "
-                    "paged cache not supported (FA4's paged kernel returns wrong results there; "
-                    "head sizes up to 64 and 97-128 work)"
-                )
         if request.has_alibi and self.has_alibi and bidirectional:
             # FA2 adds -slope * |i - j|; DESIGN.md's slope * (j - p) differs for keys after p.
             reasons.append("ALiBi with bidirectional attention not supported (biases by -|i - j|)")
