@@ -232,8 +232,10 @@ def test_decode_cuda_graph_over_persistent_step_tensors_replays_like_eager():
         dummies = size - len(seq_lens)
         null_rows = torch.zeros(dummies, width, dtype=torch.int32)
         table = torch.cat([real.block_table_tensor.cpu(), null_rows])
+        # (the dummies write nothing: slot -1)
+        slots = torch.cat([real.slot_mapping_cpu, torch.full((dummies,), -1)])
         padded = make_common_attn_metadata(
-            [1] * size, seq_lens + [1] * dummies, table, BLOCK, "cuda"
+            [1] * size, seq_lens + [1] * dummies, table, BLOCK, "cuda", slot_mapping=slots
         )
         for name, buffer in buffers.items():
             buffer.copy_(getattr(padded, name))
