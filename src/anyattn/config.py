@@ -1,7 +1,8 @@
 """Explicit configuration: what a layer asks of a backend, and the engine's batch limits.
 
 No global "current config" exists in anyattn: the selector takes an `AttentionSelectorConfig`,
-builders take a `KV-cache spec` and `BatchLimits`, all frozen and hashable.
+builders take a KV-cache spec (`AttentionSpec`, `MLAAttentionSpec`) and `BatchLimits`, all
+frozen and hashable (docs/contract.md; docs/vllm_differences.md says what this replaces).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Small value types shared by every part of anyattn.
 
 `AttentionType`, `AttentionCGSupport`, `MultipleOf`, `KVCacheLayout`, cache dtypes and
-`DeviceInfo`. Nothing here touches a device: a `DeviceInfo` can be written by hand so that one
-can ask "would this work on an H100?" from a laptop.
+`DeviceInfo` (what they mean: docs/semantics.md and docs/contract.md). Nothing here touches a
+device: a `DeviceInfo` can be written by hand so that one can ask "would this work on an H100?"
+from a laptop.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """The one rounding rule of fp8 KV caches, in PyTorch (`quantize_fp8`) and Triton (`fp8_bits`).
 
+docs/semantics.md ("fp8 caches") states the rule for every backend; this module implements it.
+
 An fp8 cache stores `x / scale` for a model value `x` (float32, float16 or bfloat16) and its
 float32 `scale` (per tensor, or per KV head):
 

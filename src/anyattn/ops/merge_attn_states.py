@@ -9,7 +9,9 @@ the log-sum-exp (LSE) of its scores. With `m = max(lse_p, lse_s)`,
 
 is exactly attention over the union of the keys. An empty side has LSE -inf (a `+inf` LSE is read
 as -inf too) and contributes nothing, whatever its output rows hold; a row empty on both sides
-gets zeros and LSE -inf, never NaN.
+gets zeros and LSE -inf, never NaN. LSEs are natural logs, or base 2 with `lse_base_on_e=False`.
+A layer's sink must be counted in exactly one of the two sides (docs/semantics.md, "Merging
+partial results").
 
 On CUDA, when triton is importable, the merge is one Triton kernel launch (one program per
 (token, head)); the PyTorch path serves the CPU and CUDA without triton. `impl=` forces either

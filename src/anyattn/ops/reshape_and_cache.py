@@ -8,9 +8,10 @@ The cache has the logical shape `(num_blocks, 2, block_size, num_kv_heads, head_
 being K (0) / V (1), with any strides (NHD or HND, see `anyattn.kv_cache.allocate_kv_cache`);
 every write goes through that view, so both layouts work. Token `t` goes to
 `slot = slot_mapping[t] = block_id * block_size + offset`; slot -1 is padding and is never
-written. fp8 caches hold `x / scale` rounded by the one rule of `anyattn.ops.fp8_quant` (IEEE
-float32 division, nearest-even fp8, saturation at 448 for e4m3 and 57344 for e5m2, NaN as 0x7F),
-where `scale` (float32, `[]` or `[num_kv_heads]`) is `k_scale` for K and `v_scale` for V.
+written (docs/semantics.md, "KV cache"). fp8 caches hold `x / scale` rounded by the one rule
+of `anyattn.ops.fp8_quant` (IEEE float32 division, nearest-even fp8, saturation at 448 for e4m3
+and 57344 for e5m2, NaN as 0x7F), where `scale` (float32, `[]` or `[num_kv_heads]`) is
+`k_scale` for K and `v_scale` for V.
 
 On CUDA, when triton is importable, the write is one Triton kernel launch (one program per
 token); the vectorised PyTorch path serves the CPU and CUDA without triton. `impl=` forces

@@ -6,11 +6,11 @@ Two forms, chosen by the kernel's input dtype:
   `cap * tanh(s / cap)` for |s| <= 10 * cap (tests/ops/test_soft_cap.py checks caps 1, 20 and
   50). It uses only operations that IEEE rounds exactly (division rounded to nearest, fma,
   integer bit manipulation), no approximate hardware exp or tanh, so its error does not depend
-  on the GPU. (Triton's interpreter has no libdevice, so `libdevice.tanh` is not an option, and
-  the form `cap * (1 - 2 / (exp(2 s / cap) + 1))` loses up to ~2e4 ulps near 0 to cancellation,
-  an absolute error of a few 1e-7 * cap: enough to fail the conformance kit's float32 bound.)
-- fast (float16 / bfloat16 inputs): that form, a few instructions instead of ~40; its absolute
-  error (< 2^-20 * cap) is far below the rounding of 16-bit probabilities.
+  on the GPU and runs under Triton's interpreter, which has no libdevice.
+- fast (float16 / bfloat16 inputs): `cap * (1 - 2 / (exp(2 s / cap) + 1))`, a few instructions.
+  Cancellation near 0 costs it up to ~2e4 float32 ulps (an absolute error of a few 1e-7 * cap,
+  too much for the float32 bound of the conformance kit), but that error (< 2^-20 * cap) is far
+  below the rounding of 16-bit probabilities.
 
 Both give ±cap for ±inf and NaN for NaN.
 """

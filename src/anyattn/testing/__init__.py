@@ -1,7 +1,7 @@
 """anyattn.testing: a conformance kit for attention backends.
 
 Anyone writing a backend can check it, from their own pytest suite, against a float64 oracle
-written from DESIGN.md's semantics alone::
+written from docs/semantics.md alone::
 
     from anyattn.testing import check_backend
 

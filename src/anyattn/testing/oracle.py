@@ -1,8 +1,8 @@
-"""A dense attention oracle, written from DESIGN.md's semantics and nothing else.
+"""A dense attention oracle, written from docs/semantics.md and nothing else.
 
 It loops over requests and materialises every score, so it is slow but obviously right. Run it
 in float64 for the reference and in the input dtype to measure how much rounding that dtype alone
-causes (the tolerance rule of STYLE.md needs both).
+causes (the tolerance rule of `anyattn.testing.tolerance` needs both).
 """
 
 from __future__ import annotations

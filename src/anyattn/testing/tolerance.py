@@ -1,4 +1,4 @@
-"""The tolerance rule of STYLE.md: an error bound derived from the reference's own rounding.
+"""The conformance kit's tolerance rule: an error bound derived from the reference's own rounding.
 
 Pass when `max|out - ref64| <= k * max|ref_lowp - ref64| + floor`, where `ref_lowp` is the
 oracle run in the input dtype and `floor = 2 * max|(ref64 + 0.3 - 0.3) - ref64|` computed in the
@@ -8,8 +8,9 @@ input dtype (that dtype's rounding noise at the reference's magnitudes).
 dominates both errors. In float32 nothing is rounded that coarsely and the kernel's own
 arithmetic shows: GPU kernels take exponentials as `exp2` on `s * log2(e)` with the hardware's
 approximate `ex2.approx.f32` (up to 2 ulp, and the product adds its rounding), where the oracle's
-`exp` is within 1 ulp; on the H200 TRITON and FLEX_ATTENTION landed at 1.05-1.08x the 2x bound
-on a one-request decode. So `k` is 4 for float32: still a few float32 ulps of the outputs.
+`exp` is within 1 ulp, which can put a correct float32 kernel just past twice the oracle's own
+error. So `k` is 4 for float32: still a few float32 ulps of the outputs. docs/semantics.md
+("Tolerance") states the rule.
 """
 
 from __future__ import annotations
