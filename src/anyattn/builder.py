@@ -24,6 +24,7 @@ from anyattn.types import AttentionCGSupport
 
 if TYPE_CHECKING:
     from anyattn.config import AttentionSpec, BatchLimits
+    from anyattn.declarations import AttentionBackend
     from anyattn.metadata import CommonAttentionMetadata
 
 __all__ = ["AttentionMetadataBuilder"]
@@ -42,6 +43,9 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
         device: where the metadata's tensors live.
     """
 
+    # The backend whose declarations the spec is checked against at construction (set in the
+    # backend's module once both classes exist); None: no check.
+    backend: ClassVar[type[AttentionBackend] | None] = None
     # Use get_cudagraph_support(), which may refine this per spec.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
     # Query length at or below which a request counts as a decode and is moved to the front
@@ -59,7 +63,8 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
 
         Raises:
             TypeError: `layers` is not a mapping of layer names to `LayerParams`.
-            ValueError: a layer's KV heads or head size differ from `kv_cache_spec`'s.
+            ValueError: a layer's KV heads or head size differ from `kv_cache_spec`'s, or the
+                spec is one `backend`'s kernels do not take (`check_kv_cache_spec`).
         """
         api = f"{type(self).__name__}"
         if not isinstance(layers, Mapping):
@@ -80,6 +85,8 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
                         f"{api}: layer {name!r} has {field_name}={got}, but the KV-cache spec "
                         f"says {spec}. A builder serves the layers of one KV-cache group."
                     )
+        if self.backend is not None:
+            self.backend.check_kv_cache_spec(kv_cache_spec, api)
         self.kv_cache_spec = kv_cache_spec
         self.layers: dict[str, LayerParams] = dict(layers)
         self.layer_names: list[str] = list(self.layers)

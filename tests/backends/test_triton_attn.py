@@ -18,11 +18,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from anyattn.backends.triton_attn import (
-    TritonAttentionBackend,
-    TritonAttentionMetadata,
-    choose_num_splits,
-)
+from anyattn.backends.triton_attn import TritonAttentionBackend
+from anyattn.backends.triton_attn_builder import TritonAttentionMetadata, choose_num_splits
 from anyattn.config import AttentionSelectorConfig, AttentionSpec, BatchLimits
 from anyattn.metadata import make_common_attn_metadata
 from anyattn.ops.unified_attention import (
