@@ -14,10 +14,9 @@ import enum
 import importlib
 import importlib.metadata
 from collections.abc import Callable
-from typing import TYPE_CHECKING, overload
+from typing import overload
 
-if TYPE_CHECKING:
-    from anyattn.declarations import AttentionBackend
+from anyattn.declarations import AttentionBackend
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -139,8 +138,6 @@ def _import_class(path: str, name: str) -> type:
 
 def get_backend_class(name: str | AttentionBackendEnum) -> type[AttentionBackend]:
     """Import and return the backend class registered for `name` (case-insensitive)."""
-    from anyattn.declarations import AttentionBackend
-
     key = _check_name(name, "get_backend_class")
     target = get_backend_path(key)
     cls = target if isinstance(target, type) else _import_class(target, key)

@@ -50,7 +50,7 @@ _ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
 
 
 class AttentionImpl(Protocol):
-    """What the checks read of an `anyattn.backend.AttentionImpl` (which imports this module)."""
+    """What the checks read of an `anyattn.impl.AttentionImpl` (which imports this module)."""
 
     num_heads: int
     num_kv_heads: int
@@ -61,7 +61,7 @@ class AttentionImpl(Protocol):
     kv_sharing_target_layer_name: str | None
 
     def validate_inputs(self, query, key, value, kv_cache, attn_metadata, output, output_lse):
-        """See `anyattn.backend.AttentionImpl.validate_inputs`."""
+        """See `anyattn.impl.AttentionImpl.validate_inputs`."""
 
 
 class _Call(NamedTuple):

@@ -3,8 +3,8 @@
 The compute core of the TORCH backend. Keys arrive KV-head-major (`[num_kv_heads, B, L, D]`),
 the order in which `gather_kv_blocks` copies them out of the paged cache in one indexing op,
 so the batched matmuls run over (kv head, request) without another copy. All query heads of a
-KV head are handled together (GQA). Semantics are those of DESIGN.md: scale, soft cap, ALiBi,
-causal / sliding-window masks, sinks in the denominator only, empty rows give zeros.
+KV head are handled together (GQA). Semantics are those of docs/design.md: scale, soft cap,
+ALiBi, causal / sliding-window masks, sinks in the denominator only, empty rows give zeros.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A dense attention oracle, written from DESIGN.md's semantics and nothing else.
+"""A dense attention oracle, written from the semantics of docs/design.md and nothing else.
 
 It loops over requests and materialises every score, so it is slow but obviously right. Run it
 in float64 for the reference and in the input dtype to measure how much rounding that dtype alone
