@@ -89,10 +89,6 @@ class AttentionBackend(ABC):
     def get_builder_cls() -> type:
         """The metadata builder class (an `anyattn.builder.AttentionMetadataBuilder` subclass)."""
 
-    @classmethod
-    def full_cls_name(cls) -> tuple[str, str]:
-        return (cls.__module__, cls.__qualname__)
-
     # --- KV cache ----------------------------------------------------------------------------
 
     @classmethod
@@ -458,7 +454,7 @@ class AttentionBackend(ABC):
         capability = cls.min_compute_capability
         return {
             "name": cls.get_name(),
-            "class": ".".join(cls.full_cls_name()),
+            "class": f"{cls.__module__}.{cls.__qualname__}",
             "available": cls.is_available(),
             "unavailable_reason": cls.get_unavailable_reason(),
             "devices": list(cls.supported_device_types),

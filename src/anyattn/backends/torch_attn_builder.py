@@ -64,8 +64,8 @@ class TorchAttentionMetadata:
         num_decodes, num_decode_tokens: the leading requests run as one batched group.
         decode_*: that group's padded layout (device): query token ids `[num_decodes, Lq]`,
             the real (request, query) cells as flat row indices and their token ids, query
-            positions `[num_decodes, Lq]`, sequence lengths `[num_decodes]`;
-            `decode_is_single_token` when every decode has exactly one query token.
+            positions `[num_decodes, Lq]`; `decode_is_single_token` when every decode has
+            exactly one query token.
         decode_num_blocks: block-table columns the group reads (from `prefix_blocks` on).
         decode_key_positions: int64 `[keys]` (device): positions of the keys the group reads,
             from `common_prefix_len` on.
@@ -90,13 +90,11 @@ class TorchAttentionMetadata:
     num_decode_tokens: int
     decode_is_single_token: bool
     decode_max_seq_len: int
-    decode_has_uniform_seq_len: bool
     decode_max_query_len: int
     decode_token_ids: torch.Tensor
     decode_valid_rows: torch.Tensor
     decode_valid_token_ids: torch.Tensor
     decode_positions: torch.Tensor
-    decode_seq_lens: torch.Tensor
     decode_num_blocks: int
     decode_key_positions: torch.Tensor
     decode_key_valid: torch.Tensor | None
@@ -235,9 +233,7 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
         return {
             # one token per request: query row r is request r's, no gather needed
             "decode_is_single_token": bool(num_decodes) and bool((query_lens == 1).all()),
-            # equal lengths: keys trimmed to max_seq_len need no validity mask
             "decode_max_seq_len": max_seq_len,
-            "decode_has_uniform_seq_len": uniform,
             "decode_max_query_len": max_query_len,
             "decode_token_ids": token_ids.to(device, non_blocking=True),
             "decode_valid_rows": valid_rows.to(device, non_blocking=True),
@@ -245,7 +241,6 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
             "decode_positions": ((seq_lens - query_lens).unsqueeze(1) + offsets).to(
                 device, non_blocking=True
             ),
-            "decode_seq_lens": seq_lens.to(device, non_blocking=True),
             "decode_num_blocks": max(-(-max_seq_len // block_size) - first_block, 0),
             "decode_key_positions": k_pos.to(device, non_blocking=True),
             "decode_key_valid": None if k_valid is None else k_valid.to(device, non_blocking=True),
