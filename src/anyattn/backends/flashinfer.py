@@ -1072,7 +1072,6 @@ def _to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
 class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
     """The FLASHINFER backend's forward: runs the wrappers the builder planned for the step."""
 
-    can_return_lse_for_decode = True
     # FlashInfer's kernels return log2-sum-exp2 of the log2e-scaled scores.
     lse_base_on_e = False
 

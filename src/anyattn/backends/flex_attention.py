@@ -549,8 +549,6 @@ def _soft_cap(mods: dict[str, torch.Tensor]) -> Callable | None:
 class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
     """The FLEX_ATTENTION forward; see the module docstring."""
 
-    # On CUDA; the CPU returns no LSE (FlexAttentionBackend.supports_combination says so).
-    can_return_lse_for_decode = True
     lse_base_on_e = True
 
     def __init__(self, *args, **kwargs) -> None:
