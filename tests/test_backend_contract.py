@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from anyattn.backend import (
+    PLATFORMS,
     AttentionBackend,
     AttentionImpl,
     AttentionMetadataBuilder,
@@ -20,6 +21,7 @@ from anyattn.backend import (
 from anyattn.config import AttentionSelectorConfig, AttentionSpec, BatchLimits
 from anyattn.impl_args import validate_impl_arguments
 from anyattn.kv_cache import allocate_kv_cache
+from anyattn.registry import AttentionBackendEnum
 from anyattn.types import AttentionCGSupport, AttentionType, DeviceInfo, KVCacheLayout, MultipleOf
 
 CPU = DeviceInfo.cpu()
@@ -637,3 +639,10 @@ def test_removed_surface_is_gone():
     assert "fast_build" not in inspect.signature(AttentionMetadataBuilder.build).parameters
     cascade = inspect.signature(AttentionMetadataBuilder.use_cascade_attention).parameters
     assert "dcp_world_size" not in cascade and "use_local_attention" not in cascade
+
+
+@pytest.mark.parametrize("name", [member.name for member in AttentionBackendEnum])
+def test_builtin_backends_rank_themselves_and_their_impls_name_them(name):
+    backend = AttentionBackendEnum[name].get_class()
+    assert backend.priority and set(backend.priority) <= set(PLATFORMS)
+    assert backend.get_impl_cls().backend is backend
