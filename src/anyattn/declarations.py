@@ -49,6 +49,20 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
+# Features a config may ask for: (feature, the config's flag, label); `supports_<feature>`
+# answers whether the backend has it.
+_FEATURES = (
+    ("sink", "has_sink", "attention sinks"),
+    ("sliding_window", "has_sliding_window", "sliding window"),
+    ("alibi", "has_alibi", "ALiBi"),
+    ("logits_soft_cap", "has_logits_soft_cap", "logits soft cap"),
+    ("non_causal", "use_non_causal", "non-causal decoder attention"),
+    ("per_head_quant_scales", "use_per_head_quant_scales", "per-head quant scales"),
+    ("batch_invariance", "use_batch_invariant", "batch invariance"),
+    ("lse", "needs_lse", "returning LSE"),
+)
+
+
 def _format_block_sizes(sizes: Sequence[int | MultipleOf]) -> str:
     return ", ".join(str(s) for s in sizes) if sizes else "any"
 
@@ -405,24 +419,9 @@ class AttentionBackend(ABC):
                 if config.use_sparse
                 else "sparse-only backend"
             )
-        features = (
-            (config.has_sink, cls.supports_sink, "attention sinks (has_sink)"),
-            (config.has_sliding_window, cls.supports_sliding_window,
-             "sliding window (has_sliding_window)"),
-            (config.has_alibi, cls.supports_alibi, "ALiBi (has_alibi)"),
-            (config.has_logits_soft_cap, cls.supports_logits_soft_cap,
-             "logits soft cap (has_logits_soft_cap)"),
-            (config.use_non_causal, cls.supports_non_causal,
-             "non-causal decoder attention (use_non_causal)"),
-            (config.use_per_head_quant_scales, cls.supports_per_head_quant_scales,
-             "per-head quant scales (use_per_head_quant_scales)"),
-            (config.use_batch_invariant, cls.supports_batch_invariance,
-             "batch invariance (use_batch_invariant)"),
-            (config.needs_lse, cls.supports_lse, "returning LSE (needs_lse)"),
-        )  # fmt: skip
-        for wanted, supported, label in features:
-            if wanted and not supported():
-                reasons.append(f"{label} not supported")
+        for feature, flag, label in _FEATURES:
+            if getattr(config, flag) and not getattr(cls, f"supports_{feature}")():
+                reasons.append(f"{label} ({flag}) not supported")
         if config.use_per_head_quant_scales and not is_fp8_cache(config.kv_cache_dtype):
             reasons.append("per-head quant scales need an fp8 kv_cache_dtype")
         # The window is defined causally (keys p - W < j <= p): no bidirectional window.
@@ -438,19 +437,8 @@ class AttentionBackend(ABC):
     @classmethod
     def describe(cls) -> dict[str, object]:
         """Everything this backend declares, as plain data (for `anyattn backends --json`)."""
-        features = {
-            "sink": cls.supports_sink(),
-            "sliding_window": cls.supports_sliding_window(),
-            "alibi": cls.supports_alibi(),
-            "logits_soft_cap": cls.supports_logits_soft_cap(),
-            "non_causal": cls.supports_non_causal(),
-            "per_head_quant_scales": cls.supports_per_head_quant_scales(),
-            "batch_invariance": cls.supports_batch_invariance(),
-            "lse": cls.supports_lse(),
-            "cascade": cls.supports_cascade(),
-            "mla": cls.is_mla(),
-            "sparse": cls.is_sparse(),
-        }
+        features = {f: getattr(cls, f"supports_{f}")() for f, _, _ in _FEATURES}
+        features.update(cascade=cls.supports_cascade(), mla=cls.is_mla(), sparse=cls.is_sparse())
         capability = cls.min_compute_capability
         return {
             "name": cls.get_name(),
