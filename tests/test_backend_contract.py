@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 from dataclasses import replace
@@ -567,6 +568,29 @@ def test_base_impl_constructor_checks_and_keeps_the_arguments(make_backend):
     assert hash(windowed.layer_params()) == hash(windowed.layer_params())
     with pytest.raises(ValueError, match="head_size not supported"):
         impl_cls(8, 80, 0.125)
+
+
+@dataclasses.dataclass(frozen=True)
+class _WideParams(LayerParams):
+    latent_size: int = 0
+
+
+def test_an_impl_may_extend_its_record(make_backend):
+    backend = make_backend()
+
+    class WideImpl(_impl_class(backend)):
+        params_cls = _WideParams
+
+        def layer_params(self):
+            return dataclasses.replace(super().layer_params(), latent_size=512)
+
+    params = WideImpl(8, 64, 0.125, 2).layer_params()
+    assert isinstance(params, _WideParams) and params.latent_size == 512
+    assert (params.num_heads, params.num_kv_heads, params.scale) == (8, 2, 0.125)
+    spec = AttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype="float16")
+    limits = BatchLimits(max_num_reqs=4, max_num_tokens=64, max_model_len=256)
+    builder = backend.get_builder_cls()(spec, {"layer.0": params}, limits, "cpu")
+    assert builder.layers["layer.0"] is params
 
 
 def test_base_impl_constructor_applies_the_joint_rules(make_backend):

@@ -148,7 +148,9 @@ class AttentionImpl(AttentionImplBase[M], Generic[M]):
         self.sinks = sinks
 
     def layer_params(self) -> LayerParams:
-        """This layer's record for its builder (`params_cls`, from the kept attributes)."""
+        """This layer's record for its builder: `params_cls` of the kept attributes. An impl
+        whose `params_cls` adds fields (given defaults) overrides it as
+        `dataclasses.replace(super().layer_params(), extra=...)`."""
         return self.params_cls(
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,

@@ -5,7 +5,7 @@ The engine (and the conformance kit) builds one record per layer of a KV-cache g
 `build` can make every plan the step's layers need and `forward` never plans. Records are
 frozen and hashable: a builder may key its plans by them (layers with equal records share one
 plan). An impl class whose plans need more fields subclasses it and names the subclass in its
-`params_cls` (MLA adds its latent sizes so).
+`params_cls`, giving the new fields defaults (MLA adds its latent sizes so).
 """
 
 from __future__ import annotations
