@@ -13,19 +13,14 @@ Three roles, as in vLLM v1's attention layer:
   `MLAAttentionImpl` is the MLA variant (`forward_mqa` / `forward_mha`).
 
 This module is the public surface: it names the three, `LayerParams` and
-`check_layer_planned`.
+`check_layer_planned` (`anyattn.validation`).
 """
 
 from anyattn.builder import AttentionMetadataBuilder
 from anyattn.declarations import PLATFORMS, AttentionBackend, platform_key
-from anyattn.impl import (
-    AttentionImpl,
-    AttentionImplBase,
-    AttentionLayer,
-    MLAAttentionImpl,
-    check_layer_planned,
-)
+from anyattn.impl import AttentionImpl, AttentionImplBase, AttentionLayer, MLAAttentionImpl
 from anyattn.layer_params import LayerParams
+from anyattn.validation import check_layer_planned
 
 __all__ = [
     "PLATFORMS",

@@ -5,7 +5,7 @@ Constructed once per KV-cache group as `Builder(kv_cache_spec, layers, limits, d
 `layers` maps each layer name of the group to its record (`impl.layer_params()`). `build`
 returns frozen metadata holding every plan the step's layers need (for example one plan per
 distinct record of `self.layers`) and the builder's `layer_names` as a frozenset, which
-`forward` checks (`anyattn.impl.check_layer_planned`). `build` must not synchronise with the
+`forward` checks (`anyattn.validation.check_layer_planned`). `build` must not synchronise with the
 device: it reads the `*_cpu` mirrors, never `.item()`. The metadata carries the step's
 `slot_mapping` (the layer writes K/V with it).
 """

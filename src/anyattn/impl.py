@@ -6,13 +6,12 @@ them in one form for every impl. An impl that needs more set-up calls `super()._
 and converts what its kernel wants. `layer_params()` is the record a builder gets for the
 layer (`anyattn.layer_params`). `forward` reads only what its builder built for the step:
 it never plans and never writes into the metadata; a layer the builder was not given is
-refused by `check_layer_planned`. `MLAAttentionImpl` is the MLA variant.
+refused by `anyattn.validation.check_layer_planned`. `MLAAttentionImpl` is the MLA variant.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Set
 from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, TypeVar
 
 import torch
@@ -30,7 +29,6 @@ __all__ = [
     "AttentionImplBase",
     "AttentionLayer",
     "MLAAttentionImpl",
-    "check_layer_planned",
 ]
 
 M = TypeVar("M")
@@ -42,28 +40,6 @@ class AttentionLayer(Protocol):
     layer_name: str
     k_scale: torch.Tensor  # float32, shape [] or [num_kv_heads]; fp8 caches only
     v_scale: torch.Tensor
-
-
-def check_layer_planned(layer_names: Set[str], layer: AttentionLayer, api: str) -> None:
-    """Refuse a `forward` for a layer the step's builder was not given (so nothing was planned
-    for it).
-
-    Args:
-        layer_names: the metadata's `layer_names` (the builder's layers).
-        layer: the calling layer; one without a `layer_name` is not checked.
-        api: the caller, for the message.
-
-    Raises:
-        ValueError: naming the layer and the builder's layers.
-    """
-    name = getattr(layer, "layer_name", None)
-    if name is not None and name not in layer_names:
-        raise ValueError(
-            f"{api}: layer {name!r} is not one of the layers the metadata builder was made "
-            f"for (got {name!r}, expected one of {sorted(layer_names)}). Pass every layer of "
-            "the KV-cache group to the builder's constructor (layers={name: "
-            "impl.layer_params()})."
-        )
 
 
 class AttentionImplBase(ABC, Generic[M]):

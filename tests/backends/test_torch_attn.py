@@ -229,6 +229,10 @@ def test_forward_refuses_a_layer_the_builder_was_not_given():
         "for (got 'layer.9', expected one of ['layer.0', 'layer.1'])."
     )
     assert torch.equal(cache, before)
+    # Through the layer the call is refused before its K/V are written.
+    with pytest.raises(ValueError, match=r"TorchAttentionImpl.forward: layer 'layer\.9' is not"):
+        stranger(q, k, v, cache, md)
+    assert torch.equal(cache, before)
 
 
 def test_metadata_is_frozen_and_forward_adds_nothing_to_it():
