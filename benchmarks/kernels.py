@@ -1097,11 +1097,12 @@ def prepare_build(
     call. A skip or a set-up error comes back as a `BuildResult`.
 
     The builder gets one layer's record (`impl.layer_params()`), as an engine's model runner
-    gives it every layer's, so a library's planning per layer (FLASHINFER) is in the time;
-    after the first call, steady state. `fast_decode_plan=False` times FLASHINFER re-planning with FlashInfer's
-    own `plan()` every step instead of `replan_decode`. `varied=True` spreads the requests'
-    lengths over `[seq_len / 2, 3 * seq_len / 2)` (mean about `seq_len`), as a real decode batch
-    has them, so that planners which take a shortcut for equal lengths are timed without it.
+    gives it every layer's, so a library's planning per layer (FLASHINFER) is in the time; after
+    the first call, steady state. `fast_decode_plan=False` times FLASHINFER re-planning with
+    FlashInfer's own `plan()` every step instead of `replan_decode`. `varied=True` spreads the
+    requests' lengths over `[seq_len / 2, 3 * seq_len / 2)` (mean about `seq_len`), as a real
+    decode batch has them, so that planners which take a shortcut for equal lengths are timed
+    without it.
     `graphs=True` times the build of a step that replays a captured decode graph (the engine's
     usual decode step with CUDA graphs): the batch size is captured first
     (`build_for_cudagraph_capture`), and a backend without decode graphs is skipped;
