@@ -26,7 +26,7 @@ class Attention(nn.Module):
     Args:
         num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
         kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks:
-            as for `AttentionImpl` (DESIGN.md, "Attention semantics").
+            as for `AttentionImpl` (docs/design.md).
         dtype: the model dtype.
         layer_name: unique name of the layer (KV-cache groups and KV sharing refer to it).
         block_size: the engine's block size (None: let the backend prefer one).

@@ -21,6 +21,7 @@ standalone `reshape_and_cache` op does).
 
 from __future__ import annotations
 
+from collections.abc import Set
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -40,6 +41,7 @@ __all__ = [
     "check_forward_inputs",
     "check_kv_write",
     "check_layer_call",
+    "check_layer_planned",
     "check_metadata_type",
     "check_step_against_cache",
     "layer_kv_scale",
@@ -50,7 +52,7 @@ _ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
 
 
 class AttentionImpl(Protocol):
-    """What the checks read of an `anyattn.backend.AttentionImpl` (which imports this module)."""
+    """What the checks read of an `anyattn.impl.AttentionImpl` (which imports this module)."""
 
     num_heads: int
     num_kv_heads: int
@@ -61,7 +63,7 @@ class AttentionImpl(Protocol):
     kv_sharing_target_layer_name: str | None
 
     def validate_inputs(self, query, key, value, kv_cache, attn_metadata, output, output_lse):
-        """See `anyattn.backend.AttentionImpl.validate_inputs`."""
+        """See `anyattn.impl.AttentionImpl.validate_inputs`."""
 
 
 class _Call(NamedTuple):
@@ -88,6 +90,28 @@ def step_of(attn_metadata: object) -> CommonAttentionMetadata | None:
     return common if isinstance(common, CommonAttentionMetadata) else None
 
 
+def check_layer_planned(layer_names: Set[str], layer: object, api: str) -> None:
+    """Refuse a `forward` for a layer the step's builder was not given (so nothing was planned
+    for it).
+
+    Args:
+        layer_names: the metadata's `layer_names` (the builder's layers).
+        layer: the calling layer; one without a `layer_name` is not checked.
+        api: the caller, for the message.
+
+    Raises:
+        ValueError: naming the layer and the builder's layers.
+    """
+    name = getattr(layer, "layer_name", None)
+    if name is not None and name not in layer_names:
+        raise ValueError(
+            f"{api}: layer {name!r} is not one of the layers the metadata builder was made "
+            f"for (got {name!r}, expected one of {sorted(layer_names)}). Pass every layer of "
+            "the KV-cache group to the builder's constructor (layers={name: "
+            "impl.layer_params()})."
+        )
+
+
 def check_layer_call(
     impl: AttentionImpl, layer: object, query: torch.Tensor, key: torch.Tensor | None,
     value: torch.Tensor | None, kv_cache: torch.Tensor, attn_metadata: object,
@@ -100,9 +124,14 @@ def check_layer_call(
     step, so that `do_kv_cache_update` and `forward` with these very arguments
     (`attn_metadata.slot_mapping` for the write) skip their checks.
 
+    A layer the metadata was not built for (its `layer_names`) is refused first.
+
     Raises:
         ValueError, TypeError, NotImplementedError: the first problem found.
     """
+    layer_names = getattr(attn_metadata, "layer_names", None)
+    if isinstance(layer_names, frozenset):
+        check_layer_planned(layer_names, layer, f"{type(impl).__name__}.forward")
     impl.validate_inputs(query, key, value, kv_cache, attn_metadata, output, output_lse)
     slot_mapping = getattr(attn_metadata, "slot_mapping", None)
     step = step_of(attn_metadata)

@@ -15,31 +15,9 @@ metadata's `max_query_len` / `max_seq_len`. Bottom-right causal alignment puts q
 request at position `context + i`; a window of W keys is `window_size = (W - 1, 0)`; LSEs are in
 natural log and count the sink (FA4 folds it into the softmax denominator).
 
-Plan/run split: `build` plans from the step's CPU mirrors, checked when the metadata was made
-(`CommonAttentionMetadata.host_batch`: the kernels are sized by `max_query_len` /
-`max_seq_len`), slices the step's device tensors and, for cascade and CUDA-graph decode
-batches, fills builder-owned buffers (cascade: host-to-device copies from the CPU mirrors that
-do not wait; CUDA graphs: one device launch copying the step's table and lengths); it never
-reads a device value.
-
-Cascade attention (`common_prefix_len > 0`): a prefix pass runs every query of the step as one
-request against the shared prefix blocks (non-causal: every query follows them); a suffix pass
-runs each request against its remaining blocks; `merge_attn_states` joins the two by their LSEs.
-Sinks go to the suffix pass only, so they are counted once.
-
-CUDA graphs (UNIFORM_SINGLE_TOKEN_DECODE): a batch of single-token decodes of at most the
-largest capture size is copied into buffers the builder owns (sized from `BatchLimits`, in one
-launch: `ops.graph_decode_inputs`), laid out for the smallest capture size that holds it:
-padding requests have no query token and no keys, and `max_seqlen_k` is `max_model_len`, so a
-graph captured for that size replays for any such batch (a runner that pads the batch itself,
-with dummy requests, gets the same addresses). Such metadata stays valid until the builder's
-next build. Under replay, output rows between the real tokens and the captured size hold
-unspecified values. With
-`BatchLimits.has_persistent_graph_inputs` (the runner keeps a graph step's tensors at fixed
-addresses, padded to the captured size) a batch of a captured size reads the step's own tensors
-instead, as an eager step does: no device copy at replay (FA2's key offsets, which the step does
-not carry, are still summed into a builder buffer); a batch of another size is an eager step
-then.
+Plan/run split (`flash_attn_builder`, which also describes cascade attention and the CUDA-graph
+decode layout): `build` makes frozen metadata holding every kernel call's arguments;
+`forward` only calls the kernel.
 
 KV cache: `(num_blocks, 2, block_size, num_kv_heads, head_size)`, NHD or HND (FA4 marks every
 stride of K/V dynamic and only needs the head dim contiguous and 16-byte aligned strides; its
@@ -51,31 +29,21 @@ they must hold finite values, which zero-initialised caches (`allocate_kv_cache`
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import ClassVar
 
-import numpy as np
 import torch
 
-from anyattn.backend import (
-    AttentionBackend,
-    AttentionImpl,
-    AttentionLayer,
-    AttentionMetadataBuilder,
-)
+from anyattn.backend import AttentionBackend, AttentionImpl, AttentionLayer, check_layer_planned
 from anyattn.backends import flash_attn_versions as versions
-from anyattn.backends.flash_attn_plan import (
-    cascade_block_tables,
-    cascade_is_worthwhile,
-    contiguous_key_rows,
-    cu_seqlens_from_lens,
-    padded_num_reqs,
-    plan_cascade,
+from anyattn.backends.flash_attn_builder import (
+    FlashAttentionMetadata,
+    FlashAttentionMetadataBuilder,
+    FlashAttnPass,
 )
-from anyattn.metadata import CommonAttentionMetadata, first_rows
-from anyattn.ops.graph_decode_inputs import GraphDecodeInputsLaunch
 from anyattn.ops.merge_attn_states import merge_attn_states
 from anyattn.types import (
-    AttentionCGSupport,
     AttentionType,
     KVCacheLayout,
     MultipleOf,
@@ -121,6 +89,8 @@ def _any(attribute: str) -> bool:
 class FlashAttentionBackend(AttentionBackend, metaclass=_DeclaredByInstalledVersion):
     """Declarations of the FLASH_ATTN backend: the union over the installed versions; joint
     constraints per version (head size by compute capability, ...) in `validate_configuration`."""
+
+    priority: ClassVar[Mapping[str, int]] = {"cuda": 0, "blackwell": 1}
 
     supported_dtypes = (torch.float16, torch.bfloat16)
     supported_device_types = ("cuda",)
@@ -183,9 +153,6 @@ class FlashAttentionBackend(AttentionBackend, metaclass=_DeclaredByInstalledVers
 
     @classmethod
     def supports_combination(cls, config, device) -> str | None:
-        bidirectional = config.use_non_causal or config.attn_type != AttentionType.DECODER
-        if config.has_sliding_window and bidirectional:
-            return "sliding window with non-causal or encoder attention not supported"
         if not is_fp8_cache(config.kv_cache_dtype) and config.cache_dtype != config.dtype:
             return (
                 f"kv_cache_dtype {config.kv_cache_dtype} with dtype "
@@ -223,417 +190,6 @@ class FlashAttentionBackend(AttentionBackend, metaclass=_DeclaredByInstalledVers
         return reasons
 
 
-@dataclass
-class FlashAttnPass:
-    """The varlen arguments of one kernel call.
-
-    Attributes:
-        cu_seqlens_q: int32 `[batch + 1]` (device): query offsets.
-        seq_lens: int32 `[batch]` (device): keys per request (`seqused_k`); None for
-            encoder attention (contiguous keys by `cu_seqlens_k`).
-        cu_seqlens_k: int32 `[batch + 1]` (device) for entry points without `seqused_k` and
-            for encoder attention.
-        page_table: int32 `[batch, max_blocks]` (device); None for encoder attention.
-        max_seqlen_q, max_seqlen_k: bounds on the lengths.
-        causal: bottom-right causal masking.
-        key_rows: int64 `(blocks, offsets)`, each `[sum of key lengths]` (device), when the
-            keys are read out of the paged cache into contiguous rows (`cache[blocks,
-            offsets]`, by `cu_seqlens_k`) because the kernel's paged bidirectional path is
-            wrong at this head size (`flash_attn_versions.paged_bidirectional_is_faulty`);
-            `page_table` is then None.
-    """
-
-    cu_seqlens_q: torch.Tensor
-    seq_lens: torch.Tensor | None
-    cu_seqlens_k: torch.Tensor | None
-    page_table: torch.Tensor | None
-    max_seqlen_q: int
-    max_seqlen_k: int
-    causal: bool
-    key_rows: tuple[torch.Tensor, torch.Tensor] | None = None
-
-
-@dataclass
-class FlashAttentionMetadata:
-    """What `FlashAttentionImpl.forward` needs for one step. Read-only, tensors and passes
-    alike: in the CUDA-graph decode layout they are the builder's persistent buffers and one
-    pass per captured size, reused by every later step (the builder rewrites the query offsets
-    only when the batch changes).
-
-    Attributes:
-        num_actual_tokens: real tokens; output rows past it are untouched (eager).
-        num_reqs: real requests.
-        block_size: tokens per block of the page tables.
-        slot_mapping: int64 `[num_tokens]` (device), for the layer's cache write.
-        causal: the step's causal flag.
-        query_start_loc: int32 `[batch + 1]` (device); encoder attention uses it for keys too.
-        max_query_len: the longest query.
-        main: the whole batch (the suffix pass under cascade).
-        prefix: the cascade prefix pass, else None.
-        common_prefix_len: shared prefix tokens (0: no cascade).
-        uses_persistent_buffers: the tensors are the builder's CUDA-graph buffers. (Under
-            `BatchLimits.has_persistent_graph_inputs` a graph step's are the step's own, False
-            here, but FA2's `cu_seqlens_k` is a builder buffer all the same: valid until the
-            next build, as these are.)
-        common_attn_metadata: the step it was built from (its mirrors for the checks).
-    """
-
-    num_actual_tokens: int
-    num_reqs: int
-    block_size: int
-    slot_mapping: torch.Tensor
-    causal: bool
-    query_start_loc: torch.Tensor
-    max_query_len: int
-    main: FlashAttnPass
-    common_attn_metadata: CommonAttentionMetadata
-    prefix: FlashAttnPass | None = None
-    common_prefix_len: int = 0
-    uses_persistent_buffers: bool = False
-
-
-# The key length of a CUDA-graph batch's padding rows: FlashAttention skips a request without
-# keys (its query offsets give it no query token either).
-_PADDING_LEN = 0
-
-
-class _DecodeBuffers:
-    """The builder's persistent buffers, sized from `BatchLimits`, that hold the CUDA-graph
-    decode layout (int32, on the builder's device)."""
-
-    def __init__(self, max_num_reqs: int, max_blocks: int, device: torch.device) -> None:
-        int32 = dict(dtype=torch.int32, device=device)
-        self.arange = torch.arange(max_num_reqs + 1, **int32)
-        self.query_start_loc = torch.zeros(max_num_reqs + 1, **int32)
-        self.seq_lens = torch.zeros(max_num_reqs, **int32)
-        self.cu_seqlens_k = torch.zeros(max_num_reqs + 1, **int32)
-        self.block_table = torch.zeros(max_num_reqs, max_blocks, **int32)
-        # (what a replay step's copy writes, as the raw addresses its launch takes)
-        self.addresses = (self.block_table.data_ptr(), self.seq_lens.data_ptr())
-
-
-class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
-    """Slices the step's tensors for FlashAttention; never syncs with the device. See the
-    module docstring for the cascade and CUDA-graph layouts."""
-
-    _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-
-    def __init__(self, kv_cache_spec, layer_names, limits, device) -> None:
-        super().__init__(kv_cache_spec, layer_names, limits, device)
-        FlashAttentionBackend.check_kv_cache_spec(kv_cache_spec, "FlashAttentionMetadataBuilder")
-        self.block_size = kv_cache_spec.block_size
-        # FA2's varlen call has no seqused_k: key lengths go in as cumulative offsets.
-        self._needs_cu_seqlens_k = any(
-            i.seq_lens_arg is None for i in versions.declared_interfaces()
-        )
-        self._max_blocks = -(-limits.max_model_len // self.block_size)
-        too_large = [s for s in limits.cudagraph_capture_sizes if s > limits.max_num_reqs]
-        if too_large:
-            # (the decode graphs' buffers hold max_num_reqs requests: a larger size would be
-            # cut to that silently)
-            raise ValueError(
-                "FlashAttentionMetadataBuilder: cudagraph_capture_sizes entries must be <= "
-                f"max_num_reqs for single-token decode graphs (got {too_large} with "
-                f"max_num_reqs={limits.max_num_reqs}). Drop those sizes or raise max_num_reqs."
-            )
-        self._buffers: _DecodeBuffers | None = None  # made by the first decode-layout build
-        # The decode layout's pass per padded batch: views of the buffers, made once
-        # (slicing tensors and making dataclasses was most of a replay step's host time).
-        self._decode_passes: dict[int, FlashAttnPass] = {}
-        self._query_offsets_for: tuple[int, int] | None = None  # (num_reqs, padded) written
-        self._copy_inputs = GraphDecodeInputsLaunch(
-            self.device, "FlashAttentionMetadataBuilder.build"
-        )
-        # Bidirectional passes read their keys contiguously where the newest installed version's
-        # paged kernel is wrong for them (the impl runs the newest version that takes a layer).
-        installed = versions.installed_interfaces()
-        capability = None
-        if self.device.type == "cuda" and installed:
-            capability = torch.cuda.get_device_capability(self.device)
-        self._gather_bidirectional = bool(installed) and versions.paged_bidirectional_is_faulty(
-            installed[0], capability, kv_cache_spec.head_size
-        )
-
-    def build(
-        self,
-        common_prefix_len: int,
-        common_attn_metadata: CommonAttentionMetadata,
-        fast_build: bool = False,
-    ) -> FlashAttentionMetadata:
-        cm = common_attn_metadata
-        api = "FlashAttentionMetadataBuilder.build"
-        # (the mirrors' values size the kernels: max_seqlen_q / _k, the table width)
-        host = cm.host_batch
-        cross = cm.encoder_seq_lens is not None
-        max_k = int(cm.encoder_seq_lens_cpu[: cm.num_reqs].max()) if cross and cm.num_reqs else 0
-        self._check_table_width(cm, max_k if cross else cm.max_seq_len, api)
-        if common_prefix_len and not self._gather_bidirectional:
-            # (under gathering the cascade's bidirectional prefix pass would read paged keys;
-            # the plain layout gives the same result)
-            if cross or self.kv_cache_spec.sliding_window is not None:
-                raise ValueError(
-                    f"{api}: cascade attention needs decoder attention without a sliding window "
-                    f"(got common_prefix_len={common_prefix_len}). Pass 0."
-                )
-            return self._build_cascade(common_prefix_len, cm, api)
-        sizes = self.limits.cudagraph_capture_sizes
-        if not cross and sizes and cm.num_reqs <= max(sizes) and self._is_single_decode(cm):
-            if not self.limits.has_persistent_graph_inputs:
-                return self._build_decode(cm, padded_num_reqs(cm.num_reqs, sizes), host.max_seq_len)
-            if cm.num_reqs in sizes:
-                return self._build_decode_in_place(cm)
-            self._refuse_unpadded_graph_step(cm, api)  # else no graph step: eager
-        return self._build_plain(cm, cross, max_k)
-
-    def build_for_cudagraph_capture(
-        self, common_attn_metadata: CommonAttentionMetadata
-    ) -> FlashAttentionMetadata:
-        """Metadata in the builder's persistent buffers, for capturing a decode graph (under
-        `BatchLimits.has_persistent_graph_inputs`, over the step's own tensors).
-
-        Raises:
-            ValueError: not a batch of single-token decodes within `max_num_reqs` (the level
-                is UNIFORM_SINGLE_TOKEN_DECODE); under `has_persistent_graph_inputs`, a batch
-                whose size is not a capture size.
-        """
-        cm = common_attn_metadata
-        api = "FlashAttentionMetadataBuilder.build_for_cudagraph_capture"
-        host = cm.host_batch
-        if not self._is_single_decode(cm) or cm.encoder_seq_lens is not None:
-            raise ValueError(
-                f"{api}: CUDA graphs are supported for batches of single-token decodes (got "
-                f"{cm.num_reqs} requests, {cm.num_actual_tokens} tokens, max_query_len "
-                f"{cm.max_query_len}). Capture decode batches only."
-            )
-        self._check_table_width(cm, cm.max_seq_len, api)
-        sizes = self.limits.cudagraph_capture_sizes
-        if not self.limits.has_persistent_graph_inputs:
-            return self._build_decode(cm, padded_num_reqs(cm.num_reqs, sizes), host.max_seq_len)
-        if cm.num_reqs not in sizes:
-            raise ValueError(
-                f"{api}: with BatchLimits.has_persistent_graph_inputs a captured batch is "
-                f"padded to a capture size (got {cm.num_reqs} requests, capture sizes "
-                f"{sizes}). Pad it with dummy requests, or turn has_persistent_graph_inputs off."
-            )
-        return self._build_decode_in_place(cm)
-
-    def _refuse_unpadded_graph_step(self, cm: CommonAttentionMetadata, api: str) -> None:
-        """Under `has_persistent_graph_inputs`, a decode step whose slot mapping has a captured
-        size's rows but fewer requests looks like a replay of that graph not padded to it: the
-        graph would read rows (and FA2's key offsets) this step does not write."""
-        rows = cm.slot_mapping.shape[0]
-        if rows in self.limits.cudagraph_capture_sizes and cm.num_reqs < rows:
-            raise ValueError(
-                f"{api}: with BatchLimits.has_persistent_graph_inputs a CUDA-graph decode step "
-                f"has num_reqs equal to its captured size (got {cm.num_reqs} requests over "
-                f"{rows} slot_mapping rows, capture sizes {self.limits.cudagraph_capture_sizes})."
-                " Pad the batch with dummy requests, or turn has_persistent_graph_inputs off."
-            )
-
-    def _is_single_decode(self, cm: CommonAttentionMetadata) -> bool:
-        # every query length is >= 1, so a maximum of 1 with one token per request means all 1
-        return (
-            0 < cm.num_reqs <= self.limits.max_num_reqs
-            and cm.max_query_len == 1
-            and cm.num_actual_tokens == cm.num_reqs
-            and cm.max_seq_len <= self._max_blocks * self.block_size
-        )
-
-    def _check_table_width(self, cm: CommonAttentionMetadata, max_k: int, api: str) -> None:
-        needed = -(-max_k // self.block_size)
-        if needed > cm.block_table_tensor.shape[1] or cm.block_table_tensor.shape[0] < cm.num_reqs:
-            raise ValueError(
-                f"{api}: block_table too small for the batch (got shape "
-                f"{tuple(cm.block_table_tensor.shape)}, expected >= [{cm.num_reqs}, {needed}] "
-                f"for block_size {self.block_size})."
-            )
-
-    def _upload(self, cpu: torch.Tensor) -> torch.Tensor:
-        # From pageable memory the copy is staged at once; the host never waits on the device.
-        return cpu.to(self.device, non_blocking=True)
-
-    def _metadata(
-        self, cm: CommonAttentionMetadata, main: FlashAttnPass, **kw
-    ) -> FlashAttentionMetadata:
-        return FlashAttentionMetadata(
-            num_actual_tokens=cm.num_actual_tokens,
-            num_reqs=cm.num_reqs,
-            block_size=self.block_size,
-            slot_mapping=cm.slot_mapping,
-            causal=cm.causal,
-            query_start_loc=kw.pop("query_start_loc", main.cu_seqlens_q),
-            max_query_len=cm.max_query_len,
-            main=main,
-            common_attn_metadata=cm,
-            **kw,
-        )
-
-    def _build_plain(
-        self, cm: CommonAttentionMetadata, cross: bool, max_cross_len: int
-    ) -> FlashAttentionMetadata:
-        num_reqs = cm.num_reqs
-        lens, lens_cpu = (
-            (cm.encoder_seq_lens, cm.encoder_seq_lens_cpu)
-            if cross
-            else (cm.seq_lens, cm.seq_lens_cpu)
-        )
-        if self._gather_bidirectional and (cross or not cm.causal):
-            table = cm.block_table_tensor if cm.block_table_cpu is None else cm.block_table_cpu
-            blocks, offsets = contiguous_key_rows(table, lens_cpu[:num_reqs], self.block_size)
-            main = FlashAttnPass(
-                cu_seqlens_q=cm.query_start_loc[: num_reqs + 1],
-                seq_lens=None,
-                cu_seqlens_k=self._upload(cu_seqlens_from_lens(lens_cpu[:num_reqs])),
-                page_table=None,
-                max_seqlen_q=cm.max_query_len,
-                max_seqlen_k=max_cross_len if cross else cm.max_seq_len,
-                causal=False,
-                key_rows=(self._upload(blocks), self._upload(offsets)),
-            )
-            return self._metadata(cm, main)
-        cu_k = None
-        if self._needs_cu_seqlens_k:
-            cu_k = self._upload(cu_seqlens_from_lens(lens_cpu[:num_reqs]))
-        main = FlashAttnPass(
-            cu_seqlens_q=cm.query_start_loc[: num_reqs + 1],
-            seq_lens=lens[:num_reqs],
-            cu_seqlens_k=cu_k,
-            page_table=cm.block_table_tensor[:num_reqs],
-            max_seqlen_q=cm.max_query_len,
-            max_seqlen_k=max_cross_len if cross else cm.max_seq_len,
-            causal=cm.causal and not cross,
-        )
-        return self._metadata(cm, main)
-
-    def _decode_buffers(self) -> _DecodeBuffers:
-        """The CUDA-graph buffers, made by the first build that needs them."""
-        if self._buffers is None:
-            self._buffers = _DecodeBuffers(self.limits.max_num_reqs, self._max_blocks, self.device)
-        return self._buffers
-
-    def _build_decode(
-        self, cm: CommonAttentionMetadata, padded: int, longest: int
-    ) -> FlashAttentionMetadata:
-        """The CUDA-graph decode layout of `cm`'s decodes padded to `padded`, in the builder's
-        buffers (`longest`: the mirrors' longest sequence, whose pages are the columns copied)."""
-        buf, n = self._decode_buffers(), cm.num_reqs
-        main = self._decode_passes.get(padded)
-        if main is None:
-            main = self._decode_passes[padded] = FlashAttnPass(
-                cu_seqlens_q=buf.query_start_loc[: padded + 1],
-                seq_lens=buf.seq_lens[:padded],
-                cu_seqlens_k=buf.cu_seqlens_k[: padded + 1] if self._needs_cu_seqlens_k else None,
-                page_table=buf.block_table[:padded],
-                max_seqlen_q=1,
-                # a bound every replay of the graph satisfies
-                max_seqlen_k=self.limits.max_model_len,
-                # one query token per request, the last: causal and bidirectional agree, and
-                # the causal kernel is right where FA4's paged bidirectional one is not
-                causal=True,
-            )
-        # Device-side writes only, into the addresses the captured graph reads: one launch
-        # copies the table's rows (the columns the longest request reads, which `build` has
-        # checked the table and the buffer hold) and the lengths, padding rows of length 0.
-        self._copy_inputs(
-            cm.block_table_tensor, cm.seq_lens, buf.block_table, main.seq_lens, n,
-            -(-longest // self.block_size), _PADDING_LEN, buf.addresses,
-        )  # fmt: skip
-        if self._query_offsets_for != (n, padded):
-            # 0, 1, ..., n, then n for the padding: rewritten only when n or the size changes
-            torch.clamp(buf.arange[: padded + 1], max=n, out=main.cu_seqlens_q)
-            self._query_offsets_for = (n, padded)
-        if main.cu_seqlens_k is not None:
-            torch.cumsum(main.seq_lens, 0, out=main.cu_seqlens_k[1:])
-        return self._metadata(cm, main, uses_persistent_buffers=True)
-
-    def _build_decode_in_place(self, cm: CommonAttentionMetadata) -> FlashAttentionMetadata:
-        """A graph step of a captured size over the step's own tensors, which the runner keeps
-        at the captured addresses (`BatchLimits.has_persistent_graph_inputs`): the plain layout
-        with `max_seqlen_k` bounded by `max_model_len`, as the graph was captured."""
-        n = cm.num_reqs
-        lens = first_rows(cm.seq_lens, n)
-        cu_k = None
-        if self._needs_cu_seqlens_k:
-            # FA2 reads key offsets, which the step does not carry: summed on the device into
-            # a builder buffer the graph reads (a fresh tensor would move every step)
-            cu_k = self._decode_buffers().cu_seqlens_k[: n + 1]
-            torch.cumsum(lens, 0, out=cu_k[1:])
-        main = FlashAttnPass(
-            cu_seqlens_q=first_rows(cm.query_start_loc, n + 1),
-            seq_lens=lens,
-            cu_seqlens_k=cu_k,
-            page_table=first_rows(cm.block_table_tensor, n),
-            max_seqlen_q=1,
-            max_seqlen_k=self.limits.max_model_len,
-            causal=True,  # one query token per request, as in `_build_decode`
-        )
-        return self._metadata(cm, main)
-
-    def _build_cascade(
-        self, common_prefix_len: int, cm: CommonAttentionMetadata, api: str
-    ) -> FlashAttentionMetadata:
-        num_reqs = cm.num_reqs
-        plan = plan_cascade(
-            common_prefix_len,
-            self.block_size,
-            cm.seq_lens_cpu[:num_reqs],
-            cm.num_computed_tokens_cpu[:num_reqs],
-            cm.num_actual_tokens,
-            api=api,
-        )
-        prefix_table, suffix_table = cascade_block_tables(
-            cm.block_table_tensor, num_reqs, plan.prefix_blocks
-        )
-        needs_cu = self._needs_cu_seqlens_k
-        prefix = FlashAttnPass(
-            cu_seqlens_q=self._upload(plan.prefix_cu_seqlens_q),
-            seq_lens=self._upload(plan.prefix_seq_lens),
-            cu_seqlens_k=self._upload(plan.prefix_cu_seqlens_k) if needs_cu else None,
-            page_table=prefix_table,
-            max_seqlen_q=plan.num_tokens,
-            max_seqlen_k=common_prefix_len,
-            causal=False,  # every query of the step comes after the shared prefix
-        )
-        suffix = FlashAttnPass(
-            cu_seqlens_q=cm.query_start_loc[: num_reqs + 1],
-            seq_lens=self._upload(plan.suffix_seq_lens),
-            cu_seqlens_k=self._upload(plan.suffix_cu_seqlens_k) if needs_cu else None,
-            # a copy on the device: some versions want the page table contiguous
-            page_table=suffix_table.contiguous(),
-            max_seqlen_q=cm.max_query_len,
-            max_seqlen_k=plan.suffix_max_seq_len,
-            causal=cm.causal,
-        )
-        return self._metadata(cm, suffix, prefix=prefix, common_prefix_len=common_prefix_len)
-
-    def use_cascade_attention(
-        self,
-        common_prefix_len: int,
-        query_lens: np.ndarray,
-        num_query_heads: int,
-        num_kv_heads: int,
-        use_alibi: bool,
-        use_sliding_window: bool,
-        use_local_attention: bool,
-        num_sms: int,
-        dcp_world_size: int,
-    ) -> bool:
-        """Cascade pays off when many requests share a long prefix (see
-        `flash_attn_plan.cascade_is_worthwhile`); position-dependent modifiers, context
-        parallelism and versions without LSE rule it out."""
-        if use_alibi or use_sliding_window or use_local_attention or dcp_world_size > 1:
-            return False
-        if self._gather_bidirectional:  # its prefix pass would be bidirectional over pages
-            return False
-        if self.kv_cache_spec.sliding_window is not None or common_prefix_len % self.block_size:
-            return False
-        if not FlashAttentionBackend.supports_cascade():
-            return False
-        return cascade_is_worthwhile(
-            common_prefix_len, query_lens, num_query_heads, num_kv_heads, num_sms
-        )
-
-
 def _aligned(x: torch.Tensor) -> bool:
     """Whether FlashAttention can write `x` directly: a contiguous last dimension and 16-byte
     aligned start and strides (FA4's forward asserts this of `out`; else we copy)."""
@@ -648,49 +204,17 @@ def _aligned(x: torch.Tensor) -> bool:
 class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
     """The FLASH_ATTN backend's forward; see the module docstring."""
 
-    can_return_lse_for_decode = True
-    lse_base_on_e = True
-
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int | None = None,
-        alibi_slopes: list[float] | None = None,
-        sliding_window: int | None = None,
-        kv_cache_dtype: str = "auto",
-        logits_soft_cap: float | None = None,
-        attn_type: AttentionType | str = AttentionType.DECODER,
-        kv_sharing_target_layer_name: str | None = None,
-        sinks: torch.Tensor | None = None,
-    ) -> None:
-        self.init_common_arguments(
-            FlashAttentionBackend,
-            num_heads=num_heads,
-            head_size=head_size,
-            scale=scale,
-            num_kv_heads=num_kv_heads,
-            alibi_slopes=alibi_slopes,
-            sliding_window=sliding_window,
-            kv_cache_dtype=kv_cache_dtype,
-            logits_soft_cap=logits_soft_cap,
-            attn_type=attn_type,
-            kv_sharing_target_layer_name=kv_sharing_target_layer_name,
-            sinks=sinks,
-        )
-        self.alibi_slopes = (
-            None if alibi_slopes is None else torch.as_tensor(alibi_slopes, dtype=torch.float32)
-        )
-        self.sinks = None if sinks is None else sinks.detach().float()
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.sinks = None if self.sinks is None else self.sinks.detach().float()
         self._request = versions.FlashAttnRequest(
-            head_size=head_size,
-            kv_cache_dtype=kv_cache_dtype,
+            head_size=self.head_size,
+            kv_cache_dtype=self.kv_cache_dtype,
             attn_type=self.attn_type,
-            has_alibi=alibi_slopes is not None,
-            has_sink=sinks is not None,
+            has_alibi=self.alibi_slopes is not None,
+            has_sink=self.sinks is not None,
             has_logits_soft_cap=self.logits_soft_cap is not None,
-            has_sliding_window=sliding_window is not None,
+            has_sliding_window=self.sliding_window is not None,
         )
         installed = versions.installed_interfaces()
         if not installed:
@@ -729,17 +253,11 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
         kv_cache: torch.Tensor,
         attn_metadata: FlashAttentionMetadata,
         output: torch.Tensor,
-        output_scale: torch.Tensor | None = None,
-        output_block_scale: torch.Tensor | None = None,
         output_lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """See `AttentionImpl.forward`. Writes `output[:num_actual_tokens]` (and `output_lse`)."""
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError(
-                "FLASH_ATTN forward: fused output quantisation not supported (got output_scale). "
-                "Quantise the output after the call."
-            )
         md = attn_metadata
+        check_layer_planned(md.layer_names, layer, "FLASH_ATTN forward")
         check_forward(self, query, key, value, kv_cache, md, output, output_lse)
         n = md.num_actual_tokens
         if n == 0:
@@ -748,19 +266,17 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
         lse = None if output_lse is None else output_lse[:, :n]
         if self.attn_type in _ENCODER_TYPES:
             # Bidirectional self-attention over the step's own keys: no cache.
-            qsl = md.query_start_loc
-            pass_ = FlashAttnPass(qsl, None, qsl, None, md.max_query_len, md.max_query_len, False)
             out, part_lse = self._attend(
-                interface, query[:n], key[:n], value[:n], pass_, self.sinks, lse is not None
+                interface, query[:n], key[:n], value[:n], md.encoder, self.sinks, lse is not None
             )
             self._store(output[:n], out, lse, part_lse)
             return output
         # [num_blocks, block_size, num_kv_heads, head_size] views, strides of the layout
         k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]
-        q = query[:n]
         if md.main.key_rows is not None:
             blocks, offsets = md.main.key_rows  # [keys, num_kv_heads, head_size] each
             k_cache, v_cache = k_cache[blocks, offsets], v_cache[blocks, offsets]
+        q = query[:n]
         if md.prefix is None:
             rows = output[:n]
             out_arg = rows if interface.has_out and _aligned(rows) else None
@@ -874,6 +390,11 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
         self, md: FlashAttentionMetadata, output_lse: torch.Tensor | None, api: str
     ) -> None:
         # (a sliding window with non-causal attention: refused by check_forward_inputs)
+        if self.attn_type in _ENCODER_TYPES and md.encoder is None:
+            raise ValueError(
+                f"{api}: the metadata was built for no encoder layer (got an "
+                f"{self.attn_type.value} layer). Give the builder this layer's record."
+            )
         bidirectional = not md.causal or self.attn_type is not AttentionType.DECODER
         if self.alibi_slopes is not None and bidirectional:
             raise NotImplementedError(
@@ -916,3 +437,7 @@ def _on(impl: FlashAttentionImpl, name: str, device: torch.device) -> torch.Tens
         tensor = tensor.to(device)
         setattr(impl, name, tensor)
     return tensor
+
+
+FlashAttentionImpl.backend = FlashAttentionBackend
+FlashAttentionMetadataBuilder.backend = FlashAttentionBackend

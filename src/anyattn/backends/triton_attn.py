@@ -6,34 +6,25 @@ GQA packing; decode batches too small to fill the GPU split each request's keys 
 (flash-decoding) and merge the splits in a second launch. Features: causal and non-causal,
 sliding window, ALiBi, soft cap, sinks, fp8 KV with per-tensor or per-KV-head scales, LSE.
 
-Plan/run split: `build` reads only the CPU mirrors (to pick the tile shape and the number of
-KV splits) and hands the kernel views of the common metadata's device tensors, so it never
-waits on the GPU. CUDA graphs: ALWAYS. The launch depends only on tensor sizes and the
-builder's choices, never on device values; the kernel finds each program's request on the GPU
-from `query_start_loc`, so a graph captured for a batch shape replays correctly for any
-contents of that shape (the split-KV workspace is builder-owned; the eager warm-up step before
-capture sizes it, and it refuses to grow during capture).
+Plan/run split (`triton_attn_builder`): `build` makes frozen metadata from the CPU mirrors;
+`forward` launches from it and plans nothing. CUDA graphs: ALWAYS; the kernel finds each
+program's request on the GPU from `query_start_loc`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 
-from anyattn.backend import (
-    AttentionBackend,
-    AttentionImpl,
-    AttentionLayer,
-    AttentionMetadataBuilder,
+from anyattn.backend import AttentionBackend, AttentionImpl, AttentionLayer, check_layer_planned
+from anyattn.backends.triton_attn_builder import (
+    TritonAttentionMetadata,
+    TritonAttentionMetadataBuilder,
 )
-from anyattn.metadata import CommonAttentionMetadata
-from anyattn.ops.unified_attention import (
-    UnifiedAttentionParams,
-    split_kv_workspace_shape,
-    unified_attention,
-)
-from anyattn.types import AttentionCGSupport, AttentionType, DeviceInfo, KVCacheLayout
+from anyattn.ops.unified_attention import UnifiedAttentionParams, unified_attention
+from anyattn.types import AttentionType, DeviceInfo, KVCacheLayout
 from anyattn.validation import check_forward, check_forward_inputs, layer_kv_scale
 
 __all__ = [
@@ -44,20 +35,12 @@ __all__ = [
 ]
 
 _API = "TRITON forward"
-# Split-KV: aim for this many programs on the GPU, at most this many splits, and at least
-# this many keys per split (measured on the H200: 8 x 32768 is best at 4 splits, 64 x 4096 at
-# one; see benchmarks/RESULTS.md).
-_TARGET_PROGRAMS = 256
-_MAX_SPLITS = 16
-_MIN_KEYS_PER_SPLIT = 1024
-# Decode batches up to this many tokens may split (the workspace is sized for them).
-_MAX_SPLIT_TOKENS = 256
-# Fresh prefills read the new K/V through TMA rather than gathering pages (Hopper+).
-_TMA_INPUTS = True
 
 
 class TritonAttentionBackend(AttentionBackend):
     """Declarations of the TRITON backend."""
+
+    priority: ClassVar[Mapping[str, int]] = {"cuda": 2, "blackwell": 2}
 
     supported_dtypes = (torch.float32, torch.float16, torch.bfloat16)
     supported_kv_cache_dtypes = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -122,8 +105,6 @@ class TritonAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_combination(cls, config, device: DeviceInfo) -> str | None:
-        if config.has_sliding_window and config.use_non_causal:
-            return "sliding window with non-causal attention not supported (defined causally)"
         capability = device.capability
         if config.kv_cache_dtype in ("fp8", "fp8_e4m3") and capability and capability < (8, 9):
             return "fp8 e4m3 KV cache needs compute capability >= 8.9 (Triton's e4m3 casts)"
@@ -138,204 +119,13 @@ class TritonAttentionBackend(AttentionBackend):
         return None
 
 
-class SplitWorkspace:
-    """The float32 buffers of split-KV partial results, owned by the builder and shared by
-    every layer. Grown outside graph capture only (the runner's warm-up runs first)."""
-
-    def __init__(self, max_tokens: int, device: torch.device) -> None:
-        self.max_tokens = max_tokens
-        self.device = device
-        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def get(self, num_heads: int, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(partial_out, partial_lse)` for `max_tokens` rows and `_MAX_SPLITS` splits."""
-        out_shape, lse_shape = split_kv_workspace_shape(
-            self.max_tokens, num_heads, head_size, _MAX_SPLITS
-        )
-        bufs = self._buffers
-        if bufs is not None and all(
-            have >= need for have, need in zip(bufs[0].shape, out_shape, strict=True)
-        ):
-            return bufs  # the kernel indexes through strides: a larger buffer serves too
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "TRITON forward: the split-KV workspace must grow during CUDA-graph capture "
-                f"(got {num_heads} heads x {head_size}); run one eager step of each captured "
-                "shape first (the engine's warm-up does)."
-            )
-        if bufs is not None:  # layers with other head counts share the group: cover both
-            out_shape = tuple(map(max, out_shape, bufs[0].shape))
-            lse_shape = out_shape[:3]
-        bufs = self._buffers = (
-            torch.empty(out_shape, dtype=torch.float32, device=self.device),
-            torch.empty(lse_shape, dtype=torch.float32, device=self.device),
-        )
-        return bufs
-
-
-@dataclass
-class TritonAttentionMetadata:
-    """What `TritonAttentionImpl.forward` needs for one step.
-
-    Attributes:
-        num_actual_tokens: real tokens; output rows past them are untouched.
-        num_reqs: requests of the launch (padding requests included).
-        max_query_len: longest query (chooses the tile shape).
-        block_size: tokens per block of `block_table`.
-        query_start_loc: int32 `[num_reqs + 1]` (device).
-        seq_lens: int32 `[num_reqs]` (device).
-        block_table: int32 `[num_reqs, max_blocks]` (device).
-        slot_mapping: int64 `[num_tokens]` (device).
-        causal: False for bidirectional attention.
-        num_splits: KV splits per request (1 = no split-KV).
-        is_fresh_prefill: every request starts this step (no context): keys may be read from
-            the step's new K/V instead of the pages.
-        workspace: the builder's split-KV buffers.
-        kernel_path: which kernel path runs, for logs and benchmarks.
-        common_attn_metadata: the step it was built from (its mirrors for the checks).
-    """
-
-    num_actual_tokens: int
-    num_reqs: int
-    max_query_len: int
-    block_size: int
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    slot_mapping: torch.Tensor
-    causal: bool
-    num_splits: int
-    is_fresh_prefill: bool
-    workspace: SplitWorkspace
-    kernel_path: str
-    common_attn_metadata: CommonAttentionMetadata
-
-
-def choose_num_splits(
-    num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int, num_tokens: int
-) -> int:
-    """KV splits for a step: more than one only for decode-like batches (one query tile per
-    request) whose `num_reqs * num_kv_heads` programs leave the GPU idle, and never fewer than
-    `_MIN_KEYS_PER_SPLIT` keys per split."""
-    if max_query_len > 4 or num_tokens > _MAX_SPLIT_TOKENS or num_reqs == 0:
-        return 1
-    programs = num_reqs * num_kv_heads
-    splits = 1
-    while splits < _MAX_SPLITS and programs * splits < _TARGET_PROGRAMS:
-        splits *= 2
-    while splits > 1 and max_seq_len < splits * _MIN_KEYS_PER_SPLIT:
-        splits //= 2
-    return splits
-
-
-class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMetadata]):
-    """Plans a TRITON step from the CPU mirrors; never syncs with the device."""
-
-    _cudagraph_support = AttentionCGSupport.ALWAYS
-
-    def __init__(self, kv_cache_spec, layer_names, limits, device) -> None:
-        super().__init__(kv_cache_spec, layer_names, limits, device)
-        TritonAttentionBackend.check_kv_cache_spec(kv_cache_spec, "TritonAttentionMetadataBuilder")
-        max_tokens = min(limits.max_num_tokens, _MAX_SPLIT_TOKENS)
-        self._workspace = SplitWorkspace(max_tokens, torch.device(device))
-
-    def build(
-        self,
-        common_prefix_len: int,
-        common_attn_metadata: CommonAttentionMetadata,
-        fast_build: bool = False,
-    ) -> TritonAttentionMetadata:
-        cm = common_attn_metadata
-        if common_prefix_len:
-            raise ValueError(
-                "TritonAttentionMetadataBuilder.build: cascade attention not supported (got "
-                f"common_prefix_len={common_prefix_len}, expected 0); TRITON reads a shared "
-                "prefix once per request from L2 instead."
-            )
-        return self._make(cm, cm.max_seq_len, for_capture=False)
-
-    def build_for_cudagraph_capture(
-        self, common_attn_metadata: CommonAttentionMetadata
-    ) -> TritonAttentionMetadata:
-        """Metadata for capture: the split choice assumes the longest sequence the engine
-        allows, since the graph will replay over any lengths."""
-        return self._make(common_attn_metadata, self.limits.max_model_len, for_capture=True)
-
-    def _make(
-        self, cm: CommonAttentionMetadata, max_seq_len: int, for_capture: bool
-    ) -> TritonAttentionMetadata:
-        num_reqs = cm.num_reqs
-        splits = choose_num_splits(
-            num_reqs,
-            self.kv_cache_spec.num_kv_heads,
-            cm.max_query_len,
-            max_seq_len,
-            cm.num_actual_tokens,
-        )
-        context = cm.num_computed_tokens_cpu[:num_reqs]
-        # A graph replays over batches with context: never bake the input-K/V path into one.
-        is_fresh = (
-            not for_capture and num_reqs > 0 and cm.max_query_len > 1 and not bool(context.any())
-        )
-        path = "unified" if splits == 1 else f"unified split-kv x{splits}"
-        if is_fresh:
-            path += " (fresh prefill: K/V via TMA where the impl can)"
-        return TritonAttentionMetadata(
-            num_actual_tokens=cm.num_actual_tokens,
-            num_reqs=num_reqs,
-            max_query_len=cm.max_query_len,
-            block_size=self.kv_cache_spec.block_size,
-            query_start_loc=cm.query_start_loc,
-            seq_lens=cm.seq_lens,
-            block_table=cm.block_table_tensor,
-            slot_mapping=cm.slot_mapping,
-            causal=cm.causal,
-            num_splits=splits,
-            is_fresh_prefill=is_fresh,
-            workspace=self._workspace,
-            kernel_path=path,
-            common_attn_metadata=cm,
-        )
-
-
 class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
     """The TRITON backend's forward: one `unified_attention` launch per layer and step."""
 
-    can_return_lse_for_decode = True
-    lse_base_on_e = True
-
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int | None = None,
-        alibi_slopes: list[float] | None = None,
-        sliding_window: int | None = None,
-        kv_cache_dtype: str = "auto",
-        logits_soft_cap: float | None = None,
-        attn_type: AttentionType | str = AttentionType.DECODER,
-        kv_sharing_target_layer_name: str | None = None,
-        sinks: torch.Tensor | None = None,
-    ) -> None:
-        self.init_common_arguments(
-            TritonAttentionBackend,
-            num_heads=num_heads,
-            head_size=head_size,
-            scale=scale,
-            num_kv_heads=num_kv_heads,
-            alibi_slopes=alibi_slopes,
-            sliding_window=sliding_window,
-            kv_cache_dtype=kv_cache_dtype,
-            logits_soft_cap=logits_soft_cap,
-            attn_type=attn_type,
-            kv_sharing_target_layer_name=kv_sharing_target_layer_name,
-            sinks=sinks,
-        )
-        self._alibi_slopes = (
-            None if alibi_slopes is None else torch.as_tensor(alibi_slopes).float().flatten()
-        )
-        self._sinks = None if sinks is None else sinks.detach().float()
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._alibi_slopes = self.alibi_slopes
+        self._sinks = None if self.sinks is None else self.sinks.detach().float()
         self._has_tma: bool | None = None
 
     def _on(self, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -355,17 +145,11 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         kv_cache: torch.Tensor,
         attn_metadata: TritonAttentionMetadata,
         output: torch.Tensor,
-        output_scale: torch.Tensor | None = None,
-        output_block_scale: torch.Tensor | None = None,
         output_lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """See `AttentionImpl.forward`. Writes `output[:num_actual_tokens]` (and `output_lse`)."""
         md = attn_metadata
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError(
-                f"{_API}: fused output quantisation not supported (got output_scale). "
-                "Quantise the output after the call."
-            )
+        check_layer_planned(md.layer_names, layer, _API)
         check_forward(self, query, key, value, kv_cache, md, output, output_lse)
         if md.num_actual_tokens == 0:
             return output
@@ -384,9 +168,6 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             k_scale=k_scale,
             v_scale=v_scale,
         )
-        workspace = None
-        if md.num_splits > 1:
-            workspace = md.workspace.get(self.num_heads, self.head_size)
         n = md.num_actual_tokens
         from_input = md.is_fresh_prefill and self._can_read_input(query, key, value, kv_cache)
         # Views of the real rows: padding rows are neither read nor written.
@@ -402,7 +183,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             params,
             output_lse=None if output_lse is None else output_lse[:, :n],
             num_splits=md.num_splits,
-            workspace=workspace,
+            workspace=md.workspace,
             key=key[:n] if from_input else None,
             value=value[:n] if from_input else None,
         )
@@ -417,7 +198,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
     ) -> bool:
         """Whether a fresh prefill may read the new K/V through TMA: they equal what was cached
         (own cache of the model dtype), Hopper or newer, and TMA's alignment rules hold."""
-        if key is None or value is None or not query.is_cuda or not _TMA_INPUTS:
+        if key is None or value is None or not query.is_cuda:
             return False
         if torch.cuda.is_current_stream_capturing():
             return False  # a graph replays over batches with context
@@ -461,3 +242,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             output=output,
             output_lse=output_lse,
         )
+
+
+TritonAttentionImpl.backend = TritonAttentionBackend
+TritonAttentionMetadataBuilder.backend = TritonAttentionBackend

@@ -1,0 +1,264 @@
+"""TORCH's plan: the metadata its builder makes for a step, and the builder.
+
+`build` reads only the CPU mirrors (no device sync) and returns frozen metadata: the leading
+decodes (and spec-decode runs of 1 + k tokens) as one padded group, with their query layout,
+key positions and key validity on the device; every other request as a `Segment`; for cascade
+attention the shared prefix's blocks and every token's position. The builder's `Workspace`
+is the one gather buffer every layer of a step reuses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from anyattn.backend import AttentionMetadataBuilder
+from anyattn.metadata import CommonAttentionMetadata, split_decodes_and_prefills
+from anyattn.types import AttentionCGSupport
+
+__all__ = ["Segment", "TorchAttentionMetadata", "TorchAttentionMetadataBuilder", "Workspace"]
+
+
+class Workspace:
+    """A buffer the builder owns and every layer's gather reuses, grown when a step needs more.
+
+    Fresh memory for each gather costs first-touch page faults on the CPU that exceed the copy
+    itself; layers run one after another, so one buffer serves them all.
+    """
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1-D buffer of at least `numel` elements (contents undefined)."""
+        buf = self._buffer
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = self._buffer = torch.empty(numel, dtype=dtype, device=device)
+        return buf
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One request run on its own: queries `[q_start, q_start + q_len)` at positions
+    `context, ...`, keys `[0, k_len)` of block-table row `row`."""
+
+    row: int
+    q_start: int
+    q_len: int
+    context: int
+    k_len: int
+
+
+@dataclass(frozen=True)
+class TorchAttentionMetadata:
+    """What `TorchAttentionImpl.forward` needs for one step.
+
+    Attributes:
+        num_actual_tokens: real tokens; output rows past it are untouched.
+        block_size: tokens per block of `block_table`.
+        block_table: int32 `[num_reqs, max_blocks]` (device).
+        slot_mapping: int64 `[num_tokens]` (device).
+        causal: False for bidirectional attention.
+        num_decodes, num_decode_tokens: the leading requests run as one batched group.
+        decode_*: that group's padded layout (device): query token ids `[num_decodes, Lq]`,
+            the real (request, query) cells as flat row indices and their token ids, query
+            positions `[num_decodes, Lq]`; `decode_is_single_token` when every decode has
+            exactly one query token.
+        decode_num_blocks: block-table columns the group reads (from `prefix_blocks` on).
+        decode_key_positions: int64 `[keys]` (device): positions of the keys the group reads,
+            from `common_prefix_len` on.
+        decode_key_valid: bool `[num_decodes, keys]` (device), or None when every decode has
+            the longest length.
+        segments: every other request, one by one.
+        all_segments: every request as a segment (encoder attention runs them all so).
+        common_prefix_len: tokens of the shared prefix run once (cascade), else 0.
+        prefix_blocks: block ids of that prefix `[common_prefix_len // block_size]` (device).
+        token_positions: int64 `[num_actual_tokens]` absolute position of each query (cascade).
+        workspace: the builder's gather buffer, reused by every layer.
+        layer_names: the builder's layers (`forward` refuses any other).
+        common_attn_metadata: the step it was built from (its mirrors for the checks).
+    """
+
+    num_actual_tokens: int
+    block_size: int
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    causal: bool
+    num_decodes: int
+    num_decode_tokens: int
+    decode_is_single_token: bool
+    decode_max_seq_len: int
+    decode_max_query_len: int
+    decode_token_ids: torch.Tensor
+    decode_valid_rows: torch.Tensor
+    decode_valid_token_ids: torch.Tensor
+    decode_positions: torch.Tensor
+    decode_num_blocks: int
+    decode_key_positions: torch.Tensor
+    decode_key_valid: torch.Tensor | None
+    segments: tuple[Segment, ...]
+    all_segments: tuple[Segment, ...]
+    common_attn_metadata: CommonAttentionMetadata
+    workspace: Workspace
+    layer_names: frozenset[str]
+    common_prefix_len: int = 0
+    prefix_blocks: torch.Tensor | None = None
+    token_positions: torch.Tensor | None = None
+
+
+class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetadata]):
+    """Plans a step for the TORCH impl from the CPU mirrors; never syncs with the device."""
+
+    _cudagraph_support = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layers, limits, device) -> None:
+        super().__init__(kv_cache_spec, layers, limits, device)
+        # Decodes (and spec-decode verification runs of 1 + k tokens) go first, as one group.
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
+        self._workspace = Workspace()
+        self._layer_names = frozenset(self.layer_names)
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata
+    ) -> TorchAttentionMetadata:
+        cm = common_attn_metadata
+        block_size = self.kv_cache_spec.block_size
+        num_reqs = cm.num_reqs
+        cross = cm.encoder_seq_lens_cpu is not None
+        k_lens_cpu = (cm.encoder_seq_lens_cpu if cross else cm.seq_lens_cpu)[:num_reqs].long()
+        needed = int((k_lens_cpu.max() + block_size - 1) // block_size) if num_reqs else 0
+        if needed > cm.block_table_tensor.shape[1]:
+            raise ValueError(
+                f"TorchAttentionMetadataBuilder.build: block_table too narrow for the longest "
+                f"sequence (got {cm.block_table_tensor.shape[1]} columns, expected >= {needed} "
+                f"for block_size {block_size})."
+            )
+        context_cpu = cm.num_computed_tokens_cpu[:num_reqs].long()
+        common_prefix_len = self._check_prefix(common_prefix_len, context_cpu, block_size, cross)
+        prefix_blocks = common_prefix_len // block_size
+
+        num_decodes = num_decode_tokens = 0
+        if self.reorder_batch_threshold is not None and not cross:
+            num_decodes, _, num_decode_tokens, _ = split_decodes_and_prefills(
+                cm, self.reorder_batch_threshold
+            )
+        decode = self._plan_decodes(cm, num_decodes, common_prefix_len, block_size)
+        loc = cm.query_start_loc_cpu[: num_reqs + 1].tolist()
+        contexts = context_cpu.tolist()
+        k_lens = k_lens_cpu.tolist()
+        all_segments = tuple(
+            Segment(r, loc[r], loc[r + 1] - loc[r], contexts[r], k_lens[r]) for r in range(num_reqs)
+        )
+        token_positions = None
+        if common_prefix_len:
+            # position of token t of request r: context_r + (t - query_start_r), on the device
+            qsl = cm.query_start_loc[: num_reqs + 1].long()
+            query_lens = qsl[1:] - qsl[:-1]
+            req = torch.repeat_interleave(
+                torch.arange(num_reqs, device=qsl.device),
+                query_lens,
+                output_size=cm.num_actual_tokens,
+            )
+            context = cm.seq_lens[:num_reqs].long() - query_lens
+            token_positions = (
+                context[req] + torch.arange(cm.num_actual_tokens, device=qsl.device) - qsl[req]
+            )
+        return TorchAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            block_size=block_size,
+            block_table=cm.block_table_tensor,
+            slot_mapping=cm.slot_mapping,
+            causal=cm.causal,
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens,
+            segments=all_segments[num_decodes:],
+            all_segments=all_segments,
+            common_attn_metadata=cm,
+            common_prefix_len=common_prefix_len,
+            prefix_blocks=cm.block_table_tensor[0, :prefix_blocks] if common_prefix_len else None,
+            token_positions=token_positions,
+            workspace=self._workspace,
+            layer_names=self._layer_names,
+            **decode,
+        )
+
+    @staticmethod
+    def _check_prefix(
+        common_prefix_len: int, context_cpu: torch.Tensor, block_size: int, cross: bool
+    ) -> int:
+        if common_prefix_len == 0:
+            return 0
+        api = "TorchAttentionMetadataBuilder.build"
+        if cross:
+            raise ValueError(
+                f"{api}: cascade attention is not defined for cross-attention (got "
+                f"common_prefix_len={common_prefix_len}, expected 0)."
+            )
+        if common_prefix_len < 0 or common_prefix_len % block_size:
+            raise ValueError(
+                f"{api}: common_prefix_len must be a non-negative multiple of block_size (got "
+                f"{common_prefix_len}, block_size {block_size})."
+            )
+        min_context = int(context_cpu.min()) if context_cpu.numel() else 0
+        if common_prefix_len > min_context:
+            raise ValueError(
+                f"{api}: common_prefix_len must lie within every request's context (got "
+                f"{common_prefix_len}, shortest context {min_context})."
+            )
+        return common_prefix_len
+
+    def _plan_decodes(
+        self, cm: CommonAttentionMetadata, num_decodes: int, first_key: int, block_size: int
+    ) -> dict[str, object]:
+        """Padded layout of the leading decode group over keys `[first_key, seq_len)`, from
+        the CPU mirrors (host-to-device copies only)."""
+        device = cm.query_start_loc.device
+        query_lens = cm.query_lens_cpu[:num_decodes].long()
+        seq_lens = cm.seq_lens_cpu[:num_decodes].long()
+        max_query_len = int(query_lens.max()) if num_decodes else 0
+        max_seq_len = int(seq_lens.max()) if num_decodes else 0
+        offsets = torch.arange(max_query_len)
+        valid = offsets.unsqueeze(0) < query_lens.unsqueeze(1)  # [num_decodes, Lq]
+        token_ids = cm.query_start_loc_cpu[:num_decodes].long().unsqueeze(1) + offsets
+        token_ids = token_ids.masked_fill(~valid, 0)
+        valid_rows = valid.flatten().nonzero().flatten()  # CPU tensor: no device sync
+        # Keys from the first block holding `first_key` up to the longest sequence: equal
+        # lengths need no validity mask.
+        first_block = first_key // block_size
+        k_pos = first_key + torch.arange(max(max_seq_len - first_block * block_size, 0))
+        uniform = bool(num_decodes) and bool((seq_lens == max_seq_len).all())
+        k_valid = None if uniform else k_pos.unsqueeze(0) < seq_lens.unsqueeze(1)
+        return {
+            # one token per request: query row r is request r's, no gather needed
+            "decode_is_single_token": bool(num_decodes) and bool((query_lens == 1).all()),
+            "decode_max_seq_len": max_seq_len,
+            "decode_max_query_len": max_query_len,
+            "decode_token_ids": token_ids.to(device, non_blocking=True),
+            "decode_valid_rows": valid_rows.to(device, non_blocking=True),
+            "decode_valid_token_ids": token_ids.flatten()[valid_rows].to(device, non_blocking=True),
+            "decode_positions": ((seq_lens - query_lens).unsqueeze(1) + offsets).to(
+                device, non_blocking=True
+            ),
+            "decode_num_blocks": max(-(-max_seq_len // block_size) - first_block, 0),
+            "decode_key_positions": k_pos.to(device, non_blocking=True),
+            "decode_key_valid": None if k_valid is None else k_valid.to(device, non_blocking=True),
+        }
+
+    def use_cascade_attention(
+        self,
+        common_prefix_len: int,
+        query_lens: np.ndarray,
+        num_query_heads: int,
+        num_kv_heads: int,
+        use_alibi: bool,
+        use_sliding_window: bool,
+        num_sms: int,
+    ) -> bool:
+        """Cascade pays off here when many requests share a long prefix: the prefix blocks are
+        then gathered and attended once instead of once per request. Position-dependent score
+        modifiers rule it out."""
+        if use_alibi or use_sliding_window:
+            return False
+        return common_prefix_len >= 256 and len(query_lens) >= 8

@@ -1,0 +1,205 @@
+"""TRITON's plan: the metadata its builder makes for a step, the number of KV splits, and the
+split-KV workspace.
+
+`build` reads only the CPU mirrors (to choose the number of KV splits and whether a fresh
+prefill may read its new K/V from the inputs) and hands the kernel views of the common
+metadata's device tensors, so it never waits on the GPU. The launch depends only on tensor
+sizes and these choices, never on device values, so a CUDA graph captured for a batch shape
+replays for any contents of that shape. The split-KV workspace is the builder's, sized for the
+layer with the most heads, made by the first build that splits (an eager warm-up step before
+capture makes it; it refuses to grow during capture).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from anyattn.backend import AttentionMetadataBuilder
+from anyattn.metadata import CommonAttentionMetadata
+from anyattn.ops.unified_attention import split_kv_workspace_shape
+from anyattn.types import AttentionCGSupport
+
+__all__ = [
+    "SplitWorkspace",
+    "TritonAttentionMetadata",
+    "TritonAttentionMetadataBuilder",
+    "choose_num_splits",
+]
+
+# Split-KV: aim for this many programs on the GPU, at most this many splits, and at least
+# this many keys per split (measured on the H200: 8 x 32768 is best at 4 splits, 64 x 4096 at
+# one; see benchmarks/RESULTS.md).
+_TARGET_PROGRAMS = 256
+_MAX_SPLITS = 16
+_MIN_KEYS_PER_SPLIT = 1024
+# Decode batches up to this many tokens may split (the workspace is sized for them).
+_MAX_SPLIT_TOKENS = 256
+
+
+class SplitWorkspace:
+    """The float32 buffers of split-KV partial results, owned by the builder and shared by
+    every layer; made by the first `build` that splits, sized for the builder's layers. Grown
+    outside graph capture only (the runner's warm-up runs first)."""
+
+    def __init__(self, max_tokens: int, device: torch.device) -> None:
+        self.max_tokens = max_tokens
+        self.device = device
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def get(self, num_heads: int, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(partial_out, partial_lse)` for `max_tokens` rows and `_MAX_SPLITS` splits."""
+        out_shape, lse_shape = split_kv_workspace_shape(
+            self.max_tokens, num_heads, head_size, _MAX_SPLITS
+        )
+        bufs = self._buffers
+        if bufs is not None and all(
+            have >= need for have, need in zip(bufs[0].shape, out_shape, strict=True)
+        ):
+            return bufs  # the kernel indexes through strides: a larger buffer serves too
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "TRITON forward: the split-KV workspace must grow during CUDA-graph capture "
+                f"(got {num_heads} heads x {head_size}); run one eager step of each captured "
+                "shape first (the engine's warm-up does)."
+            )
+        if bufs is not None:  # layers with other head counts share the group: cover both
+            out_shape = tuple(map(max, out_shape, bufs[0].shape))
+            lse_shape = out_shape[:3]
+        bufs = self._buffers = (
+            torch.empty(out_shape, dtype=torch.float32, device=self.device),
+            torch.empty(lse_shape, dtype=torch.float32, device=self.device),
+        )
+        return bufs
+
+
+@dataclass(frozen=True)
+class TritonAttentionMetadata:
+    """What `TritonAttentionImpl.forward` needs for one step.
+
+    Attributes:
+        num_actual_tokens: real tokens; output rows past them are untouched.
+        num_reqs: requests of the launch (padding requests included).
+        max_query_len: longest query (chooses the tile shape).
+        block_size: tokens per block of `block_table`.
+        query_start_loc: int32 `[num_reqs + 1]` (device).
+        seq_lens: int32 `[num_reqs]` (device).
+        block_table: int32 `[num_reqs, max_blocks]` (device).
+        slot_mapping: int64 `[num_tokens]` (device).
+        causal: False for bidirectional attention.
+        num_splits: KV splits per request (1 = no split-KV).
+        is_fresh_prefill: every request starts this step (no context): keys may be read from
+            the step's new K/V instead of the pages.
+        workspace: `(partial_out, partial_lse)`, the builder's split-KV buffers for every
+            layer; None when `num_splits` is 1.
+        kernel_path: which kernel path runs, for logs and benchmarks.
+        layer_names: the builder's layers (`forward` refuses any other).
+        common_attn_metadata: the step it was built from (its mirrors for the checks).
+    """
+
+    num_actual_tokens: int
+    num_reqs: int
+    max_query_len: int
+    block_size: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    causal: bool
+    num_splits: int
+    is_fresh_prefill: bool
+    workspace: tuple[torch.Tensor, torch.Tensor] | None
+    kernel_path: str
+    common_attn_metadata: CommonAttentionMetadata
+    layer_names: frozenset[str]
+
+
+def choose_num_splits(
+    num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int, num_tokens: int
+) -> int:
+    """KV splits for a step: more than one only for decode-like batches (one query tile per
+    request) whose `num_reqs * num_kv_heads` programs leave the GPU idle, and never fewer than
+    `_MIN_KEYS_PER_SPLIT` keys per split."""
+    if max_query_len > 4 or num_tokens > _MAX_SPLIT_TOKENS or num_reqs == 0:
+        return 1
+    programs = num_reqs * num_kv_heads
+    splits = 1
+    while splits < _MAX_SPLITS and programs * splits < _TARGET_PROGRAMS:
+        splits *= 2
+    while splits > 1 and max_seq_len < splits * _MIN_KEYS_PER_SPLIT:
+        splits //= 2
+    return splits
+
+
+class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMetadata]):
+    """Plans a TRITON step from the CPU mirrors; never syncs with the device."""
+
+    _cudagraph_support = AttentionCGSupport.ALWAYS
+
+    def __init__(self, kv_cache_spec, layers, limits, device) -> None:
+        super().__init__(kv_cache_spec, layers, limits, device)
+        max_tokens = min(limits.max_num_tokens, _MAX_SPLIT_TOKENS)
+        self._workspace = SplitWorkspace(max_tokens, self.device)
+        self._max_heads = max((p.num_heads for p in self.layers.values()), default=1)
+        self._layer_names = frozenset(self.layer_names)
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata
+    ) -> TritonAttentionMetadata:
+        cm = common_attn_metadata
+        if common_prefix_len:
+            raise ValueError(
+                "TritonAttentionMetadataBuilder.build: cascade attention not supported (got "
+                f"common_prefix_len={common_prefix_len}, expected 0); TRITON reads a shared "
+                "prefix once per request from L2 instead."
+            )
+        return self._make(cm, cm.max_seq_len, for_capture=False)
+
+    def build_for_cudagraph_capture(
+        self, common_attn_metadata: CommonAttentionMetadata
+    ) -> TritonAttentionMetadata:
+        """Metadata for capture: the split choice assumes the longest sequence the engine
+        allows, since the graph will replay over any lengths."""
+        return self._make(common_attn_metadata, self.limits.max_model_len, for_capture=True)
+
+    def _make(
+        self, cm: CommonAttentionMetadata, max_seq_len: int, for_capture: bool
+    ) -> TritonAttentionMetadata:
+        num_reqs = cm.num_reqs
+        splits = choose_num_splits(
+            num_reqs,
+            self.kv_cache_spec.num_kv_heads,
+            cm.max_query_len,
+            max_seq_len,
+            cm.num_actual_tokens,
+        )
+        context = cm.num_computed_tokens_cpu[:num_reqs]
+        # A graph replays over batches with context: never bake the input-K/V path into one.
+        is_fresh = (
+            not for_capture and num_reqs > 0 and cm.max_query_len > 1 and not bool(context.any())
+        )
+        path = "unified" if splits == 1 else f"unified split-kv x{splits}"
+        if is_fresh:
+            path += " (fresh prefill: K/V via TMA where the impl can)"
+        return TritonAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            num_reqs=num_reqs,
+            max_query_len=cm.max_query_len,
+            block_size=self.kv_cache_spec.block_size,
+            query_start_loc=cm.query_start_loc,
+            seq_lens=cm.seq_lens,
+            block_table=cm.block_table_tensor,
+            slot_mapping=cm.slot_mapping,
+            causal=cm.causal,
+            num_splits=splits,
+            is_fresh_prefill=is_fresh,
+            workspace=(
+                None
+                if splits == 1
+                else self._workspace.get(self._max_heads, self.kv_cache_spec.head_size)
+            ),
+            kernel_path=path,
+            common_attn_metadata=cm,
+            layer_names=self._layer_names,
+        )
