@@ -1087,7 +1087,6 @@ def prepare_build(
     device: torch.device | str,
     num_reqs: int = 256,
     seq_len: int = 2048,
-    fast_decode_plan: bool = True,
     varied: bool = False,
     graphs: bool = False,
     persistent: bool = False,
@@ -1099,8 +1098,7 @@ def prepare_build(
 
     A builder that plans per layer (`register_layer`, FLASHINFER) has one layer registered, as
     an engine's model runner does, so its library's planning is in the time; after the first
-    call, steady state. `fast_decode_plan=False` times FLASHINFER re-planning with FlashInfer's
-    own `plan()` every step instead of `replan_decode`. `varied=True` spreads the requests'
+    call, steady state. `varied=True` spreads the requests'
     lengths over `[seq_len / 2, 3 * seq_len / 2)` (mean about `seq_len`), as a real decode batch
     has them, so that planners which take a shortcut for equal lengths are timed without it.
     `graphs=True` times the build of a step that replays a captured decode graph (the engine's
@@ -1144,9 +1142,6 @@ def prepare_build(
         builder.register_layer(
             cls.get_impl_cls()(shape.num_heads, shape.head_size, shape.scale, shape.num_kv_heads)
         )
-        if not fast_decode_plan:
-            builder.fast_decode_plan = False
-            name = f"{name} (plan() every step)"
 
         def build() -> object:
             return builder.build(0, common)
@@ -1461,8 +1456,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for persistent in (False, True)
                 for n in args.backends
             ]
-            if "FLASHINFER" in args.backends:
-                cases.append(prepare_build("FLASHINFER", shape, device, fast_decode_plan=False))
             builds = time_builds(cases, options.build_reps, options.build_rounds)
             print(
                 "### build() host time: 256 decodes of 2048 keys (varied: 1024-3071 keys), "
