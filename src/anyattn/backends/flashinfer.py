@@ -33,7 +33,8 @@ from anyattn.backend import (
     AttentionLayer,
     check_layer_planned,
 )
-from anyattn.backends.flashinfer_builder import FlashInferMetadata, FlashInferMetadataBuilder
+from anyattn.backends.flashinfer_builder import FlashInferMetadataBuilder
+from anyattn.backends.flashinfer_metadata import FlashInferMetadata
 from anyattn.backends.flashinfer_version import PIP_COMMAND, installed_flashinfer
 from anyattn.backends.flashinfer_xqa import run_xqa_decode
 from anyattn.types import DTYPES, AttentionType, KVCacheLayout, MultipleOf, is_fp8_cache

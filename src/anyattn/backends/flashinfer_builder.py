@@ -35,12 +35,13 @@ replays with the new plan; padding rows get no keys (wrapper) or one key (XQA).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from anyattn.backend import AttentionBackend, AttentionMetadataBuilder
+from anyattn.backends.flashinfer_metadata import FlashInferMetadata, LayerPlan, WrapperSlot
 from anyattn.backends.flashinfer_plan import (
     PagedIndex,
     first_trailing_fresh,
@@ -59,7 +60,7 @@ from anyattn.layer_params import LayerParams
 from anyattn.metadata import CommonAttentionMetadata, HostBatch
 from anyattn.types import AttentionCGSupport, AttentionType, is_fp8_cache
 
-__all__ = ["FlashInferMetadata", "FlashInferMetadataBuilder", "LayerPlan"]
+__all__ = ["FlashInferMetadataBuilder"]
 
 # FlashInfer's recommended float workspace (split-KV partial results), shared by every wrapper
 # of a builder: layers run one after another on one stream.
@@ -71,93 +72,6 @@ def device_capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
-class _Slot:
-    """A wrapper (or XQA graph buffers) and the build whose plan it holds."""
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-        self.generation = 0
-        self.event: Any = None  # recorded after the last plan (CUDA)
-
-    def wait_for_last_copy(self) -> None:
-        """Block only while the device has not yet run the last plan's copy."""
-        if self.event is not None and not self.event.query():
-            self.event.synchronize()
-
-
-@dataclass(frozen=True, slots=True)
-class LayerPlan:
-    """What the layers of one record run for one step.
-
-    Attributes:
-        record: the layers' `LayerParams`.
-        decode: the planned decode wrapper, or None (no decodes, or XQA runs them).
-        ragged: the planned ragged prefill wrapper, or None (no fresh prefills it runs).
-        paged: the planned paged prefill wrapper, or None (no other prefills).
-        xqa: XQA's inputs for the decodes, `(page_table, seq_lens, workspace)`: int32
-            `[decode_rows, pages]`, int32 `[decode_rows]`, its zeroed uint8 workspace; or None.
-        window_left: FlashInfer's window (`sliding_window - 1`, -1 for none).
-    """
-
-    record: LayerParams
-    decode: Any
-    ragged: Any
-    paged: Any
-    xqa: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
-    window_left: int
-    generation: int
-    slots: tuple[_Slot, ...] = field(repr=False)
-
-    def check_current(self, api: str) -> None:
-        """Raises `RuntimeError` when a later build has planned this plan's wrappers again."""
-        for slot in self.slots:
-            if slot.generation != self.generation:
-                raise RuntimeError(
-                    f"{api}: the metadata is stale (built by build {self.generation}; build "
-                    f"{slot.generation} has planned its wrappers since). Run a step's layers "
-                    "before building the next step, or build again."
-                )
-
-
-@dataclass(frozen=True, slots=True)
-class FlashInferMetadata:
-    """What `FlashInferImpl.forward` needs for one step (frozen; see the module docstring).
-
-    Attributes:
-        num_actual_tokens: real tokens; output rows past it are untouched (except a CUDA-graph
-            decode batch's padding rows, see `decode_rows`).
-        slot_mapping: int64 `[num_tokens]` (device), for the cache write.
-        causal: False for bidirectional attention.
-        num_decodes: the leading single-token requests (= their tokens).
-        decode_rows: query rows the decode run covers: `num_decodes`, or the padded batch size
-            of a CUDA-graph decode step (its padding rows are written too).
-        paged_tokens, ragged_tokens: `[start, end)` token rows of the paged wrapper's
-            requests and of the fresh prefills the ragged wrapper runs.
-        cudagraph_size: the captured batch size this step is planned for, or None.
-        block_size, num_kv_heads, head_size, dtype, cache_dtype: the KV-cache spec.
-        layer_names: the builder's layers (a forward of another layer is refused).
-        plans: layer name -> its record's `LayerPlan`.
-        common_attn_metadata: the step it was built from (its mirrors for the checks).
-    """
-
-    num_actual_tokens: int
-    slot_mapping: torch.Tensor
-    causal: bool
-    num_decodes: int
-    decode_rows: int
-    paged_tokens: tuple[int, int]
-    ragged_tokens: tuple[int, int]
-    cudagraph_size: int | None
-    block_size: int
-    num_kv_heads: int
-    head_size: int
-    dtype: torch.dtype
-    cache_dtype: torch.dtype
-    layer_names: frozenset[str]
-    plans: dict[str, LayerPlan] = field(repr=False)
-    common_attn_metadata: CommonAttentionMetadata = field(repr=False)
-
-
 @dataclass(slots=True)
 class _Parts:
     """A build's plan inputs every record shares (None: the part is absent or not needed)."""
@@ -165,7 +79,7 @@ class _Parts:
     decode: PagedIndex | None = None
     paged: PagedIndex | None = None
     ragged: torch.Tensor | None = None  # query (and key) offsets, int32 CPU
-    xqa: tuple[_Slot | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    xqa: tuple[WrapperSlot | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,9 +123,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         self._capability = device_capability(self.device)
         self._xqa_reasons = {r: self._xqa_reason(r) for r in self._records}
         self._xqa_reason(None)  # a bad decode_kernel fails here, not in a build
-        self._wrappers: dict[tuple[LayerParams, str], _Slot] = {}
+        self._wrappers: dict[tuple[LayerParams, str], WrapperSlot] = {}
         self._graph_sizes: set[int] = set()
-        self._xqa_graph: dict[int, _Slot] = {}
+        self._xqa_graph: dict[int, WrapperSlot] = {}
         self._workspace: torch.Tensor | None = None
         self._xqa_workspace: torch.Tensor | None = None
         self._generation = 0
@@ -331,7 +245,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             non_blocking=True,
         )
         heads = (record.num_heads, spec.num_kv_heads, spec.head_size)
-        slots: list[_Slot] = []
+        slots: list[WrapperSlot] = []
         planned = dict(decode=None, ragged=None, paged=None, xqa=None)
         cache = dict(kv_data_type=spec.cache_dtype, **common)
         if parts.decode is not None and self.xqa_reason(record) is not None:
@@ -361,7 +275,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         return LayerPlan(record, **planned, window_left=window_left,
                          generation=step.generation, slots=tuple(slots))  # fmt: skip
 
-    def _planned(self, slot: _Slot, step: _Step, *args: Any, **kwargs: Any) -> None:
+    def _planned(self, slot: WrapperSlot, step: _Step, *args: Any, **kwargs: Any) -> None:
         """`plan(*args, **kwargs)` of `slot`'s wrapper (once per build: records share no
         wrapper), after its last plan's copy has run."""
         slot.wait_for_last_copy()
@@ -374,7 +288,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 
     def _xqa_inputs(
         self, step: _Step
-    ) -> tuple[_Slot | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    ) -> tuple[WrapperSlot | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """XQA's page table and lengths for the step's decodes: the step's own rows (eager),
         or the captured size's fixed buffers with the step copied in."""
         cm, size = step.cm, step.cudagraph_size
@@ -389,7 +303,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         slot = self._xqa_graph.get(size)
         if slot is None:
             max_pages = -(-self.limits.max_model_len // self.kv_cache_spec.block_size)
-            slot = self._xqa_graph[size] = _Slot(XqaGraphBuffers(size, max_pages, self.device))
+            buffers = XqaGraphBuffers(size, max_pages, self.device)
+            slot = self._xqa_graph[size] = WrapperSlot(buffers)
         most = -(-step.host.max_seq_len // self.kv_cache_spec.block_size)
         slot.obj.fill(table, seq_lens, cm.num_reqs, most)
         slot.generation = step.generation
@@ -422,7 +337,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             return self.prefill_backend
         return "auto" if self._capability is not None and self._capability[0] == 9 else "fa2"
 
-    def _wrapper_slot(self, record: LayerParams, part: str) -> _Slot:
+    def _wrapper_slot(self, record: LayerParams, part: str) -> WrapperSlot:
         """`record`'s eager "decode", "paged" or "ragged" wrapper, made on first use."""
         slot = self._wrappers.get((record, part))
         if slot is None:
@@ -439,10 +354,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(
                     self._float_workspace(), "NHD", backend=self._prefill_kernels()
                 )
-            slot = self._wrappers[(record, part)] = _Slot(wrapper)
+            slot = self._wrappers[(record, part)] = WrapperSlot(wrapper)
         return slot
 
-    def _decode_slot(self, record: LayerParams, size: int | None) -> _Slot:
+    def _decode_slot(self, record: LayerParams, size: int | None) -> WrapperSlot:
         """`record`'s decode wrapper: eager, or the CUDA-graph one of batch size `size`, whose
         index buffers hold `size` requests of up to `max_model_len` tokens."""
         if size is None:
@@ -462,5 +377,5 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 paged_kv_last_page_len_buffer=torch.ones(size, **int32),
                 backend="fa2",
             )
-            slot = self._wrappers[(record, f"graph{size}")] = _Slot(wrapper)
+            slot = self._wrappers[(record, f"graph{size}")] = WrapperSlot(wrapper)
         return slot
