@@ -19,7 +19,8 @@ from anyattn.backends.flashinfer_builder import FlashInferMetadataBuilder
 from anyattn.config import AttentionSpec, BatchLimits
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.metadata import make_common_attn_metadata
-from anyattn.testing import KitLayer, attention_oracle, check_backend, read_kv
+from anyattn.testing import KitLayer, attention_oracle, check_backend, read_kv, run_case
+from anyattn.testing.sweep import declaration_cases
 
 HEADS, KV_HEADS, HEAD_SIZE = 4, 2, 64
 TABLE = torch.arange(1, 41, dtype=torch.int32).view(8, 5)
@@ -80,6 +81,16 @@ FEATURES = ("decode", "prefill", "mixed", "chunked", "odd_lengths", "gqa", "mqa"
 def test_conformance_kit_over_the_stand_in(feature):
     report = check_backend(CpuFlashInfer, "cpu", torch.float16, features=[feature], quick=True)
     report.assert_passed()
+
+
+def test_every_declared_value_over_the_stand_in():
+    cases, _ = declaration_cases(CpuFlashInfer, "cpu")
+    assert len(cases) > 10
+    failures = []
+    for sweep_case in cases:
+        results = run_case(CpuFlashInfer, sweep_case.case, "cpu", sweep_case.dtype)
+        failures += [f"{sweep_case.id}: {r.detail}" for r in results if not r.passed]
+    assert failures == []
 
 
 def test_one_plan_per_distinct_record_and_forward_never_plans():
