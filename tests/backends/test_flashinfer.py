@@ -223,6 +223,22 @@ def test_blackwell_prefers_flashinfer_over_flash_attn(installed, make_backend, r
     assert verdict.reasons == ("ALiBi (has_alibi) not supported",)
 
 
+def test_per_head_fp8_scales_are_refused_before_the_cache_is_written():
+    impl = FlashInferImpl(4, 64, 0.125, 2, kv_cache_dtype="fp8")
+    cache = allocate_kv_cache(FlashInferBackend, 8, 16, 2, 64, torch.float8_e4m3fn)
+    key = torch.randn(3, 2, 64, dtype=torch.bfloat16)
+    per_head = torch.ones(2)
+    layer = KitLayer("layer.0", per_head, per_head)
+    with pytest.raises(ValueError, match=r"layer.k_scale must be .* shape \[\] \(got \(2,\)\)"):
+        impl.do_kv_cache_update(layer, key, key, cache, torch.tensor([0, 1, 17]))
+    assert not cache.view(torch.uint8).any()
+    one = torch.ones(())
+    impl.do_kv_cache_update(
+        KitLayer("layer.0", one, one), key, key, cache, torch.tensor([0, 1, 17])
+    )
+    assert cache.view(torch.uint8).any()
+
+
 # --- GPU ---------------------------------------------------------------------------------------
 
 

@@ -147,10 +147,47 @@ def test_build_refuses_cascade_and_cross_attention():
     with pytest.raises(ValueError, match="cascade attention not supported"):
         builder.build(32, cm)
     cross = make_common_attn_metadata([1], [3], TABLE[:1], 16, encoder_seq_lens=[7])
-    with pytest.raises(ValueError, match="cross attention not supported"):
+    with pytest.raises(ValueError) as raised:
         builder.build(0, cross)
+    message = str(raised.value)
+    assert "cross attention not supported (got encoder_seq_lens, expected None;" in message
+    assert "`anyattn explain --head-size N --attn-type encoder_decoder`" in message
+    narrow = make_common_attn_metadata([1, 1], [100, 33], TABLE[:2, :7].repeat(1, 2), 16)
+    narrow = dataclasses.replace(narrow, block_table_tensor=TABLE[:2], block_table_cpu=TABLE[:2])
+    with pytest.raises(ValueError, match=r"block_table too narrow .* \(got 5 columns, expected"):
+        builder.build(0, narrow)
     with pytest.raises(ValueError, match="does not fit the KV-cache spec"):
         make_builder({"x": impl(num_kv_heads=4).layer_params()})
+
+
+def test_validate_inputs_checks_the_step_against_the_layer():
+    md = make_builder().build(0, make_common_attn_metadata([1, 4], [9, 4], TABLE[:2], 16))
+    query = torch.zeros(5, HEADS, HEAD_SIZE, dtype=torch.bfloat16)
+    kv = allocate_kv_cache(FlashInferBackend, 41, 16, KV_HEADS, HEAD_SIZE, torch.bfloat16)
+    the_impl = impl()
+    the_impl.validate_inputs(query, None, None, kv, md, torch.empty_like(query))
+    with pytest.raises(ValueError, match="query dtype differs"):
+        the_impl.validate_inputs(query.half(), None, None, kv, md, torch.empty_like(query.half()))
+    with pytest.raises(ValueError, match="kv_cache dtype"):
+        the_impl.validate_inputs(query, None, None, kv.half(), md, torch.empty_like(query))
+    with pytest.raises(ValueError, match="output_lse must be"):
+        the_impl.validate_inputs(
+            query, None, None, kv, md, torch.empty_like(query), torch.empty(4, 5).double()
+        )
+    with pytest.raises(ValueError, match="another KV-cache spec"):
+        impl(num_kv_heads=4).validate_inputs(query, None, None, kv, md, torch.empty_like(query))
+    strided = torch.empty(5, HEAD_SIZE, HEADS, dtype=torch.bfloat16).transpose(1, 2)
+    with pytest.raises(ValueError) as raised:
+        the_impl.validate_inputs(query, None, None, kv, md, strided)
+    got = f"(got strides (256, 1, 4) and {kv.stride()}, expected (256, 64, 1) and (..., 1))"
+    assert got in str(raised.value)
+    # FlashInfer's window bounds only the keys before a query: a non-causal step has no window
+    windowed = impl(sliding_window=33)
+    non_causal = make_builder({"layer.0": windowed.layer_params()}).build(
+        0, make_common_attn_metadata([1, 4], [9, 4], TABLE[:2], 16, causal=False)
+    )
+    with pytest.raises(NotImplementedError, match="sliding window with non-causal"):
+        windowed.validate_inputs(query, None, None, kv, non_causal, torch.empty_like(query))
 
 
 def test_cudagraph_capture_and_padded_replay_steps():

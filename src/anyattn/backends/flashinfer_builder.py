@@ -140,7 +140,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         """Plan every record's wrappers for the step (see the module docstring).
 
         Raises:
-            ValueError: a common prefix (cascade), cross attention, a step the checks refuse.
+            ValueError: a common prefix (cascade), cross attention, a block table narrower than
+                the longest request's pages.
         """
         api = "FlashInferMetadataBuilder.build"
         cm = common_attn_metadata
@@ -191,6 +192,14 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 
     def _build(self, cm: CommonAttentionMetadata, cudagraph_size: int | None) -> FlashInferMetadata:
         host = cm.host_batch
+        block_size = self.kv_cache_spec.block_size
+        needed, width = -(-host.max_seq_len // block_size), cm.block_table_tensor.shape[1]
+        if needed > width:
+            raise ValueError(
+                f"FlashInferMetadataBuilder.build: block_table too narrow for the longest "
+                f"sequence (got {width} columns, expected >= {needed} for block_size "
+                f"{block_size})."
+            )
         self._generation += 1
         num_decodes = num_leading_decodes(host) if cudagraph_size is None else cm.num_reqs
         step = _Step(cm, host, num_decodes, cudagraph_size, self._generation)
@@ -198,7 +207,6 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         fresh = cm.num_reqs
         if not is_fp8_cache(self.kv_cache_spec.kv_cache_dtype):
             fresh = first_trailing_fresh(host, num_decodes)
-        block_size = self.kv_cache_spec.block_size
         parts = _Parts()
         if decode_rows and any(self.xqa_reason(r) is not None for r in self._records):
             parts.decode = paged_index(host, cm.block_table_tensor, block_size,
