@@ -43,6 +43,7 @@ from anyattn.backends.flex_attention_paged import PagedDecodePlan
 from anyattn.config import AttentionSpec, BatchLimits
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.metadata import make_common_attn_metadata
+from anyattn.testing import layer_records
 from anyattn.types import AttentionType
 
 CASES = {spec.section: spec for spec in kernels.WRAPPER_CASES}
@@ -66,7 +67,9 @@ def parts(spec: kernels.CaseSpec, shape: kernels.Shape, device: torch.device) ->
     data = kernels.make_case_data(spec, shape, device, num_slots=1)
     kv_spec = AttentionSpec(shape.block_size, shape.num_kv_heads, shape.head_size, shape.dtype)
     limits = BatchLimits(spec.num_reqs, spec.num_tokens, max(spec.seq_lens))
-    builder = FlexAttentionBackend.get_builder_cls()(kv_spec, ["l.0"], limits, device)
+    builder = FlexAttentionBackend.get_builder_cls()(
+        kv_spec, layer_records(kv_spec, ["l.0"]), limits, device
+    )
     kv_cache = allocate_kv_cache(
         FlexAttentionBackend, data.num_blocks, shape.block_size, shape.num_kv_heads,
         shape.head_size, shape.dtype, device=device,

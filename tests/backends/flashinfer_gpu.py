@@ -45,7 +45,8 @@ def written_batch(
     impl = FlashInferImpl(HEADS, HEAD_SIZE, SCALE, KV_HEADS)
     batch = build_batch(
         FlashInferBackend, spec, num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
-        dtype=torch.bfloat16, device="cuda", seed=seed, block_size=block_size, impls=[impl],
+        dtype=torch.bfloat16, device="cuda", seed=seed, block_size=block_size,
+        layers={"layer.0": impl.layer_params()},
     )  # fmt: skip
     slots = batch.common_attn_metadata.slot_mapping
     impl.do_kv_cache_update(layer(batch), batch.key, batch.value, batch.kv_cache, slots)

@@ -114,7 +114,7 @@ def test_plain_decoder_configs_fit(device):
         ),
         (
             {"has_sliding_window": True, "use_non_causal": True},
-            "sliding window with non-causal attention not supported",
+            "sliding window with non-causal or encoder attention not supported",
         ),
     ],
 )
@@ -213,7 +213,10 @@ def test_not_selected_when_missing_and_the_reason_says_how_to_install(
 
 def test_blackwell_prefers_flashinfer_over_flash_attn(installed, make_backend, register):
     installed()
-    register("FLASH_ATTN", make_backend("FLASH_ATTN", devices=("cuda",)))
+    flash_attn_priority = {"cuda": 0, "blackwell": 1}  # FLASH_ATTN's own
+    register(
+        "FLASH_ATTN", make_backend("FLASH_ATTN", devices=("cuda",), priority=flash_attn_priority)
+    )
     assert explain(config(), SM100).chosen == "FLASHINFER"
     assert explain(config(), SM90).chosen == "FLASH_ATTN"
     # a capability FlashInfer lacks moves the choice on, with the reason recorded
@@ -417,7 +420,8 @@ def test_a_build_ahead_of_the_device_leaves_the_running_steps_schedule():
     impl = FlashInferImpl(HEADS, HEAD_SIZE, scale, KV_HEADS)
     batch = build_batch(
         WrapperBackend, LONG_DECODES, num_heads=HEADS, num_kv_heads=KV_HEADS,
-        head_size=HEAD_SIZE, dtype=torch.bfloat16, device="cuda", seed=3, impls=[impl],
+        head_size=HEAD_SIZE, dtype=torch.bfloat16, device="cuda", seed=3,
+        layers={"layer.0": impl.layer_params()},
     )  # fmt: skip
     layer = KitLayer("layer.0", batch.k_scale, batch.v_scale)
     cm, builder = batch.common_attn_metadata, batch.builder

@@ -21,6 +21,7 @@ from anyattn.kv_cache import allocate_kv_cache
 from anyattn.metadata import make_common_attn_metadata
 from anyattn.testing import KitLayer, attention_oracle, check_backend, read_kv, run_case
 from anyattn.testing.sweep import declaration_cases
+from anyattn.types import AttentionType
 
 HEADS, KV_HEADS, HEAD_SIZE = 4, 2, 64
 TABLE = torch.arange(1, 41, dtype=torch.int32).view(8, 5)
@@ -156,8 +157,11 @@ def test_build_refuses_cascade_and_cross_attention():
     narrow = dataclasses.replace(narrow, block_table_tensor=TABLE[:2], block_table_cpu=TABLE[:2])
     with pytest.raises(ValueError, match=r"block_table too narrow .* \(got 5 columns, expected"):
         builder.build(0, narrow)
-    with pytest.raises(ValueError, match="does not fit the KV-cache spec"):
+    with pytest.raises(ValueError, match="num_kv_heads=4"):
         make_builder({"x": impl(num_kv_heads=4).layer_params()})
+    encoder = dataclasses.replace(impl().layer_params(), attn_type=AttentionType.ENCODER)
+    with pytest.raises(ValueError, match="layer 'x' is encoder attention; FLASHINFER serves"):
+        make_builder({"x": encoder})
 
 
 def test_validate_inputs_checks_the_step_against_the_layer():

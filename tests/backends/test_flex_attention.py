@@ -42,6 +42,7 @@ from anyattn.testing import (
     build_batch,
     check_backend,
     get_spec,
+    layer_records,
     run_case,
 )
 from anyattn.types import AttentionCGSupport, DeviceInfo, KVCacheLayout
@@ -221,7 +222,9 @@ def test_decode_batches_are_tied_to_no_other_size(monkeypatch, kv_heads, batches
     heads, size = 8, 16
     impl = FlexAttentionImpl(heads, size, 0.25, kv_heads)
     spec = AttentionSpec(16, kv_heads, size, torch.float32)
-    builder = FlexAttentionMetadataBuilder(spec, ["l"], BatchLimits(64, 4096, 4096), "cpu")
+    builder = FlexAttentionMetadataBuilder(
+        spec, layer_records(spec, ["l"]), BatchLimits(64, 4096, 4096), "cpu"
+    )
     cpu = torch.device("cpu")
     for n in batches:
         seq_lens = list(range(5, 5 + n))
@@ -252,7 +255,9 @@ def test_rows_with_per_head_mods_do_not_tie_a_tile_count_to_the_heads(monkeypatc
     heads, kv_heads, size = 4, 2, 16
     impl = FlexAttentionImpl(heads, size, 0.25, kv_heads, alibi_slopes=[0.5, 0.25, 0.125, 0.0625])
     spec = AttentionSpec(16, kv_heads, size, torch.float32)
-    builder = FlexAttentionMetadataBuilder(spec, ["l"], BatchLimits(4, 4096, 4096), "cpu")
+    builder = FlexAttentionMetadataBuilder(
+        spec, layer_records(spec, ["l"]), BatchLimits(4, 4096, 4096), "cpu"
+    )
     cpu = torch.device("cpu")
     for tokens, rows in ((400, 512), (200, 256), (1000, 1024)):
         table = (torch.arange(64) + 1).int().view(1, 64)
@@ -495,7 +500,9 @@ def test_rows_over_the_other_requests_keys_alone_match_the_forward(monkeypatch, 
     gen = torch.Generator().manual_seed(0)
     table = (torch.randperm(299, generator=gen)[:120] + 1).int().view(6, 20)
     spec = AttentionSpec(16, 2, 16, torch.float32)
-    builder = FlexAttentionMetadataBuilder(spec, ["l"], BatchLimits(64, 4096, 4096), "cpu")
+    builder = FlexAttentionMetadataBuilder(
+        spec, layer_records(spec, ["l"]), BatchLimits(64, 4096, 4096), "cpu"
+    )
     md = builder.build(0, make_common_attn_metadata(query_lens, seq_lens, table, 16))
     cache = torch.randn(300, 2, 16, 2, 16, generator=gen)
     layer = KitLayer("l", torch.ones(()), torch.ones(()))
@@ -677,7 +684,9 @@ def test_lay_out_step_random_batches(lens, decodes, dtype):
 
 def _builder(block_size: int = 16) -> FlexAttentionMetadataBuilder:
     spec = AttentionSpec(block_size, 2, 64, torch.float32)
-    return FlexAttentionMetadataBuilder(spec, ["layer.0"], BatchLimits(64, 4096, 4096), "cpu")
+    return FlexAttentionMetadataBuilder(
+        spec, layer_records(spec, ["layer.0"]), BatchLimits(64, 4096, 4096), "cpu"
+    )
 
 
 def test_builder_reads_only_cpu_mirrors():
@@ -830,8 +839,6 @@ def test_rejected_calls_name_the_problem():
     lse = torch.empty(4, batch.query.shape[0])
     with pytest.raises(NotImplementedError, match="output_lse not supported on cpu"):
         _impl().forward(*args, output, output_lse=lse)
-    with pytest.raises(NotImplementedError, match="output quantisation"):
-        _impl().forward(*args, output, output_scale=torch.tensor(1.0))
     with pytest.raises(TypeError, match="FlexAttentionMetadataBuilder"):
         _impl().forward(*args[:5], object(), output)
     with pytest.raises(ValueError, match="kv_cache dtype"):
@@ -887,7 +894,9 @@ def test_leading_decodes_take_the_decode_layout(query_lens, num_decodes, device)
     table = (torch.randperm(40 * len(seq_lens), generator=gen) + 1).int().view(len(seq_lens), 40)
     cm = make_common_attn_metadata(list(query_lens), seq_lens, table, 16, device=device)
     spec = AttentionSpec(16, 2, 64, torch.bfloat16)
-    builder = FlexAttentionMetadataBuilder(spec, ["layer.0"], BatchLimits(64, 4096, 4096), device)
+    builder = FlexAttentionMetadataBuilder(
+        spec, layer_records(spec, ["layer.0"]), BatchLimits(64, 4096, 4096), device
+    )
     assert builder.reorder_batch_threshold == 1  # the engine and the kit put decodes first
     md = builder.build(0, cm)
     impl = FlexAttentionImpl(8, 64, 0.125, 2)
@@ -1020,7 +1029,9 @@ def test_build_never_waits_for_the_gpu():
     cm = make_common_attn_metadata(query_lens, seq_lens, table, 16, device="cuda")
     spec = AttentionSpec(16, 2, 64, torch.bfloat16)
     limits = BatchLimits(256, 4096, 4096)
-    builder = FlexAttentionMetadataBuilder(spec, ["layer.0"], limits, torch.device("cuda"))
+    builder = FlexAttentionMetadataBuilder(
+        spec, layer_records(spec, ["layer.0"]), limits, torch.device("cuda")
+    )
     builder.build(0, cm)  # first build may allocate and warm up
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -1048,7 +1059,9 @@ def test_decode_batch_build_launches_nothing_on_the_device():
     )
     spec = AttentionSpec(block_size, 8, 128, torch.bfloat16)
     limits = BatchLimits(num_reqs, 8192, 4096)
-    builder = FlexAttentionMetadataBuilder(spec, ["layer.0"], limits, torch.device("cuda"))
+    builder = FlexAttentionMetadataBuilder(
+        spec, layer_records(spec, ["layer.0"]), limits, torch.device("cuda")
+    )
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -1072,7 +1085,9 @@ def test_plan_copies_one_pinned_buffer_on_cuda():
         [1, 1, 37, 1, 200], [9, 260, 37, 129, 260], cm.block_table_tensor, 16, device="cuda"
     )
     spec = AttentionSpec(16, 2, 64, torch.float32)
-    builder = FlexAttentionMetadataBuilder(spec, ["layer.0"], BatchLimits(64, 4096, 4096), "cuda")
+    builder = FlexAttentionMetadataBuilder(
+        spec, layer_records(spec, ["layer.0"]), BatchLimits(64, 4096, 4096), "cuda"
+    )
     md = builder.build(0, cm_cuda)
     for causal, window, group, has_sink in _PLAN_SETTINGS:
         with RecordOps("cuda") as seen:
@@ -1114,4 +1129,6 @@ def test_builder_refuses_more_requests_than_the_key_gather_takes():
 
     spec = AttentionSpec(16, 2, 64, torch.float32)
     with pytest.raises(ValueError, match="max_num_reqs"):
-        FlexAttentionMetadataBuilder(spec, ["l"], BatchLimits(MAX_NUM_REQS + 1, 1 << 17, 64), "cpu")
+        FlexAttentionMetadataBuilder(
+            spec, layer_records(spec, ["l"]), BatchLimits(MAX_NUM_REQS + 1, 1 << 17, 64), "cpu"
+        )

@@ -33,7 +33,7 @@ from anyattn.backends.flex_attention_paged import (
 from anyattn.config import AttentionSpec, BatchLimits
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.metadata import make_common_attn_metadata
-from anyattn.testing import Case, KitLayer, get_spec, run_case
+from anyattn.testing import Case, KitLayer, get_spec, layer_records, run_case
 from anyattn.types import KVCacheLayout
 
 needs_compute_q = pytest.mark.skipif(
@@ -169,7 +169,9 @@ def test_paged_plan_keeps_exactly_each_requests_keys(layout, block_size, window)
     table = ids.int().view(len(seq_lens), width)
     cm = make_common_attn_metadata([1] * len(seq_lens), seq_lens, table, block_size)
     spec = AttentionSpec(block_size, kv_heads, size, torch.float32)
-    builder = FlexAttentionMetadataBuilder(spec, ["l"], BatchLimits(8, 64, 256), "cpu")
+    builder = FlexAttentionMetadataBuilder(
+        spec, layer_records(spec, ["l"]), BatchLimits(8, 64, 256), "cpu"
+    )
     md = builder.build(0, cm)
     paged = paged_kv_views(cache)
     cpu = torch.device("cpu")
@@ -219,7 +221,9 @@ def test_the_cpu_copies_decode_keys():
     cache = allocate_kv_cache(FlexAttentionBackend, 8, 16, 2, 16, torch.float32)
     cm = make_common_attn_metadata([1, 1], [5, 20], torch.tensor([[1, 2], [3, 4]]).int(), 16)
     spec = AttentionSpec(16, 2, 16, torch.float32)
-    md = FlexAttentionMetadataBuilder(spec, ["l"], BatchLimits(8, 64, 256), "cpu").build(0, cm)
+    md = FlexAttentionMetadataBuilder(
+        spec, layer_records(spec, ["l"]), BatchLimits(8, 64, 256), "cpu"
+    ).build(0, cm)
     assert _impl()._in_place(cache, md, torch.float32) is None
 
 
@@ -271,7 +275,9 @@ def test_paged_plan_is_used_for_cuda_decodes():
     table = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
     cm = make_common_attn_metadata([1, 1], [5, 20], table, 16, device=device)
     spec = AttentionSpec(16, 2, 16, torch.bfloat16)
-    builder = FlexAttentionMetadataBuilder(spec, ["l"], BatchLimits(8, 64, 256), device)
+    builder = FlexAttentionMetadataBuilder(
+        spec, layer_records(spec, ["l"]), BatchLimits(8, 64, 256), device
+    )
     md = builder.build(0, cm)
     impl = _impl()
     paged = impl._in_place(cache, md, torch.bfloat16)
@@ -295,7 +301,9 @@ def test_steps_on_one_cache_reuse_one_graph_and_match_the_oracle(window):
     )
     cache.copy_(torch.randn(cache.shape, generator=gen))
     spec = AttentionSpec(block_size, kv_heads, size, dtype)
-    builder = FlexAttentionMetadataBuilder(spec, ["l"], BatchLimits(64, 4096, 1024), device)
+    builder = FlexAttentionMetadataBuilder(
+        spec, layer_records(spec, ["l"]), BatchLimits(64, 4096, 1024), device
+    )
     impl = FlexAttentionImpl(kv_heads * group, size, size**-0.5, kv_heads, sliding_window=window)
     one = torch.ones((), device=device)
     layer = KitLayer("l", one, one)

@@ -109,8 +109,6 @@ class FlashInferBackend(AttentionBackend):
                 f"kv_cache_dtype {cache} with dtype {str(config.dtype).removeprefix('torch.')} "
                 "not supported (FlashInfer's 16-bit kernels need the cache in the model dtype)"
             )
-        if config.has_sliding_window and config.use_non_causal:
-            return "sliding window with non-causal attention not supported"
         return None
 
     @classmethod

@@ -105,8 +105,9 @@ import functools
 import importlib.util
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -158,6 +159,8 @@ _ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
 
 class FlexAttentionBackend(AttentionBackend):
     """Declarations of the FLEX_ATTENTION backend (see the module docstring)."""
+
+    priority: ClassVar[Mapping[str, int]] = {"cpu": 1, "cuda": 3, "blackwell": 3}
 
     supported_dtypes = (torch.float32, torch.float16, torch.bfloat16)
     supported_kv_cache_dtypes = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -225,9 +228,6 @@ class FlexAttentionBackend(AttentionBackend):
                 "returning LSE (needs_lse) not supported on cpu (Inductor's CPU FlexAttention "
                 "has no LSE output)"
             )
-        bidirectional = config.use_non_causal or config.attn_type != AttentionType.DECODER
-        if config.has_sliding_window and bidirectional:
-            reasons.append("sliding window with non-causal or encoder attention not supported")
         return "; ".join(reasons) or None
 
     @classmethod
@@ -330,8 +330,8 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
 
     _cudagraph_support = AttentionCGSupport.NEVER
 
-    def __init__(self, kv_cache_spec, layer_names, limits, device) -> None:
-        super().__init__(kv_cache_spec, layer_names, limits, device)
+    def __init__(self, kv_cache_spec, layers, limits, device) -> None:
+        super().__init__(kv_cache_spec, layers, limits, device)
         FlexAttentionBackend.check_kv_cache_spec(kv_cache_spec, "FlexAttentionMetadataBuilder")
         if limits.max_num_reqs > MAX_NUM_REQS:
             raise ValueError(
@@ -344,10 +344,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
         self._init_reorder_batch_threshold(1)
 
     def build(
-        self,
-        common_prefix_len: int,
-        common_attn_metadata: CommonAttentionMetadata,
-        fast_build: bool = False,
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata
     ) -> FlexAttentionMetadata:
         api = "FlexAttentionMetadataBuilder.build"
         cm = common_attn_metadata
@@ -556,45 +553,19 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
     can_return_lse_for_decode = True
     lse_base_on_e = True
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int | None = None,
-        alibi_slopes: list[float] | None = None,
-        sliding_window: int | None = None,
-        kv_cache_dtype: str = "auto",
-        logits_soft_cap: float | None = None,
-        attn_type: AttentionType | str = AttentionType.DECODER,
-        kv_sharing_target_layer_name: str | None = None,
-        sinks: torch.Tensor | None = None,
-    ) -> None:
-        self.init_common_arguments(
-            FlexAttentionBackend,
-            num_heads=num_heads,
-            head_size=head_size,
-            scale=scale,
-            num_kv_heads=num_kv_heads,
-            alibi_slopes=alibi_slopes,
-            sliding_window=sliding_window,
-            kv_cache_dtype=kv_cache_dtype,
-            logits_soft_cap=logits_soft_cap,
-            attn_type=attn_type,
-            kv_sharing_target_layer_name=kv_sharing_target_layer_name,
-            sinks=sinks,
-        )
-        self.group = num_heads // self.num_kv_heads
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        alibi_slopes, sinks = self.alibi_slopes, self.sinks
+        self.group = self.num_heads // self.num_kv_heads
         shape = (self.num_kv_heads, self.group)
         # Per-layer values travel as tensors, so layers differing only in them share a graph.
         # The scale too: flex_attention's own `scale` argument is baked into the graph.
         self._mods: dict[str, torch.Tensor] = {"scale": torch.tensor(self.scale)}
-        if logits_soft_cap:
-            self._mods["soft_cap"] = torch.tensor(float(logits_soft_cap), dtype=torch.float32)
+        if self.logits_soft_cap:
+            self._mods["soft_cap"] = torch.tensor(self.logits_soft_cap, dtype=torch.float32)
         # (per-head sizes static: an unmarked one equal to a symbolic size shares its symbol)
         if alibi_slopes is not None:
-            slopes = torch.as_tensor(alibi_slopes, dtype=torch.float32)
-            self._mods["alibi_slopes"] = _static_dims(slopes.view(shape).clone(), (0, 1))
+            self._mods["alibi_slopes"] = _static_dims(alibi_slopes.view(shape).clone(), (0, 1))
         if sinks is not None:
             self._mods["sinks"] = _static_dims(sinks.detach().float().view(shape).clone(), (0, 1))
         # Decodes may read the cache in place (flex_attention_paged) when no score needs a
@@ -626,18 +597,11 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         kv_cache: torch.Tensor,
         attn_metadata: FlexAttentionMetadata,
         output: torch.Tensor,
-        output_scale: torch.Tensor | None = None,
-        output_block_scale: torch.Tensor | None = None,
         output_lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """See `AttentionImpl.forward`. Writes `output[:num_actual_tokens]` (and `output_lse`,
         CUDA only)."""
         md = attn_metadata
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError(
-                "FLEX_ATTENTION forward: fused output quantisation not supported (got "
-                "output_scale). Quantise the output after the call."
-            )
         check_forward(self, query, key, value, kv_cache, md, output, output_lse)
         n = md.num_actual_tokens
         if n == 0:
@@ -932,3 +896,6 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
                 "FlexAttention returns no LSE). Use the TORCH backend when LSEs are needed "
                 "on the CPU."
             )
+
+
+FlexAttentionImpl.backend = FlexAttentionBackend
