@@ -10,9 +10,11 @@ Caches use the standard logical shape `(num_blocks, 2, block_size, num_kv_heads,
 in NHD or HND memory order: the wrappers are made for "NHD" and handed the logical view, whose
 page / token / head strides FlashInfer's kernels read from the tensor. Sliding windows of W keys
 are FlashInfer's `window_left = W - 1`. LSEs come back in base 2 (`lse_base_on_e = False`), as
-FlashInfer's kernels compute them. fp8 caches take one per-tensor `k_scale` / `v_scale` per
-layer, which FlashInfer takes as Python floats: read from the device once per scale tensor (at
-the layer's first forward; run one eagerly before capturing CUDA graphs).
+FlashInfer's kernels compute them (decodes that XQA runs return none: a forward asking for an
+LSE there is refused; `FlashInferMetadataBuilder.decode_kernel = "wrapper"` plans them). fp8
+caches take one per-tensor `k_scale` / `v_scale` per layer, which FlashInfer takes as Python
+floats: read from the device once per scale tensor (at the layer's first forward; run one
+eagerly before capturing CUDA graphs).
 
 Not declared, because FlashInfer's paged fa2/fa3 kernels would drop or change them: attention
 sinks, ALiBi (FlashInfer's own slopes, distances measured within a query chunk), per-head fp8
