@@ -53,10 +53,10 @@ tests | kit)
         selection=("${flashinfer_files[@]}" -k "${KIT_K:-conformance_kit}")
     else
         selection=("${flashinfer_files[@]}" tests/backends/test_flashinfer_plan.py
-            tests/backends/test_flashinfer_staging.py tests/backends/test_flex_attention_paged.py
+            tests/backends/test_flex_attention_paged.py
             tests/backends/test_flash_attn_gpu.py tests/backends/test_flex_attention.py
             tests/ops/test_reshape_and_cache.py tests/ops/test_gather_kv_rows.py
-            tests/ops/test_gather_pages.py tests/engine/test_cuda_graphs.py
+            tests/engine/test_cuda_graphs.py
             tests/test_benchmarks_kernels.py -k "not conformance_kit or flash_attn")
     fi
     # (WORKERS: with one worker per kit test, every test compiles at once and few finish;
@@ -76,9 +76,6 @@ tests | kit)
     tail -3 "$out/$mode.log"
     ;;
 bench)
-    python3 benchmarks/build_breakdown.py >"$out/breakdown.md" 2>&1
-    python3 benchmarks/build_breakdown.py --varied >>"$out/breakdown.md" 2>&1
-    python3 benchmarks/build_breakdown.py --xqa --varied >>"$out/breakdown.md" 2>&1
     python3 benchmarks/kernels.py --only build \
         --backends TRITON,FLASH_ATTN,FLASHINFER,FLEX_ATTENTION,TORCH >"$out/build.md" 2>&1
     # 64-token blocks: FLASHINFER's decodes take XQA (no plan), its wrapper cost vs XQA direct

@@ -1086,7 +1086,6 @@ def prepare_build(
     device: torch.device | str,
     num_reqs: int = 256,
     seq_len: int = 2048,
-    fast_decode_plan: bool = True,
     varied: bool = False,
     graphs: bool = False,
     persistent: bool = False,
@@ -1097,12 +1096,10 @@ def prepare_build(
     call. A skip or a set-up error comes back as a `BuildResult`.
 
     The builder gets one layer's record (`impl.layer_params()`), as an engine's model runner
-    gives it every layer's, so a library's planning per layer (FLASHINFER) is in the time; after
-    the first call, steady state. `fast_decode_plan=False` times FLASHINFER re-planning with
-    FlashInfer's own `plan()` every step instead of `replan_decode`. `varied=True` spreads the
-    requests' lengths over `[seq_len / 2, 3 * seq_len / 2)` (mean about `seq_len`), as a real
-    decode batch has them, so that planners which take a shortcut for equal lengths are timed
-    without it.
+    gives it every layer's, so a library's planning per layer (FLASHINFER) is in the time;
+    after the first call, steady state. `varied=True` spreads the requests'
+    lengths over `[seq_len / 2, 3 * seq_len / 2)` (mean about `seq_len`), as a real decode batch
+    has them, so that planners which take a shortcut for equal lengths are timed without it.
     `graphs=True` times the build of a step that replays a captured decode graph (the engine's
     usual decode step with CUDA graphs): the batch size is captured first
     (`build_for_cudagraph_capture`), and a backend without decode graphs is skipped;
@@ -1141,9 +1138,6 @@ def prepare_build(
                 raise Skip(f"no decode CUDA graphs (support {support.name})")
         impl = cls.get_impl_cls()(shape.num_heads, shape.head_size, shape.scale, shape.num_kv_heads)
         builder = cls.get_builder_cls()(kv_spec, {"bench.0": impl.layer_params()}, limits, device)
-        if not fast_decode_plan:
-            builder.fast_decode_plan = False
-            name = f"{name} (plan() every step)"
 
         def build() -> object:
             return builder.build(0, common)
@@ -1458,8 +1452,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for persistent in (False, True)
                 for n in args.backends
             ]
-            if "FLASHINFER" in args.backends:
-                cases.append(prepare_build("FLASHINFER", shape, device, fast_decode_plan=False))
             builds = time_builds(cases, options.build_reps, options.build_rounds)
             print(
                 "### build() host time: 256 decodes of 2048 keys (varied: 1024-3071 keys), "

@@ -139,8 +139,8 @@ class BatchLimits:
             valid block (the null block will do); its device tensors are views of buffers
             that keep their addresses from capture to replay, the block table whole rows of
             its buffer. Builders that copy a step's tensors into buffers of their own for the
-            graph to read (FLASH_ATTN, FLASHINFER's XQA decodes) then let it read the step's
-            own: no device copy at replay. A decode step whose slot mapping has a captured
+            graph to read (FLASH_ATTN) may then let it read the step's own: no device copy
+            at replay. A decode step whose slot mapping has a captured
             size's rows but fewer requests is refused. False (the default): they copy, and
             any tensors will do.
     """

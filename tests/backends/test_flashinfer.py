@@ -1,15 +1,14 @@
-"""FLASHINFER: declarations and selection (CPU, the library present or absent), the builder's
-step split and CUDA-graph bookkeeping (CPU, no layer planned), and on the GPU with FlashInfer
-0.7.2.post1: the conformance kit in bf16 and fp16 (fp8 caches included), CUDA-graph capture and
-replay of decode batches, `build` under `torch.cuda.set_sync_debug_mode("error")`, plans of
-stale metadata, and base-2 LSEs against the oracle's."""
+"""FLASHINFER: declarations and selection (CPU, the library present or absent), and on the GPU
+with a supported FlashInfer: the conformance kit in bf16 and fp16 (fp8 caches included), base-2
+LSEs against the oracle's, `build` under `torch.cuda.set_sync_debug_mode("error")`, CUDA-graph
+capture and replay of decode batches against eager runs and the oracle, and a build made ahead
+of the device leaving the running step's schedule alone. (The builder over a CPU stand-in for
+FlashInfer: test_flashinfer_builder.py; the version policy: test_flashinfer_version.py.)"""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
-import numpy as np
 import pytest
 import torch
 from flashinfer_gpu import (
@@ -26,11 +25,11 @@ from flashinfer_gpu import (
 import anyattn.backends.flashinfer as fi_backend
 from anyattn import registry
 from anyattn.backends.flashinfer import (
-    PIP_COMMAND,
     FlashInferBackend,
     FlashInferImpl,
     FlashInferMetadataBuilder,
 )
+from anyattn.backends.flashinfer_version import PIP_COMMAND
 from anyattn.config import AttentionSelectorConfig, AttentionSpec, BatchLimits
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.metadata import make_common_attn_metadata
@@ -46,6 +45,7 @@ from anyattn.testing import (
     plan_cases,
     read_kv,
 )
+from anyattn.testing.batch_spec import BatchSpec
 from anyattn.types import AttentionCGSupport, AttentionType, DeviceInfo, KVCacheLayout
 
 SM80, SM90, SM100 = (DeviceInfo.parse(s) for s in ("sm80", "sm90", "sm100"))
@@ -59,8 +59,8 @@ def config(**changes) -> AttentionSelectorConfig:
 def installed(monkeypatch):
     """`installed(importable, version)`: what the availability check sees on this machine."""
 
-    def install(importable: bool = True, version: str | None = fi_backend.FLASHINFER_VERSION):
-        monkeypatch.setattr(fi_backend, "_installed_flashinfer", lambda: (importable, version))
+    def install(importable: bool = True, version: str | None = "0.7.2.post1"):
+        monkeypatch.setattr(fi_backend, "installed_flashinfer", lambda: (importable, version))
 
     return install
 
@@ -172,20 +172,14 @@ def test_impl_rejects_what_is_not_declared():
 # --- availability and selection -----------------------------------------------------------------
 
 
-def test_unavailable_reason_carries_the_pip_command(installed):
+def test_unavailable_only_when_missing_and_the_reason_carries_the_pip_command(installed):
     installed(importable=False, version=None)
     reason = FlashInferBackend.get_unavailable_reason()
     assert reason == f"flashinfer is not installed; {PIP_COMMAND}"
     assert "pip install 'anyattn[flashinfer]'" in reason
-    installed(version="0.6.0")
-    assert FlashInferBackend.get_unavailable_reason() == (
-        f"flashinfer-python 0.6.0 is installed, FLASHINFER is written for 0.7.2.post1; "
-        f"{PIP_COMMAND}"
-    )
-    installed()
-    assert FlashInferBackend.get_unavailable_reason() is None
-    installed(version=None)  # importable without package metadata
-    assert FlashInferBackend.get_unavailable_reason() is None
+    for version in ("0.7.2.post1", "0.7.4", "0.6.0", "0.9.1", None):  # others warn at import
+        installed(version=version)
+        assert FlashInferBackend.get_unavailable_reason() is None
 
 
 def test_registered_under_its_name():
@@ -230,121 +224,6 @@ def test_blackwell_prefers_flashinfer_over_flash_attn(installed, make_backend, r
     assert result.chosen != "FLASHINFER"
     verdict = next(v for v in result.verdicts if v.name == "FLASHINFER")
     assert verdict.reasons == ("ALiBi (has_alibi) not supported",)
-
-
-# --- the builder on the CPU (no layer planned, so FlashInfer is not needed) -------------------
-
-
-def cpu_builder(kv_cache_dtype="auto", capture_sizes=(), sliding_window=None):
-    spec = AttentionSpec(16, 2, 64, torch.bfloat16, kv_cache_dtype, sliding_window)
-    limits = BatchLimits(8, 512, 256, cudagraph_capture_sizes=capture_sizes)
-    return FlashInferMetadataBuilder(spec, {}, limits, "cpu")
-
-
-TABLE = torch.arange(1, 41, dtype=torch.int32).view(8, 5)
-
-
-def test_build_splits_decodes_fresh_and_context_prefills():
-    builder = cpu_builder()
-    assert builder.reorder_batch_threshold == 1
-    md = builder.build(0, make_common_attn_metadata([1, 1, 5, 17], [40, 3, 70, 17], TABLE[:4], 16))
-    assert (md.num_decodes, md.num_decode_tokens, md.decode_rows) == (2, 2, 2)
-    assert (md.paged_tokens, md.ragged_tokens) == ((2, 7), (7, 24))
-    assert (md.window_left, md.cudagraph_size, md.causal) == (-1, None, True)
-    layout = md.step.decode_layout
-    assert (layout.indptr.tolist(), layout.last_page_len.tolist()) == ([0, 3, 4], [8, 3])
-    assert layout.indices[:4].tolist() == [1, 2, 3, 6] and layout.max_seq_len == 40
-    # (the host arrays for the decode wrapper's C++ planner: made by a plan that needs them)
-    assert md.step.arrays.decode is None
-    assert builder._decode_arrays(md.step).paged_kv_indptr.tolist() == [0, 3, 4]
-    assert md.step.paged_pages.tolist() == [11, 12, 13, 14, 15]
-    assert md.step.planned == {}
-
-
-def test_build_fp8_sends_fresh_prefills_to_the_paged_wrapper():
-    md = cpu_builder("fp8").build(0, make_common_attn_metadata([1, 17], [40, 17], TABLE[:2], 16))
-    assert (md.ragged_tokens, md.paged_tokens) == ((1, 1), (1, 18))
-    assert md.cache_dtype == torch.float8_e4m3fn
-
-
-def test_build_rejects_cascade_cross_attention_and_narrow_tables():
-    builder = cpu_builder()
-    cm = make_common_attn_metadata([1, 1], [40, 33], TABLE[:2], 16)
-    with pytest.raises(ValueError, match="cascade attention not supported"):
-        builder.build(32, cm)
-    cross = make_common_attn_metadata([1], [3], TABLE[:1], 16, encoder_seq_lens=[7])
-    with pytest.raises(ValueError) as raised:
-        builder.build(0, cross)
-    message = str(raised.value)
-    assert "cross attention not supported (got encoder_seq_lens, expected None;" in message
-    assert "`anyattn explain --head-size N --attn-type encoder_decoder`" in message
-    lens = torch.tensor([100, 33], dtype=torch.int32)  # more keys than the table holds
-    cm = dataclasses.replace(
-        cm, seq_lens=lens, seq_lens_cpu=lens, num_computed_tokens_cpu=lens - 1, max_seq_len=100
-    )
-    with pytest.raises(ValueError, match="block_table too narrow"):
-        builder.build(0, cm)
-    int64 = make_common_attn_metadata([1], [3], TABLE[:1], 16)
-    with pytest.raises(ValueError, match=r"block_table_tensor must be int32 \(got torch.int64\)"):
-        dataclasses.replace(int64, block_table_tensor=int64.block_table_tensor.long())
-
-
-def test_cudagraph_capture_and_padded_replay_steps():
-    builder = cpu_builder(capture_sizes=(4, 8))
-    with pytest.raises(ValueError, match="single-token decodes only"):
-        builder.build_for_cudagraph_capture(
-            make_common_attn_metadata([1, 3], [5, 9], TABLE[:2], 16)
-        )
-    md = builder.build_for_cudagraph_capture(
-        make_common_attn_metadata([1] * 4, [1, 2, 3, 4], TABLE[:4], 16)
-    )
-    assert (md.cudagraph_size, md.decode_rows) == (4, 4)
-    # three decodes padded to the captured size replay it; unpadded steps run eagerly
-    padded = make_common_attn_metadata([1] * 3, [9, 40, 2], TABLE[:3], 16, num_padded_tokens=4)
-    md = builder.build(0, padded)
-    assert (md.cudagraph_size, md.decode_rows, md.num_actual_tokens) == (4, 4, 3)
-    layout = md.step.decode_layout
-    assert layout.indptr.tolist() == [0, 1, 4, 5, 5]
-    assert layout.last_page_len.tolist() == [9, 8, 2, 1]
-    assert layout.indices[:5].tolist() == [1, 6, 7, 8, 11]
-    assert builder._decode_arrays(md.step).paged_kv_indptr.tolist() == [0, 1, 4, 5, 5]
-    eager = make_common_attn_metadata([1] * 3, [9, 40, 2], TABLE[:3], 16)
-    assert builder.build(0, eager).cudagraph_size is None
-    mixed = make_common_attn_metadata([1, 2], [9, 40], TABLE[:2], 16, num_padded_tokens=4)
-    assert builder.build(0, mixed).cudagraph_size is None
-
-
-def test_validate_inputs_checks_the_step_against_the_layer():
-    md = cpu_builder(sliding_window=33).build(
-        0, make_common_attn_metadata([1, 4], [9, 4], TABLE[:2], 16)
-    )
-    query = torch.zeros(5, 4, 64, dtype=torch.bfloat16)
-    cache = allocate_kv_cache(FlashInferBackend, 41, 16, 2, 64, torch.bfloat16)
-    impl = FlashInferImpl(4, 64, 0.125, 2, sliding_window=33)
-    impl.validate_inputs(query, None, None, cache, md, torch.empty_like(query))
-    with pytest.raises(ValueError, match="sliding_window differs"):
-        FlashInferImpl(4, 64, 0.125, 2).validate_inputs(
-            query, None, None, cache, md, torch.empty_like(query)
-        )
-    with pytest.raises(ValueError, match="query dtype differs"):
-        impl.validate_inputs(query.half(), None, None, cache, md, torch.empty_like(query.half()))
-    with pytest.raises(ValueError, match="kv_cache dtype"):
-        impl.validate_inputs(query, None, None, cache.half(), md, torch.empty_like(query))
-    with pytest.raises(ValueError, match="output_lse must be"):
-        impl.validate_inputs(
-            query, None, None, cache, md, torch.empty_like(query), torch.empty(4, 5).double()
-        )
-    strided = torch.empty(5, 64, 4, dtype=torch.bfloat16).transpose(1, 2)
-    with pytest.raises(ValueError) as raised:
-        impl.validate_inputs(query, None, None, cache, md, strided)
-    got = f"(got strides (256, 1, 4) and {cache.stride()}, expected (256, 64, 1) and (..., 1))"
-    assert got in str(raised.value)
-    # FlashInfer's window bounds only the keys before a query: a non-causal step has no window
-    non_causal = cpu_builder(sliding_window=33).build(
-        0, make_common_attn_metadata([1, 4], [9, 4], TABLE[:2], 16, causal=False)
-    )
-    with pytest.raises(NotImplementedError, match="sliding window with non-causal"):
-        impl.validate_inputs(query, None, None, cache, non_causal, torch.empty_like(query))
 
 
 def test_per_head_fp8_scales_are_refused_before_the_cache_is_written():
@@ -412,55 +291,38 @@ def test_lse_is_base_2():
 @needs_flashinfer
 def test_build_never_synchronises_with_the_device():
     batch, impl = written_batch(get_spec("mixed"), seed=7)
-    forward(impl, batch, batch.attn_metadata)  # compiles kernels, makes wrappers, learns the layer
+    forward(impl, batch, batch.attn_metadata)  # compiles kernels, makes wrappers
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         md = batch.builder.build(0, batch.common_attn_metadata)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert impl.plan_key in md.step.planned  # planned in build, not in forward
     output, _ = forward(impl, batch, md)
     assert_matches_oracle(batch, output)
 
 
 @needs_flashinfer
-def test_stale_metadata_is_planned_again():
-    batch, impl = written_batch(get_spec("chunked_prefill"), seed=7)
-    batch.builder._layer_keys.setdefault(impl.plan_key, None)
-    md = batch.builder.build(0, batch.common_attn_metadata)
-    # a later build plans the same wrappers for another batch: md's plans are stale
-    table = batch.block_table[:1]
-    other = make_common_attn_metadata([1], [50], table, batch.block_size, device="cuda")
-    batch.builder.build(0, other)
-    output, _ = forward(impl, batch, md)
-    assert_matches_oracle(batch, output)
-
-
-@needs_flashinfer
-@pytest.mark.parametrize("decode_kernel", ["wrapper", "xqa", "wrapper-unsplit"])
+@pytest.mark.parametrize("decode_kernel", ["wrapper", "xqa"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_cudagraph_decode_replay_matches_eager_and_the_oracle(layout, decode_kernel):
     # "xqa": the graphs run FlashInfer's XQA decode (no plan: the build copies the table and
-    # lengths into the graph's buffers), checked against the eager planned wrapper too.
-    # "wrapper-unsplit": the builder takes the split limit to be 8 requests, so that the size-8
-    # graph is planned without splits and its replays keep that schedule (no C++ planner),
-    # while the size-4 graph is planned with splits every step
+    # lengths into the graph's buffers), checked against the eager planned wrapper too
     if decode_kernel == "xqa" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("XQA needs SM90+")
-    unsplit = decode_kernel == "wrapper-unsplit"
-    decode_kernel = decode_kernel.removesuffix("-unsplit")
     torch.manual_seed(0)
     block_size, size, width = 16, 8, 32
     dtype = torch.bfloat16
     spec = AttentionSpec(block_size, KV_HEADS, HEAD_SIZE, dtype)
     limits = BatchLimits(size, 256, block_size * width, cudagraph_capture_sizes=(4, size))
-    builder = FlashInferMetadataBuilder(spec, {}, limits, "cuda")
-    builder.decode_kernel = decode_kernel
-    if unsplit:
-        builder._num_sms = size * KV_HEADS // 2  # split limit 2 * SMs // KV heads = size
     impl = FlashInferImpl(HEADS, HEAD_SIZE, SCALE, KV_HEADS)
-    builder._layer_keys.setdefault(impl.plan_key, None)
+    layers = {"layer.0": impl.layer_params()}
+
+    class Builder(FlashInferMetadataBuilder):
+        pass
+
+    Builder.decode_kernel = decode_kernel
+    builder = Builder(spec, layers, limits, "cuda")
     num_blocks = size * width + 1
     cache = allocate_kv_cache(
         FlashInferBackend, num_blocks, block_size, KV_HEADS, HEAD_SIZE, dtype, layout=layout,
@@ -487,7 +349,7 @@ def test_cudagraph_decode_replay_matches_eager_and_the_oracle(layout, decode_ker
         query = torch.randn(len(seq_lens), HEADS, HEAD_SIZE, device="cuda", dtype=dtype)
         output = torch.zeros_like(query)
         md = builder.build_for_cudagraph_capture(decodes(seq_lens)[0])
-        assert md.step.planned[impl.plan_key].xqa == (decode_kernel == "xqa")
+        assert (md.plans["layer.0"].xqa is not None) == (decode_kernel == "xqa")
         impl.forward(layer, query, None, None, cache, md, output)  # warm-up outside the graph
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -498,8 +360,7 @@ def test_cudagraph_decode_replay_matches_eager_and_the_oracle(layout, decode_ker
     # Each captured size has wrappers and index buffers of its own.
     graphs = {8: capture([1, 17, 100, 3, 64, 500, 16, 33]), 4: capture([9, 250, 31, 2])}
     eager_limits = BatchLimits(size, 256, block_size * width)
-    eager_builder = FlashInferMetadataBuilder(spec, {}, eager_limits, "cuda")
-    eager_builder.decode_kernel = "wrapper"
+    eager_builder = FlashInferMetadataBuilder(spec, layers, eager_limits, "cuda")
     steps = [
         ([37, 200, 5, 129, 64], {"padded": size}),
         ([300] * size, {}),
@@ -518,8 +379,6 @@ def test_cudagraph_decode_replay_matches_eager_and_the_oracle(layout, decode_ker
             torch.cuda.set_sync_debug_mode("default")
         replay_size = md.cudagraph_size
         assert replay_size == cm.slot_mapping.shape[0]  # the captured size of the padding
-        if decode_kernel == "xqa":
-            assert md.step.planned[impl.plan_key].wrappers() == []  # nothing planned
         graph, query, output = graphs[replay_size]
         query.copy_(torch.randn_like(query))
         graph.replay()
@@ -535,266 +394,57 @@ def test_cudagraph_decode_replay_matches_eager_and_the_oracle(layout, decode_ker
         eager_out = torch.zeros(n, HEADS, HEAD_SIZE, device="cuda", dtype=dtype)
         impl.forward(layer, query[:n].clone(), None, None, cache, eager_md, eager_out)
         torch.testing.assert_close(output[:n], eager_out, atol=2e-2, rtol=2e-2)
-    if unsplit:  # size 8: FlashInfer's plan() at the capture, every replay keeps it
-        assert builder.kept_decode_schedules == 4
+
+
+# few long decodes: FlashInfer's planner splits their keys into chunks, so a schedule made for
+# other lengths is a different one
+LONG_DECODES = BatchSpec("long_decodes", (1,) * 4, (3000, 1500, 4000, 700))
+
+
+class WrapperBuilder(FlashInferMetadataBuilder):
+    decode_kernel = "wrapper"
+
+
+class WrapperBackend(FlashInferBackend):
+    @staticmethod
+    def get_builder_cls() -> type[FlashInferMetadataBuilder]:
+        return WrapperBuilder
 
 
 @needs_flashinfer
-def test_fast_decode_replan_matches_flashinfers_plan():
-    """Decode wrappers set up once by FlashInfer's plan() are re-planned by `replan_decode` for
-    later batches: same outputs, bit for bit, as plan() gives, and the oracle's."""
-    batch, impl = written_batch(get_spec("many_decodes"), seed=7)
-    kv_lens = batch.kv_lens
-    gen = torch.Generator().manual_seed(3)
-
-    def step(builder, num_reqs):
-        cm = make_common_attn_metadata(
-            [1] * num_reqs, kv_lens[:num_reqs], batch.block_table[:num_reqs], batch.block_size,
-            device="cuda",
-        )  # fmt: skip
-        md = builder.build(0, cm)
-        output = torch.full_like(batch.query, math.nan)
-        layer = KitLayer("layer.0", batch.k_scale, batch.v_scale)
-        impl.forward(layer, batch.query[:num_reqs], None, None, batch.kv_cache, md,
-                     output[:num_reqs])  # fmt: skip
-        return output[:num_reqs]
-
-    spec = AttentionSpec(batch.block_size, KV_HEADS, HEAD_SIZE, torch.bfloat16)
-    limits = BatchLimits(16, 256, 1024)
-    fast = FlashInferMetadataBuilder(spec, {}, limits, "cuda")
-    slow = FlashInferMetadataBuilder(spec, {}, limits, "cuda")
-    slow.fast_decode_plan = False
-    for builder in (fast, slow):
-        builder._layer_keys.setdefault(impl.plan_key, None)
-    sizes = [len(kv_lens)] + [
-        int(n) for n in torch.randint(1, len(kv_lens) + 1, (4,), generator=gen)
-    ]
-    for num_reqs in sizes:
-        got, want = step(fast, num_reqs), step(slow, num_reqs)
-        assert torch.equal(got, want), num_reqs
-        lengths = ([1] * num_reqs, list(kv_lens[:num_reqs]))
-        keys = sum(kv_lens[:num_reqs])
-        args = (batch.query[:num_reqs], batch.oracle_key[:keys], batch.oracle_value[:keys])
-        ref64, _ = attention_oracle(*args, *lengths, scale=SCALE, causal=True)
-        ref_lowp, _ = attention_oracle(
-            *args, *lengths, scale=SCALE, causal=True, compute_dtype=torch.bfloat16
-        )
-        assert max_abs_error(got, ref64) <= error_bound(ref64, ref_lowp, torch.bfloat16)
-    assert fast.fast_decode_plans == len(sizes) - 1 and slow.fast_decode_plans == 0
-
-
-def test_fast_replan_only_for_the_wrappers_and_version_it_reproduces():
-    from types import SimpleNamespace
-
-    from anyattn.backends.flashinfer_replan import REPLAN_VERSION, can_replan
-
-    planned = dict(use_tensor_cores=True, _backend="fa2", _uses_cudnn=False, _jit_module=None,
-                   _cached_module=object(), _plan_info=[0], _q_len_per_req=1)  # fmt: skip
-    assert REPLAN_VERSION == fi_backend.FLASHINFER_VERSION
-    assert can_replan(SimpleNamespace(**planned), REPLAN_VERSION)
-    assert not can_replan(SimpleNamespace(**planned), "0.7.3")
-    for name, value in [("use_tensor_cores", False), ("_backend", "fa3"), ("_uses_cudnn", True),
-                        ("_plan_info", None), ("_q_len_per_req", 2)]:  # fmt: skip
-        assert not can_replan(SimpleNamespace(**{**planned, name: value}), REPLAN_VERSION), name
-    assert not can_replan(SimpleNamespace(use_tensor_cores=True), REPLAN_VERSION)
-
-
-@needs_flashinfer
-def test_kept_decode_schedules_match_flashinfers_plan(monkeypatch):
-    """Eager decode steps of one batch size at or past FlashInfer's split limit (2 * SMs / KV
-    heads: 33 on the H200 with 8 KV heads) keep the schedule of the first plan, with no C++
-    planner: the outputs equal those of a builder that has FlashInfer's `plan()` plan every
-    step, bit for bit, and meet the oracle, also when the longest request grows past the
-    lengths the schedule was made for."""
-    from anyattn.testing.batch_spec import BatchSpec
-
-    monkeypatch.setattr(FlashInferMetadataBuilder, "decode_kernel", "wrapper")
-    heads, kv_heads = 16, 8
-    limit = 2 * torch.cuda.get_device_properties(0).multi_processor_count // kv_heads
-    num_reqs = max(40, limit)
-    full = [64 + (61 * i) % 1500 for i in range(num_reqs)]  # keys the cache holds per request
-    spec = BatchSpec("many_long_decodes", (1,) * num_reqs, tuple(full))
+def test_a_build_ahead_of_the_device_leaves_the_running_steps_schedule():
+    # The planned decode wrapper (XQA plans nothing): its plan copies the schedule from a
+    # page-locked buffer to the device when the stream gets there; the next build must not
+    # rewrite that buffer before, although it is made while the device is still behind.
+    scale = HEAD_SIZE**-0.5
+    impl = FlashInferImpl(HEADS, HEAD_SIZE, scale, KV_HEADS)
     batch = build_batch(
-        FlashInferBackend, spec, num_heads=heads, num_kv_heads=kv_heads, head_size=HEAD_SIZE,
-        dtype=torch.bfloat16, device="cuda", seed=5,
+        WrapperBackend, LONG_DECODES, num_heads=HEADS, num_kv_heads=KV_HEADS,
+        head_size=HEAD_SIZE, dtype=torch.bfloat16, device="cuda", seed=3,
+        layers={"layer.0": impl.layer_params()},
     )  # fmt: skip
-    impl = FlashInferImpl(heads, HEAD_SIZE, SCALE, kv_heads)
     layer = KitLayer("layer.0", batch.k_scale, batch.v_scale)
-    slots = batch.common_attn_metadata.slot_mapping
-    impl.do_kv_cache_update(layer, batch.key, batch.value, batch.kv_cache, slots)
-    full = list(batch.kv_lens)  # (decodes only: the kit kept the spec's order)
-    offsets = np.concatenate([[0], np.cumsum(full)])
-    limits = BatchLimits(num_reqs, 4096, 2048)
-    spec = batch.builder.kv_cache_spec
-    kept = FlashInferMetadataBuilder(spec, {}, limits, "cuda")
-    planned = FlashInferMetadataBuilder(spec, {}, limits, "cuda")
-    planned.fast_decode_plan = False
-    steps = [
-        [n // 2 for n in full],
-        [n // 2 + 17 for n in full],  # every request a page or two longer
-        [max(1, n // 3) for n in full[:-1]] + [full[-1]],  # the longest far past the others
-        full,
-    ]
-    for seq_lens in steps:
-        outputs = []
-        for builder in (kept, planned):
-            builder._layer_keys.setdefault(impl.plan_key, None)
-            cm = make_common_attn_metadata([1] * num_reqs, seq_lens, batch.block_table,
-                                           batch.block_size, device="cuda")  # fmt: skip
-            output = torch.full_like(batch.query, math.nan)
-            impl.forward(layer, batch.query, None, None, batch.kv_cache, builder.build(0, cm),
-                         output)  # fmt: skip
-            outputs.append(output)
-        assert torch.equal(outputs[0], outputs[1]), seq_lens
-        starts = offsets[: len(seq_lens)]
-        rows = np.concatenate([np.arange(o, o + n) for o, n in zip(starts, seq_lens, strict=True)])
-        args = (batch.query, batch.oracle_key[rows], batch.oracle_value[rows], [1] * num_reqs,
-                seq_lens)  # fmt: skip
-        ref64, _ = attention_oracle(*args, scale=SCALE)
-        ref_lowp, _ = attention_oracle(*args, scale=SCALE, compute_dtype=torch.bfloat16)
-        assert max_abs_error(outputs[0], ref64) <= error_bound(ref64, ref_lowp, torch.bfloat16)
-    # plan() sets the wrapper up and makes the schedule, the other steps keep it
-    assert kept.kept_decode_schedules == len(steps) - 1 and planned.kept_decode_schedules == 0
+    cm, builder = batch.common_attn_metadata, batch.builder
+    impl.do_kv_cache_update(layer, batch.key, batch.value, batch.kv_cache, cm.slot_mapping)
 
+    def run(md):
+        output = torch.full_like(batch.query, math.nan)
+        impl.forward(layer, batch.query, batch.key, batch.value, batch.kv_cache, md, output)
+        return output
 
-@needs_flashinfer
-def test_eager_decode_batches_past_max_num_reqs_use_flashinfers_plan():
-    """The re-plan's query offsets cover max_num_reqs requests; a larger eager decode batch is
-    planned by FlashInfer's `plan()` every time, with the right result."""
-    batch, impl = written_batch(get_spec("many_decodes"), seed=7)
-    kv_lens, num_reqs = batch.kv_lens, len(batch.kv_lens)
-    spec = AttentionSpec(batch.block_size, KV_HEADS, HEAD_SIZE, torch.bfloat16)
-    builder = FlashInferMetadataBuilder(spec, {}, BatchLimits(4, 256, 1024), "cuda")
-    builder._layer_keys.setdefault(impl.plan_key, None)
-    cm = make_common_attn_metadata(
-        [1] * num_reqs, kv_lens, batch.block_table[:num_reqs], batch.block_size, device="cuda"
-    )
-    for _ in range(2):
-        md = builder.build(0, cm)
-        output, _ = forward(impl, batch, md)
-        assert_matches_oracle(batch, output)
-    assert builder.fast_decode_plans == 0
-
-
-@pytest.mark.parametrize("cuda_graph", [False, True])
-def test_replan_decode_sets_what_run_reads(cuda_graph):
-    # (a CUDA-graph wrapper here also asks for no splits: the planner's disable_split_kv)
-    """`replan_decode` on a stand-in wrapper (CPU): the index buffers `run()` reads and the C++
-    planner's arguments, as FlashInfer 0.7.2.post1's `plan()` sets them for 3 decodes."""
-    from types import SimpleNamespace
-
-    from anyattn.backends.flashinfer_layouts import DecodeLayout
-    from anyattn.backends.flashinfer_plan import plan_step
-    from anyattn.backends.flashinfer_replan import replan_decode
-
-    calls = []
-    int32 = dict(dtype=torch.int32)
-    wrapper = SimpleNamespace(
-        device=torch.device("cpu"), is_cuda_graph_enabled=cuda_graph, _fixed_batch_size=3,
-        _paged_kv_indptr_buf=torch.zeros(4, **int32),
-        _paged_kv_last_page_len_buf=torch.zeros(3, **int32),
-        _paged_kv_indices_buf=torch.zeros(16, **int32), _qo_indptr_buf=None,
-        _float_workspace_buffer="float", _int_workspace_buffer="int",
-        _pin_memory_int_workspace_buffer="pinned",
-        _cached_module=SimpleNamespace(plan=lambda *args: calls.append(args) or "info"),
-    )  # fmt: skip
-    arrays = plan_step(np.array([0, 1, 2, 3]), np.array([5, 16, 17]), 16, 4).decode
-    pages = torch.tensor([7, 8, 9, 10], **int32)
-    arange = torch.arange(4, **int32)
-    layer = dict(num_qo_heads=8, num_kv_heads=2, head_size=128, page_size=16, window_left=-1)
-    layout = DecodeLayout(
-        torch.tensor([0, 1, 2, 4], **int32), torch.tensor([5, 16, 1], **int32), pages, 17
-    )
-    replan_decode(wrapper, layout, arrays, **layer, qo_indptr_host=arange,
-                  qo_indptr_device=arange, disable_split_kv=cuda_graph)  # fmt: skip
-    assert wrapper._paged_kv_indptr_buf.tolist() == [0, 1, 2, 4]
-    assert wrapper._paged_kv_last_page_len_buf.tolist() == [5, 16, 1]
-    assert wrapper._paged_kv_indices_buf[:4].tolist() == [7, 8, 9, 10]
-    if not cuda_graph:
-        assert wrapper._qo_indptr_buf.tolist() == [0, 1, 2, 3]
-    (args,) = calls
-    assert args[:3] == ("float", "int", "pinned")
-    assert [a.tolist() for a in args[3:6]] == [[0, 1, 2, 3], [0, 1, 2, 4], [5, 16, 17]]
-    assert args[6:] == (3, 3, 8, 2, 16, cuda_graph, 128, 128, False, -1, -1, cuda_graph, 0, 0)
-    assert (wrapper._plan_info, wrapper._batch_size, wrapper._max_kv_len) == ("info", 3, 17)
-
-
-def test_replan_decode_can_keep_the_last_schedule():
-    """`run_planner=False` (CPU stand-in wrapper): the index buffers change, FlashInfer's C++
-    planner is not called, and only a wrapper planned for the same batch size may keep it."""
-    from types import SimpleNamespace
-
-    from anyattn.backends.flashinfer_layouts import DecodeLayout
-    from anyattn.backends.flashinfer_plan import plan_step
-    from anyattn.backends.flashinfer_replan import replan_decode
-
-    calls = []
-    wrapper = SimpleNamespace(
-        device=torch.device("cpu"), is_cuda_graph_enabled=False, _qo_indptr_buf=None,
-        _float_workspace_buffer="float", _int_workspace_buffer="int",
-        _pin_memory_int_workspace_buffer=None,
-        _cached_module=SimpleNamespace(plan=lambda *args: calls.append(args) or "info"),
-    )  # fmt: skip
-    int32 = dict(dtype=torch.int32)
-    arange = torch.arange(4, **int32)
-    layer = dict(num_qo_heads=8, num_kv_heads=2, head_size=128, page_size=16, window_left=-1)
-
-    def replan(seq_lens, pages, run_planner=True):
-        arrays = plan_step(np.array([0, 1, 2, 3]), np.array(seq_lens), 16, 4).decode
-        indptr, last = (
-            torch.from_numpy(a) for a in (arrays.paged_kv_indptr, arrays.paged_kv_last_page_len)
-        )
-        layout = DecodeLayout(indptr, last, torch.tensor(pages, **int32), max(seq_lens))
-        replan_decode(wrapper, layout, arrays if run_planner else None, **layer,
-                      qo_indptr_host=arange, qo_indptr_device=arange,
-                      run_planner=run_planner)  # fmt: skip
-
-    wrapper._pin_memory_int_workspace_buffer = "pinned"
-    replan([5, 16, 17], [7, 8, 9, 10])
-    wrapper._plan_info, wrapper._pin_memory_int_workspace_buffer = "kept", None
-    replan([6, 17, 40], [7, 8, 11, 9, 10, 12], run_planner=False)
-    assert len(calls) == 1 and wrapper._plan_info == "kept"
-    assert wrapper._paged_kv_indptr_buf.tolist() == [0, 1, 3, 6]
-    assert wrapper._paged_kv_last_page_len_buf.tolist() == [6, 1, 8]
-    assert wrapper._paged_kv_indices_buf.tolist() == [7, 8, 11, 9, 10, 12]
-    assert (wrapper._batch_size, wrapper._max_kv_len) == (3, 40)
-    wrapper._batch_size = 2
-    match = r"same batch size .*got 3 requests for a wrapper last planned for 2"
-    with pytest.raises(ValueError, match=match):
-        replan([6, 17, 40], [7, 8, 11, 9, 10, 12], run_planner=False)
-    wrapper._batch_size = 3
-    layout = DecodeLayout(arange, arange[:3], arange, 40)
-    with pytest.raises(ValueError, match=r"the C\+\+ planner needs the batch's host arrays"):
-        replan_decode(wrapper, layout, None, **layer, qo_indptr_host=arange,
-                      qo_indptr_device=arange)  # fmt: skip
-
-
-def _flashinfer_splits(page_counts, num_kv_heads, num_sms, page_size=16):
-    """Reference: whether FlashInfer 0.7.2.post1's fa2 planner splits an eager batch of
-    single-token decodes with these page counts (its `PrefillBinarySearchKVChunkSize`, as its
-    `scheduler.cuh` has it: one query tile per request, no window)."""
-    limit = 2 * num_sms // num_kv_heads
-    longest = max(max(page_counts), 1)
-    low, high = max(128 // page_size, 1), longest
-    while low < high:
-        mid = (low + high) // 2
-        units = sum(-(-max(n, 1) // mid) for n in page_counts)
-        low, high = (mid + 1, high) if units > limit else (low, mid)
-    return low < longest
-
-
-def test_fixed_schedule_is_exactly_where_flashinfers_planner_never_splits():
-    from anyattn.backends.flashinfer_replan import schedule_is_fixed
-
-    gen = np.random.default_rng(0)
-    for num_sms, num_kv_heads in [(132, 8), (132, 2), (132, 1), (108, 4), (4, 2)]:
-        limit = 2 * num_sms // num_kv_heads
-        for num_reqs in sorted({1, limit - 1, limit, limit + 1, 2 * limit} - {0}):
-            fixed = schedule_is_fixed(num_reqs, num_kv_heads, num_sms)
-            assert fixed == (num_reqs >= limit), (num_sms, num_kv_heads, num_reqs)
-            for _ in range(20):
-                counts = gen.integers(0, 4000, num_reqs).tolist()
-                if fixed:
-                    assert not _flashinfer_splits(counts, num_kv_heads, num_sms)
-            if not fixed:  # one long request among short ones: the planner splits it
-                assert _flashinfer_splits([1] * (num_reqs - 1) + [4000], num_kv_heads, num_sms)
+    run(builder.build(0, cm))  # compiles, makes the wrapper
+    n = cm.num_reqs
+    halves = ((cm.seq_lens_cpu[:n] + 1) // 2).tolist()
+    later = make_common_attn_metadata([1] * n, halves, batch.block_table[:n], batch.block_size,
+                                      device="cuda")  # fmt: skip
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)  # the device falls behind: this step's copy waits
+    output = run(builder.build(0, cm))
+    builder.build(0, later)  # the next step's plan, made before the device ran that copy
+    torch.cuda.synchronize()
+    n = batch.num_actual_tokens
+    args = (batch.query[:n], batch.oracle_key, batch.oracle_value, batch.spec.query_lens,
+            batch.kv_lens)  # fmt: skip
+    ref64, _ = attention_oracle(*args, scale=scale)
+    ref_lowp, _ = attention_oracle(*args, scale=scale, compute_dtype=torch.bfloat16)
+    assert max_abs_error(output[:n], ref64) <= error_bound(ref64, ref_lowp, torch.bfloat16)

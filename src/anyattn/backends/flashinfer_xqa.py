@@ -1,43 +1,26 @@
-"""FLASHINFER's plan-free decode: FlashInfer's XQA kernel over the engine's block table.
+"""FLASHINFER's plan-free decode: FlashInfer's XQA kernel over the step's block table.
 
-FlashInfer's batch decode wrapper needs a plan every step: its C++ planner (22-33 us of host
-time on the H200 machine) plus the index arrays it takes (page offsets, page ids gathered from
-the block table, last-page lengths), about 150 us of `build` in all. Its XQA decode kernel
-(`flashinfer.decode.xqa_batch_decode_with_kv_cache`, from TensorRT-LLM) takes the block table
-and the sequence lengths as they are, on the device, so a decode step needs no planning at all:
-`build` does nothing for the decodes beyond validating the batch, and a CUDA-graph replay step
-only copies the table and lengths into the graph's fixed buffers (not even that when the
-runner keeps its own at fixed addresses: `BatchLimits.has_persistent_graph_inputs`).
+`flashinfer.decode.xqa_batch_decode_with_kv_cache` (public API, from TensorRT-LLM) takes the
+block table and the sequence lengths as they are, on the device: a decode step served by it
+needs no `plan()` at all. `build` hands the forward the step's rows (eager) or copies them into
+fixed buffers a captured graph reads (`XqaGraphBuffers`, CUDA graphs).
 
-Measured against the planned tensor-core decode on the H200 (`benchmarks/xqa_decode.py`,
-benchmarks/RESULTS.md; bf16, 32 / 8 heads of 128, 64 x 4096, 256 x 2048 and 8 x 32768): about
-the same GPU time with 64-token blocks (0.99-1.02x over two runs), 1.07-1.11x with 32-token
-blocks and 1.10-1.19x with 16-token blocks (a single long request: 0.97-1.00x at every size).
-Hence the builder's default, `decode_kernel = "auto"`: XQA for blocks of at least
-`AUTO_MIN_BLOCK_SIZE` tokens, the planned wrapper below that. `"xqa"` uses it wherever it can
-serve the layer (fewer host microseconds per step for more GPU time at small blocks),
-`"wrapper"` never. Not yet measured: XQA's host time per forward (29-45 us a call) against
-the wrapper's `run()`, which matters for eager decode steps of small batches.
+Which decodes XQA serves is the builder's `decode_kernel`: "auto" (the default: XQA for
+16-bit caches with blocks of at least `AUTO_MIN_BLOCK_SIZE` tokens, where it measured as fast
+as the planned decode on the H200, benchmarks/RESULTS.md), "xqa" (wherever it can serve the
+layer) or "wrapper" (never). `xqa_decode_reason` says why a layer's decodes run the wrapper.
 
-What XQA takes (FlashInfer 0.7.2's `gen_xqa_module` and `xqa`): SM90, SM100 or SM12x; fp16 /
-bf16 queries over a cache of the same dtype or fp8 e4m3; pages of 16, 32, 64 or 128 tokens;
-head sizes that are multiples of 16 up to 512; up to `16 KiB / (2 * head_size)` query heads
-per KV head, rounded up to 16 (its persistent query tile: 64 at head size 128); a sliding
-window. Not a soft cap, not an LSE output: a layer with a soft cap runs the wrapper, and a
-forward asking for the LSE has the builder plan the wrapper for that step
-(`FlashInferMetadataBuilder.planned`). On SM90 an fp8 cache runs XQA's Hopper fp8 kernel,
-which also rounds the queries and probabilities to e4m3 (the wrapper reads the cache into
-the query dtype instead): "auto" keeps fp8 caches on the wrapper; "xqa" takes them under bf16
-queries only. Under fp16 queries that rounding failed the conformance kit's fp8 cases on the
-H200 (errors 0.030-0.036 against bounds of 0.0067-0.0070, the bounds fp16's own rounding sets);
-bf16's bounds, about 8x looser, held in the same run.
+What XQA takes: SM90, SM100 or SM12x; fp16 / bf16 queries over a cache of the same dtype or
+fp8 e4m3; pages of 16, 32, 64 or 128 tokens; head sizes that are multiples of 16 up to 512; up
+to `16 KiB / (2 * head_size)` query heads per KV head, rounded up to 16 (its persistent query
+tile); a sliding window. Not a soft cap (such layers run the wrapper) and no LSE output (a
+forward asking for one on XQA-served decodes is refused: use `decode_kernel = "wrapper"`). An fp8
+cache runs XQA's fp8 kernel, which rounds queries and probabilities to e4m3 (past fp16's error
+bound): "auto" keeps fp8 caches on the wrapper, "xqa" takes them under bf16 queries only.
 
-XQA reads the query, the output, the page table and the lengths by raw pointer: the query is
-copied when it is not contiguous (the engine's is a column slice of its fused QKV), and the
-builder checks the table's and the lengths' dtype and layout. It reads them when the forward
-runs, not at `build`, so an engine must keep a step's block table and `seq_lens` unchanged
-until the step's last layer has run (the decode wrapper's plan, made from them in `build`,
-did not need that).
+XQA reads the query, output, page table and lengths by raw pointer when the forward runs, so
+the query is made contiguous first and the table and lengths of a step must stay unchanged
+until its last layer has run.
 """
 
 from __future__ import annotations
@@ -45,7 +28,6 @@ from __future__ import annotations
 import torch
 
 from anyattn.metadata import first_rows
-from anyattn.ops.graph_decode_inputs import GraphDecodeInputsLaunch
 
 __all__ = [
     "AUTO_MIN_BLOCK_SIZE",
@@ -130,43 +112,37 @@ def xqa_decode_reason(
 
 
 class XqaGraphBuffers:
-    """The fixed block table and sequence lengths a captured XQA decode reads, one per
-    captured batch size: a replay step copies its own into them (one device launch,
-    `ops.graph_decode_inputs`, through the builder's `copy`).
+    """The fixed page table and sequence lengths a captured XQA decode reads, one pair per
+    captured batch size; a replay step's build copies its own into them.
 
     Padding rows (the captured size past the step's requests) get length 1 over whatever
     page id their row holds (zero, or a page of an earlier step: every id is one of the
     cache's), so the kernel never sees an empty sequence.
     """
 
-    def __init__(
-        self, size: int, max_pages: int, device: torch.device, copy: GraphDecodeInputsLaunch
-    ) -> None:
+    def __init__(self, size: int, max_pages: int, device: torch.device) -> None:
         self.page_table = torch.zeros(size, max_pages, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
-        self._copy = copy
-        self._addresses = (self.page_table.data_ptr(), self.seq_lens.data_ptr())
 
     def fill(
         self, block_table: torch.Tensor, seq_lens: torch.Tensor, num_reqs: int, num_pages: int
     ) -> None:
         """Copy the first `num_pages` columns of the first `num_reqs` rows of the step's
-        `block_table` `[>= num_reqs, >= num_pages]` and their `seq_lens` `[>= num_reqs]` in;
-        the other rows become padding.
+        int32 `block_table` and their int32 `seq_lens` in; the other rows become padding.
 
         Raises:
-            ValueError: more requests or pages than the buffers hold; `seq_lens` or the table
-                not int32 on the buffers' device, or too small (nothing written then).
+            ValueError: more requests or pages than the buffers hold (nothing written).
         """
         size, max_pages = self.page_table.shape
         if not 0 <= num_reqs <= size or not 0 <= num_pages <= max_pages:
             raise ValueError(
-                f"{self._copy.api}: a CUDA-graph step larger than its graph's buffers (got "
-                f"{num_reqs} requests of up to {num_pages} pages, expected <= {size} of <= "
-                f"{max_pages})."
+                f"FlashInferMetadataBuilder.build: a CUDA-graph step larger than its graph's "
+                f"buffers (got {num_reqs} requests of up to {num_pages} pages, expected <= "
+                f"{size} of <= {max_pages})."
             )
-        self._copy(block_table, seq_lens, self.page_table, self.seq_lens, num_reqs, num_pages,
-                   XQA_PADDING_LEN, self._addresses)  # fmt: skip
+        self.page_table[:num_reqs, :num_pages].copy_(block_table[:num_reqs, :num_pages])
+        self.seq_lens[:num_reqs].copy_(seq_lens[:num_reqs])
+        self.seq_lens[num_reqs:].fill_(XQA_PADDING_LEN)
 
 
 def run_xqa_decode(
@@ -217,7 +193,7 @@ def run_xqa_decode(
 
 
 def contiguous_rows(table: torch.Tensor, num_reqs: int) -> torch.Tensor:
-    """The table's first `num_reqs` rows as XQA reads them: contiguous (a device copy when
-    the table is a column slice of a wider buffer)."""
+    """The first `num_reqs` rows of a block table (or entries of `seq_lens`) as XQA reads
+    them: contiguous (a device copy when the tensor is a slice of a wider buffer)."""
     rows = first_rows(table, num_reqs)
     return rows if rows.is_contiguous() else rows.contiguous()

@@ -32,7 +32,7 @@ metadata builder, for every graph step:
   its own persistent buffers, written in place. What it returns is not passed anywhere: the
   graph reads the captured addresses. The builders get `BatchLimits.has_persistent_graph_inputs`
   (this contract, as a flag), so those that would copy the step's tensors into buffers of
-  their own (FLASH_ATTN, FLASHINFER's XQA decodes) read them in place instead.
+  their own (FLASH_ATTN) may read them in place instead.
 - Which steps. Only uniform decode batches: every request has query length 1, or 1 + k under
   speculative decoding (k = `BatchLimits.num_speculative_tokens`) when the weakest backend
   level is `UNIFORM_BATCH` or more, with N * q within the largest captured size; graphs are

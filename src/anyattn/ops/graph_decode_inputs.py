@@ -5,8 +5,8 @@ A graph captured for a batch of P single-token decodes reads the block table and
 the addresses it was captured with. A replay step whose tensors live elsewhere (a runner that
 does not keep them at fixed addresses) copies its own in: with torch, the table's rows, the
 lengths and the padding rows' lengths are two or three device operations of several
-microseconds of host time each. `copy_graph_decode_inputs` is one launch, which a builder makes
-through its kept compiled kernel (`GraphDecodeInputsLaunch`) for about what one torch copy costs.
+microseconds of host time each. `copy_graph_decode_inputs` is one launch (`GraphDecodeInputsLaunch`
+binds it to a builder's device and error messages).
 
 Rows `0 .. num_reqs - 1` get the first `num_cols` columns of the step's table rows and their
 lengths; rows `num_reqs .. P - 1` (padding) get the length `pad_len`, their table rows left as
@@ -26,16 +26,11 @@ plain-Python reference.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
 
 import torch
 
-from anyattn.ops.compiled_launch import CompiledLaunch, _current_device
 from anyattn.ops.impl_choice import use_triton
 from anyattn.ops.tensor_checks import check_tensors_on_one_device
-
-if TYPE_CHECKING:
-    from anyattn.ops.compiled_launch import _Launcher
 
 try:
     import triton
@@ -103,8 +98,8 @@ def copy_graph_decode_inputs(
     if padded == 0:
         return
     if use_triton(_OP, impl, block_table.device):
-        _launch(
-            _grid(padded, num_cols), block_table, seq_lens, table_out, lens_out, num_reqs,
+        _graph_decode_inputs_kernel[_grid(padded, num_cols)](
+            block_table, seq_lens, table_out, lens_out, num_reqs,
             num_cols, pad_len, *block_table.stride(), seq_lens.stride(0), table_out.stride(0),
             **_OPTIONS,
         )  # fmt: skip
@@ -117,11 +112,9 @@ def copy_graph_decode_inputs(
 
 class GraphDecodeInputsLaunch:
     """`copy_graph_decode_inputs` for a builder that copies every replay step into buffers it
-    owns. The step's tensors are checked (what a raw-address launch needs of them: dtypes, ranks,
-    sizes, device; about a microsecond), the outputs and host integers are trusted. Once the
-    kernel has compiled on the builder's device it is launched through `CompiledLaunch.bound`
-    with raw device addresses, which the caller may keep for its buffers; a call while another
-    CUDA device is current launches on the builder's.
+    owns. The step's tensors are checked (dtypes, ranks, sizes, device), the outputs and host
+    integers are trusted; a call while another CUDA device is current launches on the
+    builder's.
 
     Args:
         device: the builder's device (the step's tensors must be on it).
@@ -134,7 +127,6 @@ class GraphDecodeInputsLaunch:
         # (a CUDA device without an index is the current one, resolved at the first call, so
         # that making a builder never starts CUDA)
         self._device_index: int | None = device.index if device.type == "cuda" else -1
-        self._bound: _Launcher | None = None
 
     def __call__(
         self,
@@ -148,7 +140,7 @@ class GraphDecodeInputsLaunch:
         addresses: tuple[int, int] | None = None,
     ) -> None:
         """`copy_graph_decode_inputs(block_table, seq_lens, table_out, lens_out, ...)`;
-        `addresses`: the two outputs' `data_ptr()`s, where the caller keeps them.
+        `addresses`: accepted for callers that keep the outputs' `data_ptr()`s; unused.
 
         Args:
             block_table: int32 `[>= num_reqs, >= num_cols]` on the builder's device.
@@ -174,27 +166,14 @@ class GraphDecodeInputsLaunch:
             or block_table.get_device() != index
         ):
             self._refuse(block_table, seq_lens, num_reqs, num_cols)
-        padded = lens_out.shape[0]
-        bound = self._bound
-        if bound is not None and padded and _current_device() == index:
-            if addresses is None:
-                addresses = (table_out.data_ptr(), lens_out.data_ptr())
-            bound(
-                _grid(padded, num_cols), block_table.data_ptr(), seq_lens.data_ptr(), *addresses,
-                num_reqs, num_cols, pad_len, *block_table.stride(), *seq_lens.stride(),
-                table_out.stride(0),
-            )  # fmt: skip
-            return
         # (Triton compiles for and launches on the current device: the builder's is made
-        # current where another is, and the kernel is bound under it)
-        elsewhere = index >= 0 and _current_device() != index
+        # current where another is)
+        elsewhere = index >= 0 and torch.cuda.current_device() != index
         with torch.cuda.device(index) if elsewhere else contextlib.nullcontext():
             copy_graph_decode_inputs(
                 block_table, seq_lens, table_out, lens_out, num_reqs=num_reqs,
                 num_cols=num_cols, pad_len=pad_len, is_trusted=True,
             )  # fmt: skip
-            if bound is None and triton is not None and index >= 0:
-                self._bound = _launch.bound(**_OPTIONS)
 
     def _refuse(
         self, block_table: torch.Tensor, seq_lens: torch.Tensor, num_reqs: int, num_cols: int
@@ -221,14 +200,12 @@ def _grid(padded: int, num_cols: int) -> tuple[int, int, int]:
 
 
 if triton is not None:
-    # Nothing is specialised on, so that `CompiledLaunch` may launch the compiled kernel with
-    # any values (see compiled_launch).
+    # (no specialisation on the batch's sizes: one compiled kernel serves every step)
     @triton.jit(
         do_not_specialize=[
             "num_reqs", "num_cols", "pad_len", "stride_t_row", "stride_t_col", "stride_seq",
             "stride_out_row",
         ],
-        do_not_specialize_on_alignment=["table_ptr", "seq_ptr", "table_out_ptr", "lens_out_ptr"],
     )  # fmt: skip
     def _graph_decode_inputs_kernel(
         table_ptr,
@@ -257,11 +234,6 @@ if triton is not None:
             tl.store(table_out_ptr + row.to(tl.int64) * stride_out_row + cols, pages, mask=is_col)
         elif tile == 0:
             tl.store(lens_out_ptr + row, pad_len)
-
-    _launch = CompiledLaunch(
-        _graph_decode_inputs_kernel,
-        pointers=("table_ptr", "seq_ptr", "table_out_ptr", "lens_out_ptr"),
-    )
 
 
 def copy_graph_decode_inputs_ref(
@@ -338,7 +310,7 @@ def _validate(
             f"{_OP}: too many columns for the kernel's grid (got num_cols={num_cols}, expected "
             f"<= {_MAX_COLS})."
         )
-    # (the kernel takes its integers as int32, see compiled_launch)
+    # (the kernel takes its integers as int32)
     strides = (*block_table.stride(), seq_lens.stride(0), table_out.stride(0))
     if max(strides) > _INT32_MAX or min(strides) < 0:
         raise ValueError(f"{_OP}: strides must be in [0, 2**31) (got {strides}).")

@@ -1,0 +1,386 @@
+"""FLASHINFER's metadata builder: FlashInfer's wrappers planned in `build`, per layer record.
+
+A step (decodes first) is served by up to three runs per layer (see `flashinfer_plan`):
+
+- its leading single-token requests by `BatchDecodeWithPagedKVCacheWrapper` (tensor cores,
+  FlashInfer's fa2 kernels, any GQA ratio), or with no plan by FlashInfer's XQA decode over the
+  block table itself (`flashinfer_xqa`, chosen per layer by `decode_kernel`);
+- its trailing fresh prefills (no context) by `BatchPrefillWithRaggedKVCacheWrapper` over the
+  step's own K/V (fp8 caches: by the paged wrapper, over what the cache holds);
+- the requests between by `BatchPrefillWithPagedKVCacheWrapper` over the paged cache (the
+  layer writes the step's K/V into the cache before its forward).
+
+Prefills are causal or not as the step says; a single-token decode sees every key either way.
+
+What a plan depends on beyond the KV-cache spec (query heads, scale, soft cap, window) is in
+the layers' records (`LayerParams`, given to the constructor), so `build` plans every wrapper
+the step's layers need, one per distinct record, and returns frozen metadata that holds them;
+`forward` only calls `run()`. A wrapper keeps one plan: the next `build` plans it again, and a
+forward on metadata of an earlier build is refused (`LayerPlan.check_current`) rather than
+run on another step's plan.
+
+FlashInfer's `plan()` writes its schedule into the wrapper's page-locked buffer and enqueues
+its copy to the device without waiting. A builder running ahead of the device (asynchronous
+scheduling) must not rewrite that buffer before the copy has run: each wrapper records an
+event after its plan, and its next plan waits for that event only when the device has not yet
+reached it (an event query never blocks; the host then stays at most one plan ahead per wrapper).
+
+CUDA graphs: `build_for_cudagraph_capture` plans a batch of N single-token decodes into the
+graph decode wrapper of size N (FlashInfer's `use_cuda_graph`, fixed index buffers sized for N
+requests of `max_model_len` tokens), or copies its table and lengths into the size's fixed XQA
+buffers. A later step of single-token decodes whose `slot_mapping` has N rows (dummy requests
+or padding rows included) is planned into the same wrapper / buffers, so the captured graph
+replays with the new plan; padding rows get no keys (wrapper) or one key (XQA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from anyattn.backend import AttentionBackend, AttentionMetadataBuilder
+from anyattn.backends.flashinfer_metadata import FlashInferMetadata, LayerPlan, WrapperSlot
+from anyattn.backends.flashinfer_plan import (
+    PagedIndex,
+    first_trailing_fresh,
+    num_leading_decodes,
+    paged_index,
+    query_indptr,
+)
+from anyattn.backends.flashinfer_version import import_flashinfer
+from anyattn.backends.flashinfer_xqa import (
+    XQA_WORKSPACE_BYTES,
+    XqaGraphBuffers,
+    contiguous_rows,
+    xqa_decode_reason,
+)
+from anyattn.layer_params import LayerParams
+from anyattn.metadata import CommonAttentionMetadata, HostBatch
+from anyattn.types import AttentionCGSupport, AttentionType, is_fp8_cache
+
+__all__ = ["FlashInferMetadataBuilder"]
+
+# FlashInfer's recommended float workspace (split-KV partial results), shared by every wrapper
+# of a builder: layers run one after another on one stream.
+WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA compute capability of `device`, None off CUDA."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+@dataclass(slots=True)
+class _Parts:
+    """A build's plan inputs every record shares (None: the part is absent or not needed)."""
+
+    decode: PagedIndex | None = None
+    paged: PagedIndex | None = None
+    ragged: torch.Tensor | None = None  # query (and key) offsets, int32 CPU
+    xqa: tuple[WrapperSlot | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """A build's inputs every record's plan shares."""
+
+    cm: CommonAttentionMetadata
+    host: HostBatch
+    num_decodes: int
+    cudagraph_size: int | None
+    generation: int
+
+
+class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
+    """Plans FlashInfer's wrappers for each step, for every record in `layers` (see the module
+    docstring). Assigned its backend as `backend` by `anyattn.backends.flashinfer`."""
+
+    backend: ClassVar[type[AttentionBackend]]
+    _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    # Prefill kernels: None = FlashInfer's "auto" on Hopper (fa3 where it applies), "fa2" on
+    # other GPUs (where "auto" may pick kernels whose planning reads device memory).
+    prefill_backend: ClassVar[str | None] = None
+    # Which kernel runs the decodes: "auto", "xqa" or "wrapper" (see flashinfer_xqa).
+    decode_kernel: ClassVar[str] = "auto"
+
+    def __init__(self, kv_cache_spec, layers, limits, device) -> None:
+        super().__init__(kv_cache_spec, layers, limits, device)
+        api = "FlashInferMetadataBuilder"
+        self.backend.check_kv_cache_spec(kv_cache_spec, api)
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
+        for name, record in self.layers.items():  # (the base checked heads and head size)
+            if AttentionType(record.attn_type) is not AttentionType.DECODER:
+                raise ValueError(
+                    f"{api}: layer {name!r} is {AttentionType(record.attn_type).value} "
+                    "attention; FLASHINFER serves decoder attention only."
+                )
+        self._records = list(dict.fromkeys(self.layers.values()))
+        self._capability = device_capability(self.device)
+        self._xqa_reasons = {r: self._xqa_reason(r) for r in self._records}
+        self._xqa_reason(None)  # a bad decode_kernel fails here, not in a build
+        self._wrappers: dict[tuple[LayerParams, str], WrapperSlot] = {}
+        self._graph_sizes: set[int] = set()
+        self._xqa_graph: dict[int, WrapperSlot] = {}
+        self._workspace: torch.Tensor | None = None
+        self._xqa_workspace: torch.Tensor | None = None
+        self._generation = 0
+
+    def xqa_reason(self, record: LayerParams) -> str | None:
+        """Why `record`'s decodes run the decode wrapper rather than XQA, or None."""
+        return self._xqa_reasons[record]
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata
+    ) -> FlashInferMetadata:
+        """Plan every record's wrappers for the step (see the module docstring).
+
+        Raises:
+            ValueError: a common prefix (cascade), cross attention, a block table narrower than
+                the longest request's pages.
+        """
+        api = "FlashInferMetadataBuilder.build"
+        cm = common_attn_metadata
+        if common_prefix_len:
+            raise ValueError(
+                f"{api}: cascade attention not supported (got common_prefix_len="
+                f"{common_prefix_len}, expected 0). FLASHINFER's use_cascade_attention is False."
+            )
+        if cm.encoder_seq_lens_cpu is not None:
+            raise ValueError(
+                f"{api}: cross attention not supported (got encoder_seq_lens, expected None; "
+                "FLASHINFER serves decoder attention only). Build encoder_decoder layers' steps "
+                "with another backend (`anyattn explain --head-size N --attn-type "
+                "encoder_decoder` lists those that support it)."
+            )
+        return self._build(cm, self._replay_size(cm))
+
+    def build_for_cudagraph_capture(
+        self, common_attn_metadata: CommonAttentionMetadata
+    ) -> FlashInferMetadata:
+        """Plan a batch of single-token decodes into the CUDA-graph wrappers of its size; later
+        decode-only steps padded to this size (`len(slot_mapping)`) reuse them.
+
+        Raises:
+            ValueError: not single-token decodes only, or more than `max_num_reqs` of them.
+        """
+        cm = common_attn_metadata
+        api = "FlashInferMetadataBuilder.build_for_cudagraph_capture"
+        if cm.num_reqs == 0 or cm.num_actual_tokens != cm.num_reqs:
+            raise ValueError(
+                f"{api}: CUDA graphs capture batches of single-token decodes only (got "
+                f"{cm.num_reqs} requests with {cm.num_actual_tokens} tokens)."
+            )
+        if cm.num_reqs > self.limits.max_num_reqs:
+            raise ValueError(
+                f"{api}: batch larger than the limits allow (got {cm.num_reqs} requests, "
+                f"expected <= max_num_reqs {self.limits.max_num_reqs})."
+            )
+        self._graph_sizes.add(cm.num_reqs)
+        return self._build(cm, cm.num_reqs)
+
+    def _replay_size(self, cm: CommonAttentionMetadata) -> int | None:
+        """The captured batch size a decode-only step is padded to, or None (eager)."""
+        size = int(cm.slot_mapping.shape[0])
+        if size not in self._graph_sizes or cm.num_reqs > size:
+            return None
+        return size if cm.num_actual_tokens == cm.num_reqs else None
+
+    def _build(self, cm: CommonAttentionMetadata, cudagraph_size: int | None) -> FlashInferMetadata:
+        host = cm.host_batch
+        block_size = self.kv_cache_spec.block_size
+        needed, width = -(-host.max_seq_len // block_size), cm.block_table_tensor.shape[1]
+        if needed > width:
+            raise ValueError(
+                f"FlashInferMetadataBuilder.build: block_table too narrow for the longest "
+                f"sequence (got {width} columns, expected >= {needed} for block_size "
+                f"{block_size})."
+            )
+        self._generation += 1
+        num_decodes = num_leading_decodes(host) if cudagraph_size is None else cm.num_reqs
+        step = _Step(cm, host, num_decodes, cudagraph_size, self._generation)
+        decode_rows = cudagraph_size or num_decodes
+        fresh = cm.num_reqs
+        if not is_fp8_cache(self.kv_cache_spec.kv_cache_dtype):
+            fresh = first_trailing_fresh(host, num_decodes)
+        parts = _Parts()
+        if decode_rows and any(self.xqa_reason(r) is not None for r in self._records):
+            parts.decode = paged_index(host, cm.block_table_tensor, block_size,
+                                       (0, num_decodes), cudagraph_size)  # fmt: skip
+        if decode_rows and any(self.xqa_reason(r) is None for r in self._records):
+            parts.xqa = self._xqa_inputs(step)
+        if num_decodes < fresh:
+            parts.paged = paged_index(host, cm.block_table_tensor, block_size,
+                                      (num_decodes, fresh))  # fmt: skip
+        if fresh < cm.num_reqs:
+            parts.ragged = query_indptr(host, (fresh, cm.num_reqs))
+        by_record = {r: self._plan(r, step, parts) for r in self._records}
+        spec = self.kv_cache_spec
+        rows = host.query_start_loc
+        return FlashInferMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            slot_mapping=cm.slot_mapping,
+            causal=cm.causal,
+            num_decodes=num_decodes,
+            decode_rows=decode_rows,
+            paged_tokens=(int(rows[num_decodes]), int(rows[fresh])),
+            ragged_tokens=(int(rows[fresh]), int(rows[cm.num_reqs])),
+            cudagraph_size=cudagraph_size,
+            block_size=spec.block_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            dtype=spec.dtype,
+            cache_dtype=spec.cache_dtype,
+            layer_names=frozenset(self.layers),
+            plans={name: by_record[record] for name, record in self.layers.items()},
+            common_attn_metadata=cm,
+        )
+
+    def _plan(self, record: LayerParams, step: _Step, parts: _Parts) -> LayerPlan:
+        """`record`'s wrappers planned for `step` (its XQA inputs where XQA runs its decodes)."""
+        spec = self.kv_cache_spec
+        window_left = record.sliding_window - 1 if record.sliding_window else -1
+        common = dict(
+            window_left=window_left,
+            logits_soft_cap=record.logits_soft_cap or None,
+            sm_scale=record.scale,
+            q_data_type=spec.dtype,
+            o_data_type=spec.dtype,
+            non_blocking=True,
+        )
+        heads = (record.num_heads, spec.num_kv_heads, spec.head_size)
+        slots: list[WrapperSlot] = []
+        planned = dict(decode=None, ragged=None, paged=None, xqa=None)
+        cache = dict(kv_data_type=spec.cache_dtype, **common)
+        if parts.decode is not None and self.xqa_reason(record) is not None:
+            d = parts.decode
+            slot = self._decode_slot(record, step.cudagraph_size)
+            self._planned(slot, step, d.kv_indptr, d.kv_indices, d.kv_last_page_len, *heads,
+                          spec.block_size, **cache)  # fmt: skip
+            planned["decode"] = slot.obj
+            slots.append(slot)
+        elif parts.xqa is not None and self.xqa_reason(record) is None:
+            graph_slot, planned["xqa"] = parts.xqa
+            slots.extend([graph_slot] if graph_slot is not None else [])
+        if parts.paged is not None:
+            p = parts.paged
+            slot = self._wrapper_slot(record, "paged")
+            self._planned(slot, step, p.qo_indptr, p.kv_indptr, p.kv_indices,
+                          p.kv_last_page_len, *heads, spec.block_size, causal=step.cm.causal,
+                          **cache)  # fmt: skip
+            planned["paged"] = slot.obj
+            slots.append(slot)
+        if parts.ragged is not None:
+            slot = self._wrapper_slot(record, "ragged")
+            self._planned(slot, step, parts.ragged, parts.ragged, *heads, causal=step.cm.causal,
+                          kv_data_type=spec.dtype, **common)  # fmt: skip
+            planned["ragged"] = slot.obj
+            slots.append(slot)
+        return LayerPlan(record, **planned, window_left=window_left,
+                         generation=step.generation, slots=tuple(slots))  # fmt: skip
+
+    def _planned(self, slot: WrapperSlot, step: _Step, *args: Any, **kwargs: Any) -> None:
+        """`plan(*args, **kwargs)` of `slot`'s wrapper (once per build: records share no
+        wrapper), after its last plan's copy has run."""
+        slot.wait_for_last_copy()
+        slot.generation = 0  # a plan that fails leaves no usable plan behind
+        slot.obj.plan(*args, **kwargs)
+        slot.generation = step.generation
+        if self.device.type == "cuda":
+            slot.event = torch.cuda.Event()
+            slot.event.record(torch.cuda.current_stream(self.device))
+
+    def _xqa_inputs(
+        self, step: _Step
+    ) -> tuple[WrapperSlot | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """XQA's page table and lengths for the step's decodes: the step's own rows (eager),
+        or the captured size's fixed buffers with the step copied in."""
+        cm, size = step.cm, step.cudagraph_size
+        table, seq_lens = cm.block_table_tensor, cm.seq_lens  # int32 (checked by cm)
+        if size is None:
+            n = step.num_decodes
+            return None, (
+                contiguous_rows(table, n),
+                contiguous_rows(seq_lens, n),
+                self._xqa_space(),
+            )
+        slot = self._xqa_graph.get(size)
+        if slot is None:
+            max_pages = -(-self.limits.max_model_len // self.kv_cache_spec.block_size)
+            buffers = XqaGraphBuffers(size, max_pages, self.device)
+            slot = self._xqa_graph[size] = WrapperSlot(buffers)
+        most = -(-step.host.max_seq_len // self.kv_cache_spec.block_size)
+        slot.obj.fill(table, seq_lens, cm.num_reqs, most)
+        slot.generation = step.generation
+        return slot, (slot.obj.page_table, slot.obj.seq_lens, self._xqa_space())
+
+    def _xqa_reason(self, record: LayerParams | None) -> str | None:
+        spec = self.kv_cache_spec
+        return xqa_decode_reason(
+            self.decode_kernel, self._capability, spec.block_size, spec.head_size, spec.dtype,
+            spec.cache_dtype, (record.logits_soft_cap or 0.0) if record else 0.0,
+            record.num_heads // spec.num_kv_heads if record else None,
+        )  # fmt: skip
+
+    def _xqa_space(self) -> torch.Tensor:
+        """XQA's own workspace (its semaphores must stay zeroed: no wrapper may share it)."""
+        if self._xqa_workspace is None:
+            self._xqa_workspace = torch.zeros(
+                XQA_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device
+            )
+        return self._xqa_workspace
+
+    def _float_workspace(self) -> torch.Tensor:
+        if self._workspace is None:
+            # FlashInfer asks for a zeroed buffer on first use.
+            self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        return self._workspace
+
+    def _prefill_kernels(self) -> str:
+        if self.prefill_backend is not None:
+            return self.prefill_backend
+        return "auto" if self._capability is not None and self._capability[0] == 9 else "fa2"
+
+    def _wrapper_slot(self, record: LayerParams, part: str) -> WrapperSlot:
+        """`record`'s eager "decode", "paged" or "ragged" wrapper, made on first use."""
+        slot = self._wrappers.get((record, part))
+        if slot is None:
+            fi = import_flashinfer()
+            if part == "decode":
+                wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+                    self._float_workspace(), "NHD", use_tensor_cores=True, backend="fa2"
+                )
+            elif part == "paged":
+                wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
+                    self._float_workspace(), "NHD", backend=self._prefill_kernels()
+                )
+            else:
+                wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(
+                    self._float_workspace(), "NHD", backend=self._prefill_kernels()
+                )
+            slot = self._wrappers[(record, part)] = WrapperSlot(wrapper)
+        return slot
+
+    def _decode_slot(self, record: LayerParams, size: int | None) -> WrapperSlot:
+        """`record`'s decode wrapper: eager, or the CUDA-graph one of batch size `size`, whose
+        index buffers hold `size` requests of up to `max_model_len` tokens."""
+        if size is None:
+            return self._wrapper_slot(record, "decode")
+        slot = self._wrappers.get((record, f"graph{size}"))
+        if slot is None:
+            fi = import_flashinfer()
+            max_pages = -(-self.limits.max_model_len // self.kv_cache_spec.block_size)
+            int32 = dict(dtype=torch.int32, device=self.device)
+            wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+                self._float_workspace(),
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=True,
+                paged_kv_indptr_buffer=torch.zeros(size + 1, **int32),
+                paged_kv_indices_buffer=torch.zeros(size * max_pages, **int32),
+                paged_kv_last_page_len_buffer=torch.ones(size, **int32),
+                backend="fa2",
+            )
+            slot = self._wrappers[(record, f"graph{size}")] = WrapperSlot(wrapper)
+        return slot
