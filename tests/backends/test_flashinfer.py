@@ -123,6 +123,24 @@ def test_what_flashinfer_cannot_serve_is_a_reason(changes, reason):
     assert any(r.startswith(reason) for r in reasons), reasons
 
 
+def test_lse_is_refused_where_xqa_would_run_the_decodes():
+    # XQA (SM90+, 16-bit or fp8 e4m3 caches, blocks of 64) returns no LSE: the selector hears
+    # it from the declarations rather than a forward failing later.
+    (reason,) = FlashInferBackend.validate_configuration(
+        config(block_size=64, needs_lse=True), SM90
+    )
+    assert reason.startswith("LSE with block_size 64 not supported here (its decodes run ")
+    for fits in (
+        config(block_size=16, needs_lse=True),
+        config(block_size=64, needs_lse=True, has_logits_soft_cap=True),  # no XQA: wrapper
+        config(block_size=64),
+    ):
+        assert FlashInferBackend.validate_configuration(fits, SM90) == []
+    assert (
+        FlashInferBackend.validate_configuration(config(block_size=64, needs_lse=True), SM80) == []
+    )
+
+
 def test_devices_and_compute_capability():
     assert FlashInferBackend.validate_configuration(config(), DeviceInfo.parse("sm75")) == [
         "compute capability sm75 not supported (needs sm80 or newer)"

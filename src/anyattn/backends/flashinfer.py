@@ -38,7 +38,7 @@ from anyattn.backend import (
 from anyattn.backends.flashinfer_builder import FlashInferMetadataBuilder
 from anyattn.backends.flashinfer_metadata import FlashInferMetadata
 from anyattn.backends.flashinfer_version import PIP_COMMAND, installed_flashinfer
-from anyattn.backends.flashinfer_xqa import run_xqa_decode
+from anyattn.backends.flashinfer_xqa import run_xqa_decode, xqa_decode_reason
 from anyattn.types import DTYPES, AttentionType, KVCacheLayout, MultipleOf, is_fp8_cache
 from anyattn.validation import check_forward, check_forward_inputs, check_metadata_type
 
@@ -111,6 +111,18 @@ class FlashInferBackend(AttentionBackend):
                 f"kv_cache_dtype {cache} with dtype {str(config.dtype).removeprefix('torch.')} "
                 "not supported (FlashInfer's 16-bit kernels need the cache in the model dtype)"
             )
+        if config.needs_lse and config.block_size is not None:
+            xqa_declines = xqa_decode_reason(
+                FlashInferMetadataBuilder.decode_kernel, device.capability, config.block_size,
+                config.head_size, config.dtype, config.cache_dtype,
+                1.0 if config.has_logits_soft_cap else 0.0,
+            )  # fmt: skip
+            if xqa_declines is None:
+                return (
+                    f"LSE with block_size {config.block_size} not supported here "
+                    "(its decodes run FlashInfer's XQA kernel, which returns no "
+                    "LSE; blocks of 16 or 32 tokens decode through the planned wrapper)"
+                )
         return None
 
     @classmethod
