@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch
 from _timing import cpu_times_us
 
+from anyattn.backend import LayerParams
 from anyattn.backends import flashinfer as fi_backend
 from anyattn.backends.flashinfer_plan import decode_step_arrays, plan_step
 from anyattn.backends.flashinfer_replan import keep_schedule, planner_arguments, replan_decode
@@ -142,7 +143,9 @@ def main() -> int:
     rows.append(("    C++ planner, its arguments and the pool's lending", median_us(
         planner_alone, args.reps)))  # fmt: skip
 
-    flex = FlexAttentionMetadataBuilder(spec, ["l"], limits, device)
+    heads = spec.num_kv_heads
+    layers = {"l": LayerParams(heads, heads, spec.head_size, spec.head_size**-0.5)}
+    flex = FlexAttentionMetadataBuilder(spec, layers, limits, device)
     nct = cm.num_computed_tokens_cpu[:n].numpy()
     rows += [
         ("FLEX_ATTENTION build (whole)", median_us(lambda: flex.build(0, cm), args.reps)),
