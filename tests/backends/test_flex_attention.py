@@ -168,10 +168,16 @@ def _count_graphs(monkeypatch) -> list:
 @needs_flex
 def test_per_head_mods_do_not_tie_a_size_to_the_heads(monkeypatch):
     """ALiBi slopes and sinks are `[H]`; with H = 4 an unmarked head count would share a
-    symbol with an equal size of the first step (4 row tiles of 512 rows), and steps of 256
-    and 1024 rows would compile again. Traced with an eager backend that counts graphs (no
-    Inductor); each step matches the float64 oracle."""
+    symbol with an equal size of the first step (4 row tiles of 512 rows, in the CUDA form,
+    used here on the CPU), and steps of 256 and 1024 rows would compile again. Traced with an
+    eager backend that counts graphs (no Inductor); each step matches the float64 oracle."""
     graphs = _count_graphs(monkeypatch)
+
+    kernel_rows = flex_attention_impl._kernel_rows
+    # the CUDA form, whose tile count is a size of its own
+    monkeypatch.setattr(
+        flex_attention_impl, "_kernel_rows", lambda rows, _: kernel_rows(rows, True)
+    )
     torch._dynamo.reset()
     for tokens in (400, 200, 1000):
         spec = BatchSpec(f"prefill{tokens}", (tokens,), (tokens,))

@@ -118,10 +118,11 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         config = (device.type, dtype, self.head_size, self.num_heads, self.num_kv_heads,
                   *sorted(mods), str(options))  # fmt: skip
         attend = _compiled(config, with_lse=output_lse is not None)
+        tiled = device.type == "cuda"
         result = attend(
-            _kernel_rows(q.unsqueeze(0).transpose(1, 2)),
-            _kernel_rows(k.unsqueeze(0)),
-            _kernel_rows(v.unsqueeze(0)),
+            _kernel_rows(q.unsqueeze(0).transpose(1, 2), tiled),
+            _kernel_rows(k.unsqueeze(0), tiled),
+            _kernel_rows(v.unsqueeze(0), tiled),
             block_mask,
             _score_mod(mods, md.q_key_pos),
             options,
@@ -232,13 +233,16 @@ def _static(tensor: torch.Tensor, dims) -> torch.Tensor:
     return tensor
 
 
-def _kernel_rows(rows: torch.Tensor) -> torch.Tensor:
-    """`[1, heads, rows, D]` as the compiled call takes it: on CUDA as tiles `[1, heads,
-    rows / TILE, TILE, D]` (a view) with only the tile count symbolic; on the CPU untiled (its
-    template fails to compile the tiled form, torch 2.13), only the row count symbolic."""
-    if rows.device.type != "cuda":
-        return _static(rows, (0, 1, 3))
-    return _static(rows.unflatten(2, (-1, TILE)), (0, 1, 3, 4))
+def _kernel_rows(rows: torch.Tensor, tiled: bool) -> torch.Tensor:
+    """`[1, heads, rows, D]` as the compiled call takes it: `tiled` (on CUDA) as tiles `[1,
+    heads, rows / TILE, TILE, D]` (a view) with only the tile count symbolic; else untiled
+    (the CPU template fails to compile the tiled form, torch 2.13), only the row count
+    symbolic."""
+    # Detached: a tensor without a base (torch.compile guards on a view's base, whose sizes
+    # are not marked and would tie a head count to a tile count).
+    if not tiled:
+        return _static(rows.detach(), (0, 1, 3))
+    return _static(rows.unflatten(2, (-1, TILE)).detach(), (0, 1, 3, 4))
 
 
 def _attend(query, key, value, block_mask, score_mod, kernel_options):
