@@ -35,7 +35,6 @@ from collections.abc import Callable
 import torch
 from _timing import cpu_times_us
 
-from anyattn.backend import LayerParams
 from anyattn.backends import flashinfer as fi_backend
 from anyattn.backends.flashinfer_plan import decode_step_arrays, plan_step
 from anyattn.backends.flashinfer_replan import keep_schedule, planner_arguments, replan_decode
@@ -45,7 +44,7 @@ from anyattn.backends.flex_attention_plan import lay_out_step
 from anyattn.config import AttentionSpec, BatchLimits
 from anyattn.metadata import CommonAttentionMetadata, make_common_attn_metadata
 from anyattn.ops.graph_decode_inputs import GraphDecodeInputsLaunch
-from anyattn.testing import assign_blocks
+from anyattn.testing import assign_blocks, layer_records
 
 
 def median_us(fn: Callable[[], object], reps: int) -> float:
@@ -76,9 +75,9 @@ def main() -> int:
         rows = xqa_rows(cm, spec, limits, args.reps)
         return print_rows(rows, n, seq_len, args)
 
-    builder = fi_backend.FlashInferMetadataBuilder(spec, ["l"], limits, device)
     impl = fi_backend.FlashInferImpl(32, 128, 128**-0.5, 8)
-    builder.register_layer(impl)
+    layers = {"l": impl.layer_params()}
+    builder = fi_backend.FlashInferMetadataBuilder(spec, layers, limits, device)
     md = builder.build(0, cm)  # plan() once: compiles, sets the wrapper up
     md = builder.build(0, cm)
     wrapper = md.step.planned[impl.plan_key].decode
@@ -108,9 +107,8 @@ def main() -> int:
         else:
             call()
 
-    rebuilt = fi_backend.FlashInferMetadataBuilder(spec, ["l"], limits, device)
+    rebuilt = fi_backend.FlashInferMetadataBuilder(spec, layers, limits, device)
     rebuilt.keep_fixed_schedules = False
-    rebuilt.register_layer(impl)
     rows += [
         ("FLASHINFER build (whole)", median_us(lambda: builder.build(0, cm), args.reps)),
         ("  the same, the schedule re-planned every step", median_us(
@@ -143,9 +141,7 @@ def main() -> int:
     rows.append(("    C++ planner, its arguments and the pool's lending", median_us(
         planner_alone, args.reps)))  # fmt: skip
 
-    heads = spec.num_kv_heads
-    layers = {"l": LayerParams(heads, heads, spec.head_size, spec.head_size**-0.5)}
-    flex = FlexAttentionMetadataBuilder(spec, layers, limits, device)
+    flex = FlexAttentionMetadataBuilder(spec, layer_records(spec, ["l"]), limits, device)
     nct = cm.num_computed_tokens_cpu[:n].numpy()
     rows += [
         ("FLEX_ATTENTION build (whole)", median_us(lambda: flex.build(0, cm), args.reps)),
@@ -160,10 +156,9 @@ def xqa_rows(
     """The parts of FLASHINFER's build when XQA runs the decodes (see the module docstring)."""
     n, device = cm.num_reqs, cm.block_table_tensor.device
     graphs = dataclasses.replace(limits, cudagraph_capture_sizes=(n,))
-    eager = fi_backend.FlashInferMetadataBuilder(spec, ["l"], limits, device)
-    replay = fi_backend.FlashInferMetadataBuilder(spec, ["l"], graphs, device)
-    for builder in (eager, replay):
-        builder.register_layer(fi_backend.FlashInferImpl(32, 128, 128**-0.5, 8))
+    layers = {"l": fi_backend.FlashInferImpl(32, 128, 128**-0.5, 8).layer_params()}
+    eager = fi_backend.FlashInferMetadataBuilder(spec, layers, limits, device)
+    replay = fi_backend.FlashInferMetadataBuilder(spec, layers, graphs, device)
     replay.build_for_cudagraph_capture(cm)
     md = eager.build(0, cm)
     if md.step.xqa is None:

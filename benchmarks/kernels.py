@@ -488,7 +488,11 @@ def prepare_backend(name: str, data: CaseData, torch_max_kv_tokens: int | None =
         max_num_reqs=spec.num_reqs, max_num_tokens=spec.num_tokens, max_model_len=max(spec.seq_lens)
     )
     kv_spec = AttentionSpec(kbs, shape.num_kv_heads, shape.head_size, shape.dtype)
-    builder = cls.get_builder_cls()(kv_spec, ["bench.0"], limits, data.device)
+    impl = cls.get_impl_cls()(
+        shape.num_heads, shape.head_size, shape.scale, shape.num_kv_heads, None, None, "auto",
+        None, AttentionType.DECODER, None, None,
+    )  # fmt: skip
+    builder = cls.get_builder_cls()(kv_spec, {"bench.0": impl.layer_params()}, limits, data.device)
     order = request_order(spec.query_lens, builder.reorder_batch_threshold)
     block_table = expand_block_table(data.block_table[order], shape.block_size, kbs)
     common = make_common_attn_metadata(
@@ -499,11 +503,6 @@ def prepare_backend(name: str, data: CaseData, torch_max_kv_tokens: int | None =
         data.device,
     )
     metadata = builder.build(0, common)
-    impl = cls.get_impl_cls()(
-        shape.num_heads, shape.head_size, shape.scale, shape.num_kv_heads, None, None, "auto",
-        None, AttentionType.DECODER, None, None,
-    )  # fmt: skip
-    impl.process_weights_after_loading(shape.dtype)
     queries, key, value, rows = _reordered(data, order)
     one = torch.ones((), dtype=torch.float32, device=data.device)
     layer = _Layer("bench.0", one, one)
@@ -1097,8 +1096,8 @@ def prepare_build(
     reported). The timed calls (`time_builds`) run without that check, which slows every CUDA
     call. A skip or a set-up error comes back as a `BuildResult`.
 
-    A builder that plans per layer (`register_layer`, FLASHINFER) has one layer registered, as
-    an engine's model runner does, so its library's planning is in the time; after the first
+    The builder gets one layer's record (`impl.layer_params()`), as an engine's model runner
+    gives it every layer's, so a library's planning per layer (FLASHINFER) is in the time; after the first
     call, steady state. `fast_decode_plan=False` times FLASHINFER re-planning with FlashInfer's
     own `plan()` every step instead of `replan_decode`. `varied=True` spreads the requests'
     lengths over `[seq_len / 2, 3 * seq_len / 2)` (mean about `seq_len`), as a real decode batch
@@ -1139,11 +1138,8 @@ def prepare_build(
             support = cls.get_cudagraph_support(kv_spec, limits)
             if support < AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE:
                 raise Skip(f"no decode CUDA graphs (support {support.name})")
-        builder = cls.get_builder_cls()(kv_spec, ["bench.0"], limits, device)
-        # as the engine does (a builder that plans per layer signature plans it in build)
-        builder.register_layer(
-            cls.get_impl_cls()(shape.num_heads, shape.head_size, shape.scale, shape.num_kv_heads)
-        )
+        impl = cls.get_impl_cls()(shape.num_heads, shape.head_size, shape.scale, shape.num_kv_heads)
+        builder = cls.get_builder_cls()(kv_spec, {"bench.0": impl.layer_params()}, limits, device)
         if not fast_decode_plan:
             builder.fast_decode_plan = False
             name = f"{name} (plan() every step)"

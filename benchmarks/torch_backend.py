@@ -22,6 +22,7 @@ from anyattn.backends.torch_attn import TorchAttentionBackend
 from anyattn.config import AttentionSpec, BatchLimits
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.metadata import make_common_attn_metadata
+from anyattn.testing import layer_records
 
 NUM_REQS, CONTEXT, HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 8, 512, 32, 8, 128, 16
 
@@ -71,7 +72,10 @@ def _case(query_len: int, repeats: int) -> dict[str, float]:
     impl.do_kv_cache_update(_Layer(), k.flatten(0, 1), v.flatten(0, 1), cache, all_slots)
     spec = AttentionSpec(BLOCK, KV_HEADS, HEAD_SIZE, torch.float32)
     builder = TorchAttentionBackend.get_builder_cls()(
-        spec, ["bench"], BatchLimits(NUM_REQS, NUM_REQS * seq_len, seq_len), "cpu"
+        spec,
+        layer_records(spec, ["bench"]),
+        BatchLimits(NUM_REQS, NUM_REQS * seq_len, seq_len),
+        "cpu",
     )
     md = builder.build(0, cm)
     key = k[:, context:].flatten(0, 1)

@@ -65,7 +65,7 @@ class FakeImpl(AttentionImpl[None]):
 
 
 class FakeBuilder(AttentionMetadataBuilder[None]):
-    def build(self, common_prefix_len, common_attn_metadata, fast_build=False) -> None:
+    def build(self, common_prefix_len, common_attn_metadata) -> None:
         return None
 
 
@@ -84,13 +84,15 @@ def make_fake_backend(
     sparse: bool = False,
     cudagraph: AttentionCGSupport = AttentionCGSupport.NEVER,
     combination: Callable[..., str | None] | None = None,
+    priority: dict[str, int] | None = None,
     **class_attrs: object,
 ) -> type[AttentionBackend]:
     """A fake backend class declaring exactly what is passed (defaults: the plain decoder case).
 
     `features` names the `supports_<feature>` checks that answer True (see `FEATURES`);
     `unavailable` is its `get_unavailable_reason()`; `combination(config, device)` its
-    `supports_combination`.
+    `supports_combination`; `priority` its rank per platform (default: after every built-in
+    backend on every platform).
     """
     unknown = set(features) - set(FEATURES)
     assert not unknown, f"unknown fake features {unknown}"
@@ -108,6 +110,7 @@ def make_fake_backend(
         "get_unavailable_reason": classmethod(lambda cls: unavailable),
         "is_mla": classmethod(lambda cls: mla),
         "is_sparse": classmethod(lambda cls: sparse),
+        "priority": {"cpu": 100, "cuda": 100, "blackwell": 100} if priority is None else priority,
         **class_attrs,
     }
     for feature in features:

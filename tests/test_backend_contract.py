@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from anyattn.backend import AttentionBackend, AttentionMetadataBuilder
+from anyattn.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    LayerParams,
+    check_layer_planned,
+)
 from anyattn.config import AttentionSelectorConfig, AttentionSpec, BatchLimits
 from anyattn.impl_args import validate_impl_arguments
 from anyattn.kv_cache import allocate_kv_cache
@@ -351,6 +360,7 @@ def test_describe(make_backend):
         },
         "cudagraph_support": "UNIFORM_BATCH",
         "forward_includes_kv_cache_update": False,
+        "priority": {"cpu": 100, "cuda": 100, "blackwell": 100},
     }
     assert make_backend().describe()["head_sizes"] == "any"
 
@@ -507,6 +517,80 @@ def test_validate_impl_arguments_refuses_a_window_outside_decoder_attention(make
     )
 
 
+# --- the joint rules, once, in the base classes -----------------------------------------------
+
+
+def test_window_needs_causal_attention_one_reason_from_the_base(make_backend):
+    backend = make_backend(
+        features=["sliding_window", "non_causal"],
+        supported_attn_types=(AttentionType.DECODER, AttentionType.ENCODER),
+    )
+    reason = "sliding window with non-causal or encoder attention not supported"
+    assert backend.validate_configuration(config(has_sliding_window=True), CPU) == []
+    for changes in ({"use_non_causal": True}, {"attn_type": AttentionType.ENCODER}):
+        reasons = backend.validate_configuration(config(has_sliding_window=True, **changes), CPU)
+        assert reasons == [reason]
+
+
+class _Impl(AttentionImpl[None]):
+    """The smallest impl: the base constructor and nothing else."""
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_lse=None):
+        return output
+
+
+def _impl_class(backend):
+    return type("FakeImpl", (_Impl,), {"backend": backend})
+
+
+def test_base_impl_constructor_checks_and_keeps_the_arguments(make_backend):
+    backend = make_backend(
+        features=["alibi", "sliding_window", "logits_soft_cap", "sink"], head_sizes=[64]
+    )
+    impl_cls = _impl_class(backend)
+    impl = impl_cls(8, 64, 0.125, 2, alibi_slopes=[0.5] * 8, sliding_window=0,
+                    logits_soft_cap=0, attn_type="decoder", sinks=torch.zeros(8))  # fmt: skip
+    assert (impl.num_heads, impl.num_kv_heads, impl.head_size, impl.scale) == (8, 2, 64, 0.125)
+    assert impl.attn_type is AttentionType.DECODER and impl.kv_cache_dtype == "auto"
+    assert impl.sliding_window is None and impl.logits_soft_cap is None  # 0 means off
+    assert impl.alibi_slopes.dtype == torch.float32 and impl.alibi_slopes.device.type == "cpu"
+    assert impl.alibi_slopes.tolist() == [0.5] * 8
+    assert impl.sinks is not None and impl.kv_sharing_target_layer_name is None
+    assert impl.layer_params() == LayerParams(
+        8, 2, 64, 0.125, AttentionType.DECODER, "auto", None, None, True, True
+    )
+    windowed = impl_cls(8, 64, 0.125, sliding_window=32, logits_soft_cap=30)
+    assert windowed.layer_params().sliding_window == 32
+    assert windowed.layer_params().logits_soft_cap == 30.0
+    assert hash(windowed.layer_params()) == hash(windowed.layer_params())
+    with pytest.raises(ValueError, match="head_size not supported"):
+        impl_cls(8, 80, 0.125)
+
+
+def test_base_impl_constructor_applies_the_joint_rules(make_backend):
+    backend = make_backend(
+        features=["sliding_window"],
+        supported_attn_types=(AttentionType.DECODER, AttentionType.ENCODER),
+    )
+    with pytest.raises(NotImplementedError, match="sliding window with encoder attention"):
+        _impl_class(backend)(8, 64, 0.125, sliding_window=8, attn_type="encoder")
+
+
+def test_an_impl_must_name_its_backend():
+    with pytest.raises(TypeError, match=r"must name its backend \(set _Impl.backend"):
+        _Impl(8, 64, 0.125)
+
+
+def test_check_layer_planned_names_the_layer_and_the_builders_layers():
+    planned = frozenset({"layer.0", "layer.1"})
+    check_layer_planned(planned, SimpleNamespace(layer_name="layer.1"), "api")
+    with pytest.raises(ValueError) as raised:
+        check_layer_planned(planned, SimpleNamespace(layer_name="layer.7"), "X forward")
+    message = str(raised.value)
+    assert message.startswith("X forward: layer 'layer.7' is not one of the layers")
+    assert "expected one of ['layer.0', 'layer.1']" in message
+
+
 # --- builder defaults ------------------------------------------------------------------------
 
 
@@ -516,9 +600,12 @@ def test_builder_defaults(make_backend):
     limits = BatchLimits(
         max_num_reqs=4, max_num_tokens=64, max_model_len=256, num_speculative_tokens=3
     )
-    builder = backend.get_builder_cls()(spec, ["layer.0"], limits, "cpu")
+    params = LayerParams(8, 2, 64, 0.125)
+    layers = {"layer.0": params, "layer.1": replace(params, logits_soft_cap=30.0)}
+    builder = backend.get_builder_cls()(spec, layers, limits, "cpu")
     assert builder.device == torch.device("cpu")
-    assert builder.layer_names == ["layer.0"]
+    assert builder.layers == layers and builder.layers is not layers
+    assert builder.layer_names == ["layer.0", "layer.1"]
     assert builder.reorder_batch_threshold is None
     assert backend.get_cudagraph_support(spec, limits) is AttentionCGSupport.ALWAYS
     builder._init_reorder_batch_threshold(1)
@@ -527,17 +614,26 @@ def test_builder_defaults(make_backend):
     assert builder.reorder_batch_threshold == 4  # 1 + 3 draft tokens count as a decode
     builder._init_reorder_batch_threshold(None, supports_spec_as_decode=True)
     assert builder.reorder_batch_threshold is None
-    with pytest.raises(NotImplementedError, match="update_block_table: not supported"):
-        builder.update_block_table(None, torch.zeros(1, 1), torch.zeros(1))
 
 
-def test_register_layer_default_learns_nothing(make_backend):
-    backend = make_backend()
+def test_builder_refuses_layers_it_cannot_serve(make_backend):
+    builder_cls = make_backend().get_builder_cls()
     spec = AttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype="float16")
     limits = BatchLimits(max_num_reqs=4, max_num_tokens=64, max_model_len=256)
-    builder = backend.get_builder_cls()(spec, ["layer.0"], limits, "cpu")
-    before = dict(vars(builder))
-    impl = backend.get_impl_cls()(8, 64, 0.125, num_kv_heads=2)
-    assert builder.register_layer(impl) is None
-    assert vars(builder) == before
-    assert type(builder).register_layer is AttentionMetadataBuilder.register_layer
+    with pytest.raises(TypeError, match=r"layers must map layer names to LayerParams \(got list"):
+        builder_cls(spec, ["layer.0"], limits, "cpu")
+    with pytest.raises(TypeError, match=r"got 'layer\.0': int"):
+        builder_cls(spec, {"layer.0": 3}, limits, "cpu")
+    with pytest.raises(ValueError, match=r"layer 'layer\.0' has head_size=128, but the KV-cache"):
+        builder_cls(spec, {"layer.0": LayerParams(8, 2, 128, 0.125)}, limits, "cpu")
+
+
+def test_removed_surface_is_gone():
+    for name in ("register_layer", "build_for_drafting", "update_block_table"):
+        assert not hasattr(AttentionMetadataBuilder, name)
+    for name in ("process_weights_after_loading", "dcp_world_size", "supports_quant_query_input"):
+        assert not hasattr(AttentionImpl, name)
+    assert "output_scale" not in inspect.signature(AttentionImpl.forward).parameters
+    assert "fast_build" not in inspect.signature(AttentionMetadataBuilder.build).parameters
+    cascade = inspect.signature(AttentionMetadataBuilder.use_cascade_attention).parameters
+    assert "dcp_world_size" not in cascade and "use_local_attention" not in cascade

@@ -213,6 +213,7 @@ def test_explain_json(capsys):
         "fits": True,
         "reasons": [],
         "unavailable": None,
+        "not_automatic": None,
     }
 
 

@@ -190,11 +190,13 @@ def test_plugin_found_by_reload(plugin_site):
     assert get_backend_path("example_plugin") == "anyattn_example_plugin:ExamplePluginBackend"
     cls = get_backend_class("EXAMPLE_PLUGIN")
     assert cls.__name__ == "ExamplePluginBackend" and cls.get_name() == "EXAMPLE_PLUGIN"
-    # The plugin takes part in selection after the built-in ones, and can be requested.
+    # The plugin takes part in selection at the rank it declares for the CPU (after the built-in
+    # ones there), and can be requested.
     config = AttentionSelectorConfig(head_size=64, dtype=torch.float32)
     verdicts = selector.explain(config, DeviceInfo.cpu()).verdicts
-    assert verdicts[0].name == "TORCH" and verdicts[-1].name == "EXAMPLE_PLUGIN"
-    assert verdicts[-1].fits
+    names = [v.name for v in verdicts]
+    assert names[:3] == ["TORCH", "FLEX_ATTENTION", "EXAMPLE_PLUGIN"]
+    assert verdicts[2].fits and verdicts[2].not_automatic is None
     assert selector.select_backend(config, DeviceInfo.cpu(), backend="example_plugin") is cls
     with pytest.raises(selector.NoBackendError, match="dtype bfloat16 not supported"):
         selector.select_backend(config.replace(dtype="bfloat16"), backend="EXAMPLE_PLUGIN")
@@ -206,7 +208,8 @@ def test_reload_clears_the_selection_cache(plugin_site):
     registry.reload_plugins()
     after = selector.explain(config, DeviceInfo.cpu())
     assert after is not before
-    assert [v.name for v in after.verdicts][-1] == "EXAMPLE_PLUGIN"
+    assert "EXAMPLE_PLUGIN" not in [v.name for v in before.verdicts]
+    assert "EXAMPLE_PLUGIN" in [v.name for v in after.verdicts]
 
 
 def test_explicit_registration_wins_over_plugin(plugin_site, make_backend):

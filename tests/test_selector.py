@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from anyattn import registry, selector
 from anyattn.config import AttentionSelectorConfig
 from anyattn.selector import NoBackendError, clear_cache, explain, priority_list, select_backend
-from anyattn.types import DeviceInfo
+from anyattn.types import AttentionType, DeviceInfo
 
 CPU = DeviceInfo.cpu()
 SM80 = DeviceInfo.cuda(8, 0)
@@ -31,19 +32,32 @@ DEVICES = {
 }
 
 
+def builtin_priority(name: str) -> dict[str, int]:
+    """The rank per platform the built-in backend `name` declares in its own module."""
+    module, _, cls = registry.AttentionBackendEnum[name].value.partition(":")
+    return dict(getattr(importlib.import_module(module), cls).priority)
+
+
 def config(**changes) -> AttentionSelectorConfig:
     return AttentionSelectorConfig(**{"head_size": 128, "dtype": torch.bfloat16, **changes})
 
 
 @pytest.fixture
 def platform(make_backend, register):
-    """Fakes under the five platform names; `platform(unavailable=[...])` re-registers them."""
+    """Fakes under the five platform names, ranked as the built-in backends declare;
+    `platform(unavailable=[...])` re-registers them."""
 
     def install(unavailable=(), **declarations):
         fakes = {}
         for name, devices in DEVICES.items():
             reason = f"pip install {name.lower()}" if name in unavailable else None
-            fakes[name] = make_backend(name, devices=devices, unavailable=reason, **declarations)
+            fakes[name] = make_backend(
+                name,
+                devices=devices,
+                unavailable=reason,
+                priority=builtin_priority(name),
+                **declarations,
+            )
             register(name, fakes[name])
         return fakes
 
@@ -73,6 +87,58 @@ def test_priority_order(platform, device, order):
         assert [v.priority for v in result.verdicts] == list(range(len(result.verdicts)))
 
 
+def test_order_comes_from_each_backends_priority(platform, make_backend, register):
+    platform()
+    # A backend ranks itself: first on the CPU, absent (request only) on CUDA.
+    register("MINE", make_backend("MINE", priority={"cpu": -1}))
+    assert priority_list(CPU)[:3] == ["MINE", "TORCH", "FLEX_ATTENTION"]
+    assert explain(config(), CPU).chosen == "MINE"
+    assert priority_list(SM90)[-1] == "MINE"
+    verdict = explain(config(), SM90).verdicts[-1]
+    assert verdict.name == "MINE" and verdict.fits
+    assert verdict.not_automatic == "declares no priority for cuda"
+    assert explain(config(), SM90).chosen == "FLASH_ATTN"
+    assert select_backend(config(), SM90, backend="MINE").get_name() == "MINE"
+
+
+def test_backend_not_chosen_automatically_is_skipped_but_can_be_requested(
+    platform, make_backend, register
+):
+    platform()
+    only_for_encoders = classmethod(
+        lambda cls, config: config.attn_type is not AttentionType.DECODER
+    )
+    fake = make_backend(
+        "TORCH",
+        priority=builtin_priority("TORCH"),
+        chosen_automatically=only_for_encoders,
+        supported_attn_types=tuple(AttentionType),
+    )
+    register("TORCH", fake)
+    result = explain(config(), CPU)
+    torch_verdict = next(v for v in result.verdicts if v.name == "TORCH")
+    assert torch_verdict.fits
+    assert torch_verdict.not_automatic == "not chosen automatically for this config"
+    assert result.chosen == "FLEX_ATTENTION"
+    assert "TORCH: fits, taken only on request (not chosen automatically" in (
+        result.format_reasons()
+    )
+    assert result.to_dict()["backends"][0]["not_automatic"] == torch_verdict.not_automatic
+    # An explicit request ignores it; an encoder config lets the selector take it.
+    assert select_backend(config(), CPU, backend="TORCH") is fake
+    assert explain(config(attn_type=AttentionType.ENCODER), CPU).chosen == "TORCH"
+    # Nothing else fits: the hints name the request that would.
+    flex = make_backend("FLEX_ATTENTION", unavailable="pip install flex",
+                        priority=builtin_priority("FLEX_ATTENTION"))  # fmt: skip
+    register("FLEX_ATTENTION", flex)
+    with pytest.raises(NoBackendError) as raised:
+        select_backend(config(), CPU)
+    assert (
+        "TORCH fits this config when requested explicitly (not chosen automatically for this "
+        "config)" in raised.value.explanation.hints
+    )
+
+
 def test_cpu_skips_cuda_only_backends(platform):
     platform(unavailable=CPU_ORDER)
     with pytest.raises(NoBackendError) as raised:
@@ -86,7 +152,13 @@ def test_capability_not_availability_decides_the_order(platform, make_backend, r
     platform()
     # FLASH_ATTN needs sm90: on sm80 it is skipped for a capability reason.
     register(
-        "FLASH_ATTN", make_backend("FLASH_ATTN", devices=("cuda",), min_compute_capability=(9, 0))
+        "FLASH_ATTN",
+        make_backend(
+            "FLASH_ATTN",
+            devices=("cuda",),
+            min_compute_capability=(9, 0),
+            priority=builtin_priority("FLASH_ATTN"),
+        ),
     )
     assert explain(config(), SM90).chosen == "FLASH_ATTN"
     result = explain(config(), SM80)
@@ -235,6 +307,7 @@ def test_capability_and_availability_are_marked_apart(platform):
         "fits": False,
         "reasons": [],
         "unavailable": "pip install flash_attn",
+        "not_automatic": None,
     }
     json.dumps(data)
 
@@ -290,7 +363,7 @@ def test_results_are_cached_on_the_config(platform):
 def test_register_backend_clears_the_cache(platform, make_backend, register):
     platform()
     first = explain(config(), CPU)
-    replacement = make_backend("TORCH")
+    replacement = make_backend("TORCH", priority=builtin_priority("TORCH"))
     register("TORCH", replacement)
     assert explain(config(), CPU) is not first
     assert select_backend(config(), CPU) is replacement

@@ -57,7 +57,8 @@ def _step(
                       backend=backend, device=device, attn_type=attn_type)  # fmt: skip
     batch = build_batch(backend, spec, num_heads=HEADS, num_kv_heads=KV_HEADS,
                         head_size=HEAD_SIZE, dtype=dtype, device=device, block_size=BLOCK,
-                        impls=[layer.impl], attn_type=attn_type, seed=3)  # fmt: skip
+                        layers={layer.layer_name: layer.impl.layer_params()},
+                        attn_type=attn_type, seed=3)  # fmt: skip
     table = batch.common_attn_metadata.block_table_cpu
     wider = torch.cat([table, torch.zeros(table.shape[0], 1, dtype=table.dtype)], dim=1)
     return layer, _with_table(batch, wider)

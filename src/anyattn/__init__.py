@@ -9,6 +9,7 @@ from anyattn.backend import (
     AttentionImpl,
     AttentionImplBase,
     AttentionMetadataBuilder,
+    LayerParams,
     MLAAttentionImpl,
 )
 from anyattn.config import AttentionSelectorConfig, AttentionSpec, BatchLimits, MLAAttentionSpec
@@ -39,6 +40,7 @@ __all__ = [
     "CommonAttentionMetadata",
     "DeviceInfo",
     "KVCacheLayout",
+    "LayerParams",
     "MLAAttentionImpl",
     "MLAAttentionSpec",
     "MultipleOf",

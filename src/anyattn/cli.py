@@ -344,8 +344,12 @@ def _print_explanation(result: Explanation) -> None:
     table.add_column(f"capability\n(for {result.device})", overflow="fold")
     table.add_column("availability\n(this machine)", overflow="fold")
     for verdict in result.verdicts:
+        capability = "\n".join(verdict.reasons) if verdict.reasons else "ok"
         if verdict.name == result.chosen:
             label = Text("chosen", style="bold green")
+        elif verdict.fits and verdict.not_automatic:
+            label = Text("on request", style="green")
+            capability = f"ok; taken only on request ({verdict.not_automatic})"
         elif verdict.fits:
             label = Text("fits", style="green")
         elif verdict.reasons:
@@ -356,7 +360,7 @@ def _print_explanation(result: Explanation) -> None:
             str(verdict.priority),
             verdict.name,
             label,
-            Text("\n".join(verdict.reasons) if verdict.reasons else "ok"),
+            Text(capability),
             Text(verdict.unavailable if verdict.unavailable else "ok"),
         )
     console.print(table)

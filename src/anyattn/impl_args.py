@@ -1,4 +1,5 @@
-"""Checks shared by every impl constructor: arguments against the backend's declarations.
+"""The checks of `AttentionImpl.__init__`: arguments against the backend's declarations and
+the contract's joint rules, in one place.
 
 Nothing is silently ignored: a feature the backend does not declare raises here, at
 construction, not on the first forward. A call's inputs are checked by `anyattn.validation`.
@@ -16,7 +17,7 @@ import torch
 from anyattn.types import AttentionType, parse_cache_dtype
 
 if TYPE_CHECKING:
-    from anyattn.backend import AttentionBackend
+    from anyattn.declarations import AttentionBackend
 
 __all__ = ["validate_impl_arguments"]
 
@@ -35,11 +36,8 @@ def validate_impl_arguments(
     attn_type: AttentionType | str,
     sinks: torch.Tensor | None,
 ) -> int:
-    """Check an impl's constructor arguments against the backend's declarations.
-
-    Nothing is silently ignored: a feature the backend does not declare raises here, at
-    construction, not on the first forward. Returns the effective `num_kv_heads`.
-    """
+    """Check an impl's constructor arguments against `backend`'s declarations and the joint
+    rules (a sliding window needs decoder attention). Returns the effective `num_kv_heads`."""
     api = f"{backend.get_name()} impl"
     for name, value in (("num_heads", num_heads), ("head_size", head_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -108,7 +106,7 @@ def validate_impl_arguments(
                 "--has-sliding-window",
             )
         if attn_type != AttentionType.DECODER:
-            # DESIGN.md defines the window causally (p - W < j <= p).
+            # The window is defined causally (keys p - W < j <= p).
             raise NotImplementedError(
                 f"{api}: sliding window with {attn_type.value} attention not supported (got "
                 f"sliding_window={sliding_window!r}, expected None; the window is defined "

@@ -3,7 +3,9 @@
 Built-in backends are members of `AttentionBackendEnum`, whose values are lazy class paths
 ("module:Class"). `register_backend` overrides a member's class or adds a new name; packages
 add backends through the `anyattn.backends` entry-point group (name = backend name, value =
-"module:Class"). The override table below is the only module-level mutable state in anyattn.
+"module:Class"). The override table below is the only module-level mutable state in anyattn;
+`generation()` counts its changes, so that caches of selections (`anyattn.selector`) can tell
+when they are stale without this module knowing about them.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, overload
 
 if TYPE_CHECKING:
-    from anyattn.backend import AttentionBackend
+    from anyattn.declarations import AttentionBackend
 
 __all__ = [
     "ENTRY_POINT_GROUP",
     "AttentionBackendEnum",
     "backend_names",
+    "generation",
     "get_backend_class",
     "get_backend_path",
     "register_backend",
@@ -50,6 +53,17 @@ class AttentionBackendEnum(enum.Enum):
 # name -> "module:Class" or a class; overrides of members and names added at run time.
 _overrides: dict[str, str | type] = {}
 _plugins_loaded = False
+_generation = 0
+
+
+def generation() -> int:
+    """A number that changes whenever the registered backends may have changed."""
+    return _generation
+
+
+def _changed() -> None:
+    global _generation
+    _generation += 1
 
 
 def _load_plugins() -> None:
@@ -68,7 +82,7 @@ def reload_plugins() -> None:
     global _plugins_loaded
     _plugins_loaded = False
     _load_plugins()
-    _clear_selector_cache()
+    _changed()
 
 
 def backend_names() -> list[str]:
@@ -125,7 +139,7 @@ def _import_class(path: str, name: str) -> type:
 
 def get_backend_class(name: str | AttentionBackendEnum) -> type[AttentionBackend]:
     """Import and return the backend class registered for `name` (case-insensitive)."""
-    from anyattn.backend import AttentionBackend
+    from anyattn.declarations import AttentionBackend
 
     key = _check_name(name, "get_backend_class")
     target = get_backend_path(key)
@@ -149,7 +163,7 @@ def register_backend(name, target=None):
 
     Use as a call, `register_backend("TORCH", "my.module:MyBackend")`, or as a decorator,
     `@register_backend("MY_BACKEND")` on an `AttentionBackend` subclass. Selection caches
-    are cleared. Names are case-insensitive and stored upper-case.
+    are invalidated. Names are case-insensitive and stored upper-case.
     """
     key = _check_name(name, "register_backend")
     _load_plugins()
@@ -167,7 +181,7 @@ def register_backend(name, target=None):
                 f"{type(cls_or_path).__name__})."
             )
         _overrides[key] = cls_or_path
-        _clear_selector_cache()
+        _changed()
         return cls_or_path
 
     if target is None:
@@ -179,10 +193,4 @@ def unregister_backend(name: str | AttentionBackendEnum) -> None:
     """Drop an override or an added name; a built-in member returns to its own class."""
     key = _check_name(name, "unregister_backend")
     _overrides.pop(key, None)
-    _clear_selector_cache()
-
-
-def _clear_selector_cache() -> None:
-    from anyattn import selector
-
-    selector.clear_cache()
+    _changed()

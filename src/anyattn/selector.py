@@ -1,9 +1,11 @@
 """Pick the backend for a layer, and say why every other backend was not picked.
 
-`select_backend` walks the platform's priority list and returns the first backend whose
-declarations accept the config and which is installed here. An explicitly requested backend
-(argument, then the `ANYATTN_BACKEND` environment variable) that does not fit is an error,
-never a silent fallback. `explain` returns the whole verdict table as data.
+`select_backend` orders the registered backends by the rank each declares for the platform
+(`AttentionBackend.priority`; one that declares none there comes last and is only taken on
+explicit request), skips those whose `chosen_automatically(config)` is False, and returns the
+first whose declarations accept the config and which is installed here. An explicitly
+requested backend (argument, then the `ANYATTN_BACKEND` environment variable) that does not fit
+is an error, never a silent fallback. `explain` returns the whole verdict table as data.
 
 Capability reasons are judged for the given device (which may be hypothetical, e.g. an sm90
 asked about from a laptop); availability reasons (a missing package) for this machine.
@@ -18,9 +20,11 @@ from dataclasses import dataclass, field
 import torch
 
 from anyattn.config import AttentionSelectorConfig
+from anyattn.declarations import AttentionBackend, platform_key
 from anyattn.registry import (
     AttentionBackendEnum,
     backend_names,
+    generation,
     get_backend_class,
     get_backend_path,
 )
@@ -39,9 +43,6 @@ __all__ = [
 
 ENV_VAR = "ANYATTN_BACKEND"
 
-_CPU_PRIORITY = ("TORCH", "FLEX_ATTENTION")
-_CUDA_PRIORITY = ("FLASH_ATTN", "FLASHINFER", "TRITON", "FLEX_ATTENTION", "TORCH")
-_BLACKWELL_PRIORITY = ("FLASHINFER", "FLASH_ATTN", "TRITON", "FLEX_ATTENTION", "TORCH")
 # Prefix of the availability reason of a backend whose class cannot be imported.
 _LOAD_FAILED = "cannot be loaded: "
 
@@ -60,15 +61,18 @@ class BackendVerdict:
 
     Attributes:
         name: registry name.
-        priority: position in the platform's priority list (0 first).
+        priority: position in the platform's order (0 first).
         reasons: capability reasons (judged for the requested device).
         unavailable: why it cannot run on this machine (missing package), or None.
+        not_automatic: why the selector does not take it without an explicit request (no
+            rank for the platform, or `chosen_automatically` False for the config), or None.
     """
 
     name: str
     priority: int
     reasons: tuple[str, ...]
     unavailable: str | None
+    not_automatic: str | None = None
 
     @property
     def fits(self) -> bool:
@@ -81,6 +85,7 @@ class BackendVerdict:
             "fits": self.fits,
             "reasons": list(self.reasons),
             "unavailable": self.unavailable,
+            "not_automatic": self.not_automatic,
         }
 
 
@@ -128,41 +133,67 @@ class Explanation:
             why = list(v.reasons)
             if v.unavailable:
                 why.append(f"not available here: {v.unavailable}")
-            lines.append(f"  {v.name}: {'; '.join(why) if why else 'fits'}")
+            verdict = "; ".join(why) if why else "fits"
+            if v.fits and v.not_automatic:
+                verdict += f", taken only on request ({v.not_automatic})"
+            lines.append(f"  {v.name}: {verdict}")
         return "\n".join(lines)
 
 
+def _ranked(device: DeviceInfo) -> list[tuple[str, type[AttentionBackend] | str]]:
+    """Every registered backend (its class, or why it cannot be loaded) in the order tried on
+    `device`: by declared rank, then those without a rank for the platform, each group in
+    registration order."""
+    key = platform_key(device)
+    loaded: list[tuple[str, type[AttentionBackend] | str]] = []
+    for name in backend_names():
+        try:
+            loaded.append((name, get_backend_class(name)))
+        except (ImportError, TypeError) as error:
+            loaded.append((name, f"{_LOAD_FAILED}{error}"))
+
+    def rank(item: tuple[str, type[AttentionBackend] | str]) -> tuple[bool, int]:
+        cls = item[1]
+        declared = None if isinstance(cls, str) else cls.priority.get(key)
+        return (declared is None, 0 if declared is None else declared)
+
+    return sorted(loaded, key=rank)  # stable: registration order within a rank
+
+
 def priority_list(device: DeviceInfo) -> list[str]:
-    """Registered backend names in the order tried on `device`; names added by plugins or
-    `register_backend` come after the built-in ones."""
-    if device.type == "cpu":
-        base = _CPU_PRIORITY
-    elif device.capability is not None and device.capability >= (10, 0):
-        base = _BLACKWELL_PRIORITY
-    else:
-        base = _CUDA_PRIORITY
-    registered = backend_names()
-    ordered = [name for name in base if name in registered]
-    return ordered + [name for name in registered if name not in ordered]
+    """Registered backend names in the order tried on `device`; backends that declare no rank
+    for its platform (and those that cannot be loaded) come last."""
+    return [name for name, _ in _ranked(device)]
 
 
 def _judge(
-    name: str, priority: int, config: AttentionSelectorConfig, device: DeviceInfo
+    name: str,
+    cls: type[AttentionBackend] | str,
+    position: int,
+    config: AttentionSelectorConfig,
+    device: DeviceInfo,
 ) -> BackendVerdict:
-    try:
-        cls = get_backend_class(name)
-    except (ImportError, TypeError) as error:
-        return BackendVerdict(name, priority, (), f"{_LOAD_FAILED}{error}")
+    if isinstance(cls, str):
+        return BackendVerdict(name, position, (), cls)
+    key = platform_key(device)
+    not_automatic = None
+    if key not in cls.priority:
+        not_automatic = f"declares no priority for {key}"
+    elif not cls.chosen_automatically(config):
+        not_automatic = "not chosen automatically for this config"
     return BackendVerdict(
         name,
-        priority,
+        position,
         tuple(cls.validate_configuration(config, device)),
         cls.get_unavailable_reason(),
+        not_automatic,
     )
 
 
 def _verdicts(config: AttentionSelectorConfig, device: DeviceInfo) -> tuple[BackendVerdict, ...]:
-    return tuple(_judge(name, i, config, device) for i, name in enumerate(priority_list(device)))
+    return tuple(
+        _judge(name, cls, i, config, device) for i, (name, cls) in enumerate(_ranked(device))
+    )
 
 
 def _hints(
@@ -171,6 +202,8 @@ def _hints(
     """Single changes to the request that would make some backend fit."""
     hints: list[str] = []
     for v in verdicts:
+        if v.fits and v.not_automatic:
+            hints.append(f"{v.name} fits this config when requested explicitly ({v.not_automatic})")
         # A backend that cannot be imported has no declarations to judge: it may not fit.
         if not v.reasons and v.unavailable and not v.unavailable.startswith(_LOAD_FAILED):
             hints.append(f"{v.name} fits this config but is not available here: {v.unavailable}")
@@ -199,7 +232,7 @@ def _hints(
             variant = config.replace(**change)
         except ValueError:
             continue
-        fitting = [v.name for v in _verdicts(variant, device) if v.fits]
+        fitting = [v.name for v in _verdicts(variant, device) if v.fits and not v.not_automatic]
         if fitting:
             hints.append(f"with {label}, {fitting[0]} would fit")
     if not hints:
@@ -238,6 +271,7 @@ def _explain_cached(
     device: DeviceInfo,
     requested: str | None,
     requested_by: str | None,
+    registry_generation: int,
 ) -> Explanation:
     if requested is not None:
         get_backend_path(requested)  # raises for an unknown name, listing the valid ones
@@ -247,7 +281,7 @@ def _explain_cached(
         verdict = next(v for v in verdicts if v.name == requested)
         chosen = requested if verdict.fits else None
     else:
-        chosen = next((v.name for v in verdicts if v.fits), None)
+        chosen = next((v.name for v in verdicts if v.fits and not v.not_automatic), None)
     hints = () if chosen is not None else _hints(config, device, verdicts)
     return Explanation(config, device, chosen, requested, requested_by, verdicts, hints)
 
@@ -272,7 +306,7 @@ def explain(
         raise TypeError(
             f"explain: config must be an AttentionSelectorConfig (got {type(config).__name__})."
         )
-    return _explain_cached(config, _device_info(device), *_requested_name(backend))
+    return _explain_cached(config, _device_info(device), *_requested_name(backend), generation())
 
 
 def select_backend(
@@ -286,7 +320,8 @@ def select_backend(
         config: what the layer needs.
         device: where it will run (`DeviceInfo`, `torch.device`, or "cpu" / "cuda" / "sm90");
             defaults to this machine's first GPU, else the CPU.
-        backend: a backend name to use instead of the priority list (else `ANYATTN_BACKEND`).
+        backend: a backend name to use instead of the platform's order (else
+            `ANYATTN_BACKEND`).
 
     Returns:
         The `AttentionBackend` subclass.

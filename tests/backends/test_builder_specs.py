@@ -13,6 +13,7 @@ from anyattn.backends.flashinfer import FlashInferMetadataBuilder
 from anyattn.backends.flex_attention import FlexAttentionMetadataBuilder
 from anyattn.backends.triton_attn import TritonAttentionMetadataBuilder
 from anyattn.config import AttentionSpec, BatchLimits
+from anyattn.testing import layer_records
 
 LIMITS = BatchLimits(8, 64, 1024)
 
@@ -58,12 +59,12 @@ LIMITS = BatchLimits(8, 64, 1024)
 def test_builders_refuse_specs_their_kernels_do_not_take(monkeypatch, builder, spec, message):
     install(monkeypatch, fa4())  # FLASH_ATTN's declarations follow the installed version
     with pytest.raises(ValueError) as raised:
-        builder(spec, ["layer.0"], LIMITS, "cpu")
+        builder(spec, layer_records(spec), LIMITS, "cpu")
     assert message in str(raised.value)
     assert str(raised.value).startswith(builder.__name__)
 
 
 def test_a_spec_the_backend_declares_is_taken():
     spec = AttentionSpec(16, 2, 64, torch.float32)
-    builder = FlexAttentionMetadataBuilder(spec, ["layer.0"], LIMITS, "cpu")
+    builder = FlexAttentionMetadataBuilder(spec, layer_records(spec, ["layer.0"]), LIMITS, "cpu")
     assert builder.kv_cache_spec is spec

@@ -4,6 +4,7 @@ conformance kit over CPU stand-ins with the real entry points' signatures (`fa_f
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -31,7 +32,7 @@ from anyattn.layer import Attention
 from anyattn.metadata import make_common_attn_metadata
 from anyattn.registry import AttentionBackendEnum
 from anyattn.selector import NoBackendError, explain, select_backend
-from anyattn.testing import assign_blocks, plan_cases, run_case
+from anyattn.testing import assign_blocks, layer_records, plan_cases, run_case
 from anyattn.types import AttentionCGSupport, AttentionType, DeviceInfo, MultipleOf
 
 SM80, SM90, SM100, SM120 = (DeviceInfo.parse(s) for s in ("sm80", "sm90", "sm100", "sm120"))
@@ -483,9 +484,11 @@ def test_cascade_runs_a_prefix_pass_and_matches_the_plain_path(monkeypatch, inte
     install(monkeypatch, interface())
     cm, num_blocks, gen = _shared_prefix_step(block_size=block_size)
     spec = AttentionSpec(block_size, KV_HEADS, HEAD_SIZE, torch.float16)
-    builder = FlashAttentionMetadataBuilder(spec, ["layer.0"], BatchLimits(16, 256, 1024), "cpu")
+    builder = FlashAttentionMetadataBuilder(
+        spec, layer_records(spec, ["layer.0"]), BatchLimits(16, 256, 1024), "cpu"
+    )
     query_lens = cm.query_lens_cpu.numpy()
-    assert builder.use_cascade_attention(512, query_lens, 32, 8, False, False, False, 132, 1)
+    assert builder.use_cascade_attention(512, query_lens, 32, 8, False, False, 132)
     calls = []
     original = FlashAttentionImpl._attend
 
@@ -494,8 +497,8 @@ def test_cascade_runs_a_prefix_pass_and_matches_the_plain_path(monkeypatch, inte
         return original(self, interface, q, k, v, pass_, *args, **kwargs)
 
     monkeypatch.setattr(FlashAttentionImpl, "_attend", counting)
-    layer = Attention(HEADS, HEAD_SIZE, 0.125, KV_HEADS, dtype=torch.float16,
-                      backend=FlashAttentionBackend, device="sm90")  # fmt: skip
+    layer = Attention(HEADS, HEAD_SIZE, 0.125, KV_HEADS, dtype=torch.float16, device="sm90",
+                      backend=FlashAttentionBackend, layer_name="layer.0")  # fmt: skip
     cache = allocate_kv_cache(FlashAttentionBackend, num_blocks, block_size, KV_HEADS, HEAD_SIZE,
                               torch.float16)  # fmt: skip
     cache.copy_(torch.randn(cache.shape, generator=gen).half())
@@ -516,15 +519,17 @@ def test_cascade_runs_a_prefix_pass_and_matches_the_plain_path(monkeypatch, inte
 def _small_step(monkeypatch):
     install(monkeypatch, fa4())
     spec = AttentionSpec(BLOCK, KV_HEADS, HEAD_SIZE, torch.float16)
-    builder = FlashAttentionMetadataBuilder(spec, ["layer.0"], BatchLimits(4, 64, 64), "cpu")
+    builder = FlashAttentionMetadataBuilder(
+        spec, layer_records(spec, ["layer.0"]), BatchLimits(4, 64, 64), "cpu"
+    )
     cm = make_common_attn_metadata([1, 5], [9, 5], torch.tensor([[3], [7]], dtype=torch.int32),
                                    BLOCK)  # fmt: skip
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(6, HEADS, HEAD_SIZE, generator=gen).half()
     k = torch.randn(6, KV_HEADS, HEAD_SIZE, generator=gen).half()
     cache = allocate_kv_cache(FlashAttentionBackend, 10, BLOCK, KV_HEADS, HEAD_SIZE, torch.float16)
-    layer = Attention(HEADS, HEAD_SIZE, 0.125, KV_HEADS, dtype=torch.float16,
-                      backend=FlashAttentionBackend, device="sm90")  # fmt: skip
+    layer = Attention(HEADS, HEAD_SIZE, 0.125, KV_HEADS, dtype=torch.float16, device="sm90",
+                      backend=FlashAttentionBackend, layer_name="layer.0")  # fmt: skip
     return layer, builder.build(0, cm), q, k, cache
 
 
@@ -558,11 +563,20 @@ def test_output_rows_past_the_real_tokens_are_untouched(monkeypatch):
     assert not output[:6].isnan().any() and output[6:].isnan().all()
 
 
-def test_unsupported_output_quantisation_is_refused(monkeypatch):
+def test_forward_refuses_a_layer_the_builder_was_not_given(monkeypatch):
     layer, md, q, _, cache = _small_step(monkeypatch)
-    with pytest.raises(NotImplementedError, match="output quantisation"):
-        layer.impl.forward(layer, q, None, None, cache, md, torch.empty_like(q),
-                           output_scale=torch.tensor(1.0))  # fmt: skip
+    layer.layer_name = "layer.3"
+    with pytest.raises(ValueError, match=r"FLASH_ATTN forward: layer 'layer\.3' is not one of"):
+        layer.impl.forward(layer, q, None, None, cache, md, torch.empty_like(q))
+
+
+def test_metadata_is_frozen(monkeypatch):
+    _, md, *_ = _small_step(monkeypatch)
+    assert md.layer_names == frozenset({"layer.0"})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        md.num_reqs = 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        md.main.causal = False
 
 
 def test_fa4_stand_in_matches_its_signature():

@@ -24,7 +24,14 @@ from anyattn.backends.flash_attn import (
 from anyattn.config import AttentionSpec, BatchLimits
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.metadata import make_common_attn_metadata
-from anyattn.testing import KitLayer, assign_blocks, check_backend, get_spec, run_case
+from anyattn.testing import (
+    KitLayer,
+    assign_blocks,
+    check_backend,
+    get_spec,
+    layer_records,
+    run_case,
+)
 from anyattn.testing.cases import Case
 from anyattn.types import KVCacheLayout
 
@@ -74,7 +81,7 @@ def test_pages_of_the_tile_size_load_by_tma(layout):
 
 def _builder(limits: BatchLimits) -> FlashAttentionMetadataBuilder:
     spec = AttentionSpec(BLOCK, KV_HEADS, HEAD_SIZE, DTYPE)
-    return FlashAttentionMetadataBuilder(spec, ["layer.0"], limits, "cuda")
+    return FlashAttentionMetadataBuilder(spec, layer_records(spec, ["layer.0"]), limits, "cuda")
 
 
 def _cache(num_blocks: int, gen: torch.Generator, layout=KVCacheLayout.NHD) -> torch.Tensor:

@@ -21,7 +21,7 @@ from anyattn.backends.flash_attn_plan import (
 )
 from anyattn.config import AttentionSpec, BatchLimits
 from anyattn.metadata import make_common_attn_metadata
-from anyattn.testing import assign_blocks
+from anyattn.testing import assign_blocks, layer_records
 
 BLOCK = 16
 FA2_BLOCK = 256  # FA2's paged KV takes blocks of a multiple of 256 tokens only
@@ -44,7 +44,7 @@ def _builder(
     spec = AttentionSpec(block, 2, 64, torch.float16, sliding_window=sliding_window)
     limits = BatchLimits(max_num_reqs, 4096, 1024, cudagraph_capture_sizes=capture_sizes,
                          has_persistent_graph_inputs=persistent)  # fmt: skip
-    return FlashAttentionMetadataBuilder(spec, ["layer.0"], limits, device)
+    return FlashAttentionMetadataBuilder(spec, layer_records(spec, ["layer.0"]), limits, device)
 
 
 def test_cu_seqlens_from_lens():
@@ -379,8 +379,7 @@ def test_the_mirrors_the_kernels_are_sized_by_are_checked_when_made():
 
 def test_use_cascade_attention_says_yes_for_16_requests_sharing_512_tokens():
     builder = _builder()
-    args = dict(num_query_heads=32, num_kv_heads=8, use_local_attention=False, num_sms=132,
-                dcp_world_size=1)  # fmt: skip
+    args = dict(num_query_heads=32, num_kv_heads=8, num_sms=132)
     decodes = np.ones(16, dtype=np.int32)
     assert builder.use_cascade_attention(512, decodes, use_alibi=False, use_sliding_window=False,
                                          **args)  # fmt: skip

@@ -31,7 +31,6 @@ from anyattn.backends.flashinfer import (
     FlashInferImpl,
     FlashInferMetadataBuilder,
 )
-from anyattn.backends.torch_attn import TorchAttentionImpl
 from anyattn.config import AttentionSelectorConfig, AttentionSpec, BatchLimits
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.metadata import make_common_attn_metadata
@@ -115,7 +114,7 @@ def test_plain_decoder_configs_fit(device):
         ),
         (
             {"has_sliding_window": True, "use_non_causal": True},
-            "sliding window with non-causal attention not supported",
+            "sliding window with non-causal or encoder attention not supported",
         ),
     ],
 )
@@ -220,7 +219,10 @@ def test_not_selected_when_missing_and_the_reason_says_how_to_install(
 
 def test_blackwell_prefers_flashinfer_over_flash_attn(installed, make_backend, register):
     installed()
-    register("FLASH_ATTN", make_backend("FLASH_ATTN", devices=("cuda",)))
+    flash_attn_priority = {"cuda": 0, "blackwell": 1}  # FLASH_ATTN's own
+    register(
+        "FLASH_ATTN", make_backend("FLASH_ATTN", devices=("cuda",), priority=flash_attn_priority)
+    )
     assert explain(config(), SM100).chosen == "FLASHINFER"
     assert explain(config(), SM90).chosen == "FLASH_ATTN"
     # a capability FlashInfer lacks moves the choice on, with the reason recorded
@@ -236,7 +238,7 @@ def test_blackwell_prefers_flashinfer_over_flash_attn(installed, make_backend, r
 def cpu_builder(kv_cache_dtype="auto", capture_sizes=(), sliding_window=None):
     spec = AttentionSpec(16, 2, 64, torch.bfloat16, kv_cache_dtype, sliding_window)
     limits = BatchLimits(8, 512, 256, cudagraph_capture_sizes=capture_sizes)
-    return FlashInferMetadataBuilder(spec, ["layer.0"], limits, "cpu")
+    return FlashInferMetadataBuilder(spec, {}, limits, "cpu")
 
 
 TABLE = torch.arange(1, 41, dtype=torch.int32).view(8, 5)
@@ -310,16 +312,6 @@ def test_cudagraph_capture_and_padded_replay_steps():
     assert builder.build(0, eager).cudagraph_size is None
     mixed = make_common_attn_metadata([1, 2], [9, 40], TABLE[:2], 16, num_padded_tokens=4)
     assert builder.build(0, mixed).cudagraph_size is None
-
-
-def test_register_layer_keeps_one_plan_key_per_signature_and_only_flashinfer_impls():
-    builder = cpu_builder()
-    impl = FlashInferImpl(4, 64, 0.125, 2)
-    assert builder.register_layer(impl) is None
-    builder.register_layer(FlashInferImpl(4, 64, 0.125, 2))  # the same signature
-    assert list(builder._layer_keys) == [impl.plan_key]
-    with pytest.raises(TypeError, match="register_layer: impl of another backend"):
-        builder.register_layer(TorchAttentionImpl(4, 64, 0.125, 2))
 
 
 def test_validate_inputs_checks_the_step_against_the_layer():
@@ -435,7 +427,7 @@ def test_build_never_synchronises_with_the_device():
 @needs_flashinfer
 def test_stale_metadata_is_planned_again():
     batch, impl = written_batch(get_spec("chunked_prefill"), seed=7)
-    batch.builder.register_layer(impl)
+    batch.builder._layer_keys.setdefault(impl.plan_key, None)
     md = batch.builder.build(0, batch.common_attn_metadata)
     # a later build plans the same wrappers for another batch: md's plans are stale
     table = batch.block_table[:1]
@@ -463,12 +455,12 @@ def test_cudagraph_decode_replay_matches_eager_and_the_oracle(layout, decode_ker
     dtype = torch.bfloat16
     spec = AttentionSpec(block_size, KV_HEADS, HEAD_SIZE, dtype)
     limits = BatchLimits(size, 256, block_size * width, cudagraph_capture_sizes=(4, size))
-    builder = FlashInferMetadataBuilder(spec, ["layer.0"], limits, "cuda")
+    builder = FlashInferMetadataBuilder(spec, {}, limits, "cuda")
     builder.decode_kernel = decode_kernel
     if unsplit:
         builder._num_sms = size * KV_HEADS // 2  # split limit 2 * SMs // KV heads = size
     impl = FlashInferImpl(HEADS, HEAD_SIZE, SCALE, KV_HEADS)
-    builder.register_layer(impl)
+    builder._layer_keys.setdefault(impl.plan_key, None)
     num_blocks = size * width + 1
     cache = allocate_kv_cache(
         FlashInferBackend, num_blocks, block_size, KV_HEADS, HEAD_SIZE, dtype, layout=layout,
@@ -506,7 +498,7 @@ def test_cudagraph_decode_replay_matches_eager_and_the_oracle(layout, decode_ker
     # Each captured size has wrappers and index buffers of its own.
     graphs = {8: capture([1, 17, 100, 3, 64, 500, 16, 33]), 4: capture([9, 250, 31, 2])}
     eager_limits = BatchLimits(size, 256, block_size * width)
-    eager_builder = FlashInferMetadataBuilder(spec, ["layer.0"], eager_limits, "cuda")
+    eager_builder = FlashInferMetadataBuilder(spec, {}, eager_limits, "cuda")
     eager_builder.decode_kernel = "wrapper"
     steps = [
         ([37, 200, 5, 129, 64], {"padded": size}),
@@ -569,11 +561,11 @@ def test_fast_decode_replan_matches_flashinfers_plan():
 
     spec = AttentionSpec(batch.block_size, KV_HEADS, HEAD_SIZE, torch.bfloat16)
     limits = BatchLimits(16, 256, 1024)
-    fast = FlashInferMetadataBuilder(spec, ["layer.0"], limits, "cuda")
-    slow = FlashInferMetadataBuilder(spec, ["layer.0"], limits, "cuda")
+    fast = FlashInferMetadataBuilder(spec, {}, limits, "cuda")
+    slow = FlashInferMetadataBuilder(spec, {}, limits, "cuda")
     slow.fast_decode_plan = False
     for builder in (fast, slow):
-        builder.register_layer(impl)
+        builder._layer_keys.setdefault(impl.plan_key, None)
     sizes = [len(kv_lens)] + [
         int(n) for n in torch.randint(1, len(kv_lens) + 1, (4,), generator=gen)
     ]
@@ -634,8 +626,8 @@ def test_kept_decode_schedules_match_flashinfers_plan(monkeypatch):
     offsets = np.concatenate([[0], np.cumsum(full)])
     limits = BatchLimits(num_reqs, 4096, 2048)
     spec = batch.builder.kv_cache_spec
-    kept = FlashInferMetadataBuilder(spec, ["layer.0"], limits, "cuda")
-    planned = FlashInferMetadataBuilder(spec, ["layer.0"], limits, "cuda")
+    kept = FlashInferMetadataBuilder(spec, {}, limits, "cuda")
+    planned = FlashInferMetadataBuilder(spec, {}, limits, "cuda")
     planned.fast_decode_plan = False
     steps = [
         [n // 2 for n in full],
@@ -646,7 +638,7 @@ def test_kept_decode_schedules_match_flashinfers_plan(monkeypatch):
     for seq_lens in steps:
         outputs = []
         for builder in (kept, planned):
-            builder.register_layer(impl)
+            builder._layer_keys.setdefault(impl.plan_key, None)
             cm = make_common_attn_metadata([1] * num_reqs, seq_lens, batch.block_table,
                                            batch.block_size, device="cuda")  # fmt: skip
             output = torch.full_like(batch.query, math.nan)
@@ -672,8 +664,8 @@ def test_eager_decode_batches_past_max_num_reqs_use_flashinfers_plan():
     batch, impl = written_batch(get_spec("many_decodes"), seed=7)
     kv_lens, num_reqs = batch.kv_lens, len(batch.kv_lens)
     spec = AttentionSpec(batch.block_size, KV_HEADS, HEAD_SIZE, torch.bfloat16)
-    builder = FlashInferMetadataBuilder(spec, ["layer.0"], BatchLimits(4, 256, 1024), "cuda")
-    builder.register_layer(impl)
+    builder = FlashInferMetadataBuilder(spec, {}, BatchLimits(4, 256, 1024), "cuda")
+    builder._layer_keys.setdefault(impl.plan_key, None)
     cm = make_common_attn_metadata(
         [1] * num_reqs, kv_lens, batch.block_table[:num_reqs], batch.block_size, device="cuda"
     )

@@ -18,7 +18,13 @@ from anyattn.backends.flashinfer import FlashInferBackend, FlashInferImpl, Flash
 from anyattn.backends.flashinfer_staging import PlannerStaging
 from anyattn.config import AttentionSpec, BatchLimits
 from anyattn.metadata import make_common_attn_metadata
-from anyattn.testing import KitLayer, attention_oracle, build_batch, error_bound, max_abs_error
+from anyattn.testing import (
+    KitLayer,
+    attention_oracle,
+    build_batch,
+    error_bound,
+    max_abs_error,
+)
 from anyattn.testing.batch_spec import BatchSpec
 
 
@@ -140,9 +146,9 @@ def staged_cpu_builder(monkeypatch):
     monkeypatch.setattr(fi_backend, "_import_flashinfer", lambda: fake)
     monkeypatch.setattr(FlashInferMetadataBuilder, "_prefill_kernels", lambda self: "fa2")
     spec = AttentionSpec(16, 2, 64, torch.bfloat16)
-    builder = FlashInferMetadataBuilder(spec, ["layer.0"], BatchLimits(8, 512, 256), "cpu")
+    builder = FlashInferMetadataBuilder(spec, {}, BatchLimits(8, 512, 256), "cpu")
     builder._staging = PlannerStaging(FakeEvent, lambda: "stream", pin_memory=False)
-    builder.register_layer(FlashInferImpl(4, 64, 0.125, 2))
+    builder._layer_keys.setdefault(FlashInferImpl(4, 64, 0.125, 2).plan_key, None)
     return builder
 
 
@@ -305,7 +311,9 @@ def test_graph_steps_planned_again_remake_the_shared_index_buffers(staged_cpu_bu
     monkeypatch.setattr(fi_backend, "can_replan", lambda wrapper, version: bool(wrapper.seen))
     builder = staged_cpu_builder
     builder.limits = dataclasses.replace(builder.limits, cudagraph_capture_sizes=(4,))
-    builder.register_layer(FlashInferImpl(4, 64, 0.25, 2))  # a second signature
+    builder._layer_keys.setdefault(
+        FlashInferImpl(4, 64, 0.25, 2).plan_key, None
+    )  # a second signature
     keys = list(builder._layer_keys)
     builder.build_for_cudagraph_capture(
         make_common_attn_metadata([1] * 4, [1, 2, 3, 17], TABLE[:4], 16)
@@ -390,7 +398,7 @@ def test_a_build_ahead_of_the_device_leaves_the_last_steps_schedule(monkeypatch,
     impl = FlashInferImpl(HEADS, HEAD_SIZE, SCALE, KV_HEADS)
     layer = KitLayer("layer.0", batch.k_scale, batch.v_scale)
     cm, builder = batch.common_attn_metadata, batch.builder
-    builder.register_layer(impl)
+    builder._layer_keys.setdefault(impl.plan_key, None)
     impl.do_kv_cache_update(layer, batch.key, batch.value, batch.kv_cache, cm.slot_mapping)
 
     def forward(md):

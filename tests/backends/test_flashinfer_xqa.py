@@ -107,7 +107,7 @@ def test_a_bad_decode_kernel_is_refused_when_the_builder_is_made():
 
     spec = AttentionSpec(64, 2, 64, BF16)
     with pytest.raises(ValueError, match="expected one of auto, xqa, wrapper"):
-        Fast(spec, ["layer.0"], BatchLimits(4, 64, 256), "cpu")
+        Fast(spec, {}, BatchLimits(4, 64, 256), "cpu")
 
 
 def cpu_copy() -> GraphDecodeInputsLaunch:
@@ -169,7 +169,7 @@ def test_contiguous_rows_copies_only_a_column_slice():
 def test_cpu_builders_make_the_decode_wrapper_layout():
     # off CUDA no layer's decodes can run XQA: the build keeps the wrapper's arrays
     spec = AttentionSpec(64, 2, 64, BF16)
-    builder = FlashInferMetadataBuilder(spec, ["layer.0"], BatchLimits(4, 64, 256), "cpu")
+    builder = FlashInferMetadataBuilder(spec, {}, BatchLimits(4, 64, 256), "cpu")
     builder.decode_kernel = "xqa"
     table = torch.arange(1, 9, dtype=torch.int32).view(2, 4)
     md = builder.build(0, make_common_attn_metadata([1, 1], [70, 3], table, 64))
@@ -182,11 +182,11 @@ def xqa_cpu_builder(capture_sizes=(), kernel="xqa", register=True, persistent=Fa
     spec = AttentionSpec(16, 2, 64, BF16)
     limits = BatchLimits(8, 512, 256, cudagraph_capture_sizes=capture_sizes,
                          has_persistent_graph_inputs=persistent)  # fmt: skip
-    builder = FlashInferMetadataBuilder(spec, ["layer.0"], limits, "cpu")
+    builder = FlashInferMetadataBuilder(spec, {}, limits, "cpu")
     builder._capability, builder.decode_kernel = H100, kernel
     builder._xqa_reasons.clear()
     if register:
-        builder.register_layer(FlashInferImpl(4, 64, 0.125, 2))
+        builder._layer_keys.setdefault(FlashInferImpl(4, 64, 0.125, 2).plan_key, None)
     return builder
 
 
@@ -202,7 +202,9 @@ def test_decode_routing_follows_new_layers_and_decode_kernel():
     assert step.xqa is not None and step.arrays.decode is None
     # (the decode wrapper needs FlashInfer: the decision itself, which the build follows)
     assert builder._decode_routing() == (True, False)  # XQA for some layer, no plan arrays
-    builder.register_layer(FlashInferImpl(4, 64, 0.125, 2, logits_soft_cap=30.0))
+    builder._layer_keys.setdefault(
+        FlashInferImpl(4, 64, 0.125, 2, logits_soft_cap=30.0).plan_key, None
+    )
     assert builder._decode_routing() == (True, True)  # both kinds of layer
     builder.decode_kernel = "wrapper"
     assert builder._decode_routing() == (False, True)
@@ -228,7 +230,7 @@ def test_the_decode_wrapper_arrays_made_on_demand_equal_a_wrapper_build():
     step = xqa_cpu_builder().build(0, cm).step
     wrapper = (
         FlashInferMetadataBuilder(
-            AttentionSpec(16, 2, 64, BF16), ["layer.0"], BatchLimits(8, 512, 256), "cpu"
+            AttentionSpec(16, 2, 64, BF16), {}, BatchLimits(8, 512, 256), "cpu"
         )
         .build(0, cm)
         .step
@@ -451,7 +453,7 @@ def test_conformance_kit_with_xqa_decodes(feature, dtype):
 def test_auto_build_of_large_block_decodes_plans_nothing_and_never_waits():
     batch, impl = written_batch(get_spec("many_decodes"), seed=3, block_size=64)
     builder = batch.builder
-    builder.register_layer(impl)
+    builder._layer_keys.setdefault(impl.plan_key, None)
     forward(impl, batch, builder.build(0, batch.common_attn_metadata))  # JIT, buffers
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -477,8 +479,8 @@ def test_auto_build_of_large_block_decodes_plans_nothing_and_never_waits():
 def test_soft_capped_layers_keep_the_wrapper_next_to_xqa_layers():
     batch, impl = written_batch(get_spec("many_decodes"), seed=3, block_size=64)
     capped = FlashInferImpl(HEADS, HEAD_SIZE, SCALE, KV_HEADS, logits_soft_cap=30.0)
-    batch.builder.register_layer(impl)
-    batch.builder.register_layer(capped)
+    batch.builder._layer_keys.setdefault(impl.plan_key, None)
+    batch.builder._layer_keys.setdefault(capped.plan_key, None)
     md = batch.builder.build(0, batch.common_attn_metadata)
     assert md.step.planned[impl.plan_key].xqa
     assert md.step.planned[capped.plan_key].decode is not None
@@ -495,8 +497,8 @@ def test_stale_cudagraph_metadata_refills_the_graph_buffers():
     n = cm.num_reqs
     spec = batch.builder.kv_cache_spec
     limits = BatchLimits(n, 256, 2048, cudagraph_capture_sizes=(n,))
-    builder = XqaBuilder(spec, ["layer.0"], limits, "cuda")
-    builder.register_layer(impl)
+    builder = XqaBuilder(spec, {}, limits, "cuda")
+    builder._layer_keys.setdefault(impl.plan_key, None)
     md = builder.build_for_cudagraph_capture(cm)
     other_table = torch.zeros_like(cm.block_table_tensor)
     other = make_common_attn_metadata([1] * n, [1] * n, other_table, spec.block_size, "cuda")

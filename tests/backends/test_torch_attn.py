@@ -17,14 +17,18 @@ from anyattn.config import AttentionSpec, BatchLimits
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.layer import Attention
 from anyattn.metadata import make_common_attn_metadata
+from anyattn.testing import layer_records
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 4, 2, 32, 16
 
 
-def _builder(num_speculative_tokens: int = 0) -> TorchAttentionMetadataBuilder:
+def _builder(
+    num_speculative_tokens: int = 0, names: tuple[str, ...] = ("layer.0",)
+) -> TorchAttentionMetadataBuilder:
     spec = AttentionSpec(BLOCK, KV_HEADS, HEAD_SIZE, torch.float32)
     limits = BatchLimits(64, 4096, 2048, num_speculative_tokens=num_speculative_tokens)
-    return TorchAttentionMetadataBuilder(spec, ["layer.0"], limits, "cpu")
+    layers = layer_records(spec, names, num_heads=HEADS)
+    return TorchAttentionMetadataBuilder(spec, layers, limits, "cpu")
 
 
 def _filled_cache(num_blocks: int, seed: int = 0) -> torch.Tensor:
@@ -36,10 +40,11 @@ def _filled_cache(num_blocks: int, seed: int = 0) -> torch.Tensor:
     return cache
 
 
-def _layer(**kwargs) -> Attention:
+def _layer(layer_name: str = "layer.0", **kwargs) -> Attention:
     return Attention(
-        HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, KV_HEADS, backend=TorchAttentionBackend, **kwargs
-    )
+        HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, KV_HEADS, backend=TorchAttentionBackend,
+        layer_name=layer_name, **kwargs,
+    )  # fmt: skip
 
 
 def _shared_prefix_batch(num_reqs: int = 16, prefix: int = 512, seed: int = 0):
@@ -69,7 +74,7 @@ def _shared_prefix_batch(num_reqs: int = 16, prefix: int = 512, seed: int = 0):
 def test_cascade_runs_the_prefix_once_per_layer_and_matches_the_plain_path(monkeypatch):
     query_lens, seq_lens, table, num_blocks = _shared_prefix_batch()
     cm = make_common_attn_metadata(query_lens, seq_lens, table, BLOCK)
-    builder = _builder()
+    builder = _builder(names=("layer.0", "layer.1", "layer.2"))
     plain_md = builder.build(0, cm)
     cascade_md = builder.build(512, cm)
     calls = []
@@ -100,8 +105,7 @@ def test_use_cascade_attention_heuristic():
 
     builder = _builder()
     lens = np.ones(16, dtype=np.int32)
-    args = dict(num_query_heads=HEADS, num_kv_heads=KV_HEADS, use_local_attention=False,
-                num_sms=0, dcp_world_size=1)  # fmt: skip
+    args = dict(num_query_heads=HEADS, num_kv_heads=KV_HEADS, num_sms=0)
     assert builder.use_cascade_attention(512, lens, use_alibi=False, use_sliding_window=False,
                                          **args)  # fmt: skip
     assert not builder.use_cascade_attention(128, lens, use_alibi=False,
@@ -211,10 +215,32 @@ def test_block_table_too_narrow_is_rejected_by_the_builder():
         _builder().build(0, cm)
 
 
-def test_unsupported_output_quantisation_is_refused():
+def test_forward_refuses_a_layer_the_builder_was_not_given():
     cm, q, k, v = _bad_call_inputs()
-    layer = _layer()
-    md = _builder().build(0, cm)
-    with pytest.raises(NotImplementedError, match="output quantisation"):
-        layer.impl.forward(layer, q, k, v, _filled_cache(10), md, torch.empty_like(q),
-                           output_scale=torch.tensor(1.0))  # fmt: skip
+    md = _builder(names=("layer.0", "layer.1")).build(0, cm)
+    assert md.layer_names == frozenset({"layer.0", "layer.1"})
+    cache = _filled_cache(10)
+    before = cache.clone()
+    stranger = _layer("layer.9")
+    with pytest.raises(ValueError) as raised:
+        stranger.impl.forward(stranger, q, k, v, cache, md, torch.empty_like(q))
+    assert str(raised.value).startswith(
+        "TORCH forward: layer 'layer.9' is not one of the layers the metadata builder was made "
+        "for (got 'layer.9', expected one of ['layer.0', 'layer.1'])."
+    )
+    assert torch.equal(cache, before)
+
+
+def test_metadata_is_frozen_and_forward_adds_nothing_to_it():
+    query_lens, seq_lens, table, num_blocks = _shared_prefix_batch(num_reqs=4, prefix=64)
+    md = _builder().build(0, make_common_attn_metadata(query_lens, seq_lens, table, BLOCK))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        md.causal = False
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        md.segments[0].k_len = 0
+    before = {f.name: getattr(md, f.name) for f in dataclasses.fields(md)}
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(sum(query_lens), HEADS, HEAD_SIZE, generator=gen)
+    _layer()(q, None, None, _filled_cache(num_blocks), md)
+    assert not hasattr(md, "__dict__") or not set(vars(md)) - set(before)
+    assert all(getattr(md, name) is value for name, value in before.items())

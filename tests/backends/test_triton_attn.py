@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import sys
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ from anyattn.ops.unified_attention import (
     unified_attention_ref,
 )
 from anyattn.selector import explain, select_backend
-from anyattn.testing import check_backend, plan_cases, run_case
+from anyattn.testing import check_backend, layer_records, plan_cases, run_case
 from anyattn.types import DeviceInfo
 
 
@@ -318,12 +319,24 @@ def test_choose_num_splits(num_reqs, max_query_len, max_seq_len, num_tokens, exp
 def test_builder_plans_from_cpu_mirrors_and_refuses_cascade() -> None:
     spec = AttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
     limits = BatchLimits(max_num_reqs=64, max_num_tokens=2048, max_model_len=32768)
-    builder = TritonAttentionBackend.get_builder_cls()(spec, ["l0"], limits, "cpu")
+    layers = {**layer_records(spec, ["l0"], num_heads=16), **layer_records(spec, ["l1"], 32)}
+    builder = TritonAttentionBackend.get_builder_cls()(spec, layers, limits, "cpu")
     table = torch.arange(1, 8 * 1250 + 1, dtype=torch.int32).view(8, 1250)
     cm = make_common_attn_metadata([1] * 8, [20000] * 8, table, 16)
     md = builder.build(0, cm)
     assert isinstance(md, TritonAttentionMetadata)
     assert md.num_splits == 4 and md.kernel_path == "unified split-kv x4"
+    # The split-KV buffers are made by the build, for the layer with the most heads.
+    assert md.layer_names == frozenset({"l0", "l1"})
+    out_shape, lse_shape = split_kv_workspace_shape(256, 32, 128, 16)  # min(tokens, 256)
+    assert tuple(md.workspace[0].shape) == out_shape and tuple(md.workspace[1].shape) == lse_shape
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        md.num_splits = 1
+    # A layer the builder was not given is refused before any kernel runs.
+    impl = TritonAttentionBackend.get_impl_cls()(32, 128, 128**-0.5, 8)
+    query = torch.zeros(8, 32, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"TRITON forward: layer 'l7' is not one of the layers"):
+        impl.forward(SimpleNamespace(layer_name="l7"), query, None, None, None, md, query)
     assert md.query_start_loc is cm.query_start_loc and md.block_table is cm.block_table_tensor
     capture = builder.build_for_cudagraph_capture(cm)
     assert capture.num_splits == choose_num_splits(8, 8, 1, 32768, 8)
@@ -389,7 +402,9 @@ def test_cuda_graph_capture_and_replay(query_lens, seq_lens_a, seq_lens_b) -> No
     pytest.importorskip("triton")
     spec = AttentionSpec(block_size=16, num_kv_heads=2, head_size=128, dtype=torch.bfloat16)
     limits = BatchLimits(max_num_reqs=8, max_num_tokens=128, max_model_len=2048)
-    builder = TritonAttentionBackend.get_builder_cls()(spec, ["l0"], limits, "cuda")
+    builder = TritonAttentionBackend.get_builder_cls()(
+        spec, layer_records(spec, ["l0"], num_heads=8), limits, "cuda"
+    )
     impl = TritonAttentionBackend.get_impl_cls()(8, 128, 128**-0.5, 2, sinks=torch.randn(8))
     query, kv, qsl, sl, table = _graph_case(query_lens, seq_lens_a, seed=1)
     table = torch.nn.functional.pad(table, (0, 128 - table.shape[1]))  # fixed width

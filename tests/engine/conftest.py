@@ -142,7 +142,9 @@ class PagedRunner:
         limits = BatchLimits(max_num_reqs=8, max_num_tokens=512, max_model_len=256)
         self.caches: dict[str, torch.Tensor] = {}
         groups: dict[tuple, list[str]] = {}
+        records = {}
         for layer in model.attention_layers():
+            records[layer.layer_name] = layer.impl.layer_params()
             self.caches[layer.layer_name] = allocate_kv_cache(
                 layer.backend,
                 num_blocks,
@@ -160,7 +162,10 @@ class PagedRunner:
             )
             groups.setdefault((layer.backend, spec), []).append(layer.layer_name)
         self.builders = [
-            (backend.get_builder_cls()(spec, names, limits, "cpu"), names)
+            (
+                backend.get_builder_cls()(spec, {n: records[n] for n in names}, limits, "cpu"),
+                names,
+            )
             for (backend, spec), names in groups.items()
         ]
         generator = torch.Generator().manual_seed(1234)

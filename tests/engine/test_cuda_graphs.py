@@ -150,7 +150,7 @@ class RecordingBuilder:
     def __init__(self) -> None:
         self.calls: list[tuple[str, object]] = []
 
-    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+    def build(self, common_prefix_len, common_attn_metadata):
         self.calls.append(("build", common_attn_metadata))
         return common_attn_metadata
 

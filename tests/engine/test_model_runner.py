@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from anyattn.backends.torch_attn import TorchAttentionMetadataBuilder
 from anyattn.config import BatchLimits
 from anyattn.engine.model_runner import ModelRunner
 from anyattn.engine.sampling_params import SamplingParams
@@ -53,23 +52,15 @@ def test_decodes_run_first_and_logits_come_back_in_batch_order(tiny_llm):
         torch.testing.assert_close(by_request[request], alone[request], atol=1e-5, rtol=1e-5)
 
 
-def test_each_builder_is_told_the_impl_of_every_layer_it_serves(tiny_llm, monkeypatch):
-    registered = []
-    register = TorchAttentionMetadataBuilder.register_layer
-
-    def recording(self, impl):
-        registered.append((self, impl))
-        return register(self, impl)
-
-    monkeypatch.setattr(TorchAttentionMetadataBuilder, "register_layer", recording)
+def test_each_builder_gets_the_record_of_every_layer_it_serves(tiny_llm):
     llm, _ = tiny_llm("gemma2")
     runner = llm.runner
     layers = {layer.layer_name: layer for layer in runner.model.attention_layers()}
-    assert len(registered) == len(layers) == 4  # each layer once, at set-up
+    assert sum(len(group.builder.layers) for group in runner.groups) == len(layers) == 4
     for group in runner.groups:
-        assert [impl for builder, impl in registered if builder is group.builder] == [
-            layers[name].impl for name in group.layer_names
-        ]
+        assert group.builder.layers == {
+            name: layers[name].impl.layer_params() for name in group.layer_names
+        }
 
 
 def test_cascade_decision_gets_the_query_heads_and_the_sm_count(tiny_llm):

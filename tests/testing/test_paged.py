@@ -26,7 +26,7 @@ SHAPE = dict(num_heads=4, num_kv_heads=2, head_size=8)
 class EchoBuilder(AttentionMetadataBuilder[object]):
     """Returns the common metadata itself, so tests can look at what the backend would get."""
 
-    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+    def build(self, common_prefix_len, common_attn_metadata):
         return (common_prefix_len, common_attn_metadata)
 
 

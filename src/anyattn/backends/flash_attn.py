@@ -51,7 +51,9 @@ they must hold finite values, which zero-initialised caches (`allocate_kv_cache`
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -61,6 +63,7 @@ from anyattn.backend import (
     AttentionImpl,
     AttentionLayer,
     AttentionMetadataBuilder,
+    check_layer_planned,
 )
 from anyattn.backends import flash_attn_versions as versions
 from anyattn.backends.flash_attn_plan import (
@@ -120,6 +123,8 @@ def _any(attribute: str) -> bool:
 class FlashAttentionBackend(AttentionBackend, metaclass=_DeclaredByInstalledVersion):
     """Declarations of the FLASH_ATTN backend: the union over the installed versions; joint
     constraints per version (head size by compute capability, ...) in `validate_configuration`."""
+
+    priority: ClassVar[Mapping[str, int]] = {"cuda": 0, "blackwell": 1}
 
     supported_dtypes = (torch.float16, torch.bfloat16)
     supported_device_types = ("cuda",)
@@ -182,9 +187,6 @@ class FlashAttentionBackend(AttentionBackend, metaclass=_DeclaredByInstalledVers
 
     @classmethod
     def supports_combination(cls, config, device) -> str | None:
-        bidirectional = config.use_non_causal or config.attn_type != AttentionType.DECODER
-        if config.has_sliding_window and bidirectional:
-            return "sliding window with non-causal or encoder attention not supported"
         if not is_fp8_cache(config.kv_cache_dtype) and config.cache_dtype != config.dtype:
             return (
                 f"kv_cache_dtype {config.kv_cache_dtype} with dtype "
@@ -222,7 +224,7 @@ class FlashAttentionBackend(AttentionBackend, metaclass=_DeclaredByInstalledVers
         return reasons
 
 
-@dataclass
+@dataclass(frozen=True)
 class FlashAttnPass:
     """The varlen arguments of one kernel call.
 
@@ -246,7 +248,7 @@ class FlashAttnPass:
     causal: bool
 
 
-@dataclass
+@dataclass(frozen=True)
 class FlashAttentionMetadata:
     """What `FlashAttentionImpl.forward` needs for one step. Read-only, tensors and passes
     alike: in the CUDA-graph decode layout they are the builder's persistent buffers and one
@@ -263,6 +265,9 @@ class FlashAttentionMetadata:
         max_query_len: the longest query.
         main: the whole batch (the suffix pass under cascade).
         prefix: the cascade prefix pass, else None.
+        encoder: the pass of encoder layers (keys are the step's own, by `query_start_loc`),
+            when the builder has such layers, else None.
+        layer_names: the builder's layers (`forward` refuses any other).
         common_prefix_len: shared prefix tokens (0: no cascade).
         uses_persistent_buffers: the tensors are the builder's CUDA-graph buffers. (Under
             `BatchLimits.has_persistent_graph_inputs` a graph step's are the step's own, False
@@ -280,7 +285,9 @@ class FlashAttentionMetadata:
     max_query_len: int
     main: FlashAttnPass
     common_attn_metadata: CommonAttentionMetadata
+    layer_names: frozenset[str]
     prefix: FlashAttnPass | None = None
+    encoder: FlashAttnPass | None = None
     common_prefix_len: int = 0
     uses_persistent_buffers: bool = False
 
@@ -311,8 +318,8 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
 
     _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
-    def __init__(self, kv_cache_spec, layer_names, limits, device) -> None:
-        super().__init__(kv_cache_spec, layer_names, limits, device)
+    def __init__(self, kv_cache_spec, layers, limits, device) -> None:
+        super().__init__(kv_cache_spec, layers, limits, device)
         FlashAttentionBackend.check_kv_cache_spec(kv_cache_spec, "FlashAttentionMetadataBuilder")
         self.block_size = kv_cache_spec.block_size
         # FA2's varlen call has no seqused_k: key lengths go in as cumulative offsets.
@@ -337,12 +344,11 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         self._copy_inputs = GraphDecodeInputsLaunch(
             self.device, "FlashAttentionMetadataBuilder.build"
         )
+        self._layer_names = frozenset(self.layer_names)
+        self._has_encoder_layers = any(p.attn_type in _ENCODER_TYPES for p in self.layers.values())
 
     def build(
-        self,
-        common_prefix_len: int,
-        common_attn_metadata: CommonAttentionMetadata,
-        fast_build: bool = False,
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata
     ) -> FlashAttentionMetadata:
         cm = common_attn_metadata
         api = "FlashAttentionMetadataBuilder.build"
@@ -437,6 +443,10 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
     def _metadata(
         self, cm: CommonAttentionMetadata, main: FlashAttnPass, **kw
     ) -> FlashAttentionMetadata:
+        encoder = None
+        if self._has_encoder_layers:
+            qsl, max_q = cm.query_start_loc, cm.max_query_len
+            encoder = FlashAttnPass(qsl, None, qsl, None, max_q, max_q, False)
         return FlashAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             num_reqs=cm.num_reqs,
@@ -447,6 +457,8 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             max_query_len=cm.max_query_len,
             main=main,
             common_attn_metadata=cm,
+            layer_names=self._layer_names,
+            encoder=encoder,
             **kw,
         )
 
@@ -580,14 +592,12 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         num_kv_heads: int,
         use_alibi: bool,
         use_sliding_window: bool,
-        use_local_attention: bool,
         num_sms: int,
-        dcp_world_size: int,
     ) -> bool:
         """Cascade pays off when many requests share a long prefix (see
-        `flash_attn_plan.cascade_is_worthwhile`); position-dependent modifiers, context
-        parallelism and versions without LSE rule it out."""
-        if use_alibi or use_sliding_window or use_local_attention or dcp_world_size > 1:
+        `flash_attn_plan.cascade_is_worthwhile`); position-dependent modifiers and versions
+        without LSE rule it out."""
+        if use_alibi or use_sliding_window:
             return False
         if self.kv_cache_spec.sliding_window is not None or common_prefix_len % self.block_size:
             return False
@@ -612,49 +622,17 @@ def _aligned(x: torch.Tensor) -> bool:
 class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
     """The FLASH_ATTN backend's forward; see the module docstring."""
 
-    can_return_lse_for_decode = True
-    lse_base_on_e = True
-
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int | None = None,
-        alibi_slopes: list[float] | None = None,
-        sliding_window: int | None = None,
-        kv_cache_dtype: str = "auto",
-        logits_soft_cap: float | None = None,
-        attn_type: AttentionType | str = AttentionType.DECODER,
-        kv_sharing_target_layer_name: str | None = None,
-        sinks: torch.Tensor | None = None,
-    ) -> None:
-        self.init_common_arguments(
-            FlashAttentionBackend,
-            num_heads=num_heads,
-            head_size=head_size,
-            scale=scale,
-            num_kv_heads=num_kv_heads,
-            alibi_slopes=alibi_slopes,
-            sliding_window=sliding_window,
-            kv_cache_dtype=kv_cache_dtype,
-            logits_soft_cap=logits_soft_cap,
-            attn_type=attn_type,
-            kv_sharing_target_layer_name=kv_sharing_target_layer_name,
-            sinks=sinks,
-        )
-        self.alibi_slopes = (
-            None if alibi_slopes is None else torch.as_tensor(alibi_slopes, dtype=torch.float32)
-        )
-        self.sinks = None if sinks is None else sinks.detach().float()
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.sinks = None if self.sinks is None else self.sinks.detach().float()
         self._request = versions.FlashAttnRequest(
-            head_size=head_size,
-            kv_cache_dtype=kv_cache_dtype,
+            head_size=self.head_size,
+            kv_cache_dtype=self.kv_cache_dtype,
             attn_type=self.attn_type,
-            has_alibi=alibi_slopes is not None,
-            has_sink=sinks is not None,
+            has_alibi=self.alibi_slopes is not None,
+            has_sink=self.sinks is not None,
             has_logits_soft_cap=self.logits_soft_cap is not None,
-            has_sliding_window=sliding_window is not None,
+            has_sliding_window=self.sliding_window is not None,
         )
         installed = versions.installed_interfaces()
         if not installed:
@@ -693,17 +671,11 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
         kv_cache: torch.Tensor,
         attn_metadata: FlashAttentionMetadata,
         output: torch.Tensor,
-        output_scale: torch.Tensor | None = None,
-        output_block_scale: torch.Tensor | None = None,
         output_lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """See `AttentionImpl.forward`. Writes `output[:num_actual_tokens]` (and `output_lse`)."""
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError(
-                "FLASH_ATTN forward: fused output quantisation not supported (got output_scale). "
-                "Quantise the output after the call."
-            )
         md = attn_metadata
+        check_layer_planned(md.layer_names, layer, "FLASH_ATTN forward")
         check_forward(self, query, key, value, kv_cache, md, output, output_lse)
         n = md.num_actual_tokens
         if n == 0:
@@ -712,10 +684,8 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
         lse = None if output_lse is None else output_lse[:, :n]
         if self.attn_type in _ENCODER_TYPES:
             # Bidirectional self-attention over the step's own keys: no cache.
-            qsl = md.query_start_loc
-            pass_ = FlashAttnPass(qsl, None, qsl, None, md.max_query_len, md.max_query_len, False)
             out, part_lse = self._attend(
-                interface, query[:n], key[:n], value[:n], pass_, self.sinks, lse is not None
+                interface, query[:n], key[:n], value[:n], md.encoder, self.sinks, lse is not None
             )
             self._store(output[:n], out, lse, part_lse)
             return output
@@ -835,6 +805,11 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
         self, md: FlashAttentionMetadata, output_lse: torch.Tensor | None, api: str
     ) -> None:
         # (a sliding window with non-causal attention: refused by check_forward_inputs)
+        if self.attn_type in _ENCODER_TYPES and md.encoder is None:
+            raise ValueError(
+                f"{api}: the metadata was built for no encoder layer (got an "
+                f"{self.attn_type.value} layer). Give the builder this layer's record."
+            )
         bidirectional = not md.causal or self.attn_type is not AttentionType.DECODER
         if self.alibi_slopes is not None and bidirectional:
             raise NotImplementedError(
@@ -877,3 +852,6 @@ def _on(impl: FlashAttentionImpl, name: str, device: torch.device) -> torch.Tens
         tensor = tensor.to(device)
         setattr(impl, name, tensor)
     return tensor
+
+
+FlashAttentionImpl.backend = FlashAttentionBackend

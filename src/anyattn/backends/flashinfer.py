@@ -37,10 +37,8 @@ where its "auto" could pick kernels whose planning reads device memory.
 
 What the wrappers need per layer (query heads, scale, soft cap) is not in the KV-cache spec, so
 plans are kept per layer signature: a builder plans in `build` for every signature it knows.
-The engine's model runner registers every layer at set-up (`register_layer`, part of the
-builder contract), so in the engine all planning happens in `build`; a builder used without
-registration learns a signature from the first forward of such a layer, which then plans once
-from the step's CPU arrays. Plans are FlashInfer state: metadata is valid until the builder's
+The builder gets every layer's record at construction (`layers`), so all planning happens in
+`build`. Plans are FlashInfer state: metadata is valid until the builder's
 next `build`; a forward on older metadata plans again. Each plan writes its schedule into a
 page-locked host buffer that the device copies from later, on the stream: every plan gets a
 buffer no earlier copy still reads (`flashinfer_staging`), so a `build` may run ahead of the
@@ -68,7 +66,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -78,7 +76,6 @@ import torch
 from anyattn.backend import (
     AttentionBackend,
     AttentionImpl,
-    AttentionImplBase,
     AttentionLayer,
     AttentionMetadataBuilder,
 )
@@ -151,6 +148,8 @@ def _import_flashinfer() -> Any:
 class FlashInferBackend(AttentionBackend):
     """Declarations of the FLASHINFER backend (see the module docstring)."""
 
+    priority: ClassVar[Mapping[str, int]] = {"cuda": 1, "blackwell": 0}
+
     supported_dtypes = (torch.float16, torch.bfloat16)
     supported_kv_cache_dtypes = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
     supported_device_types = ("cuda",)
@@ -207,8 +206,6 @@ class FlashInferBackend(AttentionBackend):
                 f"kv_cache_dtype {cache} with dtype {str(config.dtype).removeprefix('torch.')} "
                 "not supported (FlashInfer's 16-bit kernels need the cache in the model dtype)"
             )
-        if config.has_sliding_window and config.use_non_causal:
-            return "sliding window with non-causal attention not supported"
         return None
 
     @classmethod
@@ -357,15 +354,18 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     # layer) or "wrapper" (FlashInfer's planned decode wrapper always). See flashinfer_xqa.
     decode_kernel: ClassVar[str] = "auto"
 
-    def __init__(self, kv_cache_spec, layer_names, limits, device) -> None:
-        super().__init__(kv_cache_spec, layer_names, limits, device)
+    def __init__(self, kv_cache_spec, layers, limits, device) -> None:
+        super().__init__(kv_cache_spec, layers, limits, device)
         FlashInferBackend.check_kv_cache_spec(kv_cache_spec, "FlashInferMetadataBuilder")
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
         spec = kv_cache_spec
         self._cache_dtype = spec.cache_dtype
         self._allow_ragged = not is_fp8_cache(spec.kv_cache_dtype)
         self._window_left = spec.sliding_window - 1 if spec.sliding_window else -1
-        self._layer_keys: dict[_PlanKey, None] = {}
+        self._layer_keys: dict[_PlanKey, None] = {
+            _PlanKey(p.num_heads, p.scale, p.logits_soft_cap or 0.0): None
+            for p in self.layers.values()
+        }
         self._eager: dict[_PlanKey, _Wrappers] = {}
         self._graph: dict[tuple[_PlanKey, int], Any] = {}
         self._layouts = DecodeLayouts(
@@ -417,27 +417,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         # max_num_reqs (larger eager batches are planned by FlashInfer's `plan()`).
         self._qo_indptrs: dict[int, dict[str, torch.Tensor]] = {}
 
-    def register_layer(self, impl: AttentionImplBase) -> None:
-        """Plan for `impl`'s layer signature (query heads, scale, soft cap) in every later
-        `build`. The engine registers each layer at set-up; a signature never registered is
-        learnt from the first forward of such a layer, which then plans once itself.
-
-        Raises:
-            TypeError: `impl` is not a `FlashInferImpl`.
-        """
-        if not isinstance(impl, FlashInferImpl):
-            raise TypeError(
-                f"FlashInferMetadataBuilder.register_layer: impl of another backend (got "
-                f"{type(impl).__name__}, expected FlashInferImpl). Register only the layers of "
-                "this builder's KV-cache group."
-            )
-        self._layer_keys.setdefault(impl.plan_key, None)
-
     def build(
-        self,
-        common_prefix_len: int,
-        common_attn_metadata: CommonAttentionMetadata,
-        fast_build: bool = False,
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata
     ) -> FlashInferMetadata:
         return self._build(
             common_prefix_len, common_attn_metadata, self._replay_size(common_attn_metadata)
@@ -583,8 +564,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 f"FLASHINFER forward: {what} for the step being captured (got a layer "
-                "signature, metadata or LSE request the builder has not planned). Call "
-                "builder.register_layer(impl) or run one eager step as the graph will before "
+                "signature, metadata or LSE request the builder has not planned). Give the "
+                "builder every layer's record or run one eager step as the graph will before "
                 "capturing, and capture with the metadata of the latest build."
             )
 
@@ -1095,35 +1076,9 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
     # FlashInfer's kernels return log2-sum-exp2 of the log2e-scaled scores.
     lse_base_on_e = False
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int | None = None,
-        alibi_slopes: list[float] | None = None,
-        sliding_window: int | None = None,
-        kv_cache_dtype: str = "auto",
-        logits_soft_cap: float | None = None,
-        attn_type: AttentionType | str = AttentionType.DECODER,
-        kv_sharing_target_layer_name: str | None = None,
-        sinks: torch.Tensor | None = None,
-    ) -> None:
-        self.init_common_arguments(
-            FlashInferBackend,
-            num_heads=num_heads,
-            head_size=head_size,
-            scale=scale,
-            num_kv_heads=num_kv_heads,
-            alibi_slopes=alibi_slopes,
-            sliding_window=sliding_window,
-            kv_cache_dtype=kv_cache_dtype,
-            logits_soft_cap=logits_soft_cap,
-            attn_type=attn_type,
-            kv_sharing_target_layer_name=kv_sharing_target_layer_name,
-            sinks=sinks,
-        )
-        self.plan_key = _PlanKey(num_heads, self.scale, self.logits_soft_cap or 0.0)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.plan_key = _PlanKey(self.num_heads, self.scale, self.logits_soft_cap or 0.0)
         self._scales: dict[str, tuple[tuple[int, int, int], float]] = {}
 
     def forward(
@@ -1135,18 +1090,11 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
         kv_cache: torch.Tensor,
         attn_metadata: FlashInferMetadata,
         output: torch.Tensor,
-        output_scale: torch.Tensor | None = None,
-        output_block_scale: torch.Tensor | None = None,
         output_lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """See `AttentionImpl.forward`. Writes `output[:num_actual_tokens]` (and `output_lse`,
         base 2) with up to three runs: decodes (XQA or the decode wrapper), fresh prefills,
         other prefills."""
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError(
-                "FLASHINFER forward: fused output quantisation not supported (got "
-                "output_scale). Quantise the output after the call."
-            )
         md = attn_metadata
         check_forward(self, query, key, value, kv_cache, md, output, output_lse)
         if md.num_actual_tokens == 0:
@@ -1330,3 +1278,6 @@ def _write_lse(output_lse: torch.Tensor | None, rows: tuple[int, int], result: A
     if output_lse is not None:
         _, lse = result
         output_lse[:, rows[0] : rows[1]].copy_(lse.t())
+
+
+FlashInferImpl.backend = FlashInferBackend

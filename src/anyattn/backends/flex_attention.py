@@ -125,16 +125,12 @@ class FlexAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_combination(cls, config, device) -> str | None:
-        reasons = []
         if config.needs_lse and device.type == "cpu":
-            reasons.append(
+            return (
                 "returning LSE (needs_lse) not supported on cpu (Inductor's CPU FlexAttention "
                 "has no LSE output)"
             )
-        bidirectional = config.use_non_causal or config.attn_type != AttentionType.DECODER
-        if config.has_sliding_window and bidirectional:
-            reasons.append("sliding window with non-causal or encoder attention not supported")
-        return "; ".join(reasons) or None
+        return None
 
     @classmethod
     def get_unavailable_reason(cls) -> str | None:

@@ -6,15 +6,18 @@ batches (decodes, fresh and chunked prefills), GQA/MQA, causal and non-causal, a
 attention types, sliding window, ALiBi, soft cap, sinks, fp8 KV with per-tensor or per-head
 scales, LSE output, cascade attention and KV sharing.
 
-Plan/run split: the builder turns the step into a plan (a batched decode group plus one segment
-per other request, all from CPU mirrors, no device sync); `forward` gathers each group's
-blocks once, KV-head-major, and runs `dense_attention` (SDPA where no feature needs the
-explicit math). Never a Python loop over tokens.
+Plan/run split: the builder turns the step into frozen metadata (a batched decode group with its
+key positions and validity, plus one segment per other request, all from CPU mirrors, no
+device sync); `forward` gathers each group's blocks once, KV-head-major, and runs
+`dense_attention` (SDPA where no feature needs the explicit math). Never a Python loop over
+tokens.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -24,6 +27,7 @@ from anyattn.backend import (
     AttentionImpl,
     AttentionLayer,
     AttentionMetadataBuilder,
+    check_layer_planned,
 )
 from anyattn.metadata import CommonAttentionMetadata, split_decodes_and_prefills
 from anyattn.ops.dense_attention import DenseKV, PagedKV, ScoreMods, dense_attention
@@ -49,6 +53,8 @@ _ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
 
 class TorchAttentionBackend(AttentionBackend):
     """Declarations of the TORCH backend."""
+
+    priority: ClassVar[Mapping[str, int]] = {"cpu": 0, "cuda": 4, "blackwell": 4}
 
     supported_dtypes = (torch.float32, torch.float16, torch.bfloat16)
     supported_kv_cache_dtypes = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -106,15 +112,6 @@ class TorchAttentionBackend(AttentionBackend):
     def supports_cascade(cls) -> bool:
         return True
 
-    @classmethod
-    def supports_combination(cls, config, device) -> str | None:
-        # DESIGN.md defines the window causally (p - W < j <= p); bidirectional local
-        # attention would need a symmetric window nobody has specified yet.
-        bidirectional = config.use_non_causal or config.attn_type != AttentionType.DECODER
-        if config.has_sliding_window and bidirectional:
-            return "sliding window with non-causal or encoder attention not supported"
-        return None
-
 
 class Workspace:
     """A buffer the builder owns and every layer's gather reuses, grown when a step needs more.
@@ -134,7 +131,7 @@ class Workspace:
         return buf
 
 
-@dataclass
+@dataclass(frozen=True)
 class Segment:
     """One request run on its own: queries `[q_start, q_start + q_len)` at positions
     `context, ...`, keys `[0, k_len)` of block-table row `row`."""
@@ -146,7 +143,7 @@ class Segment:
     k_len: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class TorchAttentionMetadata:
     """What `TorchAttentionImpl.forward` needs for one step.
 
@@ -162,14 +159,17 @@ class TorchAttentionMetadata:
             positions `[num_decodes, Lq]`, sequence lengths `[num_decodes]`;
             `decode_is_single_token` when every decode has exactly one query token.
         decode_num_blocks: block-table columns the group reads (from `prefix_blocks` on).
+        decode_key_positions: int64 `[keys]` (device): positions of the keys the group reads,
+            from `common_prefix_len` on.
+        decode_key_valid: bool `[num_decodes, keys]` (device), or None when every decode has
+            the longest length.
         segments: every other request, one by one.
         all_segments: every request as a segment (encoder attention runs them all so).
         common_prefix_len: tokens of the shared prefix run once (cascade), else 0.
         prefix_blocks: block ids of that prefix `[common_prefix_len // block_size]` (device).
         token_positions: int64 `[num_actual_tokens]` absolute position of each query (cascade).
         workspace: the builder's gather buffer, reused by every layer.
-        step_cache: tensors derived from this metadata alone (key positions and masks), made
-            by the first layer that needs them and reused by the others.
+        layer_names: the builder's layers (`forward` refuses any other).
         common_attn_metadata: the step it was built from (its mirrors for the checks).
     """
 
@@ -190,14 +190,16 @@ class TorchAttentionMetadata:
     decode_positions: torch.Tensor
     decode_seq_lens: torch.Tensor
     decode_num_blocks: int
-    segments: list[Segment]
-    all_segments: list[Segment]
+    decode_key_positions: torch.Tensor
+    decode_key_valid: torch.Tensor | None
+    segments: tuple[Segment, ...]
+    all_segments: tuple[Segment, ...]
     common_attn_metadata: CommonAttentionMetadata
+    workspace: Workspace
+    layer_names: frozenset[str]
     common_prefix_len: int = 0
     prefix_blocks: torch.Tensor | None = None
     token_positions: torch.Tensor | None = None
-    workspace: Workspace = field(default_factory=Workspace)
-    step_cache: dict = field(default_factory=dict)
 
 
 class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetadata]):
@@ -205,18 +207,16 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
 
     _cudagraph_support = AttentionCGSupport.NEVER
 
-    def __init__(self, kv_cache_spec, layer_names, limits, device) -> None:
-        super().__init__(kv_cache_spec, layer_names, limits, device)
+    def __init__(self, kv_cache_spec, layers, limits, device) -> None:
+        super().__init__(kv_cache_spec, layers, limits, device)
         TorchAttentionBackend.check_kv_cache_spec(kv_cache_spec, "TorchAttentionMetadataBuilder")
         # Decodes (and spec-decode verification runs of 1 + k tokens) go first, as one group.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
         self._workspace = Workspace()
+        self._layer_names = frozenset(self.layer_names)
 
     def build(
-        self,
-        common_prefix_len: int,
-        common_attn_metadata: CommonAttentionMetadata,
-        fast_build: bool = False,
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata
     ) -> TorchAttentionMetadata:
         cm = common_attn_metadata
         block_size = self.kv_cache_spec.block_size
@@ -239,13 +239,13 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
             num_decodes, _, num_decode_tokens, _ = split_decodes_and_prefills(
                 cm, self.reorder_batch_threshold
             )
-        decode = self._plan_decodes(cm, num_decodes, prefix_blocks, block_size)
+        decode = self._plan_decodes(cm, num_decodes, common_prefix_len, block_size)
         loc = cm.query_start_loc_cpu[: num_reqs + 1].tolist()
         contexts = context_cpu.tolist()
         k_lens = k_lens_cpu.tolist()
-        all_segments = [
+        all_segments = tuple(
             Segment(r, loc[r], loc[r + 1] - loc[r], contexts[r], k_lens[r]) for r in range(num_reqs)
-        ]
+        )
         token_positions = None
         if common_prefix_len:
             # position of token t of request r: context_r + (t - query_start_r), on the device
@@ -275,6 +275,7 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
             prefix_blocks=cm.block_table_tensor[0, :prefix_blocks] if common_prefix_len else None,
             token_positions=token_positions,
             workspace=self._workspace,
+            layer_names=self._layer_names,
             **decode,
         )
 
@@ -304,10 +305,10 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
         return common_prefix_len
 
     def _plan_decodes(
-        self, cm: CommonAttentionMetadata, num_decodes: int, prefix_blocks: int, block_size: int
+        self, cm: CommonAttentionMetadata, num_decodes: int, first_key: int, block_size: int
     ) -> dict[str, object]:
-        """Padded layout of the leading decode group, from the CPU mirrors (host-to-device
-        copies only)."""
+        """Padded layout of the leading decode group over keys `[first_key, seq_len)`, from
+        the CPU mirrors (host-to-device copies only)."""
         device = cm.query_start_loc.device
         query_lens = cm.query_lens_cpu[:num_decodes].long()
         seq_lens = cm.seq_lens_cpu[:num_decodes].long()
@@ -318,13 +319,18 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
         token_ids = cm.query_start_loc_cpu[:num_decodes].long().unsqueeze(1) + offsets
         token_ids = token_ids.masked_fill(~valid, 0)
         valid_rows = valid.flatten().nonzero().flatten()  # CPU tensor: no device sync
+        # Keys from the first block holding `first_key` up to the longest sequence: equal
+        # lengths need no validity mask.
+        first_block = first_key // block_size
+        k_pos = first_key + torch.arange(max(max_seq_len - first_block * block_size, 0))
+        uniform = bool(num_decodes) and bool((seq_lens == max_seq_len).all())
+        k_valid = None if uniform else k_pos.unsqueeze(0) < seq_lens.unsqueeze(1)
         return {
             # one token per request: query row r is request r's, no gather needed
             "decode_is_single_token": bool(num_decodes) and bool((query_lens == 1).all()),
             # equal lengths: keys trimmed to max_seq_len need no validity mask
             "decode_max_seq_len": max_seq_len,
-            "decode_has_uniform_seq_len": bool(num_decodes)
-            and bool((seq_lens == max_seq_len).all()),
+            "decode_has_uniform_seq_len": uniform,
             "decode_max_query_len": max_query_len,
             "decode_token_ids": token_ids.to(device, non_blocking=True),
             "decode_valid_rows": valid_rows.to(device, non_blocking=True),
@@ -333,7 +339,9 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
                 device, non_blocking=True
             ),
             "decode_seq_lens": seq_lens.to(device, non_blocking=True),
-            "decode_num_blocks": max(-(-max_seq_len // block_size) - prefix_blocks, 0),
+            "decode_num_blocks": max(-(-max_seq_len // block_size) - first_block, 0),
+            "decode_key_positions": k_pos.to(device, non_blocking=True),
+            "decode_key_valid": None if k_valid is None else k_valid.to(device, non_blocking=True),
         }
 
     def use_cascade_attention(
@@ -344,14 +352,12 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
         num_kv_heads: int,
         use_alibi: bool,
         use_sliding_window: bool,
-        use_local_attention: bool,
         num_sms: int,
-        dcp_world_size: int,
     ) -> bool:
         """Cascade pays off here when many requests share a long prefix: the prefix blocks are
         then gathered and attended once instead of once per request. Position-dependent score
-        modifiers and context parallelism rule it out."""
-        if use_alibi or use_sliding_window or use_local_attention or dcp_world_size > 1:
+        modifiers rule it out."""
+        if use_alibi or use_sliding_window:
             return False
         return common_prefix_len >= 256 and len(query_lens) >= 8
 
@@ -359,47 +365,15 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
 class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
     """The TORCH backend's forward; see the module docstring."""
 
-    can_return_lse_for_decode = True
-    lse_base_on_e = True
-
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int | None = None,
-        alibi_slopes: list[float] | None = None,
-        sliding_window: int | None = None,
-        kv_cache_dtype: str = "auto",
-        logits_soft_cap: float | None = None,
-        attn_type: AttentionType | str = AttentionType.DECODER,
-        kv_sharing_target_layer_name: str | None = None,
-        sinks: torch.Tensor | None = None,
-    ) -> None:
-        self.init_common_arguments(
-            TorchAttentionBackend,
-            num_heads=num_heads,
-            head_size=head_size,
-            scale=scale,
-            num_kv_heads=num_kv_heads,
-            alibi_slopes=alibi_slopes,
-            sliding_window=sliding_window,
-            kv_cache_dtype=kv_cache_dtype,
-            logits_soft_cap=logits_soft_cap,
-            attn_type=attn_type,
-            kv_sharing_target_layer_name=kv_sharing_target_layer_name,
-            sinks=sinks,
-        )
-        group = num_heads // self.num_kv_heads
-        shape = (self.num_kv_heads, 1, group)
-        slopes = None
-        if alibi_slopes is not None:
-            slopes = torch.as_tensor(alibi_slopes, dtype=torch.float32).view(*shape, 1, 1)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        shape = (self.num_kv_heads, 1, self.num_heads // self.num_kv_heads)
+        slopes, sinks = self.alibi_slopes, self.sinks
         self._mods = ScoreMods(
             scale=self.scale,
-            soft_cap=logits_soft_cap or None,
-            sliding_window=sliding_window,
-            alibi_slopes=slopes,
+            soft_cap=self.logits_soft_cap,
+            sliding_window=self.sliding_window,
+            alibi_slopes=None if slopes is None else slopes.view(*shape, 1, 1),
             sinks=None if sinks is None else sinks.detach().float().view(*shape, 1),
         )
 
@@ -424,17 +398,11 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
         kv_cache: torch.Tensor,
         attn_metadata: TorchAttentionMetadata,
         output: torch.Tensor,
-        output_scale: torch.Tensor | None = None,
-        output_block_scale: torch.Tensor | None = None,
         output_lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """See `AttentionImpl.forward`. Writes `output[:num_actual_tokens]` (and `output_lse`)."""
         md = attn_metadata
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError(
-                "TORCH forward: fused output quantisation not supported (got output_scale). "
-                "Quantise the output after the call."
-            )
+        check_layer_planned(md.layer_names, layer, "TORCH forward")
         check_forward(self, query, key, value, kv_cache, md, output, output_lse)
         n = md.num_actual_tokens
         if n == 0:
@@ -563,15 +531,7 @@ class _Run:
             md.block_table[:num_decodes, first_block : first_block + md.decode_num_blocks],
             length=md.decode_max_seq_len - first_block * md.block_size,
         )
-        # Key positions and validity are the same for every layer of the step: made once.
-        cached = md.step_cache.get(("decode_keys", first_key))
-        if cached is None:
-            k_pos = first_key + torch.arange(kv.length, device=self.query.device)
-            k_valid = None  # keys trimmed to the longest sequence: equal lengths need no mask
-            if not md.decode_has_uniform_seq_len:
-                k_valid = k_pos.unsqueeze(0) < md.decode_seq_lens.unsqueeze(1)
-            cached = md.step_cache[("decode_keys", first_key)] = (k_pos, k_valid)
-        k_pos, k_valid = cached
+        k_pos, k_valid = md.decode_key_positions, md.decode_key_valid
         # A single query token sits at its sequence's last position, so every valid key is
         # causal already; only multi-token (spec-decode) queries need the causal mask.
         causal = md.causal and not md.decode_is_single_token
@@ -634,3 +594,6 @@ class _Run:
             out[seg.q_start : seg.q_start + seg.q_len] = o[0]
             if lse is not None:
                 lse[:, seg.q_start : seg.q_start + seg.q_len] = part_lse[0]
+
+
+TorchAttentionImpl.backend = TorchAttentionBackend

@@ -17,7 +17,9 @@ capture sizes it, and it refuses to grow during capture).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -26,6 +28,7 @@ from anyattn.backend import (
     AttentionImpl,
     AttentionLayer,
     AttentionMetadataBuilder,
+    check_layer_planned,
 )
 from anyattn.metadata import CommonAttentionMetadata
 from anyattn.ops.unified_attention import (
@@ -58,6 +61,8 @@ _TMA_INPUTS = True
 
 class TritonAttentionBackend(AttentionBackend):
     """Declarations of the TRITON backend."""
+
+    priority: ClassVar[Mapping[str, int]] = {"cuda": 2, "blackwell": 2}
 
     supported_dtypes = (torch.float32, torch.float16, torch.bfloat16)
     supported_kv_cache_dtypes = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -122,8 +127,6 @@ class TritonAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_combination(cls, config, device: DeviceInfo) -> str | None:
-        if config.has_sliding_window and config.use_non_causal:
-            return "sliding window with non-causal attention not supported (defined causally)"
         capability = device.capability
         if config.kv_cache_dtype in ("fp8", "fp8_e4m3") and capability and capability < (8, 9):
             return "fp8 e4m3 KV cache needs compute capability >= 8.9 (Triton's e4m3 casts)"
@@ -140,7 +143,8 @@ class TritonAttentionBackend(AttentionBackend):
 
 class SplitWorkspace:
     """The float32 buffers of split-KV partial results, owned by the builder and shared by
-    every layer. Grown outside graph capture only (the runner's warm-up runs first)."""
+    every layer; made by the first `build` that splits, sized for the builder's layers. Grown
+    outside graph capture only (the runner's warm-up runs first)."""
 
     def __init__(self, max_tokens: int, device: torch.device) -> None:
         self.max_tokens = max_tokens
@@ -173,7 +177,7 @@ class SplitWorkspace:
         return bufs
 
 
-@dataclass
+@dataclass(frozen=True)
 class TritonAttentionMetadata:
     """What `TritonAttentionImpl.forward` needs for one step.
 
@@ -190,8 +194,10 @@ class TritonAttentionMetadata:
         num_splits: KV splits per request (1 = no split-KV).
         is_fresh_prefill: every request starts this step (no context): keys may be read from
             the step's new K/V instead of the pages.
-        workspace: the builder's split-KV buffers.
+        workspace: `(partial_out, partial_lse)`, the builder's split-KV buffers for every
+            layer; None when `num_splits` is 1.
         kernel_path: which kernel path runs, for logs and benchmarks.
+        layer_names: the builder's layers (`forward` refuses any other).
         common_attn_metadata: the step it was built from (its mirrors for the checks).
     """
 
@@ -206,9 +212,10 @@ class TritonAttentionMetadata:
     causal: bool
     num_splits: int
     is_fresh_prefill: bool
-    workspace: SplitWorkspace
+    workspace: tuple[torch.Tensor, torch.Tensor] | None
     kernel_path: str
     common_attn_metadata: CommonAttentionMetadata
+    layer_names: frozenset[str]
 
 
 def choose_num_splits(
@@ -233,17 +240,16 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
 
     _cudagraph_support = AttentionCGSupport.ALWAYS
 
-    def __init__(self, kv_cache_spec, layer_names, limits, device) -> None:
-        super().__init__(kv_cache_spec, layer_names, limits, device)
+    def __init__(self, kv_cache_spec, layers, limits, device) -> None:
+        super().__init__(kv_cache_spec, layers, limits, device)
         TritonAttentionBackend.check_kv_cache_spec(kv_cache_spec, "TritonAttentionMetadataBuilder")
         max_tokens = min(limits.max_num_tokens, _MAX_SPLIT_TOKENS)
-        self._workspace = SplitWorkspace(max_tokens, torch.device(device))
+        self._workspace = SplitWorkspace(max_tokens, self.device)
+        self._max_heads = max((p.num_heads for p in self.layers.values()), default=1)
+        self._layer_names = frozenset(self.layer_names)
 
     def build(
-        self,
-        common_prefix_len: int,
-        common_attn_metadata: CommonAttentionMetadata,
-        fast_build: bool = False,
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata
     ) -> TritonAttentionMetadata:
         cm = common_attn_metadata
         if common_prefix_len:
@@ -292,50 +298,24 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
             causal=cm.causal,
             num_splits=splits,
             is_fresh_prefill=is_fresh,
-            workspace=self._workspace,
+            workspace=(
+                None
+                if splits == 1
+                else self._workspace.get(self._max_heads, self.kv_cache_spec.head_size)
+            ),
             kernel_path=path,
             common_attn_metadata=cm,
+            layer_names=self._layer_names,
         )
 
 
 class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
     """The TRITON backend's forward: one `unified_attention` launch per layer and step."""
 
-    can_return_lse_for_decode = True
-    lse_base_on_e = True
-
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int | None = None,
-        alibi_slopes: list[float] | None = None,
-        sliding_window: int | None = None,
-        kv_cache_dtype: str = "auto",
-        logits_soft_cap: float | None = None,
-        attn_type: AttentionType | str = AttentionType.DECODER,
-        kv_sharing_target_layer_name: str | None = None,
-        sinks: torch.Tensor | None = None,
-    ) -> None:
-        self.init_common_arguments(
-            TritonAttentionBackend,
-            num_heads=num_heads,
-            head_size=head_size,
-            scale=scale,
-            num_kv_heads=num_kv_heads,
-            alibi_slopes=alibi_slopes,
-            sliding_window=sliding_window,
-            kv_cache_dtype=kv_cache_dtype,
-            logits_soft_cap=logits_soft_cap,
-            attn_type=attn_type,
-            kv_sharing_target_layer_name=kv_sharing_target_layer_name,
-            sinks=sinks,
-        )
-        self._alibi_slopes = (
-            None if alibi_slopes is None else torch.as_tensor(alibi_slopes).float().flatten()
-        )
-        self._sinks = None if sinks is None else sinks.detach().float()
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._alibi_slopes = self.alibi_slopes
+        self._sinks = None if self.sinks is None else self.sinks.detach().float()
         self._has_tma: bool | None = None
 
     def _on(self, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -355,17 +335,11 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         kv_cache: torch.Tensor,
         attn_metadata: TritonAttentionMetadata,
         output: torch.Tensor,
-        output_scale: torch.Tensor | None = None,
-        output_block_scale: torch.Tensor | None = None,
         output_lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """See `AttentionImpl.forward`. Writes `output[:num_actual_tokens]` (and `output_lse`)."""
         md = attn_metadata
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError(
-                f"{_API}: fused output quantisation not supported (got output_scale). "
-                "Quantise the output after the call."
-            )
+        check_layer_planned(md.layer_names, layer, _API)
         check_forward(self, query, key, value, kv_cache, md, output, output_lse)
         if md.num_actual_tokens == 0:
             return output
@@ -384,9 +358,6 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             k_scale=k_scale,
             v_scale=v_scale,
         )
-        workspace = None
-        if md.num_splits > 1:
-            workspace = md.workspace.get(self.num_heads, self.head_size)
         n = md.num_actual_tokens
         from_input = md.is_fresh_prefill and self._can_read_input(query, key, value, kv_cache)
         # Views of the real rows: padding rows are neither read nor written.
@@ -402,7 +373,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             params,
             output_lse=None if output_lse is None else output_lse[:, :n],
             num_splits=md.num_splits,
-            workspace=workspace,
+            workspace=md.workspace,
             key=key[:n] if from_input else None,
             value=value[:n] if from_input else None,
         )
@@ -461,3 +432,6 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             output=output,
             output_lse=output_lse,
         )
+
+
+TritonAttentionImpl.backend = TritonAttentionBackend

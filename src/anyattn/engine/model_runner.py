@@ -3,7 +3,7 @@ runs the model, and returns the logits of the requests that need a next token.
 
 KV-cache groups are the attention layers that share one backend and one `AttentionSpec`
 (a plain model has one; Gemma2's sliding and global layers make two). Each group's builder is
-told the impl of every layer it serves (`register_layer`) at set-up, before any build. Every
+made with the record of every layer it serves (`{name: impl.layer_params()}`). Every
 group reads the same block table and slot mapping (in engine blocks); a backend whose kernel
 block is smaller gets the table expanded to kernel blocks, which leaves slot numbers unchanged.
 
@@ -139,18 +139,18 @@ class ModelRunner:
                 backend,
                 spec,
                 names,
-                backend.get_builder_cls()(spec, names, self.limits, self.device),
+                backend.get_builder_cls()(
+                    spec,
+                    {name: layers[name].impl.layer_params() for name in names},
+                    self.limits,
+                    self.device,
+                ),
                 spec.block_size,
                 max(layers[name].num_heads for name in names),
                 any(layers[name].config.has_alibi for name in names),
             )
             for (backend, spec), names in specs.items()
         ]
-        # Before any build or graph capture: builders that plan per layer (FLASHINFER) then
-        # plan every layer in `build`, never inside a forward.
-        for group in self.groups:
-            for name in group.layer_names:
-                group.builder.register_layer(layers[name].impl)
         self.kv_caches: dict[str, torch.Tensor] = {}
         for group in self.groups:
             kernel_blocks = num_blocks * (block_size // group.kernel_block_size)
@@ -352,9 +352,7 @@ class ModelRunner:
                 num_kv_heads=group.spec.num_kv_heads,
                 use_alibi=group.has_alibi,
                 use_sliding_window=group.spec.sliding_window is not None,
-                use_local_attention=False,
                 num_sms=self.num_sms,
-                dcp_world_size=1,
             )
             built = group.builder.build(prefix_len if cascade else 0, group_common)
             used_prefix = max(used_prefix, prefix_len if cascade else 0)

@@ -1,7 +1,7 @@
 """anyattn.testing: a conformance kit for attention backends.
 
 Anyone writing a backend can check it, from their own pytest suite, against a float64 oracle
-written from DESIGN.md's semantics alone::
+written from the attention semantics alone (docs/design.md)::
 
     from anyattn.testing import check_backend
 
@@ -10,7 +10,8 @@ written from DESIGN.md's semantics alone::
 
 The pieces: `BatchSpec` and the curated `CATALOGUE` (decodes, long prefill, mixed, chunked
 prefill over long contexts, odd lengths 1/7/97/1025, encoder, cross attention, cascade);
-`build_batch` (inputs, a shuffled paged cache with a null block, the backend's own metadata);
+`build_batch` (inputs, a shuffled paged cache with a null block, the backend's own metadata)
+and `layer_records` (plain records of a KV-cache group's layers, for a builder);
 `attention_oracle` (dense, per-request loops, any dtype); the tolerance rule (`error_bound`);
 `plan_cases` / `run_case` / `check_backend` and the `ConformanceReport` they fill;
 `declaration_cases` (the sweep: every value a backend declares, once each).
@@ -21,7 +22,7 @@ from anyattn.testing.cache_io import dequantize_kv, quantize_kv, read_kv, write_
 from anyattn.testing.cases import FEATURES, Case, plan_cases
 from anyattn.testing.check import KitLayer, check_backend, run_case
 from anyattn.testing.oracle import attention_oracle
-from anyattn.testing.paged import PagedBatch, assign_blocks, build_batch
+from anyattn.testing.paged import PagedBatch, assign_blocks, build_batch, layer_records
 from anyattn.testing.report import CaseResult, ConformanceReport
 from anyattn.testing.sweep import SweepCase, declaration_cases, sweep_spec
 from anyattn.testing.tolerance import error_bound, max_abs_error
@@ -45,6 +46,7 @@ __all__ = [
     "dequantize_kv",
     "error_bound",
     "get_spec",
+    "layer_records",
     "max_abs_error",
     "plan_cases",
     "quantize_kv",

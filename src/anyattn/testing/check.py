@@ -165,8 +165,7 @@ def _build(
         causal=case.causal,
         sliding_window=case.sliding_window,
         num_padding_tokens=case.num_padding_tokens,
-        layer_names=("layer.0", "layer.1") if case.kv_sharing else ("layer.0",),
-        impls=impls,
+        layers={f"layer.{i}": impl.layer_params() for i, impl in enumerate(impls)},
         seed=seed,
     )
 

@@ -11,12 +11,12 @@ head_size)` (index 1: 0 = K, 1 = V); NHD and HND layouts differ only in strides.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from anyattn.backend import AttentionBackend, AttentionImplBase, AttentionMetadataBuilder
+from anyattn.backend import AttentionBackend, AttentionMetadataBuilder, LayerParams
 from anyattn.config import AttentionSpec, BatchLimits
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.metadata import (
@@ -31,7 +31,28 @@ from anyattn.testing.batch_spec import BatchSpec
 from anyattn.testing.cache_io import dequantize_kv, quantize_kv, write_kv
 from anyattn.types import AttentionType, KVCacheLayout
 
-__all__ = ["PagedBatch", "assign_blocks", "build_batch"]
+__all__ = ["PagedBatch", "assign_blocks", "build_batch", "layer_records"]
+
+
+def layer_records(
+    spec: AttentionSpec,
+    names: Sequence[str] = ("layer.0",),
+    num_heads: int | None = None,
+    attn_type: AttentionType | str = AttentionType.DECODER,
+) -> dict[str, LayerParams]:
+    """Records of plain layers of `spec`'s group, for a builder's `layers` argument: `spec`'s
+    KV heads, head size, cache dtype and window, `num_heads` query heads (default: as many as
+    KV heads), scale `head_size ** -0.5`, no soft cap, ALiBi or sinks."""
+    params = LayerParams(
+        num_heads=spec.num_kv_heads if num_heads is None else num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_size=spec.head_size,
+        scale=spec.head_size**-0.5,
+        attn_type=AttentionType(attn_type),
+        kv_cache_dtype=spec.kv_cache_dtype,
+        sliding_window=spec.sliding_window,
+    )
+    return dict.fromkeys(names, params)
 
 
 def assign_blocks(
@@ -237,8 +258,7 @@ def build_batch(
     causal: bool = True,
     sliding_window: int | None = None,
     num_padding_tokens: int = 0,
-    layer_names: Sequence[str] = ("layer.0",),
-    impls: Sequence[AttentionImplBase] = (),
+    layers: Mapping[str, LayerParams] | None = None,
     seed: int = 0,
 ) -> PagedBatch:
     """Make inputs, a shuffled paged cache and the backend's own metadata for `spec`.
@@ -263,9 +283,9 @@ def build_batch(
         causal: decoder causality (False: bidirectional over the cache).
         sliding_window: W, passed to the builder's `AttentionSpec`.
         num_padding_tokens: extra query/key/value rows past the real ones, with slot -1.
-        layer_names: the layers of the group (the builder's `layer_names`).
-        impls: those layers' impls, registered with the builder before it builds
-            (`register_layer`), as an engine does at set-up.
+        layers: the layers of the group and their records (`{name: impl.layer_params()}`),
+            given to the builder's constructor as an engine does; default one layer
+            "layer.0" of this shape (`layer_records`).
         seed: fixes every random value and block assignment.
 
     Raises:
@@ -308,9 +328,9 @@ def build_batch(
     kv_spec = AttentionSpec(
         kernel_block_size, num_kv_heads, head_size, dtype, kv_cache_dtype, sliding_window
     )
-    builder = backend.get_builder_cls()(kv_spec, list(layer_names), limits, device)
-    for impl in impls:
-        builder.register_layer(impl)
+    if layers is None:
+        layers = layer_records(kv_spec, num_heads=num_heads, attn_type=attn_type)
+    builder = backend.get_builder_cls()(kv_spec, layers, limits, device)
     order = _reorder_order(builder, spec)
     spec, drawn = spec.permuted(order), drawn.reordered(order)
     kv_lens = tuple(kv_lens_in[i] for i in order)

@@ -6,6 +6,9 @@ Installing this package makes `EXAMPLE_PLUGIN` appear in `anyattn backends` thro
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import ClassVar
+
 import torch
 
 from anyattn.backend import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
@@ -21,7 +24,7 @@ class ExamplePluginImpl(AttentionImpl[None]):
 
 
 class ExamplePluginBuilder(AttentionMetadataBuilder[None]):
-    def build(self, common_prefix_len, common_attn_metadata, fast_build=False) -> None:
+    def build(self, common_prefix_len, common_attn_metadata) -> None:
         return None
 
 
@@ -30,6 +33,7 @@ class ExamplePluginBackend(AttentionBackend):
 
     supported_dtypes = (torch.float32,)
     supported_device_types = ("cpu",)
+    priority: ClassVar[Mapping[str, int]] = {"cpu": 10}
 
     @staticmethod
     def get_name() -> str:

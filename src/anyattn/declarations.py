@@ -1,0 +1,478 @@
+"""`AttentionBackend`: what one attention backend declares (no instances, no device access).
+
+A backend names its impl and builder classes, the KV-cache shape and stride orders, every
+capability the selector checks, and its rank per platform (`priority`). `validate_configuration`
+turns those declarations, and the contract's joint rules, into reasons; the selector
+(`anyattn.selector`) orders the registered backends by `priority` and takes the first that fits.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from anyattn.types import (
+    AttentionCGSupport,
+    AttentionType,
+    DeviceInfo,
+    KVCacheLayout,
+    MultipleOf,
+    is_fp8_cache,
+    parse_cache_dtype,
+)
+
+if TYPE_CHECKING:
+    from anyattn.config import AttentionSelectorConfig, AttentionSpec, BatchLimits
+
+__all__ = ["PLATFORMS", "AttentionBackend", "platform_key"]
+
+# Platform keys of `AttentionBackend.priority`.
+PLATFORMS = ("cpu", "cuda", "blackwell")
+
+
+def platform_key(device: DeviceInfo) -> str:
+    """The `priority` key of `device`: "cpu", "blackwell" (sm100+) or "cuda" (the rest)."""
+    if device.type == "cpu":
+        return "cpu"
+    if device.capability is not None and device.capability >= (10, 0):
+        return "blackwell"
+    return "cuda"
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _format_block_sizes(sizes: Sequence[int | MultipleOf]) -> str:
+    return ", ".join(str(s) for s in sizes) if sizes else "any"
+
+
+class AttentionBackend(ABC):
+    """Declarations of one attention backend. Subclasses override class attributes and methods.
+
+    Every constraint the impl enforces must be declared here, so that the selector rejects a
+    configuration up front instead of the impl failing on the first forward.
+    """
+
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto", "float16", "bfloat16")
+    supported_device_types: ClassVar[tuple[str, ...]] = ("cuda",)
+    supported_attn_types: ClassVar[tuple[AttentionType, ...]] = (AttentionType.DECODER,)
+    # Lowest CUDA compute capability the kernels run on; None: no lower bound.
+    min_compute_capability: ClassVar[tuple[int, int] | None] = None
+    # When False, the layer calls impl.do_kv_cache_update before impl.forward.
+    forward_includes_kv_cache_update: ClassVar[bool] = False
+    # Rank per platform key (`PLATFORMS`), lower tried first; a platform absent here: never
+    # chosen automatically there, only on explicit request.
+    priority: ClassVar[Mapping[str, int]] = {}
+
+    # --- identity and components -------------------------------------------------------------
+
+    @staticmethod
+    @abstractmethod
+    def get_name() -> str:
+        """The registry name, e.g. "TORCH"."""
+
+    @staticmethod
+    @abstractmethod
+    def get_impl_cls() -> type:
+        """The impl class (an `anyattn.impl.AttentionImpl` or `MLAAttentionImpl` subclass)."""
+
+    @staticmethod
+    @abstractmethod
+    def get_builder_cls() -> type:
+        """The metadata builder class (an `anyattn.builder.AttentionMetadataBuilder` subclass)."""
+
+    @classmethod
+    def full_cls_name(cls) -> tuple[str, str]:
+        return (cls.__module__, cls.__qualname__)
+
+    # --- KV cache ----------------------------------------------------------------------------
+
+    @classmethod
+    def get_kv_cache_shape(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype: str = "auto",
+    ) -> tuple[int, ...]:
+        """Logical shape of one layer's KV cache.
+
+        Default: `(num_blocks, 2, block_size, num_kv_heads, head_size)`, index 1 is K (0) / V (1).
+
+        Raises:
+            ValueError: a block size this backend's kernels cannot take, or a bad dimension.
+        """
+        for name, value in (
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_size", head_size),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"{cls.get_name()}.get_kv_cache_shape: {name} must be a positive int "
+                    f"(got {value!r})."
+                )
+        parse_cache_dtype(cache_dtype, argument=f"{cls.get_name()}.get_kv_cache_shape: cache_dtype")
+        if not cls.supports_block_size(block_size):
+            raise ValueError(
+                f"{cls.get_name()}.get_kv_cache_shape: block_size not supported (got {block_size}, "
+                f"expected {_format_block_sizes(cls.get_supported_kernel_block_sizes())})."
+            )
+        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def get_kv_cache_stride_order(
+        cls, layout: KVCacheLayout | str = KVCacheLayout.NHD
+    ) -> tuple[int, ...]:
+        """Order in which to allocate the logical dims so that memory follows `layout`.
+
+        Allocating `torch.empty([shape[i] for i in order])` and permuting by the inverse order
+        gives a tensor of the logical shape with the strides of the layout.
+        """
+        try:
+            layout = KVCacheLayout(layout)
+        except ValueError:
+            raise ValueError(
+                f"{cls.get_name()}.get_kv_cache_stride_order: unknown layout (got {layout!r}, "
+                f"expected one of {', '.join(x.value for x in KVCacheLayout)})."
+            ) from None
+        if layout not in cls.supported_kv_cache_layouts():
+            raise ValueError(
+                f"{cls.get_name()}.get_kv_cache_stride_order: layout not supported (got {layout}, "
+                f"expected one of {', '.join(str(x) for x in cls.supported_kv_cache_layouts())})."
+            )
+        if layout is KVCacheLayout.NHD:
+            return (0, 1, 2, 3, 4)
+        return (0, 1, 3, 2, 4)
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        """Layouts the kernels consume, most preferred first."""
+        return (KVCacheLayout.NHD, KVCacheLayout.HND)
+
+    @classmethod
+    def get_supported_kernel_block_sizes(cls) -> list[int | MultipleOf]:
+        """Kernel block sizes: exact ints and/or `MultipleOf(n)`."""
+        return [MultipleOf(1)]
+
+    @classmethod
+    def supports_block_size(cls, block_size: int | None) -> bool:
+        """An engine block size is accepted when a multiple of some kernel block size.
+
+        When it is larger than the kernel size, the runner splits each engine block into
+        `block_size // kernel_block_size` kernel blocks (see `metadata.expand_block_table`).
+        """
+        if block_size is None:
+            return True
+        sizes = cls.get_supported_kernel_block_sizes()
+        if not sizes:
+            return True
+        return any(block_size % (s.base if isinstance(s, MultipleOf) else s) == 0 for s in sizes)
+
+    @classmethod
+    def get_kernel_block_size(cls, block_size: int) -> int:
+        """The kernel block size used for engine blocks of `block_size` (the largest that fits)."""
+        fitting = [
+            block_size if isinstance(s, MultipleOf) else s
+            for s in cls.get_supported_kernel_block_sizes()
+            if block_size % (s.base if isinstance(s, MultipleOf) else s) == 0
+        ]
+        if not fitting:
+            raise ValueError(
+                f"{cls.get_name()}: block_size not supported (got {block_size}, expected "
+                f"{_format_block_sizes(cls.get_supported_kernel_block_sizes())})."
+            )
+        return max(fitting)
+
+    @classmethod
+    def check_kv_cache_spec(cls, spec: AttentionSpec, api: str) -> None:
+        """Refuse a builder's spec the kernels do not take, at the builder's construction
+        rather than at its first plan or forward: `spec.block_size` is a kernel block size
+        (engine blocks are split before a builder sees them), so it must be one exactly.
+
+        Raises:
+            ValueError: naming the field, its value and what the backend declares.
+        """
+        name = cls.get_name()
+        checks = (
+            (
+                "block_size",
+                spec.block_size,
+                cls.supports_block_size(spec.block_size)
+                and cls.get_kernel_block_size(spec.block_size) == spec.block_size,
+                _format_block_sizes(cls.get_supported_kernel_block_sizes()),
+            ),
+            (
+                "head_size",
+                spec.head_size,
+                cls.supports_head_size(spec.head_size),
+                ", ".join(str(s) for s in cls.get_supported_head_sizes()) or "any",
+            ),
+            (
+                "dtype",
+                _dtype_name(spec.dtype),
+                cls.supports_dtype(spec.dtype),
+                ", ".join(_dtype_name(d) for d in cls.supported_dtypes),
+            ),
+            (
+                "kv_cache_dtype",
+                spec.kv_cache_dtype,
+                cls.supports_kv_cache_dtype(spec.kv_cache_dtype),
+                ", ".join(cls.supported_kv_cache_dtypes),
+            ),
+        )
+        for field_name, value, ok, accepted in checks:
+            if not ok:
+                raise ValueError(
+                    f"{api}: kv_cache_spec.{field_name} not supported by {name} (got {value}, "
+                    f"expected {accepted}). Build the spec the selector chose {name} for."
+                )
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int = 16) -> int:
+        """`default_block_size` when supported, else the smallest supported kernel size."""
+        sizes = cls.get_supported_kernel_block_sizes()
+        if not sizes or cls.supports_block_size(default_block_size):
+            return default_block_size
+        return min(s.base if isinstance(s, MultipleOf) else s for s in sizes)
+
+    # --- capabilities ------------------------------------------------------------------------
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        """Head sizes the kernels take; empty means any."""
+        return []
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        sizes = cls.get_supported_head_sizes()
+        return not sizes or head_size in sizes
+
+    @classmethod
+    def supports_dtype(cls, dtype: torch.dtype) -> bool:
+        return dtype in cls.supported_dtypes
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype: str | None) -> bool:
+        return kv_cache_dtype is None or kv_cache_dtype in cls.supported_kv_cache_dtypes
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: AttentionType | str) -> bool:
+        return AttentionType(attn_type) in cls.supported_attn_types
+
+    @classmethod
+    def supports_device(cls, device: DeviceInfo) -> bool:
+        return device.type in cls.supported_device_types
+
+    @classmethod
+    def supports_compute_capability(cls, capability: tuple[int, int]) -> bool:
+        return cls.min_compute_capability is None or capability >= cls.min_compute_capability
+
+    @classmethod
+    def is_mla(cls) -> bool:
+        return False
+
+    @classmethod
+    def is_sparse(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_alibi(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_logits_soft_cap(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        """Bidirectional attention in the paged-KV decoder path (not the encoder types)."""
+        return False
+
+    @classmethod
+    def supports_per_head_quant_scales(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_lse(cls) -> bool:
+        """`forward` fills `output_lse` when it is given."""
+        return False
+
+    @classmethod
+    def supports_cascade(cls) -> bool:
+        """The builder can run a shared prefix once (`use_cascade_attention`)."""
+        return False
+
+    @classmethod
+    def supports_combination(
+        cls, config: AttentionSelectorConfig, device: DeviceInfo
+    ) -> str | None:
+        """A reason for a joint constraint the single checks above cannot express, or None."""
+        return None
+
+    @classmethod
+    def get_cudagraph_support(
+        cls, kv_cache_spec: AttentionSpec | None = None, limits: BatchLimits | None = None
+    ) -> AttentionCGSupport:
+        return cls.get_builder_cls().get_cudagraph_support(kv_cache_spec, limits)
+
+    @classmethod
+    def chosen_automatically(cls, config: AttentionSelectorConfig) -> bool:
+        """Whether the selector may pick this backend for `config` without an explicit request
+        (where `priority` ranks it); explicit requests ignore this."""
+        return True
+
+    # --- availability ------------------------------------------------------------------------
+
+    @classmethod
+    def get_unavailable_reason(cls) -> str | None:
+        """Why this backend cannot run on this machine (e.g. a missing package and the pip
+        command that installs it), or None when it can."""
+        return None
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return cls.get_unavailable_reason() is None
+
+    # --- the verdict -------------------------------------------------------------------------
+
+    @classmethod
+    def validate_configuration(
+        cls, config: AttentionSelectorConfig, device: DeviceInfo
+    ) -> list[str]:
+        """Every reason this backend cannot serve `config` on `device`; empty means usable.
+
+        Judges declared capabilities only; availability on this machine is separate
+        (`get_unavailable_reason`), so one can ask about hardware one does not have.
+        """
+        reasons: list[str] = []
+        if not cls.supports_device(device):
+            reasons.append(
+                f"device {device.type} not supported (supported: "
+                f"{', '.join(cls.supported_device_types)})"
+            )
+        elif device.capability is not None and not cls.supports_compute_capability(
+            device.capability
+        ):
+            major, minor = device.capability
+            need = ""
+            if cls.min_compute_capability is not None:
+                need_major, need_minor = cls.min_compute_capability
+                need = f" (needs sm{need_major}{need_minor} or newer)"
+            reasons.append(f"compute capability sm{major}{minor} not supported{need}")
+        if not cls.supports_head_size(config.head_size):
+            sizes = ", ".join(str(s) for s in cls.get_supported_head_sizes())
+            reasons.append(f"head_size {config.head_size} not supported (supported: {sizes})")
+        if not cls.supports_dtype(config.dtype):
+            names = ", ".join(_dtype_name(d) for d in cls.supported_dtypes)
+            reasons.append(f"dtype {_dtype_name(config.dtype)} not supported (supported: {names})")
+        if not cls.supports_kv_cache_dtype(config.kv_cache_dtype):
+            names = ", ".join(cls.supported_kv_cache_dtypes)
+            reasons.append(
+                f"kv_cache_dtype {config.kv_cache_dtype} not supported (supported: {names})"
+            )
+        if not cls.supports_block_size(config.block_size):
+            sizes = _format_block_sizes(cls.get_supported_kernel_block_sizes())
+            reasons.append(
+                f"block_size {config.block_size} not supported (kernel block sizes: {sizes})"
+            )
+        if not cls.supports_attn_type(config.attn_type):
+            names = ", ".join(t.value for t in cls.supported_attn_types)
+            reasons.append(f"attn_type {config.attn_type.value} not supported (supported: {names})")
+        if config.use_mla != cls.is_mla():
+            reasons.append("MLA (use_mla) not supported" if config.use_mla else "MLA-only backend")
+        if config.use_sparse != cls.is_sparse():
+            reasons.append(
+                "sparse attention (use_sparse) not supported"
+                if config.use_sparse
+                else "sparse-only backend"
+            )
+        features = (
+            (config.has_sink, cls.supports_sink, "attention sinks (has_sink)"),
+            (config.has_sliding_window, cls.supports_sliding_window,
+             "sliding window (has_sliding_window)"),
+            (config.has_alibi, cls.supports_alibi, "ALiBi (has_alibi)"),
+            (config.has_logits_soft_cap, cls.supports_logits_soft_cap,
+             "logits soft cap (has_logits_soft_cap)"),
+            (config.use_non_causal, cls.supports_non_causal,
+             "non-causal decoder attention (use_non_causal)"),
+            (config.use_per_head_quant_scales, cls.supports_per_head_quant_scales,
+             "per-head quant scales (use_per_head_quant_scales)"),
+            (config.use_batch_invariant, cls.supports_batch_invariance,
+             "batch invariance (use_batch_invariant)"),
+            (config.needs_lse, cls.supports_lse, "returning LSE (needs_lse)"),
+        )  # fmt: skip
+        for wanted, supported, label in features:
+            if wanted and not supported():
+                reasons.append(f"{label} not supported")
+        if config.use_per_head_quant_scales and not is_fp8_cache(config.kv_cache_dtype):
+            reasons.append("per-head quant scales need an fp8 kv_cache_dtype")
+        # The window is defined causally (keys p - W < j <= p): no bidirectional window.
+        if config.has_sliding_window and (
+            config.use_non_causal or config.attn_type != AttentionType.DECODER
+        ):
+            reasons.append("sliding window with non-causal or encoder attention not supported")
+        combination = cls.supports_combination(config, device)
+        if combination is not None:
+            reasons.append(combination)
+        return reasons
+
+    @classmethod
+    def describe(cls) -> dict[str, object]:
+        """Everything this backend declares, as plain data (for `anyattn backends --json`)."""
+        features = {
+            "sink": cls.supports_sink(),
+            "sliding_window": cls.supports_sliding_window(),
+            "alibi": cls.supports_alibi(),
+            "logits_soft_cap": cls.supports_logits_soft_cap(),
+            "non_causal": cls.supports_non_causal(),
+            "per_head_quant_scales": cls.supports_per_head_quant_scales(),
+            "batch_invariance": cls.supports_batch_invariance(),
+            "lse": cls.supports_lse(),
+            "cascade": cls.supports_cascade(),
+            "mla": cls.is_mla(),
+            "sparse": cls.is_sparse(),
+        }
+        capability = cls.min_compute_capability
+        return {
+            "name": cls.get_name(),
+            "class": ".".join(cls.full_cls_name()),
+            "available": cls.is_available(),
+            "unavailable_reason": cls.get_unavailable_reason(),
+            "devices": list(cls.supported_device_types),
+            "min_compute_capability": (
+                f"sm{capability[0]}{capability[1]}" if capability is not None else None
+            ),
+            "dtypes": [_dtype_name(d) for d in cls.supported_dtypes],
+            "kv_cache_dtypes": list(cls.supported_kv_cache_dtypes),
+            "head_sizes": cls.get_supported_head_sizes() or "any",
+            "block_sizes": [str(s) for s in cls.get_supported_kernel_block_sizes()],
+            "kv_cache_layouts": [str(x) for x in cls.supported_kv_cache_layouts()],
+            "attn_types": [t.value for t in cls.supported_attn_types],
+            "features": features,
+            "cudagraph_support": cls.get_cudagraph_support().name,
+            "forward_includes_kv_cache_update": cls.forward_includes_kv_cache_update,
+            "priority": dict(cls.priority),
+        }

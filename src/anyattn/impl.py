@@ -1,0 +1,265 @@
+"""The impl side of the contract: one instance per layer, `forward` runs its attention.
+
+`AttentionImpl.__init__` is concrete and shared: it checks every argument against the impl's
+backend declarations and the contract's joint rules (`anyattn.impl_args`), once, and keeps
+them in one form for every impl. An impl that needs more set-up calls `super().__init__` first
+and converts what its kernel wants. `layer_params()` is the record a builder gets for the
+layer (`anyattn.layer_params`). `forward` reads only what its builder built for the step:
+it never plans and never writes into the metadata; a layer the builder was not given is
+refused by `check_layer_planned`. `MLAAttentionImpl` is the MLA variant.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Set
+from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, TypeVar
+
+import torch
+
+from anyattn.impl_args import validate_impl_arguments
+from anyattn.layer_params import LayerParams
+from anyattn.types import AttentionType
+from anyattn.validation import check_kv_write
+
+if TYPE_CHECKING:
+    from anyattn.declarations import AttentionBackend
+
+__all__ = [
+    "AttentionImpl",
+    "AttentionImplBase",
+    "AttentionLayer",
+    "MLAAttentionImpl",
+    "check_layer_planned",
+]
+
+M = TypeVar("M")
+
+
+class AttentionLayer(Protocol):
+    """What an impl may read from the layer that calls it."""
+
+    layer_name: str
+    k_scale: torch.Tensor  # float32, shape [] or [num_kv_heads]; fp8 caches only
+    v_scale: torch.Tensor
+
+
+def check_layer_planned(layer_names: Set[str], layer: AttentionLayer, api: str) -> None:
+    """Refuse a `forward` for a layer the step's builder was not given (so nothing was planned
+    for it).
+
+    Args:
+        layer_names: the metadata's `layer_names` (the builder's layers).
+        layer: the calling layer; one without a `layer_name` is not checked.
+        api: the caller, for the message.
+
+    Raises:
+        ValueError: naming the layer and the builder's layers.
+    """
+    name = getattr(layer, "layer_name", None)
+    if name is not None and name not in layer_names:
+        raise ValueError(
+            f"{api}: layer {name!r} is not one of the layers the metadata builder was made "
+            f"for (got {name!r}, expected one of {sorted(layer_names)}). Pass every layer of "
+            "the KV-cache group to the builder's constructor (layers={name: "
+            "impl.layer_params()})."
+        )
+
+
+class AttentionImplBase(ABC, Generic[M]):
+    """What standard and MLA impls share: their backend and the LSE base they return."""
+
+    # The backend whose declarations this impl is checked against (set in the backend's module
+    # once both classes exist).
+    backend: ClassVar[type[AttentionBackend]]
+    # Base of returned LSEs: True = natural log, False = log2. Merging with the wrong base
+    # silently corrupts the combined softmax denominator.
+    lse_base_on_e: ClassVar[bool] = True
+    # The per-layer record type builders receive (`layer_params()`).
+    params_cls: ClassVar[type[LayerParams]] = LayerParams
+
+    num_heads: int
+    head_size: int
+    scale: float
+
+
+class AttentionImpl(AttentionImplBase[M], Generic[M]):
+    """A standard (non-MLA) attention impl; one instance per layer."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | torch.Tensor | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: AttentionType | str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        """Check the arguments against `self.backend` and keep them.
+
+        Kept: `num_heads, num_kv_heads, head_size, scale` (float), `kv_cache_dtype`,
+        `attn_type` (`AttentionType`), `sliding_window` and `logits_soft_cap` (None for 0 or
+        None), `alibi_slopes` (float32 CPU tensor `[num_heads]` or None), `sinks` (tensor
+        `[num_heads]` or None), `kv_sharing_target_layer_name`.
+
+        Raises:
+            ValueError, TypeError: a malformed argument.
+            NotImplementedError: a feature the backend does not declare, or a joint rule
+                broken (a sliding window needs causal decoder attention).
+        """
+        backend = getattr(type(self), "backend", None)
+        if backend is None:
+            raise TypeError(
+                f"{type(self).__name__}: an impl class must name its backend (set "
+                f"{type(self).__name__}.backend = <AttentionBackend subclass>)."
+            )
+        sliding_window = sliding_window or None
+        self.num_kv_heads = validate_impl_arguments(
+            backend,
+            num_heads=num_heads,
+            head_size=head_size,
+            scale=scale,
+            num_kv_heads=num_kv_heads,
+            alibi_slopes=alibi_slopes,
+            sliding_window=sliding_window,
+            kv_cache_dtype=kv_cache_dtype,
+            logits_soft_cap=logits_soft_cap,
+            attn_type=attn_type,
+            sinks=sinks,
+        )
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = AttentionType(attn_type)
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = float(logits_soft_cap) if logits_soft_cap else None
+        self.alibi_slopes = (
+            None
+            if alibi_slopes is None
+            else torch.as_tensor(alibi_slopes, dtype=torch.float32).detach().cpu().flatten()
+        )
+        self.sinks = sinks
+
+    def layer_params(self) -> LayerParams:
+        """This layer's record for its builder (`params_cls`, from the kept attributes)."""
+        return self.params_cls(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            scale=self.scale,
+            attn_type=self.attn_type,
+            kv_cache_dtype=self.kv_cache_dtype,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
+            has_alibi=self.alibi_slopes is not None,
+            has_sinks=self.sinks is not None,
+        )
+
+    @abstractmethod
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: M,
+        output: torch.Tensor,
+        output_lse: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of one layer for one step.
+
+        Args:
+            layer: the calling layer (`layer_name`; `k_scale`, `v_scale` for fp8 caches).
+            query: `[num_tokens, num_heads, head_size]`, model dtype.
+            key, value: `[num_tokens, num_kv_heads, head_size]` (cross-attention: the encoder
+                tokens being written this step, or None when none are).
+            kv_cache: the layer's cache in the backend's logical shape.
+            attn_metadata: what this backend's builder built for the step (read only).
+            output: `[num_tokens, num_heads, head_size]`; rows `[:num_actual_tokens]` are
+                written, the rest untouched.
+            output_lse: float32 `[num_heads, num_tokens]` to receive each row's log-sum-exp.
+
+        Returns:
+            `output`.
+
+        Raises:
+            ValueError: `layer` is not one of the builder's layers (`check_layer_planned`).
+        """
+
+    def validate_inputs(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: M,
+        output: torch.Tensor,
+        output_lse: torch.Tensor | None = None,
+    ) -> None:
+        """Raise a clear error for inputs `forward` would reject (host checks only).
+
+        `anyattn.validation.check_layer_call` calls it before `do_kv_cache_update`, so that a
+        rejected call writes nothing; `forward` through `anyattn.validation.check_forward`.
+        The default checks nothing; impls override it.
+        """
+
+    def do_kv_cache_update(
+        self,
+        layer: AttentionLayer,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        attn_metadata: object = None,
+    ) -> None:
+        """Write new K/V into the paged cache (`slot_mapping` -1 entries are skipped), after
+        `anyattn.validation.check_kv_write`. Pass the step's `attn_metadata` (what `forward`
+        gets): the slots and block table are then checked from its CPU mirrors before the
+        write; without it a device `slot_mapping` is read back to be checked.
+
+        Layers that share another layer's KV cache write nothing.
+        """
+        if self.kv_sharing_target_layer_name is not None:
+            return
+        from anyattn.ops.reshape_and_cache import reshape_and_cache_unchecked
+
+        args = check_kv_write(self, layer, key, value, kv_cache, slot_mapping, attn_metadata)
+        reshape_and_cache_unchecked(key, value, kv_cache, slot_mapping, *args)
+
+
+class MLAAttentionImpl(AttentionImplBase[M], Generic[M]):
+    """Multi-head latent attention: the cache holds one compressed latent per token."""
+
+    @abstractmethod
+    def forward_mqa(
+        self,
+        q: torch.Tensor,
+        kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: M,
+        layer: AttentionLayer,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Decode path: queries absorbed into latent space attend to the latent cache.
+
+        Returns `(output, lse)`; lse may be None when not requested.
+        """
+
+    @abstractmethod
+    def forward_mha(
+        self,
+        q: torch.Tensor,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: M,
+        k_scale: torch.Tensor,
+        output: torch.Tensor,
+    ) -> None:
+        """Prefill path: latents are up-projected to full K/V and attended densely."""

@@ -1,0 +1,44 @@
+"""`LayerParams`: what a metadata builder knows of one layer it serves.
+
+The engine (and the conformance kit) builds one record per layer of a KV-cache group,
+`{name: impl.layer_params()}`, and hands the mapping to the builder's constructor, so that
+`build` can make every plan the step's layers need and `forward` never plans. Records are
+frozen and hashable: a builder may key its plans by them (layers with equal records share one
+plan). An impl class whose plans need more fields subclasses it and names the subclass in its
+`params_cls` (MLA adds its latent sizes so).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from anyattn.types import AttentionType
+
+__all__ = ["LayerParams"]
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """One layer's attention parameters, as its impl keeps them.
+
+    Attributes:
+        num_heads, num_kv_heads, head_size: the layer's shape (`num_heads % num_kv_heads == 0`).
+        scale: the softmax scale applied to `q . k`.
+        attn_type: decoder, encoder, encoder-only or encoder-decoder (cross) attention.
+        kv_cache_dtype: "auto" or one of `anyattn.types.CACHE_DTYPES`.
+        sliding_window: W (keys `p - W < j <= p`), or None.
+        logits_soft_cap: c of `c * tanh(s / c)`, or None.
+        has_alibi, has_sinks: whether the layer adds ALiBi biases / has sink logits (their
+            values stay with the impl; plans depend only on their presence).
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    attn_type: AttentionType = AttentionType.DECODER
+    kv_cache_dtype: str = "auto"
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    has_alibi: bool = False
+    has_sinks: bool = False
