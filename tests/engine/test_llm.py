@@ -41,26 +41,13 @@ def test_greedy_tokens_match_transformers_over_mixed_chunked_steps(tiny_llm, kin
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma2"])
-def test_flex_attention_in_the_engine_matches_transformers(tiny_llm, kind, monkeypatch):
-    """FLEX_ATTENTION end to end on the CPU: the runner puts decodes first as its builder asks,
-    they take the decode layout, the chunked prefills the rows (gemma2: soft cap and a
-    sliding window on every other layer)."""
-    from anyattn.backends.flex_attention import FlexAttentionImpl
-
-    calls = {"_attend_decodes": 0, "_attend_rows": 0}
-    for name in calls:
-        original = getattr(FlexAttentionImpl, name)
-
-        def counted(self, *args, _original=original, _name=name):
-            calls[_name] += 1
-            return _original(self, *args)
-
-        monkeypatch.setattr(FlexAttentionImpl, name, counted)
+def test_flex_attention_in_the_engine_matches_transformers(tiny_llm, kind):
+    """FLEX_ATTENTION end to end on the CPU over decodes mixed with chunked prefills (gemma2:
+    soft cap and a sliding window on every other layer)."""
     llm, hf_model = tiny_llm(kind, max_num_batched_tokens=7, backend="FLEX_ATTENTION")
     outputs = llm.generate(PROMPTS, GREEDY)
     for prompt, output in zip(PROMPTS, outputs, strict=True):
         assert output.outputs[0].token_ids == _hf_greedy(hf_model, prompt, 8)
-    assert calls["_attend_decodes"] > 0 and calls["_attend_rows"] > 0, calls
 
 
 def _greedy_ids(llm: LLM, prompts, max_tokens: int = 12) -> list[list[int]]:

@@ -1,0 +1,285 @@
+"""FLEX_ATTENTION's forward: one compiled `flex_attention` call per layer and step.
+
+The step is one FlexAttention batch entry (`flex_attention_plan`): queries `[1, H, rows, D]`
+(token-major: row t is token t), keys and values `[1, KVH, keys, D]` in a workspace made per
+call (row 0 the sink slot with a zero value, the requests' keys from `FIRST_KEY_ROW` on, the
+other rows zero), the step's BlockMask for the layer's mask (`flex_attention_builder`), and
+FlexAttention's GQA (`enable_gqa`: query head h reads KV head `h // G`).
+
+Keys: decoder and cross attention copy theirs out of the paged cache with one indexing op
+(`key_blocks`, `key_offsets` from the builder; fp8 caches dequantised as `stored * scale`);
+encoder attention reads the step's own key and value.
+
+Score mod, in docs/design.md's order: the scale, the soft cap `cap * tanh(s / cap)`, ALiBi
+`s + slope[h] * (j - p)`, then the sink: key row 0 scores the sink logit (its value is zero, so
+it enters the denominator and the LSE only). The values are tensors, so that layers differing
+only in them share one compiled graph.
+
+Compilation: one compiled function per configuration (device type, dtype, head size, query and
+KV heads, which score mods, LSE or not, launch options), each a code object of its own since
+torch.compile's recompile limit counts per code object. Sizes are dynamic and padded to buckets
+that are never equal to one another, heads and head size marked static, so after its first step
+a configuration does not compile again, whatever the batch. On CUDA the query and keys are given
+as `[1, heads, tiles, TILE, D]` and flattened inside the graph: lengths then are known multiples
+of the kernel's blocks and Inductor drops its bounds checks (with fresh, offset-0 buffers the
+dynamic kernel measured as fast as a static one on an H200, benchmarks/RESULTS.md).
+
+Limits: no LSE on the CPU (Inductor's CPU template returns none); fp32 rows of head sizes
+129-255 launch with smaller tiles on CUDA (FlexAttention's default launch asks for more shared
+memory than an H200 has and fails to compile).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+
+import torch
+
+from anyattn.backend import AttentionImpl, AttentionLayer, check_layer_planned
+from anyattn.backends.flex_attention_builder import ENCODER_TYPES, FlexAttentionMetadata, mask_key
+from anyattn.backends.flex_attention_plan import FIRST_KEY_ROW, TILE
+from anyattn.types import is_fp8_cache
+from anyattn.validation import check_forward, check_forward_inputs, layer_kv_scale
+
+__all__ = ["FlexAttentionImpl"]
+
+_API = "FLEX_ATTENTION forward"
+# fp32 of head sizes 129-255 on CUDA: 32-row query and key tiles in one stage (about 96 KiB
+# of shared memory; the default launch asks for 336 KiB and fails to compile on an H200).
+_WIDE_FP32_OPTIONS = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+
+
+class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
+    """The FLEX_ATTENTION forward; see the module docstring."""
+
+    lse_base_on_e = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # Per-layer values as tensors (moved to the forward's device once, `_mods_on`), their
+        # sizes static: an unmarked one equal to a symbolic size would share its symbol (and
+        # compile again), and every symbol of the CPU template's score mod risks a name clash
+        # there (`ks3` renamed inside `ks31`, torch 2.13).
+        mods = {"scale": torch.tensor(self.scale)}
+        if self.logits_soft_cap is not None:
+            mods["soft_cap"] = torch.tensor(self.logits_soft_cap)
+        if self.alibi_slopes is not None:
+            mods["alibi_slopes"] = self.alibi_slopes.clone()
+        if self.sinks is not None:
+            mods["sinks"] = self.sinks.detach().float().flatten().clone()
+        self._mods = {name: _static(t, range(t.dim())) for name, t in mods.items()}
+
+    def _mods_on(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The score-mod tensors on `device` (moved once, then kept), sizes static."""
+        for name, tensor in self._mods.items():
+            if tensor.device != device:
+                self._mods[name] = _static(tensor.to(device), range(tensor.dim()))
+        return self._mods
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: FlexAttentionMetadata,
+        output: torch.Tensor,
+        output_lse: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """See `AttentionImpl.forward`. Writes `output[:num_actual_tokens]` (and `output_lse`,
+        CUDA only)."""
+        md = attn_metadata
+        check_forward(self, query, key, value, kv_cache, md, output, output_lse)
+        check_layer_planned(md.layer_names, layer, _API)
+        n = md.num_actual_tokens
+        if n == 0:
+            return output
+        key_of_mask = mask_key(
+            self.attn_type, md.causal, self.sliding_window, self.sinks is not None
+        )
+        block_mask = md.masks.get(key_of_mask)
+        if block_mask is None:
+            raise ValueError(
+                f"{_API}: no mask was built for this layer's settings (got causal, window, "
+                f"sinks = {key_of_mask}, built {sorted(md.masks, key=str)}). Give the builder "
+                "this layer's own record (impl.layer_params())."
+            )
+        device, dtype = query.device, query.dtype
+        k, v = self._keys(layer, key, value, kv_cache, md, dtype)
+        q = query.new_empty((md.num_rows, self.num_heads, self.head_size))
+        q[:n].copy_(query[:n])
+        q[n:].zero_()  # padding rows: their outputs are never read
+        mods = self._mods_on(device)
+        options = None
+        if device.type == "cuda" and dtype == torch.float32 and 128 < self.head_size < 256:
+            options = dict(_WIDE_FP32_OPTIONS)
+        config = (device.type, dtype, self.head_size, self.num_heads, self.num_kv_heads,
+                  *sorted(mods), str(options))  # fmt: skip
+        attend = _compiled(config, with_lse=output_lse is not None)
+        tiled = device.type == "cuda"
+        result = attend(
+            _kernel_rows(q.unsqueeze(0).transpose(1, 2), tiled),
+            _kernel_rows(k.unsqueeze(0), tiled),
+            _kernel_rows(v.unsqueeze(0), tiled),
+            block_mask,
+            _score_mod(mods, md.q_key_pos),
+            options,
+        )
+        out, lse = result if output_lse is not None else (result, None)
+        # out [1, H, rows, D] has the query's token-major strides: a contiguous copy
+        output[:n].copy_(out[0, :, :n].transpose(0, 1))
+        if lse is not None:
+            output_lse[:, :n].copy_(lse[0, :, :n])
+        return output
+
+    def _keys(
+        self,
+        layer: AttentionLayer,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        md: FlexAttentionMetadata,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's keys and values, `[KVH, num_keys, D]` each, of the model dtype, fresh
+        buffers at storage offset 0 (see the module docstring for the rows)."""
+        end = md.layout.num_key_rows
+        if self.attn_type in ENCODER_TYPES:
+            # encoder attention: the step's own K/V, in token order
+            parts = (key[: end - FIRST_KEY_ROW], value[: end - FIRST_KEY_ROW])
+        else:
+            # [keys, 2, KVH, D]: advanced indices apart put the key dimension first
+            kv = kv_cache[md.key_blocks, :, md.key_offsets]
+            parts = (kv[:, 0], kv[:, 1])
+            if is_fp8_cache(self.kv_cache_dtype):
+                scales = (
+                    layer_kv_scale(_API, layer, name, self.num_kv_heads, kv_cache.device)
+                    for name in ("k_scale", "v_scale")
+                )
+                parts = tuple(
+                    x.float().mul_(s.view(-1, 1)) for x, s in zip(parts, scales, strict=True)
+                )
+        shape = (self.num_kv_heads, md.num_keys, self.head_size)
+        rows = []
+        for part in parts:
+            buffer = part.new_empty(shape, dtype=dtype)
+            # unused rows must be finite: masked keys of a visited tile are still computed,
+            # and a NaN there would leak through `0 * NaN`
+            buffer[:, :FIRST_KEY_ROW].zero_()
+            buffer[:, end:].zero_()
+            buffer[:, FIRST_KEY_ROW:end].copy_(part.transpose(0, 1))
+            rows.append(buffer)
+        return rows[0], rows[1]
+
+    def validate_inputs(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        md: FlexAttentionMetadata,
+        output: torch.Tensor,
+        output_lse: torch.Tensor | None = None,
+    ) -> None:
+        """See `AttentionImpl.validate_inputs`; shapes, dtypes and devices of every input."""
+        check_forward_inputs(
+            _API,
+            self,
+            self.backend.supported_dtypes,
+            query,
+            key,
+            value,
+            kv_cache,
+            md,
+            FlexAttentionMetadata,
+            output=output,
+            output_lse=output_lse,
+            reads_cache=self.attn_type not in ENCODER_TYPES,
+        )
+        if output_lse is not None and query.device.type != "cuda":
+            raise NotImplementedError(
+                f"{_API}: output_lse not supported on {query.device.type} (Inductor's CPU "
+                "FlexAttention returns no LSE). Use the TORCH backend when LSEs are needed "
+                "on the CPU."
+            )
+
+
+def _score_mod(mods: dict[str, torch.Tensor], q_key_pos: torch.Tensor) -> Callable:
+    """Scale, soft cap, ALiBi, then the sink logit at key row 0 (docs/design.md's order); `h`
+    is the query head."""
+    scale, soft_cap = mods["scale"], mods.get("soft_cap")
+    slopes, sinks = mods.get("alibi_slopes"), mods.get("sinks")
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        score = score * scale
+        if soft_cap is not None:
+            score = soft_cap * torch.tanh(score / soft_cap)
+        if slopes is not None:
+            # key position minus query position, both in key-workspace rows
+            score = score + slopes[h] * (kv_idx - q_key_pos[q_idx])
+        if sinks is not None:
+            score = torch.where(kv_idx == 0, sinks[h], score)
+        return score
+
+    return score_mod
+
+
+def _static(tensor: torch.Tensor, dims) -> torch.Tensor:
+    """Marks `dims` static for torch.compile (heads and head sizes never vary)."""
+    for dim in dims:
+        torch._dynamo.mark_static(tensor, dim)
+    return tensor
+
+
+def _kernel_rows(rows: torch.Tensor, tiled: bool) -> torch.Tensor:
+    """`[1, heads, rows, D]` as the compiled call takes it: `tiled` (on CUDA) as tiles `[1,
+    heads, rows / TILE, TILE, D]` (a view) with only the tile count symbolic; else untiled
+    (the CPU template fails to compile the tiled form, torch 2.13), only the row count
+    symbolic."""
+    # Detached: a tensor without a base (torch.compile guards on a view's base, whose sizes
+    # are not marked and would tie a head count to a tile count).
+    if not tiled:
+        return _static(rows.detach(), (0, 1, 3))
+    return _static(rows.unflatten(2, (-1, TILE)).detach(), (0, 1, 3, 4))
+
+
+def _attend(query, key, value, block_mask, score_mod, kernel_options):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    query, key, value = (x.flatten(2, 3) if x.dim() == 5 else x for x in (query, key, value))
+    return flex_attention(
+        query, key, value, score_mod=score_mod, block_mask=block_mask, scale=1.0,
+        enable_gqa=True, kernel_options=kernel_options,
+    )  # fmt: skip
+
+
+def _attend_with_lse(query, key, value, block_mask, score_mod, kernel_options):
+    from torch.nn.attention import flex_attention as flex
+
+    query, key, value = (x.flatten(2, 3) if x.dim() == 5 else x for x in (query, key, value))
+    args = dict(score_mod=score_mod, block_mask=block_mask, scale=1.0, enable_gqa=True,
+                kernel_options=kernel_options)  # fmt: skip
+    if hasattr(flex, "AuxRequest"):
+        out, aux = flex.flex_attention(
+            query, key, value, **args, return_aux=flex.AuxRequest(lse=True)
+        )
+        return out, aux.lse
+    return flex.flex_attention(query, key, value, **args, return_lse=True)
+
+
+# Compiled callables, one per configuration (see the module docstring).
+_COMPILED: dict[tuple, Callable] = {}
+
+
+def _compiled(config: tuple, with_lse: bool) -> Callable:
+    """The compiled attention call of `config`, a code object of its own."""
+    fn = _COMPILED.get((config, with_lse))
+    if fn is None:
+        template = _attend_with_lse if with_lse else _attend
+        name = f"{template.__name__}_{len(_COMPILED)}"
+        code = template.__code__.replace(co_name=name, co_qualname=name)
+        copy = types.FunctionType(code, template.__globals__, name, template.__defaults__)
+        fn = _COMPILED[(config, with_lse)] = torch.compile(copy, dynamic=True, fullgraph=True)
+    return fn
