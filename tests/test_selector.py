@@ -106,7 +106,7 @@ def test_backend_not_chosen_automatically_is_skipped_but_can_be_requested(
 ):
     platform()
     only_for_encoders = classmethod(
-        lambda cls, config: config.attn_type is not AttentionType.DECODER
+        lambda cls, config, device: config.attn_type is not AttentionType.DECODER
     )
     fake = make_backend(
         "TORCH",

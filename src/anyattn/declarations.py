@@ -349,9 +349,9 @@ class AttentionBackend(ABC):
         return cls.get_builder_cls().get_cudagraph_support(kv_cache_spec, limits)
 
     @classmethod
-    def chosen_automatically(cls, config: AttentionSelectorConfig) -> bool:
-        """Whether the selector may pick this backend for `config` without an explicit request
-        (where `priority` ranks it); explicit requests ignore this."""
+    def chosen_automatically(cls, config: AttentionSelectorConfig, device: DeviceInfo) -> bool:
+        """Whether the selector may pick this backend for `config` on `device` without an
+        explicit request (where `priority` ranks it); explicit requests ignore this."""
         return True
 
     # --- availability ------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 `select_backend` orders the registered backends by the rank each declares for the platform
 (`AttentionBackend.priority`; one that declares none there comes last and is only taken on
-explicit request), skips those whose `chosen_automatically(config)` is False, and returns the
-first whose declarations accept the config and which is installed here. An explicitly
+explicit request), skips those whose `chosen_automatically(config, device)` is False, and
+returns the first whose declarations accept the config and which is installed here. An explicitly
 requested backend (argument, then the `ANYATTN_BACKEND` environment variable) that does not fit
 is an error, never a silent fallback. `explain` returns the whole verdict table as data.
 
@@ -179,7 +179,7 @@ def _judge(
     not_automatic = None
     if key not in cls.priority:
         not_automatic = f"declares no priority for {key}"
-    elif not cls.chosen_automatically(config):
+    elif not cls.chosen_automatically(config, device):
         not_automatic = "not chosen automatically for this config"
     return BackendVerdict(
         name,

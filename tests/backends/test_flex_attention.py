@@ -439,7 +439,7 @@ def test_registered_and_selected_after_torch_on_cpu():
 @pytest.mark.parametrize("attn_type", list(AttentionType))
 def test_chosen_automatically_on_cuda_for_encoder_and_cross_attention_only(attn_type):
     config = _config(attn_type=attn_type.value)
-    automatic = FlexAttentionBackend.chosen_automatically(config)
+    automatic = FlexAttentionBackend.chosen_automatically(config, DeviceInfo.cuda(9, 0))
     assert automatic == (attn_type != AttentionType.DECODER)
     assert FlexAttentionBackend.chosen_automatically(config, DeviceInfo.cpu())
     # explicit requests ignore it

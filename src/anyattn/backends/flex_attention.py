@@ -78,10 +78,10 @@ class FlexAttentionBackend(AttentionBackend):
         return FlexAttentionMetadataBuilder
 
     @classmethod
-    def chosen_automatically(cls, config, device: DeviceInfo | None = None) -> bool:
-        """Encoder, encoder-only and cross attention only (on the CPU, given `device`, every
-        type: it ranks after TORCH there)."""
-        if device is not None and device.type == "cpu":
+    def chosen_automatically(cls, config, device: DeviceInfo) -> bool:
+        """On CUDA encoder, encoder-only and cross attention only; on the CPU every type (it
+        ranks after TORCH there)."""
+        if device.type == "cpu":
             return True
         return AttentionType(config.attn_type) != AttentionType.DECODER
 
