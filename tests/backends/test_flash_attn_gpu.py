@@ -128,7 +128,7 @@ def test_cascade_matches_the_plain_path_with_one_prefix_pass(monkeypatch):
     cm = make_common_attn_metadata(query_lens, seq_lens, table, BLOCK, "cuda")
     builder = _builder(BatchLimits(num_reqs, 256, 2048))
     assert builder.use_cascade_attention(prefix, cm.query_lens_cpu.numpy(), HEADS, KV_HEADS,
-                                         False, False, False, 132, 1)  # fmt: skip
+                                         False, False, 132)  # fmt: skip
     calls = []
     original = FlashAttentionImpl._attend
 

@@ -356,8 +356,14 @@ def test_cudagraph_decode_replay_matches_eager_and_the_oracle(layout, decode_ker
         ids = (torch.randperm(num_blocks - 1) + 1).int()[: len(seq_lens) * width]
         table = torch.cat([ids.view(len(seq_lens), width), torch.zeros(dummies, width).int()])
         query_lens, all_seq_lens = [1] * len(table), seq_lens + [1] * dummies
+        real = make_common_attn_metadata(
+            [1] * len(seq_lens), seq_lens, table[: len(seq_lens)], block_size
+        )
+        # (the dummies write nothing: slot -1; padding past the requests too)
+        slots = torch.full((max(padded or 0, len(table)),), -1, dtype=torch.int64)
+        slots[: len(seq_lens)] = real.slot_mapping_cpu
         cm = make_common_attn_metadata(
-            query_lens, all_seq_lens, table, block_size, "cuda", num_padded_tokens=padded
+            query_lens, all_seq_lens, table, block_size, "cuda", slot_mapping=slots
         )
         return cm, table[: len(seq_lens)]
 

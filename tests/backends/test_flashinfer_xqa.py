@@ -197,7 +197,7 @@ def test_auto_build_of_large_block_decodes_plans_nothing_and_never_waits():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     plan = md.plans["layer.0"]
-    assert plan.xqa is not None and plan.decode is None and plan.prefill is None
+    assert plan.xqa is not None and (plan.decode, plan.ragged, plan.paged) == (None, None, None)
     output, _ = forward(impl, batch, md)
     ref64, _, bound = oracle(batch)
     assert max_abs_error(output[: batch.num_actual_tokens], ref64) <= bound
