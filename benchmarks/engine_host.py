@@ -4,6 +4,8 @@ Every request is past its prompt, so each timed step is a pure decode step of N 
 `LLM.step()` is timed with `time.perf_counter`:
 
 - schedule: the scheduler's `schedule()`;
+- prepare: from the start of `ModelRunner.execute` to the model's forward (step inputs and
+  every metadata build; eager steps only, "nan" where the step replays a CUDA graph);
 - launch: from the step's start to the return of `ModelRunner.execute`, i.e. to the launch of
   the model's last kernel (scheduler, step preparation, every metadata builder, the layer calls,
   the logits); the sampler's argmax follows;
@@ -42,6 +44,10 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--src", type=Path, default=None, help="checkout whose src/ to measure")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="N", help="print cProfile's top N entries of "
+        "the timed steps at the largest batch (the timings then include the profiler)"
+    )  # fmt: skip
     return parser.parse_args()
 
 
@@ -52,6 +58,8 @@ class StepClock:
         self.marks: dict[str, float] = {}
         self.num_seqs = self.num_tokens = 0
         schedule, execute = llm.scheduler.schedule, llm.runner.execute
+        model = llm.runner.model
+        forward = model.forward
 
         def timed_schedule(*args, **kwargs):
             batch = schedule(*args, **kwargs)
@@ -60,11 +68,18 @@ class StepClock:
             return batch
 
         def timed_execute(*args, **kwargs):
+            self.marks["execute"] = time.perf_counter()
+            self.marks["forward"] = float("nan")
             out = execute(*args, **kwargs)
             self.marks["launch"] = time.perf_counter()
             return out
 
+        def timed_forward(*args, **kwargs):
+            self.marks["forward"] = time.perf_counter()
+            return forward(*args, **kwargs)
+
         llm.scheduler.schedule = timed_schedule
+        model.forward = timed_forward
         llm.runner.execute = timed_execute
 
 
@@ -87,17 +102,32 @@ def _fill(llm, num_reqs: int, lengths: list[int], max_tokens: int, vocab: int) -
 
 
 def _measure(llm, clock: StepClock, num_reqs: int, args, sync) -> dict[str, float]:
-    times: dict[str, list[float]] = {"schedule": [], "launch": [], "step": []}
+    times: dict[str, list[float]] = {"schedule": [], "prepare": [], "launch": [], "step": []}
+    profiler = None
+    if args.profile and num_reqs == max(args.batches):
+        import cProfile
+
+        profiler = cProfile.Profile()
     for i in range(args.warmup + args.steps):
         sync()
+        if profiler is not None and i >= args.warmup:
+            profiler.enable()
         start = time.perf_counter()
         llm.step()
         end = time.perf_counter()
+        if profiler is not None:
+            profiler.disable()
         assert clock.num_seqs == clock.num_tokens == num_reqs, "not a pure decode step"
         if i >= args.warmup:
             times["schedule"].append(clock.marks["schedule"] - start)
+            times["prepare"].append(clock.marks["forward"] - clock.marks["execute"])
             times["launch"].append(clock.marks["launch"] - start)
             times["step"].append(end - start)
+    if profiler is not None:
+        import pstats
+
+        print(f"cProfile of {args.steps} decode steps of {num_reqs} requests (tottime):")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
     return {key: statistics.median(values) * 1e3 for key, values in times.items()}
 
 
@@ -138,8 +168,8 @@ def main() -> None:
             f"anyattn from {Path(anyattn.__file__).parent}; torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads, {device}, {dtype}, model {model}"
         )
-        print(f"{'mode':>6} {'backend':>14} {'reqs':>5} {'schedule ms':>12} {'launch ms':>10} "
-              f"{'step ms':>8}")  # fmt: skip
+        print(f"{'mode':>6} {'backend':>14} {'reqs':>5} {'schedule ms':>12} {'prepare ms':>11} "
+              f"{'launch ms':>10} {'step ms':>8}")  # fmt: skip
         for mode in modes:
             llm = LLM(
                 path,
@@ -165,6 +195,7 @@ def main() -> None:
                 rows.append(row)
                 print(
                     f"{mode:>6} {backend:>14} {num_reqs:>5} {figures['schedule']:>12.3f} "
+                    f"{figures['prepare']:>11.3f} "
                     f"{figures['launch']:>10.3f} {figures['step']:>8.3f}",
                     flush=True,
                 )
