@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 
-def _parse() -> argparse.Namespace:
+def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default=None, help="attention backend (default: selected)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
@@ -48,7 +48,7 @@ def _parse() -> argparse.Namespace:
         "--profile", type=int, default=0, metavar="N", help="print cProfile's top N entries of "
         "the timed steps at the largest batch (the timings then include the profiler)"
     )  # fmt: skip
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 class StepClock:
@@ -131,8 +131,8 @@ def _measure(llm, clock: StepClock, num_reqs: int, args, sync) -> dict[str, floa
     return {key: statistics.median(values) * 1e3 for key, values in times.items()}
 
 
-def main() -> None:
-    args = _parse()
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = _parse(argv)
     if args.src is not None:
         sys.path.insert(0, str(args.src.resolve() / "src"))
     import numpy as np
@@ -202,6 +202,7 @@ def main() -> None:
             del llm
     if args.json is not None:
         args.json.write_text(json.dumps({"device": str(device), "model": model, "rows": rows}))
+    return rows
 
 
 if __name__ == "__main__":
