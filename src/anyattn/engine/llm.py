@@ -318,17 +318,7 @@ class LLM:
 
     def _run(self, batch: ScheduledBatch) -> list[int | None]:
         seqs = batch.seqs
-        needs_sample = [
-            s.num_computed_tokens + n == s.num_tokens
-            for s, n in zip(seqs, batch.num_new_tokens, strict=True)
-        ]
-        out = self.runner.execute(
-            [s.token_ids for s in seqs],
-            [s.num_computed_tokens for s in seqs],
-            batch.num_new_tokens,
-            [s.block_table for s in seqs],
-            needs_sample,
-        )
+        out = self.runner.execute(self.scheduler.input_batch, batch.slots, batch.num_new_tokens)
         sampled: list[int | None] = [None] * len(seqs)
         if out.sample_rows:
             entries = [self._requests[seqs[i].request_id] for i in out.sample_rows]
