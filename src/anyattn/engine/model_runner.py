@@ -1,6 +1,10 @@
 """ModelRunner: lays out each step's batch, builds attention metadata once per KV-cache group,
 runs the model, and returns the logits of the requests that need a next token.
 
+A step is given as slots of an `InputBatch` (the running requests' per-slot arrays, kept by the
+scheduler) and each slot's new-token count; its inputs are gathered from the arrays in a few
+vectorised operations, whatever the number of requests.
+
 KV-cache groups are the attention layers that share one backend and one `AttentionSpec`
 (a plain model has one; Gemma2's sliding and global layers make two). Each group's builder is
 told the impl of every layer it serves (`register_layer`) at set-up, before any build. Every
