@@ -251,10 +251,13 @@ class ModelRunner:
         input_ids = torch.from_numpy(step.input_ids).to(self.device)
         positions = torch.from_numpy(step.positions).to(self.device)
         rows = np.flatnonzero(needs_sample[order])
+        # Copied before the forward is queued: a copy from pageable memory after it would wait
+        # for the whole forward to finish.
         last = torch.from_numpy(step.query_start_loc[1:][rows].astype(np.int64) - 1)
+        last = last.to(self.device)
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches)
-            logits = self.model.compute_logits(hidden[last.to(self.device)])
+            logits = self.model.compute_logits(hidden[last])
         return StepOutput(order.tolist(), order[rows].tolist(), logits, used_prefix)
 
     def _common_metadata(self, step: StepInputs) -> CommonAttentionMetadata:
@@ -286,12 +289,14 @@ class ModelRunner:
         assert self.cuda_graphs is not None
         query_len = key[1]
         rows = np.flatnonzero(needs_sample)
+        # Copied before the replay (see `execute`).
+        picked = torch.from_numpy(rows).to(self.device) if len(rows) < len(slots) else None
         with torch.inference_mode():
             hidden = self.cuda_graphs.run(key, batch, slots)
             if query_len > 1:  # each request's last token
                 hidden = hidden[query_len - 1 :: query_len]
-            if len(rows) < len(slots):
-                hidden = hidden[torch.from_numpy(rows).to(self.device)]
+            if picked is not None:
+                hidden = hidden[picked]
             logits = self.model.compute_logits(hidden)
         return StepOutput(list(range(len(slots))), rows.tolist(), logits)
 
