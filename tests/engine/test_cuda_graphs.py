@@ -46,6 +46,26 @@ def test_a_batch_pads_to_the_smallest_capture_size_that_holds_it() -> None:
     assert pick_capture_size(5, 3, (1, 2, 4, 6, 8, 12)) is None
 
 
+def test_graph_key_takes_uniform_batches_within_the_captures_and_the_table_width() -> None:
+    from anyattn.engine.cuda_graphs import CudaGraphRunner
+
+    runner = CudaGraphRunner.__new__(CudaGraphRunner)  # no capture: the choice alone
+    runner.plan = SimpleNamespace(query_lens=(1, 2))
+    runner.graphs = dict.fromkeys([(1, 1), (2, 1), (4, 1), (4, 2)])
+    runner.inputs = SimpleNamespace(max_blocks=3)
+
+    def key(num_new, num_blocks):
+        return runner.graph_key(np.array(num_new), np.array(num_blocks))
+
+    assert key([1, 1, 1], [1, 3, 2]) == (4, 1)  # padded to the next capture
+    assert key([2, 2], [1, 1]) == (4, 2)
+    assert key([1, 2], [1, 1]) is None  # not uniform
+    assert key([3], [1]) is None  # no graph of that query length
+    assert key([1] * 5, [1] * 5) is None  # larger than every capture
+    assert key([1], [4]) is None  # wider than the captured block table
+    assert key([], []) is None
+
+
 @pytest.mark.parametrize(
     ("levels", "device_type", "enforce_eager", "message"),
     [
