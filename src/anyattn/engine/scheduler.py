@@ -169,8 +169,8 @@ class Scheduler:
         batch.seqs = seqs + list(admitted)
         batch.num_new_tokens = num_new + list(admitted.values())
         if decode_slots is not None:
-            new_slots = np.array([seq.slot for seq in admitted], dtype=np.int32)
-            batch.slots = np.concatenate([decode_slots, new_slots])
+            new_slots = [seq.slot for seq in admitted]
+            batch.slots = np.append(decode_slots, new_slots) if new_slots else decode_slots
         else:
             batch.slots = np.array([seq.slot for seq in batch.seqs], dtype=np.int32)
         return batch
@@ -185,9 +185,9 @@ class Scheduler:
             return None
         slots = np.array(self._running_slots, dtype=np.int32)
         computed = batch.num_computed[slots]
-        if (batch.num_tokens[slots] - computed != 1).any():
+        if not np.array_equal(batch.num_tokens[slots], computed + 1):
             return None
-        grow = np.flatnonzero(computed + 1 > batch.num_blocks[slots] * bm.block_size)
+        grow = np.flatnonzero(computed >= batch.num_blocks[slots] * bm.block_size)
         if len(grow) > bm.num_free_blocks:
             return None
         for index in grow.tolist():
