@@ -10,6 +10,8 @@ Fixtures:
         word-level tokenizer ("t0 t1 ..."), so text prompts work.
     hf_logits: `hf_logits(hf_model, token_ids)`: transformers' fp32 logits `[len, vocab]` of
         one sequence (the reference every model test compares with).
+    run_step: `run_step(runner, token_ids, num_computed, num_new, block_tables) -> StepOutput`:
+        one `ModelRunner.execute` over requests given as lists (an `InputBatch` made for it).
 """
 
 from __future__ import annotations
@@ -119,6 +121,18 @@ def tiny_hf_model(
 @torch.inference_mode()
 def _hf_logits(hf_model: torch.nn.Module, token_ids: Sequence[int]) -> torch.Tensor:
     return hf_model(input_ids=torch.tensor([list(token_ids)])).logits[0].float()
+
+
+def run_step(runner, token_ids, num_computed, num_new, block_tables):
+    from anyattn.engine.input_batch import InputBatch
+
+    batch, slots = InputBatch.from_lists(token_ids, num_computed, block_tables, runner.block_size)
+    return runner.execute(batch, slots, num_new)
+
+
+@pytest.fixture(name="run_step")
+def run_step_fixture():
+    return run_step
 
 
 @pytest.fixture

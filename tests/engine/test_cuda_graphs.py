@@ -21,6 +21,7 @@ import torch
 from anyattn.config import BatchLimits
 from anyattn.engine.cuda_graphs import default_capture_sizes, pick_capture_size, plan_cuda_graphs
 from anyattn.engine.decode_inputs import DecodeBuffers, StaticDecodeInputs, fill_decode_inputs
+from anyattn.engine.input_batch import InputBatch
 from anyattn.metadata import compute_slot_mapping, expand_block_table
 from anyattn.types import AttentionCGSupport as CG
 
@@ -42,6 +43,26 @@ def test_a_batch_pads_to_the_smallest_capture_size_that_holds_it() -> None:
     assert pick_capture_size(2, 3, (1, 2, 4, 6, 8, 12)) == 6
     assert pick_capture_size(3, 3, (1, 2, 4, 6, 8, 12)) == 12
     assert pick_capture_size(5, 3, (1, 2, 4, 6, 8, 12)) is None
+
+
+def test_graph_key_takes_uniform_batches_within_the_captures_and_the_table_width() -> None:
+    from anyattn.engine.cuda_graphs import CudaGraphRunner
+
+    runner = CudaGraphRunner.__new__(CudaGraphRunner)  # no capture: the choice alone
+    runner.plan = SimpleNamespace(query_lens=(1, 2))
+    runner.graphs = dict.fromkeys([(1, 1), (2, 1), (4, 1), (4, 2)])
+    runner.inputs = SimpleNamespace(max_blocks=3)
+
+    def key(num_new, num_blocks):
+        return runner.graph_key(np.array(num_new), np.array(num_blocks))
+
+    assert key([1, 1, 1], [1, 3, 2]) == (4, 1)  # padded to the next capture
+    assert key([2, 2], [1, 1]) == (4, 2)
+    assert key([1, 2], [1, 1]) is None  # not uniform
+    assert key([3], [1]) is None  # no graph of that query length
+    assert key([1] * 5, [1] * 5) is None  # larger than every capture
+    assert key([1], [4]) is None  # wider than the captured block table
+    assert key([], []) is None
 
 
 @pytest.mark.parametrize(
@@ -107,11 +128,10 @@ def test_padded_cpu_mirrors_exactly() -> None:
     host = DecodeBuffers.allocate(max_num_reqs=8, max_num_tokens=8, max_blocks=4)
     tokens = [list(range(100, 110)), [7], list(range(200, 211))]
     # a larger batch first, so that stale rows must be overwritten
-    fill_decode_inputs(host, tokens * 2, [9, 0, 10] * 2, [[5, 6, 7]] * 6, 1, 8, block_size=4)
-    longest = fill_decode_inputs(
-        host, tokens, [5, 0, 9], [[7, 3], [2], [4, 8, 6]], query_len=1, num_padded_reqs=4,
-        block_size=4,
-    )  # fmt: skip
+    big, big_slots = InputBatch.from_lists(tokens * 2, [9, 0, 10] * 2, [[5, 6, 7]] * 6, 4)
+    fill_decode_inputs(host, big, big_slots, query_len=1, num_padded_reqs=8)
+    batch, slots = InputBatch.from_lists(tokens, [5, 0, 9], [[7, 3], [2], [4, 8, 6]], 4)
+    longest = fill_decode_inputs(host, batch, slots, query_len=1, num_padded_reqs=4)
     assert longest == 10
     assert _filled(host, 4, 4) == {
         "input_ids": [105, 7, 209, 0],
@@ -132,8 +152,8 @@ def test_padded_cpu_mirrors_exactly() -> None:
 
 def test_padded_cpu_mirrors_with_two_tokens_a_request() -> None:
     host = DecodeBuffers.allocate(max_num_reqs=4, max_num_tokens=8, max_blocks=2)
-    fill_decode_inputs(host, [[1, 2, 3, 4, 5]], [3], [[9, 4]], query_len=2, num_padded_reqs=3,
-                       block_size=4)  # fmt: skip
+    batch, slots = InputBatch.from_lists([[1, 2, 3, 4, 5]], [3], [[9, 4]], block_size=4)
+    fill_decode_inputs(host, batch, slots, query_len=2, num_padded_reqs=3)
     assert _filled(host, 3, 6) == {
         "input_ids": [4, 5, 0, 0, 0, 0],
         "positions": [3, 4, 0, 1, 0, 1],
@@ -176,9 +196,8 @@ def test_metadata_are_views_of_fixed_buffers_and_kernel_tables_are_expanded() ->
     addresses = set()
     for tables, padded in (([[3, 5]], 2), ([[1, 4], [2, 6], [7, 8]], 4)):
         num = len(tables)
-        ids, positions, common = inputs.prepare(
-            [[1] * 9] * num, [4] * num, tables, query_len=1, num_padded_reqs=padded
-        )
+        batch, slots = InputBatch.from_lists([[1] * 9] * num, [4] * num, tables, block_size=4)
+        ids, positions, common = inputs.prepare(batch, slots, query_len=1, num_padded_reqs=padded)
         metadata = inputs.build(common, for_capture=False)
         assert metadata["a"] is common and metadata["b"] is metadata["c"]
         assert common.num_reqs == padded and common.num_actual_tokens == padded
@@ -212,7 +231,7 @@ def test_metadata_are_views_of_fixed_buffers_and_kernel_tables_are_expanded() ->
     assert [kind for kind, _ in engine_group.builder.calls] == ["build", "build", "capture"]
 
 
-def test_padded_step_through_graph_inputs_gives_the_unpadded_logits(tiny_llm) -> None:
+def test_padded_step_through_graph_inputs_gives_the_unpadded_logits(tiny_llm, run_step) -> None:
     # The graph path without the graph: the padded step run eagerly (TORCH, CPU) must give the
     # real requests the logits of the ordinary eager step.
     for kind in ("llama", "gemma2"):
@@ -220,7 +239,7 @@ def test_padded_step_through_graph_inputs_gives_the_unpadded_logits(tiny_llm) ->
         runner = llm.runner
         prompts = [[5, 9, 17, 33, 2, 80, 41], [12, 13, 14], [99, 98, 97, 96, 95, 94, 93, 92, 91]]
         tables = [[3, 4], [9], [6, 1, 7]]
-        runner.execute(prompts, [0, 0, 0], [7, 3, 9], tables, [True] * 3)
+        run_step(runner, prompts, [0, 0, 0], [7, 3, 9], tables)
         tokens = [[*p, i + 20] for i, p in enumerate(prompts)]
         computed = [len(p) for p in prompts]
         inputs = StaticDecodeInputs(
@@ -231,12 +250,13 @@ def test_padded_step_through_graph_inputs_gives_the_unpadded_logits(tiny_llm) ->
             max_model_len=runner.limits.max_model_len,
             device=runner.device,
         )
-        ids, positions, common = inputs.prepare(tokens, computed, tables, 1, num_padded_reqs=8)
+        batch, slots = InputBatch.from_lists(tokens, computed, tables, runner.block_size)
+        ids, positions, common = inputs.prepare(batch, slots, 1, num_padded_reqs=8)
         with torch.inference_mode():
             metadata = inputs.build(common, for_capture=False)
             hidden = runner.model(ids, positions, metadata, runner.kv_caches)
             padded = runner.model.compute_logits(hidden[:3])
-        eager = runner.execute(tokens, computed, [1, 1, 1], tables, [True] * 3)
+        eager = run_step(runner, tokens, computed, [1, 1, 1], tables)
         assert eager.sample_rows == [0, 1, 2]
         torch.testing.assert_close(padded, eager.logits, atol=1e-5, rtol=1e-5)
         assert np.isfinite(runner.model.compute_logits(hidden).numpy()).all()  # dummies too
@@ -276,7 +296,9 @@ def _gpu_llm_or_skip(
     ],
     ids=str,
 )
-def test_decode_graphs_match_eager_steps(tiny_llm, monkeypatch, backend, dtype, tolerance) -> None:
+def test_decode_graphs_match_eager_steps(
+    tiny_llm, run_step, monkeypatch, backend, dtype, tolerance
+) -> None:
     backend, _, decode_kernel = backend.partition(":")
     if decode_kernel:
         from anyattn.backends.flashinfer import FlashInferMetadataBuilder
@@ -304,10 +326,9 @@ def test_decode_graphs_match_eager_steps(tiny_llm, monkeypatch, backend, dtype, 
             [computed[i] for i in batch],
             num_new,
             [tables[i] for i in batch],
-            [True] * len(batch),
         )
         replays = graphs.cuda_graphs.num_replays
-        got, want = graphs.execute(*args), eager.execute(*args)
+        got, want = run_step(graphs, *args), run_step(eager, *args)
         is_decode = all(n == 1 for n in num_new)
         assert graphs.cuda_graphs.num_replays == replays + is_decode
         assert got.sample_rows == want.sample_rows

@@ -34,7 +34,7 @@ def both():
 
 
 @pytest.mark.slow
-def test_greedy_tokens_equal_transformers_and_logits_agree(both):
+def test_greedy_tokens_equal_transformers_and_logits_agree(both, run_step):
     llm, hf_model = both
     prompts = [llm.encode_prompt(p, chat=True) for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -58,9 +58,7 @@ def test_greedy_tokens_equal_transformers_and_logits_agree(both):
         assert llm.block_manager.allocate(seq, len(ids))
         try:
             new = len(ids) - seq.num_computed_tokens
-            step = llm.runner.execute(
-                [ids], [seq.num_computed_tokens], [new], [seq.block_table], [True]
-            )
+            step = run_step(llm.runner, [ids], [seq.num_computed_tokens], [new], [seq.block_table])
         finally:
             llm.block_manager.free(seq)
         assert (step.logits[0] - hf_logits[-1].float()).abs().max().item() < 1e-3

@@ -32,7 +32,7 @@ def test_gemma2_alternating_windows_make_two_groups_each_built_once_per_step(tin
     assert len(builds) == len(groups) * len(steps)
 
 
-def test_decodes_run_first_and_logits_come_back_in_batch_order(tiny_llm):
+def test_decodes_run_first_and_logits_come_back_in_batch_order(tiny_llm, run_step):
     llm, _ = tiny_llm("llama")
     runner = llm.runner
     assert runner.groups[0].builder.reorder_batch_threshold == 1
@@ -40,11 +40,11 @@ def test_decodes_run_first_and_logits_come_back_in_batch_order(tiny_llm):
     token_ids = [[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
     tables = [[1, 2], [3, 4]]
     alone = [
-        runner.execute([token_ids[0]], [0], [6], [tables[0]], [True]).logits[0],
+        run_step(runner, [token_ids[0]], [0], [6], [tables[0]]).logits[0],
     ]
-    runner.execute([token_ids[1]], [0], [5], [tables[1]], [False])  # fill request 1's context
-    alone.append(runner.execute([token_ids[1]], [5], [1], [tables[1]], [True]).logits[0])
-    out = runner.execute(token_ids, [0, 5], [6, 1], tables, [True, True])
+    run_step(runner, [token_ids[1]], [0], [5], [tables[1]])  # fill request 1's context
+    alone.append(run_step(runner, [token_ids[1]], [5], [1], [tables[1]]).logits[0])
+    out = run_step(runner, token_ids, [0, 5], [6, 1], tables)
     assert out.order == [1, 0]  # the decode was moved to the front
     assert out.sample_rows == [1, 0]
     by_request = dict(zip(out.sample_rows, out.logits, strict=True))
@@ -63,7 +63,7 @@ def test_each_builder_gets_the_record_of_every_layer_it_serves(tiny_llm):
         }
 
 
-def test_cascade_decision_gets_the_query_heads_and_the_sm_count(tiny_llm):
+def test_cascade_decision_gets_the_query_heads_and_the_sm_count(tiny_llm, run_step):
     llm, hf_model = tiny_llm("llama")
     runner = llm.runner
     builder = runner.groups[0].builder
@@ -77,7 +77,7 @@ def test_cascade_decision_gets_the_query_heads_and_the_sm_count(tiny_llm):
     builder.use_cascade_attention = spy
     # two decodes whose contexts share engine block 1 (4 tokens): a common prefix of 4
     tokens = [[3, 4, 5, 6, 7, 8], [3, 4, 5, 6, 9, 10]]
-    runner.execute(tokens, [5, 5], [1, 1], [[1, 2], [1, 3]], [True, True])
+    run_step(runner, tokens, [5, 5], [1, 1], [[1, 2], [1, 3]])
     assert len(asked) == 1
     assert asked[0]["num_query_heads"] == hf_model.config.num_attention_heads == 4
     assert asked[0]["num_kv_heads"] == hf_model.config.num_key_value_heads == 1
@@ -85,7 +85,7 @@ def test_cascade_decision_gets_the_query_heads_and_the_sm_count(tiny_llm):
     assert asked[0]["use_alibi"] is False
     # a group with an ALiBi layer says so (a position-dependent bias rules cascade out)
     runner.groups[0].has_alibi = True
-    runner.execute(tokens, [5, 5], [1, 1], [[1, 2], [1, 3]], [True, True])
+    run_step(runner, tokens, [5, 5], [1, 1], [[1, 2], [1, 3]])
     assert asked[1]["use_alibi"] is True
 
 

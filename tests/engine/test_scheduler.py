@@ -70,6 +70,26 @@ def check_invariants(sched: Scheduler, batch: ScheduledBatch) -> None:
         assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens + n
         if not sched.enable_chunked_prefill:
             assert seq.num_computed_tokens + n == seq.num_tokens
+    check_input_batch(sched, batch)
+
+
+def check_input_batch(sched: Scheduler, batch: ScheduledBatch) -> None:
+    """The per-slot arrays mirror every running sequence exactly; other rows are clear."""
+    ib = sched.input_batch
+    assert batch.slots.tolist() == [s.slot for s in batch.seqs]
+    slots = [seq.slot for seq in sched.running]
+    assert len(set(slots)) == len(slots) and None not in slots
+    for seq in sched.running:
+        row = seq.slot
+        assert ib.num_tokens[row] == seq.num_tokens
+        assert ib.token_ids[row, : seq.num_tokens].tolist() == seq.token_ids
+        assert ib.num_computed[row] == seq.num_computed_tokens
+        assert ib.num_blocks[row] == len(seq.block_table)
+        assert ib.block_table[row, : len(seq.block_table)].tolist() == seq.block_table
+        assert not ib.block_table[row, len(seq.block_table) :].any()
+    for row in set(range(ib.max_num_reqs)) - set(slots):
+        assert ib.num_tokens[row] == ib.num_computed[row] == ib.num_blocks[row] == 0
+        assert not ib.block_table[row].any()
 
 
 def run(

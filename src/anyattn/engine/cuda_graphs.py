@@ -50,17 +50,16 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from anyattn.config import BatchLimits
 from anyattn.engine.decode_inputs import StaticDecodeInputs
+from anyattn.engine.input_batch import InputBatch
+from anyattn.engine.kv_cache_group import KVCacheGroup
 from anyattn.types import AttentionCGSupport
 from anyattn.validation import check_step_against_cache, step_of
-
-if TYPE_CHECKING:
-    from anyattn.engine.model_runner import KVCacheGroup
 
 logger = logging.getLogger(__name__)
 
@@ -236,16 +235,19 @@ class CudaGraphRunner:
         self._step_done = torch.cuda.Event()
         self.num_replays = 0
 
-    def graph_key(
-        self, num_new: Sequence[int], block_tables: Sequence[Sequence[int]]
-    ) -> tuple[int, int] | None:
-        """`(num_tokens, query_len)` of the graph that runs this batch, or None (run eagerly)."""
-        if not num_new:
+    def graph_key(self, num_new: np.ndarray, num_blocks: np.ndarray) -> tuple[int, int] | None:
+        """`(num_tokens, query_len)` of the graph that runs this batch, or None (run eagerly).
+
+        Args:
+            num_new: int `[R]`, new tokens per request.
+            num_blocks: int `[R]`, blocks each request holds.
+        """
+        if len(num_new) == 0:
             return None
-        q = num_new[0]
-        if q not in self.plan.query_lens or any(n != q for n in num_new):
+        q = int(num_new[0])
+        if q not in self.plan.query_lens or (num_new != q).any():
             return None
-        if any(len(blocks) > self.inputs.max_blocks for blocks in block_tables):
+        if num_blocks.max() > self.inputs.max_blocks:
             return None
         size = pick_capture_size(len(num_new), q, [t for t, gq in self.graphs if gq == q])
         return None if size is None else (size, q)
@@ -276,8 +278,9 @@ class CudaGraphRunner:
 
     def _capture_one(self, num_tokens: int, query_len: int) -> None:
         num_reqs = num_tokens // query_len
+        no_slots = np.zeros(0, dtype=np.int32)
         ids, positions, common = self.inputs.prepare(
-            [], [], [], query_len, num_reqs, max_seq_len=self.max_model_len
+            None, no_slots, query_len, num_reqs, max_seq_len=self.max_model_len
         )
         warmup = self.inputs.build(common, for_capture=False)
         hidden = self.model(ids, positions, warmup, self.kv_caches)
@@ -292,14 +295,8 @@ class CudaGraphRunner:
             self.hidden[:num_tokens].copy_(hidden)
         self.graphs[(num_tokens, query_len)] = graph
 
-    def run(
-        self,
-        key: tuple[int, int],
-        token_ids: Sequence[Sequence[int]],
-        num_computed: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
-    ) -> torch.Tensor:
-        """Replay the graph `key` (from `graph_key`) for a uniform decode batch.
+    def run(self, key: tuple[int, int], batch: InputBatch, slots: np.ndarray) -> torch.Tensor:
+        """Replay the graph `key` (from `graph_key`) for the uniform decode batch of `slots`.
 
         Returns:
             The final hidden states of the real tokens, `[R * query_len, hidden_size]`: a view
@@ -307,9 +304,7 @@ class CudaGraphRunner:
         """
         num_tokens, query_len = key
         self._step_done.synchronize()
-        _, _, common = self.inputs.prepare(
-            token_ids, num_computed, block_tables, query_len, num_tokens // query_len
-        )
+        _, _, common = self.inputs.prepare(batch, slots, query_len, num_tokens // query_len)
         # The builders fill their own persistent buffers; the graph reads the captured addresses.
         metadata = self.inputs.build(common, for_capture=False)
         # A replay runs no layer's Python: the step is checked against each group's cache here.
@@ -322,4 +317,4 @@ class CudaGraphRunner:
         self._step_done.record()
         self.num_replays += 1
         assert self.hidden is not None
-        return self.hidden[: len(token_ids) * query_len]
+        return self.hidden[: len(slots) * query_len]

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from anyattn.engine.input_batch import InputBatch
+from anyattn.engine.kv_cache_group import KVCacheGroup
 from anyattn.metadata import CommonAttentionMetadata, expand_block_table
-
-if TYPE_CHECKING:
-    from anyattn.engine.model_runner import KVCacheGroup
 
 __all__ = ["DecodeBuffers", "StaticDecodeInputs", "fill_decode_inputs"]
 
@@ -73,63 +71,50 @@ class DecodeBuffers:
 
 def fill_decode_inputs(
     host: DecodeBuffers,
-    token_ids: Sequence[Sequence[int]],
-    num_computed: Sequence[int],
-    block_tables: Sequence[Sequence[int]],
+    batch: InputBatch,
+    slots: np.ndarray,
     query_len: int,
     num_padded_reqs: int,
-    block_size: int,
 ) -> int:
     """Write a uniform decode batch, padded with dummy requests, into CPU buffers.
 
-    Request r (of R) runs `token_ids[r][num_computed[r] : num_computed[r] + query_len]` at those
-    positions. Requests R .. num_padded_reqs - 1 are dummies (see the module docstring).
-    Only the first `num_padded_reqs` rows (`* query_len` tokens) are written.
+    Request r (of R = len(slots)) runs `query_len` new tokens of slot `slots[r]` of `batch`
+    (from its `num_computed` on). Requests R .. num_padded_reqs - 1 are dummies (see the module
+    docstring). Only the first `num_padded_reqs` rows (`* query_len` tokens) are written.
 
     Args:
-        host: CPU buffers (`DecodeBuffers`).
-        token_ids: each request's known tokens.
-        num_computed: tokens of each request already in the KV cache.
-        block_tables: each request's engine blocks, covering `num_computed + query_len` tokens.
+        host: CPU buffers (`DecodeBuffers`), at least as wide as `batch.block_table`.
+        batch: the running requests' arrays.
+        slots: int `[R]`, the requests' slots.
         query_len: new tokens per request (1, or 1 + k under speculative decoding).
         num_padded_reqs: N >= R.
-        block_size: the engine block size.
 
     Returns:
-        The longest sequence (context + new tokens) among the real requests.
+        The longest sequence (context + new tokens) among the real requests (0 when none).
     """
-    num_reqs = len(token_ids)
+    num_reqs = len(slots)
     n, q = num_padded_reqs, query_len
     assert num_reqs <= n, "a padded batch cannot be smaller than the real one"
+    step = batch.gather(slots, np.full(num_reqs, q, dtype=np.int32))
+    real, padded = num_reqs * q, n * q
     ids = host.input_ids.numpy()
     positions = host.positions.numpy()
-    slots = host.slot_mapping.numpy()
+    slot_mapping = host.slot_mapping.numpy()
     table = host.block_table.numpy()
-    seq_lens = host.seq_lens.numpy()
-    context = host.num_computed_tokens.numpy()
     host.query_start_loc.numpy()[: n + 1] = np.arange(0, (n + 1) * q, q, dtype=np.int32)
+    ids[:real] = step.input_ids
+    positions[:real] = step.positions
+    slot_mapping[:real] = step.slot_mapping
     table[:n] = 0
-    offsets = np.arange(q)
-    max_seq_len = 0
-    for r in range(num_reqs):
-        start = num_computed[r]
-        rows = slice(r * q, (r + 1) * q)
-        ids[rows] = token_ids[r][start : start + q]
-        pos = start + offsets
-        positions[rows] = pos
-        blocks = block_tables[r]
-        table[r, : len(blocks)] = blocks
-        slots[rows] = table[r, pos // block_size].astype(np.int64) * block_size + pos % block_size
-        seq_lens[r] = start + q
-        context[r] = start
-        max_seq_len = max(max_seq_len, start + q)
-    dummies = slice(num_reqs * q, n * q)
-    ids[dummies] = 0
-    positions[dummies] = np.tile(offsets, n - num_reqs)
-    slots[dummies] = -1
-    seq_lens[num_reqs:n] = q
-    context[num_reqs:n] = 0
-    return max_seq_len
+    table[:num_reqs, : step.block_table.shape[1]] = step.block_table
+    host.seq_lens.numpy()[:num_reqs] = step.seq_lens
+    host.num_computed_tokens.numpy()[:num_reqs] = step.num_computed
+    ids[real:padded] = 0
+    positions[real:padded] = np.tile(np.arange(q), n - num_reqs)
+    slot_mapping[real:padded] = -1
+    host.seq_lens.numpy()[num_reqs:n] = q
+    host.num_computed_tokens.numpy()[num_reqs:n] = 0
+    return int(step.seq_lens.max(initial=0))
 
 
 class StaticDecodeInputs:
@@ -164,6 +149,7 @@ class StaticDecodeInputs:
         shape = (max_num_reqs, max_num_tokens, self.max_blocks)
         self.host = DecodeBuffers.allocate(*shape, pin_memory=device.type == "cuda")
         self.dev = DecodeBuffers.allocate(*shape, device=device)
+        self._empty = InputBatch(1, max_model_len, block_size)  # for dummy-only batches
         # Groups with a smaller kernel block read their own expanded table, also persistent.
         self.kernel_tables: dict[int, torch.Tensor] = {
             index: torch.zeros(
@@ -178,9 +164,8 @@ class StaticDecodeInputs:
 
     def prepare(
         self,
-        token_ids: Sequence[Sequence[int]],
-        num_computed: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
+        batch: InputBatch | None,
+        slots: np.ndarray,
         query_len: int,
         num_padded_reqs: int,
         *,
@@ -190,6 +175,8 @@ class StaticDecodeInputs:
         them to the device.
 
         Args:
+            batch: the running requests' arrays (None with no slots: dummies only).
+            slots: int `[R]`, the real requests' slots.
             max_seq_len: the metadata's `max_seq_len` (capture passes `max_model_len`); default
                 the longest real sequence.
 
@@ -198,9 +185,8 @@ class StaticDecodeInputs:
             metadata whose tensors are views of the buffers.
         """
         num_reqs, num_tokens = num_padded_reqs, num_padded_reqs * query_len
-        longest = fill_decode_inputs(
-            self.host, token_ids, num_computed, block_tables, query_len, num_reqs, self.block_size
-        )
+        batch = batch or self._empty
+        longest = fill_decode_inputs(self.host, batch, slots, query_len, num_reqs)
         host, dev = self.host, self.dev
         for name, length in (
             ("input_ids", num_tokens),

@@ -14,20 +14,21 @@ scheduler records them and finishes requests.
 from __future__ import annotations
 
 import itertools
-import math
 import numbers
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from anyattn.config import BatchLimits
+from anyattn.engine.arguments import check_params, is_token_ids, parse_device, parse_memory
 from anyattn.engine.block_manager import BlockManager
 from anyattn.engine.detokenizer import IncrementalDetokenizer
 from anyattn.engine.loader import load_model
 from anyattn.engine.model_runner import ModelRunner
+from anyattn.engine.outputs import CompletionOutput, RequestOutput
 from anyattn.engine.sampler import Sampler
 from anyattn.engine.sampling_params import SamplingParams
 from anyattn.engine.scheduler import ScheduledBatch, Scheduler
@@ -42,31 +43,6 @@ _DEFAULT_MAX_MODEL_LEN = 4096
 
 
 @dataclass
-class CompletionOutput:
-    """One generated completion: its text, token ids and why it ended (None while running)."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-
-
-@dataclass
-class RequestOutput:
-    """The state of one request; `outputs[0]` is its completion.
-
-    Attributes:
-        error: why the request failed (e.g. a prompt longer than the model's context).
-    """
-
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool = False
-    error: str | None = None
-
-
-@dataclass
 class _Tracked:
     """What the engine keeps per request: the scheduler's view, the caller's view, the
     request's random generator (None when unseeded) and its detokenizer."""
@@ -75,26 +51,6 @@ class _Tracked:
     output: RequestOutput
     generator: torch.Generator | None
     detokenizer: IncrementalDetokenizer
-
-
-def _parse_memory(value: int | str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    if isinstance(value, str):
-        text = value.strip().lower().removesuffix("b").removesuffix("i")
-        units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-        scale = units.get(text[-1:], 1)
-        number = text[:-1] if text[-1:] in units else text
-        try:
-            parsed = float(number) * scale
-        except ValueError:
-            parsed = 0
-        if math.isfinite(parsed) and parsed >= 1:
-            return int(parsed)
-    raise ValueError(
-        f"LLM: kv_cache_memory must be a positive byte count such as 268435456 or '256MiB' "
-        f"(got {value!r})."
-    )
 
 
 class LLM:
@@ -141,7 +97,7 @@ class LLM:
                 f"LLM: model must be a path to a .gguf file or a Hugging Face folder (got "
                 f"{type(model).__name__})."
             )
-        self.device = _parse_device(device)
+        self.device = parse_device(device)
         default_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.dtype = default_dtype if dtype is None else parse_dtype(dtype, argument="LLM: dtype")
         self.block_size = 16 if block_size is None else block_size
@@ -153,7 +109,7 @@ class LLM:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"LLM: {name} must be a positive int (got {value!r}).")
-        memory = _parse_memory(kv_cache_memory)
+        memory = parse_memory(kv_cache_memory)
         loaded = load_model(
             model,
             dtype=self.dtype,
@@ -271,7 +227,7 @@ class LLM:
     ) -> int:
         """Queue one request; returns its id. Drive it with `step()`; read its state from the
         returned outputs. `abort_request` drops it."""
-        params = _check_params(params)
+        params = check_params(params)
         return self._add(prompt, self.encode_prompt(prompt, chat), params)
 
     def _add(self, prompt: object, token_ids: list[int], params: SamplingParams) -> int:
@@ -318,17 +274,7 @@ class LLM:
 
     def _run(self, batch: ScheduledBatch) -> list[int | None]:
         seqs = batch.seqs
-        needs_sample = [
-            s.num_computed_tokens + n == s.num_tokens
-            for s, n in zip(seqs, batch.num_new_tokens, strict=True)
-        ]
-        out = self.runner.execute(
-            [s.token_ids for s in seqs],
-            [s.num_computed_tokens for s in seqs],
-            batch.num_new_tokens,
-            [s.block_table for s in seqs],
-            needs_sample,
-        )
+        out = self.runner.execute(self.scheduler.input_batch, batch.slots, batch.num_new_tokens)
         sampled: list[int | None] = [None] * len(seqs)
         if out.sample_rows:
             entries = [self._requests[seqs[i].request_id] for i in out.sample_rows]
@@ -398,7 +344,7 @@ class LLM:
         Raises:
             TypeError / ValueError: a bad prompt or params; nothing is queued then.
         """
-        if isinstance(prompts, str) or _is_token_ids(prompts):
+        if isinstance(prompts, str) or is_token_ids(prompts):
             prompts = [prompts]
         if isinstance(prompts, Mapping | bytes | bytearray) or not (
             isinstance(prompts, Sequence) or hasattr(prompts, "__iter__")
@@ -415,7 +361,7 @@ class LLM:
                 f"LLM.generate: params must be a SamplingParams or a list of them (got "
                 f"{type(params).__name__})."
             )
-        params = [_check_params(p) for p in params]
+        params = [check_params(p) for p in params]
         if len(params) != len(prompts):
             raise ValueError(
                 f"LLM.generate: params must be one SamplingParams or one per prompt (got "
@@ -446,7 +392,7 @@ class LLM:
             TypeError / ValueError: a bad prompt or params; ValueError when the request fails
             (e.g. a prompt longer than `max_model_len`).
         """
-        params = _check_params(params)
+        params = check_params(params)
         request_id = self.add_request(prompt, params, chat)
         output = self._requests[request_id].output
         self.last_stream_output = output
@@ -470,40 +416,3 @@ class LLM:
             self.abort_request(request_id)
         if output.error:
             raise ValueError(output.error)
-
-
-def _parse_device(device: str | torch.device | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError):
-        parsed = None
-    if parsed is None or parsed.type not in ("cpu", "cuda"):
-        raise ValueError(f"LLM: device must be 'cpu' or 'cuda' (got {device!r}).")
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            f"LLM: device {device!r} asked for, but torch sees no CUDA GPU here (got torch "
-            f"{torch.__version__}). Use device='cpu'."
-        )
-    return parsed
-
-
-def _check_params(params: SamplingParams | None) -> SamplingParams:
-    if params is None:
-        return SamplingParams()
-    if not isinstance(params, SamplingParams):
-        raise TypeError(f"LLM: params must be a SamplingParams (got {type(params).__name__}).")
-    return params
-
-
-def _is_token_ids(prompts: object) -> bool:
-    """A single prompt given as ids: a 1-D array/tensor, or a non-empty list of integers."""
-    if getattr(prompts, "ndim", None) == 1:
-        return True
-    return (
-        isinstance(prompts, Sequence)
-        and not isinstance(prompts, str)
-        and len(prompts) > 0
-        and isinstance(prompts[0], numbers.Integral)
-    )

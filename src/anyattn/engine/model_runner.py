@@ -1,6 +1,10 @@
 """ModelRunner: lays out each step's batch, builds attention metadata once per KV-cache group,
 runs the model, and returns the logits of the requests that need a next token.
 
+A step is given as slots of an `InputBatch` (the running requests' per-slot arrays, kept by the
+scheduler) and each slot's new-token count; its inputs are gathered from the arrays in a few
+vectorised operations, whatever the number of requests.
+
 KV-cache groups are the attention layers that share one backend and one `AttentionSpec`
 (a plain model has one; Gemma2's sliding and global layers make two). Each group's builder is
 made with the record of every layer it serves (`{name: impl.layer_params()}`). Every
@@ -15,13 +19,12 @@ log line says whether graphs are on, or why not.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from anyattn.backend import AttentionBackend, AttentionMetadataBuilder
+from anyattn.backend import AttentionBackend
 from anyattn.config import AttentionSpec, BatchLimits
 from anyattn.engine.cuda_graphs import (
     CudaGraphPlan,
@@ -29,38 +32,16 @@ from anyattn.engine.cuda_graphs import (
     default_capture_sizes,
     plan_cuda_graphs,
 )
+from anyattn.engine.input_batch import InputBatch, StepInputs
+from anyattn.engine.kv_cache_group import KVCacheGroup
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.layer import Attention
-from anyattn.metadata import (
-    CommonAttentionMetadata,
-    apply_swaps,
-    expand_block_table,
-    make_common_attn_metadata,
-    reorder_batch_to_split_decodes_and_prefills,
-)
+from anyattn.metadata import CommonAttentionMetadata, expand_block_table
 from anyattn.types import AttentionCGSupport
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["KVCacheGroup", "ModelRunner", "StepOutput"]
-
-
-@dataclass
-class KVCacheGroup:
-    """Layers that share a backend and a KV-cache spec, and the one builder serving them.
-
-    `num_query_heads` is the query heads of its layers (the spec holds only the KV heads); the
-    largest, should they differ, for the cascade cost model. `has_alibi`: whether any of them
-    biases by ALiBi (position-dependent, which rules cascade attention out).
-    """
-
-    backend: type[AttentionBackend]
-    spec: AttentionSpec
-    layer_names: list[str]
-    builder: AttentionMetadataBuilder
-    kernel_block_size: int
-    num_query_heads: int
-    has_alibi: bool = False
 
 
 @dataclass
@@ -228,107 +209,96 @@ class ModelRunner:
     def backend_names(self) -> list[str]:
         return sorted({g.backend.get_name() for g in self.groups})
 
-    def _order(self, query_lens: list[int]) -> list[int]:
-        """Batch order that every builder accepts: decodes first when one asks for it."""
-        order = list(range(len(query_lens)))
+    def _order(self, num_new: np.ndarray) -> np.ndarray:
+        """Batch order that every builder accepts: decodes first when one asks for it (stable
+        within each part)."""
         thresholds = [g.builder.reorder_batch_threshold for g in self.groups]
         thresholds = [t for t in thresholds if t is not None]
-        if thresholds:
-            # One layout serves every group; the smallest threshold keeps each group's
-            # leading decodes within its own threshold.
-            swaps = reorder_batch_to_split_decodes_and_prefills(query_lens, min(thresholds))
-            apply_swaps(order, swaps)
-        return order
+        if not thresholds:
+            return np.arange(len(num_new))
+        # One layout serves every group; the smallest threshold keeps each group's leading
+        # decodes within its own threshold.
+        is_decode = num_new <= min(thresholds)
+        return np.concatenate([np.flatnonzero(is_decode), np.flatnonzero(~is_decode)])
 
-    def _common_prefix_len(self, block_tables: Seq[Seq[int]], contexts: Seq[int]) -> int:
-        """Leading KV blocks shared by every request, within every request's context."""
-        if len(block_tables) < 2:
-            return 0
-        shared = 0
-        for column in zip(*block_tables, strict=False):
-            if column[0] == 0 or any(b != column[0] for b in column):
-                break
-            shared += 1
-        return min(shared * self.block_size, min(contexts) // self.block_size * self.block_size)
-
-    def execute(
-        self,
-        token_ids: Seq[Seq[int]],
-        num_computed: Seq[int],
-        num_new: Seq[int],
-        block_tables: Seq[Seq[int]],
-        needs_sample: Seq[bool],
-    ) -> StepOutput:
+    def execute(self, batch: InputBatch, slots: np.ndarray, num_new: np.ndarray) -> StepOutput:
         """Run one step.
 
         Args:
-            token_ids: every request's known tokens (prompt + output so far).
-            num_computed: tokens of each request already in the KV cache.
-            num_new: tokens of each request to run this step (its query length).
-            block_tables: each request's physical blocks (engine block size), covering
-                `num_computed + num_new` tokens.
-            needs_sample: whether the request's step ends at its last known token.
+            batch: the running requests' arrays; each slot's blocks cover `num_computed +
+                num_new` tokens.
+            slots: int `[R]`, the step's requests (their rows of `batch`), in batch order.
+            num_new: int `[R]`, tokens of each request to run this step (its query length),
+                from its `num_computed` on.
 
         Returns:
-            A `StepOutput`: the order the step ran the requests in, the requests to sample and
-            their float32 logits `[num_sampled, vocab_size]`, and the cascade prefix length.
+            A `StepOutput`: the order the step ran the requests in, the requests to sample (those
+            whose step ends at their last known token) and their float32 logits
+            `[num_sampled, vocab_size]`, and the cascade prefix length.
         """
+        slots = np.asarray(slots, dtype=np.int32)
+        num_new = np.asarray(num_new, dtype=np.int32)
+        needs_sample = batch.num_computed[slots] + num_new == batch.num_tokens[slots]
         if self.cuda_graphs is not None:
-            key = self.cuda_graphs.graph_key(num_new, block_tables)
+            key = self.cuda_graphs.graph_key(num_new, batch.num_blocks[slots])
             if key is not None:
-                return self._execute_graph(key, token_ids, num_computed, block_tables, needs_sample)
-        order = self._order(list(num_new))
-        query_lens = [num_new[i] for i in order]
-        seq_lens = [num_computed[i] + num_new[i] for i in order]
-        ids = np.concatenate(
-            [
-                np.asarray(token_ids[i][num_computed[i] : num_computed[i] + num_new[i]])
-                for i in order
-            ]
-        )
-        positions = np.concatenate(
-            [np.arange(num_computed[i], num_computed[i] + num_new[i]) for i in order]
-        )
-        width = max(len(block_tables[i]) for i in order)
-        table = torch.zeros(len(order), width, dtype=torch.int32)
-        for row, i in enumerate(order):
-            table[row, : len(block_tables[i])] = torch.tensor(block_tables[i], dtype=torch.int32)
-        common = make_common_attn_metadata(
-            query_lens, seq_lens, table, self.block_size, self.device
-        )
-        prefix_len = self._common_prefix_len(
-            [block_tables[i] for i in order], [num_computed[i] for i in order]
-        )
-        attn_metadata, used_prefix = self._build(common, prefix_len, np.asarray(query_lens))
-        input_ids = torch.from_numpy(ids).to(self.device, torch.long)
-        pos = torch.from_numpy(positions).to(self.device, torch.long)
+                return self._execute_graph(key, batch, slots, needs_sample)
+        order = self._order(num_new)
+        step = batch.gather(slots[order], num_new[order])
+        common = self._common_metadata(step)
+        prefix_len = batch.common_prefix_len(slots)
+        attn_metadata, used_prefix = self._build(common, prefix_len, num_new[order])
+        input_ids = torch.from_numpy(step.input_ids).to(self.device)
+        positions = torch.from_numpy(step.positions).to(self.device)
+        rows = np.flatnonzero(needs_sample[order])
+        # Copied before the forward is queued: a copy from pageable memory after it would wait
+        # for the whole forward to finish.
+        last = torch.from_numpy(step.query_start_loc[1:][rows].astype(np.int64) - 1)
+        last = last.to(self.device)
         with torch.inference_mode():
-            hidden = self.model(input_ids, pos, attn_metadata, self.kv_caches)
-            last = common.query_start_loc_cpu[1:].long() - 1
-            rows = [row for row, i in enumerate(order) if needs_sample[i]]
-            logits = self.model.compute_logits(hidden[last[rows].to(self.device)])
-        return StepOutput(order, [order[r] for r in rows], logits, used_prefix)
+            hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches)
+            logits = self.model.compute_logits(hidden[last])
+        return StepOutput(order.tolist(), order[rows].tolist(), logits, used_prefix)
+
+    def _common_metadata(self, step: StepInputs) -> CommonAttentionMetadata:
+        """The step's metadata: CPU mirrors over the step's arrays, device copies of them."""
+        query_start_loc = torch.from_numpy(step.query_start_loc)
+        seq_lens = torch.from_numpy(step.seq_lens)
+        block_table = torch.from_numpy(step.block_table)
+        slot_mapping = torch.from_numpy(step.slot_mapping)
+        return CommonAttentionMetadata(
+            query_start_loc=query_start_loc.to(self.device),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens=seq_lens.to(self.device),
+            seq_lens_cpu=seq_lens,
+            num_computed_tokens_cpu=torch.from_numpy(step.num_computed),
+            num_reqs=len(step.seq_lens),
+            num_actual_tokens=len(step.input_ids),
+            max_query_len=int(np.diff(step.query_start_loc).max(initial=0)),
+            max_seq_len=int(step.seq_lens.max(initial=0)),
+            block_table_tensor=block_table.to(self.device),
+            slot_mapping=slot_mapping.to(self.device),
+            block_table_cpu=block_table,
+            slot_mapping_cpu=slot_mapping,
+        )
 
     def _execute_graph(
-        self,
-        key: tuple[int, int],
-        token_ids: Seq[Seq[int]],
-        num_computed: Seq[int],
-        block_tables: Seq[Seq[int]],
-        needs_sample: Seq[bool],
+        self, key: tuple[int, int], batch: InputBatch, slots: np.ndarray, needs_sample: np.ndarray
     ) -> StepOutput:
         """A uniform decode step in a CUDA graph; requests keep their order."""
         assert self.cuda_graphs is not None
         query_len = key[1]
+        rows = np.flatnonzero(needs_sample)
+        # Copied before the replay (see `execute`).
+        picked = torch.from_numpy(rows).to(self.device) if len(rows) < len(slots) else None
         with torch.inference_mode():
-            hidden = self.cuda_graphs.run(key, token_ids, num_computed, block_tables)
+            hidden = self.cuda_graphs.run(key, batch, slots)
             if query_len > 1:  # each request's last token
                 hidden = hidden[query_len - 1 :: query_len]
-            rows = [r for r, needed in enumerate(needs_sample) if needed]
-            if len(rows) < len(needs_sample):
-                hidden = hidden[torch.tensor(rows, device=self.device)]
+            if picked is not None:
+                hidden = hidden[picked]
             logits = self.model.compute_logits(hidden)
-        return StepOutput(list(range(len(token_ids))), rows, logits)
+        return StepOutput(list(range(len(slots))), rows.tolist(), logits)
 
     def _build(
         self, common: CommonAttentionMetadata, prefix_len: int, query_lens: np.ndarray

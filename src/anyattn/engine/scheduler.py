@@ -13,6 +13,12 @@ nobody, so the freed blocks go to the sequences already running. Nothing deadloc
 that could not run to its end with the whole pool to itself (its prompt plus `max_tokens`, at
 most `max_model_len` tokens) fails when it is added, before it takes a block (finish reason
 "error", `seq.error` says why), so every admitted sequence fits alone and finishes.
+
+The scheduler keeps the running sequences' `InputBatch` (per-slot arrays the model runner lays
+steps out from) in step with them: a sequence gets a slot when admitted and loses it when
+preempted or finished; new blocks, computed tokens and sampled tokens are written as they come.
+A step whose running sequences are all decodes is planned over those arrays; only the
+sequences that need a new block are visited one by one.
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from anyattn.engine.block_manager import BlockManager
+from anyattn.engine.input_batch import InputBatch
 from anyattn.engine.sequence import FINISH_REASONS, Sequence, SequenceStatus
 
 __all__ = ["ScheduledBatch", "Scheduler"]
@@ -34,12 +43,14 @@ class ScheduledBatch:
         seqs: sequences to run, decodes first; each computes `token_ids[num_computed_tokens :
             num_computed_tokens + n]` for its n below, and its block table already covers them.
         num_new_tokens: n for each of `seqs`, same order.
+        slots: int32 `[len(seqs)]`, each sequence's row of the scheduler's `input_batch`.
         preempted: sequences preempted while this step was planned (now waiting again).
         failed: sequences that failed since the previous step (finish reason "error").
     """
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)
 
@@ -70,6 +81,7 @@ class Scheduler:
         waiting: queued sequences, next to admit first.
         running: admitted sequences, in admission order.
         num_preemptions: preemptions so far, cumulative.
+        input_batch: the running sequences' per-slot arrays (`InputBatch`).
 
     Raises:
         ValueError: a limit is not a positive int, or chunking is off and
@@ -97,6 +109,8 @@ class Scheduler:
             )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._running_slots: list[int] = []  # seq.slot of each of `running`, same order
+        self.input_batch = InputBatch(max_num_seqs, max_model_len, block_manager.block_size)
         self.num_preemptions = 0
         self._failed: list[Sequence] = []
 
@@ -142,6 +156,49 @@ class Scheduler:
         batch = ScheduledBatch(failed=self._failed)
         self._failed = []
         budget = self.max_num_batched_tokens
+        decode_slots = self._schedule_decodes(budget)
+        if decode_slots is not None:
+            seqs, num_new = list(self.running), [1] * len(self.running)
+        else:
+            scheduled = self._schedule_running(budget, batch)
+            seqs, num_new = list(scheduled), list(scheduled.values())
+        budget -= sum(num_new)
+        admitted: dict[Sequence, int] = {}
+        if not batch.preempted:
+            self._admit(budget, admitted)
+        batch.seqs = seqs + list(admitted)
+        batch.num_new_tokens = num_new + list(admitted.values())
+        if decode_slots is not None:
+            new_slots = [seq.slot for seq in admitted]
+            batch.slots = np.append(decode_slots, new_slots) if new_slots else decode_slots
+        else:
+            batch.slots = np.array([seq.slot for seq in batch.seqs], dtype=np.int32)
+        return batch
+
+    def _schedule_decodes(self, budget: int) -> np.ndarray | None:
+        """When every running sequence is a decode and the budget and the free blocks cover
+        them all, give each one token (growing those whose blocks are full) and return their
+        slots in admission order; else None, changing nothing (the general path then plans
+        the step, which would schedule exactly these)."""
+        running, batch, bm = self.running, self.input_batch, self.block_manager
+        if not running or budget < len(running):
+            return None
+        slots = np.array(self._running_slots, dtype=np.int32)
+        computed = batch.num_computed[slots]
+        if not np.array_equal(batch.num_tokens[slots], computed + 1):
+            return None
+        grow = np.flatnonzero(computed >= batch.num_blocks[slots] * bm.block_size)
+        if len(grow) > bm.num_free_blocks:
+            return None
+        for index in grow.tolist():
+            seq = running[index]
+            bm.append(seq, 1)
+            batch.extend_blocks(seq.slot, seq.block_table)
+        return slots
+
+    def _schedule_running(self, budget: int, batch: ScheduledBatch) -> dict[Sequence, int]:
+        """Running sequences -> their new tokens, decodes first, preempting when blocks run
+        out (recorded in `batch.preempted`)."""
         scheduled: dict[Sequence, int] = {}  # in scheduling order
         # Stable sort: decodes (one token left) first, each group in admission order.
         for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1):
@@ -160,13 +217,10 @@ class Scheduler:
                     break
             if seq.status is SequenceStatus.RUNNING:
                 self.block_manager.append(seq, num_new)
+                self.input_batch.extend_blocks(seq.slot, seq.block_table)
                 scheduled[seq] = num_new
                 budget -= num_new
-        if not batch.preempted:
-            self._admit(budget, scheduled)
-        batch.seqs = list(scheduled)
-        batch.num_new_tokens = list(scheduled.values())
-        return batch
+        return scheduled
 
     def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
         """Apply a computed step: advance, cache full blocks, append tokens, finish sequences.
@@ -195,6 +249,16 @@ class Scheduler:
                     f"Scheduler.update: request {seq.request_id!r} expected {expected} "
                     f"(got {token!r})."
                 )
+        # The arrays first, in one go, while every row still belongs to its sequence.
+        running = SequenceStatus.RUNNING
+        is_running = np.array([seq.status is running for seq in batch.seqs], dtype=bool)
+        has_token = np.array([token is not None for token in sampled], dtype=bool) & is_running
+        tokens = np.array([0 if token is None else token for token in sampled], dtype=np.int32)
+        if len(batch.seqs):
+            self.input_batch.advance(
+                batch.slots[is_running], np.asarray(batch.num_new_tokens)[is_running]
+            )
+            self.input_batch.append_tokens(batch.slots[has_token], tokens[has_token])
         finished = []
         for seq, num_new, token in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
             if seq.status is not SequenceStatus.RUNNING:
@@ -249,7 +313,7 @@ class Scheduler:
         if seq.status is SequenceStatus.FINISHED:
             return
         if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
+            self._drop_running(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
@@ -270,12 +334,21 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            seq.slot = self.input_batch.add(seq.token_ids, seq.num_computed_tokens, seq.block_table)
             self.running.append(seq)
+            self._running_slots.append(seq.slot)
             scheduled[seq] = num_new
             budget -= num_new
 
+    def _drop_running(self, seq: Sequence) -> None:
+        index = self.running.index(seq)
+        del self.running[index], self._running_slots[index]
+        assert seq.slot is not None, "a running sequence holds a slot"
+        self.input_batch.remove(seq.slot)
+        seq.slot = None
+
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
-        self.running.remove(seq)
+        self._drop_running(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING

@@ -49,6 +49,7 @@ class Sequence:
             block manager; kept across preemption because the tokens they cover never change.
         num_committed_blocks: leading entries of `block_table` already offered to the prefix
             cache (block manager bookkeeping).
+        slot: its row of the scheduler's `InputBatch` while running, else None.
     """
 
     def __init__(
@@ -72,6 +73,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
         self.num_committed_blocks = 0
+        self.slot: int | None = None
         # prompt + output kept as one list so slicing a step's tokens needs no concatenation.
         self._token_ids: list[int] = list(self.prompt_token_ids)
 

@@ -1,0 +1,75 @@
+"""Checks and parsing of `LLM`'s arguments: memory sizes, devices, sampling parameters and
+whether a prompt argument is a single prompt given as token ids. Errors name the argument, what
+was given and what is accepted."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+
+import torch
+
+from anyattn.engine.sampling_params import SamplingParams
+
+__all__ = ["check_params", "is_token_ids", "parse_device", "parse_memory"]
+
+
+def parse_memory(value: int | str) -> int:
+    """Bytes from an int or a string such as "512MiB" or "1.5G"; ValueError otherwise."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower().removesuffix("b").removesuffix("i")
+        units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+        scale = units.get(text[-1:], 1)
+        number = text[:-1] if text[-1:] in units else text
+        try:
+            parsed = float(number) * scale
+        except ValueError:
+            parsed = 0
+        if math.isfinite(parsed) and parsed >= 1:
+            return int(parsed)
+    raise ValueError(
+        f"LLM: kv_cache_memory must be a positive byte count such as 268435456 or '256MiB' "
+        f"(got {value!r})."
+    )
+
+
+def parse_device(device: str | torch.device | None) -> torch.device:
+    """A CPU or an available CUDA device (default: CUDA when available); ValueError otherwise."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"LLM: device must be 'cpu' or 'cuda' (got {device!r}).")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"LLM: device {device!r} asked for, but torch sees no CUDA GPU here (got torch "
+            f"{torch.__version__}). Use device='cpu'."
+        )
+    return parsed
+
+
+def check_params(params: SamplingParams | None) -> SamplingParams:
+    """The given `SamplingParams`, or the defaults for None; TypeError for anything else."""
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"LLM: params must be a SamplingParams (got {type(params).__name__}).")
+    return params
+
+
+def is_token_ids(prompts: object) -> bool:
+    """A single prompt given as ids: a 1-D array/tensor, or a non-empty list of integers."""
+    if getattr(prompts, "ndim", None) == 1:
+        return True
+    return (
+        isinstance(prompts, Sequence)
+        and not isinstance(prompts, str)
+        and len(prompts) > 0
+        and isinstance(prompts[0], numbers.Integral)
+    )
