@@ -54,7 +54,7 @@ tests | kit)
     else
         selection=("${flashinfer_files[@]}" tests/backends/test_flashinfer_plan.py
             tests/backends/test_flash_attn_gpu.py tests/backends/test_flex_attention.py
-            tests/ops/test_reshape_and_cache.py tests/ops/test_gather_kv_rows.py
+            tests/ops/test_reshape_and_cache.py
             tests/engine/test_cuda_graphs.py
             tests/test_benchmarks_kernels.py -k "not conformance_kit or flash_attn")
     fi
