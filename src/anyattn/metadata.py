@@ -2,9 +2,9 @@
 
 `CommonAttentionMetadata` carries device tensors together with CPU mirrors so that builders
 and the checks never synchronise with the device; it checks its mirrors once, when it is made
-(docs/design.md, "Validation"). The helpers split a batch into decodes and prefills, reorder
-a batch so decodes come first (fewest swaps), compute slot mappings from block tables, and
-expand block tables when the kernel block size is smaller than the engine's.
+(docs/design.md, "Validation"). The helpers split a batch into decodes and prefills and
+reorder a batch so decodes come first (fewest swaps). Slot mappings and block-table expansion
+live in `anyattn.slots` (re-exported here).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from anyattn.slots import compute_slot_mapping, expand_block_table
 
 __all__ = [
     "CommonAttentionMetadata",
@@ -120,43 +122,20 @@ class CommonAttentionMetadata:
         return self.query_start_loc.device
 
     def _validate(self, api: str) -> HostBatch:
-        """Check shapes, dtypes and the lengths' mirrors (CPU tensors only: no device
-        synchronisation); returns them as numpy arrays (`HostBatch`), for builders' planning."""
+        """Check shapes, dtypes and the lengths' mirrors (CPU only: no device synchronisation);
+        returns them as int64 numpy arrays (`HostBatch`), for builders' planning."""
         num_reqs = self.num_reqs
-        # The checks run on numpy views of the CPU mirrors, in as few calls as they allow: this
-        # runs in every build, where a torch op or attribute on a small CPU tensor costs a
-        # microsecond or a fraction of one and its numpy twin a tenth of that.
-        try:
-            loc = self.query_start_loc_cpu.numpy()
-            seq_lens = self.seq_lens_cpu.numpy()
-            context = self.num_computed_tokens_cpu.numpy()
-        except TypeError as error:  # (what `numpy()` raises for a device or bfloat16 tensor)
-            for name, tensor, _ in self._mirrors():
-                if not tensor.is_cpu:
-                    raise ValueError(
-                        f"{api}: {name} must be a CPU tensor (got {tensor.device})."
-                    ) from None
-            self._refuse_non_integer_mirrors(api)
-            raise error
-        # (numpy kinds "i" and "u": signed and unsigned integers, taken in int64 below; the
-        # tuple test first, the usual case, makes no set)
-        kinds = (loc.dtype.kind, seq_lens.dtype.kind, context.dtype.kind)
-        if kinds != ("i", "i", "i") and not set(kinds) <= {"i", "u"}:
-            self._refuse_non_integer_mirrors(api)
-        if (
-            loc.ndim != 1
-            or loc.shape[0] <= num_reqs
-            or seq_lens.ndim != 1
-            or seq_lens.shape[0] < num_reqs
-            or context.ndim != 1
-            or context.shape[0] < num_reqs
-        ):
-            for name, tensor, min_len in self._mirrors():
-                if tensor.ndim != 1 or tensor.shape[0] < min_len:
-                    raise ValueError(
-                        f"{api}: {name} must be 1-D with at least {min_len} entries "
-                        f"(got shape {tuple(tensor.shape)})."
-                    )
+        for name, tensor, min_len in self._mirrors():
+            if not tensor.is_cpu:
+                raise ValueError(f"{api}: {name} must be a CPU tensor (got {tensor.device}).")
+            dtype = tensor.dtype
+            if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+                raise ValueError(f"{api}: {name} must be an integer tensor (got {dtype}).")
+            if tensor.ndim != 1 or tensor.shape[0] < min_len:
+                raise ValueError(
+                    f"{api}: {name} must be 1-D with at least {min_len} entries "
+                    f"(got shape {tuple(tensor.shape)})."
+                )
         table = self.block_table_tensor
         if table.ndim != 2 or table.shape[0] < num_reqs:
             raise ValueError(
@@ -168,64 +147,34 @@ class CommonAttentionMetadata:
             raise ValueError(f"{api}: block_table_tensor must be int32 (got {table.dtype}).")
         if self.slot_mapping.dtype != torch.int64:
             raise ValueError(f"{api}: slot_mapping must be int64 (got {self.slot_mapping.dtype}).")
-        # Values are taken in int64 so that no mirror dtype wraps around (`loc` and `context`
-        # are int64, so every sum with them is).
-        loc = loc[: num_reqs + 1].astype(np.int64)
+        # int64 copies, so that no mirror dtype wraps around and the engine may refill the
+        # mirrors for the next step.
+        loc = self.query_start_loc_cpu.numpy()[: num_reqs + 1].astype(np.int64)
         query_lens = loc[1:] - loc[:-1]
-        seq_lens = seq_lens[:num_reqs]
-        context = context[:num_reqs].astype(np.int64)
-        # context + query lens is what seq_lens must hold: compared with the mirror, it is the
-        # int64 copy of it the builders get, at no extra numpy call.
-        expected = context + query_lens
-        # One test for every rule on the values (offsets from 0 that never decrease, context
-        # not negative, seq_lens = context + query lens, num_actual_tokens the offsets' last);
-        # which one failed is worked out only on the way to the error.
-        if num_reqs:
-            lows = np.minimum(query_lens, context)
-            if (
-                loc[0] != 0
-                or lows[lows.argmin()] < 0
-                or np.count_nonzero(expected != seq_lens)
-                or loc[-1] != self.num_actual_tokens
-            ):
-                self._refuse_values(api, loc, query_lens, seq_lens, context)
-            longest_query = int(query_lens[query_lens.argmax()])
-            longest_seq = int(expected[expected.argmax()])
-            if self.max_query_len < longest_query or self.max_seq_len < longest_seq:
-                raise ValueError(
-                    f"{api}: max_query_len / max_seq_len below the mirrors' longest (got "
-                    f"{self.max_query_len} / {self.max_seq_len}, expected >= {longest_query} / "
-                    f"{longest_seq})."
-                )
-        else:
-            if loc[-1] != self.num_actual_tokens:
-                self._refuse_values(api, loc, query_lens, seq_lens, context)
-            longest_query = longest_seq = 0
-        return HostBatch(loc, query_lens, expected, context, longest_query, longest_seq)
-
-    def _refuse_values(
-        self,
-        api: str,
-        loc: np.ndarray,
-        query_lens: np.ndarray,
-        seq_lens: np.ndarray,
-        context: np.ndarray,
-    ) -> None:
-        """Raises for the first rule on the mirrors' values that `validate` found broken (in
-        int64: `loc` `[num_reqs + 1]`, the others `[num_reqs]`)."""
-        if query_lens.size and (loc[0] != 0 or query_lens.min() < 0):
+        seq_lens = self.seq_lens_cpu.numpy()[:num_reqs].astype(np.int64)
+        context = self.num_computed_tokens_cpu.numpy()[:num_reqs].astype(np.int64)
+        if num_reqs and (loc[0] != 0 or query_lens.min() < 0):
             raise ValueError(f"{api}: query_start_loc must start at 0 and never decrease.")
-        num_tokens = int(loc[-1])
-        if num_tokens != self.num_actual_tokens:
+        if loc[-1] != self.num_actual_tokens:
             raise ValueError(
                 f"{api}: num_actual_tokens disagrees with query_start_loc (got "
-                f"{self.num_actual_tokens}, expected {num_tokens})."
+                f"{self.num_actual_tokens}, expected {int(loc[-1])})."
             )
-        if (seq_lens - query_lens).min() < 0:
+        if num_reqs and (seq_lens - query_lens).min() < 0:
             raise ValueError(f"{api}: a request has seq_len shorter than its query length.")
-        raise ValueError(
-            f"{api}: num_computed_tokens_cpu must equal seq_lens - query lens per request."
-        )
+        if num_reqs and (context.min() < 0 or (context + query_lens != seq_lens).any()):
+            raise ValueError(
+                f"{api}: num_computed_tokens_cpu must equal seq_lens - query lens per request."
+            )
+        longest_query = int(query_lens.max()) if num_reqs else 0
+        longest_seq = int(seq_lens.max()) if num_reqs else 0
+        if self.max_query_len < longest_query or self.max_seq_len < longest_seq:
+            raise ValueError(
+                f"{api}: max_query_len / max_seq_len below the mirrors' longest (got "
+                f"{self.max_query_len} / {self.max_seq_len}, expected >= {longest_query} / "
+                f"{longest_seq})."
+            )
+        return HostBatch(loc, query_lens, seq_lens, context, longest_query, longest_seq)
 
     def _check_table_and_slots(self, api: str) -> None:
         """The block table's and slot mapping's mirrors: CPU, int32 / int64, their device
@@ -262,20 +211,12 @@ class CommonAttentionMetadata:
             )
 
     def _mirrors(self) -> tuple[tuple[str, torch.Tensor, int], ...]:
-        """(name, tensor, least length) of each 1-D CPU mirror, for `validate`'s errors."""
+        """(name, tensor, least length) of each 1-D CPU mirror."""
         return (
             ("query_start_loc_cpu", self.query_start_loc_cpu, self.num_reqs + 1),
             ("seq_lens_cpu", self.seq_lens_cpu, self.num_reqs),
             ("num_computed_tokens_cpu", self.num_computed_tokens_cpu, self.num_reqs),
         )
-
-    def _refuse_non_integer_mirrors(self, api: str) -> None:
-        """Raises for the first float, bool or complex mirror."""
-        for name, tensor, _ in self._mirrors():
-            dtype = tensor.dtype
-            if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-                message = f"{api}: {name} must be an integer tensor (got {dtype})."
-                raise ValueError(message) from None  # (not numpy's TypeError as its cause)
 
 
 @dataclass(slots=True)
@@ -294,7 +235,7 @@ class StepChecks:
     call: tuple[object, ...] | None = None
 
 
-@dataclass(slots=True)  # not frozen: a frozen dataclass is slower to make
+@dataclass(slots=True)
 class HostBatch:
     """A checked step's CPU mirrors as numpy arrays (`CommonAttentionMetadata.host_batch`),
     real requests only, so that a builder plans from them without converting again. Every
@@ -458,84 +399,3 @@ def apply_swaps(items: list, swaps: Sequence[tuple[int, int]]) -> list:
     for i, j in swaps:
         items[i], items[j] = items[j], items[i]
     return items
-
-
-def compute_slot_mapping(
-    block_table: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_size: int,
-    num_tokens: int | None = None,
-) -> torch.Tensor:
-    """The cache slot of every new token: `block_table[r, p // block_size] * block_size +
-    p % block_size` at position `p` of request `r`; tokens past the real ones get -1.
-
-    Args:
-        block_table: int32 `[num_reqs, max_blocks]`.
-        query_start_loc: int32 `[num_reqs + 1]`, on the same device as block_table.
-        seq_lens: int32 `[num_reqs]`, context + new tokens.
-        block_size: tokens per block of `block_table`.
-        num_tokens: length of the result (>= the real tokens); defaults to the real tokens.
-
-    Returns:
-        int64 `[num_tokens]`.
-
-    Raises:
-        ValueError: a sequence needs more blocks than `block_table` has columns.
-    """
-    num_reqs = seq_lens.shape[0]
-    query_lens = (query_start_loc[1 : num_reqs + 1] - query_start_loc[:num_reqs]).long()
-    num_real = int(query_start_loc[num_reqs]) if num_reqs else 0
-    num_tokens = num_real if num_tokens is None else num_tokens
-    if num_tokens < num_real:
-        raise ValueError(
-            f"compute_slot_mapping: num_tokens is smaller than the real tokens (got {num_tokens}, "
-            f"expected >= {num_real})."
-        )
-    max_blocks = block_table.shape[1]
-    needed = (int(seq_lens.max()) + block_size - 1) // block_size if num_reqs else 0
-    if needed > max_blocks:
-        raise ValueError(
-            f"compute_slot_mapping: block_table too narrow for the longest sequence (got "
-            f"{max_blocks} columns, expected >= {needed} for block_size {block_size})."
-        )
-    device = block_table.device
-    slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
-    if num_real == 0:
-        return slots
-    # token t of request r sits at position context_r + (t - query_start_loc[r])
-    req = torch.repeat_interleave(torch.arange(num_reqs, device=device), query_lens.to(device))
-    offset_in_query = torch.arange(num_real, device=device) - query_start_loc[req].long()
-    context = (seq_lens.long() - query_lens).to(device)
-    positions = context[req] + offset_in_query
-    block_ids = block_table[req, positions // block_size].long()
-    slots[:num_real] = block_ids * block_size + positions % block_size
-    return slots
-
-
-def expand_block_table(
-    block_table: torch.Tensor, block_size: int, kernel_block_size: int
-) -> torch.Tensor:
-    """Split each engine block into `block_size // kernel_block_size` kernel blocks.
-
-    Engine block b becomes kernel blocks `b*k ... b*k + k - 1` (k = block_size / kernel size);
-    the cache tensor is viewed with the smaller block size. Unused entries (the null block 0)
-    become kernel blocks 0 ... k - 1, which belong to the null block too.
-
-    Args:
-        block_table: int32 `[num_reqs, max_blocks]`.
-
-    Returns:
-        int32 `[num_reqs, max_blocks * k]`.
-    """
-    if block_size % kernel_block_size:
-        raise ValueError(
-            f"expand_block_table: block_size must be a multiple of kernel_block_size (got "
-            f"{block_size} and {kernel_block_size})."
-        )
-    k = block_size // kernel_block_size
-    if k == 1:
-        return block_table
-    sub = torch.arange(k, dtype=block_table.dtype, device=block_table.device)
-    expanded = block_table.unsqueeze(-1) * k + sub
-    return expanded.flatten(1)
