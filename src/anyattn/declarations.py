@@ -86,8 +86,6 @@ class AttentionBackend(ABC):
     # chosen automatically there, only on explicit request.
     priority: ClassVar[Mapping[str, int]] = {}
 
-    # --- identity and components -------------------------------------------------------------
-
     @staticmethod
     @abstractmethod
     def get_name() -> str:
@@ -102,8 +100,6 @@ class AttentionBackend(ABC):
     @abstractmethod
     def get_builder_cls() -> type:
         """The metadata builder class (an `anyattn.builder.AttentionMetadataBuilder` subclass)."""
-
-    # --- KV cache ----------------------------------------------------------------------------
 
     @classmethod
     def get_kv_cache_shape(
@@ -121,12 +117,9 @@ class AttentionBackend(ABC):
         Raises:
             ValueError: a block size this backend's kernels cannot take, or a bad dimension.
         """
-        for name, value in (
-            ("num_blocks", num_blocks),
-            ("block_size", block_size),
-            ("num_kv_heads", num_kv_heads),
-            ("head_size", head_size),
-        ):
+        dims = {"num_blocks": num_blocks, "block_size": block_size}
+        dims.update(num_kv_heads=num_kv_heads, head_size=head_size)
+        for name, value in dims.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(
                     f"{cls.get_name()}.get_kv_cache_shape: {name} must be a positive int "
@@ -213,34 +206,21 @@ class AttentionBackend(ABC):
         Raises:
             ValueError: naming the field, its value and what the backend declares.
         """
-        name = cls.get_name()
-        checks = (
-            (
-                "block_size",
-                spec.block_size,
-                cls.supports_block_size(spec.block_size)
-                and cls.get_kernel_block_size(spec.block_size) == spec.block_size,
-                _format_block_sizes(cls.get_supported_kernel_block_sizes()),
-            ),
-            (
-                "head_size",
-                spec.head_size,
-                cls.supports_head_size(spec.head_size),
-                ", ".join(str(s) for s in cls.get_supported_head_sizes()) or "any",
-            ),
-            (
-                "dtype",
-                _dtype_name(spec.dtype),
-                cls.supports_dtype(spec.dtype),
-                ", ".join(_dtype_name(d) for d in cls.supported_dtypes),
-            ),
-            (
-                "kv_cache_dtype",
-                spec.kv_cache_dtype,
-                cls.supports_kv_cache_dtype(spec.kv_cache_dtype),
-                ", ".join(cls.supported_kv_cache_dtypes),
-            ),
+        block_ok = cls.supports_block_size(spec.block_size) and (
+            cls.get_kernel_block_size(spec.block_size) == spec.block_size
         )
+        checks = (
+            ("block_size", spec.block_size, block_ok,
+             _format_block_sizes(cls.get_supported_kernel_block_sizes())),
+            ("head_size", spec.head_size, cls.supports_head_size(spec.head_size),
+             ", ".join(str(s) for s in cls.get_supported_head_sizes()) or "any"),
+            ("dtype", _dtype_name(spec.dtype), cls.supports_dtype(spec.dtype),
+             ", ".join(_dtype_name(d) for d in cls.supported_dtypes)),
+            ("kv_cache_dtype", spec.kv_cache_dtype,
+             cls.supports_kv_cache_dtype(spec.kv_cache_dtype),
+             ", ".join(cls.supported_kv_cache_dtypes)),
+        )  # fmt: skip
+        name = cls.get_name()
         for field_name, value, ok, accepted in checks:
             if not ok:
                 raise ValueError(
@@ -255,8 +235,6 @@ class AttentionBackend(ABC):
         if not sizes or cls.supports_block_size(default_block_size):
             return default_block_size
         return min(s.base if isinstance(s, MultipleOf) else s for s in sizes)
-
-    # --- capabilities ------------------------------------------------------------------------
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
@@ -354,8 +332,6 @@ class AttentionBackend(ABC):
         explicit request (where `priority` ranks it); explicit requests ignore this."""
         return True
 
-    # --- availability ------------------------------------------------------------------------
-
     @classmethod
     def get_unavailable_reason(cls) -> str | None:
         """Why this backend cannot run on this machine (e.g. a missing package and the pip
@@ -365,8 +341,6 @@ class AttentionBackend(ABC):
     @classmethod
     def is_available(cls) -> bool:
         return cls.get_unavailable_reason() is None
-
-    # --- the verdict -------------------------------------------------------------------------
 
     @classmethod
     def validate_configuration(
@@ -389,8 +363,8 @@ class AttentionBackend(ABC):
             major, minor = device.capability
             need = ""
             if cls.min_compute_capability is not None:
-                need_major, need_minor = cls.min_compute_capability
-                need = f" (needs sm{need_major}{need_minor} or newer)"
+                need = "".join(str(n) for n in cls.min_compute_capability)
+                need = f" (needs sm{need} or newer)"
             reasons.append(f"compute capability sm{major}{minor} not supported{need}")
         if not cls.supports_head_size(config.head_size):
             sizes = ", ".join(str(s) for s in cls.get_supported_head_sizes())
