@@ -18,11 +18,12 @@ and `layer_records` (plain records of a KV-cache group's layers, for a builder);
 """
 
 from anyattn.testing.batch_spec import CATALOGUE, QUICK_CATALOGUE, BatchSpec, get_spec
+from anyattn.testing.blocks import assign_blocks
 from anyattn.testing.cache_io import dequantize_kv, quantize_kv, read_kv, write_kv
 from anyattn.testing.cases import FEATURES, Case, plan_cases
 from anyattn.testing.check import KitLayer, check_backend, run_case
 from anyattn.testing.oracle import attention_oracle
-from anyattn.testing.paged import PagedBatch, assign_blocks, build_batch, layer_records
+from anyattn.testing.paged import PagedBatch, build_batch, layer_records
 from anyattn.testing.report import CaseResult, ConformanceReport
 from anyattn.testing.sweep import SweepCase, declaration_cases, sweep_spec
 from anyattn.testing.tolerance import error_bound, max_abs_error

@@ -1,9 +1,8 @@
 """Build one step's batch for a backend: inputs, a shuffled paged KV cache, real metadata.
 
 The kit writes each request's context (the tokens before this step) into the cache with its own
-simple writer; the backend writes the step's new tokens itself. Physical blocks come from a pool
-larger than needed, in `torch.randperm` order, and block 0 (the null block) is never assigned,
-so a kernel that assumes contiguous blocks or writes to block 0 is caught.
+simple writer; the backend writes the step's new tokens itself. Blocks are shuffled, the null
+block never assigned (`anyattn.testing.blocks`).
 
 Caches must have the standard logical shape `(num_blocks, 2, block_size, num_kv_heads,
 head_size)` (index 1: 0 = K, 1 = V); NHD and HND layouts differ only in strides.
@@ -22,16 +21,16 @@ from anyattn.kv_cache import allocate_kv_cache
 from anyattn.metadata import (
     CommonAttentionMetadata,
     apply_swaps,
-    compute_slot_mapping,
-    expand_block_table,
     make_common_attn_metadata,
     reorder_batch_to_split_decodes_and_prefills,
 )
+from anyattn.slots import expand_block_table
 from anyattn.testing.batch_spec import BatchSpec
+from anyattn.testing.blocks import assign_blocks, cross_slot_mapping, token_slots
 from anyattn.testing.cache_io import dequantize_kv, quantize_kv, write_kv
 from anyattn.types import AttentionType, KVCacheLayout
 
-__all__ = ["PagedBatch", "assign_blocks", "build_batch", "layer_records"]
+__all__ = ["PagedBatch", "build_batch", "layer_records"]
 
 
 def layer_records(
@@ -53,48 +52,6 @@ def layer_records(
         sliding_window=spec.sliding_window,
     )
     return dict.fromkeys(names, params)
-
-
-def assign_blocks(
-    seq_lens: Sequence[int],
-    block_size: int,
-    *,
-    common_prefix_len: int = 0,
-    num_cols: int | None = None,
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, int]:
-    """Shuffled physical blocks for each request, from a pool larger than needed.
-
-    Block 0 is the null block: never assigned, and the filler of unused table entries. The
-    first `common_prefix_len // block_size` blocks are the same physical blocks for every
-    request (a shared prefix).
-
-    Args:
-        seq_lens: tokens each request must hold.
-        common_prefix_len: shared leading tokens; a multiple of `block_size`.
-        num_cols: width of the table (default: the most blocks any request needs).
-
-    Returns:
-        `(block_table, num_blocks)`: int32 `[num_reqs, num_cols]` (CPU) and the pool size.
-    """
-    if common_prefix_len % block_size:
-        raise ValueError(
-            f"assign_blocks: common_prefix_len must be a multiple of block_size to share whole "
-            f"blocks (got {common_prefix_len} and {block_size})."
-        )
-    num_shared = common_prefix_len // block_size
-    needed = [-(-s // block_size) for s in seq_lens]
-    num_cols = max(max(needed, default=0), num_cols or 0)
-    total = num_shared + sum(n - num_shared for n in needed)
-    # Spare blocks make the used ids sparse in the pool, not just permuted among themselves.
-    num_blocks = 1 + total + max(4, total // 2)
-    pool = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
-    shared, pool = pool[:num_shared], pool[num_shared:]
-    block_table = torch.zeros(len(needed), max(num_cols, 1), dtype=torch.int32)
-    for r, n in enumerate(needed):
-        own, pool = pool[: n - num_shared], pool[n - num_shared :]
-        block_table[r, :n] = torch.tensor(shared + own, dtype=torch.int32)
-    return block_table, num_blocks
 
 
 @dataclass
@@ -232,14 +189,6 @@ def _gather_rows(source: list[torch.Tensor], positions: list[torch.Tensor]) -> t
     return torch.cat([x[pos] for x, pos in zip(source, positions, strict=True)])
 
 
-def _slots(block_table: torch.Tensor, positions: list[torch.Tensor], block_size: int):
-    parts = [
-        block_table[r, pos // block_size].long() * block_size + pos % block_size
-        for r, pos in enumerate(positions)
-    ]
-    return torch.cat(parts)
-
-
 def build_batch(
     backend: type[AttentionBackend],
     spec: BatchSpec,
@@ -361,7 +310,7 @@ def build_batch(
         kv_cache,
         _gather_rows(drawn.keys, kit_pos).to(device),
         _gather_rows(drawn.values, kit_pos).to(device),
-        _slots(block_table, kit_pos, kernel_block_size).to(device),
+        token_slots(block_table, kit_pos, kernel_block_size).to(device),
         kv_cache_dtype,
         k_scale,
         v_scale,
@@ -374,7 +323,7 @@ def build_batch(
             expected_kv_cache,
             step_key.to(device),
             step_value.to(device),
-            _slots(block_table, step_pos, kernel_block_size).to(device),
+            token_slots(block_table, step_pos, kernel_block_size).to(device),
             kv_cache_dtype,
             k_scale,
             v_scale,
@@ -396,7 +345,7 @@ def build_batch(
         encoder_seq_lens=spec.encoder_seq_lens if is_cross else None,
         num_padded_tokens=spec.num_tokens + num_padding_tokens if num_padding_tokens else None,
         slot_mapping=(
-            _cross_slot_mapping(block_table, kv_lens, spec.is_first_step, kernel_block_size)
+            cross_slot_mapping(block_table, kv_lens, spec.is_first_step, kernel_block_size)
             if is_cross
             else None
         ),
@@ -440,19 +389,3 @@ def _as_stored(
 ) -> torch.Tensor:
     """float64 values a cache holding `x` gives back (fp8: quantised, then dequantised)."""
     return dequantize_kv(quantize_kv(x, kv_cache_dtype, cache_dtype, scale), kv_cache_dtype, scale)
-
-
-def _cross_slot_mapping(
-    block_table: torch.Tensor,
-    encoder_seq_lens: Sequence[int],
-    first_step: Sequence[bool],
-    block_size: int,
-) -> torch.Tensor:
-    """Slots of the encoder tokens of first-step requests, in batch order (int64, CPU)."""
-    rows = [r for r, first in enumerate(first_step) if first]
-    if not rows:
-        return torch.zeros(0, dtype=torch.int64)
-    lens = torch.tensor([encoder_seq_lens[r] for r in rows], dtype=torch.int32)
-    start = torch.zeros(len(rows) + 1, dtype=torch.int32)
-    torch.cumsum(lens, 0, out=start[1:])
-    return compute_slot_mapping(block_table[rows], start, lens, block_size)
