@@ -1,22 +1,14 @@
-"""Validation of a layer call: what is checked, where and when (docs/design.md, "Validation").
+"""Validation of a layer call, on the host, before the cache is written (docs/design.md,
+"Validation", has the full table).
 
-Three levels, each checked once, all on the host:
-
-- The step: `CommonAttentionMetadata` checks its CPU mirrors when it is made (anyattn.metadata).
-- The step against one cache: `check_step_against_cache`: every slot below `num_blocks *
-  block_size`, every block id a request reads (columns `[0, ceil(keys / block_size))` of its
-  row) in `[0, num_blocks)`, from the mirrors, at the first call with a cache of that size;
-  remembered on the metadata (`StepChecks.caches`), so a step's later layers only look it up.
-- The call: shapes, dtypes and devices of the call's tensors (`check_forward_inputs`, the
-  shared part of every impl's `validate_inputs`; `check_kv_write`, the write's arguments).
-
-`check_layer_call` checks a whole layer call before its cache write and records it on the
-step (`StepChecks.call`): `do_kv_cache_update` and `forward`, called next with the same
-arguments, then skip their checks. Called directly, each checks what it is given; the write
-checks the step against the cache first when it gets the step's metadata (`attn_metadata=`).
-Nothing here reads the device or writes to the caller's tensors; only a write given no step
-has the values of a device `slot_mapping` read back (`anyattn.ops.tensor_checks`, as the
-standalone `reshape_and_cache` op does).
+Three levels, each checked once: the step (`CommonAttentionMetadata`, when it is made); the
+step against one cache (`check_step_against_cache`: slots and the block ids requests read,
+from the CPU mirrors, remembered per cache size in `StepChecks.caches`); the call's tensors
+(`check_forward_inputs`, the shared part of every impl's `validate_inputs`; `check_kv_write`).
+`check_layer_call` checks a whole call and records it (`StepChecks.call`), so that the impl's
+`do_kv_cache_update` and `forward`, called next with the same arguments, skip their checks.
+Nothing here reads the device or writes to the caller's tensors, except that a write given no
+step reads back a device `slot_mapping` to check it.
 """
 
 from __future__ import annotations
