@@ -42,11 +42,8 @@ def platform_key(device: DeviceInfo) -> str:
     return "cuda"
 
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+    return str(dtype).removeprefix("torch.")
 
 
 # Features a config may ask for: (feature, the config's flag, label); `supports_<feature>`

@@ -260,8 +260,7 @@ class HostBatch:
 
 
 def first_rows(tensor: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """`tensor[:num_rows]`, or `tensor` itself when it has just that many rows: builders take
-    a step's leading rows every step, and a slice costs the host about a microsecond."""
+    """`tensor[:num_rows]`, or `tensor` itself when it has just that many rows."""
     return tensor if tensor.shape[0] == num_rows else tensor[:num_rows]
 
 
