@@ -100,12 +100,8 @@ def _cascade(name: str, num_reqs: int, prefix_len: int) -> BatchSpec:
     # shared prefix so that no two requests read the same keys past it.
     query_lens = tuple(1 if r % 4 else 2 + r % 7 for r in range(num_reqs))
     suffixes = tuple(q + 1 + (r * 7) % 23 for r, q in enumerate(query_lens))
-    return BatchSpec(
-        name,
-        query_lens,
-        tuple(prefix_len + s for s in suffixes),
-        common_prefix_len=prefix_len,
-    )
+    seq_lens = tuple(prefix_len + s for s in suffixes)
+    return BatchSpec(name, query_lens, seq_lens, common_prefix_len=prefix_len)
 
 
 # Requests are deliberately interleaved (decodes between prefills) so that a builder asking for
@@ -119,7 +115,7 @@ CATALOGUE: tuple[BatchSpec, ...] = (
     BatchSpec("odd_lengths", (1, 3, 97, 33), (1, 7, 97, 1025)),
     BatchSpec("encoder", (7, 1, 97, 16), (7, 1, 97, 16)),
     BatchSpec("encoder_decoder", (1, 5, 1, 2), (1, 5, 9, 40), encoder_seq_lens=(7, 97, 16, 1)),
-    # Long encoders behind decodes, first steps and a chunk (FLASH_ATTN once got fp16 wrong here).
+    # Encoders longer than 1024 keys behind decodes, first steps and a chunk.
     BatchSpec(
         "cross_attention_long",
         (1, 1, 1, 20),
