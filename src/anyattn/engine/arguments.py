@@ -12,7 +12,7 @@ import torch
 
 from anyattn.engine.sampling_params import SamplingParams
 
-__all__ = ["check_params", "is_token_ids", "parse_device", "parse_memory"]
+__all__ = ["check_params", "encode_text", "is_token_ids", "parse_device", "parse_memory"]
 
 
 def parse_memory(value: int | str) -> int:
@@ -73,3 +73,12 @@ def is_token_ids(prompts: object) -> bool:
         and len(prompts) > 0
         and isinstance(prompts[0], numbers.Integral)
     )
+
+
+def encode_text(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """Token ids of a text prompt, wrapped in the tokenizer's chat template when `chat`."""
+    if not chat:
+        return list(tokenizer.encode(prompt))
+    messages = [{"role": "user", "content": prompt}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

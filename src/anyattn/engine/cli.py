@@ -19,6 +19,7 @@ import torch
 from rich.console import Console
 
 from anyattn.cli_common import arg_type, backend_request, make_console, print_error
+from anyattn.engine.arguments import encode_text
 from anyattn.engine.sampling_params import SamplingParams
 from anyattn.selector import ENV_VAR
 from anyattn.types import parse_dtype
@@ -192,21 +193,12 @@ def _read_model(model: Path | None) -> tuple[Path, int, object]:
     return path, config.max_position_embeddings, load_tokenizer(path)
 
 
-def _num_prompt_tokens(tokenizer, prompt: str, chat: bool) -> int:
-    # The encoding LLM.encode_prompt gives a text prompt.
-    if not chat:
-        return len(tokenizer.encode(prompt))
-    messages = [{"role": "user", "content": prompt}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
 def _check_prompts(
     prompts: Sequence[str], tokenizer, chat: bool, max_model_len: int, context: int
 ) -> None:
     limit = "" if max_model_len == context else f", the model's {context} capped"
     for index, prompt in enumerate(prompts, 1):
-        n = _num_prompt_tokens(tokenizer, prompt, chat)
+        n = len(encode_text(tokenizer, prompt, chat))
         if n == 0:
             raise UsageError(
                 f"argument PROMPT: prompt {index} has no tokens (got {prompt!r}, expected at "

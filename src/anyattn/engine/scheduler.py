@@ -113,6 +113,9 @@ class Scheduler:
         self.input_batch = InputBatch(max_num_seqs, max_model_len, block_manager.block_size)
         self.num_preemptions = 0
         self._failed: list[Sequence] = []
+        # Per slot: the length at which its sequence finishes; eos and stop ids of all admitted.
+        self._max_num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self._stop_ids = np.zeros(0, dtype=np.int64)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence, or fail it at once when it can never run.
@@ -225,6 +228,9 @@ class Scheduler:
     def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
         """Apply a computed step: advance, cache full blocks, append tokens, finish sequences.
 
+        The arrays are updated in a few vectorised operations; only sequences that fill a
+        block or may finish (a stop or eos token, the length limit) are visited one by one.
+
         Args:
             batch: the step as `schedule` returned it.
             sampled: for each of `batch.seqs`, the sampled token when the step computed all of
@@ -236,39 +242,46 @@ class Scheduler:
         Raises:
             ValueError: `sampled` does not match the batch.
         """
-        if len(sampled) != len(batch.seqs):
+        seqs, n = batch.seqs, len(batch.seqs)
+        if len(sampled) != n:
             raise ValueError(
                 f"Scheduler.update: sampled has {len(sampled)} entries, expected one per "
-                f"scheduled sequence ({len(batch.seqs)})."
+                f"scheduled sequence ({n})."
             )
-        for seq, num_new, token in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
-            completes = seq.num_computed_tokens + num_new == seq.num_tokens
-            if seq.status is SequenceStatus.RUNNING and completes != (token is not None):
-                expected = "a token" if completes else "None (mid-prefill chunk)"
-                raise ValueError(
-                    f"Scheduler.update: request {seq.request_id!r} expected {expected} "
-                    f"(got {token!r})."
-                )
-        # The arrays first, in one go, while every row still belongs to its sequence.
-        running = SequenceStatus.RUNNING
-        is_running = np.array([seq.status is running for seq in batch.seqs], dtype=bool)
-        has_token = np.array([token is not None for token in sampled], dtype=bool) & is_running
-        tokens = np.array([0 if token is None else token for token in sampled], dtype=np.int32)
-        if len(batch.seqs):
-            self.input_batch.advance(
-                batch.slots[is_running], np.asarray(batch.num_new_tokens)[is_running]
+        if n == 0:
+            return []
+        arrays, slots = self.input_batch, batch.slots
+        num_new = np.asarray(batch.num_new_tokens, dtype=np.int32)
+        # Sequences finished (aborted) between schedule and update are left alone.
+        live = np.fromiter((s.status is SequenceStatus.RUNNING for s in seqs), bool, n)
+        has_token = np.fromiter((t is not None for t in sampled), bool, n)
+        before = arrays.num_computed[slots]
+        completes = before + num_new == arrays.num_tokens[slots]
+        bad = np.flatnonzero(live & (completes != has_token))
+        if len(bad):
+            i = int(bad[0])
+            expected = "a token" if completes[i] else "None (mid-prefill chunk)"
+            raise ValueError(
+                f"Scheduler.update: request {seqs[i].request_id!r} expected {expected} "
+                f"(got {sampled[i]!r})."
             )
-            self.input_batch.append_tokens(batch.slots[has_token], tokens[has_token])
+        arrays.advance(slots[live], num_new[live])
+        rows = np.flatnonzero(live & has_token)
+        tokens = np.array([sampled[i] for i in rows.tolist()], dtype=np.int64)
+        arrays.append_tokens(slots[rows], tokens)
+        num_new_list = batch.num_new_tokens
+        for i in np.flatnonzero(live).tolist():
+            seqs[i].num_computed_tokens += num_new_list[i]
+        size = self.block_manager.block_size
+        for i in np.flatnonzero(live & ((before + num_new) // size > before // size)).tolist():
+            self.block_manager.commit(seqs[i])
+        for i, token in zip(rows.tolist(), tokens.tolist(), strict=True):
+            seqs[i].append_token(token)
+        may_end = arrays.num_tokens[slots[rows]] >= self._max_num_tokens[slots[rows]]
+        may_end |= np.isin(tokens, self._stop_ids)
         finished = []
-        for seq, num_new, token in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # finished (aborted) between schedule and update
-            seq.num_computed_tokens += num_new
-            self.block_manager.commit(seq)
-            if token is None:
-                continue
-            seq.append_token(token)
-            params = seq.params
+        for i, token in zip(rows[may_end].tolist(), tokens[may_end].tolist(), strict=True):
+            seq, params = seqs[i], seqs[i].params
             if not params.ignore_eos and token in seq.eos_token_ids:
                 self.finish(seq, "stop")
             elif token in params.stop_token_ids:
@@ -337,6 +350,10 @@ class Scheduler:
             seq.slot = self.input_batch.add(seq.token_ids, seq.num_computed_tokens, seq.block_table)
             self.running.append(seq)
             self._running_slots.append(seq.slot)
+            self._max_num_tokens[seq.slot] = self._longest(seq)
+            ids = set(seq.eos_token_ids) | set(seq.params.stop_token_ids)
+            if not ids <= set(self._stop_ids.tolist()):
+                self._stop_ids = np.union1d(self._stop_ids, sorted(ids)).astype(np.int64)
             scheduled[seq] = num_new
             budget -= num_new
 
