@@ -64,11 +64,7 @@ _CONFIG_ONLY_TENSORS = {"rope_freqs.weight"}
 
 
 class GGUFTensors(Iterator[tuple[str, torch.Tensor]]):
-    """Lazy `(hf_name, tensor)` stream; `len()` is the number of tensors it yields in all.
-
-    Each tensor is read, dequantised and converted only when it is reached, so peak memory is
-    about one tensor beyond what the consumer keeps.
-    """
+    """Lazy `(hf_name, tensor)` stream (each read when reached); `len()` counts them all."""
 
     def __init__(self, items: Iterator[tuple[str, torch.Tensor]], count: int) -> None:
         self._items, self._count = items, count
@@ -83,27 +79,17 @@ class GGUFTensors(Iterator[tuple[str, torch.Tensor]]):
 def read_gguf(
     path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
 ) -> tuple[dict[str, Any], GGUFTensors]:
-    """Read a GGUF model file as a transformers-style config and HF-named tensors.
-
-    Args:
-        path: a `.gguf` file of a supported architecture (`SUPPORTED_ARCHITECTURES`; Llama,
-            SmolLM and Mistral files say "llama") whose tensors are of `SUPPORTED_QUANT_TYPES`.
-        dtype: floating dtype of the returned tensors (dequantisation runs in float32 first).
+    """Read a GGUF file of `SUPPORTED_ARCHITECTURES` (Llama, SmolLM and Mistral files say
+    "llama") with tensors of `SUPPORTED_QUANT_TYPES`.
 
     Returns:
-        `(config, tensors)`. `config` has the keys of a Hugging Face `config.json`
-        ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
-        "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-        "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings",
-        "tie_word_embeddings", "bos_token_id", "eos_token_id", "attention_bias", ...).
-        `tensors` yields `(name, tensor)` lazily with HF names and shapes, e.g.
-        `model.layers.0.self_attn.q_proj.weight`: `[num_heads * head_size, hidden_size]`;
-        no `lm_head.weight` when `config["tie_word_embeddings"]`.
+        `(config, tensors)`: a dict with the keys of a Hugging Face `config.json`, and a lazy
+        stream of `(HF name, tensor)` in HF shapes and `dtype` (dequantised in float32 first;
+        no `lm_head.weight` when the embeddings are tied).
 
     Raises:
-        FileNotFoundError: `path` does not exist.
-        ValueError: not a GGUF file, a truncated or corrupt one, an unsupported architecture or
-            tensor type, a tensor this loader does not know how to place, or a non-float dtype.
+        FileNotFoundError: no such file. ValueError: not a GGUF file, a truncated or corrupt
+            one, an unsupported architecture or tensor type, an unknown tensor, a non-float dtype.
     """
     if not dtype.is_floating_point:
         raise ValueError(f"read_gguf: dtype must be a floating dtype, got {dtype}")
@@ -134,9 +120,9 @@ def read_gguf(
 
 
 class _Reader(gguf.GGUFReader):
-    """`gguf.GGUFReader` over a plain ndarray view of its memory map: the same fields and
-    tensors, but parsing the ~100k vocabulary strings takes 0.8 s instead of 2.8 s (slicing an
-    `np.memmap` runs Python-level `__array_finalize__` on every slice)."""
+    """`gguf.GGUFReader` over a plain ndarray view of its memory map: slicing an `np.memmap`
+    runs Python code per slice, which would make parsing a large vocabulary several times
+    slower."""
 
     @property
     def data(self) -> np.ndarray:
@@ -295,13 +281,9 @@ def _rope_scaling(
 def _llama3_rope_scaling(
     factors: np.ndarray, theta: float, head_dim: int, path: object
 ) -> dict[str, Any]:
-    """Recover HF's "llama3" RoPE parameters from llama.cpp's per-frequency divisors.
-
-    The converter keeps only the table `factors[i]` (1 for short wavelengths, `factor` for long
-    ones, a smooth blend between). In the blend, `smooth = old_ctx / wavelen - low` over
-    `(high - low)` is linear in 1 / wavelen, so two blended entries fix it; with
-    `low_freq_factor = 1` the fitted `(old_ctx, high)` give the same table. Checked by rebuilding.
-    """
+    """HF's "llama3" RoPE parameters from llama.cpp's per-frequency divisors `factors` (1 for
+    short wavelengths, `factor` for long ones, a blend linear in 1 / wavelen between, which two
+    blended entries fix; with `low_freq_factor = 1`). Checked by rebuilding the table."""
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
     wavelen = 2 * math.pi / inv_freq
     # The table is float32 (and may come from a float32 computation): compare loosely.
@@ -369,14 +351,7 @@ def _plan_tensors(
 
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row order: per head, rows (0, d/2, 1, d/2+1, ...) back to (0..d-1).
-
-    Args:
-        weight: `[num_heads * head_size, ...]` (a weight `[.., hidden_size]` or a bias), any dtype.
-        num_heads: heads of this projection (`num_heads` for Q, `num_kv_heads` for K).
-
-    Returns:
-        A tensor of the same shape and dtype in the Hugging Face layout.
-    """
+    `weight`: `[num_heads * head_size, ...]` (a weight or a bias) -> same shape, HF layout."""
     head_size = weight.shape[0] // num_heads
     # weight: [num_heads, head_size // 2, 2, ...] -> [num_heads, 2, head_size // 2, ...]
     w = weight.reshape(num_heads, head_size // 2, 2, *weight.shape[1:])
@@ -394,23 +369,12 @@ def _minus_one(weight: torch.Tensor) -> torch.Tensor:
 def load_gguf_tokenizer(
     path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None
 ) -> Any:
-    """The transformers tokenizer (with chat template) stored in a GGUF file.
+    """The transformers fast tokenizer (with its chat template) stored in a GGUF file.
 
-    Building it from GGUF metadata takes seconds (the gguf reader parses every vocabulary entry
-    as its own numpy view), so the converted tokenizer is saved under
-    `cache_dir / gguf-tokenizers / <sha256 of the file>` and later calls load that instead.
-
-    Args:
-        path: a GGUF file.
-        cache_dir: cache root; default `$ANYATTN_CACHE_DIR`, else `$XDG_CACHE_HOME/anyattn`,
-            else `~/.cache/anyattn`. An unwritable cache only costs speed.
-
-    Returns:
-        A `transformers.PreTrainedTokenizerBase` (fast tokenizer) with `chat_template` set when
-        the file has one.
-
-    Raises:
-        FileNotFoundError / ValueError: as `read_gguf` for a missing or non-GGUF file.
+    Converting it takes seconds, so it is saved under `cache_dir / gguf-tokenizers / <sha256 of
+    the file>` and loaded from there later. `cache_dir` defaults to `$ANYATTN_CACHE_DIR`, else
+    `$XDG_CACHE_HOME/anyattn`, else `~/.cache/anyattn`; an unwritable cache only costs speed.
+    FileNotFoundError / ValueError as `read_gguf` for a missing or non-GGUF file.
     """
     from transformers import AutoTokenizer
 

@@ -16,13 +16,8 @@ from torch import nn
 
 from anyattn.backend import AttentionBackend
 from anyattn.engine.model_config import ModelConfig
-from anyattn.engine.models.layers import (
-    RMSNorm,
-    RotaryEmbedding,
-    Slots,
-    empty_linear_weight,
-    empty_param,
-)
+from anyattn.engine.models.layers import RMSNorm, Slots, empty_linear_weight, empty_param
+from anyattn.engine.models.rope import RotaryEmbedding
 from anyattn.engine.models.weights import WeightSlot, load_into_slots
 from anyattn.layer import Attention
 from anyattn.types import parse_cache_dtype, parse_dtype
