@@ -178,7 +178,7 @@ def test_array_and_tensor_prompts_are_token_ids(tiny_llm):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"device": "tpu"}, "device must be"),
+        ({"device": "tpu"}, "device: must be cpu or cuda"),
         ({"kv_cache_memory": "inf"}, "kv_cache_memory"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"block_size": 0}, "block_size"),

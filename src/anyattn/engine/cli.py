@@ -15,11 +15,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import torch
 from rich.console import Console
 
 from anyattn.cli_common import arg_type, backend_request, make_console, print_error
-from anyattn.engine.arguments import encode_text
+from anyattn.engine.arguments import encode_text, parse_device
 from anyattn.engine.sampling_params import SamplingParams
 from anyattn.selector import ENV_VAR
 from anyattn.types import parse_dtype
@@ -56,21 +55,6 @@ def _sampling_type(field: str, number: type[int] | type[float]) -> Callable[[str
 
     convert.__name__ = field
     return convert
-
-
-def _device(text: str) -> torch.device:
-    try:
-        device = torch.device(text)
-    except (RuntimeError, TypeError):
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"must be cpu or cuda (got {text!r})")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(
-            f"{text!r} names this machine's GPU, but torch sees none (got torch "
-            f"{torch.__version__}, expected cpu)"
-        )
-    return device
 
 
 def _model_path(text: str) -> Path:
@@ -161,7 +145,7 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.add_argument(
         "--device",
-        type=_device,
+        type=arg_type(lambda s: parse_device(s, argument="--device"), "--device"),
         default=None,
         help="cpu or cuda (default: cuda if torch sees a GPU, else cpu)",
     )
@@ -178,19 +162,11 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
 def _read_model(model: Path | None) -> tuple[Path, int, object]:
     """The model's path, context length and tokenizer, read without its weights."""
     from anyattn.engine.default_model import default_model_path
-    from anyattn.engine.model_config import ModelConfig
+    from anyattn.engine.loader import read_model
 
     path = default_model_path() if model is None else model
-    if path.is_file():
-        from anyattn.engine.gguf_loader import load_gguf_tokenizer, read_gguf
-
-        config, _ = read_gguf(path)  # tensors are read lazily: this reads the metadata only
-        context = ModelConfig.from_hf(config).max_position_embeddings
-        return path, context, load_gguf_tokenizer(path)
-    from anyattn.engine.hf_loader import load_hf_folder, load_tokenizer
-
-    config, _ = load_hf_folder(path)
-    return path, config.max_position_embeddings, load_tokenizer(path)
+    config, _, tokenizer = read_model(path)
+    return path, config.max_position_embeddings, tokenizer
 
 
 def _check_prompts(

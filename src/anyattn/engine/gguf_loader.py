@@ -29,6 +29,8 @@ import gguf
 import numpy as np
 import torch
 
+from anyattn.engine.models.weights import CountedWeights
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma2")
 _Q = gguf.GGMLQuantizationType
 SUPPORTED_QUANT_TYPES = (_Q.F32, _Q.F16, _Q.BF16, _Q.Q4_0, _Q.Q4_1, _Q.Q8_0)
@@ -63,22 +65,9 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _CONFIG_ONLY_TENSORS = {"rope_freqs.weight"}
 
 
-class GGUFTensors(Iterator[tuple[str, torch.Tensor]]):
-    """Lazy `(hf_name, tensor)` stream (each read when reached); `len()` counts them all."""
-
-    def __init__(self, items: Iterator[tuple[str, torch.Tensor]], count: int) -> None:
-        self._items, self._count = items, count
-
-    def __next__(self) -> tuple[str, torch.Tensor]:
-        return next(self._items)
-
-    def __len__(self) -> int:
-        return self._count
-
-
 def read_gguf(
     path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
-) -> tuple[dict[str, Any], GGUFTensors]:
+) -> tuple[dict[str, Any], CountedWeights]:
     """Read a GGUF file of `SUPPORTED_ARCHITECTURES` (Llama, SmolLM and Mistral files say
     "llama") with tensors of `SUPPORTED_QUANT_TYPES`.
 
@@ -116,7 +105,7 @@ def read_gguf(
                 values = fix(values)
             yield hf_name, values.to(dtype).contiguous()
 
-    return config, GGUFTensors(stream(), len(plan))
+    return config, CountedWeights(stream(), len(plan))
 
 
 class _Reader(gguf.GGUFReader):

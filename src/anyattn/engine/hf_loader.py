@@ -18,48 +18,32 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from anyattn.engine.model_config import ModelConfig
+from anyattn.engine.models.weights import CountedWeights
 
-__all__ = ["SafetensorsWeights", "load_hf_folder", "load_tokenizer"]
+__all__ = ["load_hf_folder", "load_tokenizer"]
 
 _INDEX = "model.safetensors.index.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-class SafetensorsWeights(Iterator[tuple[str, torch.Tensor]]):
-    """The tensors of one or more safetensors files: a one-pass iterator of `(name, tensor)`
-    pairs on the CPU, in the stored dtype.
+def _read_safetensors(files: list[Path]) -> CountedWeights:
+    """The tensors of safetensors files, CPU, stored dtype: every header is checked now, the
+    tensors are read lazily, file by file. ValueError names a truncated or corrupt file."""
+    count = 0
+    for file in files:
+        with _open(file) as f:
+            count += len(f.keys())
 
-    Every file's header is read (and checked) on construction; tensors are read lazily, file by
-    file. `len()` is the number of tensors (for a progress bar).
-
-    Raises:
-        ValueError: a file is truncated or corrupt (the message names it), at construction or,
-            for damage past the header, while iterating.
-    """
-
-    def __init__(self, files: list[Path]) -> None:
-        self.files = files
-        self._num_tensors = 0
+    def read() -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
-            with _open(file) as f:
-                self._num_tensors += len(f.keys())
-        self._tensors = self._read()
-
-    def __len__(self) -> int:
-        return self._num_tensors
-
-    def __next__(self) -> tuple[str, torch.Tensor]:
-        return next(self._tensors)
-
-    def _read(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for file in self.files:
             with _open(file) as f:
                 for name in f.keys():
                     try:
-                        tensor = f.get_tensor(name)
+                        yield name, f.get_tensor(name)
                     except SafetensorError as exc:
                         raise _corrupt(file, exc) from exc
-                    yield name, tensor
+
+    return CountedWeights(read(), count)
 
 
 def _open(file: Path) -> Any:
@@ -76,7 +60,7 @@ def _corrupt(file: Path, exc: Exception) -> ValueError:
     )
 
 
-def load_hf_folder(path: str | os.PathLike) -> tuple[ModelConfig, SafetensorsWeights]:
+def load_hf_folder(path: str | os.PathLike) -> tuple[ModelConfig, CountedWeights]:
     """Read a Hugging Face model folder.
 
     Args:
@@ -114,7 +98,7 @@ def load_hf_folder(path: str | os.PathLike) -> tuple[ModelConfig, SafetensorsWei
         config = ModelConfig.from_hf(config_dict)
     except ValueError as exc:
         raise ValueError(f"load_hf_folder: {config_path}: {exc}") from exc
-    return config, SafetensorsWeights(_safetensors_files(folder))
+    return config, _read_safetensors(_safetensors_files(folder))
 
 
 def _folder(api: str, path: str | os.PathLike) -> Path:

@@ -8,14 +8,27 @@ fused one, its rows) and an optional transform. `load_into_slots` copies a strea
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["WeightSlot", "load_into_slots"]
+__all__ = ["CountedWeights", "WeightSlot", "load_into_slots"]
 
 _MAX_NAMES = 8
+
+
+class CountedWeights(Iterator[tuple[str, torch.Tensor]]):
+    """A lazy one-pass stream of checkpoint `(name, tensor)` pairs; `len()` counts them all."""
+
+    def __init__(self, items: Iterator[tuple[str, torch.Tensor]], count: int) -> None:
+        self._items, self._count = items, count
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(self._items)
+
+    def __len__(self) -> int:
+        return self._count
 
 
 @dataclass(frozen=True, slots=True)
