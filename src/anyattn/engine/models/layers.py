@@ -47,14 +47,8 @@ def empty_linear_weight(
 
 
 class RMSNorm(nn.Module):
-    """`weight * x / sqrt(mean(x^2) + eps)`, computed in fp32 and cast back to `x.dtype`.
-
-    Args:
-        hidden_size: size of the normalised (last) dimension.
-        eps: added to the mean square.
-        has_unit_offset: Gemma's variant: the checkpoint stores `w` and the scale is `1 + w`, kept
-            in fp32 (transformers multiplies in fp32 before casting).
-    """
+    """`weight * x / sqrt(mean(x^2) + eps)`, in fp32, cast back to `x.dtype`. With
+    `has_unit_offset` (Gemma) the scale is `1 + w`, kept in fp32 as transformers does."""
 
     def __init__(
         self,
@@ -70,8 +64,7 @@ class RMSNorm(nn.Module):
         self.has_unit_offset = has_unit_offset
         weight_dtype = torch.float32 if has_unit_offset else dtype
         self.weight = empty_param(hidden_size, dtype=weight_dtype, device=device)
-        # In fp32 the fused kernel gives the bits of the step-by-step formula (checked on the CPU)
-        # in one call instead of six.
+        # In fp32 the fused kernel gives the step-by-step formula's bits.
         self._is_fused = dtype == torch.float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,13 +94,8 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 class GatedMLP(nn.Module):
-    """`down(act(gate(x)) * up(x))`, with gate and up fused into one matmul.
-
-    Args:
-        hidden_act: "silu" (SwiGLU: Llama, Mistral, Qwen2), "gelu_pytorch_tanh" (GeGLU: Gemma2)
-            or "gelu".
-        has_bias: the three projections have biases (Llama's `mlp_bias`).
-    """
+    """`down(act(gate(x)) * up(x))`, gate and up fused into one matmul; `hidden_act` "silu"
+    (SwiGLU), "gelu_pytorch_tanh" (GeGLU: Gemma2) or "gelu"."""
 
     def __init__(
         self,
@@ -152,20 +140,8 @@ class GatedMLP(nn.Module):
 
 class SelfAttention(nn.Module):
     """q/k/v projection (one matmul), RoPE on q and k, paged attention through
-    `anyattn.layer.Attention`, output projection.
-
-    q, k and v reach `Attention` as views into the fused projection (as in vLLM): the last
-    dimension is contiguous, rows are strided when `num_tokens > 1`.
-
-    Args:
-        hidden_size, num_heads, num_kv_heads, head_size: the layer's sizes.
-        scale: factor applied to `q·k`.
-        has_qkv_bias, has_o_bias: which projections have biases.
-        sliding_window: W (keys `p - W < j <= p`) or None.
-        logits_soft_cap: soft cap of the attention scores, or None.
-        layer_name: unique name of the `Attention` layer (KV caches and metadata are keyed by it).
-        block_size, backend, kv_cache_dtype: passed to `Attention`, which selects the backend.
-    """
+    `anyattn.layer.Attention` (named `layer_name`: caches and metadata are keyed by it), output
+    projection. q, k and v reach `Attention` as views of the fused projection (rows strided)."""
 
     def __init__(
         self,

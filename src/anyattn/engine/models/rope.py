@@ -19,16 +19,8 @@ def rope_inv_freq(
     rope_scaling: dict[str, Any] | None,
     max_position_embeddings: int,
 ) -> tuple[torch.Tensor, float]:
-    """RoPE inverse frequencies and the attention factor that scales cos/sin.
-
-    Computes what transformers' `ROPE_INIT_FUNCTIONS` compute (same float32 operations, so the
-    same bits) for plain RoPE and the "linear", "dynamic" (its value up to
-    `max_position_embeddings`, where transformers leaves the base unchanged), "llama3" and
-    "yarn" variants.
-
-    Returns:
-        (float32 `[head_size // 2]`, attention factor).
-    """
+    """(float32 inverse frequencies `[head_size // 2]`, the attention factor scaling cos/sin);
+    "dynamic" gives its value up to `max_position_embeddings` (where the base is unchanged)."""
     dim = head_size
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     rope_type = "default" if rope_scaling is None else rope_scaling["rope_type"]
@@ -109,17 +101,9 @@ def _yarn(
 
 
 class RotaryEmbedding(nn.Module):
-    """A cos/sin table for every position up to `max_positions`, indexed once per step.
-
-    Neox layout (rotate_half): the two halves of each head are the real and imaginary parts.
-    The table stores `cos` and `sin` with its first half negated, so that
-    `x * cos + roll(x, half) * sin` is exactly transformers' `x * cos + rotate_half(x) * sin`.
-
-    Args:
-        head_size: rotary dimension (the whole head).
-        rope_theta, rope_scaling, max_position_embeddings: as in `ModelConfig`.
-        max_positions: table length (positions must stay below it).
-    """
+    """A cos/sin table for positions below `max_positions`, indexed once per step. Neox layout;
+    `sin`'s first half is stored negated, so `x * cos + roll(x, half) * sin` is exactly
+    transformers' `x * cos + rotate_half(x) * sin`."""
 
     def __init__(
         self,
