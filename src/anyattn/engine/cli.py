@@ -37,8 +37,8 @@ class UsageError(ValueError):
 
 
 def _sampling_type(field: str, number: type[int] | type[float]) -> Callable[[str], object]:
-    """An argparse type checked by SamplingParams' own rule for `field`, so the command and the
-    library accept the same values; the message names the flag, not the field."""
+    """An argparse type checked by SamplingParams' own rule for `field` (the message names the
+    flag)."""
 
     def convert(text: str) -> object:
         try:
@@ -106,42 +106,22 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
         help="attention backend for every layer, an error if it does not fit "
         f"(default: ${ENV_VAR} if set, else the selector's choice)",
     )
-    gen.add_argument(
-        "--max-tokens",
-        type=_sampling_type("max_tokens", int),
-        metavar="N",
-        default=128,
-        help="most tokens to generate per prompt (default: %(default)s)",
-    )
-    gen.add_argument(
-        "--temperature",
-        type=_sampling_type("temperature", float),
-        metavar="T",
-        default=0.0,
-        help="divides the logits before sampling (default: %(default)s: greedy)",
-    )
-    gen.add_argument(
-        "--top-k",
-        type=_sampling_type("top_k", int),
-        metavar="K",
-        default=0,
-        help="sample from the K most likely tokens (default: %(default)s: all)",
-    )
-    gen.add_argument(
-        "--top-p",
-        type=_sampling_type("top_p", float),
-        metavar="P",
-        default=1.0,
-        help="sample from the most likely tokens whose probability reaches P "
-        "(default: %(default)s: off)",
-    )
-    gen.add_argument(
-        "--seed",
-        type=_sampling_type("seed", int),
-        metavar="S",
-        default=None,
-        help="seed of each request's own generator (default: none, torch's global one)",
-    )
+    for flag, field, number, metavar, default, text in (
+        ("--max-tokens", "max_tokens", int, "N", 128, "most tokens to generate per prompt"),
+        ("--temperature", "temperature", float, "T", 0.0, "divides the logits before sampling "
+         "(default: %(default)s: greedy)"),
+        ("--top-k", "top_k", int, "K", 0, "sample from the K most likely tokens (default: "
+         "%(default)s: all)"),
+        ("--top-p", "top_p", float, "P", 1.0, "sample from the most likely tokens whose "
+         "probability reaches P (default: %(default)s: off)"),
+        ("--seed", "seed", int, "S", None, "seed of each request's own generator (default: "
+         "none, torch's global one)"),
+    ):  # fmt: skip
+        if "(default: " not in text:
+            text += " (default: %(default)s)"
+        gen.add_argument(
+            flag, type=_sampling_type(field, number), metavar=metavar, default=default, help=text
+        )
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.add_argument(
         "--device",
@@ -228,8 +208,8 @@ def _stream_one(llm, prompt: str, params: SamplingParams, chat: bool, err: Conso
 def _run_several(
     llm, prompts: Sequence[str], params: SamplingParams, chat: bool, err: Console
 ) -> tuple[int, int]:
-    """Run the prompts as one batch, printing each answer as one line when its request
-    finishes; returns (tokens generated, requests failed)."""
+    """Run the prompts as one batch, printing each answer when it finishes; returns (tokens
+    generated, requests failed)."""
     for index, prompt in enumerate(prompts, 1):
         err.print(f"[{index}] > {_one_line(prompt)}")
     index_of: dict[int, int] = {}
@@ -259,16 +239,12 @@ def _run_several(
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """Check the arguments the parser could not, load the model, then generate.
-
-    Returns:
-        0 on success, 1 when a request failed.
+    """Check the arguments the parser could not, load the model, generate; 0 on success, 1
+    when a request failed.
 
     Raises:
-        UsageError: a prompt longer than the model's context (or of no tokens), found before
-            the model's weights are read.
-        ValueError: an unknown backend name (naming --backend or ANYATTN_BACKEND), a backend
-            that does not fit, or a model the engine cannot run.
+        UsageError: a prompt of no tokens or longer than the context (before the weights load).
+        ValueError: an unknown or unfitting backend, or a model the engine cannot run.
         FileNotFoundError: the default model is not installed.
     """
     from anyattn.engine.llm import LLM

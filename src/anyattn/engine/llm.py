@@ -2,13 +2,13 @@
 
     llm = LLM()                                   # the embedded SmolLM2-135M-Instruct GGUF
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
-    print(outs[0].outputs[0].text)
     for delta in llm.stream("Tell me a joke", SamplingParams(max_tokens=64)):
         print(delta, end="", flush=True)
 
-One step: the scheduler picks requests and token counts, the model runner runs them through
-the model (attention via the selected backends), the sampler picks next tokens, and the
-scheduler records them and finishes requests.
+One step: the scheduler picks requests and token counts, the model runner runs them, the
+sampler picks next tokens, the scheduler records them and finishes requests. Output text is
+decoded when read (`CompletionOutput.text`), except for requests with stop strings, whose new
+tokens are decoded each step to find them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import numbers
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -124,12 +123,8 @@ class LLM:
             kv_cache_dtype=kv_cache_dtype,
             max_positions=_DEFAULT_MAX_MODEL_LEN if max_model_len is None else max_model_len,
         )
-        self.model, self.model_config, self.tokenizer = (
-            loaded.model,
-            loaded.config,
-            loaded.tokenizer,
-        )
-        self.model_path: Path = loaded.path
+        self.model, self.model_config = loaded.model, loaded.config
+        self.tokenizer, self.model_path = loaded.tokenizer, loaded.path
         context = self.model_config.max_position_embeddings
         self.max_model_len = (
             min(context, _DEFAULT_MAX_MODEL_LEN) if max_model_len is None else max_model_len
@@ -193,12 +188,8 @@ class LLM:
 
     def encode_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
         """Token ids of a prompt: a string (with the chat template when `chat`) or token ids
-        (a list, a 1-D array or tensor of ints).
-
-        Raises:
-            TypeError: a prompt of another type, or token ids that are not integers.
-            ValueError: token ids outside the vocabulary, or `chat` with token ids.
-        """
+        (a list, a 1-D array or tensor of ints). TypeError: another type, or ids that are not
+        integers; ValueError: ids outside the vocabulary, or `chat` with ids."""
         if isinstance(prompt, str):
             return encode_text(self.tokenizer, prompt, chat)
         if hasattr(prompt, "tolist") and getattr(prompt, "ndim", 1) == 1:
