@@ -1,20 +1,17 @@
 """GGUF files (llama.cpp's format) as a Hugging Face-style config dict plus HF-named tensors.
 
-`read_gguf` turns a GGUF file into what `hf_loader.load_hf_folder` gives for a safetensors folder:
-a config dict shaped like a transformers `config.json` and a lazy stream of
-`(hf_name, tensor)` pairs, dequantised to the requested dtype, in the Hugging Face layout.
-`load_gguf_tokenizer` builds the tokenizer (with its chat template) from the same file.
-
-Two things differ from a plain rename:
-- llama.cpp's converter interleaves the rows of each head of the Q and K projections of llama
-  models (its RoPE rotates adjacent pairs, HF's rotates the two halves of a head). We undo it.
-- Gemma2's converter stores RMSNorm weights as `1 + w` (llama.cpp multiplies by the stored
-  weight, HF by `1 + w`). We subtract the 1 again.
+`read_gguf` gives what `hf_loader.load_hf_folder` gives for a safetensors folder: a
+`config.json`-shaped dict and a lazy stream of `(hf_name, tensor)` in the HF layout;
+`load_gguf_tokenizer` builds the tokenizer (with its chat template) from the same file. Beyond
+renaming: llama.cpp interleaves the rows of each Q and K head of llama models (its RoPE rotates
+adjacent pairs), which is undone, and stores Gemma2's RMSNorm weights as `1 + w`, from which
+the 1 is subtracted again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 import os
@@ -331,9 +328,9 @@ def _plan_tensors(
         fix = None
         if arch == "llama" and kind in ("attn_q", "attn_k"):
             heads = num_heads if kind == "attn_q" else num_kv_heads
-            fix = _unpermuter(heads)
+            fix = functools.partial(unpermute_qk, num_heads=heads)
         elif arch == "gemma2" and "norm" in kind:
-            fix = _minus_one
+            fix = functools.partial(torch.sub, other=1)
         plan.append((tensor, f"{hf_base}.{suffix}", fix))
     return plan
 
@@ -345,14 +342,6 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     # weight: [num_heads, head_size // 2, 2, ...] -> [num_heads, 2, head_size // 2, ...]
     w = weight.reshape(num_heads, head_size // 2, 2, *weight.shape[1:])
     return w.transpose(1, 2).reshape(weight.shape)
-
-
-def _unpermuter(num_heads: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda weight: unpermute_qk(weight, num_heads)
-
-
-def _minus_one(weight: torch.Tensor) -> torch.Tensor:
-    return weight - 1
 
 
 def load_gguf_tokenizer(
