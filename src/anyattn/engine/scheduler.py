@@ -224,14 +224,14 @@ class Scheduler:
         rows = np.flatnonzero(live & has_token)
         tokens = np.array([sampled[i] for i in rows.tolist()], dtype=np.int64)
         arrays.append_tokens(slots[rows], tokens)
-        num_new_list = batch.num_new_tokens
-        for i in np.flatnonzero(live).tolist():
-            seqs[i].num_computed_tokens += num_new_list[i]
+        for seq, k, token in zip(seqs, batch.num_new_tokens, sampled, strict=True):
+            if seq.status is SequenceStatus.RUNNING:
+                seq.num_computed_tokens += k
+                if token is not None:
+                    seq.append_token(token)
         size = self.block_manager.block_size
         for i in np.flatnonzero(live & ((before + num_new) // size > before // size)).tolist():
             self.block_manager.commit(seqs[i])
-        for i, token in zip(rows.tolist(), tokens.tolist(), strict=True):
-            seqs[i].append_token(token)
         may_end = arrays.num_tokens[slots[rows]] >= self._max_num_tokens[slots[rows]]
         may_end |= np.isin(tokens, self._stop_ids)
         finished = []
