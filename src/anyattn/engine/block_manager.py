@@ -1,16 +1,10 @@
 """BlockManager: paged KV-cache blocks with reference counts and prefix caching.
 
-Block 0 is the null block (block tables are padded with it) and is never handed out, so the
-usable blocks are 1 .. num_blocks - 1. Every other block is in exactly one of three states:
-
-- free: unreferenced and holding nothing worth keeping;
-- in use: referenced by one or more sequences (`ref_count > 0`);
-- evictable: unreferenced but registered in the prefix cache, kept until a free block is needed
-  and none is clean, then reclaimed in least-recently-released order.
-
-Prefix caching works on full blocks only. A block's hash covers its parent block's hash and its
-own token ids, so equal tokens after a different prefix never match. Only full blocks are ever
-shared, and a full block is never written again, so sharing needs no copy-on-write.
+Block 0 is the null block (tables are padded with it), never handed out. Every other block is
+free, in use (`ref_count > 0`), or evictable: unreferenced but in the prefix cache, reclaimed in
+least-recently-released order when no free block is left. Only full blocks are cached, by a hash
+of their parent's hash and their own tokens, so equal tokens after a different prefix never
+match; a full block is never written again, so sharing needs no copy-on-write.
 """
 
 from __future__ import annotations

@@ -201,12 +201,8 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every graph of the plan, largest first (smaller ones reuse its pool memory).
-
-        Raises:
-            RuntimeError: a capture failed (a kernel synchronised with the host, or is not
-                capturable); the message names the size and how to run without graphs.
-        """
+        """Capture every graph of the plan, largest first (smaller ones reuse its pool memory);
+        RuntimeError naming the size, and how to run without graphs, when one fails."""
         start = time.perf_counter()
         for key in self.plan.graph_keys:
             try:
@@ -243,12 +239,9 @@ class CudaGraphRunner:
         self.graphs[(num_tokens, query_len)] = graph
 
     def run(self, key: tuple[int, int], batch: InputBatch, slots: np.ndarray) -> torch.Tensor:
-        """Replay the graph `key` (from `graph_key`) for the uniform decode batch of `slots`.
-
-        Returns:
-            The final hidden states of the real tokens, `[R * query_len, hidden_size]`: a view
-            of the graphs' output buffer, overwritten by the next replay.
-        """
+        """Replay the graph `key` (from `graph_key`) for the decode batch of `slots`; returns
+        the real tokens' hidden states `[R * query_len, hidden_size]`, a view of the output
+        buffer that the next replay overwrites."""
         num_tokens, query_len = key
         self._step_done.synchronize()
         _, _, common = self.inputs.prepare(batch, slots, query_len, num_tokens // query_len)

@@ -1,20 +1,16 @@
 """The running requests' per-slot state as persistent numpy arrays, and a step's inputs from it.
 
-Every running request owns one slot (a row of each array) from its admission until it finishes
-or is preempted. The scheduler writes the row when it admits the request, appends block ids
-when the request grows and advances it after each step; the model runner lays out a step by
-fancy indexing over the step's slots (`gather`), with no per-request Python.
+A running request owns one slot (a row of each array) from admission until it finishes or is
+preempted. The scheduler writes the row on admission, appends blocks as it grows and advances it
+after each step; the model runner gathers a step by fancy indexing over its slots (`gather`).
 
-Arrays (R = max_num_reqs, L = max_model_len, B = ceil(L / block_size) columns):
+Arrays (R = max_num_reqs, L = max_model_len, B = ceil(L / block_size)), zero in free rows:
 
-    token_ids     int32 [R, L + 1]  prompt then output tokens (the one that ends a sequence at L
-                  included); past num_tokens: stale, never read
-    num_tokens    int32 [R]     known tokens (prompt + output)
-    num_computed  int32 [R]     leading tokens whose K/V are in the cache
-    block_table   int32 [R, B]  engine block ids; past num_blocks: 0 (the null block)
-    num_blocks    int32 [R]     filled columns of block_table
-
-A free row holds zeros in num_tokens, num_computed, num_blocks and in its block-table row.
+    token_ids     int32 [R, L + 1]  prompt then output tokens; past num_tokens: stale
+    num_tokens    int32 [R]         known tokens (prompt + output)
+    num_computed  int32 [R]         leading tokens whose K/V are in the cache
+    block_table   int32 [R, B]      engine block ids; past num_blocks: 0 (the null block)
+    num_blocks    int32 [R]         filled columns of block_table
 """
 
 from __future__ import annotations

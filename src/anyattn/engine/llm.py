@@ -316,11 +316,9 @@ class LLM:
             chat: wrap string prompts in the model's chat template.
 
         Returns:
-            One `RequestOutput` per prompt, in prompt order; a request that failed (e.g. a
-            prompt longer than `max_model_len`) has `error` set, the others finish.
-
-        Raises:
-            TypeError / ValueError: a bad prompt or params; nothing is queued then.
+            One `RequestOutput` per prompt, in order; a failed request (e.g. a prompt longer
+            than `max_model_len`) has `error` set. TypeError / ValueError for a bad prompt or
+            params, before anything is queued.
         """
         if isinstance(prompts, str) or is_token_ids(prompts):
             prompts = [prompts]
@@ -360,16 +358,10 @@ class LLM:
     def stream(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, chat: bool = False
     ) -> Iterator[str]:
-        """Generate one prompt, yielding its text as it appears.
-
-        Text that could still turn out to be the start of a stop string, or half of a
-        multi-byte character, is held back until it is settled. Closing the iterator early
-        aborts the request.
-
-        Raises:
-            TypeError / ValueError: a bad prompt or params; ValueError when the request fails
-            (e.g. a prompt longer than `max_model_len`).
-        """
+        """Generate one prompt, yielding its text as it appears; text that may still start a
+        stop string, or is half a multi-byte character, is held back until settled. Closing
+        the iterator aborts the request. TypeError / ValueError for a bad prompt or params;
+        ValueError when the request fails (e.g. a prompt longer than `max_model_len`)."""
         params = check_params(params)
         request_id = self.add_request(prompt, params, chat)
         output = self._requests[request_id].output

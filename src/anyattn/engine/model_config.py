@@ -1,11 +1,9 @@
-"""`ModelConfig`: the engine's own, normalised view of a model's hyper-parameters.
+"""`ModelConfig`: the engine's normalised view of a model's hyper-parameters.
 
-Hugging Face `config.json` files spell the same thing several ways across architectures and
-transformers versions (`rope_scaling` + `rope_theta` before v5, `rope_parameters` after;
-`hidden_act` vs Gemma2's `hidden_activation`; Qwen2's `use_sliding_window` gate; per-layer
-`layer_types`). `ModelConfig.from_hf` reads them all into one frozen record, filling absent keys
-with the defaults of the transformers 5.24 config class of that architecture, so that the model
-code never looks at a raw dict.
+`ModelConfig.from_hf` reads the spellings `config.json` files use across architectures and
+transformers versions (`rope_scaling` + `rope_theta` or `rope_parameters`, `hidden_act` or
+Gemma2's `hidden_activation`, Qwen2's `use_sliding_window`, `layer_types`) into one frozen
+record, absent keys taking the defaults of transformers 5.24's config class of the architecture.
 """
 
 from __future__ import annotations
