@@ -1,14 +1,10 @@
-"""A request's output text, grown by decoding a few tokens at a time.
+"""A request's output text, grown by decoding a few tokens at a time, and cut at stop strings.
 
-`IncrementalDetokenizer` keeps two offsets into the output tokens: text before `prefix_offset`
-is settled; the tokens `[prefix_offset, read_offset)` are the last ones already turned into
-text. An update decodes `[prefix_offset, read_offset)` and `[prefix_offset, end)` and appends
-the difference: starting one window back keeps what a tokenizer does at the start of a decode
-(SentencePiece drops the first token's leading space) away from the new text. While the new text
-ends in U+FFFD (a multi-byte character whose remaining bytes are not generated yet) nothing is
-appended; `flush` settles the rest at the end. The text equals a decode of all the tokens.
-
-`OutputText` adds stop strings on top: the text is cut before the first one that appears.
+`IncrementalDetokenizer` keeps `prefix_offset <= read_offset` into the tokens: each update
+decodes `[prefix_offset, read_offset)` and `[prefix_offset, end)` and appends the difference, so
+what a tokenizer does at the start of a decode (SentencePiece drops a leading space) stays away
+from the new text. Text ending in U+FFFD (a character whose remaining bytes are not generated
+yet) is held back until `flush`. The text always equals a decode of all the tokens at once.
 """
 
 from __future__ import annotations
@@ -28,13 +24,8 @@ class Tokenizer(Protocol):
 
 
 class IncrementalDetokenizer:
-    """The text of a growing list of output tokens.
-
-    Attributes:
-        token_ids: the tokens seen so far.
-        text: the decode of `token_ids` minus a trailing part that may still change (an
-            incomplete character); after `flush`, the decode of all of them.
-    """
+    """The text of a growing list of output tokens: `text` is the decode of `token_ids` minus
+    a trailing incomplete character; after `flush`, the decode of all of them."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
@@ -66,16 +57,8 @@ class IncrementalDetokenizer:
 
 
 class OutputText:
-    """The text of a request's output tokens, cut before its first stop string.
-
-    Args:
-        tokenizer: anything with `decode(ids, skip_special_tokens=...)`.
-        token_ids: the request's output tokens; the list grows as the request runs.
-        stop: the stop strings.
-
-    Attributes:
-        stop_reason: the stop string that ended the text, or None.
-    """
+    """The text of a request's output tokens (`token_ids`, a list that grows as it runs), cut
+    before the first of its `stop` strings to appear; `stop_reason` is that string, or None."""
 
     def __init__(self, tokenizer: Tokenizer, token_ids: list[int], stop: Sequence[str]) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer)
