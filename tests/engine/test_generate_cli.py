@@ -10,6 +10,7 @@ import torch
 from anyattn.cli import main
 from anyattn.engine import llm as llm_module
 from anyattn.engine.loader import _with_progress
+from anyattn.engine.models.weights import CountedWeights
 
 
 @pytest.fixture
@@ -45,7 +46,7 @@ def test_generate_streams_names_the_backend_and_explains_with_v(folder, capsys):
 
 def test_progress_bar_is_quiet_when_not_a_terminal(capsys):
     items = [("a", torch.zeros(1)), ("b", torch.ones(1))]
-    assert list(_with_progress(iter(items), "loading", 2)) == items
+    assert list(_with_progress(CountedWeights(iter(items), 2), "loading")) == items
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err == ""
 

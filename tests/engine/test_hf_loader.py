@@ -41,7 +41,6 @@ def test_loads_sharded_checkpoint_through_its_index(tiny_hf_model, tmp_path: Pat
     shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
     assert len(shards) > 1 and (tmp_path / "model.safetensors.index.json").is_file()
     config, weights = load_hf_folder(tmp_path)
-    assert [f.name for f in weights.files] == shards
     tensors = dict(weights)
     assert tensors.keys() == hf_model.state_dict().keys()
     assert config.attention_bias

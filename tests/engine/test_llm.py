@@ -110,6 +110,33 @@ def test_streaming_yields_the_final_text(tiny_llm):
     assert "".join(pieces) == final
 
 
+def test_text_is_decoded_when_read_and_matches_a_full_decode(tiny_llm, monkeypatch):
+    llm, _ = tiny_llm("llama")
+    calls = []
+    decode = llm.tokenizer.decode
+    monkeypatch.setattr(
+        llm.tokenizer, "decode", lambda ids, **kw: calls.append(1) or decode(ids, **kw)
+    )
+    ids = [llm.add_request(p, GREEDY) for p in PROMPTS]
+    outputs = []
+    while llm.has_unfinished_requests():
+        outputs += llm.step()
+    assert not calls  # nobody read a text: nothing was decoded
+    finished = {o.request_id: o for o in outputs if o.finished}
+    for request_id in ids:
+        completion = finished[request_id].outputs[0]
+        assert len(completion.token_ids) == GREEDY.max_tokens
+        assert completion.text == decode(completion.token_ids, skip_special_tokens=True)
+    assert len(calls) <= 3 * len(ids)  # a few decodes per request, not one per token
+    # Mid-run the text is current whenever it is read (word-level tokenizer: nothing held back).
+    running = llm.add_request(PROMPTS[0], GREEDY)
+    for _ in range(3):
+        output = next(o for o in llm.step() if o.request_id == running)
+        completion = output.outputs[0]
+        assert completion.text == decode(completion.token_ids, skip_special_tokens=True)
+    llm.abort_request(running)
+
+
 def test_stop_strings_and_stop_token_ids(tiny_llm):
     llm, _ = tiny_llm("llama")
     free = llm.generate([PROMPTS[0]], GREEDY)[0].outputs[0]
@@ -178,7 +205,7 @@ def test_array_and_tensor_prompts_are_token_ids(tiny_llm):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"device": "tpu"}, "device must be"),
+        ({"device": "tpu"}, "device: must be cpu or cuda"),
         ({"kv_cache_memory": "inf"}, "kv_cache_memory"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"block_size": 0}, "block_size"),

@@ -14,7 +14,8 @@ from anyattn.backends.torch_attn import TorchAttentionBackend
 from anyattn.engine.hf_loader import load_hf_folder
 from anyattn.engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from anyattn.engine.models import MODEL_REGISTRY, build_model
-from anyattn.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, rope_inv_freq
+from anyattn.engine.models.layers import RMSNorm
+from anyattn.engine.models.rope import RotaryEmbedding, apply_rotary, rope_inv_freq
 
 transformers = pytest.importorskip("transformers")
 

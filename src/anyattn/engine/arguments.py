@@ -12,7 +12,7 @@ import torch
 
 from anyattn.engine.sampling_params import SamplingParams
 
-__all__ = ["check_params", "is_token_ids", "parse_device", "parse_memory"]
+__all__ = ["check_params", "encode_text", "is_token_ids", "parse_device", "parse_memory"]
 
 
 def parse_memory(value: int | str) -> int:
@@ -36,8 +36,9 @@ def parse_memory(value: int | str) -> int:
     )
 
 
-def parse_device(device: str | torch.device | None) -> torch.device:
-    """A CPU or an available CUDA device (default: CUDA when available); ValueError otherwise."""
+def parse_device(device: str | torch.device | None, argument: str = "LLM: device") -> torch.device:
+    """A CPU or an available CUDA device (default: CUDA when available); ValueError otherwise,
+    the message starting with `argument`."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -45,11 +46,11 @@ def parse_device(device: str | torch.device | None) -> torch.device:
     except (RuntimeError, TypeError):
         parsed = None
     if parsed is None or parsed.type not in ("cpu", "cuda"):
-        raise ValueError(f"LLM: device must be 'cpu' or 'cuda' (got {device!r}).")
+        raise ValueError(f"{argument}: must be cpu or cuda (got {device!r}).")
     if parsed.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(
-            f"LLM: device {device!r} asked for, but torch sees no CUDA GPU here (got torch "
-            f"{torch.__version__}). Use device='cpu'."
+            f"{argument}: {str(device)!r} names this machine's GPU, but torch sees none (got "
+            f"torch {torch.__version__}, expected cpu)."
         )
     return parsed
 
@@ -73,3 +74,12 @@ def is_token_ids(prompts: object) -> bool:
         and len(prompts) > 0
         and isinstance(prompts[0], numbers.Integral)
     )
+
+
+def encode_text(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """Token ids of a text prompt, wrapped in the tokenizer's chat template when `chat`."""
+    if not chat:
+        return list(tokenizer.encode(prompt))
+    messages = [{"role": "user", "content": prompt}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

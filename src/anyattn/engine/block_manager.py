@@ -1,16 +1,10 @@
 """BlockManager: paged KV-cache blocks with reference counts and prefix caching.
 
-Block 0 is the null block (block tables are padded with it) and is never handed out, so the
-usable blocks are 1 .. num_blocks - 1. Every other block is in exactly one of three states:
-
-- free: unreferenced and holding nothing worth keeping;
-- in use: referenced by one or more sequences (`ref_count > 0`);
-- evictable: unreferenced but registered in the prefix cache, kept until a free block is needed
-  and none is clean, then reclaimed in least-recently-released order.
-
-Prefix caching works on full blocks only. A block's hash covers its parent block's hash and its
-own token ids, so equal tokens after a different prefix never match. Only full blocks are ever
-shared, and a full block is never written again, so sharing needs no copy-on-write.
+Block 0 is the null block (tables are padded with it), never handed out. Every other block is
+free, in use (`ref_count > 0`), or evictable: unreferenced but in the prefix cache, reclaimed in
+least-recently-released order when no free block is left. Only full blocks are cached, by a hash
+of their parent's hash and their own tokens, so equal tokens after a different prefix never
+match; a full block is never written again, so sharing needs no copy-on-write.
 """
 
 from __future__ import annotations
@@ -28,16 +22,8 @@ NULL_BLOCK = 0
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: TokenIds[int]) -> bytes:
-    """Chained hash of one full block.
-
-    Args:
-        parent_hash: the hash of the previous block of the sequence, None for the first block.
-        token_ids: the block's token ids.
-
-    Returns:
-        A 16-byte digest. A cryptographic hash, so distinct prefixes never share a cache entry
-        in practice (a collision would silently reuse the wrong K/V).
-    """
+    """16-byte chained hash of one full block (`parent_hash`: the previous block's, None for
+    the first). Cryptographic, because a collision would silently reuse the wrong K/V."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(parent_hash if parent_hash is not None else b"root")
     digest.update(array("q", token_ids).tobytes())
@@ -47,17 +33,8 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: TokenIds[int]) -> by
 class BlockManager:
     """Hands out KV-cache blocks to sequences and caches full blocks by their prefix.
 
-    Args:
-        num_blocks: blocks in the KV cache, the null block included (at least 2).
-        block_size: tokens per block (the engine's block size).
-        enable_prefix_caching: reuse cached full blocks of equal prefixes.
-
-    Attributes:
-        num_cached_blocks_reused: blocks reused from the prefix cache by `allocate`, cumulative.
-        num_evictions: cached blocks reclaimed to serve a new allocation, cumulative.
-
-    Raises:
-        ValueError: num_blocks < 2 or block_size < 1.
+    `num_blocks` counts the null block (at least 2). `num_cached_blocks_reused` and
+    `num_evictions` count prefix-cache hits taken by `allocate` and cached blocks reclaimed.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -120,20 +97,10 @@ class BlockManager:
         return self._can_allocate(seq, self._prefix_hits(seq), num_new_tokens)
 
     def allocate(self, seq: Sequence, num_new_tokens: int = 0) -> bool:
-        """Admit a sequence that holds no blocks (new, or preempted and resuming).
-
-        Reuses cached blocks for the longest cached prefix of `seq.token_ids` and sets
-        `seq.num_computed_tokens` (and `seq.num_cached_tokens`) to the reused token count. At
-        least the last token is always left to compute, so the step has a logit to sample.
-        With `num_new_tokens > 0` it also makes room for that many tokens after the reused
-        prefix, atomically (the caller learns the prefix length from `cached_prefix_len`).
-
-        Returns:
-            True on success; False, with nothing changed, when the blocks are not there.
-
-        Raises:
-            ValueError: the sequence already holds blocks.
-        """
+        """Admit a sequence that holds no blocks (else ValueError): reuse cached blocks for the
+        longest cached prefix of its tokens (never the last token, which must be computed to
+        sample), set `num_computed_tokens` to it, and make room for `num_new_tokens` more, all
+        or nothing. Returns False, changing nothing, when the blocks are not there."""
         if seq.block_table:
             raise ValueError(
                 f"BlockManager.allocate: request {seq.request_id!r} already holds "
@@ -158,11 +125,8 @@ class BlockManager:
         return self._num_missing_blocks(seq, num_new_tokens) <= self.num_free_blocks
 
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Grow `seq.block_table` to cover `num_computed_tokens + num_new_tokens` tokens.
-
-        Raises:
-            RuntimeError: not enough blocks (check `can_append` first).
-        """
+        """Grow `seq.block_table` to cover `num_computed_tokens + num_new_tokens` tokens
+        (RuntimeError when the blocks are not there: check `can_append` first)."""
         missing = self._num_missing_blocks(seq, num_new_tokens)
         if missing > self.num_free_blocks:
             raise RuntimeError(
@@ -172,12 +136,8 @@ class BlockManager:
         seq.block_table.extend(self._take_block() for _ in range(missing))
 
     def commit(self, seq: Sequence) -> None:
-        """Register every full, computed block of `seq` not yet offered to the prefix cache.
-
-        Call after a step advanced `seq.num_computed_tokens`. When an equal block is already
-        cached (two sequences computed the same prefix at once), the cached one stays and this
-        copy is released as a plain block when its sequence frees it.
-        """
+        """Register the full, computed blocks of `seq` not yet offered to the prefix cache
+        (after a step advanced it). When an equal block is cached already, that one stays."""
         num_full = seq.num_computed_tokens // self.block_size
         if self.enable_prefix_caching:
             for index in range(seq.num_committed_blocks, num_full):
@@ -190,12 +150,9 @@ class BlockManager:
         seq.num_committed_blocks = max(seq.num_committed_blocks, num_full)
 
     def free(self, seq: Sequence) -> None:
-        """Drop the sequence's references and empty its block table.
-
-        Blocks nobody holds any more become free, or evictable when cached. The table is
-        released from its end, so a cached chain is evicted tail first: evicting a head block
-        would strand every block after it (they can only be reached through it).
-        """
+        """Drop the sequence's references and empty its block table. Blocks nobody holds become
+        free, or evictable when cached; released tail first, so a cached chain is evicted tail
+        first (its later blocks are reachable only through its head)."""
         for block_id in reversed(seq.block_table):
             self._ref_counts[block_id] -= 1
             assert self._ref_counts[block_id] >= 0, "block released more often than taken"

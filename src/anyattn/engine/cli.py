@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import torch
 from rich.console import Console
 
 from anyattn.cli_common import arg_type, backend_request, make_console, print_error
+from anyattn.engine.arguments import encode_text, parse_device
 from anyattn.engine.sampling_params import SamplingParams
 from anyattn.selector import ENV_VAR
 from anyattn.types import parse_dtype
@@ -37,8 +37,8 @@ class UsageError(ValueError):
 
 
 def _sampling_type(field: str, number: type[int] | type[float]) -> Callable[[str], object]:
-    """An argparse type checked by SamplingParams' own rule for `field`, so the command and the
-    library accept the same values; the message names the flag, not the field."""
+    """An argparse type checked by SamplingParams' own rule for `field` (the message names the
+    flag)."""
 
     def convert(text: str) -> object:
         try:
@@ -55,21 +55,6 @@ def _sampling_type(field: str, number: type[int] | type[float]) -> Callable[[str
 
     convert.__name__ = field
     return convert
-
-
-def _device(text: str) -> torch.device:
-    try:
-        device = torch.device(text)
-    except (RuntimeError, TypeError):
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"must be cpu or cuda (got {text!r})")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(
-            f"{text!r} names this machine's GPU, but torch sees none (got torch "
-            f"{torch.__version__}, expected cpu)"
-        )
-    return device
 
 
 def _model_path(text: str) -> Path:
@@ -121,46 +106,26 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
         help="attention backend for every layer, an error if it does not fit "
         f"(default: ${ENV_VAR} if set, else the selector's choice)",
     )
-    gen.add_argument(
-        "--max-tokens",
-        type=_sampling_type("max_tokens", int),
-        metavar="N",
-        default=128,
-        help="most tokens to generate per prompt (default: %(default)s)",
-    )
-    gen.add_argument(
-        "--temperature",
-        type=_sampling_type("temperature", float),
-        metavar="T",
-        default=0.0,
-        help="divides the logits before sampling (default: %(default)s: greedy)",
-    )
-    gen.add_argument(
-        "--top-k",
-        type=_sampling_type("top_k", int),
-        metavar="K",
-        default=0,
-        help="sample from the K most likely tokens (default: %(default)s: all)",
-    )
-    gen.add_argument(
-        "--top-p",
-        type=_sampling_type("top_p", float),
-        metavar="P",
-        default=1.0,
-        help="sample from the most likely tokens whose probability reaches P "
-        "(default: %(default)s: off)",
-    )
-    gen.add_argument(
-        "--seed",
-        type=_sampling_type("seed", int),
-        metavar="S",
-        default=None,
-        help="seed of each request's own generator (default: none, torch's global one)",
-    )
+    for flag, field, number, metavar, default, text in (
+        ("--max-tokens", "max_tokens", int, "N", 128, "most tokens to generate per prompt"),
+        ("--temperature", "temperature", float, "T", 0.0, "divides the logits before sampling "
+         "(default: %(default)s: greedy)"),
+        ("--top-k", "top_k", int, "K", 0, "sample from the K most likely tokens (default: "
+         "%(default)s: all)"),
+        ("--top-p", "top_p", float, "P", 1.0, "sample from the most likely tokens whose "
+         "probability reaches P (default: %(default)s: off)"),
+        ("--seed", "seed", int, "S", None, "seed of each request's own generator (default: "
+         "none, torch's global one)"),
+    ):  # fmt: skip
+        if "(default: " not in text:
+            text += " (default: %(default)s)"
+        gen.add_argument(
+            flag, type=_sampling_type(field, number), metavar=metavar, default=default, help=text
+        )
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.add_argument(
         "--device",
-        type=_device,
+        type=arg_type(lambda s: parse_device(s, argument="--device"), "--device"),
         default=None,
         help="cpu or cuda (default: cuda if torch sees a GPU, else cpu)",
     )
@@ -177,28 +142,11 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
 def _read_model(model: Path | None) -> tuple[Path, int, object]:
     """The model's path, context length and tokenizer, read without its weights."""
     from anyattn.engine.default_model import default_model_path
-    from anyattn.engine.model_config import ModelConfig
+    from anyattn.engine.loader import read_model
 
     path = default_model_path() if model is None else model
-    if path.is_file():
-        from anyattn.engine.gguf_loader import load_gguf_tokenizer, read_gguf
-
-        config, _ = read_gguf(path)  # tensors are read lazily: this reads the metadata only
-        context = ModelConfig.from_hf(config).max_position_embeddings
-        return path, context, load_gguf_tokenizer(path)
-    from anyattn.engine.hf_loader import load_hf_folder, load_tokenizer
-
-    config, _ = load_hf_folder(path)
-    return path, config.max_position_embeddings, load_tokenizer(path)
-
-
-def _num_prompt_tokens(tokenizer, prompt: str, chat: bool) -> int:
-    # The encoding LLM.encode_prompt gives a text prompt.
-    if not chat:
-        return len(tokenizer.encode(prompt))
-    messages = [{"role": "user", "content": prompt}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    config, _, tokenizer = read_model(path)
+    return path, config.max_position_embeddings, tokenizer
 
 
 def _check_prompts(
@@ -206,7 +154,7 @@ def _check_prompts(
 ) -> None:
     limit = "" if max_model_len == context else f", the model's {context} capped"
     for index, prompt in enumerate(prompts, 1):
-        n = _num_prompt_tokens(tokenizer, prompt, chat)
+        n = len(encode_text(tokenizer, prompt, chat))
         if n == 0:
             raise UsageError(
                 f"argument PROMPT: prompt {index} has no tokens (got {prompt!r}, expected at "
@@ -260,8 +208,8 @@ def _stream_one(llm, prompt: str, params: SamplingParams, chat: bool, err: Conso
 def _run_several(
     llm, prompts: Sequence[str], params: SamplingParams, chat: bool, err: Console
 ) -> tuple[int, int]:
-    """Run the prompts as one batch, printing each answer as one line when its request
-    finishes; returns (tokens generated, requests failed)."""
+    """Run the prompts as one batch, printing each answer when it finishes; returns (tokens
+    generated, requests failed)."""
     for index, prompt in enumerate(prompts, 1):
         err.print(f"[{index}] > {_one_line(prompt)}")
     index_of: dict[int, int] = {}
@@ -291,16 +239,12 @@ def _run_several(
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """Check the arguments the parser could not, load the model, then generate.
-
-    Returns:
-        0 on success, 1 when a request failed.
+    """Check the arguments the parser could not, load the model, generate; 0 on success, 1
+    when a request failed.
 
     Raises:
-        UsageError: a prompt longer than the model's context (or of no tokens), found before
-            the model's weights are read.
-        ValueError: an unknown backend name (naming --backend or ANYATTN_BACKEND), a backend
-            that does not fit, or a model the engine cannot run.
+        UsageError: a prompt of no tokens or longer than the context (before the weights load).
+        ValueError: an unknown or unfitting backend, or a model the engine cannot run.
         FileNotFoundError: the default model is not installed.
     """
     from anyattn.engine.llm import LLM

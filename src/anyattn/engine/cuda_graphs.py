@@ -1,47 +1,31 @@
-"""CUDA graphs for decode steps: captured once at start-up, replayed for uniform decode batches.
+"""CUDA graphs for uniform decode steps: captured once at start-up, replayed afterwards.
 
-A small model at small batch spends most of a decode step launching kernels; a CUDA graph
-launches the whole forward at once. The contract between the runner (this file) and a backend's
-metadata builder, for every graph step:
+The contract between the runner (this file) and a backend's metadata builder:
 
-- Buffers. The runner owns persistent device buffers sized for the largest capture: input ids,
-  positions, `query_start_loc`, `seq_lens`, `block_table` (in engine blocks, plus one expanded
-  copy per KV-cache group whose kernel block is smaller) and `slot_mapping`, and pinned CPU
-  buffers of the same shapes (`num_computed_tokens` is read from the CPU copy only). A step
-  writes a prefix of the CPU buffers and copies it to the device in place (`non_blocking`;
-  the CPU buffers are rewritten only after the previous replay has completed); the device
-  tensors of its `CommonAttentionMetadata` are views of those buffers and its CPU mirrors are
-  views of the pinned ones, so every address is the same at capture and at replay. The final
-  hidden states land in one output buffer shared by all graphs.
-- Padding. A decode batch of R requests of query length q runs in the graph of the smallest
-  captured size of N >= R requests (N * q tokens). Requests R .. N-1 are dummies: query length
-  q, seq_len q (context 0), block-table row all 0 (the null block), slot_mapping -1 (never
-  written), input id 0 at positions 0 .. q-1. The step's metadata says `num_reqs = N` and
-  `num_actual_tokens = N * q`; the CPU mirrors are padded the same way. Only the first R * q
-  rows of the hidden states are used (the logits of the first R requests).
-- Capture. For each size, largest first, the runner fills the buffers with N dummies, builds
-  the metadata with `builder.build(0, common)` and runs the model once eagerly (warm-up: lazy
-  initialisation, Triton compilation and autotuning happen outside the capture), then builds
-  it again with `builder.build_for_cudagraph_capture(common)` and captures the model's forward
-  into a graph. All graphs share one memory pool. The warm-up and capture metadata say
-  `max_seq_len = max_model_len`, so that a builder that sizes a launch by it sizes it for any
-  replay (and the warm-up compiles what the capture launches).
-- Replay. The runner fills the buffers for the real batch, calls `builder.build(0, common)` for
-  every group, and replays the graph. The builder is responsible for returning metadata whose
-  device tensors live at the captured addresses: views of the common metadata's tensors or of
-  its own persistent buffers, written in place. What it returns is not passed anywhere: the
-  graph reads the captured addresses. The builders get `BatchLimits.has_persistent_graph_inputs`
-  (this contract, as a flag), so those that would copy the step's tensors into buffers of
-  their own (FLASH_ATTN) may read them in place instead.
-- Which steps. Only uniform decode batches: every request has query length 1, or 1 + k under
-  speculative decoding (k = `BatchLimits.num_speculative_tokens`) when the weakest backend
-  level is `UNIFORM_BATCH` or more, with N * q within the largest captured size; graphs are
-  on only when every KV-cache group's level is at least `UNIFORM_SINGLE_TOKEN_DECODE`. A
-  backend declaring `ALWAYS` could also serve mixed prefill/decode batches; this engine
-  captures decode steps only (prefills are long enough that launch costs hardly matter) and
-  runs everything else eagerly. Graph steps never use cascade attention.
-- The forward must not synchronise with the host while it is captured: the model and
-  `anyattn.layer.Attention` contain no `.item()` / `.cpu()` / branches on device values.
+- Buffers. Persistent device buffers sized for the largest capture (input ids, positions,
+  `query_start_loc`, `seq_lens`, `block_table` in engine blocks plus one expanded copy per group
+  whose kernel block is smaller, `slot_mapping`) and pinned CPU twins (`num_computed_tokens` is
+  CPU only). A step writes a prefix of the CPU buffers and copies it in place (`non_blocking`,
+  after the previous replay completed); the step's `CommonAttentionMetadata` holds views of
+  both, so every address is the same at capture and replay. One output buffer serves all graphs.
+- Padding. R requests of query length q run in the smallest captured size of N >= R requests.
+  Requests R .. N-1 are dummies: seq_len q (context 0), block-table row 0 (the null block),
+  slot_mapping -1 (never written), input id 0 at positions 0 .. q-1; the metadata says
+  `num_reqs = N`, `num_actual_tokens = N * q`. Only the first R * q hidden rows are used.
+- Capture, per size, largest first: fill N dummies, `builder.build(0, common)` and one eager
+  run (lazy initialisation and compilation happen outside the capture), then
+  `builder.build_for_cudagraph_capture(common)` and the capture; one memory pool. Warm-up and
+  capture say `max_seq_len = max_model_len`, so a launch sized by it fits any replay.
+- Replay: fill the buffers, `builder.build(0, common)` for every group, replay. The builder
+  must return metadata whose device tensors live at the captured addresses (views of the
+  common metadata or its own persistent buffers, written in place). Builders get
+  `BatchLimits.has_persistent_graph_inputs` (this contract as a flag) so they may read the
+  step's tensors in place instead of copying them.
+- Which steps: uniform decode batches only (query length 1, or 1 + k speculative tokens when
+  the weakest level is `UNIFORM_BATCH`), within the largest capture; graphs are on when every
+  group's level is at least `UNIFORM_SINGLE_TOKEN_DECODE`. Graph steps never use cascade.
+- The captured forward never synchronises with the host (no `.item()`, `.cpu()`, branches on
+  device values in the model or `anyattn.layer.Attention`).
 """
 
 from __future__ import annotations
@@ -73,11 +57,9 @@ __all__ = [
 
 
 def default_capture_sizes(max_num_reqs: int, max_num_tokens: int) -> tuple[int, ...]:
-    """Powers of two up to `min(max_num_reqs, max_num_tokens)`, and that bound itself.
-
-    Padding to the next power of two at most doubles a decode batch, which costs little: small
-    decode batches are bound by reading the weights, not by the number of rows.
-    """
+    """Powers of two up to `min(max_num_reqs, max_num_tokens)`, and that bound itself (padding
+    at most doubles a decode batch, which small decode batches, bound by the weights, barely
+    notice)."""
     top = min(max_num_reqs, max_num_tokens)
     sizes = {top}
     size = 1
@@ -89,15 +71,9 @@ def default_capture_sizes(max_num_reqs: int, max_num_tokens: int) -> tuple[int, 
 
 @dataclass(frozen=True, slots=True)
 class CudaGraphPlan:
-    """What the engine will capture, or why it will not.
-
-    Attributes:
-        level: the weakest `AttentionCGSupport` over the KV-cache groups.
-        graph_keys: `(num_tokens, query_len)` of every graph to capture, largest first
-            (empty: graphs off). Sizes come from `BatchLimits.cudagraph_capture_sizes` (or the
-            defaults), within `max_num_tokens` and `max_num_reqs` requests.
-        message: one line for the log, "CUDA graphs on: ..." or "CUDA graphs off: <why>".
-    """
+    """What the engine will capture, or why it will not: the weakest level over the groups,
+    `(num_tokens, query_len)` of every graph, largest first (empty: graphs off), and one log
+    line ("CUDA graphs on: ..." or "CUDA graphs off: <why>")."""
 
     level: AttentionCGSupport
     graph_keys: tuple[tuple[int, int], ...]
@@ -120,18 +96,8 @@ def plan_cuda_graphs(
     enforce_eager: bool,
     limits: BatchLimits,
 ) -> CudaGraphPlan:
-    """Decide whether and what to capture.
-
-    Args:
-        levels: backend name -> its `get_cudagraph_support(kv_cache_spec, limits)` (the weakest
-            over that backend's groups).
-        device_type: "cuda" or "cpu" (graphs are CUDA only).
-        enforce_eager: the caller turned graphs off.
-        limits: the engine's limits; empty `cudagraph_capture_sizes` means the defaults.
-
-    Returns:
-        A `CudaGraphPlan`; `plan.message` says why graphs are off, or what is captured.
-    """
+    """Decide whether and what to capture from each backend's weakest `get_cudagraph_support`
+    level; empty `limits.cudagraph_capture_sizes` means the defaults."""
     level = min(levels.values(), default=AttentionCGSupport.NEVER)
     sizes = limits.cudagraph_capture_sizes or default_capture_sizes(
         limits.max_num_reqs, limits.max_num_tokens
@@ -175,31 +141,16 @@ def plan_cuda_graphs(
 
 
 def pick_capture_size(num_reqs: int, query_len: int, sizes: Sequence[int]) -> int | None:
-    """The smallest captured size (in tokens) holding `num_reqs` requests of `query_len`
-    tokens, or None when the batch is larger than every capture.
-
-    A size counts only when it is a whole number of requests (`size % query_len == 0`).
-    """
+    """The smallest captured size (tokens, a whole number of requests) holding `num_reqs`
+    requests of `query_len` tokens, or None."""
     needed = num_reqs * query_len
     fitting = [s for s in sizes if s >= needed and s % query_len == 0]
     return min(fitting) if fitting else None
 
 
 class CudaGraphRunner:
-    """Captures the model's forward for uniform decode batches and replays it.
-
-    Args:
-        model: the engine's model (`forward(input_ids, positions, attn_metadata, kv_caches)`).
-        groups: the runner's KV-cache groups (backend, spec, layer names, builder).
-        kv_caches: layer name -> cache (fixed addresses, allocated before capture).
-        plan: a `CudaGraphPlan` with `enabled` True.
-        block_size: the engine block size.
-        max_model_len: longest sequence; sets the block-table width.
-        device: the CUDA device.
-
-    Attributes:
-        num_replays: graph steps run so far (tests and benchmarks read it).
-    """
+    """Captures the model's forward for the plan's uniform decode batches and replays it
+    (`kv_caches` are allocated before, at fixed addresses). `num_replays` counts graph steps."""
 
     def __init__(
         self,
@@ -230,18 +181,14 @@ class CudaGraphRunner:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.hidden: torch.Tensor | None = None  # [max_num_tokens, hidden_size], graph output
         self.pool = torch.cuda.graph_pool_handle()
-        # Recorded after each replay: the pinned buffers (and the CPU mirrors a builder may
-        # copy from asynchronously) are free to rewrite once it has completed.
+        # The pinned buffers (which a builder may copy from asynchronously) are rewritten only
+        # once the previous replay has completed.
         self._step_done = torch.cuda.Event()
         self.num_replays = 0
 
     def graph_key(self, num_new: np.ndarray, num_blocks: np.ndarray) -> tuple[int, int] | None:
-        """`(num_tokens, query_len)` of the graph that runs this batch, or None (run eagerly).
-
-        Args:
-            num_new: int `[R]`, new tokens per request.
-            num_blocks: int `[R]`, blocks each request holds.
-        """
+        """`(num_tokens, query_len)` of the graph that runs requests of `num_new` tokens holding
+        `num_blocks` blocks each (int `[R]`), or None (run eagerly)."""
         if len(num_new) == 0:
             return None
         q = int(num_new[0])
@@ -254,12 +201,8 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every graph of the plan, largest first (smaller ones reuse its pool memory).
-
-        Raises:
-            RuntimeError: a capture failed (a kernel synchronised with the host, or is not
-                capturable); the message names the size and how to run without graphs.
-        """
+        """Capture every graph of the plan, largest first (smaller ones reuse its pool memory);
+        RuntimeError naming the size, and how to run without graphs, when one fails."""
         start = time.perf_counter()
         for key in self.plan.graph_keys:
             try:
@@ -296,12 +239,9 @@ class CudaGraphRunner:
         self.graphs[(num_tokens, query_len)] = graph
 
     def run(self, key: tuple[int, int], batch: InputBatch, slots: np.ndarray) -> torch.Tensor:
-        """Replay the graph `key` (from `graph_key`) for the uniform decode batch of `slots`.
-
-        Returns:
-            The final hidden states of the real tokens, `[R * query_len, hidden_size]`: a view
-            of the graphs' output buffer, overwritten by the next replay.
-        """
+        """Replay the graph `key` (from `graph_key`) for the decode batch of `slots`; returns
+        the real tokens' hidden states `[R * query_len, hidden_size]`, a view of the output
+        buffer that the next replay overwrites."""
         num_tokens, query_len = key
         self._step_done.synchronize()
         _, _, common = self.inputs.prepare(batch, slots, query_len, num_tokens // query_len)

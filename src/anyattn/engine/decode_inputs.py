@@ -1,22 +1,17 @@
-"""Persistent, padded inputs of uniform decode steps (the buffers CUDA graphs read).
-
-`DecodeBuffers` holds the step inputs at fixed addresses, sized for the largest batch;
-`fill_decode_inputs` writes a batch padded with dummy requests into the CPU copy;
-`StaticDecodeInputs` copies it to the device and builds every group's metadata over views of
-the buffers. The padding rules and the builder's side of the contract are in
-`anyattn.engine.cuda_graphs`.
-"""
+"""The persistent, padded inputs of graph decode steps (`anyattn.engine.cuda_graphs` has the
+contract): `DecodeBuffers` at fixed addresses, `fill_decode_inputs` to write a padded batch
+into the CPU copy, `StaticDecodeInputs` to copy it over and build every group's metadata."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from anyattn.engine.input_batch import InputBatch
-from anyattn.engine.kv_cache_group import KVCacheGroup
+from anyattn.engine.kv_cache_group import KVCacheGroup, in_kernel_blocks
 from anyattn.metadata import CommonAttentionMetadata, expand_block_table
 
 __all__ = ["DecodeBuffers", "StaticDecodeInputs", "fill_decode_inputs"]
@@ -24,17 +19,10 @@ __all__ = ["DecodeBuffers", "StaticDecodeInputs", "fill_decode_inputs"]
 
 @dataclass
 class DecodeBuffers:
-    """Persistent step inputs, sized for the largest capture (CPU or device).
-
-    Attributes:
-        input_ids: int64 `[max_num_tokens]`.
-        positions: int64 `[max_num_tokens]`.
-        query_start_loc: int32 `[max_num_reqs + 1]`.
-        seq_lens: int32 `[max_num_reqs]`.
-        num_computed_tokens: int32 `[max_num_reqs]` (read from the CPU copy only).
-        block_table: int32 `[max_num_reqs, max_blocks]`, engine block ids.
-        slot_mapping: int64 `[max_num_tokens]`.
-    """
+    """Persistent step inputs sized for the largest capture (CPU or device): int64 `input_ids`,
+    `positions`, `slot_mapping` `[max_num_tokens]`; int32 `query_start_loc` `[max_num_reqs + 1]`,
+    `seq_lens`, `num_computed_tokens` `[max_num_reqs]`, `block_table` `[max_num_reqs,
+    max_blocks]` (engine block ids)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -76,22 +64,9 @@ def fill_decode_inputs(
     query_len: int,
     num_padded_reqs: int,
 ) -> int:
-    """Write a uniform decode batch, padded with dummy requests, into CPU buffers.
-
-    Request r (of R = len(slots)) runs `query_len` new tokens of slot `slots[r]` of `batch`
-    (from its `num_computed` on). Requests R .. num_padded_reqs - 1 are dummies (see the module
-    docstring). Only the first `num_padded_reqs` rows (`* query_len` tokens) are written.
-
-    Args:
-        host: CPU buffers (`DecodeBuffers`), at least as wide as `batch.block_table`.
-        batch: the running requests' arrays.
-        slots: int `[R]`, the requests' slots.
-        query_len: new tokens per request (1, or 1 + k under speculative decoding).
-        num_padded_reqs: N >= R.
-
-    Returns:
-        The longest sequence (context + new tokens) among the real requests (0 when none).
-    """
+    """Write `query_len` new tokens of each of `slots` (int `[R]`) of `batch`, then dummies up
+    to `num_padded_reqs` requests, into the first rows of the CPU buffers `host`; returns the
+    longest real sequence (context + new tokens; 0 when none)."""
     num_reqs = len(slots)
     n, q = num_padded_reqs, query_len
     assert num_reqs <= n, "a padded batch cannot be smaller than the real one"
@@ -118,18 +93,9 @@ def fill_decode_inputs(
 
 
 class StaticDecodeInputs:
-    """The persistent inputs of graph steps: buffers, padding, metadata views, builds.
-
-    Device-agnostic (the CPU tests run the padded step eagerly through it); `CudaGraphRunner`
-    uses one on CUDA with pinned host buffers.
-
-    Args:
-        groups: the runner's KV-cache groups (builder, layer names, kernel block size).
-        block_size: the engine block size.
-        max_num_reqs, max_num_tokens: the largest padded batch.
-        max_model_len: longest sequence; sets the block-table width.
-        device: where the device buffers live.
-    """
+    """The persistent inputs of graph steps for `groups`, sized for the largest padded batch
+    (`max_num_reqs`, `max_num_tokens`; `max_model_len` sets the table width). Works on any
+    device; on CUDA its host buffers are pinned."""
 
     def __init__(
         self,
@@ -171,19 +137,9 @@ class StaticDecodeInputs:
         *,
         max_seq_len: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
-        """Fill the buffers for a padded uniform decode batch (`fill_decode_inputs`) and copy
-        them to the device.
-
-        Args:
-            batch: the running requests' arrays (None with no slots: dummies only).
-            slots: int `[R]`, the real requests' slots.
-            max_seq_len: the metadata's `max_seq_len` (capture passes `max_model_len`); default
-                the longest real sequence.
-
-        Returns:
-            `(input_ids, positions, common)`: views of the device buffers, and the step's
-            metadata whose tensors are views of the buffers.
-        """
+        """Fill the buffers for a padded decode batch (`batch` None: dummies only) and copy them
+        to the device; returns `(input_ids, positions, common)`, all views of the buffers.
+        `max_seq_len` defaults to the longest real sequence (capture passes max_model_len)."""
         num_reqs, num_tokens = num_padded_reqs, num_padded_reqs * query_len
         batch = batch or self._empty
         longest = fill_decode_inputs(self.host, batch, slots, query_len, num_reqs)
@@ -224,13 +180,9 @@ class StaticDecodeInputs:
         """Layer name -> metadata: `build_for_cudagraph_capture` or `build(0, ...)` per group."""
         metadata: dict[str, object] = {}
         for index, group in enumerate(self.groups):
-            group_common = common
-            if index in self.kernel_tables:
-                table = self.kernel_tables[index][: common.num_reqs]
-                table_cpu = expand_block_table(
-                    common.block_table_cpu, self.block_size, group.kernel_block_size
-                )
-                group_common = replace(common, block_table_tensor=table, block_table_cpu=table_cpu)
+            table = self.kernel_tables.get(index)
+            table = None if table is None else table[: common.num_reqs]
+            group_common = in_kernel_blocks(group, common, self.block_size, table)
             if for_capture:
                 built = group.builder.build_for_cudagraph_capture(group_common)
             else:

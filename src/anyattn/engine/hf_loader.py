@@ -1,10 +1,6 @@
 """Hugging Face folders: `config.json`, `*.safetensors` (one file or shards with an index) and
-the tokenizer.
-
-`load_hf_folder` checks everything it can before any tensor is read (the folder, the config,
-every shard's header), so that a bad download fails at once with the file to blame; tensors are
-then streamed one at a time, never all held in memory.
-"""
+the tokenizer. Everything checkable is checked before any tensor is read, so a bad download
+fails at once naming the file; tensors are then streamed one at a time."""
 
 from __future__ import annotations
 
@@ -18,48 +14,32 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from anyattn.engine.model_config import ModelConfig
+from anyattn.engine.models.weights import CountedWeights
 
-__all__ = ["SafetensorsWeights", "load_hf_folder", "load_tokenizer"]
+__all__ = ["load_hf_folder", "load_tokenizer"]
 
 _INDEX = "model.safetensors.index.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-class SafetensorsWeights(Iterator[tuple[str, torch.Tensor]]):
-    """The tensors of one or more safetensors files: a one-pass iterator of `(name, tensor)`
-    pairs on the CPU, in the stored dtype.
+def _read_safetensors(files: list[Path]) -> CountedWeights:
+    """The tensors of safetensors files, CPU, stored dtype: every header is checked now, the
+    tensors are read lazily, file by file. ValueError names a truncated or corrupt file."""
+    count = 0
+    for file in files:
+        with _open(file) as f:
+            count += len(f.keys())
 
-    Every file's header is read (and checked) on construction; tensors are read lazily, file by
-    file. `len()` is the number of tensors (for a progress bar).
-
-    Raises:
-        ValueError: a file is truncated or corrupt (the message names it), at construction or,
-            for damage past the header, while iterating.
-    """
-
-    def __init__(self, files: list[Path]) -> None:
-        self.files = files
-        self._num_tensors = 0
+    def read() -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
-            with _open(file) as f:
-                self._num_tensors += len(f.keys())
-        self._tensors = self._read()
-
-    def __len__(self) -> int:
-        return self._num_tensors
-
-    def __next__(self) -> tuple[str, torch.Tensor]:
-        return next(self._tensors)
-
-    def _read(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for file in self.files:
             with _open(file) as f:
                 for name in f.keys():
                     try:
-                        tensor = f.get_tensor(name)
+                        yield name, f.get_tensor(name)
                     except SafetensorError as exc:
                         raise _corrupt(file, exc) from exc
-                    yield name, tensor
+
+    return CountedWeights(read(), count)
 
 
 def _open(file: Path) -> Any:
@@ -76,23 +56,15 @@ def _corrupt(file: Path, exc: Exception) -> ValueError:
     )
 
 
-def load_hf_folder(path: str | os.PathLike) -> tuple[ModelConfig, SafetensorsWeights]:
-    """Read a Hugging Face model folder.
-
-    Args:
-        path: a folder with `config.json` and `model.safetensors`, or shards listed in
-            `model.safetensors.index.json` (any other `*.safetensors` files when no index).
-
-    Returns:
-        `(config, weights)`: the model's `ModelConfig`, and its tensors as an iterable of
-        `(Hugging Face name, CPU tensor in the stored dtype)`, for `model.load_weights`.
+def load_hf_folder(path: str | os.PathLike) -> tuple[ModelConfig, CountedWeights]:
+    """`(config, weights)` of a folder with `config.json` and `model.safetensors`, or shards
+    listed in `model.safetensors.index.json` (else any `*.safetensors`); weights are streamed
+    `(Hugging Face name, CPU tensor in the stored dtype)` pairs, every header checked first.
 
     Raises:
-        FileNotFoundError: the folder, `config.json`, the safetensors files or a shard named in
-            the index do not exist.
-        ValueError: the path is not a folder, `config.json` is not valid JSON, the architecture
-            is not supported (the message lists the supported ones), or a safetensors file is
-            truncated or corrupt (the message names it).
+        FileNotFoundError: the folder, `config.json` or a safetensors file is missing.
+        ValueError: not a folder, invalid JSON, an unsupported architecture, or a truncated or
+            corrupt safetensors file (named).
     """
     folder = _folder("load_hf_folder", path)
     config_path = folder / "config.json"
@@ -114,7 +86,7 @@ def load_hf_folder(path: str | os.PathLike) -> tuple[ModelConfig, SafetensorsWei
         config = ModelConfig.from_hf(config_dict)
     except ValueError as exc:
         raise ValueError(f"load_hf_folder: {config_path}: {exc}") from exc
-    return config, SafetensorsWeights(_safetensors_files(folder))
+    return config, _read_safetensors(_safetensors_files(folder))
 
 
 def _folder(api: str, path: str | os.PathLike) -> Path:
@@ -138,13 +110,7 @@ def _safetensors_files(folder: Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             names = sorted(set(weight_map.values()))
-        except (
-            json.JSONDecodeError,
-            UnicodeDecodeError,
-            KeyError,
-            TypeError,
-            AttributeError,
-        ) as exc:
+        except (ValueError, LookupError, TypeError, AttributeError) as exc:
             raise ValueError(
                 f"load_hf_folder: {index} is not a safetensors index (expected JSON with a "
                 f"'weight_map' object; {type(exc).__name__}: {exc})."
@@ -171,14 +137,9 @@ def _safetensors_files(folder: Path) -> list[Path]:
 
 
 def load_tokenizer(path: str | os.PathLike) -> Any:
-    """The tokenizer of a Hugging Face folder (its chat template included), via transformers'
-    `AutoTokenizer`, offline.
-
-    Raises:
-        FileNotFoundError: the folder or its tokenizer files do not exist.
-        ValueError: the tokenizer files cannot be loaded.
-        ImportError: transformers is not installed.
-    """
+    """The tokenizer of a Hugging Face folder (chat template included), loaded offline by
+    transformers' `AutoTokenizer`. FileNotFoundError: no folder or tokenizer files;
+    ValueError: they cannot be loaded; ImportError: transformers is not installed."""
     folder = _folder("load_tokenizer", path)
     if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
         raise FileNotFoundError(

@@ -1,20 +1,16 @@
 """The running requests' per-slot state as persistent numpy arrays, and a step's inputs from it.
 
-Every running request owns one slot (a row of each array) from its admission until it finishes
-or is preempted. The scheduler writes the row when it admits the request, appends block ids
-when the request grows and advances it after each step; the model runner lays out a step by
-fancy indexing over the step's slots (`gather`), with no per-request Python.
+A running request owns one slot (a row of each array) from admission until it finishes or is
+preempted. The scheduler writes the row on admission, appends blocks as it grows and advances it
+after each step; the model runner gathers a step by fancy indexing over its slots (`gather`).
 
-Arrays (R = max_num_reqs, L = max_model_len, B = ceil(L / block_size) columns):
+Arrays (R = max_num_reqs, L = max_model_len, B = ceil(L / block_size)), zero in free rows:
 
-    token_ids     int32 [R, L + 1]  prompt then output tokens (the one that ends a sequence at L
-                  included); past num_tokens: stale, never read
-    num_tokens    int32 [R]     known tokens (prompt + output)
-    num_computed  int32 [R]     leading tokens whose K/V are in the cache
-    block_table   int32 [R, B]  engine block ids; past num_blocks: 0 (the null block)
-    num_blocks    int32 [R]     filled columns of block_table
-
-A free row holds zeros in num_tokens, num_computed, num_blocks and in its block-table row.
+    token_ids     int32 [R, L + 1]  prompt then output tokens; past num_tokens: stale
+    num_tokens    int32 [R]         known tokens (prompt + output)
+    num_computed  int32 [R]         leading tokens whose K/V are in the cache
+    block_table   int32 [R, B]      engine block ids; past num_blocks: 0 (the null block)
+    num_blocks    int32 [R]         filled columns of block_table
 """
 
 from __future__ import annotations
@@ -29,17 +25,10 @@ __all__ = ["InputBatch", "StepInputs"]
 
 @dataclass(frozen=True)
 class StepInputs:
-    """One step's flat inputs, requests back to back in the given slot order (numpy, CPU).
-
-    Attributes:
-        input_ids: int64 `[num_tokens]`.
-        positions: int64 `[num_tokens]`.
-        query_start_loc: int32 `[num_reqs + 1]`.
-        seq_lens: int32 `[num_reqs]`, context + new tokens.
-        num_computed: int32 `[num_reqs]`, context before the step.
-        block_table: int32 `[num_reqs, width]`, width = the most blocks any of them holds.
-        slot_mapping: int64 `[num_tokens]`, `block_id * block_size + offset` of each new token.
-    """
+    """One step's flat inputs, requests back to back in the given slot order (numpy, CPU):
+    int64 `input_ids`, `positions`, `slot_mapping` `[num_tokens]`; int32 `query_start_loc`
+    `[num_reqs + 1]`, `seq_lens` (context + new), `num_computed` (context) `[num_reqs]`, and
+    `block_table` `[num_reqs, the most blocks any of them holds]`."""
 
     input_ids: np.ndarray
     positions: np.ndarray
@@ -51,13 +40,7 @@ class StepInputs:
 
 
 class InputBatch:
-    """Per-slot arrays of the running requests (module docstring).
-
-    Args:
-        max_num_reqs: slots (the most requests running at once).
-        max_model_len: longest sequence (prompt + output).
-        block_size: engine block size.
-    """
+    """Per-slot arrays of the running requests (module docstring)."""
 
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
         self.max_num_reqs = max_num_reqs
@@ -80,11 +63,7 @@ class InputBatch:
         block_tables: Sequence[Sequence[int]],
         block_size: int,
     ) -> tuple[InputBatch, np.ndarray]:
-        """A batch holding the given requests in slots 0 .. n-1 (tests, direct runner calls).
-
-        Returns:
-            `(batch, slots)`, slots int32 `[n]`.
-        """
+        """`(batch, slots)`: a batch holding the given requests in slots 0 .. n-1."""
         longest = max((len(t) for t in token_ids), default=1)
         widest = max((len(b) for b in block_tables), default=1)
         batch = cls(max(len(token_ids), 1), max(longest, widest * block_size), block_size)
@@ -99,12 +78,8 @@ class InputBatch:
         return len(self._free)
 
     def add(self, token_ids: Sequence[int], num_computed: int, block_table: Sequence[int]) -> int:
-        """Give a request a slot and write its row; returns the slot.
-
-        Raises:
-            RuntimeError: every slot is taken.
-            ValueError: more tokens or blocks than a row holds.
-        """
+        """Give a request a slot and write its row; returns the slot. RuntimeError when every
+        slot is taken, ValueError for more tokens or blocks than a row holds."""
         if not self._free:
             raise RuntimeError(f"InputBatch.add: all {self.max_num_reqs} slots are taken.")
         if len(token_ids) > self.max_model_len or len(block_table) > self.max_blocks:
@@ -143,11 +118,8 @@ class InputBatch:
         self.num_tokens[slots] += 1
 
     def gather(self, slots: np.ndarray, num_new: np.ndarray) -> StepInputs:
-        """The step that runs `num_new[i]` new tokens of `slots[i]`, in this order.
-
-        Each request runs `token_ids[num_computed : num_computed + num_new]` at those positions;
-        its blocks must cover them.
-        """
+        """The step that runs `token_ids[num_computed : num_computed + num_new[i]]` of each
+        `slots[i]`, in this order (its blocks must cover them)."""
         num_new = np.asarray(num_new, dtype=np.int32)
         num_reqs = len(slots)
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)

@@ -1,25 +1,28 @@
 """`KVCacheGroup`: attention layers that share one backend and one `AttentionSpec`, and the one
 metadata builder serving them (a plain model has one group; Gemma2's sliding and global layers
 make two). Every group reads the engine's block table and slot mapping; a group whose kernel
-block is smaller than the engine block gets the table expanded to kernel blocks."""
+block is smaller than the engine block reads the table expanded to kernel blocks (slot numbers
+are the same in both)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import torch
 
 from anyattn.backend import AttentionBackend, AttentionMetadataBuilder
 from anyattn.config import AttentionSpec
+from anyattn.metadata import CommonAttentionMetadata, expand_block_table
 
-__all__ = ["KVCacheGroup"]
+__all__ = ["KVCacheGroup", "in_kernel_blocks"]
 
 
 @dataclass
 class KVCacheGroup:
     """Layers that share a backend and a KV-cache spec, and the one builder serving them.
 
-    `num_query_heads` is the query heads of its layers (the spec holds only the KV heads); the
-    largest, should they differ, for the cascade cost model. `has_alibi`: whether any of them
-    biases by ALiBi (position-dependent, which rules cascade attention out).
+    `num_query_heads`: the most query heads of its layers (for the cascade cost model);
+    `has_alibi`: whether any of them biases by ALiBi (which rules cascade attention out).
     """
 
     backend: type[AttentionBackend]
@@ -29,3 +32,21 @@ class KVCacheGroup:
     kernel_block_size: int
     num_query_heads: int
     has_alibi: bool = False
+
+
+def in_kernel_blocks(
+    group: KVCacheGroup,
+    common: CommonAttentionMetadata,
+    block_size: int,
+    device_table: torch.Tensor | None = None,
+) -> CommonAttentionMetadata:
+    """`common` with its block tables in `group`'s kernel blocks (`common` itself when they are
+    the engine's `block_size`); `device_table`: the expanded device table when it is already
+    made (a persistent buffer)."""
+    if group.kernel_block_size == block_size:
+        return common
+    kernel = group.kernel_block_size
+    if device_table is None:
+        device_table = expand_block_table(common.block_table_tensor, block_size, kernel)
+    cpu_table = expand_block_table(common.block_table_cpu, block_size, kernel)
+    return replace(common, block_table_tensor=device_table, block_table_cpu=cpu_table)

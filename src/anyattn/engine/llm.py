@@ -2,13 +2,13 @@
 
     llm = LLM()                                   # the embedded SmolLM2-135M-Instruct GGUF
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
-    print(outs[0].outputs[0].text)
     for delta in llm.stream("Tell me a joke", SamplingParams(max_tokens=64)):
         print(delta, end="", flush=True)
 
-One step: the scheduler picks requests and token counts, the model runner runs them through
-the model (attention via the selected backends), the sampler picks next tokens, and the
-scheduler records them and finishes requests.
+One step: the scheduler picks requests and token counts, the model runner runs them, the
+sampler picks next tokens, the scheduler records them and finishes requests. Output text is
+decoded when read (`CompletionOutput.text`), except for requests with stop strings, whose new
+tokens are decoded each step to find them.
 """
 
 from __future__ import annotations
@@ -18,18 +18,23 @@ import numbers
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from anyattn.config import BatchLimits
-from anyattn.engine.arguments import check_params, is_token_ids, parse_device, parse_memory
+from anyattn.engine.arguments import (
+    check_params,
+    encode_text,
+    is_token_ids,
+    parse_device,
+    parse_memory,
+)
 from anyattn.engine.block_manager import BlockManager
-from anyattn.engine.detokenizer import IncrementalDetokenizer
+from anyattn.engine.detokenizer import OutputText
 from anyattn.engine.loader import load_model
 from anyattn.engine.model_runner import ModelRunner
 from anyattn.engine.outputs import CompletionOutput, RequestOutput
-from anyattn.engine.sampler import Sampler
+from anyattn.engine.sampler import Sampler, make_generator
 from anyattn.engine.sampling_params import SamplingParams
 from anyattn.engine.scheduler import ScheduledBatch, Scheduler
 from anyattn.engine.sequence import Sequence as Request
@@ -44,13 +49,12 @@ _DEFAULT_MAX_MODEL_LEN = 4096
 
 @dataclass
 class _Tracked:
-    """What the engine keeps per request: the scheduler's view, the caller's view, the
-    request's random generator (None when unseeded) and its detokenizer."""
+    """What the engine keeps per request besides the scheduler's view of it."""
 
     request: Request
     output: RequestOutput
     generator: torch.Generator | None
-    detokenizer: IncrementalDetokenizer
+    text: OutputText
 
 
 class LLM:
@@ -119,12 +123,8 @@ class LLM:
             kv_cache_dtype=kv_cache_dtype,
             max_positions=_DEFAULT_MAX_MODEL_LEN if max_model_len is None else max_model_len,
         )
-        self.model, self.model_config, self.tokenizer = (
-            loaded.model,
-            loaded.config,
-            loaded.tokenizer,
-        )
-        self.model_path: Path = loaded.path
+        self.model, self.model_config = loaded.model, loaded.config
+        self.tokenizer, self.model_path = loaded.tokenizer, loaded.path
         context = self.model_config.max_position_embeddings
         self.max_model_len = (
             min(context, _DEFAULT_MAX_MODEL_LEN) if max_model_len is None else max_model_len
@@ -157,6 +157,7 @@ class LLM:
         self.sampler = Sampler()
         self._ids = itertools.count()
         self._requests: dict[int, _Tracked] = {}
+        self._with_stops: dict[int, _Tracked] = {}  # unfinished requests with stop strings
         # the output of the latest `stream` call (token counts for callers that print rates)
         self.last_stream_output: RequestOutput | None = None
         eos = self.model_config.eos_token_ids
@@ -187,20 +188,10 @@ class LLM:
 
     def encode_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
         """Token ids of a prompt: a string (with the chat template when `chat`) or token ids
-        (a list, a 1-D array or tensor of ints).
-
-        Raises:
-            TypeError: a prompt of another type, or token ids that are not integers.
-            ValueError: token ids outside the vocabulary, or `chat` with token ids.
-        """
+        (a list, a 1-D array or tensor of ints). TypeError: another type, or ids that are not
+        integers; ValueError: ids outside the vocabulary, or `chat` with ids."""
         if isinstance(prompt, str):
-            if not chat:
-                return list(self.tokenizer.encode(prompt))
-            messages = [{"role": "user", "content": prompt}]
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True
-            )
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            return encode_text(self.tokenizer, prompt, chat)
         if hasattr(prompt, "tolist") and getattr(prompt, "ndim", 1) == 1:
             prompt = prompt.tolist()  # numpy arrays and tensors of ids
         if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
@@ -233,26 +224,27 @@ class LLM:
     def _add(self, prompt: object, token_ids: list[int], params: SamplingParams) -> int:
         request_id = next(self._ids)
         request = Request(request_id, token_ids, params, self.eos_token_ids)
-        text = prompt if isinstance(prompt, str) else None
-        output = RequestOutput(request_id, text, token_ids, [CompletionOutput()])
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        detokenizer = IncrementalDetokenizer(self.tokenizer)
-        self._requests[request_id] = _Tracked(request, output, generator, detokenizer)
+        text = OutputText(self.tokenizer, request.output_token_ids, params.stop)
+        completion = CompletionOutput(request.output_token_ids, text)
+        output = RequestOutput(
+            request_id, prompt if isinstance(prompt, str) else None, token_ids, [completion]
+        )
+        generator = make_generator(params, self.device)
+        self._requests[request_id] = _Tracked(request, output, generator, text)
+        if params.stop:
+            self._with_stops[request_id] = self._requests[request_id]
         self.scheduler.add(request)
         return request_id
 
     def abort_request(self, request_id: int) -> None:
         """Stop a request now (finish reason "abort") and forget it; unknown ids are ignored."""
         entry = self._requests.pop(request_id, None)
+        self._with_stops.pop(request_id, None)
         if entry is None:
             return
-        request, output = entry.request, entry.output
-        if request.status != SequenceStatus.FINISHED:
-            self.scheduler.finish(request, "abort")
-        output.finished = True
-        output.outputs[0].finish_reason = request.finish_reason
+        if entry.request.status != SequenceStatus.FINISHED:
+            self.scheduler.finish(entry.request, "abort")
+        self._mark_finished(entry)
 
     def has_unfinished_requests(self) -> bool:
         """Whether any queued request still has work (or a failure to report)."""
@@ -261,15 +253,33 @@ class LLM:
     # --- stepping ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns the outputs of requests that changed."""
+        """Run one scheduler step; returns the outputs of requests that changed (a new token,
+        finished or failed)."""
         batch = self.scheduler.schedule()
-        changed = [self._fail(seq) for seq in batch.failed]
-        if batch.seqs:
-            sampled = self._run(batch)
-            self.scheduler.update(batch, sampled)
-            for seq, token in zip(batch.seqs, sampled, strict=True):
-                if token is not None or seq.status == SequenceStatus.FINISHED:
-                    changed.append(self._refresh(seq))
+        for seq in batch.failed:
+            entry = self._requests[seq.request_id]
+            entry.output.error = seq.error
+            self._mark_finished(entry)
+        changed = [self._requests[seq.request_id].output for seq in batch.failed]
+        if not batch.seqs:
+            return changed
+        sampled = self._run(batch)
+        finished = self.scheduler.update(batch, sampled)
+        for entry in list(self._with_stops.values()):  # only requests with stop strings
+            stop = entry.text.update(entry.request.status == SequenceStatus.FINISHED)
+            if stop is not None and entry.request.status != SequenceStatus.FINISHED:
+                self.scheduler.finish(entry.request, "stop", stop_reason=stop)
+                finished.append(entry.request)
+            elif stop is not None:  # a stop string in the last token still reads "stop"
+                entry.request.finish_reason, entry.request.stop_reason = "stop", stop
+        for seq in finished:
+            self._mark_finished(self._requests[seq.request_id])
+        requests = self._requests
+        changed += [
+            requests[seq.request_id].output
+            for seq, token in zip(batch.seqs, sampled, strict=True)
+            if token is not None or seq.status == SequenceStatus.FINISHED
+        ]
         return changed
 
     def _run(self, batch: ScheduledBatch) -> list[int | None]:
@@ -279,48 +289,16 @@ class LLM:
         if out.sample_rows:
             entries = [self._requests[seqs[i].request_id] for i in out.sample_rows]
             tokens = self.sampler(
-                out.logits.float(),
-                [e.request.params for e in entries],
-                [e.generator for e in entries],
+                out.logits, [e.request.params for e in entries], [e.generator for e in entries]
             )
             for row, token in zip(out.sample_rows, tokens, strict=True):
                 sampled[row] = token
         return sampled
 
-    def _fail(self, seq: Request) -> RequestOutput:
-        output = self._requests[seq.request_id].output
-        output.finished = True
-        output.error = seq.error
-        output.outputs[0].finish_reason = seq.finish_reason
-        return output
-
-    def _refresh(self, seq: Request) -> RequestOutput:
-        """Detokenise the new tokens, apply stop strings, and mirror the request's state into
-        its output. Costs what the new tokens cost, not what the whole output does."""
-        entry = self._requests[seq.request_id]
-        output, detokenizer = entry.output, entry.detokenizer
-        completion = output.outputs[0]
-        new_ids = seq.output_token_ids[len(detokenizer.token_ids) :]
-        completion.token_ids.extend(new_ids)
-        searched = len(detokenizer.text)
-        detokenizer.append(new_ids)
-        if seq.status == SequenceStatus.FINISHED:
-            detokenizer.flush()
-        text = detokenizer.text
-        # A stop string can end only in the text settled now; it may start a little before.
-        cut, stop_reason = len(text), None
-        for stop in seq.params.stop:
-            found = text.find(stop, max(searched - len(stop) + 1, 0), cut + len(stop) - 1)
-            if found != -1:
-                cut, stop_reason = found, stop
-        if stop_reason is not None:
-            if seq.status != SequenceStatus.FINISHED:
-                self.scheduler.finish(seq, "stop", stop_reason=stop_reason)
-            text = text[:cut]
-        completion.text = text
-        completion.finish_reason = seq.finish_reason
-        output.finished = seq.status == SequenceStatus.FINISHED
-        return output
+    def _mark_finished(self, entry: _Tracked) -> None:
+        self._with_stops.pop(entry.request.request_id, None)
+        entry.output.finished = True
+        entry.output.outputs[0].finish_reason = entry.request.finish_reason
 
     # --- convenience -------------------------------------------------------------------------
 
@@ -338,11 +316,9 @@ class LLM:
             chat: wrap string prompts in the model's chat template.
 
         Returns:
-            One `RequestOutput` per prompt, in prompt order; a request that failed (e.g. a
-            prompt longer than `max_model_len`) has `error` set, the others finish.
-
-        Raises:
-            TypeError / ValueError: a bad prompt or params; nothing is queued then.
+            One `RequestOutput` per prompt, in order; a failed request (e.g. a prompt longer
+            than `max_model_len`) has `error` set. TypeError / ValueError for a bad prompt or
+            params, before anything is queued.
         """
         if isinstance(prompts, str) or is_token_ids(prompts):
             prompts = [prompts]
@@ -382,16 +358,10 @@ class LLM:
     def stream(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, chat: bool = False
     ) -> Iterator[str]:
-        """Generate one prompt, yielding its text as it appears.
-
-        Text that could still turn out to be the start of a stop string, or half of a
-        multi-byte character, is held back until it is settled. Closing the iterator early
-        aborts the request.
-
-        Raises:
-            TypeError / ValueError: a bad prompt or params; ValueError when the request fails
-            (e.g. a prompt longer than `max_model_len`).
-        """
+        """Generate one prompt, yielding its text as it appears; text that may still start a
+        stop string, or is half a multi-byte character, is held back until settled. Closing
+        the iterator aborts the request. TypeError / ValueError for a bad prompt or params;
+        ValueError when the request fails (e.g. a prompt longer than `max_model_len`)."""
         params = check_params(params)
         request_id = self.add_request(prompt, params, chat)
         output = self._requests[request_id].output

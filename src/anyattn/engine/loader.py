@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,8 +13,9 @@ import torch
 from anyattn.engine.default_model import default_model_path
 from anyattn.engine.model_config import ModelConfig
 from anyattn.engine.models import build_model
+from anyattn.engine.models.weights import CountedWeights
 
-__all__ = ["LoadedModel", "load_model"]
+__all__ = ["LoadedModel", "load_model", "read_model"]
 
 
 @dataclass
@@ -27,8 +28,23 @@ class LoadedModel:
     path: Path
 
 
-def _with_progress(weights: Iterable[tuple[str, torch.Tensor]], label: str, total: int | None):
-    """Show a progress bar on a terminal; stay quiet when output is not one."""
+def read_model(
+    path: Path, dtype: torch.dtype = torch.float32
+) -> tuple[ModelConfig, CountedWeights, object]:
+    """The config, the lazy weights (none read yet) and the tokenizer of a model path."""
+    if path.is_file():
+        from anyattn.engine.gguf_loader import load_gguf_tokenizer, read_gguf
+
+        config_dict, weights = read_gguf(path, dtype=dtype)
+        return ModelConfig.from_hf(config_dict), weights, load_gguf_tokenizer(path)
+    from anyattn.engine.hf_loader import load_hf_folder, load_tokenizer
+
+    config, weights = load_hf_folder(path)
+    return config, weights, load_tokenizer(path)
+
+
+def _with_progress(weights: CountedWeights, label: str) -> Iterable[tuple[str, torch.Tensor]]:
+    """A progress bar on a terminal; quiet otherwise."""
     if not sys.stderr.isatty():
         yield from weights
         return
@@ -37,30 +53,10 @@ def _with_progress(weights: Iterable[tuple[str, torch.Tensor]], label: str, tota
     # The label holds a file name: printed as given, not read as markup ("smol[bold].gguf").
     columns = (TextColumn("{task.description}", markup=False), *Progress.get_default_columns()[1:])
     with Progress(*columns, transient=True) as progress:
-        task = progress.add_task(label, total=total)
+        task = progress.add_task(label, total=len(weights))
         for item in weights:
             yield item
             progress.advance(task)
-
-
-def _read(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Iterator, object, int | None]:
-    if path.is_file():
-        from anyattn.engine.gguf_loader import load_gguf_tokenizer, read_gguf
-
-        config_dict, weights = read_gguf(path, dtype=dtype)
-        config = ModelConfig.from_hf(config_dict)
-        return config, weights, load_gguf_tokenizer(path), _length(weights)
-    from anyattn.engine.hf_loader import load_hf_folder, load_tokenizer
-
-    config, weights = load_hf_folder(path)
-    return config, weights, load_tokenizer(path), _length(weights)
-
-
-def _length(weights: object) -> int | None:
-    try:
-        return len(weights)  # type: ignore[arg-type]
-    except TypeError:
-        return None
 
 
 def load_model(
@@ -73,8 +69,7 @@ def load_model(
     kv_cache_dtype: str = "auto",
     max_positions: int | None = None,
 ) -> LoadedModel:
-    """Build the model for `path` (default: the embedded SmolLM2 GGUF) and load its weights.
-
+    """Build the model for `path` (default: the embedded SmolLM2 GGUF) and load its weights;
     `max_positions` bounds the RoPE table (default: the model's whole context).
 
     Raises:
@@ -87,7 +82,7 @@ def load_model(
             f"LLM: model path does not exist (got {str(resolved)!r}, expected a .gguf file or "
             "a Hugging Face folder with config.json and *.safetensors)."
         )
-    config, weights, tokenizer, total = _read(resolved, dtype)
+    config, weights, tokenizer = read_model(resolved, dtype)
     model = build_model(
         config,
         dtype=dtype,
@@ -95,9 +90,8 @@ def load_model(
         block_size=block_size,
         backend=backend,
         kv_cache_dtype=kv_cache_dtype,
-        # the RoPE table needs only the positions the engine will use
         max_positions=min(config.max_position_embeddings, max_positions or 1 << 62),
     )
-    model.load_weights(_with_progress(weights, f"loading {resolved.name}", total))
+    model.load_weights(_with_progress(weights, f"loading {resolved.name}"))
     model.eval()
     return LoadedModel(model, config, tokenizer, resolved)

@@ -1,11 +1,9 @@
-"""`ModelConfig`: the engine's own, normalised view of a model's hyper-parameters.
+"""`ModelConfig`: the engine's normalised view of a model's hyper-parameters.
 
-Hugging Face `config.json` files spell the same thing several ways across architectures and
-transformers versions (`rope_scaling` + `rope_theta` before v5, `rope_parameters` after;
-`hidden_act` vs Gemma2's `hidden_activation`; Qwen2's `use_sliding_window` gate; per-layer
-`layer_types`). `ModelConfig.from_hf` reads them all into one frozen record, filling absent keys
-with the defaults of the transformers 5.24 config class of that architecture, so that the model
-code never looks at a raw dict.
+`ModelConfig.from_hf` reads the spellings `config.json` files use across architectures and
+transformers versions (`rope_scaling` + `rope_theta` or `rope_parameters`, `hidden_act` or
+Gemma2's `hidden_activation`, Qwen2's `use_sliding_window`, `layer_types`) into one frozen
+record, absent keys taking the defaults of transformers 5.24's config class of the architecture.
 """
 
 from __future__ import annotations
@@ -65,31 +63,19 @@ _API = "ModelConfig.from_hf"
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """A decoder-only transformer, as the engine's models need it.
+    """A decoder-only transformer, as the engine's models need it (transformers' names).
 
     Attributes:
         architecture: "llama", "mistral", "qwen2" or "gemma2" (the key of `MODEL_REGISTRY`).
-        vocab_size, hidden_size, intermediate_size, num_hidden_layers: the usual sizes.
-        num_attention_heads, num_key_value_heads, head_dim: query heads, KV heads, head size.
-        rms_norm_eps: epsilon of every RMSNorm.
-        rope_theta: RoPE base.
-        rope_scaling: None for plain RoPE, else a dict with "rope_type" (one of `ROPE_TYPES`
-            other than "default") and that type's parameters, as transformers names them.
-        max_position_embeddings: longest position the model was configured for.
-        tie_word_embeddings: the LM head reuses the token embedding matrix.
-        attention_bias: q/k/v projections have a bias (Qwen2; Llama/Gemma2 when configured).
-        o_proj_bias: the attention output projection has a bias.
-        mlp_bias: the MLP projections have biases (Llama's `mlp_bias`).
-        sliding_window: the model's window W (keys `p - W < j <= p`), None without one.
-        layer_sliding_windows: W per layer (None: full attention), `num_hidden_layers` long.
-        attn_logit_softcapping: soft cap of attention scores (Gemma2), else None.
-        final_logit_softcapping: soft cap of the output logits (Gemma2), else None.
-        query_pre_attn_scalar: Gemma2 scales scores by `query_pre_attn_scalar ** -0.5`
-            instead of `head_dim ** -0.5`; None elsewhere.
-        hidden_act: MLP activation, one of "silu", "gelu", "gelu_pytorch_tanh".
-        bos_token_id: None when the config names none.
+        rope_scaling: None for plain RoPE, else {"rope_type": one of `ROPE_TYPES` but
+            "default", and that type's parameters as transformers names them}.
+        attention_bias / o_proj_bias / mlp_bias: q/k/v, output and MLP projections have biases.
+        sliding_window: the widest window W (keys `p - W < j <= p`), None without one;
+            `layer_sliding_windows`: W per layer (None: full attention).
+        attn_logit_softcapping, final_logit_softcapping, query_pre_attn_scalar: Gemma2's (scores
+            scaled by `query_pre_attn_scalar ** -0.5`); None elsewhere.
         eos_token_id: an id, a tuple of ids, or None (see `eos_token_ids`).
-        dtype: the checkpoint's dtype from config.json (`dtype` / `torch_dtype`), else None.
+        dtype: the checkpoint's dtype from config.json, else None.
     """
 
     architecture: str
@@ -157,18 +143,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> ModelConfig:
-        """Read a transformers `config.json` dict.
-
-        Args:
-            config: the parsed `config.json` of a LlamaForCausalLM (SmolLM2 included),
-                MistralForCausalLM, Qwen2ForCausalLM or Gemma2ForCausalLM checkpoint, written by
-                transformers 4.x (`rope_scaling`, `rope_theta`) or 5.x (`rope_parameters`).
-
-        Raises:
-            ValueError: an unsupported architecture (the message lists the supported ones), a
-                missing or ill-typed required field, or an unsupported feature (RoPE type,
-                activation, per-layer RoPE, bidirectional attention).
-        """
+        """Read the `config.json` dict of a Llama (SmolLM2 included), Mistral, Qwen2 or Gemma2
+        checkpoint written by transformers 4.x or 5.x. ValueError: an unsupported architecture
+        or feature, or a missing or ill-typed field; the message says which."""
         arch = _architecture(config)
         cfg = _with_defaults(arch, config)
         hidden = _int(cfg, "hidden_size")

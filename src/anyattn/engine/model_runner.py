@@ -1,19 +1,7 @@
-"""ModelRunner: lays out each step's batch, builds attention metadata once per KV-cache group,
-runs the model, and returns the logits of the requests that need a next token.
-
-A step is given as slots of an `InputBatch` (the running requests' per-slot arrays, kept by the
-scheduler) and each slot's new-token count; its inputs are gathered from the arrays in a few
-vectorised operations, whatever the number of requests.
-
-KV-cache groups are the attention layers that share one backend and one `AttentionSpec`
-(a plain model has one; Gemma2's sliding and global layers make two). Each group's builder is
-made with the record of every layer it serves (`{name: impl.layer_params()}`). Every
-group reads the same block table and slot mapping (in engine blocks); a backend whose kernel
-block is smaller gets the table expanded to kernel blocks, which leaves slot numbers unchanged.
-
-On CUDA, uniform decode steps replay CUDA graphs captured at start-up when every group's backend
-allows it (`anyattn.engine.cuda_graphs` has the contract); every other step runs eagerly. One
-log line says whether graphs are on, or why not.
+"""ModelRunner: lays out each step from the running requests' `InputBatch`, builds attention
+metadata once per KV-cache group (`kv_cache_group.py`), runs the model, and returns the logits
+of the requests that need a next token. On CUDA, uniform decode steps replay CUDA graphs when
+every group's backend allows it (`cuda_graphs.py`); one log line says whether, or why not.
 """
 
 from __future__ import annotations
@@ -33,10 +21,10 @@ from anyattn.engine.cuda_graphs import (
     plan_cuda_graphs,
 )
 from anyattn.engine.input_batch import InputBatch, StepInputs
-from anyattn.engine.kv_cache_group import KVCacheGroup
+from anyattn.engine.kv_cache_group import KVCacheGroup, in_kernel_blocks
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.layer import Attention
-from anyattn.metadata import CommonAttentionMetadata, expand_block_table
+from anyattn.metadata import CommonAttentionMetadata
 from anyattn.types import AttentionCGSupport
 
 logger = logging.getLogger(__name__)
@@ -46,14 +34,9 @@ __all__ = ["KVCacheGroup", "ModelRunner", "StepOutput"]
 
 @dataclass
 class StepOutput:
-    """What one step produced.
-
-    Attributes:
-        order: the batch positions (into the scheduled batch) in the order the step ran them.
-        sample_rows: indices into the scheduled batch of the requests that get a next token.
-        logits: float32 `[len(sample_rows), vocab_size]`, in `sample_rows` order.
-        common_prefix_len: tokens of shared prefix run once (cascade), 0 when none.
-    """
+    """What one step produced: the order it ran the scheduled requests in, the requests that
+    get a next token (`sample_rows`, indices into the scheduled batch), their float32 logits
+    `[len(sample_rows), vocab_size]`, and the shared prefix run once by cascade (0: none)."""
 
     order: list[int]
     sample_rows: list[int]
@@ -62,25 +45,12 @@ class StepOutput:
 
 
 class ModelRunner:
-    """Owns the KV caches, the builders and the CUDA graphs; `execute` runs one scheduled step.
+    """Owns the KV caches (`num_blocks` engine blocks per layer, block 0 the null block), the
+    builders and the CUDA graphs; `execute` runs one scheduled step.
 
-    Args:
-        model: a model from `anyattn.engine.models` (`attention_layers()`, `forward`,
-            `compute_logits`).
-        num_blocks: engine blocks per layer cache (block 0 is the null block).
-        block_size: engine block size.
-        limits: the engine's batch limits (passed to every builder). On CUDA, empty
-            `cudagraph_capture_sizes` become the defaults (powers of two up to `max_num_reqs`).
-        device: where the model and caches live.
-        dtype: the model dtype.
-        kv_cache_dtype: "auto" or an fp8 / half cache dtype.
-        enforce_eager: never use CUDA graphs.
-
-    Attributes:
-        num_sms: the CUDA device's streaming multiprocessors (0 on other devices), passed to
-            `use_cascade_attention`.
-        cuda_graphs: the `CudaGraphRunner` when decode steps run in CUDA graphs, else None.
-        cuda_graph_plan: what was decided about CUDA graphs, and why (`.message`).
+    `limits` go to every builder; on CUDA, empty `cudagraph_capture_sizes` become the defaults.
+    `cuda_graph_plan.message` says what was decided about CUDA graphs; `cuda_graphs` is the
+    `CudaGraphRunner` when they are on.
     """
 
     def __init__(
@@ -99,8 +69,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.dtype = dtype
-        # Streaming multiprocessors, for the builders' cascade cost model; 0 on other devices
-        # means "unknown" there (the model then leaves out its SM-occupancy term).
+        # For the cascade cost model; 0 (not CUDA) leaves out its SM-occupancy term.
         self.num_sms = (
             torch.cuda.get_device_properties(self.device).multi_processor_count
             if self.device.type == "cuda"
@@ -165,10 +134,8 @@ class ModelRunner:
         limits: BatchLimits,
         enforce_eager: bool,
     ) -> tuple[CudaGraphPlan, BatchLimits]:
-        """The plan (logged: INFO on CUDA, DEBUG elsewhere) and the limits the builders get,
-        whose capture sizes are exactly the captured ones (some builders pad to them), with
-        `has_persistent_graph_inputs` when graphs are captured: the graph steps' inputs are this
-        runner's persistent buffers (engine/cuda_graphs.py), so builders need not copy them."""
+        """The plan (logged) and the builders' limits: capture sizes exactly the captured ones
+        (some builders pad to them), `has_persistent_graph_inputs` when graphs are on."""
         if self.device.type == "cuda" and not limits.cudagraph_capture_sizes:
             sizes = default_capture_sizes(limits.max_num_reqs, limits.max_num_tokens)
             limits = replace(limits, cudagraph_capture_sizes=sizes)
@@ -210,8 +177,7 @@ class ModelRunner:
         return sorted({g.backend.get_name() for g in self.groups})
 
     def _order(self, num_new: np.ndarray) -> np.ndarray:
-        """Batch order that every builder accepts: decodes first when one asks for it (stable
-        within each part)."""
+        """Batch order every builder accepts: decodes first when one asks (stable)."""
         thresholds = [g.builder.reorder_batch_threshold for g in self.groups]
         thresholds = [t for t in thresholds if t is not None]
         if not thresholds:
@@ -222,20 +188,9 @@ class ModelRunner:
         return np.concatenate([np.flatnonzero(is_decode), np.flatnonzero(~is_decode)])
 
     def execute(self, batch: InputBatch, slots: np.ndarray, num_new: np.ndarray) -> StepOutput:
-        """Run one step.
-
-        Args:
-            batch: the running requests' arrays; each slot's blocks cover `num_computed +
-                num_new` tokens.
-            slots: int `[R]`, the step's requests (their rows of `batch`), in batch order.
-            num_new: int `[R]`, tokens of each request to run this step (its query length),
-                from its `num_computed` on.
-
-        Returns:
-            A `StepOutput`: the order the step ran the requests in, the requests to sample (those
-            whose step ends at their last known token) and their float32 logits
-            `[num_sampled, vocab_size]`, and the cascade prefix length.
-        """
+        """Run `num_new[i]` tokens (int `[R]`) of each request `slots[i]` of `batch`, from its
+        `num_computed` on (its blocks cover them); the requests whose step ends at their last
+        known token are sampled."""
         slots = np.asarray(slots, dtype=np.int32)
         num_new = np.asarray(num_new, dtype=np.int32)
         needs_sample = batch.num_computed[slots] + num_new == batch.num_tokens[slots]
@@ -261,7 +216,7 @@ class ModelRunner:
         return StepOutput(order.tolist(), order[rows].tolist(), logits, used_prefix)
 
     def _common_metadata(self, step: StepInputs) -> CommonAttentionMetadata:
-        """The step's metadata: CPU mirrors over the step's arrays, device copies of them."""
+        """The step's metadata: CPU mirrors over the step's arrays and their device copies."""
         query_start_loc = torch.from_numpy(step.query_start_loc)
         seq_lens = torch.from_numpy(step.seq_lens)
         block_table = torch.from_numpy(step.block_table)
@@ -306,15 +261,7 @@ class ModelRunner:
         metadata: dict[str, object] = {}
         used_prefix = 0
         for group in self.groups:
-            group_common = common
-            if group.kernel_block_size != self.block_size:
-                tables = (
-                    expand_block_table(table, self.block_size, group.kernel_block_size)
-                    for table in (common.block_table_tensor, common.block_table_cpu)
-                )
-                group_common = replace(
-                    common, block_table_tensor=next(tables), block_table_cpu=next(tables)
-                )
+            group_common = in_kernel_blocks(group, common, self.block_size)
             cascade = prefix_len > 0 and group.builder.use_cascade_attention(
                 prefix_len,
                 query_lens,

@@ -3,18 +3,38 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from anyattn.engine.detokenizer import OutputText
 
 __all__ = ["CompletionOutput", "RequestOutput"]
 
 
-@dataclass
 class CompletionOutput:
-    """One generated completion: its text, token ids and why it ended (None while running)."""
+    """One generated completion: its text, token ids and why it ended (None while running).
 
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    `token_ids` grows while the request runs. `text` is decoded when read, from where the
+    previous read stopped, so a caller that reads it only at the end pays for one decode.
+    """
+
+    def __init__(self, token_ids: list[int] | None = None, text: OutputText | None = None):
+        self.token_ids: list[int] = [] if token_ids is None else token_ids
+        self.finish_reason: str | None = None
+        self._text = text
+
+    @property
+    def text(self) -> str:
+        """The output text, cut before a stop string; settled text only while running."""
+        if self._text is None:
+            return ""
+        self._text.update(is_finished=self.finish_reason is not None)
+        return self._text.text
+
+    def __repr__(self) -> str:
+        return (
+            f"CompletionOutput(text={self.text!r}, token_ids={self.token_ids!r}, "
+            f"finish_reason={self.finish_reason!r})"
+        )
 
 
 @dataclass

@@ -12,10 +12,8 @@ __all__ = ["Sampler", "make_generator"]
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
-    """The request's own random generator: seeded from `params.seed`, None when unseeded.
-
-    Create it once per request and pass it to every `Sampler` call for that request.
-    """
+    """The request's own generator, seeded from `params.seed` (None when unseeded); made once
+    per request and passed to every `Sampler` call for it."""
     if params.seed is None:
         return None
     return torch.Generator(device=device).manual_seed(params.seed)
@@ -39,20 +37,9 @@ class Sampler:
         params: ParamsList[SamplingParams],
         generators: ParamsList[torch.Generator | None],
     ) -> list[int]:
-        """Sample one token per row.
-
-        Args:
-            logits: float `[num_reqs, vocab_size]` (computed in float32).
-            params: each row's `SamplingParams`.
-            generators: each row's generator (from `make_generator`), or None for torch's global
-                one. A generator must live on `logits.device`.
-
-        Returns:
-            One token id per row.
-
-        Raises:
-            ValueError: the shapes or list lengths do not agree.
-        """
+        """One token id per row of float `logits` `[num_reqs, vocab_size]`, each row with its
+        `SamplingParams` and generator (on `logits.device`; None: torch's global one).
+        ValueError when the shapes or list lengths do not agree."""
         if logits.dim() != 2 or not logits.is_floating_point():
             raise ValueError(
                 f"Sampler: logits must be a float tensor [num_reqs, vocab_size] (got "

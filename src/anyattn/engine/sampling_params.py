@@ -1,9 +1,6 @@
-"""SamplingParams: how one request turns logits into tokens, and when it stops.
-
-The fields and their defaults follow vLLM's `SamplingParams`, so code written for vLLM reads the
-same here. Every field is checked on construction; a bad value raises `ValueError` naming the
-field, what it must be and what was given.
-"""
+"""SamplingParams: how one request turns logits into tokens, and when it stops. Fields and
+defaults follow vLLM's; every field is checked on construction, a bad value raising ValueError
+that names the field, what it must be and what was given."""
 
 from __future__ import annotations
 
@@ -37,25 +34,21 @@ def _is_number(value: object) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Sampling and stopping settings of one request.
+    """Sampling and stopping settings of one request (ValueError for a bad field).
 
     Attributes:
-        temperature: logits are divided by it before sampling; 0 (anything below
-            `GREEDY_TEMPERATURE`) means greedy decoding, the argmax token.
-        top_k: keep only the k most likely tokens; 0 or -1 turns it off (-1 is stored as 0).
-        top_p: nucleus sampling: keep the smallest set of most likely tokens whose probability
-            reaches top_p (always at least one token); 1.0 turns it off. Applied after top_k.
-        seed: seeds this request's own random generator, so the same seed gives the same tokens
-            whatever else is in the batch; None uses torch's global generator.
+        temperature: divides the logits before sampling; 0 (below `GREEDY_TEMPERATURE`): greedy.
+        top_k: keep the k most likely tokens; 0 or -1 (stored as 0): off.
+        top_p: keep the smallest set of most likely tokens whose probability reaches top_p (at
+            least one), after top_k; 1.0: off.
+        seed: seeds the request's own generator, so its tokens do not depend on the rest of the
+            batch; None: torch's global generator.
         max_tokens: the most tokens to generate (finish reason "length").
-        stop: strings that end generation when they appear in the output text (checked by the
-            detokenising caller). A single string or a list is accepted and stored as a tuple.
-        stop_token_ids: token ids that end generation (finish reason "stop"); the stop token is
-            kept in the output token ids. A list is accepted and stored as a tuple.
+        stop: strings that end the output text (finish reason "stop"; the text is cut before
+            them); a str or a list, stored as a tuple.
+        stop_token_ids: token ids that end generation (finish reason "stop"; the token is kept
+            in the output ids); stored as a tuple.
         ignore_eos: keep generating past the model's end-of-sequence tokens.
-
-    Raises:
-        ValueError: a field has the wrong type or is out of range.
     """
 
     temperature: float = 1.0

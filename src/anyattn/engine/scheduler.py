@@ -6,19 +6,15 @@ group in admission order, then to waiting ones, first come first served, while f
 `max_num_seqs` run. A waiting sequence that does not fit stops admission: nobody overtakes it.
 
 When a running sequence needs a block and none is free, the most recently admitted running one
-is preempted by recompute: its blocks are freed, `num_computed_tokens` drops to 0 and it goes
-back to the front of the queue with the tokens it generated, which are recomputed like prompt
-tokens when it resumes (the prefix cache usually gives most back). A step that preempted admits
-nobody, so the freed blocks go to the sequences already running. Nothing deadlocks: a request
-that could not run to its end with the whole pool to itself (its prompt plus `max_tokens`, at
-most `max_model_len` tokens) fails when it is added, before it takes a block (finish reason
-"error", `seq.error` says why), so every admitted sequence fits alone and finishes.
+is preempted: its blocks are freed, `num_computed_tokens` drops to 0, and it goes back to the
+front of the queue, its generated tokens recomputed like prompt tokens when it resumes. A step
+that preempted admits nobody. Nothing deadlocks: a request that could not run to its end with
+the whole pool to itself fails when it is added (finish reason "error", `seq.error` says why).
 
-The scheduler keeps the running sequences' `InputBatch` (per-slot arrays the model runner lays
-steps out from) in step with them: a sequence gets a slot when admitted and loses it when
-preempted or finished; new blocks, computed tokens and sampled tokens are written as they come.
-A step whose running sequences are all decodes is planned over those arrays; only the
-sequences that need a new block are visited one by one.
+The running sequences' `InputBatch` rows (which the model runner lays steps out from) follow
+them: a slot from admission to preemption or finish; blocks, computed and sampled tokens are
+written as they come. All-decode steps are planned and applied over those arrays; only the
+sequences that need a new block, fill one or may finish are visited one by one.
 """
 
 from __future__ import annotations
@@ -37,16 +33,10 @@ __all__ = ["ScheduledBatch", "Scheduler"]
 
 @dataclass
 class ScheduledBatch:
-    """One step's work: which sequences compute how many new tokens.
-
-    Attributes:
-        seqs: sequences to run, decodes first; each computes `token_ids[num_computed_tokens :
-            num_computed_tokens + n]` for its n below, and its block table already covers them.
-        num_new_tokens: n for each of `seqs`, same order.
-        slots: int32 `[len(seqs)]`, each sequence's row of the scheduler's `input_batch`.
-        preempted: sequences preempted while this step was planned (now waiting again).
-        failed: sequences that failed since the previous step (finish reason "error").
-    """
+    """One step's work: `seqs` (decodes first) each compute `num_new_tokens[i]` tokens from
+    their `num_computed_tokens` on (their blocks cover them); `slots`: int32 `[len(seqs)]`, their
+    rows of the scheduler's `input_batch`; `preempted` while planning it; `failed` since the
+    previous step (finish reason "error")."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
@@ -69,23 +59,10 @@ def _positive(name: str, value: object) -> int:
 class Scheduler:
     """Decides each step's batch and applies its results.
 
-    Args:
-        block_manager: owns the KV blocks.
-        max_num_seqs: the most sequences running at once.
-        max_num_batched_tokens: the most new tokens in one step.
-        max_model_len: the longest a sequence may grow (prompt plus output).
-        enable_chunked_prefill: split prompts across steps to fit the token budget; when off,
-            a prompt is computed in one step, so the budget must hold `max_model_len` tokens.
-
-    Attributes:
-        waiting: queued sequences, next to admit first.
-        running: admitted sequences, in admission order.
-        num_preemptions: preemptions so far, cumulative.
-        input_batch: the running sequences' per-slot arrays (`InputBatch`).
-
-    Raises:
-        ValueError: a limit is not a positive int, or chunking is off and
-            max_num_batched_tokens < max_model_len (a long prompt could never be scheduled).
+    `waiting` (next to admit first) and `running` (admission order) hold the sequences;
+    `num_preemptions` counts preemptions. Without chunked prefill a prompt runs in one step, so
+    `max_num_batched_tokens` must hold `max_model_len` tokens (ValueError otherwise, as for a
+    limit that is not a positive int).
     """
 
     def __init__(
@@ -113,19 +90,14 @@ class Scheduler:
         self.input_batch = InputBatch(max_num_seqs, max_model_len, block_manager.block_size)
         self.num_preemptions = 0
         self._failed: list[Sequence] = []
+        # Per slot: the length at which its sequence finishes; eos and stop ids of all admitted.
+        self._max_num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self._stop_ids = np.zeros(0, dtype=np.int64)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence, or fail it at once when it can never run.
-
-        An empty prompt, a prompt longer than `max_model_len`, or a request that may grow to
-        more tokens than the whole pool holds (prompt + `max_tokens`, capped at
-        `max_model_len`; it could never finish) fails: finish reason "error", the reason in
-        `seq.error`, reported in the next `ScheduledBatch.failed`. Other requests are not
-        affected.
-
-        Raises:
-            ValueError: the sequence is not a fresh WAITING one.
-        """
+        """Queue a new sequence. One that can never run (an empty prompt, one longer than
+        `max_model_len`, or a request that may outgrow the whole pool) fails instead, reported
+        in the next `ScheduledBatch.failed`. ValueError: not a fresh WAITING sequence."""
         if seq.status is not SequenceStatus.WAITING or seq.num_output_tokens or seq.block_table:
             raise ValueError(
                 f"Scheduler.add: request {seq.request_id!r} is not new (status "
@@ -176,10 +148,8 @@ class Scheduler:
         return batch
 
     def _schedule_decodes(self, budget: int) -> np.ndarray | None:
-        """When every running sequence is a decode and the budget and the free blocks cover
-        them all, give each one token (growing those whose blocks are full) and return their
-        slots in admission order; else None, changing nothing (the general path then plans
-        the step, which would schedule exactly these)."""
+        """When every running sequence is a decode and the budget and free blocks cover them,
+        give each one token and return their slots; else None, changing nothing."""
         running, batch, bm = self.running, self.input_batch, self.block_manager
         if not running or budget < len(running):
             return None
@@ -197,8 +167,7 @@ class Scheduler:
         return slots
 
     def _schedule_running(self, budget: int, batch: ScheduledBatch) -> dict[Sequence, int]:
-        """Running sequences -> their new tokens, decodes first, preempting when blocks run
-        out (recorded in `batch.preempted`)."""
+        """Running sequences -> their new tokens, decodes first, preempting when blocks run out."""
         scheduled: dict[Sequence, int] = {}  # in scheduling order
         # Stable sort: decodes (one token left) first, each group in admission order.
         for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1):
@@ -210,8 +179,7 @@ class Scheduler:
             while not self.block_manager.can_append(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, batch)
-                # A victim scheduled earlier in this loop gives its tokens back. (With this
-                # order it has not been: a part-done prefill is always the newest running.)
+                # A victim scheduled earlier in this loop gives its tokens back.
                 budget += scheduled.pop(victim, 0)
                 if victim is seq:
                     break
@@ -225,50 +193,50 @@ class Scheduler:
     def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
         """Apply a computed step: advance, cache full blocks, append tokens, finish sequences.
 
-        Args:
-            batch: the step as `schedule` returned it.
-            sampled: for each of `batch.seqs`, the sampled token when the step computed all of
-                that sequence's known tokens, else None (a prefill chunk mid-prompt).
-
-        Returns:
-            The sequences that finished in this step (their blocks are already freed).
-
-        Raises:
-            ValueError: `sampled` does not match the batch.
+        `sampled[i]` is the token of `batch.seqs[i]` when the step computed all its known
+        tokens, else None (a prefill chunk mid-prompt); ValueError when that does not hold.
+        Returns the sequences that finished (their blocks already freed).
         """
-        if len(sampled) != len(batch.seqs):
+        seqs, n = batch.seqs, len(batch.seqs)
+        if len(sampled) != n:
             raise ValueError(
                 f"Scheduler.update: sampled has {len(sampled)} entries, expected one per "
-                f"scheduled sequence ({len(batch.seqs)})."
+                f"scheduled sequence ({n})."
             )
-        for seq, num_new, token in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
-            completes = seq.num_computed_tokens + num_new == seq.num_tokens
-            if seq.status is SequenceStatus.RUNNING and completes != (token is not None):
-                expected = "a token" if completes else "None (mid-prefill chunk)"
-                raise ValueError(
-                    f"Scheduler.update: request {seq.request_id!r} expected {expected} "
-                    f"(got {token!r})."
-                )
-        # The arrays first, in one go, while every row still belongs to its sequence.
-        running = SequenceStatus.RUNNING
-        is_running = np.array([seq.status is running for seq in batch.seqs], dtype=bool)
-        has_token = np.array([token is not None for token in sampled], dtype=bool) & is_running
-        tokens = np.array([0 if token is None else token for token in sampled], dtype=np.int32)
-        if len(batch.seqs):
-            self.input_batch.advance(
-                batch.slots[is_running], np.asarray(batch.num_new_tokens)[is_running]
+        if n == 0:
+            return []
+        arrays, slots = self.input_batch, batch.slots
+        num_new = np.asarray(batch.num_new_tokens, dtype=np.int32)
+        # Sequences finished (aborted) between schedule and update are left alone.
+        live = np.fromiter((s.status is SequenceStatus.RUNNING for s in seqs), bool, n)
+        has_token = np.fromiter((t is not None for t in sampled), bool, n)
+        before = arrays.num_computed[slots]
+        completes = before + num_new == arrays.num_tokens[slots]
+        bad = np.flatnonzero(live & (completes != has_token))
+        if len(bad):
+            i = int(bad[0])
+            expected = "a token" if completes[i] else "None (mid-prefill chunk)"
+            raise ValueError(
+                f"Scheduler.update: request {seqs[i].request_id!r} expected {expected} "
+                f"(got {sampled[i]!r})."
             )
-            self.input_batch.append_tokens(batch.slots[has_token], tokens[has_token])
+        arrays.advance(slots[live], num_new[live])
+        rows = np.flatnonzero(live & has_token)
+        tokens = np.array([sampled[i] for i in rows.tolist()], dtype=np.int64)
+        arrays.append_tokens(slots[rows], tokens)
+        for seq, k, token in zip(seqs, batch.num_new_tokens, sampled, strict=True):
+            if seq.status is SequenceStatus.RUNNING:
+                seq.num_computed_tokens += k
+                if token is not None:
+                    seq.append_token(token)
+        size = self.block_manager.block_size
+        for i in np.flatnonzero(live & ((before + num_new) // size > before // size)).tolist():
+            self.block_manager.commit(seqs[i])
+        may_end = arrays.num_tokens[slots[rows]] >= self._max_num_tokens[slots[rows]]
+        may_end |= np.isin(tokens, self._stop_ids)
         finished = []
-        for seq, num_new, token in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # finished (aborted) between schedule and update
-            seq.num_computed_tokens += num_new
-            self.block_manager.commit(seq)
-            if token is None:
-                continue
-            seq.append_token(token)
-            params = seq.params
+        for i, token in zip(rows[may_end].tolist(), tokens[may_end].tolist(), strict=True):
+            seq, params = seqs[i], seqs[i].params
             if not params.ignore_eos and token in seq.eos_token_ids:
                 self.finish(seq, "stop")
             elif token in params.stop_token_ids:
@@ -288,21 +256,8 @@ class Scheduler:
         stop_reason: int | str | None = None,
         error: str | None = None,
     ) -> None:
-        """Finish a sequence now: free its blocks and drop it from the queues.
-
-        Used for stop strings (found by the caller while detokenising) and aborts. On a
-        sequence that already finished, only `finish_reason` (and `stop_reason`) are replaced,
-        so a stop string found in the last token still reads "stop".
-
-        Args:
-            seq: the sequence.
-            reason: one of `FINISH_REASONS`: "stop", "length", "abort", "error".
-            stop_reason: the stop string or token id, if that is why.
-            error: the message, for reason "error".
-
-        Raises:
-            ValueError: unknown reason.
-        """
+        """Finish a sequence now (`reason` one of `FINISH_REASONS`, else ValueError): free its
+        blocks and drop it from the queues. On a finished sequence only the reasons change."""
         if reason not in FINISH_REASONS:
             raise ValueError(
                 f"Scheduler.finish: reason must be one of {FINISH_REASONS} (got {reason!r})."
@@ -328,8 +283,7 @@ class Scheduler:
             if num_new < remaining and not self.enable_chunked_prefill:
                 break
             if not bm.allocate(seq, num_new):
-                # Blocks come back as running sequences finish or are preempted; with nothing
-                # running the whole pool is free, and `add` checked that it fits.
+                # With nothing running the whole pool is free, and `add` checked that it fits.
                 assert self.running, "an empty pool must hold a sequence that passed the check"
                 break
             self.waiting.popleft()
@@ -337,6 +291,10 @@ class Scheduler:
             seq.slot = self.input_batch.add(seq.token_ids, seq.num_computed_tokens, seq.block_table)
             self.running.append(seq)
             self._running_slots.append(seq.slot)
+            self._max_num_tokens[seq.slot] = self._longest(seq)
+            ids = set(seq.eos_token_ids) | set(seq.params.stop_token_ids)
+            if not ids <= set(self._stop_ids.tolist()):
+                self._stop_ids = np.union1d(self._stop_ids, sorted(ids)).astype(np.int64)
             scheduled[seq] = num_new
             budget -= num_new
 

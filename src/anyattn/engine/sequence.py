@@ -24,31 +24,20 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One request: its tokens, how far its K/V are computed, and the KV blocks that hold them.
 
-    The scheduler and block manager own the mutable state; the model runner reads
-    `token_ids`, `num_computed_tokens` and `block_table` to lay out a step.
-
-    Args:
-        request_id: the caller's id for the request (reported back, not interpreted).
-        prompt_token_ids: the prompt; copied.
-        params: how to sample and when to stop.
-        eos_token_ids: the model's end-of-sequence tokens (ignored when `params.ignore_eos`).
+    The scheduler and block manager own the mutable state; the model runner reads it through
+    the scheduler's `InputBatch`.
 
     Attributes:
-        prompt_token_ids: the prompt tokens.
         output_token_ids: generated tokens, in order (a stop or eos token included).
-        status: `SequenceStatus`.
-        finish_reason: None until finished, then one of `FINISH_REASONS`.
-        stop_reason: the stop token id or stop string that finished it, if any (None for eos).
-        error: why the request failed, when finish_reason is "error".
+        finish_reason: None until finished, then one of `FINISH_REASONS`; `stop_reason`: the
+            stop token id or string that finished it (None for eos); `error`: why it failed.
         num_computed_tokens: leading tokens whose K/V are in the cache (prefix-cache hits
-            included). 0 again after a preemption: its blocks were freed.
-        num_cached_tokens: tokens reused from the prefix cache at the latest admission.
-        block_table: physical block ids (engine block size) covering the computed tokens and
-            those scheduled this step.
-        block_hashes: chained hashes of the full blocks of `token_ids`, filled lazily by the
-            block manager; kept across preemption because the tokens they cover never change.
-        num_committed_blocks: leading entries of `block_table` already offered to the prefix
-            cache (block manager bookkeeping).
+            included); 0 again after a preemption. `num_cached_tokens`: those reused from the
+            prefix cache at the latest admission.
+        block_table: physical block ids covering the computed tokens and those scheduled.
+        block_hashes: chained hashes of the full blocks of `token_ids` (filled lazily by the
+            block manager, kept across preemption); `num_committed_blocks`: leading blocks
+            already offered to the prefix cache.
         slot: its row of the scheduler's `InputBatch` while running, else None.
     """
 
@@ -63,54 +52,39 @@ class Sequence:
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.params = params
-        self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
+        self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)  # ignored with ignore_eos
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
-        self.num_computed_tokens = 0
-        self.num_cached_tokens = 0
+        self.num_computed_tokens = self.num_cached_tokens = 0
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
         self.num_committed_blocks = 0
         self.slot: int | None = None
-        # prompt + output kept as one list so slicing a step's tokens needs no concatenation.
-        self._token_ids: list[int] = list(self.prompt_token_ids)
-
-    @property
-    def token_ids(self) -> list[int]:
-        """Prompt then output tokens. The list is the sequence's own: read it, do not mutate it."""
-        return self._token_ids
+        # prompt + output as one list, read by block hashing; never mutate it from outside.
+        self.token_ids: list[int] = list(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
-        """Prompt plus output tokens."""
-        return len(self._token_ids)
+        return len(self.token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
-        """Tokens in the prompt."""
         return len(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
-        """Tokens generated so far."""
         return len(self.output_token_ids)
 
     @property
-    def last_token_id(self) -> int:
-        """The newest token (the one the next decode step feeds to the model)."""
-        return self._token_ids[-1]
-
-    @property
     def is_finished(self) -> bool:
-        """True once the sequence finished, for whatever reason."""
         return self.status is SequenceStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
         """Append one generated token (its K/V are computed by a later step)."""
         self.output_token_ids.append(token_id)
-        self._token_ids.append(token_id)
+        self.token_ids.append(token_id)
 
     def __repr__(self) -> str:
         return (

@@ -24,16 +24,8 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
 
 
 def build_model(config: ModelConfig, **kwargs: object) -> CausalLM:
-    """Instantiate the model class of `config.architecture` (parameters left uninitialised).
-
-    Args:
-        config: the model's `ModelConfig`.
-        **kwargs: the model constructor's keyword arguments (`dtype`, `device`, `block_size`,
-            `backend`, `kv_cache_dtype`, `max_positions`).
-
-    Raises:
-        ValueError: no model class for the architecture (the message lists the known ones).
-    """
+    """The model of `config.architecture` (`CausalLM`'s keyword arguments; parameters left
+    uninitialised); ValueError lists the known architectures."""
     model_cls = MODEL_REGISTRY.get(config.architecture)
     if model_cls is None:
         raise ValueError(

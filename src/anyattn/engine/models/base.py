@@ -1,10 +1,7 @@
-"""`CausalLM`: the decoder-only skeleton every family shares.
-
-Token embedding, a stack of decoder layers (each family supplies its own), a final norm and an
-LM head (tied to the embedding or not), one RoPE table for all layers, and loading by Hugging
-Face parameter name. The model runner relies on this interface exactly: the constructor, and
-`forward`, `compute_logits`, `attention_layers`, `load_weights`.
-"""
+"""`CausalLM`: the decoder-only skeleton every family shares: token embedding, decoder
+layers (each family supplies its own), final norm, LM head (tied or not), one RoPE table, and
+loading by Hugging Face parameter name. The model runner relies on exactly `forward`,
+`compute_logits`, `attention_layers` and `load_weights`."""
 
 from __future__ import annotations
 
@@ -16,13 +13,8 @@ from torch import nn
 
 from anyattn.backend import AttentionBackend
 from anyattn.engine.model_config import ModelConfig
-from anyattn.engine.models.layers import (
-    RMSNorm,
-    RotaryEmbedding,
-    Slots,
-    empty_linear_weight,
-    empty_param,
-)
+from anyattn.engine.models.layers import RMSNorm, Slots, empty_linear_weight, empty_param
+from anyattn.engine.models.rope import RotaryEmbedding
 from anyattn.engine.models.weights import WeightSlot, load_into_slots
 from anyattn.layer import Attention
 from anyattn.types import parse_cache_dtype, parse_dtype
@@ -31,22 +23,12 @@ __all__ = ["CausalLM"]
 
 
 class CausalLM(nn.Module):
-    """A decoder-only language model over anyattn's paged attention.
+    """A decoder-only language model over anyattn's paged attention; subclasses set
+    `has_unit_offset_norms` and implement `make_layer`.
 
-    Subclasses set `has_unit_offset_norms` and implement `make_layer`; the rest is shared.
-
-    Args:
-        config: the model's `ModelConfig`.
-        dtype: parameter and activation dtype (float32, float16 or bfloat16).
-        device: where parameters, the RoPE table and activations live.
-        block_size: the engine's KV block size (each `Attention` selects its backend for it).
-        backend: a backend name or class for every layer; None lets the selector choose.
-        kv_cache_dtype: "auto" (the model dtype) or a KV-cache dtype of `anyattn.types`.
-        max_positions: length of the RoPE table, i.e. the largest position + 1 the model can
-            run (default: `config.max_position_embeddings`).
-
-    Raises:
-        ValueError: a bad dtype, or no backend serves a layer (from `Attention`).
+    `block_size`, `backend` (None: the selector chooses) and `kv_cache_dtype` go to every
+    `Attention`; `max_positions` is the RoPE table's length (default: the model's context).
+    ValueError: a bad dtype, or no backend serves a layer.
     """
 
     has_unit_offset_norms = False
@@ -119,18 +101,9 @@ class CausalLM(nn.Module):
         attn_metadata: Mapping[str, object],
         kv_caches: Mapping[str, torch.Tensor],
     ) -> torch.Tensor:
-        """Run one step over the flat batch of new tokens.
-
-        Args:
-            input_ids: int64 `[num_tokens]`, requests back to back.
-            positions: int64 `[num_tokens]`, each token's position in its sequence
-                (< `max_positions`).
-            attn_metadata: layer name -> the metadata its group's builder built for this step.
-            kv_caches: layer name -> that layer's paged KV cache.
-
-        Returns:
-            Final hidden states `[num_tokens, hidden_size]` (after the last norm).
-        """
+        """Run one step: int64 `input_ids` and `positions` `[num_tokens]` (requests back to
+        back), metadata and KV cache by layer name -> final hidden states `[num_tokens,
+        hidden_size]` (after the last norm)."""
         hidden = self.embed(input_ids)  # [num_tokens, hidden_size]
         cos, sin = self.rotary(positions)  # [num_tokens, 1, head_size] each
         for layer, name in zip(self.layers, self.layer_names, strict=True):
@@ -161,11 +134,8 @@ class CausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy a checkpoint (Hugging Face names and layouts) into the model, casting to its
-        dtype. An LM head next to tied embeddings and cached rotary frequencies are skipped.
-
-        Raises:
-            ValueError: naming the missing, unexpected and mis-shaped tensors.
-        """
+        dtype (an LM head next to tied embeddings and rotary caches are skipped). ValueError
+        names the missing, unexpected and mis-shaped tensors."""
         tied = self.config.tie_word_embeddings
 
         def ignore(name: str) -> bool:

@@ -1,31 +1,35 @@
-"""Checkpoint tensors into model parameters, by Hugging Face name.
-
-Models fuse some projections (q/k/v into one matrix, gate/up into another) so that each runs as
-one matmul. A `WeightSlot` says where a checkpoint tensor lands: a view of a parameter (for a
-fused one, its rows) and an optional transform. `load_into_slots` copies a stream of
-`(name, tensor)` pairs into the slots and reports every mismatch at once.
-"""
+"""Checkpoint tensors into model parameters, by Hugging Face name: a `WeightSlot` says where
+one lands (a view of a parameter, rows of a fused one, and an optional transform)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["WeightSlot", "load_into_slots"]
+__all__ = ["CountedWeights", "WeightSlot", "load_into_slots"]
 
 _MAX_NAMES = 8
 
 
+class CountedWeights(Iterator[tuple[str, torch.Tensor]]):
+    """A lazy one-pass stream of checkpoint `(name, tensor)` pairs; `len()` counts them all."""
+
+    def __init__(self, items: Iterator[tuple[str, torch.Tensor]], count: int) -> None:
+        self._items, self._count = items, count
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(self._items)
+
+    def __len__(self) -> int:
+        return self._count
+
+
 @dataclass(frozen=True, slots=True)
 class WeightSlot:
-    """Where one checkpoint tensor goes.
-
-    Attributes:
-        target: a view of a parameter, of exactly the checkpoint tensor's shape.
-        transform: applied to the checkpoint tensor before the copy (e.g. Gemma's `1 + w`).
-    """
+    """Where one checkpoint tensor goes: `target`, a view of a parameter of the tensor's
+    shape, and a `transform` applied before the copy (e.g. Gemma's `1 + w`)."""
 
     target: torch.Tensor
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -37,18 +41,9 @@ def load_into_slots(
     weights: Iterable[tuple[str, torch.Tensor]],
     ignore: Callable[[str], bool] = lambda name: False,
 ) -> None:
-    """Copy each `(name, tensor)` into `slots[name].target`, casting to the target's dtype.
-
-    Args:
-        api: the caller's name, for messages.
-        slots: every tensor the model needs, by checkpoint name.
-        weights: the checkpoint, streamed (each tensor is copied and then dropped).
-        ignore: names that may be present without a slot (e.g. an LM head tied to the
-            embeddings, cached rotary frequencies).
-
-    Raises:
-        ValueError: naming the missing, unexpected and mis-shaped tensors, all at once.
-    """
+    """Copy each streamed `(name, tensor)` into `slots[name].target`, cast to its dtype; names
+    for which `ignore` holds may lack a slot. ValueError (prefixed `api`) names every missing,
+    unexpected and mis-shaped tensor at once."""
     loaded: set[str] = set()
     unexpected: list[str] = []
     misshaped: list[str] = []
