@@ -1,7 +1,7 @@
 """Tile-shape sweep of the unified attention kernel on a CUDA GPU, beside its peers.
 
 Checks the kernel against `unified_attention_ref` (bf16, fp8, features, split-KV), then times
-variants of (TILE_M, TILE_N, num_warps, num_stages, num_splits) on the issue's decode and prefill
+variants of (TILE_M, TILE_N, num_warps, num_stages, num_splits) on kernels.py's decode and prefill
 shapes with FlashInfer / FlashAttention-4 measured in the same run when importable. Used to
 choose `_choose_config` and the builder's split heuristic; `benchmarks/kernels.py` is the
 benchmark of record.

@@ -171,8 +171,8 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
                 f"max_num_reqs={limits.max_num_reqs}). Drop those sizes or raise max_num_reqs."
             )
         self._buffers: _DecodeBuffers | None = None  # made by the first decode-layout build
-        # The decode layout's pass per padded batch: views of the buffers, made once
-        # (slicing tensors and making dataclasses was most of a replay step's host time).
+        # The decode layout's pass per padded batch: views of the buffers, made once, so that a
+        # replay step's build slices no tensor and makes no dataclass.
         self._decode_passes: dict[int, FlashAttnPass] = {}
         self._query_offsets_for: tuple[int, int] | None = None  # (num_reqs, padded) written
         self._copy_inputs = GraphDecodeInputsLaunch(

@@ -335,7 +335,7 @@ class FlashAttnInterface:
         )
         reasons.extend(f"{label} not supported" for want, has, label in wanted if want and not has)
         if request.has_alibi and self.has_alibi and bidirectional:
-            # FA2 adds -slope * |i - j|; docs/design.md's slope * (j - p) differs for keys after p.
+            # FA2 adds -slope * |i - j|; semantics.md's slope * (j - p) differs for keys after p.
             reasons.append("ALiBi with bidirectional attention not supported (biases by -|i - j|)")
         return reasons
 

@@ -10,7 +10,7 @@ Keys: decoder and cross attention copy theirs out of the paged cache with one in
 (`key_blocks`, `key_offsets` from the builder; fp8 caches dequantised as `stored * scale`);
 encoder attention reads the step's own key and value.
 
-Score mod, in docs/design.md's order: the scale, the soft cap `cap * tanh(s / cap)`, ALiBi
+Score mod, in docs/semantics.md's order: the scale, the soft cap `cap * tanh(s / cap)`, ALiBi
 `s + slope[h] * (j - p)`, then the sink: key row 0 scores the sink logit (its value is zero, so
 it enters the denominator and the LSE only). The values are tensors, so that layers differing
 only in them share one compiled graph.
@@ -21,8 +21,8 @@ torch.compile's recompile limit counts per code object. Sizes are dynamic and pa
 that are never equal to one another, heads and head size marked static, so after its first step
 a configuration does not compile again, whatever the batch. On CUDA the query and keys are given
 as `[1, heads, tiles, TILE, D]` and flattened inside the graph: lengths then are known multiples
-of the kernel's blocks and Inductor drops its bounds checks (with fresh, offset-0 buffers the
-dynamic kernel measured as fast as a static one on an H200, benchmarks/RESULTS.md).
+of the kernel's blocks, so Inductor drops its bounds checks (no masked loads), as it does for
+static sizes.
 
 Limits: no LSE on the CPU (Inductor's CPU template returns none); fp32 rows of head sizes
 129-255 launch with smaller tiles on CUDA (FlexAttention's default launch asks for more shared

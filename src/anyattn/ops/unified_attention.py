@@ -8,7 +8,7 @@ request's keys are cut into that many chunks whose partial results `anyattn.ops.
 merges; used for decode batches too small to fill the GPU. `unified_attention_ref` is the same
 computation in plain PyTorch, for tests.
 
-Semantics (docs/design.md): `s = scale * q.k`, soft cap, ALiBi `slope * (j - p)`, causal
+Semantics (docs/semantics.md): `s = scale * q.k`, soft cap, ALiBi `slope * (j - p)`, causal
 `j <= p`, window `p - W < j`, sinks in the denominator only; a row with no key gives zeros and
 LSE -inf (or the sink's logit when the layer has sinks).
 """
