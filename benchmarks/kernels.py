@@ -1306,13 +1306,12 @@ def build_table(builds: Sequence[BuildResult]) -> str:
     rows = []
     for b in builds:
         if b.status != "ok":
-            rows.append([b.backend, b.message, "-", "-", "-", "-"])
+            rows.append([b.backend, b.message, "-", "-", "-"])
             continue
-        verdict = "met" if b.median_us <= 30 and b.sync in ("none", "n/a (cpu)") else "MISSED"
         rows.append([b.backend, f"{b.median_us:.1f}", f"{b.p90_us:.1f}",
-                     f"{b.quietest_us:.1f}", b.sync, verdict])  # fmt: skip
-    headers = ["backend", "build median us", "p90 us", "quietest round us", "host sync",
-               "target <= 30 us, no sync"]  # fmt: skip
+                     f"{b.quietest_us:.1f}", b.sync])  # fmt: skip
+    # No build-time target: what users pay is the whole step (benchmarks/engine_host.py).
+    headers = ["backend", "build median us", "p90 us", "quietest round us", "host sync"]
     return markdown_table(headers, rows)
 
 

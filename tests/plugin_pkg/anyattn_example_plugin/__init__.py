@@ -16,8 +16,7 @@ from anyattn.types import MultipleOf
 
 
 class ExamplePluginImpl(AttentionImpl[None]):
-    def __init__(self, num_heads: int, head_size: int, scale: float, **kwargs: object) -> None:
-        self.num_heads, self.head_size, self.scale = num_heads, head_size, scale
+    """The base constructor checks and keeps the arguments against `backend` (set below)."""
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         raise NotImplementedError("ExamplePluginImpl.forward: the example plugin has no kernel.")
@@ -54,3 +53,6 @@ class ExamplePluginBackend(AttentionBackend):
     @classmethod
     def get_supported_kernel_block_sizes(cls) -> list[int | MultipleOf]:
         return [MultipleOf(16)]
+
+
+ExamplePluginImpl.backend = ExamplePluginBackend
