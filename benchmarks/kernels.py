@@ -37,7 +37,7 @@ time of `build` for 256 decodes (checked for host syncs under
 so that a slow phase of the host is shared by all; the table gives the median and p90 of all
 calls and the quietest round's median.
 
-Run on the GPU machine (FlashInfer and FA4 staged on PYTHONPATH, see ../shared/gpu/README.md):
+Run on a GPU machine with FlashInfer and FA4 importable (as `benchmarks/gpu_sweep.sh` stages them):
 `PYTHONPATH=src:<staged> python3 benchmarks/kernels.py [--quick] [--only decode,prefill,mixed,
 wrapper,build] [--backends TRITON,...] [--peers fi,fa4,fa4-paged,sdpa-cudnn,sdpa-flash,flex]`.
 Markdown tables go to stdout (for benchmarks/RESULTS.md), progress to stderr. One file by
