@@ -22,6 +22,7 @@ from anyattn.testing.blocks import assign_blocks
 from anyattn.testing.cache_io import dequantize_kv, quantize_kv, read_kv, write_kv
 from anyattn.testing.cases import FEATURES, Case, plan_cases
 from anyattn.testing.check import KitLayer, check_backend, run_case
+from anyattn.testing.mla_oracle import mla_oracle, mla_up_project
 from anyattn.testing.oracle import attention_oracle
 from anyattn.testing.paged import PagedBatch, build_batch, layer_records
 from anyattn.testing.report import CaseResult, ConformanceReport
@@ -49,6 +50,8 @@ __all__ = [
     "get_spec",
     "layer_records",
     "max_abs_error",
+    "mla_oracle",
+    "mla_up_project",
     "plan_cases",
     "quantize_kv",
     "read_kv",
