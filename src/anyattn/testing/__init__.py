@@ -31,7 +31,7 @@ from anyattn.testing.check import KitLayer, check_backend, run_case
 from anyattn.testing.mla_batch import MLABatch, build_mla_batch
 from anyattn.testing.mla_cache_io import read_latents, write_latents
 from anyattn.testing.mla_cases import MLA_FEATURES, MLA_SHAPES, MLACase, MLAShape, plan_mla_cases
-from anyattn.testing.mla_check import KitMLALayer, run_mla_case
+from anyattn.testing.mla_check import KitMLALayer, MLAStepResult, mla_step, run_mla_case
 from anyattn.testing.mla_oracle import mla_oracle, mla_up_project
 from anyattn.testing.oracle import attention_oracle
 from anyattn.testing.paged import PagedBatch, build_batch, layer_records
@@ -54,6 +54,7 @@ __all__ = [
     "MLABatch",
     "MLACase",
     "MLAShape",
+    "MLAStepResult",
     "PagedBatch",
     "SweepCase",
     "assign_blocks",
@@ -68,6 +69,7 @@ __all__ = [
     "layer_records",
     "max_abs_error",
     "mla_oracle",
+    "mla_step",
     "mla_up_project",
     "plan_cases",
     "plan_mla_cases",

@@ -19,7 +19,7 @@ requests' tokens, and a case with a small workspace must have its context read i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,7 +30,7 @@ from anyattn.testing.mla_cases import MLACase
 from anyattn.testing.mla_oracle import mla_oracle
 from anyattn.testing.report import CaseResult
 
-__all__ = ["KitMLALayer", "run_mla_case"]
+__all__ = ["KitMLALayer", "MLAStepResult", "mla_step", "run_mla_case"]
 
 
 @dataclass
@@ -77,9 +77,20 @@ class KitMLALayer:
 
 
 @dataclass
-class _Outcome:
-    output: torch.Tensor  # [num_tokens (+ padding), num_heads, Vd]
-    output_lse: torch.Tensor | None  # [num_heads, num_decode_tokens]
+class MLAStepResult:
+    """What one step through an MLA impl gave.
+
+    Attributes:
+        output: `[num_tokens + num_padding_tokens, num_heads, Vd]`, model dtype; rows past
+            `num_actual_tokens` stay NaN.
+        output_lse: float32 `[num_heads, num_decode_tokens]`, the decode rows' LSE as the
+            impl returned it, or None when not asked for.
+        num_decodes, num_decode_tokens: the metadata's decode requests and rows.
+        lse_base_on_e: the impl's LSE base (False: log2).
+    """
+
+    output: torch.Tensor
+    output_lse: torch.Tensor | None
     num_decodes: int
     num_decode_tokens: int
     lse_base_on_e: bool
@@ -87,6 +98,8 @@ class _Outcome:
 
 def _make_impl(backend: type[AttentionBackend], case: MLACase) -> object:
     shape = case.shape
+    # The layer's default workspace unless the case sets one.
+    workspace = {} if case.workspace_tokens is None else {"workspace_tokens": case.workspace_tokens}
     return backend.get_impl_cls()(
         case.num_heads,
         case.scale,
@@ -95,11 +108,21 @@ def _make_impl(backend: type[AttentionBackend], case: MLACase) -> object:
         qk_nope_head_dim=shape.qk_nope_head_dim,
         v_head_dim=shape.v_head_dim,
         kv_cache_dtype=case.kv_cache_dtype,
+        **workspace,
     )
 
 
-def _step(impl: object, layer: KitMLALayer, batch: MLABatch, want_lse: bool) -> _Outcome:
-    """What the MLA layer does around the impl for one step."""
+def mla_step(
+    impl: object, layer: KitMLALayer, batch: MLABatch, want_lse: bool = False
+) -> MLAStepResult:
+    """Run one step through an MLA impl as the layer would (see the module docstring): write
+    the step's latents, absorb and run the decode rows, run the prefill rows.
+
+    Args:
+        impl: an `MLAAttentionImpl` whose builder built `batch.attn_metadata`.
+        layer: the kit's layer, with `batch`'s weights and cache scale.
+        want_lse: pass an `output_lse` to `forward_mqa`.
+    """
     md = batch.attn_metadata
     impl.do_kv_cache_update(  # type: ignore[attr-defined]
         layer, batch.kv_c, batch.k_pe, batch.kv_cache, batch.common_attn_metadata.slot_mapping, md
@@ -133,11 +156,11 @@ def _step(impl: object, layer: KitMLALayer, batch: MLABatch, want_lse: bool) -> 
             layer, query, batch.kv_c[rows], batch.k_pe[rows], batch.kv_cache, md, output[rows]
         )
     base_on_e = getattr(impl, "lse_base_on_e", True)
-    return _Outcome(output, output_lse, md.num_decodes, num_decode_tokens, base_on_e)  # type: ignore[attr-defined]
+    return MLAStepResult(output, output_lse, md.num_decodes, num_decode_tokens, base_on_e)  # type: ignore[attr-defined]
 
 
 def _exact_problems(
-    case: MLACase, batch: MLABatch, layer: KitMLALayer, outcome: _Outcome
+    case: MLACase, batch: MLABatch, layer: KitMLALayer, outcome: MLAStepResult
 ) -> list[str]:
     problems = []
     changed = num_changed(batch.kv_cache, batch.expected_kv_cache)
@@ -163,7 +186,7 @@ def _exact_problems(
 
 
 def _judge(
-    case: MLACase, batch: MLABatch, layer: KitMLALayer, outcome: _Outcome, dtype: torch.dtype
+    case: MLACase, batch: MLABatch, layer: KitMLALayer, outcome: MLAStepResult, dtype: torch.dtype
 ) -> list[CaseResult]:
     n, d = batch.num_actual_tokens, outcome.num_decode_tokens
     kv_c, k_pe = batch.oracle_latents(outcome.num_decodes)
@@ -204,9 +227,8 @@ def run_mla_case(
     """Run one MLA case (see `anyattn.testing.plan_cases`); raises what the backend raises
     (`anyattn.testing.run_case` turns that into a failed result)."""
     impl = _make_impl(backend, case)
+    # Impl first: the builder learns its layer before it builds, as in the engine.
     params = impl.layer_params()  # type: ignore[attr-defined]
-    if case.workspace_tokens is not None:
-        params = replace(params, workspace_tokens=case.workspace_tokens)
     batch = build_mla_batch(
         backend,
         case.spec,
@@ -222,5 +244,5 @@ def run_mla_case(
         seed=seed,
     )
     layer = KitMLALayer("layer.0", batch.k_scale, batch.k_scale, batch.w_uk, batch.w_uv)
-    outcome = _step(impl, layer, batch, case.check_lse)
+    outcome = mla_step(impl, layer, batch, case.check_lse)
     return _judge(case, batch, layer, outcome, dtype)
