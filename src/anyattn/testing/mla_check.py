@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from anyattn.backend import AttentionBackend
+from anyattn.mla_impl import MLAAttentionImpl
 from anyattn.testing.judging import judge_against_oracle, num_changed
 from anyattn.testing.mla_batch import MLABatch, build_mla_batch
 from anyattn.testing.mla_cases import MLACase
@@ -96,7 +97,7 @@ class MLAStepResult:
     lse_base_on_e: bool
 
 
-def _make_impl(backend: type[AttentionBackend], case: MLACase) -> object:
+def _make_impl(backend: type[AttentionBackend], case: MLACase) -> MLAAttentionImpl:
     shape = case.shape
     # The layer's default workspace unless the case sets one.
     workspace = {} if case.workspace_tokens is None else {"workspace_tokens": case.workspace_tokens}
@@ -112,8 +113,22 @@ def _make_impl(backend: type[AttentionBackend], case: MLACase) -> object:
     )
 
 
+def _decode_split(attn_metadata: object) -> tuple[int, int]:
+    """`(num_decodes, num_decode_tokens)` of an MLA builder's metadata (docs/mla.md)."""
+    split = (
+        getattr(attn_metadata, "num_decodes", None),
+        getattr(attn_metadata, "num_decode_tokens", None),
+    )
+    if not all(isinstance(x, int) for x in split):
+        raise TypeError(
+            f"MLA metadata must say its decode split as int num_decodes and num_decode_tokens "
+            f"(got {type(attn_metadata).__name__} with {split[0]!r} and {split[1]!r})."
+        )
+    return split[0], split[1]
+
+
 def mla_step(
-    impl: object, layer: KitMLALayer, batch: MLABatch, want_lse: bool = False
+    impl: MLAAttentionImpl, layer: KitMLALayer, batch: MLABatch, want_lse: bool = False
 ) -> MLAStepResult:
     """Run one step through an MLA impl as the layer would (see the module docstring): write
     the step's latents, absorb and run the decode rows, run the prefill rows.
@@ -124,10 +139,11 @@ def mla_step(
         want_lse: pass an `output_lse` to `forward_mqa`.
     """
     md = batch.attn_metadata
-    impl.do_kv_cache_update(  # type: ignore[attr-defined]
+    impl.do_kv_cache_update(
         layer, batch.kv_c, batch.k_pe, batch.kv_cache, batch.common_attn_metadata.slot_mapping, md
     )
-    n, num_decode_tokens = batch.num_actual_tokens, md.num_decode_tokens  # type: ignore[attr-defined]
+    n = batch.num_actual_tokens
+    num_decodes, num_decode_tokens = _decode_split(md)
     num_heads, rank = batch.w_uk.shape[0], batch.shape.kv_lora_rank
     dtype, device = batch.q_nope.dtype, batch.q_nope.device
     # NaN everywhere: rows the backend forgets to write show up as NaN errors.
@@ -145,18 +161,18 @@ def mla_step(
         latent_output = torch.full((d, num_heads, rank), math.nan, dtype=dtype, device=device)
         if want_lse:
             output_lse = torch.full((num_heads, d), math.nan, dtype=torch.float32, device=device)
-        impl.forward_mqa(  # type: ignore[attr-defined]
+        impl.forward_mqa(
             layer, q_latent, batch.q_pe[:d], batch.kv_cache, md, latent_output, output_lse
         )
         output[:d] = torch.einsum("thl,hvl->thv", latent_output, batch.w_uv)
     if n > num_decode_tokens:
         rows = slice(num_decode_tokens, n)
         query = torch.cat([batch.q_nope[rows], batch.q_pe[rows]], dim=-1)
-        impl.forward_mha(  # type: ignore[attr-defined]
+        impl.forward_mha(
             layer, query, batch.kv_c[rows], batch.k_pe[rows], batch.kv_cache, md, output[rows]
         )
     base_on_e = getattr(impl, "lse_base_on_e", True)
-    return MLAStepResult(output, output_lse, md.num_decodes, num_decode_tokens, base_on_e)  # type: ignore[attr-defined]
+    return MLAStepResult(output, output_lse, num_decodes, num_decode_tokens, base_on_e)
 
 
 def _exact_problems(
@@ -228,7 +244,7 @@ def run_mla_case(
     (`anyattn.testing.run_case` turns that into a failed result)."""
     impl = _make_impl(backend, case)
     # Impl first: the builder learns its layer before it builds, as in the engine.
-    params = impl.layer_params()  # type: ignore[attr-defined]
+    params = impl.layer_params()
     batch = build_mla_batch(
         backend,
         case.spec,
