@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from anyattn.testing import MLA_FEATURES, MLA_SHAPES, check_backend, plan_cases
+from anyattn.testing import MLA_FEATURES, MLA_SHAPES, MLAShape, check_backend, plan_cases
 from anyattn.testing.mla_cases import context_chunks_spec
 from anyattn.testing.sweep import declaration_cases
 from anyattn.types import MultipleOf
@@ -105,3 +105,8 @@ def test_sweep_covers_each_declared_split_dtype_cache_dtype_and_block_size(make_
     unknown_split = cases[1].case.shape
     assert (unknown_split.qk_nope_head_dim, unknown_split.v_head_dim) == (128, 128)
     assert all(c.case.spec.name == f"sweep_b{c.case.block_size}" for c in cases)
+
+
+def test_mla_shape_rejects_sizes_that_are_not_positive_ints() -> None:
+    with pytest.raises(ValueError, match=r"MLAShape: v_head_dim must be a positive int \(got 0\)"):
+        MLAShape(512, 64, 128, 0)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from anyattn.testing import mla_oracle
+from anyattn.testing import mla_oracle, mla_up_project
 
 E = math.e
 
@@ -156,3 +156,12 @@ def test_rejects_lengths_that_do_not_match() -> None:
     x = _draw([3, 1], [8, 12])
     with pytest.raises(ValueError, match=r"sum\(seq_lens\)=19 for 20 latents"):
         mla_oracle(**x, query_lens=[3, 1], seq_lens=[8, 11], scale=1.0)
+
+
+def test_up_projection_rejects_latents_of_another_rank() -> None:
+    x = _draw([1], [4])
+    with pytest.raises(ValueError, match=r"mla_up_project: kv_c must be \[num_keys, L\]"):
+        mla_up_project(x["kv_c"][:, :-1], x["w_uk"], x["w_uv"])
+    k_nope, v = mla_up_project(x["kv_c"], x["w_uk"], x["w_uv"])
+    assert k_nope.shape == (4, 3, 16) and v.shape == (4, 3, 12)
+    torch.testing.assert_close(k_nope[2, 1], x["w_uk"][1] @ x["kv_c"][2], rtol=1e-12, atol=1e-12)

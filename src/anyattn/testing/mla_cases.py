@@ -65,6 +65,12 @@ class MLAShape:
     qk_nope_head_dim: int
     v_head_dim: int
 
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MLAShape: {name} must be a positive int (got {value!r}).")
+
     @property
     def name(self) -> str:
         """The latent split, "L+R" ("512+64")."""

@@ -95,7 +95,22 @@ def mla_up_project(
     Returns:
         `(k_nope, v)`: `[num_keys, num_heads, qk_nope_head_dim]` and
         `[num_keys, num_heads, v_head_dim]` in `compute_dtype`.
+
+    Raises:
+        ValueError: `kv_c`, `w_uk`, `w_uv` whose latent sizes or head counts differ.
     """
+    if (
+        kv_c.dim() != 2
+        or w_uk.dim() != 3
+        or w_uv.dim() != 3
+        or w_uk.shape[0] != w_uv.shape[0]
+        or not kv_c.shape[1] == w_uk.shape[2] == w_uv.shape[2]
+    ):
+        raise ValueError(
+            f"mla_up_project: kv_c must be [num_keys, L], w_uk [num_heads, P, L] and w_uv "
+            f"[num_heads, Vd, L] (got {tuple(kv_c.shape)}, {tuple(w_uk.shape)} and "
+            f"{tuple(w_uv.shape)})."
+        )
     work = torch.promote_types(compute_dtype, torch.float32)
     latents = kv_c.to(compute_dtype).to(work)
     k_nope = torch.einsum("nl,hpl->nhp", latents, w_uk.to(compute_dtype).to(work))
