@@ -40,6 +40,12 @@ def test_torch_mla_conforms_at_every_split(dtype: torch.dtype) -> None:
     assert {"context_chunks", "fp8/fp8_e4m3", "fp8/fp8_e5m2", "mixed_lse.lse"} <= names
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_torch_mla_conforms_on_cuda(dtype: torch.dtype) -> None:
+    check_backend(TorchMLABackend, "cuda", dtype).assert_passed()
+
+
 def test_torch_mla_conforms_on_the_full_catalogue() -> None:
     report = check_backend(TorchMLABackend, "cpu", torch.float32, features=["mixed", "odd_lengths"])
     report.assert_passed()
