@@ -40,8 +40,9 @@ def test_encoder_and_cross_batches_stay_off_the_block_grid(block_size):
 
 
 # The standard sweep plans standard backends; MLA backends (TORCH_MLA) take MLA layers, whose
-# cases and oracle are not this sweep's.
+# cases (`MLACase`) and oracle are planned per latent split (the test after this one).
 _STANDARD = [m.name for m in AttentionBackendEnum if not get_backend_class(m.name).is_mla()]
+_MLA = [m.name for m in AttentionBackendEnum if get_backend_class(m.name).is_mla()]
 
 
 @pytest.mark.parametrize("name", _STANDARD)
@@ -76,6 +77,23 @@ def test_every_declared_value_and_pair_is_planned(name):
     for flag in ("sink", "sliding_window", "alibi", "logits_soft_cap", "non_causal", "lse"):
         if getattr(backend, f"supports_{flag}")():
             assert f"feature-{flag}" in features
+    assert len({c.id for c in cases}) == len(cases)
+
+
+@pytest.mark.parametrize("name", _MLA)
+def test_every_declared_mla_split_dtype_and_cache_dtype_is_planned(name):
+    backend = get_backend_class(name)
+    cases, not_declared = declaration_cases(backend, SM90)
+    assert cases and not_declared == []
+    dtypes = [
+        d for d in (torch.float32, torch.float16, torch.bfloat16) if backend.supports_dtype(d)
+    ]
+    splits = backend.get_supported_mla_splits() or [(512, 64), (320, 64), (64, 16)]
+    planned = {(c.case.shape.kv_lora_rank, c.case.shape.qk_rope_head_dim, c.dtype) for c in cases}
+    assert planned == {(rank, rope, d) for rank, rope in splits for d in dtypes}
+    pairs = {(c.dtype, c.case.kv_cache_dtype) for c in cases}
+    assert pairs == {(d, cache) for d in dtypes for cache in backend.supported_kv_cache_dtypes}
+    assert ("feature-lse" in {c.id for c in cases}) == backend.supports_lse()
     assert len({c.id for c in cases}) == len(cases)
 
 

@@ -15,6 +15,12 @@ and `layer_records` (plain records of a KV-cache group's layers, for a builder);
 `attention_oracle` (dense, per-request loops, any dtype); the tolerance rule (`error_bound`);
 `plan_cases` / `run_case` / `check_backend` and the `ConformanceReport` they fill;
 `declaration_cases` (the sweep: every value a backend declares, once each).
+
+MLA backends (`backend.is_mla()`) are checked by the same entry points: `plan_cases` gives
+them `MLACase`s (`MLA_FEATURES`: the catalogue's batches at latent splits 512+64, 320+64 and
+64+16, a context read in several workspace chunks, fp8, ...), judged against `mla_oracle`
+(the up-projected form, float64) with the same tolerance rule; `build_mla_batch` and
+`KitMLALayer` are the pieces.
 """
 
 from anyattn.testing.batch_spec import CATALOGUE, QUICK_CATALOGUE, BatchSpec, get_spec
@@ -22,6 +28,11 @@ from anyattn.testing.blocks import assign_blocks
 from anyattn.testing.cache_io import dequantize_kv, quantize_kv, read_kv, write_kv
 from anyattn.testing.cases import FEATURES, Case, plan_cases
 from anyattn.testing.check import KitLayer, check_backend, run_case
+from anyattn.testing.mla_batch import MLABatch, build_mla_batch
+from anyattn.testing.mla_cache_io import read_latents, write_latents
+from anyattn.testing.mla_cases import MLA_FEATURES, MLA_SHAPES, MLACase, MLAShape, plan_mla_cases
+from anyattn.testing.mla_check import KitMLALayer, MLAStepResult, mla_step, run_mla_case
+from anyattn.testing.mla_oracle import mla_oracle, mla_up_project
 from anyattn.testing.oracle import attention_oracle
 from anyattn.testing.paged import PagedBatch, build_batch, layer_records
 from anyattn.testing.report import CaseResult, ConformanceReport
@@ -31,17 +42,25 @@ from anyattn.testing.tolerance import error_bound, max_abs_error
 __all__ = [
     "CATALOGUE",
     "FEATURES",
+    "MLA_FEATURES",
+    "MLA_SHAPES",
     "QUICK_CATALOGUE",
     "BatchSpec",
     "Case",
     "CaseResult",
     "ConformanceReport",
     "KitLayer",
+    "KitMLALayer",
+    "MLABatch",
+    "MLACase",
+    "MLAShape",
+    "MLAStepResult",
     "PagedBatch",
     "SweepCase",
     "assign_blocks",
     "attention_oracle",
     "build_batch",
+    "build_mla_batch",
     "check_backend",
     "declaration_cases",
     "dequantize_kv",
@@ -49,10 +68,17 @@ __all__ = [
     "get_spec",
     "layer_records",
     "max_abs_error",
+    "mla_oracle",
+    "mla_step",
+    "mla_up_project",
     "plan_cases",
+    "plan_mla_cases",
     "quantize_kv",
     "read_kv",
+    "read_latents",
     "run_case",
+    "run_mla_case",
     "sweep_spec",
     "write_kv",
+    "write_latents",
 ]

@@ -17,6 +17,8 @@ import torch
 from anyattn.backend import AttentionBackend
 from anyattn.config import AttentionSelectorConfig
 from anyattn.testing.batch_spec import BatchSpec, get_spec
+from anyattn.testing.declared import FP8_CACHE_DTYPES, declared_fp8, global_reasons
+from anyattn.testing.mla_cases import MLACase, plan_mla_cases
 from anyattn.types import AttentionType, DeviceInfo, KVCacheLayout, is_fp8_cache
 
 __all__ = ["FEATURES", "Case", "plan_cases"]
@@ -54,7 +56,6 @@ FEATURES: Mapping[str, str] = MappingProxyType(
 """Feature names accepted by `check_backend(features=...)`, with what each runs."""
 
 _ENGINE_BLOCK_SIZES = (16, 32)
-_FP8_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 # Scales exactly representable in bf16/fp16, so that only the fp8 rounding is tested.
 _K_SCALES = (0.375, 0.5, 0.3125, 0.25)
 _V_SCALES = (0.15625, 0.1875, 0.125, 0.25)
@@ -165,32 +166,9 @@ def _not_declared(backend: type[AttentionBackend], feature: str) -> str | None:
     method = _FLAG_FEATURES.get(feature)
     if method is not None and not getattr(backend, method)():
         return f"{method}() is False"
-    if feature in ("fp8", "per_head_scales") and not _declared_fp8(backend):
+    if feature in ("fp8", "per_head_scales") and not declared_fp8(backend):
         return "no fp8 kv_cache_dtype in supported_kv_cache_dtypes"
     return None
-
-
-def _global_reasons(
-    backend: type[AttentionBackend], device: DeviceInfo, dtype: torch.dtype
-) -> list[str]:
-    """Reasons nothing can run at all: device, compute capability, dtype, availability."""
-    reasons = []
-    if not backend.supports_device(device):
-        reasons.append(f"device {device.type} not in supported_device_types")
-    elif device.capability is not None and not backend.supports_compute_capability(
-        device.capability
-    ):
-        reasons.append(f"compute capability {device} below min_compute_capability")
-    if not backend.supports_dtype(dtype):
-        reasons.append(f"dtype {dtype} not in supported_dtypes")
-    unavailable = backend.get_unavailable_reason()
-    if unavailable is not None:
-        reasons.append(f"unavailable on this machine: {unavailable}")
-    return reasons
-
-
-def _declared_fp8(backend: type[AttentionBackend]) -> list[str]:
-    return [d for d in _FP8_DTYPES if backend.supports_kv_cache_dtype(d)]
 
 
 def _base_case(backend: type[AttentionBackend]) -> Case:
@@ -290,11 +268,11 @@ def _feature_cases(
     if feature == "sinks":
         return [case("sinks", use_sinks=True, check_lse=backend.supports_lse())], []
     if feature == "fp8":
-        declared = _declared_fp8(backend)
-        missing = [f"kv_cache_dtype {d}" for d in _FP8_DTYPES if d not in declared]
+        declared = declared_fp8(backend)
+        missing = [f"kv_cache_dtype {d}" for d in FP8_CACHE_DTYPES if d not in declared]
         return [case(f"fp8/{d}", kv_cache_dtype=d) for d in declared], missing
     if feature == "per_head_scales":
-        fp8 = _declared_fp8(backend)[0]
+        fp8 = declared_fp8(backend)[0]
         return [case("per_head_scales", kv_cache_dtype=fp8, per_head_scales=True)], []
     if feature == "lse":
         return [case("mixed_lse", check_lse=True)], []
@@ -312,13 +290,15 @@ def plan_cases(
     dtype: torch.dtype = torch.float32,
     features: Iterable[str] | None = None,
     quick: bool = False,
-) -> tuple[list[Case], list[str]]:
+) -> tuple[list[Case] | list[MLACase], list[str]]:
     """The cases `check_backend` would run, and what the backend does not declare.
 
-    Useful to parametrise a pytest suite over cases (`run_case` runs one).
+    Useful to parametrise a pytest suite over cases (`run_case` runs one). For an MLA backend
+    (`backend.is_mla()`) these are `MLACase`s (`anyattn.testing.mla_cases.plan_mla_cases`).
 
     Args:
-        features: names from `FEATURES` (default: all).
+        features: names from `FEATURES` (default: all), or from `MLA_FEATURES` for an MLA
+            backend.
         quick: use `QUICK_CATALOGUE`'s small shapes.
 
     Returns:
@@ -327,6 +307,8 @@ def plan_cases(
     Raises:
         ValueError: an unknown feature name.
     """
+    if backend.is_mla():
+        return plan_mla_cases(backend, device, dtype, features, quick)
     names = list(FEATURES) if features is None else list(features)
     unknown = [n for n in names if n not in FEATURES]
     if unknown:
@@ -335,7 +317,7 @@ def plan_cases(
             f"{', '.join(FEATURES)})."
         )
     device_info = DeviceInfo.current(device)
-    reasons = _global_reasons(backend, device_info, dtype)
+    reasons = global_reasons(backend, device_info, dtype)
     if reasons:
         return [], [f"backend: {r}" for r in reasons]
     base = _base_case(backend)

@@ -1,7 +1,8 @@
 """Run the conformance cases on a backend and judge them against the float64 oracle.
 
 `check_backend` is the entry point; `run_case` runs one planned `Case` (for parametrised
-suites). The kit plays the model's attention layer: when the backend's
+suites). MLA backends get `MLACase`s, run by `anyattn.testing.mla_check`; the rest of this
+docstring is about the standard path. The kit plays the model's attention layer: when the backend's
 `forward_includes_kv_cache_update` is False it calls `impl.do_kv_cache_update(layer, key, value,
 kv_cache, slot_mapping, attn_metadata)` first (never for ENCODER / ENCODER_ONLY, which have no
 cache, nor for cross attention steps whose key/value are None), then `impl.forward(layer, query,
@@ -29,15 +30,15 @@ import torch
 
 from anyattn.backend import AttentionBackend, AttentionImpl
 from anyattn.testing.cases import Case, plan_cases
+from anyattn.testing.judging import judge_against_oracle, num_changed
+from anyattn.testing.mla_cases import MLACase
+from anyattn.testing.mla_check import run_mla_case
 from anyattn.testing.oracle import attention_oracle
 from anyattn.testing.paged import PagedBatch, build_batch
 from anyattn.testing.report import CaseResult, ConformanceReport
-from anyattn.testing.tolerance import error_bound, max_abs_error
 from anyattn.types import AttentionType
 
 __all__ = ["KitLayer", "check_backend", "run_case"]
-
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass
@@ -52,12 +53,6 @@ class KitLayer:
     layer_name: str
     k_scale: torch.Tensor
     v_scale: torch.Tensor
-
-
-def _num_changed(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Elements whose bits differ (NaN-safe, -0.0 != 0.0, any layout)."""
-    as_int = _INT_OF_SIZE[a.element_size()]
-    return int((a.view(as_int) != b.view(as_int)).sum())
 
 
 def _make_impl(
@@ -109,24 +104,6 @@ def _step(
         layer, query, key, value, batch.kv_cache, batch.attn_metadata, output, output_lse=output_lse
     )
     return output, output_lse
-
-
-def _compare(
-    name: str,
-    out: torch.Tensor,
-    ref64: torch.Tensor,
-    ref_lowp: torch.Tensor,
-    dtype: torch.dtype,
-    problems: list[str],
-    feature: str,
-) -> CaseResult:
-    """`dtype` sets the floor: the model dtype for outputs, float32 for LSEs (always float32)."""
-    error = max_abs_error(out, ref64)
-    bound = error_bound(ref64, ref_lowp, dtype)
-    problems = list(problems)
-    if not error <= bound:
-        problems.insert(0, "NaN in the result" if math.isnan(error) else "error above bound")
-    return CaseResult(name, error, bound, not problems, "; ".join(problems), feature)
 
 
 def _check_rejection(backend: type[AttentionBackend], case: Case) -> list[CaseResult]:
@@ -227,11 +204,11 @@ def _judge(
     """Exact checks (cache contents, padding rows) and the oracle comparison."""
     problems = []
     n = batch.num_actual_tokens
-    changed = _num_changed(batch.kv_cache, batch.expected_kv_cache)
+    changed = num_changed(batch.kv_cache, batch.expected_kv_cache)
     if changed:
         problems.append(f"KV cache differs from the expected writes in {changed} elements")
     padding = outcome.output[n:]
-    if _num_changed(padding, torch.full_like(padding, math.nan)):
+    if num_changed(padding, torch.full_like(padding, math.nan)):
         problems.append("output padding rows were written")
 
     semantics = dict(
@@ -247,19 +224,29 @@ def _judge(
     ref64, lse64 = attention_oracle(*inputs, *lengths, **semantics)
     ref_lowp, lse_lowp = attention_oracle(*inputs, *lengths, compute_dtype=dtype, **semantics)
     output = outcome.output[:n]
-    results = [_compare(case.name, output, ref64, ref_lowp, dtype, problems, case.feature)]
+    results = [
+        judge_against_oracle(case.name, output, ref64, ref_lowp, dtype, problems, case.feature)
+    ]
     if outcome.output_lse is not None:
         lse = outcome.output_lse[:, :n].double()
         if not outcome.lse_base_on_e:
             lse = lse * math.log(2.0)
         lse_name = f"{case.name}.lse"
-        results.append(_compare(lse_name, lse, lse64, lse_lowp, torch.float32, [], case.feature))
+        results.append(
+            judge_against_oracle(lse_name, lse, lse64, lse_lowp, torch.float32, [], case.feature)
+        )
     return results
 
 
 def _run(
-    backend: type[AttentionBackend], case: Case, device: torch.device, dtype: torch.dtype, seed: int
+    backend: type[AttentionBackend],
+    case: Case | MLACase,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int,
 ) -> list[CaseResult]:
+    if isinstance(case, MLACase):
+        return run_mla_case(backend, case, device, dtype, seed)
     if case.expect_rejection:
         return _check_rejection(backend, case)
     generator = torch.Generator().manual_seed(seed)
@@ -275,12 +262,13 @@ def _run(
 
 def run_case(
     backend: type[AttentionBackend],
-    case: Case,
+    case: Case | MLACase,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
 ) -> list[CaseResult]:
-    """Run one planned case (see `plan_cases`); never raises for a backend's failure.
+    """Run one planned case (see `plan_cases`; an `MLACase` for MLA backends, run as
+    `anyattn.testing.mla_check` describes); never raises for a backend's failure.
 
     Returns:
         The case's result, plus a `<name>.lse` result when the case checks the LSE. A backend
@@ -321,6 +309,9 @@ def check_backend(
             decode, prefill, mixed, chunked, odd_lengths, gqa, mqa, head_sizes, block_sizes,
             layouts, padding, kv_sharing, non_causal, encoder, encoder_only, encoder_decoder,
             sliding_window, alibi, soft_cap, sinks, fp8, per_head_scales, lse, cascade.
+            For an MLA backend (`backend.is_mla()`), names from `anyattn.testing.MLA_FEATURES`:
+            decode, prefill, mixed, chunked, odd_lengths (each at every declared latent
+            split), num_heads, head_dims, block_sizes, padding, context_chunks, fp8, lse.
         quick: small shapes (`QUICK_CATALOGUE`) for slow kernels such as the Triton interpreter.
         seed: added to every case's own seed.
 

@@ -47,9 +47,11 @@ def attention_oracle(
 
     Args:
         query: `[num_tokens, num_heads, head_size]`, the requests' query rows back to back.
-        key, value: `[sum(seq_lens), num_kv_heads, head_size]`, each request's keys (context and
+        key: `[sum(seq_lens), num_kv_heads, head_size]`, each request's keys (context and
             new tokens; for cross attention its encoder tokens) back to back, already
             dequantised when the cache is fp8.
+        value: `[sum(seq_lens), num_kv_heads, value_size]`, the keys' values; `value_size`
+            is usually `head_size` (MLA's up-projected values may differ).
         query_lens: query rows per request.
         seq_lens: keys per request (context + new tokens; the encoder length for cross
             attention, with `causal=False`).
@@ -66,14 +68,20 @@ def attention_oracle(
             step with float32 (or wider) internals, as in torch's and in attention kernels.
 
     Returns:
-        `(output, lse)`: output `[num_tokens, num_heads, head_size]` in `compute_dtype`, lse
+        `(output, lse)`: output `[num_tokens, num_heads, value_size]` in `compute_dtype`, lse
         `[num_heads, num_tokens]` (natural log) in `compute_dtype` or float32 if narrower.
 
     Raises:
         ValueError: inconsistent shapes or lengths, or a sliding window without causal masking.
     """
     num_tokens, num_heads, head_size = query.shape
-    num_kv_heads = key.shape[1]
+    num_kv_heads, value_size = key.shape[1], value.shape[-1]
+    if key.shape[-1] != head_size or value.shape[:2] != key.shape[:2]:
+        raise ValueError(
+            f"attention_oracle: key must be [num_keys, num_kv_heads, {head_size}] and value "
+            f"[num_keys, num_kv_heads, value_size] (got key {tuple(key.shape)}, value "
+            f"{tuple(value.shape)})."
+        )
     if num_heads % num_kv_heads:
         raise ValueError(
             f"attention_oracle: num_heads must be a multiple of num_kv_heads (got {num_heads} "
@@ -102,7 +110,7 @@ def attention_oracle(
         slopes = torch.as_tensor(alibi_slopes, dtype=torch.float64, device=device).view(-1, 1, 1)
     sink_logits = None if sinks is None else sinks.to(device, compute_dtype).view(-1, 1, 1)
 
-    output = torch.zeros(num_tokens, num_heads, head_size, dtype=compute_dtype, device=device)
+    output = torch.zeros(num_tokens, num_heads, value_size, dtype=compute_dtype, device=device)
     lse_dtype = torch.promote_types(compute_dtype, torch.float32)
     lse = torch.full((num_heads, num_tokens), -math.inf, dtype=lse_dtype, device=device)
     q_start = k_start = 0
@@ -131,7 +139,7 @@ def attention_oracle(
         if sink_logits is not None:
             # The sink is a key with a zero value: it only enlarges the denominator.
             scores = torch.cat([scores, sink_logits.expand(-1, query_len, 1)], dim=-1)
-            v = torch.cat([v, v.new_zeros(num_heads, 1, head_size)], dim=1)
+            v = torch.cat([v, v.new_zeros(num_heads, 1, value_size)], dim=1)
 
         out_r, lse_r = _softmax_times_value(scores, v)
         output[q_start:q_end] = out_r.transpose(0, 1)

@@ -12,6 +12,10 @@ Where a backend declares any head size, 64, 80, 96, 128, 256 and the odd size 65
 "any"; where it declares `MultipleOf(n)` block sizes, n, 16, the non-power-of-two multiple
 `3 * lcm(n, 16)` and `_LARGEST_BLOCK_SIZE` (rounded up to a multiple of n) stand for them.
 
+For MLA backends (`backend.is_mla()`) the axes are the latent splits (each declared one, or
+the kit's 512+64, 320+64 and 64+16 when any is declared) with every dtype, every dtype with
+every cache dtype, every block size, and the decode LSE when declared (`MLACase`s).
+
 Each case runs one small batch (`sweep_spec`): a chunked prefill whose context spans three or
 more shuffled blocks, a decode and a fresh prefill, in that order (a builder that wants decodes
 first must reorder them), with no length a multiple of the block size where the block size
@@ -29,6 +33,7 @@ import torch
 from anyattn.backend import AttentionBackend
 from anyattn.testing.batch_spec import BatchSpec, get_spec
 from anyattn.testing.cases import Case
+from anyattn.testing.mla_cases import MLA_SHAPES, MLACase, MLAShape
 from anyattn.types import AttentionType, DeviceInfo, KVCacheLayout, MultipleOf, is_fp8_cache
 
 __all__ = ["SweepCase", "declaration_cases", "sweep_spec"]
@@ -58,12 +63,12 @@ class SweepCase:
     Attributes:
         id: "<axis>-<value>[-<value>]", unique within a backend and device (a pytest id).
         dtype: the model dtype of query, key, value and output.
-        case: the layer settings and batch.
+        case: the layer settings and batch (an `MLACase` for MLA backends).
     """
 
     id: str
     dtype: torch.dtype
-    case: Case
+    case: Case | MLACase
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -210,6 +215,46 @@ def _candidates(
     return out
 
 
+def _mla_shapes(backend: type[AttentionBackend]) -> list[MLAShape]:
+    """The declared latent splits (each with the kit's head sizes where it knows the split,
+    else P = Vd = 128), or the kit's `MLA_SHAPES` when any split is declared."""
+    splits = backend.get_supported_mla_splits()
+    if not splits:
+        return list(MLA_SHAPES)
+    known = {(s.kv_lora_rank, s.qk_rope_head_dim): s for s in MLA_SHAPES}
+    return [known.get((rank, rope), MLAShape(rank, rope, 128, 128)) for rank, rope in splits]
+
+
+def _mla_candidates(
+    backend: type[AttentionBackend], device: DeviceInfo
+) -> list[tuple[MLACase, torch.dtype]]:
+    """MLA backends: every split with every dtype, every dtype with every cache dtype, every
+    block size, and the decode LSE when declared; on the decoder sweep batch."""
+    shapes = _mla_shapes(backend)
+    block_size = backend.get_preferred_block_size(16)
+    base = MLACase("", "sweep", sweep_spec(block_size), shape=shapes[0], block_size=block_size)
+    base_dtype = _base_dtype(backend, device)
+    dtypes = [
+        d for d in (torch.float32, torch.float16, torch.bfloat16) if backend.supports_dtype(d)
+    ]
+    out: list[tuple[MLACase, torch.dtype]] = []
+    for shape in shapes:
+        for dtype in dtypes:
+            name = f"split-{shape.name}-{_dtype_name(dtype)}"
+            out.append((replace(base, name=name, shape=shape), dtype))
+    for dtype in dtypes:
+        for cache in backend.supported_kv_cache_dtypes:
+            name = f"kv_cache_dtype-{_dtype_name(dtype)}-{cache}"
+            out.append((replace(base, name=name, kv_cache_dtype=cache), dtype))
+    for b in _block_sizes(backend):
+        out.append(
+            (replace(base, name=f"block_size-{b}", block_size=b, spec=sweep_spec(b)), base_dtype)
+        )
+    if backend.supports_lse():
+        out.append((replace(base, name="feature-lse", check_lse=True), base_dtype))
+    return out
+
+
 def declaration_cases(
     backend: type[AttentionBackend], device: torch.device | str | DeviceInfo
 ) -> tuple[list[SweepCase], list[str]]:
@@ -229,7 +274,8 @@ def declaration_cases(
         return [], []
     cases: list[SweepCase] = []
     not_declared: list[str] = []
-    for case, dtype in _candidates(backend, info):
+    candidates = _mla_candidates if backend.is_mla() else _candidates
+    for case, dtype in candidates(backend, info):
         reasons = backend.validate_configuration(case.selector_config(dtype), info)
         if reasons:
             not_declared.append(f"{case.name}: {'; '.join(reasons)}")

@@ -1,0 +1,278 @@
+"""Build one step's MLA batch for a backend: inputs, weights, a shuffled latent cache, metadata.
+
+The kit writes each request's context latents into the cache with its own writer; the backend
+writes the step's new rows itself (`do_kv_cache_update`). Blocks are shuffled over a pool
+larger than needed, the null block never assigned (`anyattn.testing.blocks`).
+
+Random values are scaled like a real layer's: latents are RMS-normalised (entries ~ 1), the
+up-projections `W_UK`, `W_UV` have entries ~ 1/sqrt(L) so that up-projected keys and values
+have entries ~ 1, and scores are O(1) after the scale.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from anyattn.backend import AttentionBackend, AttentionMetadataBuilder, LayerParams
+from anyattn.config import BatchLimits, MLAAttentionSpec
+from anyattn.kv_cache import allocate_kv_cache
+from anyattn.metadata import (
+    CommonAttentionMetadata,
+    apply_swaps,
+    make_common_attn_metadata,
+    reorder_batch_to_split_decodes_and_prefills,
+)
+from anyattn.slots import expand_block_table
+from anyattn.testing.batch_spec import BatchSpec
+from anyattn.testing.blocks import assign_blocks, token_slots
+from anyattn.testing.cache_io import dequantize_kv, quantize_kv
+from anyattn.testing.mla_cache_io import write_latents
+from anyattn.testing.mla_cases import MLAShape
+
+__all__ = ["MLABatch", "build_mla_batch"]
+
+
+@dataclass
+class MLABatch:
+    """One MLA step, ready to hand to a backend, and what the oracle needs to judge it.
+
+    Attributes:
+        spec: the batch as laid out (decodes first when the builder asked for it).
+        order: `spec` request i is request `order[i]` of the spec passed to `build_mla_batch`.
+        shape: the layer's sizes (L, R, P, Vd).
+        block_size: kernel block size of `kv_cache` and `block_table`.
+        q_nope: `[num_tokens + num_padding_tokens, num_heads, P]`, model dtype.
+        q_pe: `[num_tokens + num_padding_tokens, num_heads, R]`, rope applied (random here).
+        kv_c, k_pe: the step's new latents `[num_tokens + num_padding_tokens, L]` / `[.., R]`.
+        w_uk, w_uv: `[num_heads, P, L]` / `[num_heads, Vd, L]`, model dtype.
+        kv_cache: `[num_blocks, block_size, L + R]` with the context written.
+        expected_kv_cache: the cache as it must be once the backend has written the new rows.
+        block_table: int32 `[num_reqs, max_blocks]` (device), kernel-block units.
+        common_attn_metadata: the step's metadata (`slot_mapping` -1 on padding rows).
+        attn_metadata: what the backend's builder built from it.
+        builder: the backend's builder.
+        given_rows: per request, float64 `[seq_len, L + R]`: its latents as drawn (model dtype).
+        stored_rows: per request, float64 `[seq_len, L + R]`: as the cache gives them back.
+        k_scale: float32 `[]` (device), the per-layer fp8 scale (1 otherwise).
+        kv_cache_dtype: the cache dtype name.
+        num_actual_tokens: real query rows (`spec.num_tokens`).
+    """
+
+    spec: BatchSpec
+    order: list[int]
+    shape: MLAShape
+    block_size: int
+    q_nope: torch.Tensor
+    q_pe: torch.Tensor
+    kv_c: torch.Tensor
+    k_pe: torch.Tensor
+    w_uk: torch.Tensor
+    w_uv: torch.Tensor
+    kv_cache: torch.Tensor
+    expected_kv_cache: torch.Tensor
+    block_table: torch.Tensor
+    common_attn_metadata: CommonAttentionMetadata
+    attn_metadata: object
+    builder: AttentionMetadataBuilder
+    given_rows: list[torch.Tensor]
+    stored_rows: list[torch.Tensor]
+    k_scale: torch.Tensor
+    kv_cache_dtype: str
+    num_actual_tokens: int
+
+    def oracle_latents(self, num_decodes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float64 `(kv_c [sum(seq_lens), L], k_pe [.., R])`: what each request attends to.
+
+        The decode path (`forward_mqa`, the first `num_decodes` requests) reads every row from
+        the cache; the prefill path (`forward_mha`) reads the context from the cache and takes
+        the new tokens' latents as given (docs/mla.md). They differ only for fp8 caches.
+        """
+        rows = []
+        for r, (stored, given) in enumerate(zip(self.stored_rows, self.given_rows, strict=True)):
+            if r < num_decodes:
+                rows.append(stored)
+            else:
+                context = self.spec.context_lens[r]
+                rows.append(torch.cat([stored[:context], given[context:]]))
+        latents = torch.cat(rows)
+        return latents.split([self.shape.kv_lora_rank, self.shape.qk_rope_head_dim], dim=-1)
+
+
+def _reorder_order(builder: AttentionMetadataBuilder, spec: BatchSpec) -> list[int]:
+    order = list(range(spec.num_reqs))
+    if builder.reorder_batch_threshold is not None:
+        swaps = reorder_batch_to_split_decodes_and_prefills(
+            spec.query_lens, builder.reorder_batch_threshold
+        )
+        apply_swaps(order, swaps)
+    return order
+
+
+def _draw_rows(
+    spec: BatchSpec, shape: MLAShape, num_heads: int, num_padding: int, g: torch.Generator
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """Per request (spec order): its queries `[q, H, P + R]` (q_nope, then q_pe) and latent
+    rows `[s, L + R]`; and the padding rows, `[num_padding, H * (P + R) + L + R]`."""
+    qk = shape.qk_nope_head_dim + shape.qk_rope_head_dim
+    queries, rows = [], []
+    for query_len, seq_len in zip(spec.query_lens, spec.seq_lens, strict=True):
+        queries.append(torch.randn(query_len, num_heads, qk, generator=g))
+        latents = torch.randn(seq_len, shape.kv_lora_rank, generator=g)
+        # RMS-normalised, as kv_a_layernorm leaves them.
+        latents = latents / latents.pow(2).mean(-1, keepdim=True).sqrt()
+        rows.append(
+            torch.cat([latents, torch.randn(seq_len, shape.qk_rope_head_dim, generator=g)], -1)
+        )
+    padding = torch.randn(num_padding, num_heads * qk + shape.head_size, generator=g)
+    return queries, rows, padding
+
+
+def build_mla_batch(
+    backend: type[AttentionBackend],
+    spec: BatchSpec,
+    *,
+    shape: MLAShape,
+    num_heads: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    block_size: int = 16,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    num_padding_tokens: int = 0,
+    layers: Mapping[str, LayerParams],
+    seed: int = 0,
+) -> MLABatch:
+    """Make inputs, weights, a shuffled latent cache and the backend's own metadata for `spec`.
+
+    As `anyattn.testing.build_batch` for decoder attention: the engine block size must be
+    accepted by the backend (blocks are split into kernel blocks when its kernel size is
+    smaller), and requests are reordered decodes first when the builder sets
+    `reorder_batch_threshold`.
+
+    Args:
+        shape: the layer's sizes; the cache row is `L + R`.
+        num_heads: query heads.
+        dtype: model dtype of queries, latents and weights.
+        k_scale: float32 `[]`, the per-layer fp8 scale (default 1.0).
+        num_padding_tokens: extra rows past the real ones, with slot -1.
+        layers: the group's layers and their records (`{name: impl.layer_params()}`), given
+            to the builder's constructor as an engine does.
+        seed: fixes every random value and block assignment.
+
+    Raises:
+        ValueError: a block size the backend cannot take.
+    """
+    device = torch.device(device)
+    kernel_block_size = backend.get_kernel_block_size(block_size)
+    k_scale = (torch.ones(()) if k_scale is None else k_scale.float()).to(device)
+    g = torch.Generator().manual_seed(seed)
+    queries, rows, padding = _draw_rows(spec, shape, num_heads, num_padding_tokens, g)
+    rank, nope = shape.kv_lora_rank, shape.qk_nope_head_dim
+    w_uk = torch.randn(num_heads, nope, rank, generator=g) / math.sqrt(rank)
+    w_uv = torch.randn(num_heads, shape.v_head_dim, rank, generator=g) / math.sqrt(rank)
+
+    kv_spec = MLAAttentionSpec(
+        block_size=kernel_block_size,
+        num_kv_heads=1,
+        head_size=shape.head_size,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,  # type: ignore[arg-type]
+        kv_lora_rank=rank,
+        qk_rope_head_dim=shape.qk_rope_head_dim,
+        qk_nope_head_dim=nope,
+        v_head_dim=shape.v_head_dim,
+    )
+    limits = BatchLimits(
+        max_num_reqs=spec.num_reqs,
+        max_num_tokens=spec.num_tokens + num_padding_tokens,
+        max_model_len=max(spec.seq_lens),
+    )
+    builder = backend.get_builder_cls()(kv_spec, layers, limits, device)
+    order = _reorder_order(builder, spec)
+    spec = spec.permuted(order)
+    queries = [queries[i].to(dtype) for i in order]
+    rows = [rows[i].to(dtype) for i in order]
+
+    engine_table, num_engine_blocks = assign_blocks(spec.seq_lens, block_size, generator=g)
+    block_table = expand_block_table(engine_table, block_size, kernel_block_size)
+    kv_cache = allocate_kv_cache(
+        backend,
+        num_engine_blocks * (block_size // kernel_block_size),
+        kernel_block_size,
+        1,
+        shape.head_size,
+        dtype,
+        kv_cache_dtype,
+        None,
+        device,
+    )
+    context = [torch.arange(c) for c in spec.context_lens]
+    new = [torch.arange(c, s) for c, s in zip(spec.context_lens, spec.seq_lens, strict=True)]
+    context_rows = torch.cat([x[pos] for x, pos in zip(rows, context, strict=True)]).to(device)
+    write_latents(
+        kv_cache,
+        context_rows[:, :rank],
+        context_rows[:, rank:],
+        token_slots(block_table, context, kernel_block_size).to(device),
+        kv_cache_dtype,
+        k_scale,
+    )
+    new_rows = torch.cat([x[pos] for x, pos in zip(rows, new, strict=True)])
+    expected_kv_cache = kv_cache.clone()
+    write_latents(
+        expected_kv_cache,
+        new_rows[:, :rank].to(device),
+        new_rows[:, rank:].to(device),
+        token_slots(block_table, new, kernel_block_size).to(device),
+        kv_cache_dtype,
+        k_scale,
+    )
+    common = make_common_attn_metadata(
+        spec.query_lens,
+        spec.seq_lens,
+        block_table,
+        kernel_block_size,
+        device,
+        num_padded_tokens=spec.num_tokens + num_padding_tokens if num_padding_tokens else None,
+    )
+    attn_metadata = builder.build(0, common)
+
+    qk = nope + shape.qk_rope_head_dim
+    query = torch.cat([*queries, padding[:, : num_heads * qk].view(-1, num_heads, qk).to(dtype)])
+    step_rows = torch.cat([new_rows, padding[:, num_heads * qk :].to(dtype)])
+    cache_dtype = kv_cache.dtype
+    return MLABatch(
+        spec=spec,
+        order=order,
+        shape=shape,
+        block_size=kernel_block_size,
+        # Contiguous, as the layer hands them over.
+        q_nope=query[..., :nope].contiguous().to(device),
+        q_pe=query[..., nope:].contiguous().to(device),
+        kv_c=step_rows[:, :rank].contiguous().to(device),
+        k_pe=step_rows[:, rank:].contiguous().to(device),
+        w_uk=w_uk.to(dtype).to(device),
+        w_uv=w_uv.to(dtype).to(device),
+        kv_cache=kv_cache,
+        expected_kv_cache=expected_kv_cache,
+        block_table=block_table.to(device),
+        common_attn_metadata=common,
+        attn_metadata=attn_metadata,
+        builder=builder,
+        given_rows=[x.double().to(device) for x in rows],
+        stored_rows=[
+            dequantize_kv(
+                quantize_kv(x.to(device), kv_cache_dtype, cache_dtype, k_scale),
+                kv_cache_dtype,
+                k_scale,
+            )
+            for x in rows
+        ],
+        k_scale=k_scale,
+        kv_cache_dtype=kv_cache_dtype,
+        num_actual_tokens=spec.num_tokens,
+    )

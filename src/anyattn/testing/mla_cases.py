@@ -1,0 +1,285 @@
+"""Which cases the kit runs for an MLA backend (`backend.is_mla()`), from what it declares.
+
+The batch shapes are the standard catalogue's (decodes, a fresh prefill, a mixed batch, prefill
+chunks over long contexts, odd lengths; `anyattn.testing.batch_spec`), each run at every latent
+split of `MLA_SHAPES` the backend declares: 512+64 (DeepSeek-V2/V3), 320+64 (not a power of
+two) and 64+16 (small, for quick CPU runs). Whether a split is declared is the backend's own
+word (`validate_configuration` on the selector config a model layer would send). What the
+backend does not declare is listed in the report, never excused silently.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+
+import torch
+
+from anyattn.backend import AttentionBackend
+from anyattn.config import AttentionSelectorConfig
+from anyattn.testing.batch_spec import BatchSpec, get_spec
+from anyattn.testing.declared import FP8_CACHE_DTYPES, declared_fp8, global_reasons
+from anyattn.types import DeviceInfo, is_fp8_cache
+
+__all__ = [
+    "MLA_FEATURES",
+    "MLA_SHAPES",
+    "MLACase",
+    "MLAShape",
+    "context_chunks_spec",
+    "plan_mla_cases",
+]
+
+MLA_FEATURES: Mapping[str, str] = MappingProxyType(
+    {
+        "decode": "one decode, and decodes of lengths 1 to 200, at every declared latent split",
+        "prefill": "one fresh prefill (1025 tokens) at every declared latent split",
+        "mixed": "decodes, fresh prefills and a chunk interleaved, at every declared split",
+        "chunked": "prefill chunks on top of long contexts, at every declared split",
+        "odd_lengths": "sequence lengths 1, 7, 97, 1025, at every declared split",
+        "num_heads": "1 and 16 query heads",
+        "head_dims": "v_head_dim equal to qk_nope_head_dim + qk_rope_head_dim",
+        "block_sizes": "engine block sizes 16 and 32 (and 5 when declared)",
+        "padding": "5 padding rows past the real tokens: slot -1, never written",
+        "context_chunks": "a workspace smaller than the contexts: three or more context chunks",
+        "fp8": "every declared fp8 cache dtype, one per-layer scale",
+        "lse": "output_lse (natural log) of the decodes of a mixed batch",
+    }
+)
+"""Feature names accepted by `check_backend(features=...)` for MLA backends."""
+
+_SPLIT_FEATURES = ("decode", "prefill", "mixed", "chunked", "odd_lengths")
+_ENGINE_BLOCK_SIZES = (16, 32)
+# A per-layer fp8 scale exactly representable in bf16/fp16, so that only fp8 rounding shows.
+_FP8_SCALE = 0.375
+
+
+@dataclass(frozen=True, slots=True)
+class MLAShape:
+    """The sizes of an MLA layer (docs/mla.md): latent rank L, rope R, no-rope P, value Vd."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MLAShape: {name} must be a positive int (got {value!r}).")
+
+    @property
+    def name(self) -> str:
+        """The latent split, "L+R" ("512+64")."""
+        return f"{self.kv_lora_rank}+{self.qk_rope_head_dim}"
+
+    @property
+    def head_size(self) -> int:
+        """The cache row, `L + R`."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+MLA_SHAPES: tuple[MLAShape, ...] = (
+    MLAShape(512, 64, 128, 128),
+    MLAShape(320, 64, 128, 128),
+    MLAShape(64, 16, 32, 24),
+)
+"""The latent splits the kit runs, most important first: DeepSeek's 512+64 (P = Vd = 128),
+a non-power-of-two rank, and a small split for quick runs. In all three `P + R != Vd`; the
+small one also has `P != Vd`."""
+
+
+def context_chunks_spec(workspace_tokens: int) -> BatchSpec:
+    """Two prefill chunks over contexts of `3w + 4` and `2w + 6` tokens (w =
+    `workspace_tokens`), a decode between them: every prefill context is longer than the
+    workspace and together they need at least three workspace-sized chunks, however the
+    workspace is shared between the requests."""
+    w = workspace_tokens
+    return BatchSpec("context_chunks", (40, 1, 37), (40 + 3 * w + 4, 21, 37 + 2 * w + 6))
+
+
+@dataclass(frozen=True, slots=True)
+class MLACase:
+    """One MLA configuration to run: a batch and the layer's settings.
+
+    `scale` is `scale_factor / sqrt(P + R)`; the factor is not 1 so that an impl ignoring its
+    `scale` argument fails. `workspace_tokens` None leaves the builder's context workspace at
+    the layer's default; `min_context_chunks` > 0 makes the kit check, from the layer's
+    `up_project` calls, that the context was read in at least that many chunks.
+    """
+
+    name: str
+    feature: str
+    spec: BatchSpec
+    shape: MLAShape = MLA_SHAPES[0]
+    num_heads: int = 4
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    check_lse: bool = False
+    num_padding_tokens: int = 0
+    workspace_tokens: int | None = None
+    min_context_chunks: int = 0
+    scale_factor: float = 1.25
+
+    @property
+    def scale(self) -> float:
+        return self.scale_factor / math.sqrt(
+            self.shape.qk_nope_head_dim + self.shape.qk_rope_head_dim
+        )
+
+    @property
+    def head_size(self) -> int:
+        return self.shape.head_size
+
+    def k_scale(self) -> torch.Tensor:
+        """The float32 per-layer cache scale `[]` (1 unless the cache is fp8)."""
+        return torch.tensor(_FP8_SCALE if is_fp8_cache(self.kv_cache_dtype) else 1.0)
+
+    def selector_config(self, dtype: torch.dtype) -> AttentionSelectorConfig:
+        """What an MLA model layer with these settings would ask the selector."""
+        return AttentionSelectorConfig(
+            head_size=self.shape.head_size,
+            qk_rope_head_dim=self.shape.qk_rope_head_dim,
+            dtype=dtype,
+            kv_cache_dtype=self.kv_cache_dtype,  # type: ignore[arg-type]
+            block_size=self.block_size,
+            num_heads=self.num_heads,
+            num_kv_heads=1,
+            use_mla=True,
+            needs_lse=self.check_lse,
+        )
+
+
+def _not_declared(backend: type[AttentionBackend], feature: str) -> str | None:
+    if feature == "fp8" and not declared_fp8(backend):
+        return "no fp8 kv_cache_dtype in supported_kv_cache_dtypes"
+    if feature == "lse" and not backend.supports_lse():
+        return "supports_lse() is False"
+    return None
+
+
+def _feature_cases(
+    backend: type[AttentionBackend],
+    feature: str,
+    base: MLACase,
+    shapes: list[MLAShape],
+    quick: bool,
+) -> tuple[list[MLACase], list[str]]:
+    """The cases of one feature, and the parts of it the backend does not declare."""
+
+    def case(name: str, spec_name: str = "mixed", **changes: object) -> MLACase:
+        spec = get_spec(spec_name, quick)
+        return replace(base, name=name, feature=feature, spec=spec, **changes)
+
+    if feature in _SPLIT_FEATURES:
+        names = {
+            "decode": ("single_decode", "many_decodes"),
+            "prefill": ("long_prefill",),
+            "chunked": ("chunked_prefill",),
+        }.get(feature, (feature,))
+        return [case(f"{s.name}/{n}", n, shape=s) for s in shapes for n in names], []
+    if feature == "num_heads":
+        return [case(f"num_heads{h}", num_heads=h) for h in (1, 16)], []
+    if feature == "head_dims":
+        s = base.shape
+        equal = replace(s, v_head_dim=s.qk_nope_head_dim + s.qk_rope_head_dim)
+        return [case(f"v_head_dim{equal.v_head_dim}", "chunked_prefill", shape=equal)], []
+    if feature == "block_sizes":
+        wanted = (
+            (*_ENGINE_BLOCK_SIZES, 5) if backend.supports_block_size(5) else _ENGINE_BLOCK_SIZES
+        )
+        cases = [
+            case(f"block_size{b}", "odd_lengths", block_size=b)
+            for b in wanted
+            if b != base.block_size and backend.supports_block_size(b)
+        ]
+        return cases, [f"block_size {b}" for b in wanted if not backend.supports_block_size(b)]
+    if feature == "padding":
+        return [case("padding", num_padding_tokens=5)], []
+    if feature == "context_chunks":
+        # Two blocks per chunk at least, so that a workspace shared by two requests still
+        # holds whole blocks of each.
+        workspace = 2 * max(16, base.block_size)
+        chunked = replace(
+            base,
+            name="context_chunks",
+            feature=feature,
+            spec=context_chunks_spec(workspace),
+            workspace_tokens=workspace,
+            min_context_chunks=3,
+        )
+        return [chunked], []
+    if feature == "fp8":
+        declared = declared_fp8(backend)
+        missing = [f"kv_cache_dtype {d}" for d in FP8_CACHE_DTYPES if d not in declared]
+        return [case(f"fp8/{d}", "chunked_prefill", kv_cache_dtype=d) for d in declared], missing
+    if feature == "lse":
+        return [case("mixed_lse", check_lse=True)], []
+    raise AssertionError(f"MLA feature {feature} has no cases")
+
+
+def plan_mla_cases(
+    backend: type[AttentionBackend],
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    features: Iterable[str] | None = None,
+    quick: bool = False,
+) -> tuple[list[MLACase], list[str]]:
+    """The cases `check_backend` runs for an MLA backend, and what it does not declare.
+
+    The base case (every feature but the split ones) uses the first declared split of
+    `MLA_SHAPES`, 4 query heads and the backend's preferred block size.
+
+    Args:
+        features: names from `MLA_FEATURES` (default: all).
+        quick: the catalogue's small shapes (`QUICK_CATALOGUE`).
+
+    Returns:
+        `(cases, not_declared)`; each not-declared entry reads "<feature>: <reason>".
+
+    Raises:
+        ValueError: an unknown feature name.
+    """
+    names = list(MLA_FEATURES) if features is None else list(features)
+    unknown = [n for n in names if n not in MLA_FEATURES]
+    if unknown:
+        raise ValueError(
+            f"plan_mla_cases: unknown MLA feature (got {', '.join(unknown)}, expected names "
+            f"from {', '.join(MLA_FEATURES)})."
+        )
+    info = DeviceInfo.current(device)
+    reasons = global_reasons(backend, info, dtype)
+    if reasons:
+        return [], [f"backend: {r}" for r in reasons]
+    block_size = backend.get_preferred_block_size(16)
+    probe = MLACase("", "", get_spec("mixed", quick), block_size=block_size)
+    shapes, not_declared = [], []
+    for shape in MLA_SHAPES:
+        split_reasons = backend.validate_configuration(
+            replace(probe, shape=shape).selector_config(dtype), info
+        )
+        if split_reasons:
+            not_declared.append(f"split {shape.name}: {'; '.join(split_reasons)}")
+        else:
+            shapes.append(shape)
+    if not shapes:
+        return [], not_declared
+    base = replace(probe, shape=shapes[0])
+    cases: list[MLACase] = []
+    for feature in names:
+        reason = _not_declared(backend, feature)
+        if reason is not None:
+            not_declared.append(f"{feature}: {reason}")
+            continue
+        feature_cases, missing = _feature_cases(backend, feature, base, shapes, quick)
+        not_declared.extend(f"{feature}: {m} not declared" for m in missing)
+        for c in feature_cases:
+            case_reasons = backend.validate_configuration(c.selector_config(dtype), info)
+            if case_reasons:
+                not_declared.append(f"{feature}: case {c.name}: {'; '.join(case_reasons)}")
+            else:
+                cases.append(c)
+    return cases, not_declared

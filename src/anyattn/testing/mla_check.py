@@ -1,0 +1,264 @@
+"""Run one MLA conformance case and judge it against the float64 MLA oracle.
+
+The kit plays the model's `MLAAttention` layer around the impl, as docs/mla.md describes it,
+with its own weights and arithmetic (so that nothing of the backend under test judges the
+backend): it writes the step's latents with `impl.do_kv_cache_update`, absorbs the decode
+queries itself (`q_latent[t, h] = W_UK[h]^T q_nope[t, h]`), calls `forward_mqa` on the decode
+rows and multiplies the latent output by `W_UV[h]`, and calls `forward_mha` on the prefill rows
+with a layer whose `up_project` computes `(W_UK c_kv, W_UV c_kv)` in the model dtype. Which
+rows are decodes is the metadata's word (`num_decode_tokens`). Outputs start as NaN.
+
+A case fails when the impl raises, when the `[num_tokens, H, Vd]` output (or the decode LSE)
+is further from `mla_oracle` than the tolerance rule allows, or when an exact check breaks:
+the cache after the step must hold exactly what the kit expects (context, the step's rows,
+nothing at padding slots or in the null block), the metadata's decode rows must be its decode
+requests' tokens, and a case with a small workspace must have its context read in at least
+`min_context_chunks` chunks of at most `workspace_tokens` rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from anyattn.backend import AttentionBackend
+from anyattn.mla_impl import MLAAttentionImpl
+from anyattn.testing.judging import judge_against_oracle, num_changed
+from anyattn.testing.mla_batch import MLABatch, build_mla_batch
+from anyattn.testing.mla_cases import MLACase
+from anyattn.testing.mla_oracle import mla_oracle
+from anyattn.testing.report import CaseResult
+
+__all__ = ["KitMLALayer", "MLAStepResult", "mla_step", "run_mla_case"]
+
+
+@dataclass
+class KitMLALayer:
+    """The `layer` argument the kit passes to an MLA impl.
+
+    Attributes:
+        layer_name: the layer's name.
+        k_scale, v_scale: float32 `[]`, the per-layer fp8 cache scale (1.0 otherwise); both
+            the same, since one latent row holds what keys and values are made of.
+        w_uk: `[num_heads, P, L]`, w_uv: `[num_heads, Vd, L]`, model dtype.
+        up_project_rows: the number of rows of every `up_project` call, in order.
+    """
+
+    layer_name: str
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    w_uk: torch.Tensor
+    w_uv: torch.Tensor
+    up_project_rows: list[int] = field(default_factory=list)
+
+    def up_project(self, c_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head keys and values of latents, as the layer's `kv_b_proj` gives them.
+
+        Args:
+            c_kv: `[N, L]` in the model dtype.
+
+        Returns:
+            `(k_nope [N, num_heads, P], v [N, num_heads, Vd])` in the model dtype.
+
+        Raises:
+            ValueError: `c_kv` not `[N, L]` or not in the model dtype.
+        """
+        rank, dtype = self.w_uk.shape[-1], self.w_uk.dtype
+        if c_kv.dim() != 2 or c_kv.shape[1] != rank or c_kv.dtype != dtype:
+            raise ValueError(
+                f"up_project: c_kv must be [N, {rank}] in {dtype} (got {tuple(c_kv.shape)} in "
+                f"{c_kv.dtype})."
+            )
+        self.up_project_rows.append(c_kv.shape[0])
+        k_nope = torch.einsum("nl,hpl->nhp", c_kv, self.w_uk)
+        v = torch.einsum("nl,hvl->nhv", c_kv, self.w_uv)
+        return k_nope, v
+
+
+@dataclass
+class MLAStepResult:
+    """What one step through an MLA impl gave.
+
+    Attributes:
+        output: `[num_tokens + num_padding_tokens, num_heads, Vd]`, model dtype; rows past
+            `num_actual_tokens` stay NaN.
+        output_lse: float32 `[num_heads, num_decode_tokens]`, the decode rows' LSE as the
+            impl returned it, or None when not asked for.
+        num_decodes, num_decode_tokens: the metadata's decode requests and rows.
+        lse_base_on_e: the impl's LSE base (False: log2).
+    """
+
+    output: torch.Tensor
+    output_lse: torch.Tensor | None
+    num_decodes: int
+    num_decode_tokens: int
+    lse_base_on_e: bool
+
+
+def _make_impl(backend: type[AttentionBackend], case: MLACase) -> MLAAttentionImpl:
+    shape = case.shape
+    # The layer's default workspace unless the case sets one.
+    workspace = {} if case.workspace_tokens is None else {"workspace_tokens": case.workspace_tokens}
+    return backend.get_impl_cls()(
+        case.num_heads,
+        case.scale,
+        kv_lora_rank=shape.kv_lora_rank,
+        qk_rope_head_dim=shape.qk_rope_head_dim,
+        qk_nope_head_dim=shape.qk_nope_head_dim,
+        v_head_dim=shape.v_head_dim,
+        kv_cache_dtype=case.kv_cache_dtype,
+        **workspace,
+    )
+
+
+def _decode_split(attn_metadata: object) -> tuple[int, int]:
+    """`(num_decodes, num_decode_tokens)` of an MLA builder's metadata (docs/mla.md)."""
+    split = (
+        getattr(attn_metadata, "num_decodes", None),
+        getattr(attn_metadata, "num_decode_tokens", None),
+    )
+    if not all(isinstance(x, int) for x in split):
+        raise TypeError(
+            f"MLA metadata must say its decode split as int num_decodes and num_decode_tokens "
+            f"(got {type(attn_metadata).__name__} with {split[0]!r} and {split[1]!r})."
+        )
+    return split[0], split[1]
+
+
+def mla_step(
+    impl: MLAAttentionImpl, layer: KitMLALayer, batch: MLABatch, want_lse: bool = False
+) -> MLAStepResult:
+    """Run one step through an MLA impl as the layer would (see the module docstring): write
+    the step's latents, absorb and run the decode rows, run the prefill rows.
+
+    Args:
+        impl: an `MLAAttentionImpl` whose builder built `batch.attn_metadata`.
+        layer: the kit's layer, with `batch`'s weights and cache scale.
+        want_lse: pass an `output_lse` to `forward_mqa`.
+    """
+    md = batch.attn_metadata
+    impl.do_kv_cache_update(
+        layer, batch.kv_c, batch.k_pe, batch.kv_cache, batch.common_attn_metadata.slot_mapping, md
+    )
+    n = batch.num_actual_tokens
+    num_decodes, num_decode_tokens = _decode_split(md)
+    num_heads, rank = batch.w_uk.shape[0], batch.shape.kv_lora_rank
+    dtype, device = batch.q_nope.dtype, batch.q_nope.device
+    # NaN everywhere: rows the backend forgets to write show up as NaN errors.
+    output = torch.full(
+        (batch.q_nope.shape[0], num_heads, batch.shape.v_head_dim),
+        math.nan,
+        dtype=dtype,
+        device=device,
+    )
+    output_lse = None
+    if num_decode_tokens:
+        d = num_decode_tokens
+        # q_latent: [d, num_heads, L]; latent output likewise, values up-projected after.
+        q_latent = torch.einsum("thp,hpl->thl", batch.q_nope[:d], batch.w_uk)
+        latent_output = torch.full((d, num_heads, rank), math.nan, dtype=dtype, device=device)
+        if want_lse:
+            output_lse = torch.full((num_heads, d), math.nan, dtype=torch.float32, device=device)
+        impl.forward_mqa(
+            layer, q_latent, batch.q_pe[:d], batch.kv_cache, md, latent_output, output_lse
+        )
+        output[:d] = torch.einsum("thl,hvl->thv", latent_output, batch.w_uv)
+    if n > num_decode_tokens:
+        rows = slice(num_decode_tokens, n)
+        query = torch.cat([batch.q_nope[rows], batch.q_pe[rows]], dim=-1)
+        impl.forward_mha(
+            layer, query, batch.kv_c[rows], batch.k_pe[rows], batch.kv_cache, md, output[rows]
+        )
+    base_on_e = getattr(impl, "lse_base_on_e", True)
+    return MLAStepResult(output, output_lse, num_decodes, num_decode_tokens, base_on_e)
+
+
+def _exact_problems(
+    case: MLACase, batch: MLABatch, layer: KitMLALayer, outcome: MLAStepResult
+) -> list[str]:
+    problems = []
+    changed = num_changed(batch.kv_cache, batch.expected_kv_cache)
+    if changed:
+        problems.append(f"KV cache differs from the expected writes in {changed} elements")
+    decode_rows = sum(batch.spec.query_lens[: outcome.num_decodes])
+    if outcome.num_decode_tokens != decode_rows:
+        problems.append(
+            f"metadata: num_decode_tokens {outcome.num_decode_tokens} is not the "
+            f"{decode_rows} rows of its {outcome.num_decodes} decode requests"
+        )
+    if case.min_context_chunks:
+        calls = layer.up_project_rows
+        workspace = case.workspace_tokens or 0
+        chunk_calls = [rows for rows in calls if rows <= workspace]
+        # One call may exceed the workspace: the new tokens' up-projection.
+        if len(calls) - len(chunk_calls) > 1 or len(chunk_calls) < case.min_context_chunks:
+            problems.append(
+                f"context not read in >= {case.min_context_chunks} chunks of <= {workspace} "
+                f"rows (up_project calls of {calls} rows)"
+            )
+    return problems
+
+
+def _judge(
+    case: MLACase, batch: MLABatch, layer: KitMLALayer, outcome: MLAStepResult, dtype: torch.dtype
+) -> list[CaseResult]:
+    n, d = batch.num_actual_tokens, outcome.num_decode_tokens
+    kv_c, k_pe = batch.oracle_latents(outcome.num_decodes)
+    inputs = (batch.q_nope[:n], batch.q_pe[:n], kv_c, k_pe, batch.w_uk, batch.w_uv)
+    lengths = (batch.spec.query_lens, batch.spec.seq_lens)
+    ref64, lse64 = mla_oracle(*inputs, *lengths, scale=case.scale)
+    ref_lowp, lse_lowp = mla_oracle(*inputs, *lengths, scale=case.scale, compute_dtype=dtype)
+    problems = _exact_problems(case, batch, layer, outcome)
+    output = outcome.output[:n]
+    results = [
+        judge_against_oracle(case.name, output, ref64, ref_lowp, dtype, problems, case.feature)
+    ]
+    if outcome.output_lse is not None:
+        lse = outcome.output_lse.double()
+        if not outcome.lse_base_on_e:
+            lse = lse * math.log(2.0)
+        results.append(
+            judge_against_oracle(
+                f"{case.name}.lse",
+                lse,
+                lse64[:, :d],
+                lse_lowp[:, :d],
+                torch.float32,
+                [],
+                case.feature,
+            )
+        )
+    return results
+
+
+def run_mla_case(
+    backend: type[AttentionBackend],
+    case: MLACase,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int,
+) -> list[CaseResult]:
+    """Run one MLA case (see `anyattn.testing.plan_cases`); raises what the backend raises
+    (`anyattn.testing.run_case` turns that into a failed result)."""
+    impl = _make_impl(backend, case)
+    # Impl first: the builder learns its layer before it builds, as in the engine.
+    params = impl.layer_params()
+    batch = build_mla_batch(
+        backend,
+        case.spec,
+        shape=case.shape,
+        num_heads=case.num_heads,
+        dtype=dtype,
+        device=device,
+        block_size=case.block_size,
+        kv_cache_dtype=case.kv_cache_dtype,
+        k_scale=case.k_scale(),
+        num_padding_tokens=case.num_padding_tokens,
+        layers={"layer.0": params},
+        seed=seed,
+    )
+    layer = KitMLALayer("layer.0", batch.k_scale, batch.k_scale, batch.w_uk, batch.w_uv)
+    outcome = mla_step(impl, layer, batch, case.check_lse)
+    return _judge(case, batch, layer, outcome, dtype)
