@@ -144,8 +144,15 @@ class ModelRunner:
             level = backend.get_builder_cls().get_cudagraph_support(spec, limits)
             name = backend.get_name()
             levels[name] = min(level, levels.get(name, level))
+        model_reason = None
+        if not getattr(self.model, "supports_cuda_graphs", True):
+            model_reason = f"{type(self.model).__name__} steps cannot be captured"
         plan = plan_cuda_graphs(
-            levels, device_type=self.device.type, enforce_eager=enforce_eager, limits=limits
+            levels,
+            device_type=self.device.type,
+            enforce_eager=enforce_eager,
+            limits=limits,
+            model_reason=model_reason,
         )
         log_level = logging.INFO if self.device.type == "cuda" else logging.DEBUG
         logger.log(log_level, "%s", plan.message)
