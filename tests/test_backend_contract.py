@@ -361,6 +361,7 @@ def test_describe(make_backend):
             "mla": False,
             "sparse": False,
         },
+        "mla_splits": None,
         "cudagraph_support": "UNIFORM_BATCH",
         "forward_includes_kv_cache_update": False,
         "priority": {"cpu": 100, "cuda": 100, "blackwell": 100},

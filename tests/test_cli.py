@@ -78,10 +78,11 @@ def test_generate_with_a_missing_model_is_one_clear_line(tmp_path):
 
 
 def test_nothing_fits_exits_1():
-    result = run_cli("explain", "--head-size", "64", "--use-mla", "--device", "cpu")
+    result = run_cli("explain", "--head-size", "64", "--use-mla", "--has-sink", "--device", "cpu")
     assert result.returncode == 1
     assert "chosen: none" in result.stdout
     assert "MLA (use_mla) not supported" in flat(result.stdout)
+    assert "with has_sink=False, TORCH_MLA would fit" in flat(result.stdout)
     assert "with use_mla=False, TORCH would fit" in flat(result.stdout)
     assert result.stderr == (
         "anyattn explain: error: no backend fits this config on cpu; see the reasons above.\n"
@@ -331,11 +332,15 @@ def test_table_marks_capability_and_availability_apart(capsys, monkeypatch, make
 
 
 def test_nothing_fits_json(capsys):
-    assert main(["explain", "--head-size", "64", "--use-mla", "--device", "cpu", "--json"]) == 1
+    args = ["explain", "--head-size", "64", "--use-mla", "--has-sink", "--device", "cpu", "--json"]
+    assert main(args) == 1
     captured = capsys.readouterr()
     data = json.loads(captured.out)
     assert data["chosen"] is None
-    assert data["hints"] == ["with use_mla=False, TORCH would fit"]
+    assert data["hints"] == [
+        "with has_sink=False, TORCH_MLA would fit",
+        "with use_mla=False, TORCH would fit",
+    ]
     assert captured.err.startswith("anyattn explain: error: no backend fits")
 
 

@@ -42,6 +42,7 @@ def test_selector_config_fields_match_design():
         "use_per_head_quant_scales",
         "use_batch_invariant",
         "needs_lse",
+        "qk_rope_head_dim",
     ]
 
 
@@ -162,8 +163,32 @@ def test_attention_spec_errors(changes, message):
     assert message in str(raised.value)
 
 
+MLA_SIZES = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+             "v_head_dim": 128}  # fmt: skip
+
+
 def test_mla_spec():
-    spec = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype="bfloat16")
+    spec = MLAAttentionSpec(block_size=64, dtype="bfloat16", **MLA_SIZES)
+    assert (spec.head_size, spec.num_kv_heads, spec.sliding_window) == (576, 1, None)
+    assert isinstance(spec, AttentionSpec)
     assert spec.page_size_bytes == 64 * 576 * 2
+    fp8 = MLAAttentionSpec(block_size=64, dtype="bfloat16", kv_cache_dtype="fp8", **MLA_SIZES)
+    assert fp8.page_size_bytes == 64 * 576
+    assert MLAAttentionSpec(block_size=64, dtype="bfloat16", head_size=576, **MLA_SIZES) == spec
     with pytest.raises(ValueError, match=r"MLAAttentionSpec: num_kv_heads must be 1.*\(got 2\)"):
-        MLAAttentionSpec(block_size=64, num_kv_heads=2, head_size=576, dtype="bfloat16")
+        MLAAttentionSpec(block_size=64, num_kv_heads=2, dtype="bfloat16", **MLA_SIZES)
+    with pytest.raises(ValueError, match=r"head_size must be kv_lora_rank \+ qk_rope_head_dim "
+                       r"\(got 512, expected 512 \+ 64 = 576\)"):  # fmt: skip
+        MLAAttentionSpec(block_size=64, dtype="bfloat16", head_size=512, **MLA_SIZES)
+    with pytest.raises(ValueError, match=r"MLAAttentionSpec: v_head_dim must be a positive int"):
+        MLAAttentionSpec(block_size=64, dtype="bfloat16", **{**MLA_SIZES, "v_head_dim": 0})
+
+
+def test_selector_config_qk_rope_head_dim():
+    config = AttentionSelectorConfig(576, "bfloat16", use_mla=True, qk_rope_head_dim=64)
+    assert config.qk_rope_head_dim == 64
+    with pytest.raises(ValueError, match=r"qk_rope_head_dim is for MLA layers \(got "
+                       r"qk_rope_head_dim=64 with use_mla=False"):  # fmt: skip
+        AttentionSelectorConfig(576, "bfloat16", qk_rope_head_dim=64)
+    with pytest.raises(ValueError, match=r"must be smaller than head_size.*\(got 576 for "):
+        AttentionSelectorConfig(576, "bfloat16", use_mla=True, qk_rope_head_dim=576)

@@ -245,13 +245,18 @@ def test_nothing_fits_lists_every_backend_and_a_hint(platform):
     lines = str(raised.value).splitlines()
     assert lines[0] == "select_backend: no backend fits this config on cpu."
     backend_lines = lines[1 : 1 + len(registry.backend_names())]
-    assert [line.split(":")[0].strip() for line in backend_lines] == priority_list(CPU)
+    # An MLA config lists the MLA order: MLA backends first.
+    assert [line.split(":")[0].strip() for line in backend_lines] == priority_list(CPU, True)
+    assert backend_lines[0] == "  TORCH_MLA: ALiBi (has_alibi) not supported"
     assert "  TORCH: MLA (use_mla) not supported" in lines
     assert (
         "  FLASH_ATTN: device cpu not supported (supported: cuda); MLA (use_mla) not supported"
         in lines
     )
-    assert lines[lines.index("Hints:") + 1 :] == ["  with use_mla=False, TORCH would fit"]
+    assert lines[lines.index("Hints:") + 1 :] == [
+        "  with has_alibi=False, TORCH_MLA would fit",
+        "  with use_mla=False, TORCH would fit",
+    ]
 
 
 def test_hint_for_a_fitting_backend_missing_here(platform):
@@ -283,7 +288,7 @@ def test_hints_name_single_setting_changes(platform, make_backend, register):
 
 def test_no_single_change_hint(platform):
     platform()
-    result = explain(config(use_mla=True, use_sparse=True), CPU)
+    result = explain(config(use_mla=True, use_sparse=True, has_alibi=True), CPU)
     assert result.chosen is None
     assert result.hints == ("no single setting change makes a backend fit; see the reasons above",)
 

@@ -10,10 +10,13 @@ from anyattn.backend import (
     AttentionImplBase,
     AttentionMetadataBuilder,
     LayerParams,
+    MLAAttentionBackend,
     MLAAttentionImpl,
+    MLALayerParams,
 )
 from anyattn.config import AttentionSelectorConfig, AttentionSpec, BatchLimits, MLAAttentionSpec
 from anyattn.metadata import CommonAttentionMetadata
+from anyattn.mla_layer import MLAAttention
 from anyattn.registry import AttentionBackendEnum, get_backend_class, register_backend
 from anyattn.selector import NoBackendError, clear_cache, explain, select_backend
 from anyattn.types import (
@@ -41,8 +44,11 @@ __all__ = [
     "DeviceInfo",
     "KVCacheLayout",
     "LayerParams",
+    "MLAAttention",
+    "MLAAttentionBackend",
     "MLAAttentionImpl",
     "MLAAttentionSpec",
+    "MLALayerParams",
     "MultipleOf",
     "NoBackendError",
     "clear_cache",

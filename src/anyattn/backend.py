@@ -10,7 +10,8 @@ Three roles, as in vLLM v1's attention layer:
   `CommonAttentionMetadata` into frozen metadata holding every plan the layers need.
 - `AttentionImpl` (`anyattn.impl`): constructed once per layer, its arguments checked once in
   the base class; `forward` runs the layer's attention from the metadata and never plans.
-  `MLAAttentionImpl` is the MLA variant (`forward_mqa` / `forward_mha`).
+  `MLAAttentionImpl` (`anyattn.mla_impl`) is the MLA variant (`forward_mqa` / `forward_mha`),
+  `MLAAttentionBackend` (`anyattn.mla_backend`) the declarations MLA backends share.
 
 This module is the public surface: it names the three, `LayerParams` and
 `check_layer_planned` (`anyattn.validation`).
@@ -18,8 +19,10 @@ This module is the public surface: it names the three, `LayerParams` and
 
 from anyattn.builder import AttentionMetadataBuilder
 from anyattn.declarations import PLATFORMS, AttentionBackend, platform_key
-from anyattn.impl import AttentionImpl, AttentionImplBase, AttentionLayer, MLAAttentionImpl
-from anyattn.layer_params import LayerParams
+from anyattn.impl import AttentionImpl, AttentionImplBase, AttentionLayer
+from anyattn.layer_params import LayerParams, MLALayerParams
+from anyattn.mla_backend import MLAAttentionBackend
+from anyattn.mla_impl import MLAAttentionImpl, MLALayer
 from anyattn.validation import check_layer_planned
 
 __all__ = [
@@ -30,7 +33,10 @@ __all__ = [
     "AttentionLayer",
     "AttentionMetadataBuilder",
     "LayerParams",
+    "MLAAttentionBackend",
     "MLAAttentionImpl",
+    "MLALayer",
+    "MLALayerParams",
     "check_layer_planned",
     "platform_key",
 ]

@@ -79,6 +79,13 @@ def add_explain_parser(commands: argparse._SubParsersAction) -> None:
         flag = f"--{name.replace('_', '-')}"
         ex.add_argument(flag, dest=name, action="store_true", help=_FLAG_HELP.get(name, name))
     ex.add_argument(
+        "--qk-rope-head-dim",
+        type=positive_int,
+        metavar="N",
+        help="MLA (--use-mla): the rope part R of the latent row --head-size = L + R, which "
+        "tells splits apart (576 = 512 + 64 or 448 + 128)",
+    )
+    ex.add_argument(
         "--backend",
         metavar="NAME",
         help=f"require this backend (error if it does not fit); else ${ENV_VAR} if set",

@@ -53,6 +53,8 @@ class AttentionSelectorConfig:
         use_batch_invariant: results must not depend on how requests are batched.
         needs_lse: the engine will merge partial results (cascade, context parallel) and needs
             each backend call to return the log-sum-exp of every row.
+        qk_rope_head_dim: for MLA (`use_mla`), the rope part R of the latent row, which tells
+            splits of one `head_size` apart (576 = 512 + 64 or 448 + 128); None when unknown.
     """
 
     head_size: int
@@ -72,6 +74,7 @@ class AttentionSelectorConfig:
     use_per_head_quant_scales: bool = False
     use_batch_invariant: bool = False
     needs_lse: bool = False
+    qk_rope_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         api = "AttentionSelectorConfig"
@@ -104,6 +107,18 @@ class AttentionSelectorConfig:
         for f in fields(self):
             if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
                 raise TypeError(f"{api}: {f.name} must be a bool (got {getattr(self, f.name)!r}).")
+        rope = self.qk_rope_head_dim
+        _positive_int(api, "qk_rope_head_dim", rope, allow_none=True)
+        if rope is not None and not self.use_mla:
+            raise ValueError(
+                f"{api}: qk_rope_head_dim is for MLA layers (got qk_rope_head_dim={rope} with "
+                "use_mla=False, expected None). Set use_mla=True or drop it."
+            )
+        if rope is not None and rope >= self.head_size:
+            raise ValueError(
+                f"{api}: qk_rope_head_dim must be smaller than head_size, the latent row "
+                f"kv_lora_rank + qk_rope_head_dim (got {rope} for head_size {self.head_size})."
+            )
 
     @classmethod
     def flag_names(cls) -> tuple[str, ...]:
@@ -217,19 +232,59 @@ class AttentionSpec:
         return 2 * self.block_size * self.num_kv_heads * self.head_size * itemsize
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class MLAAttentionSpec(AttentionSpec):
-    """KV-cache spec of MLA layers: one latent vector per token (`head_size` = lora rank + rope)."""
+    """KV-cache spec of MLA layers: one latent row per token, `[c_kv (L), k_pe (R)]`
+    (docs/mla.md, "The cache").
+
+    Keyword-only. `head_size` is derived (`kv_lora_rank + qk_rope_head_dim`; when given it must
+    equal that), `num_kv_heads` is 1 and `sliding_window` None (MLA declares no window).
+
+    Attributes:
+        block_size, dtype, kv_cache_dtype: as for `AttentionSpec`.
+        kv_lora_rank: L, the latent (compressed KV) size.
+        qk_rope_head_dim: R, the size of the rotary key shared by all heads.
+        qk_nope_head_dim: P, the per-head query/key size without rope.
+        v_head_dim: Vd, the per-head value size.
+
+    The cache of a layer is `(num_blocks, block_size, L + R)`.
+    """
+
+    block_size: int
+    dtype: torch.dtype
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    num_kv_heads: int = 1
+    head_size: int | None = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
-        AttentionSpec.__post_init__(self)
+        api = "MLAAttentionSpec"
+        for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+            _positive_int(api, name, getattr(self, name))
+        row = self.kv_lora_rank + self.qk_rope_head_dim
+        if self.head_size is None:
+            object.__setattr__(self, "head_size", row)
+        elif self.head_size != row:
+            raise ValueError(
+                f"{api}: head_size must be kv_lora_rank + qk_rope_head_dim (got {self.head_size}, "
+                f"expected {self.kv_lora_rank} + {self.qk_rope_head_dim} = {row}). Leave it out."
+            )
         if self.num_kv_heads != 1:
             raise ValueError(
-                f"MLAAttentionSpec: num_kv_heads must be 1, MLA caches one latent per token "
+                f"{api}: num_kv_heads must be 1, MLA caches one latent per token "
                 f"(got {self.num_kv_heads})."
             )
+        if self.sliding_window is not None:
+            raise ValueError(
+                f"{api}: sliding_window must be None, MLA declares no window (got "
+                f"{self.sliding_window!r})."
+            )
+        AttentionSpec.__post_init__(self)
 
     @property
     def page_size_bytes(self) -> int:
+        """Bytes of one KV block of one layer (one latent row per token)."""
         itemsize = torch.empty((), dtype=self.cache_dtype).element_size()
         return self.block_size * self.head_size * itemsize

@@ -268,6 +268,17 @@ class AttentionBackend(ABC):
         return False
 
     @classmethod
+    def get_supported_mla_splits(cls) -> list[tuple[int, int]]:
+        """MLA backends: the `(kv_lora_rank, qk_rope_head_dim)` latent splits the kernels take;
+        empty means any."""
+        return []
+
+    @classmethod
+    def supports_mla_split(cls, kv_lora_rank: int, qk_rope_head_dim: int) -> bool:
+        splits = cls.get_supported_mla_splits()
+        return not splits or (kv_lora_rank, qk_rope_head_dim) in splits
+
+    @classmethod
     def is_sparse(cls) -> bool:
         return False
 
@@ -384,6 +395,8 @@ class AttentionBackend(ABC):
             reasons.append(f"attn_type {config.attn_type.value} not supported (supported: {names})")
         if config.use_mla != cls.is_mla():
             reasons.append("MLA (use_mla) not supported" if config.use_mla else "MLA-only backend")
+        elif config.use_mla and (split := _mla_split_reason(cls, config)) is not None:
+            reasons.append(split)
         if config.use_sparse != cls.is_sparse():
             reasons.append(
                 "sparse attention (use_sparse) not supported"
@@ -410,6 +423,7 @@ class AttentionBackend(ABC):
         """Everything this backend declares, as plain data (for `anyattn backends --json`)."""
         features = {f: getattr(cls, f"supports_{f}")() for f, _, _ in _FEATURES}
         features.update(cascade=cls.supports_cascade(), mla=cls.is_mla(), sparse=cls.is_sparse())
+        splits = cls.get_supported_mla_splits()
         capability = cls.min_compute_capability
         return {
             "name": cls.get_name(),
@@ -427,7 +441,34 @@ class AttentionBackend(ABC):
             "kv_cache_layouts": [str(x) for x in cls.supported_kv_cache_layouts()],
             "attn_types": [t.value for t in cls.supported_attn_types],
             "features": features,
+            "mla_splits": (_format_splits(splits) or "any") if cls.is_mla() else None,
             "cudagraph_support": cls.get_cudagraph_support().name,
             "forward_includes_kv_cache_update": cls.forward_includes_kv_cache_update,
             "priority": dict(cls.priority),
         }
+
+
+def _format_splits(splits: Sequence[tuple[int, int]]) -> str:
+    return ", ".join(f"{rank}+{rope}" for rank, rope in splits)
+
+
+def _mla_split_reason(cls: type[AttentionBackend], config: AttentionSelectorConfig) -> str | None:
+    """Why an MLA backend does not take the config's latent split `head_size = L + R`, or None.
+
+    One `head_size` may split several ways (576 = 512 + 64 or 448 + 128), so a backend that
+    declares splits needs `qk_rope_head_dim` to judge."""
+    splits = cls.get_supported_mla_splits()
+    if not splits:
+        return None
+    rope = config.qk_rope_head_dim
+    if rope is None:
+        return (
+            f"MLA latent split of head_size {config.head_size} unknown (qk_rope_head_dim not "
+            f"given; supported kv_lora_rank+qk_rope_head_dim: {_format_splits(splits)})"
+        )
+    if not cls.supports_mla_split(config.head_size - rope, rope):
+        return (
+            f"MLA latent split {config.head_size - rope}+{rope} not supported (supported "
+            f"kv_lora_rank+qk_rope_head_dim: {_format_splits(splits)})"
+        )
+    return None

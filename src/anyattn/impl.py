@@ -6,7 +6,8 @@ them in one form for every impl. An impl that needs more set-up calls `super()._
 and converts what its kernel wants. `layer_params()` is the record a builder gets for the
 layer (`anyattn.layer_params`). `forward` reads only what its builder built for the step:
 it never plans and never writes into the metadata; a layer the builder was not given is
-refused by `anyattn.validation.check_layer_planned`. `MLAAttentionImpl` is the MLA variant.
+refused by `anyattn.validation.check_layer_planned`. `MLAAttentionImpl` (`anyattn.mla_impl`)
+is the MLA variant.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ __all__ = [
     "AttentionImpl",
     "AttentionImplBase",
     "AttentionLayer",
-    "MLAAttentionImpl",
 ]
 
 M = TypeVar("M")
@@ -211,33 +211,3 @@ class AttentionImpl(AttentionImplBase[M], Generic[M]):
 
         args = check_kv_write(self, layer, key, value, kv_cache, slot_mapping, attn_metadata)
         reshape_and_cache_unchecked(key, value, kv_cache, slot_mapping, *args)
-
-
-class MLAAttentionImpl(AttentionImplBase[M], Generic[M]):
-    """Multi-head latent attention: the cache holds one compressed latent per token."""
-
-    @abstractmethod
-    def forward_mqa(
-        self,
-        q: torch.Tensor,
-        kv_c_and_k_pe_cache: torch.Tensor,
-        attn_metadata: M,
-        layer: AttentionLayer,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Decode path: queries absorbed into latent space attend to the latent cache.
-
-        Returns `(output, lse)`; lse may be None when not requested.
-        """
-
-    @abstractmethod
-    def forward_mha(
-        self,
-        q: torch.Tensor,
-        kv_c_normed: torch.Tensor,
-        k_pe: torch.Tensor,
-        kv_c_and_k_pe_cache: torch.Tensor,
-        attn_metadata: M,
-        k_scale: torch.Tensor,
-        output: torch.Tensor,
-    ) -> None:
-        """Prefill path: latents are up-projected to full K/V and attended densely."""

@@ -19,7 +19,7 @@ from anyattn.types import AttentionType, parse_cache_dtype
 if TYPE_CHECKING:
     from anyattn.declarations import AttentionBackend
 
-__all__ = ["validate_impl_arguments"]
+__all__ = ["validate_impl_arguments", "validate_mla_impl_arguments"]
 
 
 def validate_impl_arguments(
@@ -149,6 +149,61 @@ def validate_impl_arguments(
                 f"({num_heads},))."
             )
     return kv_heads
+
+
+def validate_mla_impl_arguments(
+    backend: type[AttentionBackend],
+    *,
+    num_heads: int,
+    scale: float,
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
+    qk_nope_head_dim: int,
+    v_head_dim: int,
+    kv_cache_dtype: str,
+    workspace_tokens: int,
+) -> None:
+    """Check an MLA impl's constructor arguments against `backend`'s declarations: sizes
+    positive, the latent row `kv_lora_rank + qk_rope_head_dim` a head size and a split the
+    backend declares, the KV-cache dtype one it takes."""
+    api = f"{backend.get_name()} impl"
+    if not backend.is_mla():
+        raise TypeError(
+            f"{api}: an MLA impl needs an MLA backend (got {backend.get_name()}, which declares "
+            "is_mla() False). Set the impl's backend to an MLAAttentionBackend subclass."
+        )
+    sizes = {
+        "num_heads": num_heads, "kv_lora_rank": kv_lora_rank,
+        "qk_rope_head_dim": qk_rope_head_dim, "qk_nope_head_dim": qk_nope_head_dim,
+        "v_head_dim": v_head_dim, "workspace_tokens": workspace_tokens,
+    }  # fmt: skip
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{api}: {name} must be a positive int (got {value!r}).")
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1:
+        scale = scale.item()
+    if not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"{api}: scale must be a positive finite float (got {scale!r}).")
+    head_size = kv_lora_rank + qk_rope_head_dim
+    if not backend.supports_head_size(head_size):
+        raise ValueError(
+            f"{api}: latent row size kv_lora_rank + qk_rope_head_dim not supported (got "
+            f"{kv_lora_rank} + {qk_rope_head_dim} = {head_size}, expected one of "
+            f"{backend.get_supported_head_sizes()})."
+        )
+    if not backend.supports_mla_split(kv_lora_rank, qk_rope_head_dim):
+        splits = ", ".join(f"{r}+{p}" for r, p in backend.get_supported_mla_splits())
+        raise ValueError(
+            f"{api}: latent split not supported (got kv_lora_rank={kv_lora_rank}, "
+            f"qk_rope_head_dim={qk_rope_head_dim}, expected one of {splits}). "
+            + _pick_another(f"--use-mla --qk-rope-head-dim {qk_rope_head_dim}")
+        )
+    parse_cache_dtype(kv_cache_dtype, argument=f"{api}: kv_cache_dtype")
+    if not backend.supports_kv_cache_dtype(kv_cache_dtype):
+        raise ValueError(
+            f"{api}: kv_cache_dtype not supported (got {kv_cache_dtype!r}, expected one of "
+            f"{', '.join(backend.supported_kv_cache_dtypes)})."
+        )
 
 
 def _undeclared(api: str, feature: str, got: str, expected: str, flag: str) -> NotImplementedError:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from anyattn.backend import AttentionBackend
-from anyattn.config import AttentionSelectorConfig
+from anyattn.config import AttentionSelectorConfig, AttentionSpec
 from anyattn.selector import select_backend
 from anyattn.types import AttentionType, DeviceInfo
 from anyattn.validation import check_layer_call
@@ -72,6 +72,7 @@ class Attention(nn.Module):
             device = DeviceInfo.parse(device)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self.layer_name = layer_name
+        self.block_size = block_size
         self.sliding_window = sliding_window
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.config = AttentionSelectorConfig(
@@ -118,6 +119,25 @@ class Attention(nn.Module):
         one = torch.tensor(1.0, device=buffer_device)
         self.register_buffer("k_scale", one, persistent=False)
         self.register_buffer("v_scale", one.clone(), persistent=False)
+
+    def kv_cache_spec(
+        self,
+        block_size: int | None = None,
+        dtype: torch.dtype | str | None = None,
+        kv_cache_dtype: str | None = None,
+    ) -> AttentionSpec:
+        """The layer's `AttentionSpec`; each argument defaults to the layer's own (block size:
+        the layer's, else the backend's preferred one)."""
+        if block_size is None:
+            block_size = self.block_size or self.backend.get_preferred_block_size()
+        return AttentionSpec(
+            block_size=block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            dtype=self.config.dtype if dtype is None else dtype,
+            kv_cache_dtype=self.config.kv_cache_dtype if kv_cache_dtype is None else kv_cache_dtype,
+            sliding_window=self.sliding_window,
+        )
 
     def forward(
         self,

@@ -14,7 +14,10 @@ from dataclasses import dataclass
 
 from anyattn.types import AttentionType
 
-__all__ = ["LayerParams"]
+__all__ = ["DEFAULT_WORKSPACE_TOKENS", "LayerParams", "MLALayerParams"]
+
+# Rows of latent context an MLA prefill reads and up-projects at once, unless the layer says.
+DEFAULT_WORKSPACE_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -42,3 +45,21 @@ class LayerParams:
     logits_soft_cap: float | None = None
     has_alibi: bool = False
     has_sinks: bool = False
+
+
+@dataclass(frozen=True)
+class MLALayerParams(LayerParams):
+    """An MLA layer's record (docs/mla.md): `head_size = kv_lora_rank + qk_rope_head_dim`,
+    `num_kv_heads = 1`, plus its latent sizes and context workspace.
+
+    Attributes:
+        kv_lora_rank: L; qk_rope_head_dim: R; qk_nope_head_dim: P; v_head_dim: Vd.
+        workspace_tokens: most latent context rows a prefill reads (and up-projects) at once;
+            the builder plans the context chunks with it.
+    """
+
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    workspace_tokens: int = DEFAULT_WORKSPACE_TOKENS

@@ -40,6 +40,7 @@ class AttentionBackendEnum(enum.Enum):
     TRITON = "anyattn.backends.triton_attn:TritonAttentionBackend"
     FLASHINFER = "anyattn.backends.flashinfer:FlashInferBackend"
     FLASH_ATTN = "anyattn.backends.flash_attn:FlashAttentionBackend"
+    TORCH_MLA = "anyattn.backends.torch_mla:TorchMLABackend"
 
     def get_path(self) -> str:
         """The class path in use: a registered override, else the built-in one."""

@@ -140,10 +140,13 @@ class Explanation:
         return "\n".join(lines)
 
 
-def _ranked(device: DeviceInfo) -> list[tuple[str, type[AttentionBackend] | str]]:
+def _ranked(
+    device: DeviceInfo, use_mla: bool = False
+) -> list[tuple[str, type[AttentionBackend] | str]]:
     """Every registered backend (its class, or why it cannot be loaded) in the order tried on
-    `device`: by declared rank, then those without a rank for the platform, each group in
-    registration order."""
+    `device`: those with a rank for the platform first, and among them the backends of the
+    config's kind (MLA or not) before the others, each by declared rank; then those without a
+    rank. Ties keep registration order."""
     key = platform_key(device)
     loaded: list[tuple[str, type[AttentionBackend] | str]] = []
     for name in backend_names():
@@ -152,18 +155,23 @@ def _ranked(device: DeviceInfo) -> list[tuple[str, type[AttentionBackend] | str]
         except (ImportError, TypeError) as error:
             loaded.append((name, f"{_LOAD_FAILED}{error}"))
 
-    def rank(item: tuple[str, type[AttentionBackend] | str]) -> tuple[bool, int]:
+    def rank(item: tuple[str, type[AttentionBackend] | str]) -> tuple[bool, bool, int]:
         cls = item[1]
-        declared = None if isinstance(cls, str) else cls.priority.get(key)
-        return (declared is None, 0 if declared is None else declared)
+        if isinstance(cls, str):
+            return (True, False, 0)
+        declared = cls.priority.get(key)
+        # MLA backends compete only with MLA backends, standard ones with standard ones.
+        other_kind = cls.is_mla() != use_mla
+        return (declared is None, other_kind, 0 if declared is None else declared)
 
     return sorted(loaded, key=rank)  # stable: registration order within a rank
 
 
-def priority_list(device: DeviceInfo) -> list[str]:
-    """Registered backend names in the order tried on `device`; backends that declare no rank
-    for its platform (and those that cannot be loaded) come last."""
-    return [name for name, _ in _ranked(device)]
+def priority_list(device: DeviceInfo, use_mla: bool = False) -> list[str]:
+    """Registered backend names in the order tried on `device` for standard layers, or with
+    `use_mla` for MLA layers (the MLA order: MLA backends first, by their rank); backends that
+    declare no rank for its platform (and those that cannot be loaded) come last."""
+    return [name for name, _ in _ranked(device, use_mla)]
 
 
 def _judge(
@@ -192,7 +200,8 @@ def _judge(
 
 def _verdicts(config: AttentionSelectorConfig, device: DeviceInfo) -> tuple[BackendVerdict, ...]:
     return tuple(
-        _judge(name, cls, i, config, device) for i, (name, cls) in enumerate(_ranked(device))
+        _judge(name, cls, i, config, device)
+        for i, (name, cls) in enumerate(_ranked(device, config.use_mla))
     )
 
 

@@ -21,6 +21,7 @@ import torch
 
 from anyattn.metadata import CommonAttentionMetadata
 from anyattn.ops.tensor_checks import (
+    cache_block_dims,
     check_kv_write_args,
     check_scale_values,
     check_slot_mapping,
@@ -196,14 +197,15 @@ def check_step_against_cache(
     api: str, step: CommonAttentionMetadata, kv_cache: torch.Tensor
 ) -> None:
     """Check the step's slots and the block ids its requests read against `kv_cache`'s
-    `(num_blocks, 2, block_size, ...)`, from the CPU mirrors; once per step and cache size.
+    `(num_blocks, 2, block_size, ...)` (an MLA cache's `(num_blocks, block_size, ...)`), from
+    the CPU mirrors; once per step and cache size.
 
     Raises:
         ValueError: a slot at or past `num_blocks * block_size`, a table too narrow for a
             request's keys, or a block id a request reads outside `[0, num_blocks)`; the
             message names the request, the entry, the value and the valid range.
     """
-    num_blocks, block_size = int(kv_cache.shape[0]), int(kv_cache.shape[2])
+    num_blocks, block_size = cache_block_dims(kv_cache)
     if (num_blocks, block_size) in step.checks.caches:
         return
     slots = step.slot_mapping_cpu.numpy()

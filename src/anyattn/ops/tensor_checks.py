@@ -13,7 +13,9 @@ import torch
 from anyattn.types import CACHE_DTYPES, cache_torch_dtype, is_fp8_cache
 
 __all__ = [
+    "cache_block_dims",
     "check_kv_write_args",
+    "check_mla_write_args",
     "check_scale",
     "check_scale_values",
     "check_slot_mapping",
@@ -133,6 +135,79 @@ def check_kv_write_args(
     return kv_cache_dtype
 
 
+def check_mla_write_args(
+    op: str, kv_c: object, k_pe: object, kv_cache: object, slot_mapping: object,
+    kv_cache_dtype: str, scale: object, *, check_values: bool = True,
+) -> str:  # fmt: skip
+    """Every check of the `concat_and_cache_mla` op's arguments (see its docstring), `op`
+    naming the caller; with `check_values`, also the values of `slot_mapping[:num_tokens]` and
+    of the scale (read back from a device). Returns the cache dtype string.
+
+    Raises:
+        TypeError, ValueError: the first problem found.
+    """
+    for name, x in (("kv_c", kv_c), ("k_pe", k_pe), ("kv_cache", kv_cache)):
+        check_tensor(op, name, x)
+    if kv_c.dim() != 2 or k_pe.dim() != 2 or k_pe.shape[0] != kv_c.shape[0]:
+        raise ValueError(
+            f"{op}: kv_c must be [num_tokens, kv_lora_rank] and k_pe [num_tokens, "
+            f"qk_rope_head_dim] (got {list(kv_c.shape)} and {list(k_pe.shape)})."
+        )
+    if kv_c.dtype not in _MODEL_DTYPES or k_pe.dtype != kv_c.dtype:
+        raise TypeError(
+            f"{op}: kv_c and k_pe must share one dtype of float32, float16 or bfloat16 (got "
+            f"{kv_c.dtype} and {k_pe.dtype})."
+        )
+    num_tokens, row = kv_c.shape[0], kv_c.shape[1] + k_pe.shape[1]
+    if kv_cache.dim() != 3 or kv_cache.shape[2] != row:
+        raise ValueError(
+            f"{op}: kv_cache must be an MLA latent cache (num_blocks, block_size, kv_lora_rank "
+            f"+ qk_rope_head_dim = {row}) (got {list(kv_cache.shape)}). Allocate it with an "
+            "MLA backend's get_kv_cache_shape."
+        )
+    check_slot_mapping(op, slot_mapping, num_tokens, kv_c.device)
+    for name, x in (("k_pe", k_pe), ("kv_cache", kv_cache)):
+        if x.device != kv_c.device:
+            raise ValueError(
+                f"{op}: {name} is on another device than kv_c (got {x.device}, expected "
+                f"{kv_c.device}). Put kv_c, k_pe, kv_cache, slot_mapping and scale on one device."
+            )
+    if kv_cache_dtype not in CACHE_DTYPES:
+        raise ValueError(
+            f"{op}: unknown kv_cache_dtype (got {kv_cache_dtype!r}, expected one of "
+            f"{', '.join(CACHE_DTYPES)})."
+        )
+    expected = cache_torch_dtype(kv_cache_dtype, kv_c.dtype)
+    if kv_cache.dtype != expected:
+        raise TypeError(
+            f"{op}: kv_cache has the wrong dtype for kv_cache_dtype={kv_cache_dtype!r} (got "
+            f"{kv_cache.dtype}, expected {expected}). Allocate the cache with the same "
+            "kv_cache_dtype and model dtype."
+        )
+    fp8 = is_fp8_cache(kv_cache_dtype)
+    if scale is None:
+        if fp8:
+            raise ValueError(
+                f"{op}: scale is required for an fp8 cache (got None, expected a float32 "
+                "tensor of shape []). Pass the layer's k_scale."
+            )
+    else:
+        check_scale(op, "scale", scale, 1, kv_cache.device)
+        if check_values and not _is_capturing(kv_cache):
+            check_scale_values(op, "scale", scale, fp8)
+    if check_values:
+        check_slot_values(op, slot_mapping[:num_tokens], kv_cache)
+    return kv_cache_dtype
+
+
+def cache_block_dims(kv_cache: torch.Tensor) -> tuple[int, int]:
+    """`(num_blocks, block_size)` of a paged cache: `(num_blocks, 2, block_size, ...)`, or an
+    MLA latent cache `(num_blocks, block_size, head_size)`."""
+    if kv_cache.dim() == 3:
+        return int(kv_cache.shape[0]), int(kv_cache.shape[1])
+    return int(kv_cache.shape[0]), int(kv_cache.shape[2])
+
+
 def check_slot_mapping(
     op: str, slot_mapping: object, num_tokens: int, device: torch.device
 ) -> None:
@@ -162,7 +237,8 @@ def check_slot_values(op: str, slots: torch.Tensor, kv_cache: torch.Tensor) -> N
     if _is_capturing(kv_cache):
         return  # a read is illegal while capturing; a replay's values are another step's
     values = slots.cpu().numpy()
-    num_slots = kv_cache.shape[0] * kv_cache.shape[2]
+    num_blocks, block_size = cache_block_dims(kv_cache)
+    num_slots = num_blocks * block_size
     bad = np.flatnonzero((values < -1) | (values >= num_slots))
     if bad.size:
         raise ValueError(

@@ -1,0 +1,72 @@
+"""`MLAAttentionBackend`: the declarations every MLA backend shares (docs/mla.md).
+
+An MLA backend's cache holds one latent row per token, `[c_kv (L), k_pe (R)]`, so its logical
+shape is `(num_blocks, block_size, head_size)` with `head_size = L + R` and a single "KV head";
+there is no K/V axis and no head axis, hence one layout. MLA is causal decoder attention only
+(no window, soft cap, ALiBi or sinks). A backend subclasses this and declares the rest (name,
+impl, builder, dtypes, the latent splits it takes through `get_supported_mla_splits`).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from anyattn.declarations import AttentionBackend
+from anyattn.types import AttentionType, KVCacheLayout, parse_cache_dtype
+
+__all__ = ["MLAAttentionBackend"]
+
+
+class MLAAttentionBackend(AttentionBackend):
+    """Declarations shared by MLA backends: latent cache shape, one layout, decoder only."""
+
+    supported_attn_types: ClassVar[tuple[AttentionType, ...]] = (AttentionType.DECODER,)
+
+    @classmethod
+    def is_mla(cls) -> bool:
+        return True
+
+    @classmethod
+    def get_kv_cache_shape(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype: str = "auto",
+    ) -> tuple[int, ...]:
+        """`(num_blocks, block_size, head_size)`: one latent row of `L + R` per token.
+
+        Raises:
+            ValueError: `num_kv_heads` other than 1, a bad dimension, or a block size the
+                kernels cannot take.
+        """
+        api = f"{cls.get_name()}.get_kv_cache_shape"
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
+                            ("head_size", head_size)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{api}: {name} must be a positive int (got {value!r}).")
+        if num_kv_heads != 1:
+            raise ValueError(
+                f"{api}: num_kv_heads must be 1 for an MLA latent cache (got {num_kv_heads!r}); "
+                "MLA caches one latent row per token, shared by every head."
+            )
+        parse_cache_dtype(cache_dtype, argument=f"{api}: cache_dtype")
+        if not cls.supports_block_size(block_size):
+            sizes = ", ".join(str(s) for s in cls.get_supported_kernel_block_sizes())
+            raise ValueError(
+                f"{api}: block_size not supported (got {block_size}, expected {sizes})."
+            )
+        return (num_blocks, block_size, head_size)
+
+    @classmethod
+    def get_kv_cache_stride_order(
+        cls, layout: KVCacheLayout | str = KVCacheLayout.NHD
+    ) -> tuple[int, ...]:
+        """The latent cache has no head axis: NHD, its only layout, is the identity order."""
+        super().get_kv_cache_stride_order(layout)  # the same errors for other layouts
+        return (0, 1, 2)
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.NHD,)

@@ -1,0 +1,208 @@
+"""`MLAAttentionImpl`: the impl side of multi-head latent attention (docs/mla.md).
+
+One instance per MLA layer. Its constructor is concrete and shared, as `AttentionImpl`'s is: it
+checks the arguments against the impl's backend (`anyattn.impl_args`) once and keeps them.
+There is no `forward`: the layer (`anyattn.MLAAttention`) splits a step into its decode rows,
+run absorbed by `forward_mqa`, and its prefill rows, run up-projected by `forward_mha`, after
+writing the step's latents with `do_kv_cache_update`. Every entry point reads only what the
+builder planned (`anyattn.backends.mla_builder`) and never plans.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import ClassVar, Generic, NoReturn, Protocol, TypeVar
+
+import torch
+
+from anyattn.impl import AttentionImplBase
+from anyattn.impl_args import validate_mla_impl_arguments
+from anyattn.layer_params import DEFAULT_WORKSPACE_TOKENS, MLALayerParams
+from anyattn.ops.concat_and_cache_mla import concat_and_cache_mla_unchecked
+from anyattn.types import AttentionType
+from anyattn.validation_mla import check_mla_kv_write
+
+__all__ = ["MLAAttentionImpl", "MLALayer"]
+
+M = TypeVar("M")
+
+
+class MLALayer(Protocol):
+    """What an MLA impl may read from the layer that calls it."""
+
+    layer_name: str
+    k_scale: torch.Tensor  # float32 []: the one scale of an fp8 latent cache
+
+    def up_project(self, c_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`c_kv [N, L]` -> `(k_nope [N, H, P], v [N, H, Vd])` through the layer's kv_b_proj."""
+
+
+class MLAAttentionImpl(AttentionImplBase[M], Generic[M]):
+    """Multi-head latent attention: the cache holds one latent row `[c_kv, k_pe]` per token.
+
+    Subclasses set `backend` (an `MLAAttentionBackend`), `metadata_cls` (the metadata their
+    builder makes, checked on every call) and `supported_dtypes`, and implement `forward_mqa`
+    and `forward_mha`.
+    """
+
+    params_cls: ClassVar[type[MLALayerParams]] = MLALayerParams
+    metadata_cls: ClassVar[type]
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
+
+    def __init__(
+        self,
+        num_heads: int,
+        scale: float,
+        *,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        qk_nope_head_dim: int,
+        v_head_dim: int,
+        kv_cache_dtype: str = "auto",
+        kv_sharing_target_layer_name: str | None = None,
+        workspace_tokens: int = DEFAULT_WORKSPACE_TOKENS,
+    ) -> None:
+        """Check the arguments against `self.backend` and keep them.
+
+        Args:
+            num_heads: H, query heads.
+            scale: the softmax scale (DeepSeek with YaRN: `mscale^2 / sqrt(P + R)`).
+            kv_lora_rank: L; qk_rope_head_dim: R; qk_nope_head_dim: P; v_head_dim: Vd.
+            kv_cache_dtype: "auto" or one of `anyattn.types.CACHE_DTYPES` the backend declares.
+            kv_sharing_target_layer_name: a layer whose cache this one reads (writes nothing).
+            workspace_tokens: most latent context rows a prefill reads at once (the builder
+                plans chunks of it; at least one block).
+
+        Kept: those arguments, `head_size = L + R`, `num_kv_heads = 1`, `attn_type` decoder.
+
+        Raises:
+            TypeError: the class names no backend, or a non-MLA one.
+            ValueError: a malformed size or scale, or a latent split, row size or cache dtype
+                the backend does not declare.
+        """
+        backend = getattr(type(self), "backend", None)
+        if backend is None:
+            raise TypeError(
+                f"{type(self).__name__}: an impl class must name its backend (set "
+                f"{type(self).__name__}.backend = <MLAAttentionBackend subclass>)."
+            )
+        validate_mla_impl_arguments(
+            backend,
+            num_heads=num_heads,
+            scale=scale,
+            kv_lora_rank=kv_lora_rank,
+            qk_rope_head_dim=qk_rope_head_dim,
+            qk_nope_head_dim=qk_nope_head_dim,
+            v_head_dim=v_head_dim,
+            kv_cache_dtype=kv_cache_dtype,
+            workspace_tokens=workspace_tokens,
+        )
+        self.num_heads = num_heads
+        self.num_kv_heads = 1
+        self.head_size = kv_lora_rank + qk_rope_head_dim
+        self.scale = float(scale)
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.v_head_dim = v_head_dim
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.workspace_tokens = workspace_tokens
+        self.attn_type = AttentionType.DECODER
+
+    def layer_params(self) -> MLALayerParams:
+        """This layer's record for its builder (`MLALayerParams`)."""
+        return self.params_cls(
+            num_heads=self.num_heads,
+            num_kv_heads=1,
+            head_size=self.head_size,
+            scale=self.scale,
+            kv_cache_dtype=self.kv_cache_dtype,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            qk_nope_head_dim=self.qk_nope_head_dim,
+            v_head_dim=self.v_head_dim,
+            workspace_tokens=self.workspace_tokens,
+        )
+
+    def forward(self, *args: object, **kwargs: object) -> NoReturn:
+        """MLA impls have no `forward`.
+
+        Raises:
+            TypeError: always, naming the two entry points to call instead.
+        """
+        raise TypeError(
+            f"{type(self).__name__}.forward: an MLA impl has no forward (got a call to forward, "
+            "expected forward_mqa for decode rows and forward_mha for prefill rows). Use "
+            "anyattn.MLAAttention, which splits a step and calls both."
+        )
+
+    @abstractmethod
+    def forward_mqa(
+        self,
+        layer: MLALayer,
+        q_latent: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: M,
+        output: torch.Tensor,
+        output_lse: torch.Tensor | None = None,
+    ) -> None:
+        """Decode rows, absorbed: MQA over the latent cache with one shared KV head.
+
+        Args:
+            layer: the calling layer (`layer_name`; `k_scale` for an fp8 cache).
+            q_latent: `[T_dec, H, L]`, `W_UK[h]^T q_nope[t, h]`, model dtype.
+            q_pe: `[T_dec, H, R]`, the rotated rope part of the queries.
+            kv_cache: `(num_blocks, block_size, L + R)`; keys are whole rows, values their
+                first L columns.
+            attn_metadata: the step's metadata; `T_dec` is its `num_decode_tokens`.
+            output: `[T_dec, H, L]`, written with the latent output.
+            output_lse: float32 `[H, >= T_dec]` to receive each row's natural-log LSE.
+        """
+
+    @abstractmethod
+    def forward_mha(
+        self,
+        layer: MLALayer,
+        q: torch.Tensor,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: M,
+        output: torch.Tensor,
+    ) -> None:
+        """Prefill rows, up-projected: each request's new tokens attend causally to each
+        other (keys and values up-projected from `kv_c_normed`) and to its cached context,
+        read in the builder's chunks and up-projected by `layer.up_project`, merged by LSE.
+
+        Args:
+            q: `[T_pre, H, P + R]`, rope applied; `T_pre` is the metadata's
+                `num_prefill_tokens`.
+            kv_c_normed: `[T_pre, L]`, the new tokens' normalised latents.
+            k_pe: `[T_pre, R]`, their rotated rope keys.
+            output: `[T_pre, H, Vd]`.
+        """
+
+    def do_kv_cache_update(
+        self,
+        layer: MLALayer,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        attn_metadata: object = None,
+    ) -> None:
+        """Write the step's latent rows `[kv_c_normed, k_pe]` (`[T, L]`, `[T, R]`) into the
+        cache (slot -1 skipped) after `anyattn.validation_mla.check_mla_kv_write`: nothing is
+        written on a refused call. Pass the step's `attn_metadata` to have the slots checked
+        from its CPU mirrors. Layers that share another layer's cache write nothing.
+        """
+        if self.kv_sharing_target_layer_name is not None:
+            return
+        scale = check_mla_kv_write(
+            self, layer, kv_c_normed, k_pe, kv_cache, slot_mapping, attn_metadata
+        )
+        concat_and_cache_mla_unchecked(
+            kv_c_normed, k_pe, kv_cache, slot_mapping, self.kv_cache_dtype, scale
+        )
