@@ -3,7 +3,8 @@
 Fixtures:
     tiny_hf_model: `tiny_hf_model(kind) -> (folder, hf_model)`: a random transformers model of
         one of `TINY_MODELS` (fixed seed, fp32, eager attention) saved with `save_pretrained`
-        (safetensors) into a session temp folder, and the model itself as the reference.
+        (safetensors) into a session temp folder, and the model itself as the reference;
+        `DEEPSEEK_MODELS` are the DeepSeek-V2/V3 (MLA + MoE) kinds.
     paged_runner: `paged_runner(model, block_size=4, num_blocks=64) -> PagedRunner`.
 
     tiny_llm: `tiny_llm(kind, **llm_kwargs) -> (LLM, hf_model)` over such a folder with a
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from anyattn.config import AttentionSpec, BatchLimits
+from anyattn.config import BatchLimits
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.metadata import make_common_attn_metadata
 
@@ -145,6 +146,8 @@ DEEPSEEK_MODELS: dict[str, dict] = {
         },
     },
 }
+# the vocabulary of the default model's tokenizer (SmolLM2), for `anyattn generate` on a folder
+DEEPSEEK_MODELS["deepseek_v2_vocab49152"] = {**DEEPSEEK_MODELS["deepseek_v2"], "vocab_size": 49152}
 
 # kind -> (transformers config class name, overrides)
 TINY_MODELS: dict[str, tuple[str, dict]] = {
@@ -268,20 +271,15 @@ class PagedRunner:
         records = {}
         for layer in model.attention_layers():
             records[layer.layer_name] = layer.impl.layer_params()
+            # an AttentionSpec, or an MLAAttentionSpec (one latent row per token)
+            spec = layer.kv_cache_spec(block_size, model.dtype, "auto")
             self.caches[layer.layer_name] = allocate_kv_cache(
                 layer.backend,
                 num_blocks,
                 block_size,
-                layer.num_kv_heads,
-                layer.head_size,
+                spec.num_kv_heads,
+                spec.head_size,
                 model.dtype,
-            )
-            spec = AttentionSpec(
-                block_size,
-                layer.num_kv_heads,
-                layer.head_size,
-                model.dtype,
-                sliding_window=layer.impl.sliding_window,
             )
             groups.setdefault((layer.backend, spec), []).append(layer.layer_name)
         self.builders = [
