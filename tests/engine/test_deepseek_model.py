@@ -77,6 +77,35 @@ def test_chunked_prefills_beside_decodes_match_transformers(
             )
 
 
+@pytest.mark.parametrize("kind", ["deepseek_v2", "deepseek_v3"])
+def test_bfloat16_error_within_twice_transformers_bfloat16_error(
+    kind, tiny_hf_model, paged_runner, hf_logits
+):
+    """STYLE.md's low-precision rule against transformers loading the same folder in bf16
+    (routers kept in fp32 by both), per token row over four prompts (a prefill, then a decode).
+
+    Routing is discrete: bf16 rounding that flips a near-tie between experts moves that row's
+    logits by O(1), in either implementation and at different rows, so the rule is applied to
+    the median row error."""
+    folder, hf_model = tiny_hf_model(kind)
+    hf_bf16 = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.bfloat16, attn_implementation="eager"
+    )
+    config, weights = load_hf_folder(folder)
+    model = build_model(config, dtype=torch.bfloat16, block_size=4)
+    model.load_weights(weights)
+    assert model.layers[1].mlp.gate.weight.dtype == torch.float32
+    ours, theirs = [], []
+    for seed in range(4):
+        seq = _prompt(seed + 20, 9, config.vocab_size)
+        runner = paged_runner(model)
+        logits = torch.cat(runner.step([("a", seq[:8])]) + runner.step([("a", seq[8:])]))
+        reference = hf_logits(hf_model, seq)
+        ours.append((logits - reference).abs().amax(dim=-1))
+        theirs.append((hf_logits(hf_bf16, seq) - reference).abs().amax(dim=-1))
+    assert torch.cat(ours).median() <= 2 * torch.cat(theirs).median()
+
+
 def test_layers_are_mla_with_their_sizes_and_moe_after_the_dense_ones(tiny_hf_model):
     model, hf_model = _load(tiny_hf_model, "deepseek_v3_512")
     assert isinstance(model, DeepseekForCausalLM)
