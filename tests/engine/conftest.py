@@ -3,7 +3,8 @@
 Fixtures:
     tiny_hf_model: `tiny_hf_model(kind) -> (folder, hf_model)`: a random transformers model of
         one of `TINY_MODELS` (fixed seed, fp32, eager attention) saved with `save_pretrained`
-        (safetensors) into a session temp folder, and the model itself as the reference.
+        (safetensors) into a session temp folder, and the model itself as the reference;
+        `DEEPSEEK_MODELS` are the DeepSeek-V2/V3 (MLA + MoE) kinds.
     paged_runner: `paged_runner(model, block_size=4, num_blocks=64) -> PagedRunner`.
 
     tiny_llm: `tiny_llm(kind, **llm_kwargs) -> (LLM, hf_model)` over such a folder with a
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from anyattn.config import AttentionSpec, BatchLimits
+from anyattn.config import BatchLimits
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.metadata import make_common_attn_metadata
 
@@ -43,6 +44,110 @@ _SIZES = {
     # soft caps change the logits visibly.
     "initializer_range": 0.15,
 }
+
+# DeepSeek (MLA + MoE): kind -> overrides of DeepseekV2Config / DeepseekV3Config. Every kind
+# has 3 layers, the first `first_k_dense_replace` dense; `num_key_value_heads` equals the head
+# count (transformers' V3 eager attention needs it); latent sizes L + R odd (48 + 16, 40 + 8)
+# and DeepSeek's 512 + 64; value heads smaller or larger than P + R. `head_dim` is the rope size
+# R, as transformers' config holds it (a shared value would override the config's own).
+_DEEPSEEK = {"num_key_value_heads": 4, "n_routed_experts": 8, "moe_intermediate_size": 16}
+DEEPSEEK_MODELS: dict[str, dict] = {
+    # V2-Lite-like: no low-rank query, greedy softmax routing, YaRN with mscale = mscale_all_dim
+    "deepseek_v2": {
+        **_DEEPSEEK,
+        "q_lora_rank": None,
+        "kv_lora_rank": 48,
+        "qk_rope_head_dim": 16,
+        "head_dim": 16,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 24,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 2,
+        "first_k_dense_replace": 1,
+        "topk_method": "greedy",
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+    },
+    # V2-like: low-rank query, group-limited greedy routing scaled, plain RoPE
+    "deepseek_v2_group": {
+        **_DEEPSEEK,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 40,
+        "qk_rope_head_dim": 8,
+        "head_dim": 8,
+        "qk_nope_head_dim": 24,
+        "v_head_dim": 16,
+        "num_experts_per_tok": 3,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "topk_method": "group_limited_greedy",
+        "n_group": 4,
+        "topk_group": 2,
+        "routed_scaling_factor": 1.5,
+    },
+    # V3-like: sigmoid routing with correction bias, 4 groups keep 2, normalised and scaled;
+    # interleaved YaRN with mscale_all_dim (attention factor 1, softmax scale mscale^2)
+    "deepseek_v3": {
+        **_DEEPSEEK,
+        "q_lora_rank": 24,
+        "kv_lora_rank": 48,
+        "qk_rope_head_dim": 16,
+        "head_dim": 16,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "n_group": 4,
+        "topk_group": 2,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "rope_interleave": True,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    },
+    # DeepSeek's 512 + 64 latent; NeoX pairing, no renormalisation, 2 dense layers, YaRN whose
+    # attention factor is not 1 (mscale != mscale_all_dim)
+    "deepseek_v3_512": {
+        **_DEEPSEEK,
+        "q_lora_rank": None,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "head_dim": 64,
+        "qk_nope_head_dim": 32,
+        "v_head_dim": 32,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 2,
+        "n_group": 2,
+        "topk_group": 1,
+        "norm_topk_prob": False,
+        "routed_scaling_factor": 1.5,
+        "rope_interleave": False,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "original_max_position_embeddings": 16,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.8,
+        },
+    },
+}
+# the vocabulary of the default model's tokenizer (SmolLM2), for `anyattn generate` on a folder
+DEEPSEEK_MODELS["deepseek_v2_vocab49152"] = {**DEEPSEEK_MODELS["deepseek_v2"], "vocab_size": 49152}
 
 # kind -> (transformers config class name, overrides)
 TINY_MODELS: dict[str, tuple[str, dict]] = {
@@ -78,6 +183,10 @@ TINY_MODELS: dict[str, tuple[str, dict]] = {
             "query_pre_attn_scalar": 24,
         },
     ),
+    **{
+        kind: ("DeepseekV2Config" if kind.startswith("deepseek_v2") else "DeepseekV3Config", cfg)
+        for kind, cfg in DEEPSEEK_MODELS.items()
+    },
 }
 
 
@@ -98,6 +207,9 @@ def make_hf_model(kind: str, seed: int = 0) -> torch.nn.Module:
             noise = 0.1 * torch.randn(param.shape, generator=generator)
             if "norm" in name or name.endswith(".bias"):
                 param.add_(noise)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zeros would hide a missing bias
+                buffer.add_(0.1 * torch.randn(buffer.shape, generator=generator))
     return model.eval()
 
 
@@ -159,20 +271,15 @@ class PagedRunner:
         records = {}
         for layer in model.attention_layers():
             records[layer.layer_name] = layer.impl.layer_params()
+            # an AttentionSpec, or an MLAAttentionSpec (one latent row per token)
+            spec = layer.kv_cache_spec(block_size, model.dtype, "auto")
             self.caches[layer.layer_name] = allocate_kv_cache(
                 layer.backend,
                 num_blocks,
                 block_size,
-                layer.num_kv_heads,
-                layer.head_size,
+                spec.num_kv_heads,
+                spec.head_size,
                 model.dtype,
-            )
-            spec = AttentionSpec(
-                block_size,
-                layer.num_kv_heads,
-                layer.head_size,
-                model.dtype,
-                sliding_window=layer.impl.sliding_window,
             )
             groups.setdefault((layer.backend, spec), []).append(layer.layer_name)
         self.builders = [

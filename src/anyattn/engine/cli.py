@@ -185,6 +185,22 @@ def _explain_layers(llm, backend: str | None, console: Console) -> None:
             console.print(f"  {verdict.name}: {mark}")
 
 
+def _backends_by_layer(layers: Sequence[object]) -> str:
+    """Runs of consecutive layers on one backend, `0-2 TORCH_MLA (MLA), 3 TORCH`: which backend
+    each attention layer got (MLA layers marked)."""
+    runs: list[tuple[int, int, str]] = []
+    for index, layer in enumerate(layers):
+        name = layer.backend.get_name() + (" (MLA)" if layer.config.use_mla else "")
+        if runs and runs[-1][2] == name:
+            runs[-1] = (runs[-1][0], index, name)
+        else:
+            runs.append((index, index, name))
+    return ", ".join(
+        f"{first}-{last} {name}" if last > first else f"{first} {name}"
+        for first, last, name in runs
+    )
+
+
 def _one_line(text: str) -> str:
     return text.replace("\r", "\\r").replace("\n", "\\n")
 
@@ -278,6 +294,7 @@ def run_generate(args: argparse.Namespace) -> int:
         f"{llm.device}, {str(llm.dtype).removeprefix('torch.')}; attention backend: "
         f"{', '.join(llm.backend_names)} ({how}; loaded in {time.perf_counter() - start:.1f} s)"
     )
+    err.print(f"backend per layer: {_backends_by_layer(llm.model.attention_layers())}")
     if args.verbose:
         _explain_layers(llm, args.backend, err)
     start = time.perf_counter()

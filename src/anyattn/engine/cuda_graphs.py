@@ -95,9 +95,11 @@ def plan_cuda_graphs(
     device_type: str,
     enforce_eager: bool,
     limits: BatchLimits,
+    model_reason: str | None = None,
 ) -> CudaGraphPlan:
     """Decide whether and what to capture from each backend's weakest `get_cudagraph_support`
-    level; empty `limits.cudagraph_capture_sizes` means the defaults."""
+    level; empty `limits.cudagraph_capture_sizes` means the defaults; `model_reason`, when
+    given, says why the model's steps cannot be captured (graphs are then off)."""
     level = min(levels.values(), default=AttentionCGSupport.NEVER)
     sizes = limits.cudagraph_capture_sizes or default_capture_sizes(
         limits.max_num_reqs, limits.max_num_tokens
@@ -122,6 +124,8 @@ def plan_cuda_graphs(
         why = f"device is {device_type} (CUDA graphs need a CUDA device)"
     elif enforce_eager:
         why = "enforce_eager=True"
+    elif model_reason:
+        why = model_reason
     elif not query_lens:
         never = [name for name, lvl in sorted(levels.items()) if lvl == AttentionCGSupport.NEVER]
         why = ", ".join(f"{name} supports NEVER" for name in never) or "no attention layers"

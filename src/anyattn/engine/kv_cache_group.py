@@ -1,8 +1,9 @@
-"""`KVCacheGroup`: attention layers that share one backend and one `AttentionSpec`, and the one
-metadata builder serving them (a plain model has one group; Gemma2's sliding and global layers
-make two). Every group reads the engine's block table and slot mapping; a group whose kernel
-block is smaller than the engine block reads the table expanded to kernel blocks (slot numbers
-are the same in both)."""
+"""`KVCacheGroup`: attention layers that share one backend and one KV-cache spec (an
+`AttentionSpec`, or an `MLAAttentionSpec` for MLA's latent cache), and the one metadata builder
+serving them (a plain model has one group; Gemma2's sliding and global layers make two). Every
+group reads the engine's block table and slot mapping; a group whose kernel block is smaller
+than the engine block reads the table expanded to kernel blocks (slot numbers are the same in
+both)."""
 
 from __future__ import annotations
 

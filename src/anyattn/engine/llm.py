@@ -39,7 +39,7 @@ from anyattn.engine.sampling_params import SamplingParams
 from anyattn.engine.scheduler import ScheduledBatch, Scheduler
 from anyattn.engine.sequence import Sequence as Request
 from anyattn.engine.sequence import SequenceStatus
-from anyattn.types import cache_torch_dtype, parse_dtype
+from anyattn.types import parse_dtype
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
 
@@ -165,9 +165,9 @@ class LLM:
         self.eos_token_ids = tuple(sorted(set(eos) | ({tokenizer_eos} - {None})))
 
     def _num_blocks(self, memory: int, kv_cache_dtype: str, limits: BatchLimits) -> int:
-        itemsize = torch.empty((), dtype=cache_torch_dtype(kv_cache_dtype, self.dtype)).itemsize
+        # K and V rows per token, or one latent row for MLA layers
         per_block = sum(
-            2 * self.block_size * layer.num_kv_heads * layer.head_size * itemsize
+            layer.kv_cache_spec(self.block_size, self.dtype, kv_cache_dtype).page_size_bytes
             for layer in self.model.attention_layers()
         )
         useful = limits.max_num_reqs * -(-limits.max_model_len // self.block_size)

@@ -14,6 +14,12 @@ from typing import Any
 
 import torch
 
+from anyattn.engine.deepseek_config import (
+    DEEPSEEK_ARCHITECTURES,
+    MLAConfig,
+    MoEConfig,
+    read_deepseek,
+)
 from anyattn.types import parse_dtype
 
 __all__ = ["ROPE_TYPES", "SUPPORTED_ARCHITECTURES", "ModelConfig"]
@@ -24,6 +30,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Gemma2ForCausalLM": "gemma2",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
@@ -57,6 +65,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "final_logit_softcapping": 30.0,
         "attn_logit_softcapping": 50.0,
     },
+    "deepseek_v2": {"max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2},
+    "deepseek_v3": {"max_position_embeddings": 4096, "bos_token_id": 0, "eos_token_id": 1},
 }
 _API = "ModelConfig.from_hf"
 
@@ -66,7 +76,12 @@ class ModelConfig:
     """A decoder-only transformer, as the engine's models need it (transformers' names).
 
     Attributes:
-        architecture: "llama", "mistral", "qwen2" or "gemma2" (the key of `MODEL_REGISTRY`).
+        architecture: "llama", "mistral", "qwen2", "gemma2", "deepseek_v2" or "deepseek_v3"
+            (the key of `MODEL_REGISTRY`).
+        head_dim: the size of each attention head; for DeepSeek (MLA) models the rotary size
+            `qk_rope_head_dim`, as in transformers' config (the head sizes are in `mla`).
+        intermediate_size: the dense MLP's (DeepSeek: of its first `first_k_dense_replace`
+            layers).
         rope_scaling: None for plain RoPE, else {"rope_type": one of `ROPE_TYPES` but
             "default", and that type's parameters as transformers names them}.
         attention_bias / o_proj_bias / mlp_bias: q/k/v, output and MLP projections have biases.
@@ -76,6 +91,7 @@ class ModelConfig:
             scaled by `query_pre_attn_scalar ** -0.5`); None elsewhere.
         eos_token_id: an id, a tuple of ids, or None (see `eos_token_ids`).
         dtype: the checkpoint's dtype from config.json, else None.
+        mla, moe: DeepSeek's latent attention and mixture of experts; None for other models.
     """
 
     architecture: str
@@ -103,6 +119,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     dtype: torch.dtype | None = None
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_sliding_windows:
@@ -128,7 +146,10 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        """The factor applied to `q·k`: `query_pre_attn_scalar ** -0.5` or `head_dim ** -0.5`."""
+        """The factor applied to `q·k`: `query_pre_attn_scalar ** -0.5` or `head_dim ** -0.5`
+        (MLA: `mla.scale`)."""
+        if self.mla is not None:
+            return self.mla.scale
         scalar = self.query_pre_attn_scalar or self.head_dim
         return scalar**-0.5
 
@@ -143,9 +164,10 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> ModelConfig:
-        """Read the `config.json` dict of a Llama (SmolLM2 included), Mistral, Qwen2 or Gemma2
-        checkpoint written by transformers 4.x or 5.x. ValueError: an unsupported architecture
-        or feature, or a missing or ill-typed field; the message says which."""
+        """Read the `config.json` dict of a Llama (SmolLM2 included), Mistral, Qwen2, Gemma2,
+        DeepSeek-V2 or DeepSeek-V3 checkpoint written by transformers 4.x or 5.x. ValueError:
+        an unsupported architecture or feature, or a missing or ill-typed field; the message
+        says which."""
         arch = _architecture(config)
         cfg = _with_defaults(arch, config)
         hidden = _int(cfg, "hidden_size")
@@ -156,6 +178,11 @@ class ModelConfig:
         head_dim = _int(cfg, "head_dim") if "head_dim" in cfg else hidden // num_heads
         max_pos = _int(cfg, "max_position_embeddings")
         theta, rope_scaling = _rope(cfg, max_pos)
+        mla = moe = None
+        if arch in DEEPSEEK_ARCHITECTURES:
+            mla, moe = read_deepseek(arch, config, rope_scaling)
+            # MLA has one latent "KV head"; the rope table is of the rotary part only.
+            num_kv_heads, head_dim = num_heads, mla.qk_rope_head_dim
         windows = _sliding_windows(arch, cfg, num_layers)
         is_gemma = arch == "gemma2"
         if is_gemma and cfg.get("use_bidirectional_attention"):
@@ -184,7 +211,7 @@ class ModelConfig:
             # four projections; Mistral has none.
             attention_bias=arch == "qwen2" or (arch != "mistral" and has_attn_bias),
             o_proj_bias=arch in ("llama", "gemma2") and has_attn_bias,
-            mlp_bias=arch == "llama" and bool(cfg.get("mlp_bias", False)),
+            mlp_bias=arch in ("llama", "deepseek_v2") and bool(cfg.get("mlp_bias", False)),
             sliding_window=max((w for w in windows if w is not None), default=None),
             layer_sliding_windows=windows,
             attn_logit_softcapping=_float_or_none(cfg, "attn_logit_softcapping", is_gemma),
@@ -196,6 +223,8 @@ class ModelConfig:
             dtype=None
             if dtype_name is None
             else parse_dtype(dtype_name, argument=f"{_API}: dtype"),
+            mla=mla,
+            moe=moe,
         )
 
 
@@ -296,7 +325,7 @@ def _rope(cfg: Mapping[str, Any], max_pos: int) -> tuple[float, dict[str, Any] |
 
 def _sliding_windows(arch: str, cfg: Mapping[str, Any], num_layers: int) -> tuple[int | None, ...]:
     """The window of every layer; None means full attention."""
-    if arch == "llama":
+    if arch in ("llama", *DEEPSEEK_ARCHITECTURES):
         return (None,) * num_layers
     window = cfg.get("sliding_window")
     if arch == "qwen2" and not cfg.get("use_sliding_window", False):

@@ -25,6 +25,7 @@ from anyattn.engine.kv_cache_group import KVCacheGroup, in_kernel_blocks
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.layer import Attention
 from anyattn.metadata import CommonAttentionMetadata
+from anyattn.mla_layer import MLAAttention
 from anyattn.types import AttentionCGSupport
 
 logger = logging.getLogger(__name__)
@@ -144,8 +145,15 @@ class ModelRunner:
             level = backend.get_builder_cls().get_cudagraph_support(spec, limits)
             name = backend.get_name()
             levels[name] = min(level, levels.get(name, level))
+        model_reason = None
+        if not getattr(self.model, "supports_cuda_graphs", True):
+            model_reason = f"{type(self.model).__name__} steps cannot be captured"
         plan = plan_cuda_graphs(
-            levels, device_type=self.device.type, enforce_eager=enforce_eager, limits=limits
+            levels,
+            device_type=self.device.type,
+            enforce_eager=enforce_eager,
+            limits=limits,
+            model_reason=model_reason,
         )
         log_level = logging.INFO if self.device.type == "cuda" else logging.DEBUG
         logger.log(log_level, "%s", plan.message)
@@ -155,20 +163,14 @@ class ModelRunner:
         )
 
     def _group_specs(
-        self, layers: list[Attention], kv_cache_dtype: str
+        self, layers: list[Attention | MLAAttention], kv_cache_dtype: str
     ) -> dict[tuple[type[AttentionBackend], AttentionSpec], list[str]]:
-        """(backend, spec) -> layer names, in layer order."""
+        """(backend, spec) -> layer names, in layer order; each layer gives its own spec (an
+        `AttentionSpec`, or an `MLAAttentionSpec` for a latent cache) in kernel blocks."""
         by_key: dict[tuple[type[AttentionBackend], AttentionSpec], list[str]] = {}
         for layer in layers:
             kernel = layer.backend.get_kernel_block_size(self.block_size)
-            spec = AttentionSpec(
-                block_size=kernel,
-                num_kv_heads=layer.num_kv_heads,
-                head_size=layer.head_size,
-                dtype=self.dtype,
-                kv_cache_dtype=kv_cache_dtype,
-                sliding_window=layer.sliding_window,
-            )
+            spec = layer.kv_cache_spec(kernel, self.dtype, kv_cache_dtype)
             by_key.setdefault((layer.backend, spec), []).append(layer.layer_name)
         return by_key
 

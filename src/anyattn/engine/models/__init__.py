@@ -8,18 +8,28 @@ from __future__ import annotations
 
 from anyattn.engine.model_config import ModelConfig
 from anyattn.engine.models.base import CausalLM
+from anyattn.engine.models.deepseek import DeepseekForCausalLM
 from anyattn.engine.models.gemma2 import Gemma2ForCausalLM
 from anyattn.engine.models.llama import LlamaForCausalLM
 
-__all__ = ["MODEL_REGISTRY", "CausalLM", "Gemma2ForCausalLM", "LlamaForCausalLM", "build_model"]
+__all__ = [
+    "MODEL_REGISTRY",
+    "CausalLM",
+    "DeepseekForCausalLM",
+    "Gemma2ForCausalLM",
+    "LlamaForCausalLM",
+    "build_model",
+]
 
 # Mistral is Llama with a sliding window and Qwen2 Llama with q/k/v biases: both are settings of
-# ModelConfig, not separate graphs.
+# ModelConfig, not separate graphs; so are DeepSeek-V2 and V3 (their routing differs).
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "gemma2": Gemma2ForCausalLM,
+    "deepseek_v2": DeepseekForCausalLM,
+    "deepseek_v3": DeepseekForCausalLM,
 }
 
 

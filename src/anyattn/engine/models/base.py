@@ -16,7 +16,6 @@ from anyattn.engine.model_config import ModelConfig
 from anyattn.engine.models.layers import RMSNorm, Slots, empty_linear_weight, empty_param
 from anyattn.engine.models.rope import RotaryEmbedding
 from anyattn.engine.models.weights import WeightSlot, load_into_slots
-from anyattn.layer import Attention
 from anyattn.types import parse_cache_dtype, parse_dtype
 
 __all__ = ["CausalLM"]
@@ -32,6 +31,8 @@ class CausalLM(nn.Module):
     """
 
     has_unit_offset_norms = False
+    # False when a step cannot be captured in a CUDA graph (the runner then runs eagerly).
+    supports_cuda_graphs = True
 
     def __init__(
         self,
@@ -72,7 +73,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(
             [self.make_layer(i, attn_kwargs) for i in range(config.num_hidden_layers)]
         )
-        self.layer_names = [layer.self_attn.attn.layer_name for layer in self.layers]
+        self.layer_names = [attn.layer_name for attn in self.attention_layers()]
         self.norm = RMSNorm(
             config.hidden_size,
             config.rms_norm_eps,
@@ -86,8 +87,9 @@ class CausalLM(nn.Module):
         )
 
     def make_layer(self, index: int, attn_kwargs: dict[str, object]) -> nn.Module:
-        """Decoder layer `index`: `.self_attn.attn` is its `Attention`; it is called as
-        `layer(hidden, cos, sin, kv_cache, attn_metadata)` and has `weight_slots(prefix)`."""
+        """Decoder layer `index`: called as `layer(hidden, cos, sin, kv_cache, attn_metadata)`,
+        with `weight_slots(prefix)`; its attention layer is the one `attention_layers` lists
+        (by default `.self_attn.attn`)."""
         raise NotImplementedError
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -119,8 +121,9 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def attention_layers(self) -> list[Attention]:
-        """Every `Attention` layer, in order; names are `model.layers.<i>.self_attn.attn`."""
+    def attention_layers(self) -> list[nn.Module]:
+        """Every attention layer (`Attention`, or `MLAAttention` for MLA models), in order;
+        names are `model.layers.<i>.self_attn.attn` unless a family says otherwise."""
         return [layer.self_attn.attn for layer in self.layers]
 
     def weight_slots(self) -> Slots:
@@ -134,15 +137,17 @@ class CausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy a checkpoint (Hugging Face names and layouts) into the model, casting to its
-        dtype (an LM head next to tied embeddings and rotary caches are skipped). ValueError
-        names the missing, unexpected and mis-shaped tensors."""
-        tied = self.config.tie_word_embeddings
-
-        def ignore(name: str) -> bool:
-            return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
-
+        dtype (tensors `is_skipped_weight` names are skipped). ValueError names the missing,
+        unexpected and mis-shaped tensors."""
         slots = dict(self.weight_slots())
-        load_into_slots(f"{type(self).__name__}.load_weights", slots, weights, ignore)
+        api = f"{type(self).__name__}.load_weights"
+        load_into_slots(api, slots, weights, self.is_skipped_weight)
+
+    def is_skipped_weight(self, name: str) -> bool:
+        """Whether a checkpoint tensor without a slot is expected and skipped: rotary caches,
+        and an LM head next to tied embeddings."""
+        tied = self.config.tie_word_embeddings
+        return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
 
 
 def _slot(name: str, param: torch.Tensor) -> Slots:

@@ -21,7 +21,7 @@ from anyattn.engine.models.rope import apply_rotary
 from anyattn.engine.models.weights import WeightSlot
 from anyattn.layer import Attention
 
-__all__ = ["GatedMLP", "RMSNorm", "SelfAttention"]
+__all__ = ["ACTIVATIONS", "GatedMLP", "RMSNorm", "SelfAttention"]
 
 Slots = Iterator[tuple[str, WeightSlot]]
 
@@ -87,7 +87,7 @@ def _one_plus(w: torch.Tensor) -> torch.Tensor:
     return 1.0 + w.float()
 
 
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -110,7 +110,7 @@ class GatedMLP(nn.Module):
     ) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.act = _ACTIVATIONS[hidden_act]
+        self.act = ACTIVATIONS[hidden_act]
         self.gate_up_weight = empty_linear_weight(
             2 * intermediate_size, hidden_size, dtype=dtype, device=device
         )

@@ -1,6 +1,7 @@
 """Rotary position embedding: inverse frequencies of plain RoPE and its "linear", "dynamic",
 "llama3" and "yarn" variants (the float32 operations of transformers' `ROPE_INIT_FUNCTIONS`,
-so the same bits), a cos/sin table per position, and the rotation (Neox layout)."""
+so the same bits), a cos/sin table per position, and the rotation (Neox layout, or DeepSeek's
+interleaved pairs)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["RotaryEmbedding", "apply_rotary", "rope_inv_freq"]
+__all__ = ["RotaryEmbedding", "apply_rotary", "apply_rotary_interleaved", "rope_inv_freq"]
 
 
 def rope_inv_freq(
@@ -143,3 +144,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate `x: [num_tokens, num_heads, head_size]` by `RotaryEmbedding` output (new tensor)."""
     swapped = torch.roll(x, x.shape[-1] // 2, dims=-1)  # halves swapped: [x2, x1]
     return x * cos + swapped * sin
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x: [num_tokens, num_heads, head_size]` whose rotary pairs are interleaved,
+    `(x0, x1), (x2, x3), ...` (DeepSeek), by `RotaryEmbedding` output (new tensor).
+
+    The result holds the rotated pairs' first elements, then their second elements (transformers'
+    DeepSeek-V3 layout); a query and a key rotated alike keep their dot product."""
+    half = x.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., half:]  # per-pair angle; the unsigned half of `sin`
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
