@@ -89,7 +89,7 @@ def run_interpreter_cases() -> list[str]:
     return failures
 
 
-@pytest.mark.slow  # about 30 s (backend) / 12 s (op) of interpreted kernels
+@pytest.mark.slow  # about 30 s of interpreted kernels
 def test_kernels_under_interpreter(triton_interpreter: Callable[..., str]) -> None:
     triton_interpreter(__file__, timeout=600)
 

@@ -156,7 +156,7 @@ def case_id(case: tuple[Callable[..., None], tuple[Any, ...]]) -> str:
     return "-".join([check.__name__.removeprefix("check_"), *map(str, args[1:])])
 
 
-@pytest.mark.slow  # about 30 s (backend) / 12 s (op) of interpreted kernels
+@pytest.mark.slow  # about 12 s of interpreted kernels
 def test_kernel_under_interpreter(triton_interpreter: Callable[..., str]) -> None:
     stdout = triton_interpreter(__file__)
     assert "ran" in stdout and " 0 failed" in stdout, stdout
