@@ -27,7 +27,7 @@ from anyattn.types import (
 if TYPE_CHECKING:
     from anyattn.config import AttentionSelectorConfig, AttentionSpec, BatchLimits
 
-__all__ = ["PLATFORMS", "AttentionBackend", "platform_key"]
+__all__ = ["PLATFORMS", "AttentionBackend", "format_mla_splits", "platform_key"]
 
 # Platform keys of `AttentionBackend.priority`.
 PLATFORMS = ("cpu", "cuda", "blackwell")
@@ -441,15 +441,38 @@ class AttentionBackend(ABC):
             "kv_cache_layouts": [str(x) for x in cls.supported_kv_cache_layouts()],
             "attn_types": [t.value for t in cls.supported_attn_types],
             "features": features,
-            "mla_splits": (_format_splits(splits) or "any") if cls.is_mla() else None,
+            "mla_splits": (format_mla_splits(splits) or "any") if cls.is_mla() else None,
             "cudagraph_support": cls.get_cudagraph_support().name,
             "forward_includes_kv_cache_update": cls.forward_includes_kv_cache_update,
             "priority": dict(cls.priority),
         }
 
 
-def _format_splits(splits: Sequence[tuple[int, int]]) -> str:
-    return ", ".join(f"{rank}+{rope}" for rank, rope in splits)
+def format_mla_splits(splits: Sequence[tuple[int, int]]) -> str:
+    """Latent splits as `kv_lora_rank+qk_rope_head_dim` text, compact when they are every
+    combination of some ranks and some rope sizes: `[(512, 64)]` reads "512+64", the ranks
+    16, 32, ..., 512 each with rope 16, 32 and 64 read "{16, 32, ..., 512}+{16, 32, 64}";
+    other sets list each rope size's ranks."""
+    by_rope: dict[int, list[int]] = {}
+    for rank, rope in splits:
+        by_rope.setdefault(rope, []).append(rank)
+    rank_sets = {tuple(sorted(set(ranks))) for ranks in by_rope.values()}
+    if len(rank_sets) == 1:
+        return f"{_format_ints(next(iter(rank_sets)))}+{_format_ints(sorted(by_rope))}"
+    return ", ".join(
+        f"{_format_ints(sorted(set(ranks)))}+{rope}" for rope, ranks in by_rope.items()
+    )
+
+
+def _format_ints(values: Sequence[int]) -> str:
+    """One value as is; several in braces, an arithmetic run from its step (16, 32, ..., 512)
+    shortened with an ellipsis."""
+    if len(values) == 1:
+        return str(values[0])
+    step = values[0]
+    if len(values) > 3 and all(v == step * (i + 1) for i, v in enumerate(values)):
+        return f"{{{values[0]}, {values[1]}, ..., {values[-1]}}}"
+    return "{" + ", ".join(str(v) for v in values) + "}"
 
 
 def _mla_split_reason(cls: type[AttentionBackend], config: AttentionSelectorConfig) -> str | None:
@@ -464,11 +487,11 @@ def _mla_split_reason(cls: type[AttentionBackend], config: AttentionSelectorConf
     if rope is None:
         return (
             f"MLA latent split of head_size {config.head_size} unknown (qk_rope_head_dim not "
-            f"given; supported kv_lora_rank+qk_rope_head_dim: {_format_splits(splits)})"
+            f"given; supported kv_lora_rank+qk_rope_head_dim: {format_mla_splits(splits)})"
         )
     if not cls.supports_mla_split(config.head_size - rope, rope):
         return (
             f"MLA latent split {config.head_size - rope}+{rope} not supported (supported "
-            f"kv_lora_rank+qk_rope_head_dim: {_format_splits(splits)})"
+            f"kv_lora_rank+qk_rope_head_dim: {format_mla_splits(splits)})"
         )
     return None

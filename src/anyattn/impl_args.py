@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from anyattn.declarations import format_mla_splits
 from anyattn.types import AttentionType, parse_cache_dtype
 
 if TYPE_CHECKING:
@@ -192,7 +193,7 @@ def validate_mla_impl_arguments(
             f"{backend.get_supported_head_sizes()})."
         )
     if not backend.supports_mla_split(kv_lora_rank, qk_rope_head_dim):
-        splits = ", ".join(f"{r}+{p}" for r, p in backend.get_supported_mla_splits())
+        splits = format_mla_splits(backend.get_supported_mla_splits())
         raise ValueError(
             f"{api}: latent split not supported (got kv_lora_rank={kv_lora_rank}, "
             f"qk_rope_head_dim={qk_rope_head_dim}, expected one of {splits}). "

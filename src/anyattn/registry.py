@@ -41,6 +41,7 @@ class AttentionBackendEnum(enum.Enum):
     FLASHINFER = "anyattn.backends.flashinfer:FlashInferBackend"
     FLASH_ATTN = "anyattn.backends.flash_attn:FlashAttentionBackend"
     TORCH_MLA = "anyattn.backends.torch_mla:TorchMLABackend"
+    TRITON_MLA = "anyattn.backends.triton_mla:TritonMLABackend"
 
     def get_path(self) -> str:
         """The class path in use: a registered override, else the built-in one."""
