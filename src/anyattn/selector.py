@@ -369,7 +369,8 @@ def select_backend(
         device: where it will run (`DeviceInfo`, `torch.device`, or "cpu" / "cuda" / "sm90");
             defaults to this machine's first GPU, else the CPU.
         backend: a backend name to use instead of the platform's order (else
-            `ANYATTN_BACKEND`); "fastest" means `policy="fastest"`.
+            `ANYATTN_BACKEND`); "fastest" means `policy="fastest"` (from `ANYATTN_BACKEND`
+            only when `limits` are given).
         policy: "priority" (the platform's static order) or "fastest" (time every backend
             that fits on this machine and take the fastest overall; see `measure_backends`).
         limits: the engine's `BatchLimits`; required by "fastest".
@@ -392,9 +393,10 @@ def select_backend(
             f"{', '.join(repr(p) for p in POLICIES)})."
         )
     from_env = os.environ.get(ENV_VAR, "").strip()
-    wants_fastest = (
-        policy == FASTEST or _is_fastest(backend) or (backend is None and _is_fastest(from_env))
-    )
+    # ANYATTN_BACKEND=fastest applies where the caller knows the limits (the engine does);
+    # elsewhere (a layer built on its own) the static order applies.
+    from_env_fastest = backend is None and limits is not None and _is_fastest(from_env)
+    wants_fastest = policy == FASTEST or _is_fastest(backend) or from_env_fastest
     if wants_fastest:
         if backend is not None and not _is_fastest(backend):
             raise ValueError(
