@@ -1,4 +1,5 @@
-"""Shared test set-up: the `gpu` marker skip, a clean selector for every test, fake backends.
+"""Shared test set-up: the `gpu` marker skip, a clean selector for every test, a temporary
+measured-selection cache for every test, fake backends.
 
 Fixtures:
     make_backend: build a fake `AttentionBackend` class from a few declarations (no kernels).
@@ -43,6 +44,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # Not `"gpu" in item.keywords`: keywords include parameter ids such as [gpu].
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _measure_cache_in_tmp(
+    monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Measured selections cache into a fresh temporary folder, never the user's home (the
+    variables reach subprocesses too)."""
+    monkeypatch.setenv("ANYATTN_CACHE_DIR", str(tmp_path_factory.mktemp("anyattn_cache")))
+    monkeypatch.delenv("ANYATTN_NO_MEASURE_CACHE", raising=False)
 
 
 @pytest.fixture(autouse=True)

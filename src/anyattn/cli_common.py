@@ -20,7 +20,7 @@ from typing import NoReturn
 from rich.console import Console
 
 from anyattn.registry import backend_names
-from anyattn.selector import ENV_VAR
+from anyattn.selector import ENV_VAR, FASTEST
 
 __all__ = [
     "BACKEND_FLAG",
@@ -88,6 +88,8 @@ def backend_request(flag_value: str | None) -> tuple[str | None, str]:
     name, source = flag_value, BACKEND_FLAG
     if name is None and os.environ.get(ENV_VAR, "").strip():
         name, source = os.environ[ENV_VAR].strip(), ENV_VAR
+    if name is not None and name.strip().lower() == FASTEST:
+        return name, source  # measured selection, not a backend name
     if name is not None and name.upper() not in backend_names():
         raise ValueError(
             f"{source}: unknown backend name (got {name!r}, expected one of "

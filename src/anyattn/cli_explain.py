@@ -1,7 +1,9 @@
 """`anyattn explain`: which backend the selector picks for one layer configuration, and why
 every other backend was not picked (capability judged for `--device`, availability for this
-machine). Exit status 0: a backend was chosen; 1: nothing fits, or the requested backend is
-unknown or does not fit; 2: bad arguments.
+machine). With `--measure` it also times every backend that fits on this machine and shows
+the fastest per phase (`anyattn.cli_measure`). Exit status 0: a backend was chosen; 1: nothing
+fits, the requested backend is unknown or does not fit, or no backend could be measured; 2: bad
+arguments.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from rich.table import Table
 from rich.text import Text
 
 from anyattn.cli_common import arg_type, backend_request, make_console, positive_int, print_error
+from anyattn.cli_measure import add_measure_arguments, print_measurement, run_measure
 from anyattn.config import AttentionSelectorConfig
-from anyattn.selector import ENV_VAR, Explanation, explain
+from anyattn.measure import Measurement
+from anyattn.selector import ENV_VAR, Explanation, NoBackendError, explain
 from anyattn.types import AttentionType, DeviceInfo, parse_cache_dtype, parse_dtype
 
 __all__ = ["add_explain_parser", "run_explain"]
@@ -97,6 +101,7 @@ def add_explain_parser(commands: argparse._SubParsersAction) -> None:
         "(default: this machine)",
     )
     ex.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    add_measure_arguments(ex)
 
 
 def _config_from_args(args: argparse.Namespace) -> AttentionSelectorConfig:
@@ -135,10 +140,25 @@ def run_explain(args: argparse.Namespace) -> int:
     except Exception as error:
         print_error("explain", f"backend selection failed ({type(error).__name__}: {error}).")
         return 1
+    measured: Measurement | None = None
+    if args.measure and result.chosen is not None:
+        try:
+            measured = run_measure(args, config)
+        except (NoBackendError, TypeError, ValueError) as error:
+            print_error("explain", f"--measure: {error}")
+            return 1
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        data = result.to_dict()
+        if measured is not None:
+            data["measurement"] = measured.to_dict()
+        print(json.dumps(data, indent=2))
     else:
         _print_explanation(result)
+        if measured is not None:
+            print_measurement(make_console(), measured)
+    if measured is not None and measured.overall is None:
+        print_error("explain", "--measure: no backend passed the oracle check and timing.")
+        return 1
     if result.chosen is not None:
         return 0
     if result.requested is not None:

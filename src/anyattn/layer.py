@@ -91,34 +91,36 @@ class Attention(nn.Module):
             needs_lse=needs_lse,
         )
         self.attn_type = self.config.attn_type  # validated there, with a clear message
+        self._device_info = device or DeviceInfo.current()
+        self._impl_args = (
+            num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+            kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks,
+        )  # fmt: skip
         if isinstance(backend, type):
-            reasons = backend.validate_configuration(self.config, device or DeviceInfo.current())
-            if backend.get_unavailable_reason():
-                reasons.append(f"not available here: {backend.get_unavailable_reason()}")
-            if reasons:
-                raise ValueError(
-                    f"Attention({layer_name}): backend {backend.get_name()} cannot serve this "
-                    f"layer: {'; '.join(reasons)}."
-                )
-            self.backend = backend
+            self.use_backend(backend)
         else:
-            self.backend = select_backend(self.config, device, backend)
-        self.impl = self.backend.get_impl_cls()(
-            num_heads,
-            head_size,
-            scale,
-            num_kv_heads,
-            alibi_slopes,
-            sliding_window,
-            kv_cache_dtype,
-            logits_soft_cap,
-            attn_type,
-            kv_sharing_target_layer_name,
-            sinks,
-        )
+            self.use_backend(select_backend(self.config, device, backend))
         one = torch.tensor(1.0, device=buffer_device)
         self.register_buffer("k_scale", one, persistent=False)
         self.register_buffer("v_scale", one.clone(), persistent=False)
+
+    def use_backend(self, backend: type[AttentionBackend]) -> None:
+        """Run the layer on `backend` from now on (a new impl with the layer's arguments), e.g.
+        the one a measured selection chose. Call it before the engine builds its groups.
+
+        Raises:
+            ValueError: `backend` cannot serve this layer (its reasons are listed).
+        """
+        reasons = backend.validate_configuration(self.config, self._device_info)
+        if backend.get_unavailable_reason():
+            reasons.append(f"not available here: {backend.get_unavailable_reason()}")
+        if reasons:
+            raise ValueError(
+                f"Attention({self.layer_name}): backend {backend.get_name()} cannot serve this "
+                f"layer: {'; '.join(reasons)}."
+            )
+        self.backend = backend
+        self.impl = backend.get_impl_cls()(*self._impl_args)
 
     def kv_cache_spec(
         self,

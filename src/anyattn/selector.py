@@ -7,6 +7,10 @@ returns the first whose declarations accept the config and which is installed he
 requested backend (argument, then the `ANYATTN_BACKEND` environment variable) that does not fit
 is an error, never a silent fallback. `explain` returns the whole verdict table as data.
 
+`select_backend(config, policy="fastest", limits=...)` (or the backend name "fastest") times
+every backend that fits instead, on this machine, and takes the fastest overall
+(`measure_backends` returns the whole `Measurement`, per phase; docs/measured_selection.md).
+
 Capability reasons are judged for the given device (which may be hypothetical, e.g. an sm90
 asked about from a laptop); availability reasons (a missing package) for this machine.
 """
@@ -15,12 +19,16 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, field
 
 import torch
 
-from anyattn.config import AttentionSelectorConfig
+from anyattn.config import AttentionSelectorConfig, BatchLimits
 from anyattn.declarations import AttentionBackend, platform_key
+from anyattn.explanation import BackendVerdict, Explanation, NoBackendError
+from anyattn.layer_params import LayerParams
+from anyattn.measure.result import Measurement
+from anyattn.measure.run import Checker, measure_candidates
+from anyattn.measure.timing import Timer
 from anyattn.registry import (
     AttentionBackendEnum,
     backend_names,
@@ -32,112 +40,25 @@ from anyattn.types import DeviceInfo
 
 __all__ = [
     "ENV_VAR",
+    "FASTEST",
+    "POLICIES",
     "BackendVerdict",
     "Explanation",
     "NoBackendError",
     "clear_cache",
     "explain",
+    "measure_backends",
     "priority_list",
     "select_backend",
 ]
 
 ENV_VAR = "ANYATTN_BACKEND"
+# The backend "name" (argument or ANYATTN_BACKEND) that asks for measured selection.
+FASTEST = "fastest"
+POLICIES = ("priority", FASTEST)
 
 # Prefix of the availability reason of a backend whose class cannot be imported.
 _LOAD_FAILED = "cannot be loaded: "
-
-
-class NoBackendError(ValueError):
-    """No backend fits, or the requested one does not; the message lists every reason."""
-
-    def __init__(self, message: str, explanation: Explanation) -> None:
-        super().__init__(message)
-        self.explanation = explanation
-
-
-@dataclass(frozen=True)
-class BackendVerdict:
-    """One backend's verdict for one config.
-
-    Attributes:
-        name: registry name.
-        priority: position in the platform's order (0 first).
-        reasons: capability reasons (judged for the requested device).
-        unavailable: why it cannot run on this machine (missing package), or None.
-        not_automatic: why the selector does not take it without an explicit request (no
-            rank for the platform, or `chosen_automatically` False for the config), or None.
-    """
-
-    name: str
-    priority: int
-    reasons: tuple[str, ...]
-    unavailable: str | None
-    not_automatic: str | None = None
-
-    @property
-    def fits(self) -> bool:
-        return not self.reasons and self.unavailable is None
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "name": self.name,
-            "priority": self.priority,
-            "fits": self.fits,
-            "reasons": list(self.reasons),
-            "unavailable": self.unavailable,
-            "not_automatic": self.not_automatic,
-        }
-
-
-@dataclass(frozen=True)
-class Explanation:
-    """The selector's whole verdict for one config on one device.
-
-    Attributes:
-        chosen: the selected backend's name, or None when nothing fits.
-        requested: the explicitly requested name, if any.
-        requested_by: "argument" or the environment variable's name.
-        verdicts: every registered backend, in priority order.
-        hints: settings that would make a backend fit (when nothing does).
-    """
-
-    config: AttentionSelectorConfig
-    device: DeviceInfo
-    chosen: str | None
-    requested: str | None
-    requested_by: str | None
-    verdicts: tuple[BackendVerdict, ...]
-    hints: tuple[str, ...] = field(default=())
-
-    def to_dict(self) -> dict[str, object]:
-        config = {
-            name: getattr(self.config, name)
-            for name in AttentionSelectorConfig.__dataclass_fields__
-        }
-        config["dtype"] = str(config["dtype"]).removeprefix("torch.")
-        config["attn_type"] = self.config.attn_type.value
-        return {
-            "device": str(self.device),
-            "config": config,
-            "chosen": self.chosen,
-            "requested": self.requested,
-            "requested_by": self.requested_by,
-            "backends": [v.to_dict() for v in self.verdicts],
-            "hints": list(self.hints),
-        }
-
-    def format_reasons(self) -> str:
-        """One line per backend with its reasons, for error messages and logs."""
-        lines = []
-        for v in self.verdicts:
-            why = list(v.reasons)
-            if v.unavailable:
-                why.append(f"not available here: {v.unavailable}")
-            verdict = "; ".join(why) if why else "fits"
-            if v.fits and v.not_automatic:
-                verdict += f", taken only on request ({v.not_automatic})"
-            lines.append(f"  {v.name}: {verdict}")
-        return "\n".join(lines)
 
 
 def _ranked(
@@ -266,12 +187,19 @@ def _device_info(device: DeviceInfo | str | torch.device | None) -> DeviceInfo:
 
 
 def _requested_name(backend: str | AttentionBackendEnum | None) -> tuple[str | None, str | None]:
+    """The explicitly requested backend and its source; "fastest" is a policy, not a name."""
     if isinstance(backend, AttentionBackendEnum):
         return backend.name, "argument"
     if backend is not None:
-        return backend, "argument"
+        return (None, None) if _is_fastest(backend) else (backend, "argument")
     from_env = os.environ.get(ENV_VAR, "").strip()
-    return (from_env, ENV_VAR) if from_env else (None, None)
+    if not from_env or _is_fastest(from_env):
+        return None, None
+    return from_env, ENV_VAR
+
+
+def _is_fastest(name: object) -> bool:
+    return isinstance(name, str) and name.strip().lower() == FASTEST
 
 
 @functools.lru_cache(maxsize=256)
@@ -318,10 +246,121 @@ def explain(
     return _explain_cached(config, _device_info(device), *_requested_name(backend), generation())
 
 
+def _timing_device(device: DeviceInfo | str | torch.device | None) -> torch.device:
+    """The real device to time on; a hypothetical one (e.g. "sm90" on another GPU) is refused."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(device, torch.device):
+        return device
+    info = device
+    if isinstance(device, str):
+        if device.strip().lower().startswith(("cpu", "cuda")):
+            return torch.device(device.strip().lower())
+        info = DeviceInfo.parse(device)
+    if not isinstance(info, DeviceInfo):
+        raise TypeError(
+            f"device: expected a DeviceInfo, torch.device or str such as 'cpu' or 'cuda' (got "
+            f"{type(device).__name__})."
+        )
+    here = DeviceInfo.current(torch.device(info.type)) if info.type == "cpu" else None
+    if info.type == "cuda" and torch.cuda.is_available():
+        here = DeviceInfo.current(torch.device("cuda"))
+    if here is None or here.capability != info.capability:
+        raise ValueError(
+            f"measure_backends: device must be this machine's, where backends can be timed "
+            f"(got {info}, this machine has {DeviceInfo.current()}). Measure on the target "
+            f"machine, or use policy='priority' to judge a device you do not have."
+        )
+    return torch.device(info.type)
+
+
+def measure_backends(
+    config: AttentionSelectorConfig,
+    limits: BatchLimits,
+    device: DeviceInfo | str | torch.device | None = None,
+    *,
+    layer_params: LayerParams | None = None,
+    use_cache: bool = True,
+    progress: bool = False,
+    timer: Timer | None = None,
+    checker: Checker | None = None,
+) -> Measurement:
+    """Time every backend the selector would take automatically for `config` on this machine,
+    each after an oracle check, and choose per phase and overall (docs/measured_selection.md).
+
+    Args:
+        config: the layer's config: decoder attention (standard or MLA), with `num_heads`
+            (and `num_kv_heads`) set unless `layer_params` gives them.
+        limits: the engine's limits; the timed steps come from them.
+        device: this machine's device to time on (default: its first GPU, else the CPU).
+        layer_params: the layer's record (`impl.layer_params()`), for the values a config
+            omits (window, soft cap, MLA sizes); default: `anyattn.measure.layer_shape`.
+        use_cache: read and write the on-disk cache (`anyattn.measure.cache`; the environment
+            variable `ANYATTN_NO_MEASURE_CACHE=1` also turns it off).
+        progress: show a progress bar on stderr.
+        timer, checker: replace the timing and the oracle check (tests).
+
+    Returns:
+        The `Measurement` (`.overall`, `.choice("decode")`, the times, the rejections).
+
+    Raises:
+        NoBackendError: no backend fits the config here.
+        ValueError: a device other than this machine's, limits that are not `BatchLimits`,
+            or a config measured selection does not cover (encoder or cross attention,
+            unknown heads).
+    """
+    if not isinstance(limits, BatchLimits):
+        raise TypeError(
+            f"measure_backends: limits must be a BatchLimits (got {type(limits).__name__}). "
+            "Pass the engine's limits: BatchLimits(max_num_reqs, max_num_tokens, max_model_len)."
+        )
+    torch_device = _timing_device(device)
+    result = explain(config, torch_device, None)
+    candidates = [
+        get_backend_class(v.name) for v in result.verdicts if v.fits and not v.not_automatic
+    ]
+    if not candidates:
+        raise NoBackendError(_no_backend_message(result), result)
+    return measure_candidates(
+        config,
+        limits,
+        candidates,
+        torch_device,
+        layer_params=layer_params,
+        timer=timer,
+        checker=checker,
+        use_cache=use_cache,
+        progress=progress,
+    )
+
+
+def _no_backend_message(result: Explanation) -> str:
+    if result.requested is not None:
+        verdict = next(v for v in result.verdicts if v.name == result.requested)
+        why = list(verdict.reasons) + (
+            [f"not available here: {verdict.unavailable}"] if verdict.unavailable else []
+        )
+        return (
+            f"select_backend: requested backend {result.requested} (from {result.requested_by}) "
+            f"cannot serve this config on {result.device}: {'; '.join(why)}. Remove the request "
+            f"to let the selector choose, or change the config.\nAll backends:\n"
+            f"{result.format_reasons()}"
+        )
+    return (
+        f"select_backend: no backend fits this config on {result.device}.\n"
+        f"{result.format_reasons()}\nHints:\n" + "\n".join(f"  {h}" for h in result.hints)
+    )
+
+
 def select_backend(
     config: AttentionSelectorConfig,
     device: DeviceInfo | str | torch.device | None = None,
     backend: str | AttentionBackendEnum | None = None,
+    *,
+    policy: str = "priority",
+    limits: BatchLimits | None = None,
+    layer_params: LayerParams | None = None,
+    progress: bool = False,
 ) -> type:
     """The backend class to use for `config` on `device`.
 
@@ -330,7 +369,13 @@ def select_backend(
         device: where it will run (`DeviceInfo`, `torch.device`, or "cpu" / "cuda" / "sm90");
             defaults to this machine's first GPU, else the CPU.
         backend: a backend name to use instead of the platform's order (else
-            `ANYATTN_BACKEND`).
+            `ANYATTN_BACKEND`); "fastest" means `policy="fastest"` (from `ANYATTN_BACKEND`
+            only when `limits` are given).
+        policy: "priority" (the platform's static order) or "fastest" (time every backend
+            that fits on this machine and take the fastest overall; see `measure_backends`).
+        limits: the engine's `BatchLimits`; required by "fastest".
+        layer_params: the layer's record, for "fastest" (see `measure_backends`).
+        progress: with "fastest", show a progress bar on stderr.
 
     Returns:
         The `AttentionBackend` subclass.
@@ -338,28 +383,45 @@ def select_backend(
     Raises:
         NoBackendError: nothing fits, or the requested backend does not fit; the message lists
             every backend with its reasons, and hints at a setting that would make one fit.
-        ValueError: the requested name is unknown (the message lists the valid ones).
+        ValueError: the requested name is unknown (the message lists the valid ones), an
+            unknown policy, "fastest" without `limits` or with another backend requested, or
+            no candidate passed the oracle check.
     """
+    if policy not in POLICIES:
+        raise ValueError(
+            f"select_backend: unknown policy (got {policy!r}, expected one of "
+            f"{', '.join(repr(p) for p in POLICIES)})."
+        )
+    from_env = os.environ.get(ENV_VAR, "").strip()
+    # ANYATTN_BACKEND=fastest applies where the caller knows the limits (the engine does);
+    # elsewhere (a layer built on its own) the static order applies.
+    from_env_fastest = backend is None and limits is not None and _is_fastest(from_env)
+    wants_fastest = policy == FASTEST or _is_fastest(backend) or from_env_fastest
+    if wants_fastest:
+        if backend is not None and not _is_fastest(backend):
+            raise ValueError(
+                f"select_backend: policy='fastest' chooses the backend itself (got backend="
+                f"{backend!r} too). Pass one or the other."
+            )
+        if limits is None:
+            raise ValueError(
+                "select_backend: policy='fastest' needs limits (got None, expected the "
+                "engine's BatchLimits): the timed steps come from them."
+            )
+        measured = measure_backends(
+            config, limits, device, layer_params=layer_params, progress=progress
+        )
+        if measured.overall is None:
+            rejected = "; ".join(f"{b}: {why}" for b, why in measured.rejected.items())
+            raise ValueError(
+                f"select_backend: no backend passed the oracle check and timing on this "
+                f"machine ({rejected})."
+            )
+        return get_backend_class(measured.overall)
     result = explain(config, device, backend)
     if result.chosen is not None:
         return get_backend_class(result.chosen)
-    if result.requested is not None:
-        verdict = next(v for v in result.verdicts if v.name == result.requested)
-        why = list(verdict.reasons) + (
-            [f"not available here: {verdict.unavailable}"] if verdict.unavailable else []
-        )
-        message = (
-            f"select_backend: requested backend {result.requested} (from {result.requested_by}) "
-            f"cannot serve this config on {result.device}: {'; '.join(why)}. Remove the request "
-            f"to let the selector choose, or change the config.\nAll backends:\n"
-            f"{result.format_reasons()}"
-        )
-    else:
-        message = (
-            f"select_backend: no backend fits this config on {result.device}.\n"
-            f"{result.format_reasons()}\nHints:\n" + "\n".join(f"  {h}" for h in result.hints)
-        )
-    raise NoBackendError(message, result)
+    raise NoBackendError(_no_backend_message(result), result)
 
 
 def clear_cache() -> None:

@@ -20,7 +20,7 @@ from rich.console import Console
 from anyattn.cli_common import arg_type, backend_request, make_console, print_error
 from anyattn.engine.arguments import encode_text, parse_device
 from anyattn.engine.sampling_params import SamplingParams
-from anyattn.selector import ENV_VAR
+from anyattn.selector import ENV_VAR, FASTEST
 from anyattn.types import parse_dtype
 
 __all__ = ["DEFAULT_PROMPT", "UsageError", "add_generate_parser", "run_generate"]
@@ -103,7 +103,8 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
     gen.add_argument(
         "--backend",
         metavar="NAME",
-        help="attention backend for every layer, an error if it does not fit "
+        help="attention backend for every layer, an error if it does not fit; 'fastest' "
+        "times the backends that fit on this machine and takes the fastest (cached) "
         f"(default: ${ENV_VAR} if set, else the selector's choice)",
     )
     for flag, field, number, metavar, default, text in (
@@ -275,6 +276,8 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     requested, source = backend_request(args.backend)
     how = "chosen by the selector" if requested is None else f"requested by {source}"
+    if requested is not None and requested.strip().lower() == FASTEST:
+        how = f"measured, fastest overall, requested by {source}"
     prompts = args.prompts or [DEFAULT_PROMPT]
     start = time.perf_counter()
     path, context, tokenizer = _read_model(args.model)

@@ -39,6 +39,7 @@ from anyattn.engine.sampling_params import SamplingParams
 from anyattn.engine.scheduler import ScheduledBatch, Scheduler
 from anyattn.engine.sequence import Sequence as Request
 from anyattn.engine.sequence import SequenceStatus
+from anyattn.selector import ENV_VAR, FASTEST, select_backend
 from anyattn.types import parse_dtype
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
@@ -63,7 +64,10 @@ class LLM:
     Args:
         model: a GGUF file or a Hugging Face folder (config.json + safetensors); default: the
             embedded SmolLM2-135M-Instruct GGUF.
-        backend: an attention backend name to use for every layer instead of selecting one.
+        backend: an attention backend name to use for every layer instead of selecting one;
+            "fastest" (or `ANYATTN_BACKEND=fastest`) times the backends that fit each layer
+            config under this engine's limits and takes the fastest overall
+            (`anyattn.selector.measure_backends`; cached on disk).
         dtype: model dtype; default float32 on the CPU, bfloat16 on CUDA.
         device: "cpu" or "cuda"; default CUDA when available.
         block_size: KV block size; default 16.
@@ -114,12 +118,14 @@ class LLM:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"LLM: {name} must be a positive int (got {value!r}).")
         memory = parse_memory(kv_cache_memory)
+        requested = backend if backend is not None else os.environ.get(ENV_VAR, "")
+        is_fastest = isinstance(requested, str) and requested.strip().lower() == FASTEST
         loaded = load_model(
             model,
             dtype=self.dtype,
             device=self.device,
             block_size=self.block_size,
-            backend=backend,
+            backend=None if is_fastest else backend,
             kv_cache_dtype=kv_cache_dtype,
             max_positions=_DEFAULT_MAX_MODEL_LEN if max_model_len is None else max_model_len,
         )
@@ -135,6 +141,8 @@ class LLM:
                 f"expected <= {context})."
             )
         limits = BatchLimits(max_num_seqs, max_num_batched_tokens, self.max_model_len)
+        if is_fastest:
+            self._use_fastest_backends(limits)
         num_blocks = self._num_blocks(memory, kv_cache_dtype, limits)
         self.runner = ModelRunner(
             self.model,
@@ -178,6 +186,23 @@ class LLM:
                 f"layers needs {per_block})."
             )
         return num_blocks
+
+    def _use_fastest_backends(self, limits: BatchLimits) -> None:
+        """Measure each distinct layer config under the engine's limits (cached on disk) and
+        run its layers on the fastest backend overall."""
+        chosen: dict[object, type] = {}
+        for layer in self.model.attention_layers():
+            if layer.config not in chosen:
+                chosen[layer.config] = select_backend(
+                    layer.config,
+                    self.device,
+                    policy=FASTEST,
+                    limits=limits,
+                    layer_params=layer.impl.layer_params(),
+                    progress=True,
+                )
+            if layer.backend is not chosen[layer.config]:
+                layer.use_backend(chosen[layer.config])
 
     @property
     def backend_names(self) -> list[str]:

@@ -1,0 +1,122 @@
+"""`anyattn explain --measure`: the measured selection for one layer configuration, printed.
+
+The engine's limits (`--max-num-seqs`, `--max-num-batched-tokens`, `--max-model-len`) set the
+timed steps. It prints the steps, each candidate's summed time per phase and its first-call
+seconds (compilation, autotuning), the rejected candidates, the choice per phase and overall,
+whether the phase choices can share one KV cache, and what the cache did ("used <file>": no
+timing was done).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from anyattn.cli_common import positive_int
+from anyattn.config import AttentionSelectorConfig, BatchLimits
+from anyattn.measure import OVERALL, Measurement, Phase
+from anyattn.selector import measure_backends
+
+__all__ = ["add_measure_arguments", "limits_from_args", "print_measurement", "run_measure"]
+
+# The engine's defaults (`anyattn.engine.LLM`), so that `explain --measure` times its steps.
+_DEFAULT_LIMITS = {"max_num_seqs": 16, "max_num_batched_tokens": 1024, "max_model_len": 4096}
+
+
+def add_measure_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add `--measure`, the limits and `--no-measure-cache` to `explain`'s parser."""
+    group = parser.add_argument_group("measured selection (--measure)")
+    group.add_argument(
+        "--measure",
+        action="store_true",
+        help="time every backend that fits on this machine (after a float64 oracle check) and "
+        "show the fastest per phase; needs --num-heads (and --num-kv-heads unless --use-mla)",
+    )
+    for name, default in _DEFAULT_LIMITS.items():
+        group.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=positive_int,
+            metavar="N",
+            default=default,
+            help=f"engine limit the timed steps come from (default: {default})",
+        )
+    group.add_argument(
+        "--no-measure-cache",
+        action="store_true",
+        help="neither read nor write the measurement cache (see ANYATTN_CACHE_DIR)",
+    )
+
+
+def limits_from_args(args: argparse.Namespace) -> BatchLimits:
+    return BatchLimits(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len)
+
+
+def run_measure(args: argparse.Namespace, config: AttentionSelectorConfig) -> Measurement:
+    """Measure for `explain --measure` (progress bar on stderr).
+
+    Raises:
+        ValueError, NoBackendError: as `anyattn.selector.measure_backends`.
+    """
+    return measure_backends(
+        config,
+        limits_from_args(args),
+        args.device,
+        use_cache=not args.no_measure_cache,
+        progress=True,
+    )
+
+
+def _us(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value / 1000:.2f} ms" if value >= 1000 else f"{value:.1f} us"
+
+
+def print_measurement(console: Console, measured: Measurement) -> None:
+    """Print the measurement's steps, times, choices and cache use."""
+    console.print(Text(f"measured on: {measured.device}"))
+    if measured.from_cache:
+        console.print(Text(f"cache: {measured.cache_note} (no timing done)"))
+    else:
+        console.print(Text(f"timing: {measured.timing_s:.1f} s; cache: {measured.cache_note}"))
+    steps = Table(box=box.SIMPLE_HEAD, title="steps", title_justify="left")
+    for column in ("phase", "step", "shape"):
+        steps.add_column(column, no_wrap=column != "shape")
+    for step in measured.steps:
+        steps.add_row(step.phase.value, step.name, step.describe())
+    console.print(steps)
+    labels = [p.value for p in Phase if p.value in measured.choices] + [OVERALL]
+    times = Table(box=box.SIMPLE_HEAD, title="summed time per phase", title_justify="left")
+    times.add_column("backend", no_wrap=True)
+    for label in labels:
+        times.add_column(label, justify="right", no_wrap=True)
+    times.add_column("first calls", justify="right", no_wrap=True)
+    for name in measured.order:
+        if name in measured.rejected:
+            continue
+        row = []
+        for label in labels:
+            choice = measured.choices.get(label)
+            total = None if choice is None else choice.totals_us.get(name)
+            cell = Text(_us(total))
+            if choice is not None and choice.backend == name:
+                cell.stylize("bold green")
+            row.append(cell)
+        times.add_row(name, *row, f"{measured.first_calls_s(name):.2f} s")
+    console.print(times)
+    for name, why in measured.rejected.items():
+        console.print(Text(f"rejected {name}: {why}", style="red"))
+    for label in labels:
+        choice = measured.choices.get(label)
+        if choice is None:
+            continue
+        line = f"{label}: {choice.backend}"
+        if len(choice.tied) > 1:
+            line += f" (within the run's noise or 2%: {', '.join(choice.tied)}; static order)"
+        console.print(Text(line))
+    shared = "yes" if measured.kv_cache_shared else "no"
+    console.print(Text(f"phase choices share one KV cache: {shared} ({measured.kv_cache_note})"))

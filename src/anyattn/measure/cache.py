@@ -1,0 +1,190 @@
+"""The on-disk cache of measured selections: one readable JSON file per measured layer.
+
+Location: `$ANYATTN_CACHE_DIR`, else `$XDG_CACHE_HOME/anyattn`, else `~/.cache/anyattn`; files
+live in its `measure/` folder, named by a digest of their key. Any file may be read or deleted
+by hand; a deleted file is measured again. `ANYATTN_NO_MEASURE_CACHE=1` turns the cache off
+(nothing read, nothing written).
+
+A file is used only when its whole key equals the current one: the device's name, the GPU
+driver, the versions of anyattn, torch, triton, flashinfer and flash-attn, a hash of the source
+of every candidate backend's modules (and of this measuring package), the layer config, its
+record and the engine's limits. A file that cannot be read, is not valid JSON, has another
+format or another key is measured again and overwritten, never trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import inspect
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from anyattn.backend import AttentionBackend
+
+__all__ = [
+    "CACHE_DIR_ENV",
+    "FORMAT",
+    "NO_CACHE_ENV",
+    "cache_dir",
+    "cache_file",
+    "device_identity",
+    "load_entry",
+    "make_key",
+    "source_hash",
+    "store_entry",
+]
+
+CACHE_DIR_ENV = "ANYATTN_CACHE_DIR"
+NO_CACHE_ENV = "ANYATTN_NO_MEASURE_CACHE"
+FORMAT = 1
+_PACKAGES = ("anyattn", "torch", "triton", "flashinfer-python", "flash-attn")
+
+
+def cache_dir() -> Path | None:
+    """The cache's root folder, or None when `ANYATTN_NO_MEASURE_CACHE` is set (not 0/empty)."""
+    if os.environ.get(NO_CACHE_ENV, "").strip() not in ("", "0"):
+        return None
+    explicit = os.environ.get(CACHE_DIR_ENV, "").strip()
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "anyattn"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _driver_version() -> str | None:
+    """The NVIDIA kernel driver's version line, or None where it cannot be read."""
+    try:
+        with open("/proc/driver/nvidia/version", encoding="utf-8") as version:
+            return version.readline().strip() or None
+    except OSError:
+        return None
+
+
+def device_identity(device: torch.device) -> dict[str, object]:
+    """What identifies the hardware and its software: name, capability, driver, CUDA."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return {
+            "type": "cuda",
+            "name": torch.cuda.get_device_name(index),
+            "capability": list(torch.cuda.get_device_capability(index)),
+            "driver": _driver_version(),
+            "cuda": torch.version.cuda,
+        }
+    return {"type": device.type, "name": _cpu_name(), "threads": torch.get_num_threads()}
+
+
+def _versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {}
+    for package in _PACKAGES:
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return versions
+
+
+def source_hash(backends: list[type[AttentionBackend]]) -> str:
+    """sha256 over the source files of each backend's, impl's and builder's modules and of
+    this measuring package (a file that cannot be read is hashed by its name alone)."""
+    files: set[str] = set()
+    for backend in backends:
+        for cls in (backend, backend.get_impl_cls(), backend.get_builder_cls()):
+            path = inspect.getsourcefile(sys.modules[cls.__module__]) or cls.__module__
+            files.add(path)
+    files.update(str(p) for p in Path(__file__).parent.glob("*.py"))
+    digest = hashlib.sha256()
+    for path in sorted(files):
+        digest.update(Path(path).name.encode())
+        try:
+            digest.update(Path(path).read_bytes())
+        except OSError:
+            digest.update(b"<unreadable>")
+    return digest.hexdigest()
+
+
+def make_key(
+    device: torch.device,
+    backends: list[type[AttentionBackend]],
+    config: dict[str, object],
+    layer: dict[str, object],
+    limits: dict[str, object],
+) -> dict[str, object]:
+    """The whole key of a measurement (JSON-ready)."""
+    return {
+        "format": FORMAT,
+        "device": device_identity(device),
+        "versions": _versions(),
+        "backends": [b.get_name() for b in backends],
+        "source_sha256": source_hash(backends),
+        "config": config,
+        "layer": layer,
+        "limits": limits,
+    }
+
+
+def cache_file(key: dict[str, object]) -> Path | None:
+    """Where the entry for `key` lives, or None when the cache is off."""
+    root = cache_dir()
+    if root is None:
+        return None
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return root / "measure" / f"{digest}.json"
+
+
+def load_entry(key: dict[str, object]) -> tuple[dict[str, object] | None, str]:
+    """The stored result for `key`, or None and why none is used ("no entry", "corrupt", ...).
+    Never raises for a bad file."""
+    path = cache_file(key)
+    if path is None:
+        return None, f"cache off ({NO_CACHE_ENV} is set)"
+    if not path.exists():
+        return None, f"no entry in {path.parent}"
+    try:
+        entry = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        return None, f"{path} is unreadable or not JSON ({type(error).__name__}); measured again"
+    if not isinstance(entry, dict) or entry.get("format") != FORMAT:
+        return None, f"{path} has another format; measured again"
+    if entry.get("key") != key:
+        stored = entry.get("key")
+        differs = sorted(k for k in key if not isinstance(stored, dict) or stored.get(k) != key[k])
+        return None, f"{path} was measured with another {', '.join(differs)}; measured again"
+    result = entry.get("result")
+    if not isinstance(result, dict):
+        return None, f"{path} holds no result; measured again"
+    return result, f"used {path}"
+
+
+def store_entry(key: dict[str, object], result: dict[str, object]) -> tuple[Path | None, str]:
+    """Write the entry atomically; returns its path (None when off or unwritable) and a note."""
+    path = cache_file(key)
+    if path is None:
+        return None, f"cache off ({NO_CACHE_ENV} is set)"
+    entry = {"format": FORMAT, "key": key, "result": result}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(entry, indent=1, sort_keys=True), encoding="utf-8")
+        os.replace(partial, path)
+    except OSError as error:
+        return None, f"not saved: cannot write {path} ({error.strerror or error})"
+    return path, f"saved to {path}"

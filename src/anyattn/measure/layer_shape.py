@@ -1,0 +1,112 @@
+"""The layer a measured selection times: the config's shape plus the values a config omits.
+
+An `AttentionSelectorConfig` says whether a layer has a sliding window, a soft cap or sinks, not
+their values, and for MLA not the no-rope and value sizes. A caller that knows the layer passes
+its `LayerParams` (`impl.layer_params()`, or `MLALayerParams` for MLA); otherwise these stand in,
+each a common value of current models:
+
+| field | default |
+|---|---|
+| scale | `head_size ** -0.5` (MLA: `(qk_nope_head_dim + qk_rope_head_dim) ** -0.5`) |
+| sliding_window | 4096 |
+| logits_soft_cap | 50.0 |
+| MLA qk_rope_head_dim | 64 (when the config does not say) |
+| MLA qk_nope_head_dim, v_head_dim | 128, 128 (DeepSeek-V2/V3) |
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from anyattn.config import AttentionSelectorConfig
+from anyattn.layer_params import LayerParams, MLALayerParams
+
+__all__ = [
+    "DEFAULT_LOGITS_SOFT_CAP",
+    "DEFAULT_MLA_NOPE_DIM",
+    "DEFAULT_MLA_ROPE_DIM",
+    "DEFAULT_MLA_V_DIM",
+    "DEFAULT_SLIDING_WINDOW",
+    "resolve_layer",
+]
+
+DEFAULT_SLIDING_WINDOW = 4096
+DEFAULT_LOGITS_SOFT_CAP = 50.0
+DEFAULT_MLA_ROPE_DIM = 64
+DEFAULT_MLA_NOPE_DIM = 128
+DEFAULT_MLA_V_DIM = 128
+
+
+def _mla_layer(config: AttentionSelectorConfig, num_heads: int) -> MLALayerParams:
+    rope = config.qk_rope_head_dim or DEFAULT_MLA_ROPE_DIM
+    if rope >= config.head_size:
+        raise ValueError(
+            f"measure: head_size {config.head_size} leaves no latent rank next to the default "
+            f"qk_rope_head_dim {rope} (expected head_size > {rope}). Set qk_rope_head_dim."
+        )
+    return MLALayerParams(
+        num_heads=num_heads,
+        num_kv_heads=1,
+        head_size=config.head_size,
+        scale=(DEFAULT_MLA_NOPE_DIM + rope) ** -0.5,
+        kv_cache_dtype=config.kv_cache_dtype,
+        kv_lora_rank=config.head_size - rope,
+        qk_rope_head_dim=rope,
+        qk_nope_head_dim=DEFAULT_MLA_NOPE_DIM,
+        v_head_dim=DEFAULT_MLA_V_DIM,
+    )
+
+
+def resolve_layer(
+    config: AttentionSelectorConfig, params: LayerParams | None = None
+) -> LayerParams:
+    """The layer record the timing and the oracle check use for `config`.
+
+    Args:
+        config: what the layer asks of a backend; `num_heads` (and, for standard attention,
+            `num_kv_heads`) must be set unless `params` gives them.
+        params: the real layer's record, when known; it must agree with `config`.
+
+    Returns:
+        `params`, or a `LayerParams` (an `MLALayerParams` for MLA) with the module's defaults.
+
+    Raises:
+        ValueError: the heads are unknown, or `params` contradicts `config`.
+    """
+    if params is not None:
+        want_mla = isinstance(params, MLALayerParams)
+        if want_mla != config.use_mla or params.head_size != config.head_size:
+            raise ValueError(
+                f"measure: layer_params do not match the config (got "
+                f"{type(params).__name__} with head_size {params.head_size}, expected "
+                f"{'MLALayerParams' if config.use_mla else 'LayerParams'} with head_size "
+                f"{config.head_size})."
+            )
+        return params
+    if config.num_heads is None:
+        raise ValueError(
+            "measure: config.num_heads must be set to time a layer (got None, expected the "
+            "layer's query heads). Pass num_heads (and num_kv_heads) or layer_params."
+        )
+    if config.use_mla:
+        return _mla_layer(config, config.num_heads)
+    if config.num_kv_heads is None:
+        raise ValueError(
+            "measure: config.num_kv_heads must be set to time a layer (got None, expected the "
+            "layer's KV heads). Pass num_kv_heads or layer_params."
+        )
+    params = LayerParams(
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_size=config.head_size,
+        scale=config.head_size**-0.5,
+        attn_type=config.attn_type,
+        kv_cache_dtype=config.kv_cache_dtype,
+    )
+    return replace(
+        params,
+        sliding_window=DEFAULT_SLIDING_WINDOW if config.has_sliding_window else None,
+        logits_soft_cap=DEFAULT_LOGITS_SOFT_CAP if config.has_logits_soft_cap else None,
+        has_alibi=config.has_alibi,
+        has_sinks=config.has_sink,
+    )

@@ -1,0 +1,106 @@
+"""Choose a backend per phase from measured step times; no backend is named here.
+
+A phase's backend minimises its summed time over the phase's steps (the median of each step's
+timed calls). Measurements are noisy, so a backend is preferred only when it is clearly faster:
+every backend whose sum is within the tolerance of the fastest sum is tied with it, and among
+tied backends the static order (the selector's priority list, judged for this device) decides.
+The tolerance between the fastest backend f and a backend b is
+`max(2% of f's sum, spread(f) + spread(b))`, where a backend's spread over a phase is the sum
+of its steps' median absolute deviations: the run's own measured noise. The "overall" choice
+applies the same rule to the sum over every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from anyattn.measure.steps import MeasureStep, Phase
+from anyattn.measure.timing import StepTiming
+
+__all__ = ["OVERALL", "RELATIVE_TOLERANCE", "PhaseChoice", "choose", "choose_phase"]
+
+OVERALL = "overall"
+RELATIVE_TOLERANCE = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseChoice:
+    """The verdict for one phase (or "overall").
+
+    Attributes:
+        phase: "decode", "prefill", "mixed" or "overall".
+        backend: the chosen backend.
+        fastest: the backend with the lowest sum (may differ from `backend` within a tie).
+        totals_us: each timed backend's sum of median step times over the phase.
+        tied: the backends within the tolerance of `fastest`, in static order.
+    """
+
+    phase: str
+    backend: str
+    fastest: str
+    totals_us: Mapping[str, float]
+    tied: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "phase": self.phase,
+            "backend": self.backend,
+            "fastest": self.fastest,
+            "totals_us": dict(self.totals_us),
+            "tied": list(self.tied),
+        }
+
+
+def choose_phase(
+    phase: str,
+    step_names: Sequence[str],
+    order: Sequence[str],
+    timings: Mapping[str, Mapping[str, StepTiming]],
+) -> PhaseChoice | None:
+    """The backend for one phase.
+
+    Args:
+        phase: the label of the verdict.
+        step_names: the phase's steps.
+        order: candidate backends in static order (earlier wins a tie).
+        timings: backend -> step name -> its timing; a backend missing any of `step_names`
+            (rejected, or failed while timed) takes no part.
+
+    Returns:
+        The choice, or None when the phase has no step or no backend has timed all of them.
+    """
+    if not step_names:
+        return None
+    totals: dict[str, float] = {}
+    spreads: dict[str, float] = {}
+    for name in order:
+        timed = timings.get(name, {})
+        if all(step in timed for step in step_names):
+            totals[name] = sum(timed[step].median_us for step in step_names)
+            spreads[name] = sum(timed[step].spread_us for step in step_names)
+    if not totals:
+        return None
+    fastest = min(totals, key=lambda name: (totals[name], order.index(name)))
+    best = totals[fastest]
+    tied = tuple(
+        name
+        for name in totals
+        if totals[name] - best <= max(RELATIVE_TOLERANCE * best, spreads[fastest] + spreads[name])
+    )
+    return PhaseChoice(phase, tied[0], fastest, totals, tied)
+
+
+def choose(
+    steps: Sequence[MeasureStep],
+    order: Sequence[str],
+    timings: Mapping[str, Mapping[str, StepTiming]],
+) -> dict[str, PhaseChoice]:
+    """The choice of each phase that has steps ("decode", "prefill", "mixed") and "overall"."""
+    choices: dict[str, PhaseChoice] = {}
+    groups = [(p.value, [s.name for s in steps if s.phase is p]) for p in Phase]
+    for label, names in [*groups, (OVERALL, [s.name for s in steps])]:
+        choice = choose_phase(label, names, order, timings)
+        if choice is not None:
+            choices[label] = choice
+    return choices

@@ -1,0 +1,154 @@
+"""The steps a measured selection times, derived from the engine's limits.
+
+Three phases, as an engine meets them: decode steps (every request brings one token, or
+`1 + num_speculative_tokens` with speculative decoding), one prefill step (the per-step token
+budget of fresh prompts) and one mixed step (decodes and a prefill chunk over a context in one
+batch). Shapes come from `BatchLimits`, never from a fixed toy size:
+
+- decode: 1, `max_num_reqs // 4` and `max_num_reqs` requests (at most as many as the token
+  budget allows), each over a context of 1024 tokens and one of `max_model_len // 2`;
+- prefill: `max_num_tokens` fresh tokens, in as few requests as `max_model_len` allows;
+- mixed: `max_num_reqs // 2` decodes over `max_model_len // 2` tokens of context, then one
+  prefill chunk that fills the rest of the token budget over a context of `max_model_len // 4`.
+
+Every length is clipped so that no request exceeds `max_model_len` and no step exceeds
+`max_num_reqs` or `max_num_tokens`; duplicate steps (small limits) are dropped. Decodes come
+first in every step, as builders that reorder batches expect.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from anyattn.config import AttentionSelectorConfig, BatchLimits
+from anyattn.types import AttentionType
+
+__all__ = ["DECODE_CONTEXT", "MeasureStep", "Phase", "measurement_steps"]
+
+# The short decode context of the issue's recipe ("contexts of 1k and max_model_len/2").
+DECODE_CONTEXT = 1024
+
+
+class Phase(enum.StrEnum):
+    """The kind of step a backend is chosen for."""
+
+    DECODE = "decode"
+    PREFILL = "prefill"
+    MIXED = "mixed"
+
+
+@dataclass(frozen=True, slots=True)
+class MeasureStep:
+    """One timed step: per request its new tokens and its length after them.
+
+    Attributes:
+        name: unique within a run, e.g. "decode/4x2048".
+        phase: the phase whose choice the step counts towards.
+        query_lens: new tokens per request, decodes first.
+        seq_lens: context + new tokens per request.
+    """
+
+    name: str
+    phase: Phase
+    query_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    def describe(self) -> str:
+        """A one-line summary, e.g. "64 requests, 64 new tokens, contexts 2047"."""
+        contexts = sorted({s - q for q, s in zip(self.query_lens, self.seq_lens, strict=True)})
+        shown = ", ".join(str(c) for c in contexts[:3]) + (", ..." if len(contexts) > 3 else "")
+        requests = "1 request" if self.num_reqs == 1 else f"{self.num_reqs} requests"
+        tokens = "1 new token" if self.num_tokens == 1 else f"{self.num_tokens} new tokens"
+        return f"{requests}, {tokens}, context{'s' if len(contexts) > 1 else ''} {shown}"
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "phase": self.phase.value,
+            "query_lens": list(self.query_lens),
+            "seq_lens": list(self.seq_lens),
+        }
+
+    @staticmethod
+    def from_dict(data: dict[str, object]) -> MeasureStep:
+        return MeasureStep(
+            str(data["name"]),
+            Phase(data["phase"]),
+            tuple(int(n) for n in data["query_lens"]),  # type: ignore[attr-defined]
+            tuple(int(n) for n in data["seq_lens"]),  # type: ignore[attr-defined]
+        )
+
+
+def _decode_steps(limits: BatchLimits, decode_len: int) -> list[MeasureStep]:
+    most = min(limits.max_num_reqs, limits.max_num_tokens // decode_len)
+    if most < 1:
+        return []
+    batches = dict.fromkeys((1, max(1, most // 4), most))
+    longest = limits.max_model_len - decode_len
+    contexts = dict.fromkeys(min(c, longest) for c in (DECODE_CONTEXT, limits.max_model_len // 2))
+    return [
+        MeasureStep(f"decode/{n}x{c}", Phase.DECODE, (decode_len,) * n, (c + decode_len,) * n)
+        for n in batches
+        for c in contexts
+    ]
+
+
+def _prefill_step(limits: BatchLimits) -> MeasureStep:
+    per_request = min(limits.max_num_tokens, limits.max_model_len)
+    num_reqs = min(limits.max_num_reqs, -(-limits.max_num_tokens // per_request))
+    total = min(limits.max_num_tokens, num_reqs * per_request)
+    lens = [per_request] * (total // per_request) + (
+        [total % per_request] if total % per_request else []
+    )
+    return MeasureStep(f"prefill/{total}", Phase.PREFILL, tuple(lens), tuple(lens))
+
+
+def _mixed_step(limits: BatchLimits, decode_len: int) -> MeasureStep:
+    # Room for at least one chunk token and one chunk request besides the decodes.
+    num_decodes = min(
+        max(1, limits.max_num_reqs // 2),
+        limits.max_num_reqs - 1,
+        (limits.max_num_tokens - 1) // decode_len,
+    )
+    num_decodes = max(num_decodes, 0)  # one request, or no room: the chunk alone
+    context = min(limits.max_model_len // 2, limits.max_model_len - decode_len)
+    budget = limits.max_num_tokens - num_decodes * decode_len
+    chunk_context = min(limits.max_model_len // 4, limits.max_model_len - 1)
+    chunk = min(budget, limits.max_model_len - chunk_context)
+    query_lens = (decode_len,) * num_decodes + (chunk,)
+    seq_lens = (context + decode_len,) * num_decodes + (chunk_context + chunk,)
+    name = f"mixed/{num_decodes}x{context}+{chunk}@{chunk_context}"
+    return MeasureStep(name, Phase.MIXED, query_lens, seq_lens)
+
+
+def measurement_steps(
+    config: AttentionSelectorConfig, limits: BatchLimits
+) -> tuple[MeasureStep, ...]:
+    """The steps timed for `config` under `limits`, in phase order (decode, prefill, mixed).
+
+    Raises:
+        ValueError: `config` is not decoder attention (encoder and cross attention have no
+            decode phase; measured selection does not cover them).
+    """
+    if config.attn_type is not AttentionType.DECODER:
+        raise ValueError(
+            f"measurement_steps: measured selection covers decoder attention (got attn_type "
+            f"{config.attn_type.value}, expected decoder). Use the static order (policy="
+            f"'priority') for encoder and cross attention."
+        )
+    decode_len = 1 + limits.num_speculative_tokens
+    steps = [*_decode_steps(limits, decode_len), _prefill_step(limits)]
+    steps.append(_mixed_step(limits, decode_len))
+    unique: dict[tuple[tuple[int, ...], tuple[int, ...]], MeasureStep] = {}
+    for step in steps:
+        unique.setdefault((step.query_lens, step.seq_lens), step)
+    return tuple(unique.values())

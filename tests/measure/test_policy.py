@@ -1,0 +1,165 @@
+"""The measured-selection policy with chosen timings: each backend wins in turn, ties within
+2% or the run's noise go to the static order, rejected backends never win."""
+
+from __future__ import annotations
+
+import pytest
+
+from anyattn.config import AttentionSelectorConfig, BatchLimits
+from anyattn.measure import MeasureStep, Phase, StepTiming, choose
+from anyattn.registry import get_backend_class
+from anyattn.selector import measure_backends, priority_list, select_backend
+from anyattn.types import DeviceInfo
+
+CONFIG = AttentionSelectorConfig(head_size=64, dtype="float32", num_heads=4, num_kv_heads=2)
+LIMITS = BatchLimits(4, 32, 64)
+
+
+def fake_timer(table: dict[tuple[str, str], float], noise: float = 0.0):
+    """A timer giving `table[(backend, phase)]` microseconds per step, +-noise around it."""
+    calls: list[tuple[str, str]] = []
+
+    def timer(backend, step):
+        calls.append((backend.get_name(), step.name))
+        base = table[(backend.get_name(), step.phase.value)]
+        times = (base - noise, base, base + noise)
+        return StepTiming(step.name, times, first_call_us=10 * base, build_us=1.0)
+
+    timer.calls = calls  # type: ignore[attr-defined]
+    return timer
+
+
+def passes(backend):
+    return None
+
+
+@pytest.fixture
+def three(register, make_backend):
+    """TORCH, FLEX_ATTENTION and a fake third backend ranked last on the CPU."""
+    register("THIRD", make_backend("THIRD", priority={"cpu": 50}))
+    wanted = ("TORCH", "FLEX_ATTENTION", "THIRD")
+    order = [n for n in priority_list(DeviceInfo.cpu()) if n in wanted]
+    assert order == ["TORCH", "FLEX_ATTENTION", "THIRD"]
+    return order
+
+
+def timings_where(winner: dict[str, str], order: list[str]) -> dict[tuple[str, str], float]:
+    """Per phase, `winner[phase]` takes 100 us a step and every other backend 200 us."""
+    return {
+        (name, phase.value): 100.0 if winner[phase.value] == name else 200.0
+        for name in order
+        for phase in Phase
+    }
+
+
+@pytest.mark.parametrize("rotation", range(3))
+def test_each_backend_wins_its_phase_in_turn(three, rotation):
+    order = three
+    winner = {p.value: order[(i + rotation) % 3] for i, p in enumerate(Phase)}
+    timer = fake_timer(timings_where(winner, order))
+    measured = measure_backends(CONFIG, LIMITS, "cpu", timer=timer, checker=passes)
+    assert measured.order == tuple(order)
+    for phase in Phase:
+        assert measured.choice(phase) == winner[phase.value]
+    # Every fitting backend was timed on every step, once.
+    steps = [s.name for s in measured.steps]
+    assert sorted(timer.calls) == sorted((b, s) for b in order for s in steps)
+    # Overall: 4 decode steps outweigh the prefill and the mixed step.
+    assert measured.overall == winner["decode"]
+    assert measured.first_calls_s(order[0]) > 0
+
+
+@pytest.mark.parametrize("winner", ["TORCH", "FLEX_ATTENTION", "THIRD"])
+def test_select_backend_fastest_returns_the_overall_winner(three, winner, monkeypatch):
+    table = timings_where(dict.fromkeys((p.value for p in Phase), winner), three)
+    timer = fake_timer(table)
+    measured = measure_backends(CONFIG, LIMITS, "cpu", timer=timer, checker=passes)
+    assert measured.overall == winner
+    # select_backend reads the same (cached) measurement: no new timing.
+    chosen = select_backend(CONFIG, "cpu", policy="fastest", limits=LIMITS)
+    assert chosen.get_name() == winner
+    assert select_backend(CONFIG, "cpu", "fastest", limits=LIMITS).get_name() == winner
+    monkeypatch.setenv("ANYATTN_BACKEND", "fastest")
+    assert select_backend(CONFIG, "cpu", limits=LIMITS).get_name() == winner
+    assert select_backend(CONFIG, "cpu").get_name() == "TORCH"  # no limits: static order
+
+
+def test_within_two_percent_the_static_order_decides(three):
+    table = {(n, p.value): 100.0 for n in three for p in Phase}
+    table[("FLEX_ATTENTION", "prefill")] = 98.5  # 1.5% faster: a tie, TORCH comes first
+    table[("THIRD", "mixed")] = 97.0  # 3% faster: a win
+    measured = measure_backends(CONFIG, LIMITS, "cpu", timer=fake_timer(table), checker=passes)
+    prefill = measured.choices["prefill"]
+    assert (prefill.backend, prefill.fastest) == ("TORCH", "FLEX_ATTENTION")
+    assert prefill.tied == ("TORCH", "FLEX_ATTENTION", "THIRD")
+    assert measured.choice("mixed") == "THIRD"
+    assert measured.choices["mixed"].tied == ("THIRD",)
+
+
+def test_within_the_measured_noise_the_static_order_decides(three):
+    table = {(n, p.value): 100.0 for n in three for p in Phase}
+    table[("THIRD", "decode")] = 90.0  # 10% faster, but each call varies by +-8 us
+    noisy = measure_backends(CONFIG, LIMITS, "cpu", timer=fake_timer(table, 8.0), checker=passes)
+    assert noisy.choice("decode") == "TORCH"
+    assert noisy.choices["decode"].fastest == "THIRD"
+    quiet = measure_backends(
+        CONFIG, LIMITS, "cpu", timer=fake_timer(table, 1.0), checker=passes, use_cache=False
+    )
+    assert quiet.choice("decode") == "THIRD"
+
+
+def test_a_backend_failing_the_oracle_or_raising_is_never_chosen(three):
+    table = timings_where(dict.fromkeys((p.value for p in Phase), "THIRD"), three)
+    timer = fake_timer(table)
+
+    def checker(backend):
+        return "error above bound" if backend.get_name() == "THIRD" else None
+
+    measured = measure_backends(CONFIG, LIMITS, "cpu", timer=timer, checker=checker)
+    assert measured.rejected == {"THIRD": "oracle check failed: error above bound"}
+    assert "THIRD" not in {b for b, _ in timer.calls}
+    assert measured.overall == "TORCH"
+
+    def raising(backend, step):
+        if backend.get_name() == "TORCH" and step.phase is Phase.PREFILL:
+            raise RuntimeError("out of memory")
+        return timer(backend, step)
+
+    again = measure_backends(CONFIG, LIMITS, "cpu", timer=raising, checker=checker, use_cache=False)
+    assert again.rejected["TORCH"].endswith("raised RuntimeError: out of memory")
+    assert again.overall == "FLEX_ATTENTION"
+
+
+def test_choose_skips_phases_without_steps_and_backends_without_every_step():
+    timing = StepTiming("s", (5.0,), 5.0, 1.0)
+    steps = [MeasureStep("s", Phase.DECODE, (1,), (2,))]
+    choices = choose(steps, ["A", "B"], {"A": {}, "B": {"s": timing}})
+    assert set(choices) == {"decode", "overall"}
+    assert choices["decode"].backend == "B" and choices["decode"].totals_us == {"B": 5.0}
+
+
+def test_phase_choices_that_cannot_share_a_kv_cache_say_why(register, make_backend):
+    torch_backend = get_backend_class("TORCH")
+    # TORCH's cache layout, but 16-token kernel blocks where TORCH takes the engine's 32.
+    fake = make_backend(
+        "SMALL_BLOCKS",
+        block_sizes=[16],
+        priority={"cpu": 50},
+        supported_kv_cache_layouts=torch_backend.supported_kv_cache_layouts,
+        get_kv_cache_stride_order=torch_backend.get_kv_cache_stride_order,
+    )
+    register("SMALL_BLOCKS", fake)
+    table = {("TORCH", p.value): 100.0 for p in Phase}
+    table |= {("FLEX_ATTENTION", p.value): 300.0 for p in Phase}
+    table |= {("SMALL_BLOCKS", p.value): 300.0 for p in Phase}
+    table[("SMALL_BLOCKS", "prefill")] = 10.0
+    config = CONFIG.replace(block_size=32)
+    measured = measure_backends(config, LIMITS, "cpu", timer=fake_timer(table), checker=passes)
+    assert (measured.choice("decode"), measured.choice("prefill")) == ("TORCH", "SMALL_BLOCKS")
+    assert not measured.kv_cache_shared
+    assert measured.kv_cache_note == "TORCH and SMALL_BLOCKS differ in kernel block size, shape"
+    one = measure_backends(
+        CONFIG, LIMITS, "cpu", timer=fake_timer(table | {("SMALL_BLOCKS", "prefill"): 300.0}),
+        checker=passes, use_cache=False,
+    )  # fmt: skip
+    assert one.kv_cache_shared and one.kv_cache_note == "one backend for every phase"
