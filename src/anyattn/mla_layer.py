@@ -20,7 +20,7 @@ from anyattn.declarations import AttentionBackend
 from anyattn.layer_params import DEFAULT_WORKSPACE_TOKENS
 from anyattn.selector import select_backend
 from anyattn.types import DeviceInfo, parse_dtype
-from anyattn.validation_mla import check_mla_layer_call
+from anyattn.validation_mla import check_mla_layer_call, check_rope_outputs
 
 __all__ = ["MLAAttention", "RMSNorm", "Rope"]
 
@@ -66,6 +66,9 @@ class MLAAttention(nn.Module):
     Attributes:
         backend, impl: the MLA backend class and its impl.
         k_scale, v_scale: float32 `[]` buffers; an fp8 latent cache uses `k_scale`.
+
+    Its parameters do not require grad (an inference layer: `forward` builds no autograd
+    graph); `requires_grad_(True)` turns that back on.
 
     Raises:
         ValueError, TypeError: a bad size or dtype, or a backend that cannot serve the layer.
@@ -151,6 +154,8 @@ class MLAAttention(nn.Module):
         one = torch.tensor(1.0, device=weights_device)
         self.register_buffer("k_scale", one, persistent=False)
         self.register_buffer("v_scale", one.clone(), persistent=False)
+        # An inference layer: no autograd graph is built through it (as the engine's layers).
+        self.requires_grad_(False)
 
     def _choose_backend(
         self, backend: type[AttentionBackend] | str | None, device: DeviceInfo | None
@@ -224,7 +229,8 @@ class MLAAttention(nn.Module):
                 (`anyattn.validation_mla.check_mla_layer_call`).
         """
         md = attn_metadata
-        check_mla_layer_call(self.impl, self, hidden, kv_cache, md)
+        check_mla_layer_call(self.impl, self, hidden, kv_cache, md,
+                             hidden_size=self.hidden_size, dtype=self.config.dtype)  # fmt: skip
         num_tokens, heads = hidden.shape[0], self.num_heads
         if self.q_lora_rank is None:
             q = self.q_proj(hidden)
@@ -237,7 +243,9 @@ class MLAAttention(nn.Module):
         latent = self.kv_a_proj_with_mqa(hidden)
         c_kv, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
-        q_pe, k_pe = rope(q_pe, k_pe.unsqueeze(1))
+        q_pe, k_pe = check_rope_outputs(
+            self.impl, rope(q_pe, k_pe.unsqueeze(1)), num_tokens, hidden.dtype, hidden.device
+        )
         k_pe = k_pe.reshape(num_tokens, self.qk_rope_head_dim)
         self.impl.do_kv_cache_update(self, c_kv, k_pe, kv_cache, md.slot_mapping, md)
         # attn: [T, H, Vd]; rows past the real tokens stay zero
