@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from anyattn.mla_declarations import format_mla_splits, mla_reasons
 from anyattn.types import (
     AttentionCGSupport,
     AttentionType,
@@ -27,7 +28,7 @@ from anyattn.types import (
 if TYPE_CHECKING:
     from anyattn.config import AttentionSelectorConfig, AttentionSpec, BatchLimits
 
-__all__ = ["PLATFORMS", "AttentionBackend", "platform_key"]
+__all__ = ["PLATFORMS", "AttentionBackend", "format_mla_splits", "platform_key"]
 
 # Platform keys of `AttentionBackend.priority`.
 PLATFORMS = ("cpu", "cuda", "blackwell")
@@ -395,8 +396,8 @@ class AttentionBackend(ABC):
             reasons.append(f"attn_type {config.attn_type.value} not supported (supported: {names})")
         if config.use_mla != cls.is_mla():
             reasons.append("MLA (use_mla) not supported" if config.use_mla else "MLA-only backend")
-        elif config.use_mla and (split := _mla_split_reason(cls, config)) is not None:
-            reasons.append(split)
+        elif config.use_mla:
+            reasons.extend(mla_reasons(cls, config))
         if config.use_sparse != cls.is_sparse():
             reasons.append(
                 "sparse attention (use_sparse) not supported"
@@ -441,34 +442,8 @@ class AttentionBackend(ABC):
             "kv_cache_layouts": [str(x) for x in cls.supported_kv_cache_layouts()],
             "attn_types": [t.value for t in cls.supported_attn_types],
             "features": features,
-            "mla_splits": (_format_splits(splits) or "any") if cls.is_mla() else None,
+            "mla_splits": (format_mla_splits(splits) or "any") if cls.is_mla() else None,
             "cudagraph_support": cls.get_cudagraph_support().name,
             "forward_includes_kv_cache_update": cls.forward_includes_kv_cache_update,
             "priority": dict(cls.priority),
         }
-
-
-def _format_splits(splits: Sequence[tuple[int, int]]) -> str:
-    return ", ".join(f"{rank}+{rope}" for rank, rope in splits)
-
-
-def _mla_split_reason(cls: type[AttentionBackend], config: AttentionSelectorConfig) -> str | None:
-    """Why an MLA backend does not take the config's latent split `head_size = L + R`, or None.
-
-    One `head_size` may split several ways (576 = 512 + 64 or 448 + 128), so a backend that
-    declares splits needs `qk_rope_head_dim` to judge."""
-    splits = cls.get_supported_mla_splits()
-    if not splits:
-        return None
-    rope = config.qk_rope_head_dim
-    if rope is None:
-        return (
-            f"MLA latent split of head_size {config.head_size} unknown (qk_rope_head_dim not "
-            f"given; supported kv_lora_rank+qk_rope_head_dim: {_format_splits(splits)})"
-        )
-    if not cls.supports_mla_split(config.head_size - rope, rope):
-        return (
-            f"MLA latent split {config.head_size - rope}+{rope} not supported (supported "
-            f"kv_lora_rank+qk_rope_head_dim: {_format_splits(splits)})"
-        )
-    return None

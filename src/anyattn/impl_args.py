@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from anyattn.declarations import format_mla_splits
 from anyattn.types import AttentionType, parse_cache_dtype
 
 if TYPE_CHECKING:
@@ -192,7 +193,7 @@ def validate_mla_impl_arguments(
             f"{backend.get_supported_head_sizes()})."
         )
     if not backend.supports_mla_split(kv_lora_rank, qk_rope_head_dim):
-        splits = ", ".join(f"{r}+{p}" for r, p in backend.get_supported_mla_splits())
+        splits = format_mla_splits(backend.get_supported_mla_splits())
         raise ValueError(
             f"{api}: latent split not supported (got kv_lora_rank={kv_lora_rank}, "
             f"qk_rope_head_dim={qk_rope_head_dim}, expected one of {splits}). "
@@ -203,6 +204,15 @@ def validate_mla_impl_arguments(
         raise ValueError(
             f"{api}: kv_cache_dtype not supported (got {kv_cache_dtype!r}, expected one of "
             f"{', '.join(backend.supported_kv_cache_dtypes)})."
+        )
+    head_dims = getattr(backend, "get_mla_head_dims_reason", None)
+    reason = head_dims and head_dims(qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
+    if reason:
+        raise ValueError(
+            f"{api}: {reason} (got qk_nope_head_dim={qk_nope_head_dim}, qk_rope_head_dim="
+            f"{qk_rope_head_dim}, v_head_dim={v_head_dim}). Pick another backend (`anyattn "
+            "explain --use-mla` with --qk-nope-head-dim and --v-head-dim lists those that "
+            "support it)."
         )
 
 

@@ -119,6 +119,8 @@ class MLAAttention(nn.Module):
             num_kv_heads=1,
             use_mla=True,
             qk_rope_head_dim=qk_rope_head_dim,
+            qk_nope_head_dim=qk_nope_head_dim,
+            v_head_dim=v_head_dim,
         )
         self.backend = self._choose_backend(backend, device)
         self.impl = self.backend.get_impl_cls()(
