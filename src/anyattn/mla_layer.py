@@ -248,15 +248,19 @@ class MLAAttention(nn.Module):
         q_pe, k_pe = check_rope_outputs(
             self.impl, rope(q_pe, k_pe.unsqueeze(1)), num_tokens, hidden.dtype, hidden.device
         )
+        # k_pe: [T, R], in general a view with row stride L + R (docs/mla.md, "Strides"); a
+        # rope that returns other strides is made to give unit stride in the last dimension.
         k_pe = k_pe.reshape(num_tokens, self.qk_rope_head_dim)
+        if k_pe.stride(-1) != 1:
+            k_pe = k_pe.contiguous()
         self.impl.do_kv_cache_update(self, c_kv, k_pe, kv_cache, md.slot_mapping, md)
         # attn: [T, H, Vd]; rows past the real tokens stay zero
         attn = hidden.new_zeros(num_tokens, heads, self.v_head_dim)
         decode, end = md.num_decode_tokens, md.num_actual_tokens
         if decode:
             # q_latent[t, h] = W_UK[h]^T q_nope[t, h]: [T_dec, H, L]
-            q_latent = torch.einsum("thp,hpl->thl", q_nope[:decode], self.W_UK)
-            out_latent = torch.empty_like(q_latent)
+            q_latent = torch.einsum("thp,hpl->thl", q_nope[:decode], self.W_UK).contiguous()
+            out_latent = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
             self.impl.forward_mqa(self, q_latent, q_pe[:decode].contiguous(), kv_cache, md,
                                   out_latent)  # fmt: skip
             attn[:decode] = torch.einsum("thl,hvl->thv", out_latent, self.W_UV)

@@ -87,3 +87,35 @@ def test_bounded_work_split_gives_the_one_pass_result(monkeypatch, dtype):
 def test_decode_groups_stay_within_the_key_bound():
     assert list(torch_mla._groups([3, 9, 2, 2, 30], max_keys=20)) == [(0, 2), (2, 4), (4, 5)]
     assert list(torch_mla._groups([], max_keys=20)) == []
+
+
+def test_the_layer_hands_over_the_documented_strides():
+    """docs/mla.md, "Strides": q_latent, q_pe, q and the outputs contiguous; kv_c_normed
+    contiguous rows; k_pe a view with unit stride in its last dimension."""
+    layer = make_layer(torch.float32)
+    impl, seen = layer.impl, {}
+
+    def recorder(name, method):
+        def record(*args):
+            seen[name] = [a.stride() for a in args if isinstance(a, torch.Tensor)]
+            seen[name + ".contiguous"] = [
+                a.is_contiguous() for a in args if isinstance(a, torch.Tensor)
+            ]
+            return method(*args)
+
+        return record
+
+    for name in ("forward_mqa", "forward_mha", "do_kv_cache_update"):
+        setattr(impl, name, recorder(name, getattr(impl, name)))
+    schedule = Schedule(layer, torch.float32)
+    md = schedule.metadata(STEP1)  # a decode and prefills
+    assert md.num_decode_tokens and md.num_prefill_tokens
+    hidden = torch.randn(md.num_actual_tokens, HIDDEN)
+    # A rope that returns its inputs: k_pe stays a view of the latent projection.
+    layer(hidden, lambda q_pe, k_pe: (q_pe, k_pe), schedule.kv_cache, md)
+    # forward_mqa(q_latent, q_pe, kv_cache, output): all contiguous.
+    assert seen["forward_mqa.contiguous"] == [True] * 4
+    # forward_mha(q, kv_c_normed, k_pe, kv_cache, output): k_pe a column slice of [T, L + R].
+    assert seen["forward_mha.contiguous"] == [True, True, False, True, True]
+    assert seen["forward_mha"][2] == (L + R, 1)
+    assert seen["do_kv_cache_update"][1] == (L + R, 1)

@@ -6,7 +6,8 @@ backend): it writes the step's latents with `impl.do_kv_cache_update`, absorbs t
 queries itself (`q_latent[t, h] = W_UK[h]^T q_nope[t, h]`), calls `forward_mqa` on the decode
 rows and multiplies the latent output by `W_UV[h]`, and calls `forward_mha` on the prefill rows
 with a layer whose `up_project` computes `(W_UK c_kv, W_UV c_kv)` in the model dtype. Which
-rows are decodes is the metadata's word (`num_decode_tokens`). Outputs start as NaN.
+rows are decodes is the metadata's word (`num_decode_tokens`). Outputs start as NaN. Strides are
+the layer's: `k_pe` is a view with row stride `L + R`, the other inputs contiguous.
 
 A case fails when the impl raises, when the `[num_tokens, H, Vd]` output (or the decode LSE)
 is further from `mla_oracle` than the tolerance rule allows, or when an exact check breaks:
@@ -162,12 +163,14 @@ def mla_step(
         want_lse: pass an `output_lse` to `forward_mqa`.
     """
     md = batch.attn_metadata
+    num_heads, rank = batch.w_uk.shape[0], batch.shape.kv_lora_rank
+    # As the layer's: k_pe a column slice of the [T, L + R] latent projection (row stride L + R).
+    k_pe = torch.cat([batch.kv_c, batch.k_pe], dim=-1)[:, rank:]
     impl.do_kv_cache_update(
-        layer, batch.kv_c, batch.k_pe, batch.kv_cache, batch.common_attn_metadata.slot_mapping, md
+        layer, batch.kv_c, k_pe, batch.kv_cache, batch.common_attn_metadata.slot_mapping, md
     )
     n = batch.num_actual_tokens
     num_decodes, num_decode_tokens = _decode_split(md)
-    num_heads, rank = batch.w_uk.shape[0], batch.shape.kv_lora_rank
     dtype, device = batch.q_nope.dtype, batch.q_nope.device
     # NaN everywhere: rows the backend forgets to write show up as NaN errors.
     output = torch.full(
@@ -180,7 +183,7 @@ def mla_step(
     if num_decode_tokens:
         d = num_decode_tokens
         # q_latent: [d, num_heads, L]; latent output likewise, values up-projected after.
-        q_latent = torch.einsum("thp,hpl->thl", batch.q_nope[:d], batch.w_uk)
+        q_latent = torch.einsum("thp,hpl->thl", batch.q_nope[:d], batch.w_uk).contiguous()
         latent_output = torch.full((d, num_heads, rank), math.nan, dtype=dtype, device=device)
         if want_lse:
             output_lse = torch.full((num_heads, d), math.nan, dtype=torch.float32, device=device)
@@ -192,7 +195,7 @@ def mla_step(
         rows = slice(num_decode_tokens, n)
         query = torch.cat([batch.q_nope[rows], batch.q_pe[rows]], dim=-1)
         impl.forward_mha(
-            layer, query, batch.kv_c[rows], batch.k_pe[rows], batch.kv_cache, md, output[rows]
+            layer, query, batch.kv_c[rows], k_pe[rows], batch.kv_cache, md, output[rows]
         )
     base_on_e = getattr(impl, "lse_base_on_e", True)
     return MLAStepResult(output, output_lse, num_decodes, num_decode_tokens, base_on_e)
