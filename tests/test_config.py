@@ -43,6 +43,8 @@ def test_selector_config_fields_match_design():
         "use_batch_invariant",
         "needs_lse",
         "qk_rope_head_dim",
+        "qk_nope_head_dim",
+        "v_head_dim",
     ]
 
 

@@ -90,6 +90,20 @@ def add_explain_parser(commands: argparse._SubParsersAction) -> None:
         "tells splits apart (576 = 512 + 64 or 448 + 128)",
     )
     ex.add_argument(
+        "--qk-nope-head-dim",
+        type=positive_int,
+        metavar="N",
+        help="MLA (--use-mla): the no-rope part P of the up-projected query and key rows "
+        "(their size is P + R), for backends whose prefill limits it",
+    )
+    ex.add_argument(
+        "--v-head-dim",
+        type=positive_int,
+        metavar="N",
+        help="MLA (--use-mla): the size Vd of the up-projected value rows, for backends whose "
+        "prefill limits it",
+    )
+    ex.add_argument(
         "--backend",
         metavar="NAME",
         help=f"require this backend (error if it does not fit); else ${ENV_VAR} if set",

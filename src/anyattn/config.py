@@ -55,6 +55,10 @@ class AttentionSelectorConfig:
             each backend call to return the log-sum-exp of every row.
         qk_rope_head_dim: for MLA (`use_mla`), the rope part R of the latent row, which tells
             splits of one `head_size` apart (576 = 512 + 64 or 448 + 128); None when unknown.
+        qk_nope_head_dim, v_head_dim: for MLA, the no-rope part P of the up-projected query
+            and key rows (Q/K rows are P + R) and the value rows' size Vd, which a prefill
+            kernel may limit (`MLAAttentionBackend.get_mla_head_dims_reason`); None when
+            unknown.
     """
 
     head_size: int
@@ -75,6 +79,8 @@ class AttentionSelectorConfig:
     use_batch_invariant: bool = False
     needs_lse: bool = False
     qk_rope_head_dim: int | None = None
+    qk_nope_head_dim: int | None = None
+    v_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         api = "AttentionSelectorConfig"
@@ -114,6 +120,14 @@ class AttentionSelectorConfig:
                 f"{api}: qk_rope_head_dim is for MLA layers (got qk_rope_head_dim={rope} with "
                 "use_mla=False, expected None). Set use_mla=True or drop it."
             )
+        for name in ("qk_nope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            _positive_int(api, name, value, allow_none=True)
+            if value is not None and not self.use_mla:
+                raise ValueError(
+                    f"{api}: {name} is for MLA layers (got {name}={value} with use_mla=False, "
+                    "expected None). Set use_mla=True or drop it."
+                )
         if rope is not None and rope >= self.head_size:
             raise ValueError(
                 f"{api}: qk_rope_head_dim must be smaller than head_size, the latent row "

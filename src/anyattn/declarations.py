@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from anyattn.mla_declarations import format_mla_splits, mla_reasons
 from anyattn.types import (
     AttentionCGSupport,
     AttentionType,
@@ -395,8 +396,8 @@ class AttentionBackend(ABC):
             reasons.append(f"attn_type {config.attn_type.value} not supported (supported: {names})")
         if config.use_mla != cls.is_mla():
             reasons.append("MLA (use_mla) not supported" if config.use_mla else "MLA-only backend")
-        elif config.use_mla and (split := _mla_split_reason(cls, config)) is not None:
-            reasons.append(split)
+        elif config.use_mla:
+            reasons.extend(mla_reasons(cls, config))
         if config.use_sparse != cls.is_sparse():
             reasons.append(
                 "sparse attention (use_sparse) not supported"
@@ -446,52 +447,3 @@ class AttentionBackend(ABC):
             "forward_includes_kv_cache_update": cls.forward_includes_kv_cache_update,
             "priority": dict(cls.priority),
         }
-
-
-def format_mla_splits(splits: Sequence[tuple[int, int]]) -> str:
-    """Latent splits as `kv_lora_rank+qk_rope_head_dim` text, compact when they are every
-    combination of some ranks and some rope sizes: `[(512, 64)]` reads "512+64", the ranks
-    16, 32, ..., 512 each with rope 16, 32 and 64 read "{16, 32, ..., 512}+{16, 32, 64}";
-    other sets list each rope size's ranks."""
-    by_rope: dict[int, list[int]] = {}
-    for rank, rope in splits:
-        by_rope.setdefault(rope, []).append(rank)
-    rank_sets = {tuple(sorted(set(ranks))) for ranks in by_rope.values()}
-    if len(rank_sets) == 1:
-        return f"{_format_ints(next(iter(rank_sets)))}+{_format_ints(sorted(by_rope))}"
-    return ", ".join(
-        f"{_format_ints(sorted(set(ranks)))}+{rope}" for rope, ranks in by_rope.items()
-    )
-
-
-def _format_ints(values: Sequence[int]) -> str:
-    """One value as is; several in braces, an arithmetic run from its step (16, 32, ..., 512)
-    shortened with an ellipsis."""
-    if len(values) == 1:
-        return str(values[0])
-    step = values[0]
-    if len(values) > 3 and all(v == step * (i + 1) for i, v in enumerate(values)):
-        return f"{{{values[0]}, {values[1]}, ..., {values[-1]}}}"
-    return "{" + ", ".join(str(v) for v in values) + "}"
-
-
-def _mla_split_reason(cls: type[AttentionBackend], config: AttentionSelectorConfig) -> str | None:
-    """Why an MLA backend does not take the config's latent split `head_size = L + R`, or None.
-
-    One `head_size` may split several ways (576 = 512 + 64 or 448 + 128), so a backend that
-    declares splits needs `qk_rope_head_dim` to judge."""
-    splits = cls.get_supported_mla_splits()
-    if not splits:
-        return None
-    rope = config.qk_rope_head_dim
-    if rope is None:
-        return (
-            f"MLA latent split of head_size {config.head_size} unknown (qk_rope_head_dim not "
-            f"given; supported kv_lora_rank+qk_rope_head_dim: {format_mla_splits(splits)})"
-        )
-    if not cls.supports_mla_split(config.head_size - rope, rope):
-        return (
-            f"MLA latent split {config.head_size - rope}+{rope} not supported (supported "
-            f"kv_lora_rank+qk_rope_head_dim: {format_mla_splits(splits)})"
-        )
-    return None

@@ -205,6 +205,15 @@ def validate_mla_impl_arguments(
             f"{api}: kv_cache_dtype not supported (got {kv_cache_dtype!r}, expected one of "
             f"{', '.join(backend.supported_kv_cache_dtypes)})."
         )
+    head_dims = getattr(backend, "get_mla_head_dims_reason", None)
+    reason = head_dims and head_dims(qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
+    if reason:
+        raise ValueError(
+            f"{api}: {reason} (got qk_nope_head_dim={qk_nope_head_dim}, qk_rope_head_dim="
+            f"{qk_rope_head_dim}, v_head_dim={v_head_dim}). Pick another backend (`anyattn "
+            "explain --use-mla` with --qk-nope-head-dim and --v-head-dim lists those that "
+            "support it)."
+        )
 
 
 def _undeclared(api: str, feature: str, got: str, expected: str, flag: str) -> NotImplementedError:

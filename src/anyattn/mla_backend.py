@@ -4,7 +4,8 @@ An MLA backend's cache holds one latent row per token, `[c_kv (L), k_pe (R)]`, s
 shape is `(num_blocks, block_size, head_size)` with `head_size = L + R` and a single "KV head";
 there is no K/V axis and no head axis, hence one layout. MLA is causal decoder attention only
 (no window, soft cap, ALiBi or sinks). A backend subclasses this and declares the rest (name,
-impl, builder, dtypes, the latent splits it takes through `get_supported_mla_splits`).
+impl, builder, dtypes, the latent splits it takes through `get_supported_mla_splits`, the
+prefill head sizes through `get_mla_head_dims_reason`).
 """
 
 from __future__ import annotations
@@ -70,3 +71,14 @@ class MLAAttentionBackend(AttentionBackend):
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
         return (KVCacheLayout.NHD,)
+
+    @classmethod
+    def get_mla_head_dims_reason(
+        cls, qk_nope_head_dim: int | None, qk_rope_head_dim: int | None, v_head_dim: int | None
+    ) -> str | None:
+        """Why the up-projected (prefill) path cannot take Q/K rows of `qk_nope_head_dim +
+        qk_rope_head_dim` and V rows of `v_head_dim`, naming the sizes it takes; None when it
+        can. The selector asks with the config's sizes (None where the config does not say
+        them; a backend that limits the sizes refuses unknown ones, saying which are needed)
+        and the impl's constructor with its own. Default: any sizes."""
+        return None

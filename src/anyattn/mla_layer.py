@@ -20,7 +20,7 @@ from anyattn.declarations import AttentionBackend
 from anyattn.layer_params import DEFAULT_WORKSPACE_TOKENS
 from anyattn.selector import select_backend
 from anyattn.types import DeviceInfo, parse_dtype
-from anyattn.validation_mla import check_mla_layer_call
+from anyattn.validation_mla import check_mla_layer_call, check_rope_outputs
 
 __all__ = ["MLAAttention", "RMSNorm", "Rope"]
 
@@ -66,6 +66,9 @@ class MLAAttention(nn.Module):
     Attributes:
         backend, impl: the MLA backend class and its impl.
         k_scale, v_scale: float32 `[]` buffers; an fp8 latent cache uses `k_scale`.
+
+    Its parameters do not require grad (an inference layer: `forward` builds no autograd
+    graph); `requires_grad_(True)` turns that back on.
 
     Raises:
         ValueError, TypeError: a bad size or dtype, or a backend that cannot serve the layer.
@@ -116,6 +119,8 @@ class MLAAttention(nn.Module):
             num_kv_heads=1,
             use_mla=True,
             qk_rope_head_dim=qk_rope_head_dim,
+            qk_nope_head_dim=qk_nope_head_dim,
+            v_head_dim=v_head_dim,
         )
         self.backend = self._choose_backend(backend, device)
         self.impl = self.backend.get_impl_cls()(
@@ -151,6 +156,8 @@ class MLAAttention(nn.Module):
         one = torch.tensor(1.0, device=weights_device)
         self.register_buffer("k_scale", one, persistent=False)
         self.register_buffer("v_scale", one.clone(), persistent=False)
+        # An inference layer: no autograd graph is built through it (as the engine's layers).
+        self.requires_grad_(False)
 
     def _choose_backend(
         self, backend: type[AttentionBackend] | str | None, device: DeviceInfo | None
@@ -224,7 +231,8 @@ class MLAAttention(nn.Module):
                 (`anyattn.validation_mla.check_mla_layer_call`).
         """
         md = attn_metadata
-        check_mla_layer_call(self.impl, self, hidden, kv_cache, md)
+        check_mla_layer_call(self.impl, self, hidden, kv_cache, md,
+                             hidden_size=self.hidden_size, dtype=self.config.dtype)  # fmt: skip
         num_tokens, heads = hidden.shape[0], self.num_heads
         if self.q_lora_rank is None:
             q = self.q_proj(hidden)
@@ -237,16 +245,22 @@ class MLAAttention(nn.Module):
         latent = self.kv_a_proj_with_mqa(hidden)
         c_kv, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
-        q_pe, k_pe = rope(q_pe, k_pe.unsqueeze(1))
+        q_pe, k_pe = check_rope_outputs(
+            self.impl, rope(q_pe, k_pe.unsqueeze(1)), num_tokens, hidden.dtype, hidden.device
+        )
+        # k_pe: [T, R], in general a view with row stride L + R (docs/mla.md, "Strides"); a
+        # rope that returns other strides is made to give unit stride in the last dimension.
         k_pe = k_pe.reshape(num_tokens, self.qk_rope_head_dim)
+        if k_pe.stride(-1) != 1:
+            k_pe = k_pe.contiguous()
         self.impl.do_kv_cache_update(self, c_kv, k_pe, kv_cache, md.slot_mapping, md)
         # attn: [T, H, Vd]; rows past the real tokens stay zero
         attn = hidden.new_zeros(num_tokens, heads, self.v_head_dim)
         decode, end = md.num_decode_tokens, md.num_actual_tokens
         if decode:
             # q_latent[t, h] = W_UK[h]^T q_nope[t, h]: [T_dec, H, L]
-            q_latent = torch.einsum("thp,hpl->thl", q_nope[:decode], self.W_UK)
-            out_latent = torch.empty_like(q_latent)
+            q_latent = torch.einsum("thp,hpl->thl", q_nope[:decode], self.W_UK).contiguous()
+            out_latent = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
             self.impl.forward_mqa(self, q_latent, q_pe[:decode].contiguous(), kv_cache, md,
                                   out_latent)  # fmt: skip
             attn[:decode] = torch.einsum("thl,hvl->thv", out_latent, self.W_UV)

@@ -29,6 +29,7 @@ __all__ = [
     "check_mla_kv_write",
     "check_mla_layer_call",
     "check_mqa_inputs",
+    "check_rope_outputs",
 ]
 
 
@@ -52,10 +53,11 @@ def _name(impl: MLAImpl) -> str:
 
 def check_mla_layer_call(
     impl: MLAImpl, layer: object, hidden: torch.Tensor, kv_cache: torch.Tensor,
-    attn_metadata: object,
+    attn_metadata: object, *, hidden_size: int | None = None, dtype: torch.dtype | None = None,
 ) -> None:  # fmt: skip
     """Check one `MLAAttention` call before anything is written: the metadata (its builder's
-    type, built for this layer, no more tokens than `hidden` has rows), `hidden`'s dtype, the
+    type, built for this layer, no more tokens than `hidden` has rows), `hidden` (a tensor,
+    `hidden_size` columns and the layer's `dtype` when given, else a dtype the impl takes), the
     cache (an MLA latent cache of this layer's row size, dtype and device), the step against
     the cache (slots and block ids) and, for an fp8 cache, the layer's `k_scale`.
 
@@ -64,14 +66,64 @@ def check_mla_layer_call(
     """
     api = f"{_name(impl)} (MLAAttention.forward)"
     md = _check_metadata(api, impl, layer, attn_metadata)
+    if not isinstance(hidden, torch.Tensor):
+        raise TypeError(f"{api}: hidden must be a torch.Tensor (got {type(hidden).__name__}).")
     if hidden.dim() != 2 or hidden.shape[0] < md.num_actual_tokens:
         raise ValueError(
             f"{api}: hidden must be [num_tokens, hidden_size] with num_tokens >= the "
             f"metadata's {md.num_actual_tokens} tokens (got {tuple(hidden.shape)})."
         )
+    if hidden_size is not None and hidden.shape[1] != hidden_size:
+        raise ValueError(
+            f"{api}: hidden must have the layer's hidden_size columns (got "
+            f"{tuple(hidden.shape)}, expected [num_tokens, {hidden_size}])."
+        )
+    if dtype is not None and hidden.dtype != dtype:
+        raise ValueError(
+            f"{api}: hidden must be in the layer's dtype (got {hidden.dtype}, expected {dtype})."
+        )
     _check_dtype(api, impl, "hidden", hidden)
     check_mla_cache(api, impl, kv_cache, md, hidden.dtype, hidden.device)
     _scale(api, impl, layer, kv_cache)
+
+
+def check_rope_outputs(
+    impl: MLAImpl, result: object, num_tokens: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the layer's `rope` returned: `(q_pe [T, H, R], k_pe [T, 1, R])`, both in the model
+    `dtype` on `device`, checked before anything is written.
+
+    Returns:
+        `(q_pe, k_pe)`.
+
+    Raises:
+        TypeError, ValueError: another type, shape, dtype or device, naming `rope`.
+    """
+    api = f"{_name(impl)} (MLAAttention.forward)"
+    heads, rope_dim = impl.num_heads, impl.qk_rope_head_dim
+    expected = (
+        f"(q_pe [{num_tokens}, {heads}, {rope_dim}], k_pe [{num_tokens}, 1, {rope_dim}]) in "
+        f"{dtype} on {device}"
+    )
+    if not (
+        isinstance(result, tuple | list)
+        and len(result) == 2
+        and all(isinstance(x, torch.Tensor) for x in result)
+    ):
+        got = type(result).__name__
+        if isinstance(result, tuple | list):
+            got = f"{got} of {', '.join(type(x).__name__ for x in result) or 'nothing'}"
+        raise TypeError(f"{api}: rope must return {expected} (got {got}).")
+    q_pe, k_pe = result
+    shapes = ((num_tokens, heads, rope_dim), (num_tokens, 1, rope_dim))
+    for x, shape in zip((q_pe, k_pe), shapes, strict=True):
+        if tuple(x.shape) != shape or x.dtype != dtype or x.device != device:
+            raise ValueError(
+                f"{api}: rope must return {expected} (got q_pe {list(q_pe.shape)} "
+                f"{q_pe.dtype} on {q_pe.device}, k_pe {list(k_pe.shape)} {k_pe.dtype} on "
+                f"{k_pe.device})."
+            )
+    return q_pe, k_pe
 
 
 def check_mla_cache(

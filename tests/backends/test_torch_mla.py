@@ -23,7 +23,7 @@ from anyattn.backends.torch_mla import TorchMLAImpl, TorchMLAMetadataBuilder
 from anyattn.config import MLAAttentionSpec
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.metadata import make_common_attn_metadata
-from anyattn.ops.concat_and_cache_mla import concat_and_cache_mla
+from anyattn.ops.concat_and_cache_mla import concat_and_cache_mla, concat_and_cache_mla_ref
 from anyattn.testing.blocks import assign_blocks
 
 L, R, P, VD = (SIZES[k] for k in SIZES)
@@ -106,16 +106,22 @@ def test_impl_entry_points_over_a_converted_cache(dtype, kv_cache_dtype):
     def randn(*shape):
         return torch.randn(*shape, generator=gen).to(dtype)
 
-    # The cached context, written by the op; then the step's rows, by the impl.
+    # The cached context, written by the op; then the step's rows, by the impl. `expected`
+    # gets the same rows from the one-token-at-a-time reference write: the references below
+    # read it, so a wrong write cannot cancel out.
+    expected = cache.clone()
     ctx_md = builder.build(0, make_common_attn_metadata(context, context, table, block_size))
     ctx_rows = sum(context)
-    concat_and_cache_mla(randn(ctx_rows, L), randn(ctx_rows, R), cache, ctx_md.slot_mapping,
-                         kv_cache_dtype, scale)  # fmt: skip
+    ctx_latents = (randn(ctx_rows, L), randn(ctx_rows, R))
+    concat_and_cache_mla(*ctx_latents, cache, ctx_md.slot_mapping, kv_cache_dtype, scale)
+    concat_and_cache_mla_ref(*ctx_latents, expected, ctx_md.slot_mapping, kv_cache_dtype, scale)
     md = builder.build(0, make_common_attn_metadata(query_lens, seq_lens, table, block_size))
     assert len(md.prefill.chunks) == 3  # contexts 11 + 7 in a workspace of 8
     n, dec = md.num_actual_tokens, md.num_decode_tokens
     kv_c, k_pe = randn(n, L), randn(n, R)
     impl.do_kv_cache_update(layer, kv_c, k_pe, cache, md.slot_mapping, md)
+    concat_and_cache_mla_ref(kv_c, k_pe, expected, md.slot_mapping, kv_cache_dtype, scale)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
     q_latent, q_pe, q = randn(dec, HEADS, L), randn(dec, HEADS, R), randn(n - dec, HEADS, P + R)
     out_mqa, lse = torch.empty_like(q_latent), torch.full((HEADS, dec + 2), 7.0)
     impl.forward_mqa(layer, q_latent, q_pe, cache, md, out_mqa, lse)
@@ -124,9 +130,9 @@ def test_impl_entry_points_over_a_converted_cache(dtype, kv_cache_dtype):
     assert (lse[:, dec:] == 7.0).all()  # columns past the decode rows untouched
 
     def cached(r, upto, model_dtype):
-        """Request r's first `upto` cache rows, dequantised: [upto, L + R]."""
+        """Request r's first `upto` rows of the expected cache, dequantised: [upto, L + R]."""
         pos = torch.arange(upto)
-        rows = cache[table[r, pos // block_size].long(), pos % block_size].float()
+        rows = expected[table[r, pos // block_size].long(), pos % block_size].float()
         rows = rows * layer.k_scale if scale is not None else rows
         return rows.to(model_dtype).double()
 

@@ -174,6 +174,46 @@ def test_refused_layer_calls_write_nothing():
              r"fp8 KV cache \(got \(2,\)\)")  # fmt: skip
 
 
+def test_refused_hidden_and_rope_outputs_write_nothing():
+    schedule = Schedule(make_layer(torch.float32), torch.float32)
+    md = schedule.metadata(STEP1)
+    n, cache = md.num_actual_tokens, schedule.kv_cache
+    _refused(schedule, md, torch.randn(n, 31), cache, ValueError,
+             rf"hidden must have the layer's hidden_size columns \(got \({n}, 31\), expected "
+             r"\[num_tokens, 32\]\)")  # fmt: skip
+    _refused(schedule, md, torch.randn(n, 32, dtype=torch.bfloat16), cache, ValueError,
+             r"hidden must be in the layer's dtype \(got torch.bfloat16, expected "
+             r"torch.float32\)")  # fmt: skip
+    hidden = torch.randn(n, 32)
+    expected = (
+        rf"rope must return \(q_pe \[{n}, 4, 8\], k_pe \[{n}, 1, 8\]\) in torch.float32 on cpu"
+    )
+    bad_ropes = {
+        rf"{expected} \(got q_pe \[{n}, 4, 8\] torch.float32 on cpu, k_pe \[{n}, 8\] ": (
+            lambda q_pe, k_pe: (q_pe, k_pe[:, 0])
+        ),
+        rf"{expected} \(got q_pe \[{n}, 4, 8\] torch.float64 on cpu": (
+            lambda q_pe, k_pe: (q_pe.double(), k_pe)
+        ),
+    }
+    before = cache.clone()
+    for message, bad_rope in bad_ropes.items():
+        with pytest.raises(ValueError, match=message):
+            schedule.layer(hidden, bad_rope, cache, md)
+    with pytest.raises(TypeError, match=rf"{expected} \(got Tensor\)"):
+        schedule.layer(hidden, lambda q_pe, k_pe: q_pe, cache, md)
+    assert torch.equal(cache, before)  # nothing written
+
+
+def test_the_layer_builds_no_autograd_graph():
+    layer = MLAAttention(32, HEADS, **SIZES, scale=SCALE, block_size=4, device="cpu",
+                         layer_name="mla", workspace_tokens=8)  # fmt: skip
+    assert not any(p.requires_grad for p in layer.parameters())
+    schedule = Schedule(layer, torch.float32)
+    _, out = schedule.run(STEP1)
+    assert all(rows.grad_fn is None and not rows.requires_grad for rows in out.values())
+
+
 def test_entry_points_check_their_tensors():
     schedule = Schedule(make_layer(torch.float32), torch.float32)
     md = schedule.metadata({"A": 1, "E": 1})  # two decodes

@@ -4,6 +4,7 @@ backends are caught; a context read in several workspace chunks gives the unchun
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -113,6 +114,50 @@ def test_unwritten_cache_and_unchunked_context_are_caught(register) -> None:
     assert set(failures) == {f"{s}/mixed" for s in SPLITS} | {"context_chunks"}
     assert all("KV cache differs from the expected writes" in d for d in failures.values())
     assert "context not read in >= 3 chunks of <= 32 rows" in failures["context_chunks"]
+
+
+def test_new_tokens_up_projected_request_by_request_pass(register) -> None:
+    """New tokens may be up-projected in any number of calls of any size: only the context
+    rows of each call count as a chunk."""
+
+    class PerRequest(TorchMLAImpl):
+        new_token_loc: tuple[int, ...] = ()
+
+        def forward_mha(self, layer, q, kv_c, k_pe, kv_cache, md, output):
+            self.new_token_loc = (
+                tuple(md.prefill.query_start_loc_cpu.tolist()) if md.prefill else ()
+            )
+            super().forward_mha(layer, q, kv_c, k_pe, kv_cache, md, output)
+
+        def _up_project(self, api, layer, c_kv, k_pe):
+            loc = self.new_token_loc
+            if not loc or c_kv.shape[0] != loc[-1]:  # a context chunk
+                return super()._up_project(api, layer, c_kv, k_pe)
+            # The new tokens, one request per call (each more rows than the workspace here).
+            parts = [
+                super(PerRequest, self)._up_project(api, layer, c_kv[a:b], k_pe[a:b])
+                for a, b in itertools.pairwise(loc)
+            ]
+            return torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])
+
+    backend = _register_impl(register, "TEST_MLA_PER_REQUEST", PerRequest)
+    report = check_backend(backend, "cpu", torch.float32, features=["context_chunks"])
+    report.assert_passed()
+
+
+def test_dequantising_with_v_scale_is_caught(register) -> None:
+    """The fp8 latent cache has one scale, k_scale; a backend that reads v_scale fails."""
+
+    class ReadsVScale(TorchMLAImpl):
+        def _dequantize(self, api, layer, rows, dtype):
+            return (rows.float() * layer.v_scale).to(dtype)
+
+    backend = _register_impl(register, "TEST_MLA_V_SCALE", ReadsVScale)
+    report = check_backend(backend, "cpu", torch.float32, features=["fp8"])
+    names = {c.name for c in report.cases}
+    assert {"fp8/fp8", "fp8/fp8_e4m3", "fp8/fp8_e5m2"} <= names
+    assert {c.name for c in report.failures} == names
+    assert all("error above bound" in c.detail for c in report.failures)
 
 
 def _run(case, workspace_tokens: int | None):

@@ -2,9 +2,22 @@
 
 Constructed once per MLA KV-cache group with an `MLAAttentionSpec` and one `MLALayerParams`
 per layer; asks for decodes first (`reorder_batch_threshold = 1`). `build` reads only the CPU
-mirrors (no device sync) and returns frozen `MLAMetadata`: the decode part, the prefill part
-and its context chunk plan (`plan_context_chunks`) for the group's workspace, the smallest
-`workspace_tokens` of its layers, which must hold at least one block.
+mirrors (no device sync) and returns frozen `MLAMetadata`: the decode part (`plan_decodes`),
+the prefill part and its context chunk plan (`plan_prefills`, `plan_context_chunks`) for the
+group's workspace, the smallest `workspace_tokens` of its layers, which must hold at least one
+block.
+
+A backend's builder subclasses it and adds its own plan through the hooks: override
+`plan_decodes` / `plan_prefills` to return subclasses of `MLADecodeMetadata` /
+`MLAPrefillMetadata` with more fields, or `build` to wrap `super().build(...)` into its
+`MLAMetadata` subclass (`extend_metadata`). CUDA graphs: this builder makes new device tensors
+every step (the decode `seq_lens`, a gathered block table when a decode request has no token,
+the whole prefill part) and declares `AttentionCGSupport.NEVER`. A builder that declares graph
+support must hand its decode launch only tensors that keep their addresses from capture to
+replay: views of the step's own tensors (`cm.seq_lens`, rows of `cm.block_table_tensor`) when
+`BatchLimits.has_persistent_graph_inputs` promises they are persistent, else copies into
+buffers it allocates once at the limits' size; the same for any workspace, never allocated
+during capture (TRITON_MLA's builder overrides `plan_decodes` so).
 """
 
 from __future__ import annotations
@@ -15,6 +28,7 @@ import numpy as np
 import torch
 
 from anyattn.backends.mla_metadata import (
+    MLAChunkPiece,
     MLAContextChunk,
     MLADecodeMetadata,
     MLAMetadata,
@@ -126,6 +140,7 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
             num_decode_tokens=num_decode_tokens,
             num_prefills=num_prefills,
             num_prefill_tokens=num_prefill_tokens,
+            # Through the former private names, so that subclasses overriding those still run.
             decode=self._plan_decodes(cm, num_decodes) if num_decode_tokens else None,
             prefill=self._plan_prefills(cm, num_decodes) if num_prefill_tokens else None,
             workspace_tokens=self.workspace_tokens,
@@ -134,7 +149,21 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
         )
 
     def _plan_decodes(self, cm: CommonAttentionMetadata, num_decodes: int) -> MLADecodeMetadata:
-        """The decode rows' requests (a decode request without a token this step has no row)."""
+        """The former name of `plan_decodes`, which `build` calls: an override of either runs."""
+        return self.plan_decodes(cm, num_decodes)
+
+    def _plan_prefills(self, cm: CommonAttentionMetadata, num_decodes: int) -> MLAPrefillMetadata:
+        """The former name of `plan_prefills`, which `build` calls: an override of either runs."""
+        return self.plan_prefills(cm, num_decodes)
+
+    def plan_decodes(self, cm: CommonAttentionMetadata, num_decodes: int) -> MLADecodeMetadata:
+        """The decode part of a step with a decode row (a hook: override to add a plan).
+
+        Args:
+            cm: the step.
+            num_decodes: its leading decode requests; those with a token this step have a row
+                (a decode request without one has none).
+        """
         host = cm.host_batch
         rows = np.flatnonzero(host.query_lens[:num_decodes] == 1)
         seq_lens_cpu = torch.from_numpy(host.seq_lens[rows].astype(np.int32))
@@ -150,8 +179,10 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
             max_seq_len=int(seq_lens_cpu.max()),
         )
 
-    def _plan_prefills(self, cm: CommonAttentionMetadata, num_decodes: int) -> MLAPrefillMetadata:
-        """The prefill requests, their rows from the first prefill row, and the chunk plan."""
+    def plan_prefills(self, cm: CommonAttentionMetadata, num_decodes: int) -> MLAPrefillMetadata:
+        """The prefill part of a step with a prefill row (a hook: override to add a plan): the
+        requests after the `num_decodes` decodes, their rows from the first prefill row, and
+        the context chunk plan."""
         host = cm.host_batch
         device = cm.block_table_tensor.device
         loc = host.query_start_loc[num_decodes:] - host.query_start_loc[num_decodes]
@@ -160,15 +191,7 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
         plan = plan_context_chunks(
             context, loc, table_cpu, self.kv_cache_spec.block_size, self.workspace_tokens
         )
-        chunks = tuple(
-            MLAContextChunk(
-                num_tokens=int(slots.size),
-                slots=torch.from_numpy(slots).to(device, non_blocking=True),
-                slots_cpu=torch.from_numpy(slots),
-                pieces=pieces,
-            )
-            for slots, pieces in plan
-        )
+        chunks = tuple(_chunk(slots, pieces, len(context), device) for slots, pieces in plan)
         loc_cpu = torch.from_numpy(loc.astype(np.int32))
         return MLAPrefillMetadata(
             query_start_loc=loc_cpu.to(device, non_blocking=True),
@@ -179,3 +202,22 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
             block_table=cm.block_table_tensor[num_decodes : cm.num_reqs],
             chunks=chunks,
         )
+
+
+def _chunk(
+    slots: np.ndarray, pieces: tuple[MLAChunkPiece, ...], num_prefills: int, device: torch.device
+) -> MLAContextChunk:
+    """A planned chunk with its per-request row offsets (`MLAContextChunk.cu_seq_lens`)."""
+    seq_lens = np.zeros(num_prefills, dtype=np.int32)
+    for piece in pieces:
+        seq_lens[piece.request] += piece.row_len
+    cu_seq_lens = torch.from_numpy(np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32))
+    return MLAContextChunk(
+        num_tokens=int(slots.size),
+        slots=torch.from_numpy(slots).to(device, non_blocking=True),
+        slots_cpu=torch.from_numpy(slots),
+        pieces=pieces,
+        cu_seq_lens=cu_seq_lens.to(device, non_blocking=True),
+        cu_seq_lens_cpu=cu_seq_lens,
+        max_seq_len=int(seq_lens.max()),
+    )

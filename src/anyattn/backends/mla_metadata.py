@@ -6,11 +6,17 @@ A step is laid out decodes first (the builder's `reorder_batch_threshold` is 1):
 up-projected (`forward_mha`). A prefill request's cached context is read in chunks of at most
 `workspace_tokens` latent rows across requests (`plan_context_chunks`), planned in `build` from
 the CPU mirrors: `forward_*` never plans.
+
+A backend that needs more adds it by subclassing: a frozen dataclass subclass of `MLAMetadata`
+(or of its decode / prefill parts) with the backend's fields, made by its builder's overrides
+(`MLAMetadataBuilder.plan_decodes`, `plan_prefills`, `build`; `extend_metadata` copies a built
+`MLAMetadata` into the subclass).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -23,6 +29,7 @@ __all__ = [
     "MLADecodeMetadata",
     "MLAMetadata",
     "MLAPrefillMetadata",
+    "extend_metadata",
     "plan_context_chunks",
 ]
 
@@ -50,18 +57,32 @@ class MLAChunkPiece:
 class MLAContextChunk:
     """At most `workspace_tokens` cached latent rows, read (and up-projected) together.
 
+    For a kernel that runs every prefill request over the chunk at once, `cu_seq_lens` gives
+    each prefill request's rows in it (its keys there): request r holds rows
+    `[cu_seq_lens[r], cu_seq_lens[r + 1])`, none for a request whose context the chunk does not
+    hold. Such a request attends to no key in the chunk: its partial LSE is -inf, and the merge
+    must give that side weight 0 (`anyattn.ops.merge_attn_states` does; the running side is
+    finite, since a query always sees its own token).
+
     Attributes:
         num_tokens: rows in the chunk.
         slots: int64 `[num_tokens]` (device): the cache slot of each row
             (`block_id * block_size + offset`).
         slots_cpu: the same, on the CPU.
         pieces: the requests whose context the chunk holds, in row order.
+        cu_seq_lens: int32 `[num_prefills + 1]` (device): row offsets of each prefill request
+            in the chunk (`cu_seq_lens[-1] == num_tokens`).
+        cu_seq_lens_cpu: the same, on the CPU.
+        max_seq_len: the most rows one request has in the chunk.
     """
 
     num_tokens: int
     slots: torch.Tensor
     slots_cpu: torch.Tensor
     pieces: tuple[MLAChunkPiece, ...]
+    cu_seq_lens: torch.Tensor
+    cu_seq_lens_cpu: torch.Tensor
+    max_seq_len: int
 
 
 @dataclass(frozen=True)
@@ -139,6 +160,26 @@ class MLAMetadata:
     common_attn_metadata: CommonAttentionMetadata
 
 
+M = TypeVar("M", bound=MLAMetadata)
+
+
+def extend_metadata(base: MLAMetadata, metadata_cls: type[M], **extra: object) -> M:
+    """`base`'s fields and `extra` as a `metadata_cls`, a backend's subclass of `MLAMetadata`
+    (how a builder that overrides `build` adds its plan to the shared one).
+
+    Raises:
+        TypeError: `metadata_cls` not an `MLAMetadata` subclass, or `extra` naming a field it
+            lacks.
+    """
+    if not (isinstance(metadata_cls, type) and issubclass(metadata_cls, MLAMetadata)):
+        raise TypeError(
+            f"extend_metadata: metadata_cls must be a subclass of MLAMetadata (got "
+            f"{metadata_cls!r})."
+        )
+    shared = {f.name: getattr(base, f.name) for f in fields(MLAMetadata)}
+    return metadata_cls(**shared, **extra)
+
+
 def plan_context_chunks(
     context_lens: np.ndarray,
     query_start_loc: np.ndarray,
@@ -147,7 +188,8 @@ def plan_context_chunks(
     workspace_tokens: int,
 ) -> list[tuple[np.ndarray, tuple[MLAChunkPiece, ...]]]:
     """Split the prefill requests' contexts, in request order, into chunks of at most
-    `workspace_tokens` rows; a request's context may span chunks, and a chunk requests.
+    `workspace_tokens` rows; a request's context may span chunks, and a chunk requests. A
+    request without new tokens (no query) has its context left out.
 
     Args:
         context_lens: int `[num_prefills]`: cached tokens before each request's new ones.
@@ -167,7 +209,7 @@ def plan_context_chunks(
         start = 0
         q_start = int(query_start_loc[request])
         q_len = int(query_start_loc[request + 1]) - q_start
-        while start < context:
+        while q_len and start < context:
             take = min(context - start, workspace_tokens - filled)
             positions = np.arange(start, start + take)
             blocks = block_table[request, positions // block_size].astype(np.int64)

@@ -4,35 +4,43 @@ Every other MLA backend is judged against it, so it is written to be read (docs/
 math): any latent split, float32 / float16 / bfloat16, fp8 latent caches (one per-layer scale),
 LSE in natural base. Scores, softmax and merges run in float32.
 
-- `forward_mqa` (decode rows): each row's request's blocks are gathered whole, the latent rows
-  dequantised (`cache.float() * k_scale` for fp8), and the absorbed query `[q_latent, q_pe]`
-  attends them as MQA: keys are whole rows, values their first L columns.
+- `forward_mqa` (decode rows): each row's request's own blocks are gathered (table entries
+  past them point at the null block and their rows are zeroed: the contract says they are never
+  read), the latent rows dequantised (`cache.float() * k_scale` for fp8), and the absorbed query
+  `[q_latent, q_pe]` attends them as MQA: keys are whole rows, values their first L columns.
+  Rows are taken in groups whose gathered keys stay under `MAX_WORK_ELEMENTS`.
 - `forward_mha` (prefill rows): each request's new tokens attend causally to each other, with
   keys and values up-projected from the given latents (not read back from the cache); then each
   of the builder's context chunks is gathered, dequantised to the model dtype, up-projected by
   `layer.up_project` and attended without a mask by the queries of the requests it holds, and
-  merged into their running result by LSE.
+  merged into their running result by LSE. Queries are taken in tiles whose scores stay under
+  `MAX_WORK_ELEMENTS`.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import ClassVar
 
 import torch
 
 from anyattn.backends.mla_builder import MLAMetadataBuilder
-from anyattn.backends.mla_metadata import MLAMetadata
+from anyattn.backends.mla_metadata import MLADecodeMetadata, MLAMetadata
 from anyattn.mla_backend import MLAAttentionBackend
 from anyattn.mla_impl import MLAAttentionImpl, MLALayer
 from anyattn.types import is_fp8_cache
 from anyattn.validation import layer_kv_scale
 from anyattn.validation_mla import check_mha_inputs, check_mqa_inputs
 
-__all__ = ["TorchMLABackend", "TorchMLAImpl", "TorchMLAMetadataBuilder"]
+__all__ = ["MAX_WORK_ELEMENTS", "TorchMLABackend", "TorchMLAImpl", "TorchMLAMetadataBuilder"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Most float32 elements of one intermediate (gathered decode keys, a tile's scores): 2^26, i.e.
+# 256 MiB, so that memory does not grow with the batch or the prompt (the largest chunk of a
+# step is then a few of these).
+MAX_WORK_ELEMENTS = 1 << 26
 
 
 class TorchMLABackend(MLAAttentionBackend):
@@ -87,22 +95,44 @@ class TorchMLAImpl(MLAAttentionImpl[MLAMetadata]):
         check_mqa_inputs(api, self, layer, q_latent, q_pe, kv_cache, md, output, output_lse)
         if md.decode is None:
             return
-        dec, rows = md.decode, md.num_decode_tokens
-        num_blocks = -(-dec.max_seq_len // md.block_size)
-        # keys: [rows, max_seq_len, L + R], each row's request's cache rows in order
-        keys = kv_cache[dec.block_table[:, :num_blocks].long()].flatten(1, 2)
-        keys = self._dequantize(api, layer, keys[:, : dec.max_seq_len], torch.float32)
-        q = torch.cat([q_latent, q_pe], dim=-1).float()  # [rows, H, L + R]
-        scores = torch.einsum("thd,tnd->thn", q, keys) * self.scale
-        positions = torch.arange(dec.max_seq_len, device=keys.device)
-        is_key = positions[None, :] < dec.seq_lens[:, None]  # [rows, max_seq_len]
+        q = torch.cat([q_latent, q_pe], dim=-1)  # [rows, H, L + R]
+        seq_lens = md.decode.seq_lens_cpu.tolist()
+        per_key = self.head_size + self.num_heads  # a key row and its scores, float32
+        for start, end in _groups(seq_lens, MAX_WORK_ELEMENTS // per_key):
+            rows = slice(start, end)
+            out, lse = self._decode(api, layer, q[rows], kv_cache, md.decode, rows,
+                                    max(seq_lens[rows]), md.block_size)  # fmt: skip
+            output[rows] = out
+            if output_lse is not None:
+                output_lse[:, rows] = lse.T
+
+    def _decode(
+        self, api: str, layer: MLALayer, q: torch.Tensor, kv_cache: torch.Tensor,
+        dec: MLADecodeMetadata, rows: slice, max_seq_len: int, block_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Absorbed attention of decode `rows` (queries `q [g, H, L + R]`), whose longest
+        sequence is `max_seq_len`: latent output float32 `[g, H, L]`, lse float32 `[g, H]`."""
+        seq_lens = dec.seq_lens[rows].long()
+        num_blocks = -(-max_seq_len // block_size)
+        table = dec.block_table[rows, :num_blocks].long()
+        # Entries past a row's own blocks are unspecified (another request's, or out of the
+        # cache): read the null block there instead, and drop those rows below.
+        own_blocks = (seq_lens + block_size - 1) // block_size
+        columns = torch.arange(num_blocks, device=table.device)
+        table = torch.where(columns[None, :] < own_blocks[:, None], table, 0)
+        # keys: [g, max_seq_len, L + R], each row's request's cache rows in order
+        keys = kv_cache[table].flatten(1, 2)[:, :max_seq_len]
+        keys = self._dequantize(api, layer, keys, torch.float32)
+        positions = torch.arange(max_seq_len, device=keys.device)
+        is_key = positions[None, :] < seq_lens[:, None]  # [g, max_seq_len]
+        # Zeroed, not only masked in the scores: a row that is no key may hold NaN (never
+        # written), and 0 * NaN would reach the output.
+        keys = torch.where(is_key[..., None], keys, 0.0)
+        scores = torch.einsum("thd,tnd->thn", q.float(), keys) * self.scale
         scores.masked_fill_(~is_key[:, None, :], float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)  # [rows, H]
+        lse = torch.logsumexp(scores, dim=-1)  # [g, H]
         probs = torch.exp(scores - lse[..., None])
-        out = torch.einsum("thn,tnl->thl", probs, keys[..., : self.kv_lora_rank])
-        output.copy_(out)
-        if output_lse is not None:
-            output_lse[:, :rows] = lse.T
+        return torch.einsum("thn,tnl->thl", probs, keys[..., : self.kv_lora_rank]), lse
 
     def forward_mha(
         self,
@@ -174,19 +204,44 @@ class TorchMLAImpl(MLAAttentionImpl[MLAMetadata]):
         return (rows.float() * scale.reshape(())).to(dtype)
 
 
+def _groups(seq_lens: list[int], max_keys: int) -> Iterator[tuple[int, int]]:
+    """Consecutive `[start, end)` groups of decode rows whose padded key count (rows times the
+    group's longest sequence) stays within `max_keys`; a row alone may exceed it."""
+    start, longest = 0, 0
+    for row, seq_len in enumerate(seq_lens):
+        longest = max(longest, seq_len)
+        if row > start and (row + 1 - start) * longest > max_keys:
+            yield start, row
+            start, longest = row, seq_len
+    if seq_lens:
+        yield start, len(seq_lens)
+
+
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of `q [M, H, D]` over `k [N, H, D]`, `v [N, H, Dv]` in float32; with
     `causal`, query i sees keys j <= i (M == N: a request's new tokens among themselves).
+    Queries are taken in tiles whose scores `[H, tile, N]` stay within `MAX_WORK_ELEMENTS`.
 
     Returns out float32 `[M, H, Dv]` and natural-log lse float32 `[H, M]`."""
-    scores = torch.einsum("mhd,nhd->hmn", q.float(), k.float()) * scale
-    if causal:
-        future = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).triu(1)
-        scores.masked_fill_(future, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.einsum("hmn,nhv->mhv", torch.exp(scores - lse[..., None]), v.float())
+    num_q, num_k, heads = q.shape[0], k.shape[0], q.shape[1]
+    out = torch.empty(num_q, heads, v.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.empty(heads, num_q, dtype=torch.float32, device=q.device)
+    tile = max(1, MAX_WORK_ELEMENTS // max(1, heads * num_k))
+    for start in range(0, num_q, tile):
+        end = min(start + tile, num_q)
+        # A causal tile sees keys up to its last query only.
+        keys_end = end if causal else num_k
+        scores = torch.einsum("mhd,nhd->hmn", q[start:end].float(), k[:keys_end].float())
+        scores *= scale
+        if causal:
+            query_pos = torch.arange(start, end, device=q.device)
+            future = torch.arange(keys_end, device=q.device)[None, :] > query_pos[:, None]
+            scores.masked_fill_(future, float("-inf"))
+        lse[:, start:end] = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - lse[:, start:end, None])
+        out[start:end] = torch.einsum("hmn,nhv->mhv", probs, v[:keys_end].float())
     return out, lse
 
 
@@ -194,7 +249,8 @@ def _merge_into(
     out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor
 ) -> None:
     """Merge a partial result over other keys into `out [M, H, Dv]`, `lse [H, M]` (views of
-    the running result, updated in place): weights `exp(lse_side - lse_union)`."""
+    the running result, updated in place): weights `exp(lse_side - lse_union)`. The running
+    side always has a key (the row's own token), so the union's LSE is finite."""
     merged = torch.logaddexp(lse, part_lse)
     out.mul_(torch.exp(lse - merged).T[..., None]).add_(
         part * torch.exp(part_lse - merged).T[..., None]

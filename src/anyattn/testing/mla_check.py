@@ -6,14 +6,18 @@ backend): it writes the step's latents with `impl.do_kv_cache_update`, absorbs t
 queries itself (`q_latent[t, h] = W_UK[h]^T q_nope[t, h]`), calls `forward_mqa` on the decode
 rows and multiplies the latent output by `W_UV[h]`, and calls `forward_mha` on the prefill rows
 with a layer whose `up_project` computes `(W_UK c_kv, W_UV c_kv)` in the model dtype. Which
-rows are decodes is the metadata's word (`num_decode_tokens`). Outputs start as NaN.
+rows are decodes is the metadata's word (`num_decode_tokens`). Outputs start as NaN. Strides are
+the layer's: `k_pe` is a view with row stride `L + R`, the other inputs contiguous.
 
 A case fails when the impl raises, when the `[num_tokens, H, Vd]` output (or the decode LSE)
 is further from `mla_oracle` than the tolerance rule allows, or when an exact check breaks:
 the cache after the step must hold exactly what the kit expects (context, the step's rows,
 nothing at padding slots or in the null block), the metadata's decode rows must be its decode
 requests' tokens, and a case with a small workspace must have its context read in at least
-`min_context_chunks` chunks of at most `workspace_tokens` rows.
+`min_context_chunks` `up_project` calls of at most `workspace_tokens` context rows each (a row
+is a context row unless it is bit for bit one of the step's new latents, which a backend may
+up-project in any number of calls). The kit's `v_scale` is four times its `k_scale`, so that a
+backend that dequantises the fp8 latent cache with `v_scale` fails.
 """
 
 from __future__ import annotations
@@ -40,10 +44,15 @@ class KitMLALayer:
 
     Attributes:
         layer_name: the layer's name.
-        k_scale, v_scale: float32 `[]`, the per-layer fp8 cache scale (1.0 otherwise); both
-            the same, since one latent row holds what keys and values are made of.
+        k_scale: float32 `[]`, the per-layer fp8 cache scale (1.0 otherwise).
+        v_scale: float32 `[]`, unused by MLA (docs/mla.md); the kit gives it another value
+            than `k_scale` so that a backend that reads it is caught.
         w_uk: `[num_heads, P, L]`, w_uv: `[num_heads, Vd, L]`, model dtype.
         up_project_rows: the number of rows of every `up_project` call, in order.
+        new_latents: `[T, L]`, the step's new latents as given to the impl, or None.
+        up_project_context_rows: per `up_project` call, in order, its rows that are not bit
+            for bit one of `new_latents` (all of them when `new_latents` is None): the
+            cached context rows it up-projected.
     """
 
     layer_name: str
@@ -52,6 +61,8 @@ class KitMLALayer:
     w_uk: torch.Tensor
     w_uv: torch.Tensor
     up_project_rows: list[int] = field(default_factory=list)
+    new_latents: torch.Tensor | None = None
+    up_project_context_rows: list[int] = field(default_factory=list)
 
     def up_project(self, c_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head keys and values of latents, as the layer's `kv_b_proj` gives them.
@@ -72,9 +83,22 @@ class KitMLALayer:
                 f"{c_kv.dtype})."
             )
         self.up_project_rows.append(c_kv.shape[0])
+        self.up_project_context_rows.append(c_kv.shape[0] - self._num_new_rows(c_kv))
         k_nope = torch.einsum("nl,hpl->nhp", c_kv, self.w_uk)
         v = torch.einsum("nl,hvl->nhv", c_kv, self.w_uv)
         return k_nope, v
+
+    def _num_new_rows(self, c_kv: torch.Tensor) -> int:
+        """How many rows of `c_kv` are, bit for bit, one of `new_latents`."""
+        if self.new_latents is None or c_kv.shape[0] == 0:
+            return 0
+        new = {bytes(row) for row in _row_bytes(self.new_latents)}
+        return sum(bytes(row) in new for row in _row_bytes(c_kv))
+
+
+def _row_bytes(x: torch.Tensor) -> list:
+    """The bytes of each row of a 2-D tensor, as numpy rows (bfloat16 has no numpy dtype)."""
+    return list(x.detach().contiguous().view(torch.uint8).reshape(x.shape[0], -1).cpu().numpy())
 
 
 @dataclass
@@ -139,12 +163,14 @@ def mla_step(
         want_lse: pass an `output_lse` to `forward_mqa`.
     """
     md = batch.attn_metadata
+    num_heads, rank = batch.w_uk.shape[0], batch.shape.kv_lora_rank
+    # As the layer's: k_pe a column slice of the [T, L + R] latent projection (row stride L + R).
+    k_pe = torch.cat([batch.kv_c, batch.k_pe], dim=-1)[:, rank:]
     impl.do_kv_cache_update(
-        layer, batch.kv_c, batch.k_pe, batch.kv_cache, batch.common_attn_metadata.slot_mapping, md
+        layer, batch.kv_c, k_pe, batch.kv_cache, batch.common_attn_metadata.slot_mapping, md
     )
     n = batch.num_actual_tokens
     num_decodes, num_decode_tokens = _decode_split(md)
-    num_heads, rank = batch.w_uk.shape[0], batch.shape.kv_lora_rank
     dtype, device = batch.q_nope.dtype, batch.q_nope.device
     # NaN everywhere: rows the backend forgets to write show up as NaN errors.
     output = torch.full(
@@ -157,7 +183,7 @@ def mla_step(
     if num_decode_tokens:
         d = num_decode_tokens
         # q_latent: [d, num_heads, L]; latent output likewise, values up-projected after.
-        q_latent = torch.einsum("thp,hpl->thl", batch.q_nope[:d], batch.w_uk)
+        q_latent = torch.einsum("thp,hpl->thl", batch.q_nope[:d], batch.w_uk).contiguous()
         latent_output = torch.full((d, num_heads, rank), math.nan, dtype=dtype, device=device)
         if want_lse:
             output_lse = torch.full((num_heads, d), math.nan, dtype=torch.float32, device=device)
@@ -169,7 +195,7 @@ def mla_step(
         rows = slice(num_decode_tokens, n)
         query = torch.cat([batch.q_nope[rows], batch.q_pe[rows]], dim=-1)
         impl.forward_mha(
-            layer, query, batch.kv_c[rows], batch.k_pe[rows], batch.kv_cache, md, output[rows]
+            layer, query, batch.kv_c[rows], k_pe[rows], batch.kv_cache, md, output[rows]
         )
     base_on_e = getattr(impl, "lse_base_on_e", True)
     return MLAStepResult(output, output_lse, num_decodes, num_decode_tokens, base_on_e)
@@ -189,14 +215,14 @@ def _exact_problems(
             f"{decode_rows} rows of its {outcome.num_decodes} decode requests"
         )
     if case.min_context_chunks:
-        calls = layer.up_project_rows
         workspace = case.workspace_tokens or 0
-        chunk_calls = [rows for rows in calls if rows <= workspace]
-        # One call may exceed the workspace: the new tokens' up-projection.
-        if len(calls) - len(chunk_calls) > 1 or len(chunk_calls) < case.min_context_chunks:
+        # New tokens may be up-projected in any calls; each call's context rows are a chunk.
+        chunks = [rows for rows in layer.up_project_context_rows if rows]
+        if len(chunks) < case.min_context_chunks or max(chunks, default=0) > workspace:
             problems.append(
                 f"context not read in >= {case.min_context_chunks} chunks of <= {workspace} "
-                f"rows (up_project calls of {calls} rows)"
+                f"rows (up_project calls of {layer.up_project_rows} rows, of which "
+                f"{layer.up_project_context_rows} context rows)"
             )
     return problems
 
@@ -259,6 +285,13 @@ def run_mla_case(
         layers={"layer.0": params},
         seed=seed,
     )
-    layer = KitMLALayer("layer.0", batch.k_scale, batch.k_scale, batch.w_uk, batch.w_uv)
+    layer = KitMLALayer(
+        "layer.0",
+        batch.k_scale,
+        batch.k_scale * 4,
+        batch.w_uk,
+        batch.w_uv,
+        new_latents=batch.kv_c[: batch.num_actual_tokens],
+    )
     outcome = mla_step(impl, layer, batch, case.check_lse)
     return _judge(case, batch, layer, outcome, dtype)
