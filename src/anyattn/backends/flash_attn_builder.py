@@ -1,11 +1,8 @@
 """FLASH_ATTN's plan: the metadata its builder makes for a step, and the builder.
 
-`build` plans from the step's CPU mirrors, checked when the metadata was made
-(`CommonAttentionMetadata.host_batch`: the kernels are sized by `max_query_len` /
-`max_seq_len`), slices the step's device tensors and, for cascade and CUDA-graph decode
-batches, fills builder-owned buffers (cascade: host-to-device copies from the CPU mirrors that
-do not wait; CUDA graphs: one device launch copying the step's table and lengths); it never
-reads a device value.
+`build` plans from the step's CPU mirrors (`CommonAttentionMetadata.host_batch`), slices the
+step's device tensors and, for cascade and CUDA-graph decode batches, fills builder-owned
+buffers with device-side copies; it never reads a device value.
 
 Cascade attention (`common_prefix_len > 0`): a prefix pass runs every query of the step as one
 request against the shared prefix blocks (non-causal: every query follows them); a suffix pass
@@ -13,17 +10,15 @@ runs each request against its remaining blocks; `merge_attn_states` joins the tw
 Sinks go to the suffix pass only, so they are counted once.
 
 CUDA graphs (UNIFORM_SINGLE_TOKEN_DECODE): a batch of single-token decodes of at most the
-largest capture size is copied into buffers the builder owns (sized from `BatchLimits`, in one
-launch: `ops.graph_decode_inputs`), laid out for the smallest capture size that holds it:
-padding requests have no query token and no keys, and `max_seqlen_k` is `max_model_len`, so a
-graph captured for that size replays for any such batch (a runner that pads the batch itself,
-with dummy requests, gets the same addresses). Such metadata stays valid until the builder's
-next build. Under replay, output rows between the real tokens and the captured size hold
-unspecified values. With `BatchLimits.has_persistent_graph_inputs` (the runner keeps a graph
-step's tensors at fixed addresses, padded to the captured size) a batch of a captured size
-reads the step's own tensors instead, as an eager step does: no device copy at replay (FA2's
-key offsets, which the step does not carry, are still summed into a builder buffer); a batch of
-another size is an eager step then.
+largest capture size is copied into buffers the builder owns (sized from `BatchLimits`), laid
+out for the smallest capture size that holds it: padding requests have no query token and no
+keys, and `max_seqlen_k` is `max_model_len`, so a graph captured for that size replays for any
+such batch. Such metadata stays valid until the builder's next build; under replay, output rows
+between the real tokens and the captured size hold unspecified values. With
+`BatchLimits.has_persistent_graph_inputs` (the runner keeps a graph step's tensors at fixed
+addresses, padded to the captured size) a batch of a captured size reads the step's own tensors
+instead (FA2's key offsets, which the step does not carry, are still summed into a builder
+buffer); a batch of another size is an eager step then.
 """
 
 from __future__ import annotations
@@ -44,8 +39,7 @@ from anyattn.backends.flash_attn_plan import (
     padded_num_reqs,
     plan_cascade,
 )
-from anyattn.metadata import CommonAttentionMetadata, first_rows
-from anyattn.ops.graph_decode_inputs import GraphDecodeInputsLaunch
+from anyattn.metadata import CommonAttentionMetadata
 from anyattn.types import AttentionCGSupport, AttentionType
 
 __all__ = ["FlashAttentionMetadata", "FlashAttentionMetadataBuilder", "FlashAttnPass"]
@@ -85,10 +79,9 @@ class FlashAttnPass:
 
 @dataclass(frozen=True)
 class FlashAttentionMetadata:
-    """What `FlashAttentionImpl.forward` needs for one step. Read-only, tensors and passes
-    alike: in the CUDA-graph decode layout they are the builder's persistent buffers and one
-    pass per captured size, reused by every later step (the builder rewrites the query offsets
-    only when the batch changes).
+    """What `FlashAttentionImpl.forward` needs for one step. Read-only: in the CUDA-graph
+    decode layout its tensors are views of the builder's persistent buffers, which the next
+    build rewrites.
 
     Attributes:
         num_actual_tokens: real tokens; output rows past it are untouched (eager).
@@ -104,10 +97,8 @@ class FlashAttentionMetadata:
             when the builder has such layers, else None.
         layer_names: the builder's layers (`forward` refuses any other).
         common_prefix_len: shared prefix tokens (0: no cascade).
-        uses_persistent_buffers: the tensors are the builder's CUDA-graph buffers. (Under
-            `BatchLimits.has_persistent_graph_inputs` a graph step's are the step's own, False
-            here, but FA2's `cu_seqlens_k` is a builder buffer all the same: valid until the
-            next build, as these are.)
+        uses_persistent_buffers: the tensors are the builder's CUDA-graph buffers (False
+            under `BatchLimits.has_persistent_graph_inputs`, whose graph steps read their own).
         common_attn_metadata: the step it was built from (its mirrors for the checks).
     """
 
@@ -143,8 +134,6 @@ class _DecodeBuffers:
         self.seq_lens = torch.zeros(max_num_reqs, **int32)
         self.cu_seqlens_k = torch.zeros(max_num_reqs + 1, **int32)
         self.block_table = torch.zeros(max_num_reqs, max_blocks, **int32)
-        # (what a replay step's copy writes, as the raw addresses its launch takes)
-        self.addresses = (self.block_table.data_ptr(), self.seq_lens.data_ptr())
 
 
 class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
@@ -171,13 +160,6 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
                 f"max_num_reqs={limits.max_num_reqs}). Drop those sizes or raise max_num_reqs."
             )
         self._buffers: _DecodeBuffers | None = None  # made by the first decode-layout build
-        # The decode layout's pass per padded batch: views of the buffers, made once, so that a
-        # replay step's build slices no tensor and makes no dataclass.
-        self._decode_passes: dict[int, FlashAttnPass] = {}
-        self._query_offsets_for: tuple[int, int] | None = None  # (num_reqs, padded) written
-        self._copy_inputs = GraphDecodeInputsLaunch(
-            self.device, "FlashAttentionMetadataBuilder.build"
-        )
         self._layer_names = frozenset(self.layer_names)
         self._has_encoder_layers = any(p.attn_type in _ENCODER_TYPES for p in self.layers.values())
 
@@ -361,33 +343,28 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         """The CUDA-graph decode layout of `cm`'s decodes padded to `padded`, in the builder's
         buffers (`longest`: the mirrors' longest sequence, whose pages are the columns copied)."""
         buf, n = self._decode_buffers(), cm.num_reqs
-        main = self._decode_passes.get(padded)
-        if main is None:
-            main = self._decode_passes[padded] = FlashAttnPass(
-                cu_seqlens_q=buf.query_start_loc[: padded + 1],
-                seq_lens=buf.seq_lens[:padded],
-                cu_seqlens_k=buf.cu_seqlens_k[: padded + 1] if self._needs_cu_seqlens_k else None,
-                page_table=buf.block_table[:padded],
-                max_seqlen_q=1,
-                # a bound every replay of the graph satisfies
-                max_seqlen_k=self.limits.max_model_len,
-                # one query token per request, the last: causal and bidirectional agree, and
-                # the causal kernel is right where FA4's paged bidirectional one is not
-                causal=True,
-            )
-        # Device-side writes only, into the addresses the captured graph reads: one launch
-        # copies the table's rows (the columns the longest request reads, which `build` has
-        # checked the table and the buffer hold) and the lengths, padding rows of length 0.
-        self._copy_inputs(
-            cm.block_table_tensor, cm.seq_lens, buf.block_table, main.seq_lens, n,
-            -(-longest // self.block_size), _PADDING_LEN, buf.addresses,
-        )  # fmt: skip
-        if self._query_offsets_for != (n, padded):
-            # 0, 1, ..., n, then n for the padding: rewritten only when n or the size changes
-            torch.clamp(buf.arange[: padded + 1], max=n, out=main.cu_seqlens_q)
-            self._query_offsets_for = (n, padded)
-        if main.cu_seqlens_k is not None:
-            torch.cumsum(main.seq_lens, 0, out=main.cu_seqlens_k[1:])
+        cols = -(-longest // self.block_size)  # `build` checked the table holds them
+        # Device-side copies into the addresses the captured graph reads; padding rows get
+        # no query token and no keys.
+        buf.block_table[:n, :cols].copy_(cm.block_table_tensor[:n, :cols])
+        buf.seq_lens[:n].copy_(cm.seq_lens[:n])
+        buf.seq_lens[n:padded].fill_(_PADDING_LEN)
+        torch.clamp(buf.arange[: padded + 1], max=n, out=buf.query_start_loc[: padded + 1])
+        cu_k = None
+        if self._needs_cu_seqlens_k:
+            cu_k = buf.cu_seqlens_k[: padded + 1]
+            torch.cumsum(buf.seq_lens[:padded], 0, out=cu_k[1:])
+        main = FlashAttnPass(
+            cu_seqlens_q=buf.query_start_loc[: padded + 1],
+            seq_lens=buf.seq_lens[:padded],
+            cu_seqlens_k=cu_k,
+            page_table=buf.block_table[:padded],
+            max_seqlen_q=1,
+            max_seqlen_k=self.limits.max_model_len,  # a bound every replay satisfies
+            # one query token per request, the last: causal and bidirectional agree, and
+            # the causal kernel is right where FA4's paged bidirectional one is not
+            causal=True,
+        )
         return self._metadata(cm, main, uses_persistent_buffers=True)
 
     def _build_decode_in_place(self, cm: CommonAttentionMetadata) -> FlashAttentionMetadata:
@@ -395,7 +372,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         at the captured addresses (`BatchLimits.has_persistent_graph_inputs`): the plain layout
         with `max_seqlen_k` bounded by `max_model_len`, as the graph was captured."""
         n = cm.num_reqs
-        lens = first_rows(cm.seq_lens, n)
+        lens = cm.seq_lens[:n]
         cu_k = None
         if self._needs_cu_seqlens_k:
             # FA2 reads key offsets, which the step does not carry: summed on the device into
@@ -403,10 +380,10 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             cu_k = self._decode_buffers().cu_seqlens_k[: n + 1]
             torch.cumsum(lens, 0, out=cu_k[1:])
         main = FlashAttnPass(
-            cu_seqlens_q=first_rows(cm.query_start_loc, n + 1),
+            cu_seqlens_q=cm.query_start_loc[: n + 1],
             seq_lens=lens,
             cu_seqlens_k=cu_k,
-            page_table=first_rows(cm.block_table_tensor, n),
+            page_table=cm.block_table_tensor[:n],
             max_seqlen_q=1,
             max_seqlen_k=self.limits.max_model_len,
             causal=True,  # one query token per request, as in `_build_decode`

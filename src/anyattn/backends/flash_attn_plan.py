@@ -5,7 +5,7 @@ slices tensors, so it is tested exactly on the CPU and never synchronises with a
 
 - `cu_seqlens_from_lens`: cumulative lengths (`cu_seqlens_k` for entry points without
   `seqused_k`).
-- `padded_num_reqs`, `padded_query_start_loc`: the CUDA-graph layout of a decode batch.
+- `padded_num_reqs`: the CUDA-graph batch size of a decode batch.
 - `plan_cascade`, `cascade_block_tables`: which blocks form the shared prefix, the prefix pass
   (every query against the prefix, one "request") and the suffix pass (each request against its
   remaining blocks).
@@ -28,7 +28,6 @@ __all__ = [
     "cascade_is_worthwhile",
     "cu_seqlens_from_lens",
     "padded_num_reqs",
-    "padded_query_start_loc",
     "plan_cascade",
 ]
 
@@ -69,13 +68,6 @@ def padded_num_reqs(num_reqs: int, capture_sizes: Sequence[int]) -> int:
     sizes = sorted(capture_sizes)
     index = bisect.bisect_left(sizes, num_reqs)
     return sizes[index] if index < len(sizes) else num_reqs
-
-
-def padded_query_start_loc(num_reqs: int, num_padded: int) -> torch.Tensor:
-    """`[0, 1, ..., num_reqs, num_reqs, ...]`: int32 `[num_padded + 1]`. Each real request has one
-    query token; padding requests have none (and key length 0), so a kernel sized for
-    `num_padded` requests touches only the real rows."""
-    return torch.arange(num_padded + 1, dtype=torch.int32).clamp_(max=num_reqs)
 
 
 @dataclass(frozen=True)
