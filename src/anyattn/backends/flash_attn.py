@@ -45,7 +45,6 @@ from anyattn.backends.flash_attn_builder import (
 from anyattn.ops.merge_attn_states import merge_attn_states
 from anyattn.types import (
     AttentionType,
-    KVCacheLayout,
     MultipleOf,
     cache_torch_dtype,
     is_fp8_cache,
@@ -107,10 +106,6 @@ class FlashAttentionBackend(AttentionBackend, metaclass=_DeclaredByInstalledVers
     @staticmethod
     def get_builder_cls() -> type[FlashAttentionMetadataBuilder]:
         return FlashAttentionMetadataBuilder
-
-    @classmethod
-    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        return (KVCacheLayout.NHD, KVCacheLayout.HND)
 
     @classmethod
     def get_supported_kernel_block_sizes(cls) -> list[int | MultipleOf]:

@@ -39,7 +39,7 @@ from anyattn.backends.flashinfer_builder import FlashInferMetadataBuilder
 from anyattn.backends.flashinfer_metadata import FlashInferMetadata
 from anyattn.backends.flashinfer_version import PIP_COMMAND, installed_flashinfer
 from anyattn.backends.flashinfer_xqa import run_xqa_decode, xqa_decode_reason
-from anyattn.types import DTYPES, AttentionType, KVCacheLayout, MultipleOf, is_fp8_cache
+from anyattn.types import DTYPES, AttentionType, MultipleOf, is_fp8_cache
 from anyattn.validation import check_forward, check_forward_inputs, check_metadata_type
 
 __all__ = [
@@ -82,10 +82,6 @@ class FlashInferBackend(AttentionBackend):
     @classmethod
     def get_supported_kernel_block_sizes(cls) -> list[int | MultipleOf]:
         return [16, 32, 64]
-
-    @classmethod
-    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        return (KVCacheLayout.NHD, KVCacheLayout.HND)
 
     @classmethod
     def supports_sliding_window(cls) -> bool:

@@ -42,7 +42,7 @@ from anyattn.backends.flex_attention_builder import (
     FlexAttentionMetadataBuilder,
 )
 from anyattn.backends.flex_attention_impl import FlexAttentionImpl
-from anyattn.types import AttentionType, DeviceInfo, KVCacheLayout
+from anyattn.types import AttentionType, DeviceInfo
 
 __all__ = [
     "FlexAttentionBackend",
@@ -84,11 +84,6 @@ class FlexAttentionBackend(AttentionBackend):
         if device.type == "cpu":
             return True
         return AttentionType(config.attn_type) != AttentionType.DECODER
-
-    @classmethod
-    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        # Keys are copied out of the cache by one indexing op, whatever the strides.
-        return (KVCacheLayout.NHD, KVCacheLayout.HND)
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:

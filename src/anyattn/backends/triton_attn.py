@@ -24,7 +24,7 @@ from anyattn.backends.triton_attn_builder import (
     TritonAttentionMetadataBuilder,
 )
 from anyattn.ops.unified_attention import UnifiedAttentionParams, unified_attention
-from anyattn.types import AttentionType, DeviceInfo, KVCacheLayout
+from anyattn.types import AttentionType, DeviceInfo
 from anyattn.validation import check_forward, check_forward_inputs, layer_kv_scale
 
 __all__ = [
@@ -64,12 +64,6 @@ class TritonAttentionBackend(AttentionBackend):
     def get_supported_head_sizes(cls) -> list[int]:
         # Any multiple of 8 up to 256: the kernel pads the head to a power of two with masks.
         return list(range(8, 257, 8))
-
-    @classmethod
-    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        # Both run at the same speed on the H200 (benchmarks/RESULTS.md); NHD is what
-        # FlashInfer and FlashAttention use, so caches can be shared with them.
-        return (KVCacheLayout.NHD, KVCacheLayout.HND)
 
     @classmethod
     def supports_compute_capability(cls, capability: tuple[int, int]) -> bool:

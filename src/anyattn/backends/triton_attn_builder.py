@@ -93,7 +93,6 @@ class TritonAttentionMetadata:
             the step's new K/V instead of the pages.
         workspace: `(partial_out, partial_lse)`, the builder's split-KV buffers for every
             layer; None when `num_splits` is 1.
-        kernel_path: which kernel path runs, for logs and benchmarks.
         layer_names: the builder's layers (`forward` refuses any other).
         common_attn_metadata: the step it was built from (its mirrors for the checks).
     """
@@ -110,7 +109,6 @@ class TritonAttentionMetadata:
     num_splits: int
     is_fresh_prefill: bool
     workspace: tuple[torch.Tensor, torch.Tensor] | None
-    kernel_path: str
     common_attn_metadata: CommonAttentionMetadata
     layer_names: frozenset[str]
 
@@ -179,9 +177,6 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
         is_fresh = (
             not for_capture and num_reqs > 0 and cm.max_query_len > 1 and not bool(context.any())
         )
-        path = "unified" if splits == 1 else f"unified split-kv x{splits}"
-        if is_fresh:
-            path += " (fresh prefill: K/V via TMA where the impl can)"
         return TritonAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             num_reqs=num_reqs,
@@ -199,7 +194,6 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
                 if splits == 1
                 else self._workspace.get(self._max_heads, self.kv_cache_spec.head_size)
             ),
-            kernel_path=path,
             common_attn_metadata=cm,
             layer_names=self._layer_names,
         )
