@@ -1,16 +1,12 @@
 """Paged attention for a whole mixed batch in one Triton launch (plus a reduce for split-KV).
 
 `unified_attention` checks its arguments, chooses the tile shape and launches
-`anyattn.ops.unified_attention_kernel` over `num_tokens // BLOCK_Q + num_reqs` programs per KV
-head (each finds its request on the GPU: no host-side table, so the launch is a pure function
-of tensor sizes and CUDA-graph safe). Split-KV (flash-decoding): with `num_splits > 1` each
-request's keys are cut into that many chunks whose partial results `anyattn.ops.split_kv_reduce`
-merges; used for decode batches too small to fill the GPU. `unified_attention_ref` is the same
-computation in plain PyTorch, for tests.
-
-Semantics (docs/semantics.md): `s = scale * q.k`, soft cap, ALiBi `slope * (j - p)`, causal
-`j <= p`, window `p - W < j`, sinks in the denominator only; a row with no key gives zeros and
-LSE -inf (or the sink's logit when the layer has sinks).
+`unified_attention_kernel` over `num_tokens // BLOCK_Q + num_reqs` programs per KV head (each
+finds its request on the GPU, so the launch depends only on tensor sizes: CUDA-graph safe).
+With `num_splits > 1` (flash-decoding) each request's keys are cut into that many chunks, merged
+by `split_kv_reduce`. `unified_attention_ref` is the same computation in plain PyTorch.
+Semantics: docs/semantics.md; a row with no key gives zeros and LSE -inf (the sink's logit with
+sinks).
 """
 
 from __future__ import annotations
@@ -79,9 +75,7 @@ def _choose_config(
     from_input: bool,
     cache_element_size: int = 2,
 ) -> _Config:
-    """Tile shapes, from the H200 sweep in benchmarks/RESULTS.md: decode-like batches use the
-    smallest tensor-core tile (16 rows) and long key tiles; mixed batches and prefills up to
-    4096 tokens 64-row tiles; longer prefills 128 x 128 tiles."""
+    """Tile shapes, from the H200 sweep in benchmarks/RESULTS.md."""
     min_m = max(16, triton.next_power_of_2(num_queries_per_kv))
     rows = max_query_len * num_queries_per_kv
     # fp32 caches hold half the keys per byte of shared memory: halve the key tiles.
@@ -102,12 +96,8 @@ def _choose_config(
 def split_kv_workspace_shape(
     max_num_tokens: int, num_heads: int, head_size: int, num_splits: int
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shapes of the float32 split-KV workspace: partial outputs and their LSEs.
-
-    Returns:
-        `((max_num_tokens, num_heads, num_splits, head_size), (max_num_tokens, num_heads,
-        num_splits))`.
-    """
+    """Shapes of the float32 split-KV workspace: partial outputs `(max_num_tokens, num_heads,
+    num_splits, head_size)` and their LSEs `(max_num_tokens, num_heads, num_splits)`."""
     return (
         (max_num_tokens, num_heads, num_splits, head_size),
         (max_num_tokens, num_heads, num_splits),
@@ -276,7 +266,7 @@ def _validate(
     key: torch.Tensor | None,
     value: torch.Tensor | None,
 ) -> None:
-    """Shapes the kernel relies on, checked before the launch (nothing is written first)."""
+    """Shapes the kernel relies on, checked before the launch."""
     if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
         raise ValueError(
             f"{_OP}: query must be [num_tokens, num_heads, head_size] and kv_cache "
