@@ -1,15 +1,6 @@
-"""Index arrays the FLASH_ATTN builder hands FlashAttention, as small pure functions.
-
-Everything here reads CPU tensors (the `*_cpu` mirrors of `CommonAttentionMetadata`) or only
-slices tensors, so it is tested exactly on the CPU and never synchronises with a GPU:
-
-- `cu_seqlens_from_lens`: cumulative lengths (`cu_seqlens_k` for entry points without
-  `seqused_k`).
-- `padded_num_reqs`: the CUDA-graph batch size of a decode batch.
-- `plan_cascade`, `cascade_block_tables`: which blocks form the shared prefix, the prefix pass
-  (every query against the prefix, one "request") and the suffix pass (each request against its
-  remaining blocks).
-- `cascade_is_worthwhile`: the cost model behind `use_cascade_attention`.
+"""Index arrays the FLASH_ATTN builder hands FlashAttention, as small pure functions of CPU
+tensors (the step's mirrors) or slices, so they never synchronise with a GPU: cumulative
+lengths, the CUDA-graph batch size, the cascade plan and its cost model.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Which FlashInfer the FLASHINFER backend runs on: the supported release range and the import.
 
-FLASHINFER calls only FlashInfer's public Python API (the batch wrappers' `plan()` / `run()`
-and `flashinfer.decode.xqa_batch_decode_with_kv_cache`). It is tested on the releases
-`SUPPORTED_VERSIONS` names (both ends of the range, the conformance kit on each). Another
-release is used as it is, with a `FlashInferVersionWarning` when FlashInfer is first imported:
-the public API may have changed under it, and the conformance kit is the way to find out.
-
-Nothing here imports FlashInfer before a builder needs it: `installed_flashinfer` reads the
-package metadata only, so that declarations and `explain` work on a machine without CUDA.
+FLASHINFER is tested on the releases `SUPPORTED_VERSIONS` names (the conformance kit on both
+ends). Another release is used as it is, with a `FlashInferVersionWarning` at the first import.
+`installed_flashinfer` reads package metadata only, so declarations work without CUDA.
 """
 
 from __future__ import annotations

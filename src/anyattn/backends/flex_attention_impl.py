@@ -1,32 +1,19 @@
 """FLEX_ATTENTION's forward: one compiled `flex_attention` call per layer and step.
 
 The step is one FlexAttention batch entry (`flex_attention_plan`): queries `[1, H, rows, D]`
-(token-major: row t is token t), keys and values `[1, KVH, keys, D]` in a workspace made per
-call (row 0 the sink slot with a zero value, the requests' keys from `FIRST_KEY_ROW` on, the
-other rows zero), the step's BlockMask for the layer's mask (`flex_attention_builder`), and
-FlexAttention's GQA (`enable_gqa`: query head h reads KV head `h // G`).
+(row t is token t), keys and values `[1, KVH, keys, D]` in a workspace made per call (row 0 the
+sink slot, zero-valued; the requests' keys from `FIRST_KEY_ROW` on, copied out of the paged
+cache with one indexing op, or the step's own for encoder attention), FlexAttention's GQA.
 
-Keys: decoder and cross attention copy theirs out of the paged cache with one indexing op
-(`key_blocks`, `key_offsets` from the builder; fp8 caches dequantised as `stored * scale`);
-encoder attention reads the step's own key and value.
+The score mod applies docs/semantics.md's order (scale, soft cap, ALiBi, then the sink logit at
+key row 0). Its values are tensors, so that layers differing only in them share one graph.
 
-Score mod, in docs/semantics.md's order: the scale, the soft cap `cap * tanh(s / cap)`, ALiBi
-`s + slope[h] * (j - p)`, then the sink: key row 0 scores the sink logit (its value is zero, so
-it enters the denominator and the LSE only). The values are tensors, so that layers differing
-only in them share one compiled graph.
-
-Compilation: one compiled function per configuration (device type, dtype, head size, query and
-KV heads, which score mods, LSE or not, launch options), each a code object of its own since
-torch.compile's recompile limit counts per code object. Sizes are dynamic and padded to buckets
-that are never equal to one another, heads and head size marked static, so after its first step
-a configuration does not compile again, whatever the batch. On CUDA the query and keys are given
-as `[1, heads, tiles, TILE, D]` and flattened inside the graph: lengths then are known multiples
-of the kernel's blocks, so Inductor drops its bounds checks (no masked loads), as it does for
-static sizes.
-
-Limits: no LSE on the CPU (Inductor's CPU template returns none); fp32 rows of head sizes
-129-255 launch with smaller tiles on CUDA (FlexAttention's default launch asks for more shared
-memory than an H200 has and fails to compile).
+Compilation: one compiled function per configuration (device type, dtype, head size, heads,
+score mods, LSE, launch options), each a code object of its own since torch.compile's
+recompile limit counts per code object. Sizes are dynamic and padded to buckets that never
+equal one another, heads and head size static, so a configuration compiles once. On CUDA rows
+are given as `[1, heads, tiles, TILE, D]` and flattened inside the graph, so that Inductor knows
+them multiples of its blocks and drops its bounds checks.
 """
 
 from __future__ import annotations
@@ -184,20 +171,10 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         output_lse: torch.Tensor | None = None,
     ) -> None:
         """See `AttentionImpl.validate_inputs`; shapes, dtypes and devices of every input."""
-        check_forward_inputs(
-            _API,
-            self,
-            self.backend.supported_dtypes,
-            query,
-            key,
-            value,
-            kv_cache,
-            md,
-            FlexAttentionMetadata,
-            output=output,
-            output_lse=output_lse,
-            reads_cache=self.attn_type not in ENCODER_TYPES,
-        )
+        check_forward_inputs(_API, self, self.backend.supported_dtypes, query, key, value,
+                             kv_cache, md, FlexAttentionMetadata, output=output,
+                             output_lse=output_lse,
+                             reads_cache=self.attn_type not in ENCODER_TYPES)  # fmt: skip
         if output_lse is not None and query.device.type != "cuda":
             raise NotImplementedError(
                 f"{_API}: output_lse not supported on {query.device.type} (Inductor's CPU "

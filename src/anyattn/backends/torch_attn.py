@@ -1,16 +1,9 @@
 """TORCH: the reference backend, in plain PyTorch, for the CPU and any CUDA GPU.
 
-Every other backend is judged against it, so it implements every feature of the contract
-except MLA, sparse attention and bitwise batch invariance: paged KV over shuffled blocks, mixed
-batches (decodes, fresh and chunked prefills), GQA/MQA, causal and non-causal, all four
-attention types, sliding window, ALiBi, soft cap, sinks, fp8 KV with per-tensor or per-head
-scales, LSE output, cascade attention and KV sharing.
-
-Plan/run split: the builder turns the step into frozen metadata (a batched decode group with its
-key positions and validity, plus one segment per other request, all from CPU mirrors, no
-device sync); `forward` gathers each group's blocks once, KV-head-major, and runs
-`dense_attention` (SDPA where no feature needs the explicit math). Never a Python loop over
-tokens.
+It implements every feature of the contract except MLA, sparse attention and bitwise batch
+invariance. The builder plans the step from the CPU mirrors (a batched decode group, then one
+segment per other request); `forward` gathers each group's blocks once, KV-head-major, and runs
+`dense_attention` (SDPA where no feature needs the explicit math).
 """
 
 from __future__ import annotations
@@ -198,20 +191,10 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
         output_lse: torch.Tensor | None = None,
     ) -> None:
         """See `AttentionImpl.validate_inputs`; shapes, dtypes and devices of every input."""
-        check_forward_inputs(
-            "TORCH forward",
-            self,
-            TorchAttentionBackend.supported_dtypes,
-            query,
-            key,
-            value,
-            kv_cache,
-            md,
-            TorchAttentionMetadata,
-            output=output,
-            output_lse=output_lse,
-            reads_cache=self.attn_type not in _ENCODER_TYPES,
-        )
+        check_forward_inputs("TORCH forward", self, TorchAttentionBackend.supported_dtypes, query,
+                             key, value, kv_cache, md, TorchAttentionMetadata, output=output,
+                             output_lse=output_lse,
+                             reads_cache=self.attn_type not in _ENCODER_TYPES)  # fmt: skip
 
 
 class _Run:

@@ -1,10 +1,6 @@
-"""TORCH's plan: the metadata its builder makes for a step, and the builder.
-
-`build` reads only the CPU mirrors (no device sync) and returns frozen metadata: the leading
-decodes (and spec-decode runs of 1 + k tokens) as one padded group, with their query layout,
-key positions and key validity on the device; every other request as a `Segment`; for cascade
-attention the shared prefix's blocks and every token's position. The builder's `Workspace`
-is the one gather buffer every layer of a step reuses.
+"""TORCH's plan: the metadata its builder makes for a step from the CPU mirrors (no device
+sync), and the builder: the leading decodes (and spec-decode runs of 1 + k tokens) as one padded
+group, every other request as a `Segment`, for cascade the shared prefix's blocks.
 """
 
 from __future__ import annotations

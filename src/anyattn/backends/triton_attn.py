@@ -1,14 +1,10 @@
 """TRITON: our own paged-attention kernels, for any NVIDIA GPU that runs Triton.
 
-The whole step (decodes, fresh prefills, chunked prefills with context) is one launch of
-`anyattn.ops.unified_attention`, reading K/V from the paged cache in NHD or HND layout with
-GQA packing; decode batches too small to fill the GPU split each request's keys across programs
-(flash-decoding) and merge the splits in a second launch. Features: causal and non-causal,
-sliding window, ALiBi, soft cap, sinks, fp8 KV with per-tensor or per-KV-head scales, LSE.
-
-Plan/run split (`triton_attn_builder`): `build` makes frozen metadata from the CPU mirrors;
-`forward` launches from it and plans nothing. CUDA graphs: ALWAYS; the kernel finds each
-program's request on the GPU from `query_start_loc`.
+The whole step is one launch of `anyattn.ops.unified_attention` over the paged cache (NHD or
+HND, GQA packing); decode batches too small to fill the GPU split each request's keys
+(flash-decoding) and merge the splits in a second launch. `build` (`triton_attn_builder`) plans
+from the CPU mirrors; `forward` only launches. CUDA graphs: ALWAYS (the kernel finds each
+program's request on the GPU).
 """
 
 from __future__ import annotations
@@ -223,19 +219,9 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         output_lse: torch.Tensor | None = None,
     ) -> None:
         """See `AttentionImpl.validate_inputs`; shapes, dtypes and devices of every input."""
-        check_forward_inputs(
-            _API,
-            self,
-            TritonAttentionBackend.supported_dtypes,
-            query,
-            key,
-            value,
-            kv_cache,
-            md,
-            TritonAttentionMetadata,
-            output=output,
-            output_lse=output_lse,
-        )
+        check_forward_inputs(_API, self, TritonAttentionBackend.supported_dtypes, query, key,
+                             value, kv_cache, md, TritonAttentionMetadata, output=output,
+                             output_lse=output_lse)  # fmt: skip
 
 
 TritonAttentionImpl.backend = TritonAttentionBackend

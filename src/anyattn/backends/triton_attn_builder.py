@@ -1,13 +1,9 @@
 """TRITON's plan: the metadata its builder makes for a step, the number of KV splits, and the
 split-KV workspace.
 
-`build` reads only the CPU mirrors (to choose the number of KV splits and whether a fresh
-prefill may read its new K/V from the inputs) and hands the kernel views of the common
-metadata's device tensors, so it never waits on the GPU. The launch depends only on tensor
-sizes and these choices, never on device values, so a CUDA graph captured for a batch shape
-replays for any contents of that shape. The split-KV workspace is the builder's, sized for the
-layer with the most heads, made by the first build that splits (an eager warm-up step before
-capture makes it; it refuses to grow during capture).
+`build` reads only the CPU mirrors (the number of KV splits; whether a fresh prefill may read its
+new K/V from the inputs) and hands the kernel the step's device tensors: a CUDA graph captured
+for a batch shape replays for any contents of that shape.
 """
 
 from __future__ import annotations
