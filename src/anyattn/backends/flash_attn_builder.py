@@ -182,8 +182,6 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
     ) -> FlashAttentionMetadata:
         cm = common_attn_metadata
         api = "FlashAttentionMetadataBuilder.build"
-        # (the mirrors' values size the kernels: max_seqlen_q / _k, the table width)
-        host = cm.host_batch
         cross = cm.encoder_seq_lens is not None
         max_k = int(cm.encoder_seq_lens_cpu[: cm.num_reqs].max()) if cross and cm.num_reqs else 0
         self._check_table_width(cm, max_k if cross else cm.max_seq_len, api)
@@ -198,10 +196,8 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             return self._build_cascade(common_prefix_len, cm, api)
         sizes = self.limits.cudagraph_capture_sizes
         if not cross and sizes and cm.num_reqs <= max(sizes) and self._is_single_decode(cm):
-            if not self.limits.has_persistent_graph_inputs:
-                return self._build_decode(cm, padded_num_reqs(cm.num_reqs, sizes), host.max_seq_len)
-            if cm.num_reqs in sizes:
-                return self._build_decode_in_place(cm)
+            if not self.limits.has_persistent_graph_inputs or cm.num_reqs in sizes:
+                return self._build_decode(cm)
             self._refuse_unpadded_graph_step(cm, api)  # else no graph step: eager
         return self._build_plain(cm, cross, max_k)
 
@@ -218,7 +214,6 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         """
         cm = common_attn_metadata
         api = "FlashAttentionMetadataBuilder.build_for_cudagraph_capture"
-        host = cm.host_batch
         if not self._is_single_decode(cm) or cm.encoder_seq_lens is not None:
             raise ValueError(
                 f"{api}: CUDA graphs are supported for batches of single-token decodes (got "
@@ -227,15 +222,13 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             )
         self._check_table_width(cm, cm.max_seq_len, api)
         sizes = self.limits.cudagraph_capture_sizes
-        if not self.limits.has_persistent_graph_inputs:
-            return self._build_decode(cm, padded_num_reqs(cm.num_reqs, sizes), host.max_seq_len)
-        if cm.num_reqs not in sizes:
+        if self.limits.has_persistent_graph_inputs and cm.num_reqs not in sizes:
             raise ValueError(
                 f"{api}: with BatchLimits.has_persistent_graph_inputs a captured batch is "
                 f"padded to a capture size (got {cm.num_reqs} requests, capture sizes "
                 f"{sizes}). Pad it with dummy requests, or turn has_persistent_graph_inputs off."
             )
-        return self._build_decode_in_place(cm)
+        return self._build_decode(cm)
 
     def _refuse_unpadded_graph_step(self, cm: CommonAttentionMetadata, api: str) -> None:
         """Under `has_persistent_graph_inputs`, a decode step whose slot mapping has a captured
@@ -285,7 +278,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             block_size=self.block_size,
             slot_mapping=cm.slot_mapping,
             causal=cm.causal,
-            query_start_loc=kw.pop("query_start_loc", main.cu_seqlens_q),
+            query_start_loc=main.cu_seqlens_q,
             max_query_len=cm.max_query_len,
             main=main,
             common_attn_metadata=cm,
@@ -303,31 +296,24 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             if cross
             else (cm.seq_lens, cm.seq_lens_cpu)
         )
-        if self._gather_bidirectional and (cross or not cm.causal):
+        # keys read contiguously where the paged kernel is wrong (`_gather_bidirectional`)
+        gather = self._gather_bidirectional and (cross or not cm.causal)
+        cu_k = key_rows = None
+        if gather or self._needs_cu_seqlens_k:
+            cu_k = self._upload(cu_seqlens_from_lens(lens_cpu[:num_reqs]))
+        if gather:
             table = cm.block_table_tensor if cm.block_table_cpu is None else cm.block_table_cpu
             blocks, offsets = contiguous_key_rows(table, lens_cpu[:num_reqs], self.block_size)
-            main = FlashAttnPass(
-                cu_seqlens_q=cm.query_start_loc[: num_reqs + 1],
-                seq_lens=None,
-                cu_seqlens_k=self._upload(cu_seqlens_from_lens(lens_cpu[:num_reqs])),
-                page_table=None,
-                max_seqlen_q=cm.max_query_len,
-                max_seqlen_k=max_cross_len if cross else cm.max_seq_len,
-                causal=False,
-                key_rows=(self._upload(blocks), self._upload(offsets)),
-            )
-            return self._metadata(cm, main)
-        cu_k = None
-        if self._needs_cu_seqlens_k:
-            cu_k = self._upload(cu_seqlens_from_lens(lens_cpu[:num_reqs]))
+            key_rows = (self._upload(blocks), self._upload(offsets))
         main = FlashAttnPass(
             cu_seqlens_q=cm.query_start_loc[: num_reqs + 1],
-            seq_lens=lens[:num_reqs],
+            seq_lens=None if gather else lens[:num_reqs],
             cu_seqlens_k=cu_k,
-            page_table=cm.block_table_tensor[:num_reqs],
+            page_table=None if gather else cm.block_table_tensor[:num_reqs],
             max_seqlen_q=cm.max_query_len,
             max_seqlen_k=max_cross_len if cross else cm.max_seq_len,
             causal=cm.causal and not cross,
+            key_rows=key_rows,
         )
         return self._metadata(cm, main)
 
@@ -337,58 +323,45 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             self._buffers = _DecodeBuffers(self.limits.max_num_reqs, self._max_blocks, self.device)
         return self._buffers
 
-    def _build_decode(
-        self, cm: CommonAttentionMetadata, padded: int, longest: int
-    ) -> FlashAttentionMetadata:
-        """The CUDA-graph decode layout of `cm`'s decodes padded to `padded`, in the builder's
-        buffers (`longest`: the mirrors' longest sequence, whose pages are the columns copied)."""
-        buf, n = self._decode_buffers(), cm.num_reqs
-        cols = -(-longest // self.block_size)  # `build` checked the table holds them
-        # Device-side copies into the addresses the captured graph reads; padding rows get
-        # no query token and no keys.
-        buf.block_table[:n, :cols].copy_(cm.block_table_tensor[:n, :cols])
-        buf.seq_lens[:n].copy_(cm.seq_lens[:n])
-        buf.seq_lens[n:padded].fill_(_PADDING_LEN)
-        torch.clamp(buf.arange[: padded + 1], max=n, out=buf.query_start_loc[: padded + 1])
-        cu_k = None
-        if self._needs_cu_seqlens_k:
-            cu_k = buf.cu_seqlens_k[: padded + 1]
-            torch.cumsum(buf.seq_lens[:padded], 0, out=cu_k[1:])
-        main = FlashAttnPass(
-            cu_seqlens_q=buf.query_start_loc[: padded + 1],
-            seq_lens=buf.seq_lens[:padded],
-            cu_seqlens_k=cu_k,
-            page_table=buf.block_table[:padded],
-            max_seqlen_q=1,
-            max_seqlen_k=self.limits.max_model_len,  # a bound every replay satisfies
-            # one query token per request, the last: causal and bidirectional agree, and
-            # the causal kernel is right where FA4's paged bidirectional one is not
-            causal=True,
-        )
-        return self._metadata(cm, main, uses_persistent_buffers=True)
-
-    def _build_decode_in_place(self, cm: CommonAttentionMetadata) -> FlashAttentionMetadata:
-        """A graph step of a captured size over the step's own tensors, which the runner keeps
-        at the captured addresses (`BatchLimits.has_persistent_graph_inputs`): the plain layout
-        with `max_seqlen_k` bounded by `max_model_len`, as the graph was captured."""
+    def _build_decode(self, cm: CommonAttentionMetadata) -> FlashAttentionMetadata:
+        """The CUDA-graph decode layout of `cm`'s single-token decodes: copied into the
+        builder's buffers, padded to the smallest capture size that holds them; or, under
+        `BatchLimits.has_persistent_graph_inputs`, the step's own tensors (a captured size, at
+        the captured addresses). `max_seqlen_k` is `max_model_len`, a bound every replay
+        satisfies."""
         n = cm.num_reqs
-        lens = cm.seq_lens[:n]
+        persistent = self.limits.has_persistent_graph_inputs
+        if persistent:
+            padded, qsl, lens, table = n, cm.query_start_loc, cm.seq_lens, cm.block_table_tensor
+        else:
+            buf = self._decode_buffers()
+            padded = padded_num_reqs(n, self.limits.cudagraph_capture_sizes)
+            cols = -(-cm.host_batch.max_seq_len // self.block_size)  # `build` checked the width
+            # Device-side copies into the addresses the captured graph reads; padding rows get
+            # no query token and no keys.
+            buf.block_table[:n, :cols].copy_(cm.block_table_tensor[:n, :cols])
+            buf.seq_lens[:n].copy_(cm.seq_lens[:n])
+            buf.seq_lens[n:padded].fill_(_PADDING_LEN)
+            torch.clamp(buf.arange[: padded + 1], max=n, out=buf.query_start_loc[: padded + 1])
+            qsl, lens, table = buf.query_start_loc, buf.seq_lens, buf.block_table
         cu_k = None
         if self._needs_cu_seqlens_k:
             # FA2 reads key offsets, which the step does not carry: summed on the device into
             # a builder buffer the graph reads (a fresh tensor would move every step)
-            cu_k = self._decode_buffers().cu_seqlens_k[: n + 1]
-            torch.cumsum(lens, 0, out=cu_k[1:])
+            cu_k = self._decode_buffers().cu_seqlens_k[: padded + 1]
+            torch.cumsum(lens[:padded], 0, out=cu_k[1:])
         main = FlashAttnPass(
-            cu_seqlens_q=cm.query_start_loc[: n + 1],
-            seq_lens=lens,
+            cu_seqlens_q=qsl[: padded + 1],
+            seq_lens=lens[:padded],
             cu_seqlens_k=cu_k,
-            page_table=cm.block_table_tensor[:n],
+            page_table=table[:padded],
             max_seqlen_q=1,
             max_seqlen_k=self.limits.max_model_len,
-            causal=True,  # one query token per request, as in `_build_decode`
+            # one query token per request, the last: causal and bidirectional agree, and
+            # the causal kernel is right where FA4's paged bidirectional one is not
+            causal=True,
         )
-        return self._metadata(cm, main)
+        return self._metadata(cm, main, uses_persistent_buffers=not persistent)
 
     def _build_cascade(
         self, common_prefix_len: int, cm: CommonAttentionMetadata, api: str
