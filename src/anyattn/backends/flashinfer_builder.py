@@ -86,9 +86,6 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 
     backend: ClassVar[type[AttentionBackend]]
     _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-    # Prefill kernels: None = FlashInfer's "auto" on Hopper (fa3 where it applies), "fa2" on
-    # other GPUs (where "auto" may pick kernels whose planning reads device memory).
-    prefill_backend: ClassVar[str | None] = None
     # Which kernel runs the decodes: "auto", "xqa" or "wrapper" (see flashinfer_xqa).
     decode_kernel: ClassVar[str] = "auto"
 
@@ -324,28 +321,23 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         return self._workspace
 
-    def _prefill_kernels(self) -> str:
-        if self.prefill_backend is not None:
-            return self.prefill_backend
-        return "auto" if self._capability is not None and self._capability[0] == 9 else "fa2"
-
     def _wrapper_slot(self, record: LayerParams, part: str) -> WrapperSlot:
         """`record`'s eager "decode", "paged" or "ragged" wrapper, made on first use."""
         slot = self._wrappers.get((record, part))
         if slot is None:
-            fi = import_flashinfer()
+            fi, space = import_flashinfer(), self._float_workspace()
+            # Prefills: FlashInfer's "auto" on Hopper (fa3 where it applies), else "fa2" (where
+            # "auto" may pick kernels whose planning reads device memory).
+            hopper = self._capability is not None and self._capability[0] == 9
+            prefill = "auto" if hopper else "fa2"
             if part == "decode":
                 wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
-                    self._float_workspace(), "NHD", use_tensor_cores=True, backend="fa2"
+                    space, "NHD", use_tensor_cores=True, backend="fa2"
                 )
             elif part == "paged":
-                wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
-                    self._float_workspace(), "NHD", backend=self._prefill_kernels()
-                )
+                wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(space, "NHD", backend=prefill)
             else:
-                wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(
-                    self._float_workspace(), "NHD", backend=self._prefill_kernels()
-                )
+                wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(space, "NHD", backend=prefill)
             slot = self._wrappers[(record, part)] = WrapperSlot(wrapper)
         return slot
 

@@ -302,21 +302,17 @@ class _Run:
                     self.key[rows].transpose(0, 1).unsqueeze(1),
                     self.value[rows].transpose(0, 1).unsqueeze(1),
                 )
-                k_valid = None
             else:
                 first_block = first_key // md.block_size
                 last_block = (seg.k_len + md.block_size - 1) // md.block_size
-                kv = self.cache_keys(md.block_table[seg.row : seg.row + 1, first_block:last_block])
-                k_valid = None
-                if first_block * md.block_size + kv.length != seg.k_len:
-                    k_valid = (
-                        torch.arange(kv.length, device=device)
-                        < seg.k_len - first_block * md.block_size
-                    ).unsqueeze(0)
+                kv = self.cache_keys(
+                    md.block_table[seg.row : seg.row + 1, first_block:last_block],
+                    length=seg.k_len - first_block * md.block_size,
+                )
             k_pos = first_key + torch.arange(kv.length, device=device)
             q_pos = (seg.context + torch.arange(seg.q_len, device=device)).unsqueeze(0)
             o, part_lse = dense_attention(
-                q, kv, q_pos, k_pos, k_valid, self.mods,
+                q, kv, q_pos, k_pos, None, self.mods,
                 causal=causal, use_sinks=use_sinks, need_lse=lse is not None,
                 lse_dtype=self.lse_dtype,
             )  # fmt: skip
