@@ -222,22 +222,14 @@ def _kernel_rows(rows: torch.Tensor, tiled: bool) -> torch.Tensor:
     return _static(rows.unflatten(2, (-1, TILE)).detach(), (0, 1, 3, 4))
 
 
-def _attend(query, key, value, block_mask, score_mod, kernel_options):
-    from torch.nn.attention.flex_attention import flex_attention
-
-    query, key, value = (x.flatten(2, 3) if x.dim() == 5 else x for x in (query, key, value))
-    return flex_attention(
-        query, key, value, score_mod=score_mod, block_mask=block_mask, scale=1.0,
-        enable_gqa=True, kernel_options=kernel_options,
-    )  # fmt: skip
-
-
-def _attend_with_lse(query, key, value, block_mask, score_mod, kernel_options):
+def _attend(query, key, value, block_mask, score_mod, kernel_options, with_lse=False):
     from torch.nn.attention import flex_attention as flex
 
     query, key, value = (x.flatten(2, 3) if x.dim() == 5 else x for x in (query, key, value))
     args = dict(score_mod=score_mod, block_mask=block_mask, scale=1.0, enable_gqa=True,
                 kernel_options=kernel_options)  # fmt: skip
+    if not with_lse:
+        return flex.flex_attention(query, key, value, **args)
     if hasattr(flex, "AuxRequest"):
         out, aux = flex.flex_attention(
             query, key, value, **args, return_aux=flex.AuxRequest(lse=True)
@@ -251,12 +243,12 @@ _COMPILED: dict[tuple, Callable] = {}
 
 
 def _compiled(config: tuple, with_lse: bool) -> Callable:
-    """The compiled attention call of `config`, a code object of its own."""
+    """The compiled attention call of `config`, a code object of its own (`with_lse` its
+    default, a constant to the compiler)."""
     fn = _COMPILED.get((config, with_lse))
     if fn is None:
-        template = _attend_with_lse if with_lse else _attend
-        name = f"{template.__name__}_{len(_COMPILED)}"
-        code = template.__code__.replace(co_name=name, co_qualname=name)
-        copy = types.FunctionType(code, template.__globals__, name, template.__defaults__)
+        name = f"_attend_{len(_COMPILED)}"
+        code = _attend.__code__.replace(co_name=name, co_qualname=name)
+        copy = types.FunctionType(code, _attend.__globals__, name, (with_lse,))
         fn = _COMPILED[(config, with_lse)] = torch.compile(copy, dynamic=True, fullgraph=True)
     return fn
