@@ -134,17 +134,6 @@ _FA4_SM90_WIDE_HEAD_SIZES = (144, 176, 192, 256)
 _FA4_PAGED_BIDIRECTIONAL_BAD = (range(65, 97), range(129, 257))
 
 
-def _head_sizes(version: FlashAttnVersion, capability: tuple[int, int] | None) -> list[int]:
-    if version is not FlashAttnVersion.FA4:
-        return list(range(8, 257, 8))  # 16-byte aligned rows
-    # Paged KV not loaded by TMA asserts "Paged KV does not support irregular head dim"
-    # (flash_fwd_sm90.py:66, flash_fwd_sm100.py:265); interface.py:121 bounds the range.
-    sizes = list(range(16, 257, 16))
-    if capability is not None and capability[0] in (10, 11):
-        return [s for s in sizes if s <= 128 or s == 256]
-    return [s for s in sizes if s <= 128 or s in _FA4_SM90_WIDE_HEAD_SIZES]
-
-
 def paged_bidirectional_is_faulty(
     interface: FlashAttnInterface, capability: tuple[int, int] | None, head_size: int
 ) -> bool:
@@ -258,7 +247,14 @@ class FlashAttnInterface:
 
     def head_sizes(self, capability: tuple[int, int] | None = None) -> list[int]:
         """Head sizes for `capability` (None: any capability this version runs on)."""
-        return _head_sizes(self.version, capability)
+        if self.version is not FlashAttnVersion.FA4:
+            return list(range(8, 257, 8))  # 16-byte aligned rows
+        # Paged KV not loaded by TMA asserts "Paged KV does not support irregular head dim"
+        # (flash_fwd_sm90.py:66, flash_fwd_sm100.py:265); interface.py:121 bounds the range.
+        sizes = list(range(16, 257, 16))
+        if capability is not None and capability[0] in (10, 11):
+            return [s for s in sizes if s <= 128 or s == 256]
+        return [s for s in sizes if s <= 128 or s in _FA4_SM90_WIDE_HEAD_SIZES]
 
     def missing_essentials(self) -> list[str]:
         """Why this entry point cannot run paged varlen attention at all (empty: it can)."""

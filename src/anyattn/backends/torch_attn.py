@@ -216,14 +216,11 @@ class _Run:
         self.lse_dtype = torch.float32
         self.encoder = impl.attn_type in _ENCODER_TYPES
         self.cross = impl.attn_type == AttentionType.ENCODER_DECODER
-        self.fp8 = is_fp8_cache(impl.kv_cache_dtype)
         self.k_scale = self.v_scale = None
-        if self.fp8 and not self.encoder:
-            self.k_scale = layer_kv_scale(
-                "TORCH forward", layer, "k_scale", impl.num_kv_heads, query.device
-            )
-            self.v_scale = layer_kv_scale(
-                "TORCH forward", layer, "v_scale", impl.num_kv_heads, query.device
+        if is_fp8_cache(impl.kv_cache_dtype) and not self.encoder:
+            self.k_scale, self.v_scale = (
+                layer_kv_scale("TORCH forward", layer, name, impl.num_kv_heads, query.device)
+                for name in ("k_scale", "v_scale")
             )
         # A fresh prefill may read its new K/V from the inputs: for a non-fp8 cache of the
         # model dtype they equal what was cached. Shared-KV layers always read the cache.
