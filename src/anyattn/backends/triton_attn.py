@@ -146,8 +146,10 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         alibi_slopes, sinks = self._on(query.device)
         k_scale = v_scale = None
         if kv_cache.element_size() == 1:
-            k_scale = layer_kv_scale(_API, layer, "k_scale", self.num_kv_heads, query.device)
-            v_scale = layer_kv_scale(_API, layer, "v_scale", self.num_kv_heads, query.device)
+            k_scale, v_scale = (
+                layer_kv_scale(_API, layer, name, self.num_kv_heads, query.device)
+                for name in ("k_scale", "v_scale")
+            )
         params = UnifiedAttentionParams(
             scale=self.scale,
             causal=md.causal,
@@ -162,21 +164,12 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         from_input = md.is_fresh_prefill and self._can_read_input(query, key, value, kv_cache)
         # Views of the real rows: padding rows are neither read nor written.
         unified_attention(
-            query[:n],
-            kv_cache,
-            output[:n],
-            md.query_start_loc,
-            md.seq_lens,
-            md.block_table,
-            md.num_reqs,
-            md.max_query_len,
-            params,
+            query[:n], kv_cache, output[:n], md.query_start_loc, md.seq_lens, md.block_table,
+            md.num_reqs, md.max_query_len, params,
             output_lse=None if output_lse is None else output_lse[:, :n],
-            num_splits=md.num_splits,
-            workspace=md.workspace,
-            key=key[:n] if from_input else None,
-            value=value[:n] if from_input else None,
-        )
+            num_splits=md.num_splits, workspace=md.workspace,
+            key=key[:n] if from_input else None, value=value[:n] if from_input else None,
+        )  # fmt: skip
         return output
 
     def _can_read_input(

@@ -154,25 +154,13 @@ def _merge_with_triton(
     # Never written when has_output_lse is False: the pointer only needs a valid tensor.
     out_lse = output_lse if output_lse is not None else prefix_lse
     _merge_attn_states_kernel[(num_tokens, num_heads)](
-        output,
-        prefix_output,
-        prefix_lse,
-        suffix_output,
-        suffix_lse,
-        out_lse,
-        head_size,
-        *output.stride(),
-        *prefix_output.stride(),
-        *suffix_output.stride(),
-        *prefix_lse.stride(),
-        *suffix_lse.stride(),
-        *out_lse.stride(),
-        HAS_OUTPUT_LSE=has_output_lse,
-        BASE_E=lse_base_on_e,
-        F64=torch.float64 in (prefix_lse.dtype, suffix_lse.dtype),
-        BLOCK_D=block_d,
+        output, prefix_output, prefix_lse, suffix_output, suffix_lse, out_lse, head_size,
+        *output.stride(), *prefix_output.stride(), *suffix_output.stride(),
+        *prefix_lse.stride(), *suffix_lse.stride(), *out_lse.stride(),
+        HAS_OUTPUT_LSE=has_output_lse, BASE_E=lse_base_on_e,
+        F64=torch.float64 in (prefix_lse.dtype, suffix_lse.dtype), BLOCK_D=block_d,
         num_warps=1 if block_d <= 256 else 2 if block_d <= 1024 else 4,
-    )
+    )  # fmt: skip
 
 
 if triton is not None:

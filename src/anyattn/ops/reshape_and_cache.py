@@ -168,27 +168,13 @@ def _write_with_triton(
     tile = block_h * block_d
     num_warps = 1 if tile <= 256 else 2 if tile <= 1024 else 4 if tile <= 4096 else 8
     _reshape_and_cache_kernel[(num_tokens,)](
-        key,
-        value,
-        kv_cache,
-        slot_mapping,
-        scales[0],
-        scales[1],
-        num_kv_heads,
-        head_size,
-        kv_cache.shape[2],
-        *key.stride(),
-        *value.stride(),
-        *kv_cache.stride(),
-        slot_mapping.stride(0),
-        FP8=fp8,
-        IS_E4M3=kv_cache.dtype == torch.float8_e4m3fn,
+        key, value, kv_cache, slot_mapping, *scales, num_kv_heads, head_size, kv_cache.shape[2],
+        *key.stride(), *value.stride(), *kv_cache.stride(), slot_mapping.stride(0),
+        FP8=fp8, IS_E4M3=kv_cache.dtype == torch.float8_e4m3fn,
         K_SCALE_PER_HEAD=fp8 and k_scale is not None and k_scale.dim() == 1,
         V_SCALE_PER_HEAD=fp8 and v_scale is not None and v_scale.dim() == 1,
-        BLOCK_H=block_h,
-        BLOCK_D=block_d,
-        num_warps=num_warps,
-    )
+        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=num_warps,
+    )  # fmt: skip
 
 
 if triton is not None:
