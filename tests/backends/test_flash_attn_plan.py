@@ -12,7 +12,6 @@ from fa_fakes import fa2, fa4, install
 
 from anyattn.backends.flash_attn import FlashAttentionMetadataBuilder
 from anyattn.backends.flash_attn_plan import (
-    cascade_block_tables,
     cascade_is_worthwhile,
     cu_seqlens_from_lens,
     padded_num_reqs,
@@ -79,14 +78,6 @@ def test_plan_cascade_exact():
 def test_plan_cascade_rejects_bad_prefixes(prefix, match):
     with pytest.raises(ValueError, match=match):
         plan_cascade(prefix, BLOCK, _ints([70, 80]), _ints([69, 72]), num_tokens=9)
-
-
-def test_cascade_block_tables_are_views_of_the_prefix_and_the_rest():
-    table = _ints([[5, 6, 7, 9], [5, 6, 8, 0], [5, 6, 3, 4]])
-    prefix, suffix = cascade_block_tables(table, 2, 2)
-    assert prefix.tolist() == [[5, 6]]
-    assert suffix.tolist() == [[7, 9], [8, 0]]
-    assert prefix.data_ptr() == table.data_ptr()
 
 
 def test_cascade_is_worthwhile_for_many_requests_sharing_a_long_prefix():

@@ -32,7 +32,6 @@ import torch
 from anyattn.backend import AttentionMetadataBuilder
 from anyattn.backends import flash_attn_versions as versions
 from anyattn.backends.flash_attn_plan import (
-    cascade_block_tables,
     cascade_is_worthwhile,
     contiguous_key_rows,
     cu_seqlens_from_lens,
@@ -375,15 +374,13 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             cm.num_actual_tokens,
             api=api,
         )
-        prefix_table, suffix_table = cascade_block_tables(
-            cm.block_table_tensor, num_reqs, plan.prefix_blocks
-        )
+        table, blocks = cm.block_table_tensor, plan.prefix_blocks
         needs_cu = self._needs_cu_seqlens_k
         prefix = FlashAttnPass(
             cu_seqlens_q=self._upload(plan.prefix_cu_seqlens_q),
             seq_lens=self._upload(plan.prefix_seq_lens),
             cu_seqlens_k=self._upload(plan.prefix_cu_seqlens_k) if needs_cu else None,
-            page_table=prefix_table,
+            page_table=table[:1, :blocks],  # every row holds the same prefix ids
             max_seqlen_q=plan.num_tokens,
             max_seqlen_k=common_prefix_len,
             causal=False,  # every query of the step comes after the shared prefix
@@ -393,7 +390,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             seq_lens=self._upload(plan.suffix_seq_lens),
             cu_seqlens_k=self._upload(plan.suffix_cu_seqlens_k) if needs_cu else None,
             # a copy on the device: some versions want the page table contiguous
-            page_table=suffix_table.contiguous(),
+            page_table=table[:num_reqs, blocks:].contiguous(),
             max_seqlen_q=cm.max_query_len,
             max_seqlen_k=plan.suffix_max_seq_len,
             causal=cm.causal,

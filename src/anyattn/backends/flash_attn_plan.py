@@ -15,7 +15,6 @@ import torch
 
 __all__ = [
     "CascadePlan",
-    "cascade_block_tables",
     "cascade_is_worthwhile",
     "cu_seqlens_from_lens",
     "padded_num_reqs",
@@ -138,18 +137,6 @@ def plan_cascade(
         suffix_cu_seqlens_k=cu_seqlens_from_lens(suffix),
         suffix_max_seq_len=int(suffix.max()) if suffix.numel() else 0,
     )
-
-
-def cascade_block_tables(
-    block_table: torch.Tensor, num_reqs: int, prefix_blocks: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Page tables of the two passes, as views of `block_table` (any device, no copy).
-
-    Returns:
-        `(prefix_table, suffix_table)`: int32 `[1, prefix_blocks]` (row 0's prefix: every row
-        holds the same ids there) and `[num_reqs, max_blocks - prefix_blocks]`.
-    """
-    return block_table[:1, :prefix_blocks], block_table[:num_reqs, prefix_blocks:]
 
 
 def cascade_is_worthwhile(
