@@ -63,18 +63,6 @@ def is_supported_version(version: str | None) -> bool:
     return low <= release <= high
 
 
-def version_warning(version: str | None) -> str | None:
-    """The warning a FlashInfer of `version` gets, or None within the supported range."""
-    if is_supported_version(version):
-        return None
-    low, high = SUPPORTED_VERSIONS
-    got = "an unknown version" if version is None else f"flashinfer-python {version}"
-    return (
-        f"FLASHINFER is tested on flashinfer-python {low} to {high} (got {got}); using it "
-        f"anyway. Run anyattn's conformance kit on it, or {PIP_COMMAND}."
-    )
-
-
 @functools.cache
 def import_flashinfer() -> ModuleType:
     """`import flashinfer`, warning once (`FlashInferVersionWarning`) when the installed
@@ -88,7 +76,13 @@ def import_flashinfer() -> ModuleType:
         raise ImportError(f"FLASHINFER: flashinfer is not installed; {PIP_COMMAND}")
     import flashinfer  # optional and CUDA-only: imported when a builder first needs it
 
-    message = version_warning(version)
-    if message is not None:
-        warnings.warn(message, FlashInferVersionWarning, stacklevel=2)
+    if not is_supported_version(version):
+        low, high = SUPPORTED_VERSIONS
+        got = "an unknown version" if version is None else f"flashinfer-python {version}"
+        warnings.warn(
+            f"FLASHINFER is tested on flashinfer-python {low} to {high} (got {got}); using it "
+            f"anyway. Run anyattn's conformance kit on it, or {PIP_COMMAND}.",
+            FlashInferVersionWarning,
+            stacklevel=2,
+        )
     return flashinfer
