@@ -17,7 +17,7 @@ Contenders:
   registered, not available or rejects the config is reported, not run), cache from
   `allocate_kv_cache`, builder with its reorder request applied, `build` once, impl from the
   contract's constructor arguments, the step's K/V written with `do_kv_cache_update`; only
-  `impl.forward` is timed. The kernel path is the metadata's `kernel_path` when it has one.
+  `impl.forward` is timed. TRITON's label names its KV splits.
 - FlashInfer directly (decode wrapper with tensor cores, ragged prefill wrapper for fresh
   prefills, decode + paged prefill wrappers for the mixed batch), FlashAttention-4 directly
   (`flash_attn.cute.flash_attn_varlen_func`: page table for decode and mixed, contiguous varlen
@@ -515,7 +515,8 @@ def prepare_backend(name: str, data: CaseData, torch_max_kv_tokens: int | None =
         return impl.forward(layer, queries[slot], key, value, kv_cache, metadata, outputs[slot])
 
     def path() -> str:
-        label = getattr(metadata, "kernel_path", None) or name
+        splits = getattr(metadata, "num_splits", 1)
+        label = f"{name} split-kv x{splits}" if splits > 1 else name
         return f"{label} (forward writes K/V)" if cls.forward_includes_kv_cache_update else label
 
     return Prepared(run, rows, path)

@@ -1,29 +1,20 @@
 """FLASH_ATTN: FlashAttention's varlen kernel over the paged KV cache.
 
-Wraps `flash_attn_varlen_func` of whichever FlashAttention is installed: FA4 (`flash_attn.cute`,
-`pip install 'anyattn[flash-attn]'`), else FA3, else FA2. `flash_attn_versions` reads each
-installed entry point's signature and declares only what it takes; while none is installed the
-declarations are FA4's (what the pinned extra installs) and `get_unavailable_reason()` gives the
-pip command. Every layer picks the newest installed version that serves its head size, ALiBi,
-sinks and the GPU's compute capability. No version is declared for fp8 caches: FA3's fp8 kernels
-round the query to e4m3 as well, which misses the conformance kit's bound.
+Wraps `flash_attn_varlen_func` of the newest installed FlashAttention (FA4, `pip install
+'anyattn[flash-attn]'`, else FA3, else FA2); `flash_attn_versions` declares only what the
+installed entry points take (FA4's declarations while none is installed). Every layer runs the
+newest version that serves it on its GPU.
 
-One kernel call serves a whole mixed batch (decodes, fresh and chunked prefills) with no
-reordering: queries by `cu_seqlens_q = query_start_loc`, keys through the page table
-(`block_table_tensor`) up to `seqused_k = seq_lens` (FA2: `cu_seqlens_k`), bounded by the
-metadata's `max_query_len` / `max_seq_len`. Bottom-right causal alignment puts query `i` of a
-request at position `context + i`; a window of W keys is `window_size = (W - 1, 0)`; LSEs are in
-natural log and count the sink (FA4 folds it into the softmax denominator).
+One kernel call serves a whole mixed batch with no reordering: queries by `cu_seqlens_q`, keys
+through the page table up to `seqused_k` (FA2: `cu_seqlens_k`). Bottom-right causal alignment
+puts query `i` of a request at position `context + i`; a window of W keys is `window_size =
+(W - 1, 0)`; LSEs are natural logs and count the sink. `build` (`flash_attn_builder`, which also
+describes cascade attention and the CUDA-graph layout) holds every call's arguments; `forward`
+only calls the kernel.
 
-Plan/run split (`flash_attn_builder`, which also describes cascade attention and the CUDA-graph
-decode layout): `build` makes frozen metadata holding every kernel call's arguments;
-`forward` only calls the kernel.
-
-KV cache: `(num_blocks, 2, block_size, num_kv_heads, head_size)`, NHD or HND (FA4 marks every
-stride of K/V dynamic and only needs the head dim contiguous and 16-byte aligned strides; its
-cp.async page loader addresses rows through those strides). With pages of the kernel's TILE_N
-(128 for most head sizes) FA4 loads whole pages by TMA, including rows past a request's length:
-they must hold finite values, which zero-initialised caches (`allocate_kv_cache`) guarantee.
+KV cache: NHD or HND (FA4 needs the head dim contiguous and 16-byte aligned strides). With
+pages of the kernel's TILE_N FA4 loads whole pages by TMA, rows past a request's length
+included: they must be finite, as zero-initialised caches (`allocate_kv_cache`) are.
 """
 
 from __future__ import annotations
@@ -45,7 +36,6 @@ from anyattn.backends.flash_attn_builder import (
 from anyattn.ops.merge_attn_states import merge_attn_states
 from anyattn.types import (
     AttentionType,
-    KVCacheLayout,
     MultipleOf,
     cache_torch_dtype,
     is_fp8_cache,
@@ -107,10 +97,6 @@ class FlashAttentionBackend(AttentionBackend, metaclass=_DeclaredByInstalledVers
     @staticmethod
     def get_builder_cls() -> type[FlashAttentionMetadataBuilder]:
         return FlashAttentionMetadataBuilder
-
-    @classmethod
-    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        return (KVCacheLayout.NHD, KVCacheLayout.HND)
 
     @classmethod
     def get_supported_kernel_block_sizes(cls) -> list[int | MultipleOf]:
@@ -362,20 +348,10 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
     ) -> None:
         """See `AttentionImpl.validate_inputs`; shapes, dtypes, devices and feature joints."""
         api = "FLASH_ATTN forward"
-        check_forward_inputs(
-            api,
-            self,
-            FlashAttentionBackend.supported_dtypes,
-            query,
-            key,
-            value,
-            kv_cache,
-            md,
-            FlashAttentionMetadata,
-            output=output,
-            output_lse=output_lse,
-            reads_cache=self.attn_type not in _ENCODER_TYPES,
-        )
+        check_forward_inputs(api, self, FlashAttentionBackend.supported_dtypes, query, key, value,
+                             kv_cache, md, FlashAttentionMetadata, output=output,
+                             output_lse=output_lse,
+                             reads_cache=self.attn_type not in _ENCODER_TYPES)  # fmt: skip
         self._check_features(md, output_lse, api)
         interface = self._interface_for(query.device)
         if md.block_size % interface.block_size_multiple:

@@ -1,11 +1,8 @@
 """FLASH_ATTN's plan: the metadata its builder makes for a step, and the builder.
 
-`build` plans from the step's CPU mirrors, checked when the metadata was made
-(`CommonAttentionMetadata.host_batch`: the kernels are sized by `max_query_len` /
-`max_seq_len`), slices the step's device tensors and, for cascade and CUDA-graph decode
-batches, fills builder-owned buffers (cascade: host-to-device copies from the CPU mirrors that
-do not wait; CUDA graphs: one device launch copying the step's table and lengths); it never
-reads a device value.
+`build` plans from the step's CPU mirrors (`CommonAttentionMetadata.host_batch`), slices the
+step's device tensors and, for cascade and CUDA-graph decode batches, fills builder-owned
+buffers with device-side copies; it never reads a device value.
 
 Cascade attention (`common_prefix_len > 0`): a prefix pass runs every query of the step as one
 request against the shared prefix blocks (non-causal: every query follows them); a suffix pass
@@ -13,17 +10,15 @@ runs each request against its remaining blocks; `merge_attn_states` joins the tw
 Sinks go to the suffix pass only, so they are counted once.
 
 CUDA graphs (UNIFORM_SINGLE_TOKEN_DECODE): a batch of single-token decodes of at most the
-largest capture size is copied into buffers the builder owns (sized from `BatchLimits`, in one
-launch: `ops.graph_decode_inputs`), laid out for the smallest capture size that holds it:
-padding requests have no query token and no keys, and `max_seqlen_k` is `max_model_len`, so a
-graph captured for that size replays for any such batch (a runner that pads the batch itself,
-with dummy requests, gets the same addresses). Such metadata stays valid until the builder's
-next build. Under replay, output rows between the real tokens and the captured size hold
-unspecified values. With `BatchLimits.has_persistent_graph_inputs` (the runner keeps a graph
-step's tensors at fixed addresses, padded to the captured size) a batch of a captured size
-reads the step's own tensors instead, as an eager step does: no device copy at replay (FA2's
-key offsets, which the step does not carry, are still summed into a builder buffer); a batch of
-another size is an eager step then.
+largest capture size is copied into buffers the builder owns (sized from `BatchLimits`), laid
+out for the smallest capture size that holds it: padding requests have no query token and no
+keys, and `max_seqlen_k` is `max_model_len`, so a graph captured for that size replays for any
+such batch. Such metadata stays valid until the builder's next build; under replay, output rows
+between the real tokens and the captured size hold unspecified values. With
+`BatchLimits.has_persistent_graph_inputs` (the runner keeps a graph step's tensors at fixed
+addresses, padded to the captured size) a batch of a captured size reads the step's own tensors
+instead (FA2's key offsets, which the step does not carry, are still summed into a builder
+buffer); a batch of another size is an eager step then.
 """
 
 from __future__ import annotations
@@ -37,15 +32,13 @@ import torch
 from anyattn.backend import AttentionMetadataBuilder
 from anyattn.backends import flash_attn_versions as versions
 from anyattn.backends.flash_attn_plan import (
-    cascade_block_tables,
     cascade_is_worthwhile,
     contiguous_key_rows,
     cu_seqlens_from_lens,
     padded_num_reqs,
     plan_cascade,
 )
-from anyattn.metadata import CommonAttentionMetadata, first_rows
-from anyattn.ops.graph_decode_inputs import GraphDecodeInputsLaunch
+from anyattn.metadata import CommonAttentionMetadata
 from anyattn.types import AttentionCGSupport, AttentionType
 
 __all__ = ["FlashAttentionMetadata", "FlashAttentionMetadataBuilder", "FlashAttnPass"]
@@ -85,10 +78,9 @@ class FlashAttnPass:
 
 @dataclass(frozen=True)
 class FlashAttentionMetadata:
-    """What `FlashAttentionImpl.forward` needs for one step. Read-only, tensors and passes
-    alike: in the CUDA-graph decode layout they are the builder's persistent buffers and one
-    pass per captured size, reused by every later step (the builder rewrites the query offsets
-    only when the batch changes).
+    """What `FlashAttentionImpl.forward` needs for one step. Read-only: in the CUDA-graph
+    decode layout its tensors are views of the builder's persistent buffers, which the next
+    build rewrites.
 
     Attributes:
         num_actual_tokens: real tokens; output rows past it are untouched (eager).
@@ -104,10 +96,8 @@ class FlashAttentionMetadata:
             when the builder has such layers, else None.
         layer_names: the builder's layers (`forward` refuses any other).
         common_prefix_len: shared prefix tokens (0: no cascade).
-        uses_persistent_buffers: the tensors are the builder's CUDA-graph buffers. (Under
-            `BatchLimits.has_persistent_graph_inputs` a graph step's are the step's own, False
-            here, but FA2's `cu_seqlens_k` is a builder buffer all the same: valid until the
-            next build, as these are.)
+        uses_persistent_buffers: the tensors are the builder's CUDA-graph buffers (False
+            under `BatchLimits.has_persistent_graph_inputs`, whose graph steps read their own).
         common_attn_metadata: the step it was built from (its mirrors for the checks).
     """
 
@@ -143,8 +133,6 @@ class _DecodeBuffers:
         self.seq_lens = torch.zeros(max_num_reqs, **int32)
         self.cu_seqlens_k = torch.zeros(max_num_reqs + 1, **int32)
         self.block_table = torch.zeros(max_num_reqs, max_blocks, **int32)
-        # (what a replay step's copy writes, as the raw addresses its launch takes)
-        self.addresses = (self.block_table.data_ptr(), self.seq_lens.data_ptr())
 
 
 class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
@@ -171,13 +159,6 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
                 f"max_num_reqs={limits.max_num_reqs}). Drop those sizes or raise max_num_reqs."
             )
         self._buffers: _DecodeBuffers | None = None  # made by the first decode-layout build
-        # The decode layout's pass per padded batch: views of the buffers, made once, so that a
-        # replay step's build slices no tensor and makes no dataclass.
-        self._decode_passes: dict[int, FlashAttnPass] = {}
-        self._query_offsets_for: tuple[int, int] | None = None  # (num_reqs, padded) written
-        self._copy_inputs = GraphDecodeInputsLaunch(
-            self.device, "FlashAttentionMetadataBuilder.build"
-        )
         self._layer_names = frozenset(self.layer_names)
         self._has_encoder_layers = any(p.attn_type in _ENCODER_TYPES for p in self.layers.values())
 
@@ -200,8 +181,6 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
     ) -> FlashAttentionMetadata:
         cm = common_attn_metadata
         api = "FlashAttentionMetadataBuilder.build"
-        # (the mirrors' values size the kernels: max_seqlen_q / _k, the table width)
-        host = cm.host_batch
         cross = cm.encoder_seq_lens is not None
         max_k = int(cm.encoder_seq_lens_cpu[: cm.num_reqs].max()) if cross and cm.num_reqs else 0
         self._check_table_width(cm, max_k if cross else cm.max_seq_len, api)
@@ -216,10 +195,8 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             return self._build_cascade(common_prefix_len, cm, api)
         sizes = self.limits.cudagraph_capture_sizes
         if not cross and sizes and cm.num_reqs <= max(sizes) and self._is_single_decode(cm):
-            if not self.limits.has_persistent_graph_inputs:
-                return self._build_decode(cm, padded_num_reqs(cm.num_reqs, sizes), host.max_seq_len)
-            if cm.num_reqs in sizes:
-                return self._build_decode_in_place(cm)
+            if not self.limits.has_persistent_graph_inputs or cm.num_reqs in sizes:
+                return self._build_decode(cm)
             self._refuse_unpadded_graph_step(cm, api)  # else no graph step: eager
         return self._build_plain(cm, cross, max_k)
 
@@ -236,7 +213,6 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         """
         cm = common_attn_metadata
         api = "FlashAttentionMetadataBuilder.build_for_cudagraph_capture"
-        host = cm.host_batch
         if not self._is_single_decode(cm) or cm.encoder_seq_lens is not None:
             raise ValueError(
                 f"{api}: CUDA graphs are supported for batches of single-token decodes (got "
@@ -245,15 +221,13 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             )
         self._check_table_width(cm, cm.max_seq_len, api)
         sizes = self.limits.cudagraph_capture_sizes
-        if not self.limits.has_persistent_graph_inputs:
-            return self._build_decode(cm, padded_num_reqs(cm.num_reqs, sizes), host.max_seq_len)
-        if cm.num_reqs not in sizes:
+        if self.limits.has_persistent_graph_inputs and cm.num_reqs not in sizes:
             raise ValueError(
                 f"{api}: with BatchLimits.has_persistent_graph_inputs a captured batch is "
                 f"padded to a capture size (got {cm.num_reqs} requests, capture sizes "
                 f"{sizes}). Pad it with dummy requests, or turn has_persistent_graph_inputs off."
             )
-        return self._build_decode_in_place(cm)
+        return self._build_decode(cm)
 
     def _refuse_unpadded_graph_step(self, cm: CommonAttentionMetadata, api: str) -> None:
         """Under `has_persistent_graph_inputs`, a decode step whose slot mapping has a captured
@@ -303,7 +277,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             block_size=self.block_size,
             slot_mapping=cm.slot_mapping,
             causal=cm.causal,
-            query_start_loc=kw.pop("query_start_loc", main.cu_seqlens_q),
+            query_start_loc=main.cu_seqlens_q,
             max_query_len=cm.max_query_len,
             main=main,
             common_attn_metadata=cm,
@@ -321,31 +295,24 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             if cross
             else (cm.seq_lens, cm.seq_lens_cpu)
         )
-        if self._gather_bidirectional and (cross or not cm.causal):
+        # keys read contiguously where the paged kernel is wrong (`_gather_bidirectional`)
+        gather = self._gather_bidirectional and (cross or not cm.causal)
+        cu_k = key_rows = None
+        if gather or self._needs_cu_seqlens_k:
+            cu_k = self._upload(cu_seqlens_from_lens(lens_cpu[:num_reqs]))
+        if gather:
             table = cm.block_table_tensor if cm.block_table_cpu is None else cm.block_table_cpu
             blocks, offsets = contiguous_key_rows(table, lens_cpu[:num_reqs], self.block_size)
-            main = FlashAttnPass(
-                cu_seqlens_q=cm.query_start_loc[: num_reqs + 1],
-                seq_lens=None,
-                cu_seqlens_k=self._upload(cu_seqlens_from_lens(lens_cpu[:num_reqs])),
-                page_table=None,
-                max_seqlen_q=cm.max_query_len,
-                max_seqlen_k=max_cross_len if cross else cm.max_seq_len,
-                causal=False,
-                key_rows=(self._upload(blocks), self._upload(offsets)),
-            )
-            return self._metadata(cm, main)
-        cu_k = None
-        if self._needs_cu_seqlens_k:
-            cu_k = self._upload(cu_seqlens_from_lens(lens_cpu[:num_reqs]))
+            key_rows = (self._upload(blocks), self._upload(offsets))
         main = FlashAttnPass(
             cu_seqlens_q=cm.query_start_loc[: num_reqs + 1],
-            seq_lens=lens[:num_reqs],
+            seq_lens=None if gather else lens[:num_reqs],
             cu_seqlens_k=cu_k,
-            page_table=cm.block_table_tensor[:num_reqs],
+            page_table=None if gather else cm.block_table_tensor[:num_reqs],
             max_seqlen_q=cm.max_query_len,
             max_seqlen_k=max_cross_len if cross else cm.max_seq_len,
             causal=cm.causal and not cross,
+            key_rows=key_rows,
         )
         return self._metadata(cm, main)
 
@@ -355,63 +322,45 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             self._buffers = _DecodeBuffers(self.limits.max_num_reqs, self._max_blocks, self.device)
         return self._buffers
 
-    def _build_decode(
-        self, cm: CommonAttentionMetadata, padded: int, longest: int
-    ) -> FlashAttentionMetadata:
-        """The CUDA-graph decode layout of `cm`'s decodes padded to `padded`, in the builder's
-        buffers (`longest`: the mirrors' longest sequence, whose pages are the columns copied)."""
-        buf, n = self._decode_buffers(), cm.num_reqs
-        main = self._decode_passes.get(padded)
-        if main is None:
-            main = self._decode_passes[padded] = FlashAttnPass(
-                cu_seqlens_q=buf.query_start_loc[: padded + 1],
-                seq_lens=buf.seq_lens[:padded],
-                cu_seqlens_k=buf.cu_seqlens_k[: padded + 1] if self._needs_cu_seqlens_k else None,
-                page_table=buf.block_table[:padded],
-                max_seqlen_q=1,
-                # a bound every replay of the graph satisfies
-                max_seqlen_k=self.limits.max_model_len,
-                # one query token per request, the last: causal and bidirectional agree, and
-                # the causal kernel is right where FA4's paged bidirectional one is not
-                causal=True,
-            )
-        # Device-side writes only, into the addresses the captured graph reads: one launch
-        # copies the table's rows (the columns the longest request reads, which `build` has
-        # checked the table and the buffer hold) and the lengths, padding rows of length 0.
-        self._copy_inputs(
-            cm.block_table_tensor, cm.seq_lens, buf.block_table, main.seq_lens, n,
-            -(-longest // self.block_size), _PADDING_LEN, buf.addresses,
-        )  # fmt: skip
-        if self._query_offsets_for != (n, padded):
-            # 0, 1, ..., n, then n for the padding: rewritten only when n or the size changes
-            torch.clamp(buf.arange[: padded + 1], max=n, out=main.cu_seqlens_q)
-            self._query_offsets_for = (n, padded)
-        if main.cu_seqlens_k is not None:
-            torch.cumsum(main.seq_lens, 0, out=main.cu_seqlens_k[1:])
-        return self._metadata(cm, main, uses_persistent_buffers=True)
-
-    def _build_decode_in_place(self, cm: CommonAttentionMetadata) -> FlashAttentionMetadata:
-        """A graph step of a captured size over the step's own tensors, which the runner keeps
-        at the captured addresses (`BatchLimits.has_persistent_graph_inputs`): the plain layout
-        with `max_seqlen_k` bounded by `max_model_len`, as the graph was captured."""
+    def _build_decode(self, cm: CommonAttentionMetadata) -> FlashAttentionMetadata:
+        """The CUDA-graph decode layout of `cm`'s single-token decodes: copied into the
+        builder's buffers, padded to the smallest capture size that holds them; or, under
+        `BatchLimits.has_persistent_graph_inputs`, the step's own tensors (a captured size, at
+        the captured addresses). `max_seqlen_k` is `max_model_len`, a bound every replay
+        satisfies."""
         n = cm.num_reqs
-        lens = first_rows(cm.seq_lens, n)
+        persistent = self.limits.has_persistent_graph_inputs
+        if persistent:
+            padded, qsl, lens, table = n, cm.query_start_loc, cm.seq_lens, cm.block_table_tensor
+        else:
+            buf = self._decode_buffers()
+            padded = padded_num_reqs(n, self.limits.cudagraph_capture_sizes)
+            cols = -(-cm.host_batch.max_seq_len // self.block_size)  # `build` checked the width
+            # Device-side copies into the addresses the captured graph reads; padding rows get
+            # no query token and no keys.
+            buf.block_table[:n, :cols].copy_(cm.block_table_tensor[:n, :cols])
+            buf.seq_lens[:n].copy_(cm.seq_lens[:n])
+            buf.seq_lens[n:padded].fill_(_PADDING_LEN)
+            torch.clamp(buf.arange[: padded + 1], max=n, out=buf.query_start_loc[: padded + 1])
+            qsl, lens, table = buf.query_start_loc, buf.seq_lens, buf.block_table
         cu_k = None
         if self._needs_cu_seqlens_k:
             # FA2 reads key offsets, which the step does not carry: summed on the device into
             # a builder buffer the graph reads (a fresh tensor would move every step)
-            cu_k = self._decode_buffers().cu_seqlens_k[: n + 1]
-            torch.cumsum(lens, 0, out=cu_k[1:])
+            cu_k = self._decode_buffers().cu_seqlens_k[: padded + 1]
+            torch.cumsum(lens[:padded], 0, out=cu_k[1:])
         main = FlashAttnPass(
-            cu_seqlens_q=first_rows(cm.query_start_loc, n + 1),
-            seq_lens=lens,
+            cu_seqlens_q=qsl[: padded + 1],
+            seq_lens=lens[:padded],
             cu_seqlens_k=cu_k,
-            page_table=first_rows(cm.block_table_tensor, n),
+            page_table=table[:padded],
             max_seqlen_q=1,
             max_seqlen_k=self.limits.max_model_len,
-            causal=True,  # one query token per request, as in `_build_decode`
+            # one query token per request, the last: causal and bidirectional agree, and
+            # the causal kernel is right where FA4's paged bidirectional one is not
+            causal=True,
         )
-        return self._metadata(cm, main)
+        return self._metadata(cm, main, uses_persistent_buffers=not persistent)
 
     def _build_cascade(
         self, common_prefix_len: int, cm: CommonAttentionMetadata, api: str
@@ -425,15 +374,13 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             cm.num_actual_tokens,
             api=api,
         )
-        prefix_table, suffix_table = cascade_block_tables(
-            cm.block_table_tensor, num_reqs, plan.prefix_blocks
-        )
+        table, blocks = cm.block_table_tensor, plan.prefix_blocks
         needs_cu = self._needs_cu_seqlens_k
         prefix = FlashAttnPass(
             cu_seqlens_q=self._upload(plan.prefix_cu_seqlens_q),
             seq_lens=self._upload(plan.prefix_seq_lens),
             cu_seqlens_k=self._upload(plan.prefix_cu_seqlens_k) if needs_cu else None,
-            page_table=prefix_table,
+            page_table=table[:1, :blocks],  # every row holds the same prefix ids
             max_seqlen_q=plan.num_tokens,
             max_seqlen_k=common_prefix_len,
             causal=False,  # every query of the step comes after the shared prefix
@@ -443,7 +390,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             seq_lens=self._upload(plan.suffix_seq_lens),
             cu_seqlens_k=self._upload(plan.suffix_cu_seqlens_k) if needs_cu else None,
             # a copy on the device: some versions want the page table contiguous
-            page_table=suffix_table.contiguous(),
+            page_table=table[:num_reqs, blocks:].contiguous(),
             max_seqlen_q=cm.max_query_len,
             max_seqlen_k=plan.suffix_max_seq_len,
             causal=cm.causal,

@@ -1,15 +1,6 @@
-"""Index arrays the FLASH_ATTN builder hands FlashAttention, as small pure functions.
-
-Everything here reads CPU tensors (the `*_cpu` mirrors of `CommonAttentionMetadata`) or only
-slices tensors, so it is tested exactly on the CPU and never synchronises with a GPU:
-
-- `cu_seqlens_from_lens`: cumulative lengths (`cu_seqlens_k` for entry points without
-  `seqused_k`).
-- `padded_num_reqs`, `padded_query_start_loc`: the CUDA-graph layout of a decode batch.
-- `plan_cascade`, `cascade_block_tables`: which blocks form the shared prefix, the prefix pass
-  (every query against the prefix, one "request") and the suffix pass (each request against its
-  remaining blocks).
-- `cascade_is_worthwhile`: the cost model behind `use_cascade_attention`.
+"""Index arrays the FLASH_ATTN builder hands FlashAttention, as small pure functions of CPU
+tensors (the step's mirrors) or slices, so they never synchronise with a GPU: cumulative
+lengths, the CUDA-graph batch size, the cascade plan and its cost model.
 """
 
 from __future__ import annotations
@@ -24,11 +15,9 @@ import torch
 
 __all__ = [
     "CascadePlan",
-    "cascade_block_tables",
     "cascade_is_worthwhile",
     "cu_seqlens_from_lens",
     "padded_num_reqs",
-    "padded_query_start_loc",
     "plan_cascade",
 ]
 
@@ -69,13 +58,6 @@ def padded_num_reqs(num_reqs: int, capture_sizes: Sequence[int]) -> int:
     sizes = sorted(capture_sizes)
     index = bisect.bisect_left(sizes, num_reqs)
     return sizes[index] if index < len(sizes) else num_reqs
-
-
-def padded_query_start_loc(num_reqs: int, num_padded: int) -> torch.Tensor:
-    """`[0, 1, ..., num_reqs, num_reqs, ...]`: int32 `[num_padded + 1]`. Each real request has one
-    query token; padding requests have none (and key length 0), so a kernel sized for
-    `num_padded` requests touches only the real rows."""
-    return torch.arange(num_padded + 1, dtype=torch.int32).clamp_(max=num_reqs)
 
 
 @dataclass(frozen=True)
@@ -155,18 +137,6 @@ def plan_cascade(
         suffix_cu_seqlens_k=cu_seqlens_from_lens(suffix),
         suffix_max_seq_len=int(suffix.max()) if suffix.numel() else 0,
     )
-
-
-def cascade_block_tables(
-    block_table: torch.Tensor, num_reqs: int, prefix_blocks: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Page tables of the two passes, as views of `block_table` (any device, no copy).
-
-    Returns:
-        `(prefix_table, suffix_table)`: int32 `[1, prefix_blocks]` (row 0's prefix: every row
-        holds the same ids there) and `[num_reqs, max_blocks - prefix_blocks]`.
-    """
-    return block_table[:1, :prefix_blocks], block_table[:num_reqs, prefix_blocks:]
 
 
 def cascade_is_worthwhile(

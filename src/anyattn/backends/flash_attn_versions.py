@@ -7,14 +7,10 @@ Three generations ship under different module names, with different arguments:
   table (vLLM's fork), else `flash_attn_with_kvcache` (upstream);
 - FA2: `flash_attn.flash_attn_interface.flash_attn_varlen_func` (`pip install flash-attn`).
 
-A feature is declared only when the installed entry point has the argument that carries it, read
-with `inspect.signature` at run time: paged KV (`page_table` / `block_table`), per-request key
-lengths (`seqused_k` / `cache_seqlens`, else `cu_seqlens_k`), sinks (`learnable_sink` / `s_aux`),
-soft cap (`softcap`), sliding window (`window_size`), ALiBi (`alibi_slopes`), LSE (`return_lse`
-/ `return_softmax_lse` / `return_attn_probs`). fp8 KV is declared by none: FA3's fp8 kernels
-(`q_descale`, `k_descale`, `v_descale`) round the query to e4m3 too, which misses the
-conformance kit's bound (see `FlashAttnInterface.kv_cache_dtypes`). What no signature says
-(compute capabilities, head sizes, page sizes) is written per version below, with its source.
+A feature is declared only when the installed entry point has the argument that carries it
+(`inspect.signature`, read at run time; the `_*_ARGS` names below). fp8 KV is declared by none:
+FA3's fp8 kernels round the query to e4m3 too, which misses the conformance kit's bound. What no
+signature says (compute capabilities, head sizes, page sizes) is in `_FACTS`, with its source.
 
 FA4 is declared from its public varlen call but run through the forward that call wraps
 (`flash_attn.cute.interface._flash_attn_fwd`) when that takes `out`: the kernel then writes the
@@ -31,7 +27,7 @@ import functools
 import importlib
 import inspect
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -80,22 +76,42 @@ class FlashAttnVersion(enum.IntEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class _Source:
+class _Facts:
+    """What no signature says about a version: where it lives and what it runs on."""
+
     modules: tuple[str, ...]
     entries: tuple[str, ...]
+    min_capability: tuple[int, int]
+    max_major: int | None  # newest compute capability major with paged KV (None: any)
+    capability_text: str
+    head_size_text: str
+    # Page sizes: FA4's cp.async path takes any (paged_kv.py divides by it), FA3 documents
+    # "arbitrary", upstream FA2 "a multiple of 256"; 16 keeps every kernel tile aligned.
+    block_size_multiple: int
 
 
-# Preference order: newest first.
-_SOURCES: dict[FlashAttnVersion, _Source] = {
-    FlashAttnVersion.FA4: _Source(("flash_attn.cute",), ("flash_attn_varlen_func",)),
-    FlashAttnVersion.FA3: _Source(
-        ("flash_attn_interface", "flash_attn_3.flash_attn_interface"),
-        ("flash_attn_varlen_func", "flash_attn_with_kvcache"),
+# Newest first: the preference order. FA4: interface.py:1611 "paged KV not supported on SM
+# 8.0", :1754 "Paged KV not supported on SM 12.0"; FA3: a Hopper-only build.
+_FACTS: dict[FlashAttnVersion, _Facts] = {
+    FlashAttnVersion.FA4: _Facts(
+        modules=("flash_attn.cute",), entries=("flash_attn_varlen_func",),
+        min_capability=(9, 0), max_major=11, capability_text="sm90, sm100 and sm110 (paged KV)",
+        head_size_text="multiples of 16 up to 128, and 144, 176, 192, 256, on sm90; up to 128, "
+        "and 256, on sm100/sm110",
+        block_size_multiple=16,
     ),
-    FlashAttnVersion.FA2: _Source(
-        ("flash_attn.flash_attn_interface",), ("flash_attn_varlen_func",)
+    FlashAttnVersion.FA3: _Facts(
+        modules=("flash_attn_interface", "flash_attn_3.flash_attn_interface"),
+        entries=("flash_attn_varlen_func", "flash_attn_with_kvcache"),
+        min_capability=(9, 0), max_major=9, capability_text="sm90 only",
+        head_size_text="multiples of 8 up to 256", block_size_multiple=16,
     ),
-}
+    FlashAttnVersion.FA2: _Facts(
+        modules=("flash_attn.flash_attn_interface",), entries=("flash_attn_varlen_func",),
+        min_capability=(8, 0), max_major=None, capability_text="sm80 and newer",
+        head_size_text="multiples of 8 up to 256", block_size_multiple=256,
+    ),
+}  # fmt: skip
 
 # The parameters of flash_attn.cute.flash_attn_varlen_func in flash-attn-4 4.0.0b36
 # (flash_attn/cute/interface.py:4214): what `pip install 'anyattn[flash-attn]'` provides, used for
@@ -109,52 +125,12 @@ _FA4_REFERENCE_PARAMS = frozenset(
     "gather_bwd_token_chunk".split()
 )
 
-
-def _supports_capability(version: FlashAttnVersion, capability: tuple[int, int]) -> bool:
-    major = capability[0]
-    if version is FlashAttnVersion.FA4:
-        # interface.py:1611 "paged KV not supported on SM 8.0", :1754 "Paged KV not supported on
-        # SM 12.0"; sm90 and the sm100/sm110 families take paged KV.
-        return major in (9, 10, 11)
-    if version is FlashAttnVersion.FA3:
-        return major == 9  # Hopper-only build
-    return major >= 8  # FA2: Ampere and newer
-
-
-_CAPABILITY_TEXT = {
-    FlashAttnVersion.FA4: "sm90, sm100 and sm110 (paged KV)",
-    FlashAttnVersion.FA3: "sm90 only",
-    FlashAttnVersion.FA2: "sm80 and newer",
-}
-_MIN_CAPABILITY = {
-    FlashAttnVersion.FA4: (9, 0),
-    FlashAttnVersion.FA3: (9, 0),
-    FlashAttnVersion.FA2: (8, 0),
-}
-
-
-def _head_sizes(version: FlashAttnVersion, capability: tuple[int, int] | None) -> list[int]:
-    if version is FlashAttnVersion.FA4:
-        # Paged KV not loaded by TMA (page size != the kernel's TILE_N) asserts "Paged KV does not
-        # support irregular head dim": head_size a multiple of 16 (flash_fwd_sm90.py:66,
-        # flash_fwd_sm100.py:265). Range: 8..256 on sm90; 8..128 or 256 on sm100/sm110
-        # (interface.py:121 _validate_head_dims).
-        sizes = list(range(16, 257, 16))
-        if capability is not None and capability[0] in (10, 11):
-            return [s for s in sizes if s <= 128 or s == 256]
-        # sm90, paged: 4.0.0b36 returns wrong rows at 208 and 240 in every run of the declaration
-        # sweep, and at 160 and 224 in some (tests/backends/test_declarations.py); the sizes
-        # above 128 kept are those that passed every run.
-        return [s for s in sizes if s <= 128 or s in _FA4_SM90_WIDE_HEAD_SIZES]
-    # FA2 and FA3: multiples of 8 up to 256 (16-byte aligned rows).
-    return list(range(8, 257, 8))
-
-
+# FA4 on sm90, paged: 4.0.0b36 returns wrong rows at head sizes 208 and 240 in every run of
+# the declaration sweep and at 160 and 224 in some; the sizes above 128 kept passed every run.
 _FA4_SM90_WIDE_HEAD_SIZES = (144, 176, 192, 256)
 # FA4 4.0.0b36 and 4.0.0b40 on sm90, paged keys, bidirectional (cross attention, non-causal
-# decoder): head sizes 65-96 (its 144-key tile) give wrong rows, and 160 an illegal memory access,
-# where the same call over contiguous keys is right (benchmarks/fa4_cross_attention_repro.py).
-# The builder gathers such passes' keys into contiguous rows (`paged_bidirectional_is_faulty`).
+# decoder): head sizes 65-96 give wrong rows and 160 an illegal memory access, where the same
+# call over contiguous keys is right (benchmarks/fa4_cross_attention_repro.py).
 _FA4_PAGED_BIDIRECTIONAL_BAD = (range(65, 97), range(129, 257))
 
 
@@ -170,22 +146,6 @@ def paged_bidirectional_is_faulty(
         and capability[0] == 9
         and any(head_size in bad for bad in _FA4_PAGED_BIDIRECTIONAL_BAD)
     )
-
-
-_HEAD_SIZE_TEXT = {
-    FlashAttnVersion.FA4: "multiples of 16 up to 128, and 144, 176, 192, 256, on sm90; up to "
-    "128, and 256, on sm100/sm110",
-    FlashAttnVersion.FA3: "multiples of 8 up to 256",
-    FlashAttnVersion.FA2: "multiples of 8 up to 256",
-}
-# Page sizes: FA4's cp.async path takes any page size (paged_kv.py divides by it); FA3 documents
-# "page_block_size can be arbitrary"; upstream FA2 documents "page_block_size must be a multiple
-# of 256". 16 keeps rows of two 8-token halves aligned for every kernel tile.
-_BLOCK_SIZE_MULTIPLE = {
-    FlashAttnVersion.FA4: 16,
-    FlashAttnVersion.FA3: 16,
-    FlashAttnVersion.FA2: 256,
-}
 
 
 @dataclass(frozen=True)
@@ -261,11 +221,11 @@ class FlashAttnInterface:
 
     @property
     def min_capability(self) -> tuple[int, int]:
-        return _MIN_CAPABILITY[self.version]
+        return _FACTS[self.version].min_capability
 
     @property
     def block_size_multiple(self) -> int:
-        return _BLOCK_SIZE_MULTIPLE[self.version]
+        return _FACTS[self.version].block_size_multiple
 
     @property
     def kv_cache_dtypes(self) -> tuple[str, ...]:
@@ -281,11 +241,20 @@ class FlashAttnInterface:
         return (*paged, *_ENCODER_TYPES) if self.has_cu_seqlens_k else paged
 
     def supports_capability(self, capability: tuple[int, int]) -> bool:
-        return _supports_capability(self.version, capability)
+        facts = _FACTS[self.version]
+        newest = facts.max_major
+        return capability >= facts.min_capability and (newest is None or capability[0] <= newest)
 
     def head_sizes(self, capability: tuple[int, int] | None = None) -> list[int]:
         """Head sizes for `capability` (None: any capability this version runs on)."""
-        return _head_sizes(self.version, capability)
+        if self.version is not FlashAttnVersion.FA4:
+            return list(range(8, 257, 8))  # 16-byte aligned rows
+        # Paged KV not loaded by TMA asserts "Paged KV does not support irregular head dim"
+        # (flash_fwd_sm90.py:66, flash_fwd_sm100.py:265); interface.py:121 bounds the range.
+        sizes = list(range(16, 257, 16))
+        if capability is not None and capability[0] in (10, 11):
+            return [s for s in sizes if s <= 128 or s == 256]
+        return [s for s in sizes if s <= 128 or s in _FA4_SM90_WIDE_HEAD_SIZES]
 
     def missing_essentials(self) -> list[str]:
         """Why this entry point cannot run paged varlen attention at all (empty: it can)."""
@@ -302,16 +271,14 @@ class FlashAttnInterface:
     def reasons(self, request: FlashAttnRequest) -> list[str]:
         """Why this version cannot serve `request` (empty: it can)."""
         reasons = list(self.missing_essentials())
-        cap = request.capability
+        cap, facts = request.capability, _FACTS[self.version]
         if cap is not None and not self.supports_capability(cap):
             reasons.append(
                 f"compute capability sm{cap[0]}{cap[1]} not supported (runs on "
-                f"{_CAPABILITY_TEXT[self.version]})"
+                f"{facts.capability_text})"
             )
         if request.head_size not in self.head_sizes(cap):
-            reasons.append(
-                f"head_size {request.head_size} not supported ({_HEAD_SIZE_TEXT[self.version]})"
-            )
+            reasons.append(f"head_size {request.head_size} not supported ({facts.head_size_text})")
         if request.block_size is not None and request.block_size % self.block_size_multiple:
             reasons.append(
                 f"block_size {request.block_size} not supported (needs a multiple of "
@@ -426,7 +393,7 @@ class Detection:
 
 
 def _detect_version(version: FlashAttnVersion) -> FlashAttnInterface | str:
-    source = _SOURCES[version]
+    source = _FACTS[version]
     problems = []
     for module_name in source.modules:
         try:
@@ -500,7 +467,7 @@ def fa4_forward_interface(
 def detect() -> Detection:
     """Import each FlashAttention once and describe what it offers (cached)."""
     interfaces, errors = [], []
-    for version in _SOURCES:
+    for version in _FACTS:
         found = _detect_version(version)
         (errors if isinstance(found, str) else interfaces).append(found)
     return Detection(tuple(interfaces), tuple(errors))
@@ -554,20 +521,9 @@ class FlashAttnRequest:
 
     @classmethod
     def from_config(cls, config: AttentionSelectorConfig, device: DeviceInfo) -> FlashAttnRequest:
-        return cls(
-            head_size=config.head_size,
-            capability=device.capability,
-            block_size=config.block_size,
-            kv_cache_dtype=config.kv_cache_dtype,
-            attn_type=config.attn_type,
-            has_alibi=config.has_alibi,
-            has_sink=config.has_sink,
-            has_logits_soft_cap=config.has_logits_soft_cap,
-            has_sliding_window=config.has_sliding_window,
-            needs_lse=config.needs_lse,
-            use_non_causal=config.use_non_causal,
-            use_per_head_quant_scales=config.use_per_head_quant_scales,
-        )
+        """The request of a selector config (its fields of the same names) on `device`."""
+        names = {f.name for f in fields(cls)} - {"capability"}
+        return cls(capability=device.capability, **{n: getattr(config, n) for n in names})
 
 
 def choose_interface(

@@ -1,25 +1,17 @@
 """FLASHINFER: FlashInfer's batch attention wrappers behind the anyattn contract.
 
-Plan/run split, as FlashInfer's own API has it: the builder (`flashinfer_builder`) calls the
-wrappers' `plan()` in `build`, one plan per distinct layer record, and returns frozen metadata
-holding them; `FlashInferImpl.forward` only calls `run()` (or FlashInfer's plan-free XQA decode,
-`flashinfer_xqa`). Only FlashInfer's public API is used; the releases it is tested on are
-`flashinfer_version.SUPPORTED_VERSIONS` (another release runs, with a warning).
+The builder (`flashinfer_builder`) calls the wrappers' `plan()` in `build`; `forward` only calls
+`run()` (or the plan-free XQA decode, `flashinfer_xqa`). Only FlashInfer's public API is used,
+on the releases `flashinfer_version.SUPPORTED_VERSIONS` (another runs, with a warning).
 
-Caches use the standard logical shape `(num_blocks, 2, block_size, num_kv_heads, head_size)`
-in NHD or HND memory order: the wrappers are made for "NHD" and handed the logical view, whose
-page / token / head strides FlashInfer's kernels read from the tensor. Sliding windows of W keys
-are FlashInfer's `window_left = W - 1`. LSEs come back in base 2 (`lse_base_on_e = False`), as
-FlashInfer's kernels compute them (decodes that XQA runs return none: a forward asking for an
-LSE there is refused; `FlashInferMetadataBuilder.decode_kernel = "wrapper"` plans them). fp8
-caches take one per-tensor `k_scale` / `v_scale` per layer, which FlashInfer takes as Python
-floats: read from the device once per scale tensor (at the layer's first forward; run one
-eagerly before capturing CUDA graphs).
+The wrappers are made for "NHD" and handed the logical cache view, whose strides FlashInfer's
+kernels read, so NHD and HND caches both work. A window of W keys is `window_left = W - 1`.
+LSEs are base 2 (`lse_base_on_e = False`); decodes that XQA runs return none (a forward asking
+for one there is refused). fp8 caches take per-tensor scales, which FlashInfer takes as Python
+floats: read from the device once per scale tensor (run one eager step before capturing graphs).
 
-Not declared, because FlashInfer's paged fa2/fa3 kernels would drop or change them: attention
-sinks, ALiBi (FlashInfer's own slopes, distances measured within a query chunk), per-head fp8
-scales, encoder and cross attention, cascade attention. Kernels are compiled by FlashInfer's
-JIT on first use of each dtype / head size / feature family.
+Not declared, because FlashInfer's paged kernels would drop or change them: sinks, ALiBi (its
+own slopes and distances), per-head fp8 scales, encoder and cross attention, cascade.
 """
 
 from __future__ import annotations
@@ -39,7 +31,7 @@ from anyattn.backends.flashinfer_builder import FlashInferMetadataBuilder
 from anyattn.backends.flashinfer_metadata import FlashInferMetadata
 from anyattn.backends.flashinfer_version import PIP_COMMAND, installed_flashinfer
 from anyattn.backends.flashinfer_xqa import run_xqa_decode, xqa_decode_reason
-from anyattn.types import DTYPES, AttentionType, KVCacheLayout, MultipleOf, is_fp8_cache
+from anyattn.types import DTYPES, AttentionType, MultipleOf, is_fp8_cache
 from anyattn.validation import check_forward, check_forward_inputs, check_metadata_type
 
 __all__ = [
@@ -82,10 +74,6 @@ class FlashInferBackend(AttentionBackend):
     @classmethod
     def get_supported_kernel_block_sizes(cls) -> list[int | MultipleOf]:
         return [16, 32, 64]
-
-    @classmethod
-    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        return (KVCacheLayout.NHD, KVCacheLayout.HND)
 
     @classmethod
     def supports_sliding_window(cls) -> bool:

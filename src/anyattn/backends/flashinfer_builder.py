@@ -1,36 +1,23 @@
 """FLASHINFER's metadata builder: FlashInfer's wrappers planned in `build`, per layer record.
 
-A step (decodes first) is served by up to three runs per layer (see `flashinfer_plan`):
-
-- its leading single-token requests by `BatchDecodeWithPagedKVCacheWrapper` (tensor cores,
-  FlashInfer's fa2 kernels, any GQA ratio), or with no plan by FlashInfer's XQA decode over the
-  block table itself (`flashinfer_xqa`, chosen per layer by `decode_kernel`);
-- its trailing fresh prefills (no context) by `BatchPrefillWithRaggedKVCacheWrapper` over the
-  step's own K/V (fp8 caches: by the paged wrapper, over what the cache holds);
-- the requests between by `BatchPrefillWithPagedKVCacheWrapper` over the paged cache (the
-  layer writes the step's K/V into the cache before its forward).
-
-Prefills are causal or not as the step says; a single-token decode sees every key either way.
+A step (decodes first) is served by up to three runs per layer (see `flashinfer_plan`): its
+leading single-token requests by `BatchDecodeWithPagedKVCacheWrapper` (tensor cores) or by the
+plan-free XQA decode (`flashinfer_xqa`, per layer by `decode_kernel`); its trailing fresh
+prefills by `BatchPrefillWithRaggedKVCacheWrapper` over the step's own K/V (fp8 caches: the
+paged wrapper); the requests between by `BatchPrefillWithPagedKVCacheWrapper`.
 
 What a plan depends on beyond the KV-cache spec (query heads, scale, soft cap, window) is in
-the layers' records (`LayerParams`, given to the constructor), so `build` plans every wrapper
-the step's layers need, one per distinct record, and returns frozen metadata that holds them;
-`forward` only calls `run()`. A wrapper keeps one plan: the next `build` plans it again, and a
-forward on metadata of an earlier build is refused (`LayerPlan.check_current`) rather than
-run on another step's plan.
+the layers' records (`LayerParams`), so `build` plans one set of wrappers per distinct record.
+A wrapper keeps one plan: a forward on metadata of an earlier build is refused
+(`LayerPlan.check_current`). `plan()` enqueues a copy from the wrapper's page-locked buffer
+without waiting, so a builder running ahead of the device waits, before planning a wrapper
+again, for the event recorded after its last plan (only while the device has not reached it).
 
-FlashInfer's `plan()` writes its schedule into the wrapper's page-locked buffer and enqueues
-its copy to the device without waiting. A builder running ahead of the device (asynchronous
-scheduling) must not rewrite that buffer before the copy has run: each wrapper records an
-event after its plan, and its next plan waits for that event only when the device has not yet
-reached it (an event query never blocks; the host then stays at most one plan ahead per wrapper).
-
-CUDA graphs: `build_for_cudagraph_capture` plans a batch of N single-token decodes into the
-graph decode wrapper of size N (FlashInfer's `use_cuda_graph`, fixed index buffers sized for N
-requests of `max_model_len` tokens), or copies its table and lengths into the size's fixed XQA
-buffers. A later step of single-token decodes whose `slot_mapping` has N rows (dummy requests
-or padding rows included) is planned into the same wrapper / buffers, so the captured graph
-replays with the new plan; padding rows get no keys (wrapper) or one key (XQA).
+CUDA graphs: `build_for_cudagraph_capture` plans N single-token decodes into the graph decode
+wrapper of size N (`use_cuda_graph`, index buffers for N requests of `max_model_len` tokens) or
+copies them into the size's XQA buffers. A later decode-only step whose `slot_mapping` has N
+rows is planned into the same wrapper / buffers, so the captured graph replays with the new
+plan; padding rows get no keys (wrapper) or one key (XQA).
 """
 
 from __future__ import annotations
@@ -99,9 +86,6 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 
     backend: ClassVar[type[AttentionBackend]]
     _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-    # Prefill kernels: None = FlashInfer's "auto" on Hopper (fa3 where it applies), "fa2" on
-    # other GPUs (where "auto" may pick kernels whose planning reads device memory).
-    prefill_backend: ClassVar[str | None] = None
     # Which kernel runs the decodes: "auto", "xqa" or "wrapper" (see flashinfer_xqa).
     decode_kernel: ClassVar[str] = "auto"
 
@@ -337,28 +321,23 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         return self._workspace
 
-    def _prefill_kernels(self) -> str:
-        if self.prefill_backend is not None:
-            return self.prefill_backend
-        return "auto" if self._capability is not None and self._capability[0] == 9 else "fa2"
-
     def _wrapper_slot(self, record: LayerParams, part: str) -> WrapperSlot:
         """`record`'s eager "decode", "paged" or "ragged" wrapper, made on first use."""
         slot = self._wrappers.get((record, part))
         if slot is None:
-            fi = import_flashinfer()
+            fi, space = import_flashinfer(), self._float_workspace()
+            # Prefills: FlashInfer's "auto" on Hopper (fa3 where it applies), else "fa2" (where
+            # "auto" may pick kernels whose planning reads device memory).
+            hopper = self._capability is not None and self._capability[0] == 9
+            prefill = "auto" if hopper else "fa2"
             if part == "decode":
                 wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
-                    self._float_workspace(), "NHD", use_tensor_cores=True, backend="fa2"
+                    space, "NHD", use_tensor_cores=True, backend="fa2"
                 )
             elif part == "paged":
-                wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
-                    self._float_workspace(), "NHD", backend=self._prefill_kernels()
-                )
+                wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(space, "NHD", backend=prefill)
             else:
-                wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(
-                    self._float_workspace(), "NHD", backend=self._prefill_kernels()
-                )
+                wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(space, "NHD", backend=prefill)
             slot = self._wrappers[(record, part)] = WrapperSlot(wrapper)
         return slot
 

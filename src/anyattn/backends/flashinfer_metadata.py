@@ -1,10 +1,6 @@
-"""FLASHINFER's metadata: what a `build` hands the step's forwards, frozen.
-
-`FlashInferMetadata` holds, per layer, its record's `LayerPlan`: the FlashInfer wrappers the
-build planned (or XQA's inputs). A wrapper holds one plan at a time and the builder's next
-build plans it again, so each plan remembers which build made it and a forward on metadata
-whose wrappers have been planned since is refused (`LayerPlan.check_current`) rather than run
-on another step's plan. Shapes as `flashinfer_plan` states them.
+"""FLASHINFER's metadata: per layer, its record's `LayerPlan` (the wrappers a build planned, or
+XQA's inputs). A wrapper holds one plan at a time, so each plan remembers the build that made it
+and a forward on metadata whose wrappers have been planned since is refused.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """The arguments FlashInfer's paged wrappers' `plan()` takes, made from one step's batch.
 
-FlashInfer describes the keys of a batch of requests as CSR page lists (see FlashInfer's
-"KV-Cache Layout" page): `kv_indptr[i] : kv_indptr[i + 1]` are request i's entries of the flat
-page list `kv_indices`, and `kv_last_page_len[i]` (1 to `block_size`) is how many tokens its
-last page holds. Prefills also take `qo_indptr`, the offsets of each request's query rows.
-
-A step (decodes first: the builder asks for `reorder_batch_threshold = 1`) is split into its
-leading single-token requests (the decode wrapper's, or XQA's), its trailing fresh prefills
-(no context: the ragged prefill wrapper's, over the step's own K/V, when the cache holds K/V as
-the inputs have them, i.e. not fp8) and the requests between (the paged prefill wrapper's,
-whatever their query lengths). The offsets and last-page lengths are made on the host
-from the step's CPU mirrors (`HostBatch`), as `plan()` reads them there; the page list is
-gathered from the step's block table on the table's device with a few tensor ops, so no
-per-page array crosses from the host and nothing waits on the device.
-
-Shapes: `block_table` int32 `[>= num_reqs, max_pages]` on the device; every array here int32.
+FlashInfer describes a batch's keys as CSR page lists: `kv_indptr[i] : kv_indptr[i + 1]` are
+request i's entries of the flat page list `kv_indices`, `kv_last_page_len[i]` (1 to
+`block_size`) the tokens of its last page; prefills also take `qo_indptr`. Offsets and last-page
+lengths are made on the host from the step's mirrors (`plan()` reads them there); the page list
+is gathered from the block table on its device, so nothing waits on the device. Every array
+here is int32.
 """
 
 from __future__ import annotations

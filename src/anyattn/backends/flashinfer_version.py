@@ -1,13 +1,8 @@
 """Which FlashInfer the FLASHINFER backend runs on: the supported release range and the import.
 
-FLASHINFER calls only FlashInfer's public Python API (the batch wrappers' `plan()` / `run()`
-and `flashinfer.decode.xqa_batch_decode_with_kv_cache`). It is tested on the releases
-`SUPPORTED_VERSIONS` names (both ends of the range, the conformance kit on each). Another
-release is used as it is, with a `FlashInferVersionWarning` when FlashInfer is first imported:
-the public API may have changed under it, and the conformance kit is the way to find out.
-
-Nothing here imports FlashInfer before a builder needs it: `installed_flashinfer` reads the
-package metadata only, so that declarations and `explain` work on a machine without CUDA.
+FLASHINFER is tested on the releases `SUPPORTED_VERSIONS` names (the conformance kit on both
+ends). Another release is used as it is, with a `FlashInferVersionWarning` at the first import.
+`installed_flashinfer` reads package metadata only, so declarations work without CUDA.
 """
 
 from __future__ import annotations
@@ -68,18 +63,6 @@ def is_supported_version(version: str | None) -> bool:
     return low <= release <= high
 
 
-def version_warning(version: str | None) -> str | None:
-    """The warning a FlashInfer of `version` gets, or None within the supported range."""
-    if is_supported_version(version):
-        return None
-    low, high = SUPPORTED_VERSIONS
-    got = "an unknown version" if version is None else f"flashinfer-python {version}"
-    return (
-        f"FLASHINFER is tested on flashinfer-python {low} to {high} (got {got}); using it "
-        f"anyway. Run anyattn's conformance kit on it, or {PIP_COMMAND}."
-    )
-
-
 @functools.cache
 def import_flashinfer() -> ModuleType:
     """`import flashinfer`, warning once (`FlashInferVersionWarning`) when the installed
@@ -93,7 +76,13 @@ def import_flashinfer() -> ModuleType:
         raise ImportError(f"FLASHINFER: flashinfer is not installed; {PIP_COMMAND}")
     import flashinfer  # optional and CUDA-only: imported when a builder first needs it
 
-    message = version_warning(version)
-    if message is not None:
-        warnings.warn(message, FlashInferVersionWarning, stacklevel=2)
+    if not is_supported_version(version):
+        low, high = SUPPORTED_VERSIONS
+        got = "an unknown version" if version is None else f"flashinfer-python {version}"
+        warnings.warn(
+            f"FLASHINFER is tested on flashinfer-python {low} to {high} (got {got}); using it "
+            f"anyway. Run anyattn's conformance kit on it, or {PIP_COMMAND}.",
+            FlashInferVersionWarning,
+            stacklevel=2,
+        )
     return flashinfer

@@ -1,26 +1,16 @@
 """FLASHINFER's plan-free decode: FlashInfer's XQA kernel over the step's block table.
 
-`flashinfer.decode.xqa_batch_decode_with_kv_cache` (public API, from TensorRT-LLM) takes the
-block table and the sequence lengths as they are, on the device: a decode step served by it
-needs no `plan()` at all. `build` hands the forward the step's rows (eager) or copies them into
-fixed buffers a captured graph reads (`XqaGraphBuffers`, CUDA graphs).
+`flashinfer.decode.xqa_batch_decode_with_kv_cache` (public API) takes the block table and the
+sequence lengths as they are, on the device: no `plan()`. `build` hands the forward the step's
+rows (eager) or copies them into fixed buffers a captured graph reads (`XqaGraphBuffers`).
 
-Which decodes XQA serves is the builder's `decode_kernel`: "auto" (the default: XQA for
-16-bit caches with blocks of at least `AUTO_MIN_BLOCK_SIZE` tokens, where it measured as fast
-as the planned decode on the H200, benchmarks/RESULTS.md), "xqa" (wherever it can serve the
-layer) or "wrapper" (never). `xqa_decode_reason` says why a layer's decodes run the wrapper.
-
-What XQA takes: SM90, SM100 or SM12x; fp16 / bf16 queries over a cache of the same dtype or
-fp8 e4m3; pages of 16, 32, 64 or 128 tokens; head sizes that are multiples of 16 up to 512; up
-to `16 KiB / (2 * head_size)` query heads per KV head, rounded up to 16 (its persistent query
-tile); a sliding window. Not a soft cap (such layers run the wrapper) and no LSE output (a
-forward asking for one on XQA-served decodes is refused: use `decode_kernel = "wrapper"`). An fp8
-cache runs XQA's fp8 kernel, which rounds queries and probabilities to e4m3 (past fp16's error
-bound): "auto" keeps fp8 caches on the wrapper, "xqa" takes them under bf16 queries only.
-
-XQA reads the query, output, page table and lengths by raw pointer when the forward runs, so
-the query is made contiguous first and the table and lengths of a step must stay unchanged
-until its last layer has run.
+The builder's `decode_kernel` says which decodes XQA serves: "auto" (16-bit caches with blocks
+of at least `AUTO_MIN_BLOCK_SIZE` tokens, where it measured as fast as the planned decode on the
+H200), "xqa" (wherever it can) or "wrapper" (never); `xqa_decode_reason` says why not. XQA has
+no soft cap and no LSE output; its fp8 kernel rounds queries to e4m3 (past fp16's bound), so
+"auto" keeps fp8 caches on the wrapper and "xqa" takes them under bf16 queries only. It reads
+its tensors by raw pointer when the forward runs: the query is made contiguous first, and a
+step's table and lengths stay unchanged until its last layer has run.
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
 """FLEX_ATTENTION: attention through PyTorch's FlexAttention (`torch.nn.attention.flex_attention`).
 
 The portable backend for what the fused kernels do not serve: encoder, encoder-only and cross
-attention on CUDA (where FLASH_ATTN cannot take the configuration), and every attention type on
-the CPU after TORCH. One compiled `flex_attention` call per layer and step covers the whole batch
-(Inductor's C++ template on the CPU, its Triton template on CUDA).
+attention on CUDA (the selector takes it there for those only, after FLASH_ATTN), and every
+attention type on the CPU after TORCH. One compiled `flex_attention` call per layer and step
+covers the whole batch: `flex_attention_plan` lays the step out on the host,
+`flex_attention_builder` makes the BlockMasks, `flex_attention_impl` runs the call.
 
-The parts, one concept each:
-
-- `flex_attention_plan`: the step's layout on the host (a query row per token, the requests'
-  keys back to back in one key workspace) and the BlockMask's block lists, in numpy.
-- `flex_attention_builder`: the frozen metadata, one `BlockMask` per distinct mask of the
-  builder's layers and the cache slot of each key, built once per step.
-- `flex_attention_impl`: the forward (key copy, score mods, the compiled call).
-- this module: the declarations, and the selector's rank (`priority`, `chosen_automatically`).
-
-Selection: ranked after FLASH_ATTN, FLASHINFER and TRITON on CUDA (and after TORCH on the CPU);
-on CUDA the selector takes it only for encoder, encoder-only and cross attention, which
-FLASHINFER and TRITON do not declare: so where FLASH_ATTN cannot serve them. Decoder attention
-runs on explicit request, correctly, but without a decode-specific path.
-
-Limits, all declared: LSE output only on CUDA (Inductor's CPU template has no LSE); no cascade;
-sliding window only causal; head sizes multiples of 16 up to 256 (Triton's dot needs 16; one
-declaration serves both devices); no CUDA graphs. The first step of each configuration compiles
-(tens of seconds on a small CPU; Inductor's on-disk cache, TORCHINDUCTOR_CACHE_DIR, shortens
-later processes).
+Limits, all declared: LSE only on CUDA (Inductor's CPU template has none); no cascade; sliding
+window only causal; head sizes multiples of 16 up to 256 (Triton's dot); no CUDA graphs. The
+first step of each configuration compiles (tens of seconds on a small CPU).
 """
 
 from __future__ import annotations
@@ -42,7 +27,7 @@ from anyattn.backends.flex_attention_builder import (
     FlexAttentionMetadataBuilder,
 )
 from anyattn.backends.flex_attention_impl import FlexAttentionImpl
-from anyattn.types import AttentionType, DeviceInfo, KVCacheLayout
+from anyattn.types import AttentionType, DeviceInfo
 
 __all__ = [
     "FlexAttentionBackend",
@@ -84,11 +69,6 @@ class FlexAttentionBackend(AttentionBackend):
         if device.type == "cpu":
             return True
         return AttentionType(config.attn_type) != AttentionType.DECODER
-
-    @classmethod
-    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        # Keys are copied out of the cache by one indexing op, whatever the strides.
-        return (KVCacheLayout.NHD, KVCacheLayout.HND)
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:

@@ -1,18 +1,11 @@
 """FLEX_ATTENTION's metadata: the step's layout and one BlockMask per distinct mask, built once.
 
-`FlexAttentionMetadataBuilder.build` lays the step out on the host (`flex_attention_plan`) and
-makes, for every distinct `(causal, sliding window, sinks)` among its layers' records
-(`mask_key`), the `BlockMask` FlexAttention reads: block lists over `TILE x TILE` tiles and a
-mask_mod keeping key rows `lo[q] ... hi[q]` of query row q (and key row 0, the sink slot, with
-sinks). For layers that read the paged cache (decoder and cross attention) it also finds each
-key's cache block and offset on the device, so that `forward` copies the keys with one
-indexing op. The metadata is frozen: `forward` reads it and never plans.
-
-Contract: `build` never synchronises with the device (host arrays from the
-`CommonAttentionMetadata` mirrors; host-to-device copies are non-blocking from pinned memory).
-Shapes: `num_rows` (padded query rows) and `num_keys` (padded key rows) as `flex_attention_plan`
-defines them; `q_key_pos` int32 `[num_rows]`; `key_blocks`, `key_offsets` int64
-`[num_key_rows - FIRST_KEY_ROW]`.
+`build` lays the step out on the host (`flex_attention_plan`) and makes, for every distinct
+`mask_key` among its layers' records, the `BlockMask` FlexAttention reads: block lists over
+`TILE x TILE` tiles and a mask_mod keeping key rows `lo[q] ... hi[q]` of query row q (and key
+row 0, the sink slot, with sinks). For layers that read the paged cache it also finds each key's
+cache block and offset on the device, so that `forward` copies the keys with one indexing op.
+`build` never synchronises with the device.
 """
 
 from __future__ import annotations

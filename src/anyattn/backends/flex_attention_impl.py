@@ -1,32 +1,19 @@
 """FLEX_ATTENTION's forward: one compiled `flex_attention` call per layer and step.
 
 The step is one FlexAttention batch entry (`flex_attention_plan`): queries `[1, H, rows, D]`
-(token-major: row t is token t), keys and values `[1, KVH, keys, D]` in a workspace made per
-call (row 0 the sink slot with a zero value, the requests' keys from `FIRST_KEY_ROW` on, the
-other rows zero), the step's BlockMask for the layer's mask (`flex_attention_builder`), and
-FlexAttention's GQA (`enable_gqa`: query head h reads KV head `h // G`).
+(row t is token t), keys and values `[1, KVH, keys, D]` in a workspace made per call (row 0 the
+sink slot, zero-valued; the requests' keys from `FIRST_KEY_ROW` on, copied out of the paged
+cache with one indexing op, or the step's own for encoder attention), FlexAttention's GQA.
 
-Keys: decoder and cross attention copy theirs out of the paged cache with one indexing op
-(`key_blocks`, `key_offsets` from the builder; fp8 caches dequantised as `stored * scale`);
-encoder attention reads the step's own key and value.
+The score mod applies docs/semantics.md's order (scale, soft cap, ALiBi, then the sink logit at
+key row 0). Its values are tensors, so that layers differing only in them share one graph.
 
-Score mod, in docs/semantics.md's order: the scale, the soft cap `cap * tanh(s / cap)`, ALiBi
-`s + slope[h] * (j - p)`, then the sink: key row 0 scores the sink logit (its value is zero, so
-it enters the denominator and the LSE only). The values are tensors, so that layers differing
-only in them share one compiled graph.
-
-Compilation: one compiled function per configuration (device type, dtype, head size, query and
-KV heads, which score mods, LSE or not, launch options), each a code object of its own since
-torch.compile's recompile limit counts per code object. Sizes are dynamic and padded to buckets
-that are never equal to one another, heads and head size marked static, so after its first step
-a configuration does not compile again, whatever the batch. On CUDA the query and keys are given
-as `[1, heads, tiles, TILE, D]` and flattened inside the graph: lengths then are known multiples
-of the kernel's blocks, so Inductor drops its bounds checks (no masked loads), as it does for
-static sizes.
-
-Limits: no LSE on the CPU (Inductor's CPU template returns none); fp32 rows of head sizes
-129-255 launch with smaller tiles on CUDA (FlexAttention's default launch asks for more shared
-memory than an H200 has and fails to compile).
+Compilation: one compiled function per configuration (device type, dtype, head size, heads,
+score mods, LSE, launch options), each a code object of its own since torch.compile's
+recompile limit counts per code object. Sizes are dynamic and padded to buckets that never
+equal one another, heads and head size static, so a configuration compiles once. On CUDA rows
+are given as `[1, heads, tiles, TILE, D]` and flattened inside the graph, so that Inductor knows
+them multiples of its blocks and drops its bounds checks.
 """
 
 from __future__ import annotations
@@ -184,20 +171,10 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         output_lse: torch.Tensor | None = None,
     ) -> None:
         """See `AttentionImpl.validate_inputs`; shapes, dtypes and devices of every input."""
-        check_forward_inputs(
-            _API,
-            self,
-            self.backend.supported_dtypes,
-            query,
-            key,
-            value,
-            kv_cache,
-            md,
-            FlexAttentionMetadata,
-            output=output,
-            output_lse=output_lse,
-            reads_cache=self.attn_type not in ENCODER_TYPES,
-        )
+        check_forward_inputs(_API, self, self.backend.supported_dtypes, query, key, value,
+                             kv_cache, md, FlexAttentionMetadata, output=output,
+                             output_lse=output_lse,
+                             reads_cache=self.attn_type not in ENCODER_TYPES)  # fmt: skip
         if output_lse is not None and query.device.type != "cuda":
             raise NotImplementedError(
                 f"{_API}: output_lse not supported on {query.device.type} (Inductor's CPU "
@@ -245,22 +222,14 @@ def _kernel_rows(rows: torch.Tensor, tiled: bool) -> torch.Tensor:
     return _static(rows.unflatten(2, (-1, TILE)).detach(), (0, 1, 3, 4))
 
 
-def _attend(query, key, value, block_mask, score_mod, kernel_options):
-    from torch.nn.attention.flex_attention import flex_attention
-
-    query, key, value = (x.flatten(2, 3) if x.dim() == 5 else x for x in (query, key, value))
-    return flex_attention(
-        query, key, value, score_mod=score_mod, block_mask=block_mask, scale=1.0,
-        enable_gqa=True, kernel_options=kernel_options,
-    )  # fmt: skip
-
-
-def _attend_with_lse(query, key, value, block_mask, score_mod, kernel_options):
+def _attend(query, key, value, block_mask, score_mod, kernel_options, with_lse=False):
     from torch.nn.attention import flex_attention as flex
 
     query, key, value = (x.flatten(2, 3) if x.dim() == 5 else x for x in (query, key, value))
     args = dict(score_mod=score_mod, block_mask=block_mask, scale=1.0, enable_gqa=True,
                 kernel_options=kernel_options)  # fmt: skip
+    if not with_lse:
+        return flex.flex_attention(query, key, value, **args)
     if hasattr(flex, "AuxRequest"):
         out, aux = flex.flex_attention(
             query, key, value, **args, return_aux=flex.AuxRequest(lse=True)
@@ -274,12 +243,12 @@ _COMPILED: dict[tuple, Callable] = {}
 
 
 def _compiled(config: tuple, with_lse: bool) -> Callable:
-    """The compiled attention call of `config`, a code object of its own."""
+    """The compiled attention call of `config`, a code object of its own (`with_lse` its
+    default, a constant to the compiler)."""
     fn = _COMPILED.get((config, with_lse))
     if fn is None:
-        template = _attend_with_lse if with_lse else _attend
-        name = f"{template.__name__}_{len(_COMPILED)}"
-        code = template.__code__.replace(co_name=name, co_qualname=name)
-        copy = types.FunctionType(code, template.__globals__, name, template.__defaults__)
+        name = f"_attend_{len(_COMPILED)}"
+        code = _attend.__code__.replace(co_name=name, co_qualname=name)
+        copy = types.FunctionType(code, _attend.__globals__, name, (with_lse,))
         fn = _COMPILED[(config, with_lse)] = torch.compile(copy, dynamic=True, fullgraph=True)
     return fn

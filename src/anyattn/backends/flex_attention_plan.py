@@ -1,23 +1,11 @@
 """How FLEX_ATTENTION lays a step out for FlexAttention: pure numpy functions on the host.
 
-A step is one FlexAttention batch entry: a query row per token (`[1, H, rows, D]`) over a key
-workspace holding every request's keys back to back (`[1, KVH, keys, D]`):
-
-- Key row 0 is the sink slot (its value is zero; its score is the sink logit, or masked);
-  rows 1 ... `FIRST_KEY_ROW - 1` are unused; request r's keys are rows `key_start[r] ...`.
-  Starting the keys one whole tile on keeps a fresh prefill's causal diagonal on tile
-  boundaries (query row t and key row `FIRST_KEY_ROW + t` sit at the same place of their tiles).
-- Token t keeps key rows `lo[t] ... hi[t]`: its request's keys, up to its own position
-  `q_key_pos[t]` when causal, from `q_key_pos[t] - W + 1` on under a window of W.
-- Rows and keys are padded to buckets (`pad_rows`, `pad_keys`) so that torch.compile, compiling
-  with dynamic sizes, sees few sizes and never two equal ones (it gives equal sizes one symbol
-  and compiles again once they differ). Padding rows keep nothing.
-- `block_lists`: FlexAttention's block-sparse mask over `TILE x TILE` tiles, the tiles holding a
-  kept key (partial) and those whose every key is kept by every row (full, no mask), as the
-  lists `BlockMask.from_kv_blocks` takes.
-
-Everything here reads the `CommonAttentionMetadata` host arrays only, so it never synchronises
-with a GPU and is tested exactly on the CPU.
+A step is one FlexAttention batch entry: a query row per token over a key workspace holding
+every request's keys back to back. Key row 0 is the sink slot; request r's keys are rows
+`key_start[r] ...` from `FIRST_KEY_ROW`, one whole tile on, which keeps a fresh prefill's causal
+diagonal on tile boundaries. Token t keeps key rows `lo[t] ... hi[t]`. Rows and keys are padded
+to buckets that torch.compile never sees equal (it gives equal sizes one symbol and compiles
+again once they differ); padding rows keep nothing.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """TORCH: the reference backend, in plain PyTorch, for the CPU and any CUDA GPU.
 
-Every other backend is judged against it, so it implements every feature of the contract
-except MLA, sparse attention and bitwise batch invariance: paged KV over shuffled blocks, mixed
-batches (decodes, fresh and chunked prefills), GQA/MQA, causal and non-causal, all four
-attention types, sliding window, ALiBi, soft cap, sinks, fp8 KV with per-tensor or per-head
-scales, LSE output, cascade attention and KV sharing.
-
-Plan/run split: the builder turns the step into frozen metadata (a batched decode group with its
-key positions and validity, plus one segment per other request, all from CPU mirrors, no
-device sync); `forward` gathers each group's blocks once, KV-head-major, and runs
-`dense_attention` (SDPA where no feature needs the explicit math). Never a Python loop over
-tokens.
+It implements every feature of the contract except MLA, sparse attention and bitwise batch
+invariance. The builder plans the step from the CPU mirrors (a batched decode group, then one
+segment per other request); `forward` gathers each group's blocks once, KV-head-major, and runs
+`dense_attention` (SDPA where no feature needs the explicit math).
 """
 
 from __future__ import annotations
@@ -198,20 +191,10 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
         output_lse: torch.Tensor | None = None,
     ) -> None:
         """See `AttentionImpl.validate_inputs`; shapes, dtypes and devices of every input."""
-        check_forward_inputs(
-            "TORCH forward",
-            self,
-            TorchAttentionBackend.supported_dtypes,
-            query,
-            key,
-            value,
-            kv_cache,
-            md,
-            TorchAttentionMetadata,
-            output=output,
-            output_lse=output_lse,
-            reads_cache=self.attn_type not in _ENCODER_TYPES,
-        )
+        check_forward_inputs("TORCH forward", self, TorchAttentionBackend.supported_dtypes, query,
+                             key, value, kv_cache, md, TorchAttentionMetadata, output=output,
+                             output_lse=output_lse,
+                             reads_cache=self.attn_type not in _ENCODER_TYPES)  # fmt: skip
 
 
 class _Run:
@@ -233,14 +216,11 @@ class _Run:
         self.lse_dtype = torch.float32
         self.encoder = impl.attn_type in _ENCODER_TYPES
         self.cross = impl.attn_type == AttentionType.ENCODER_DECODER
-        self.fp8 = is_fp8_cache(impl.kv_cache_dtype)
         self.k_scale = self.v_scale = None
-        if self.fp8 and not self.encoder:
-            self.k_scale = layer_kv_scale(
-                "TORCH forward", layer, "k_scale", impl.num_kv_heads, query.device
-            )
-            self.v_scale = layer_kv_scale(
-                "TORCH forward", layer, "v_scale", impl.num_kv_heads, query.device
+        if is_fp8_cache(impl.kv_cache_dtype) and not self.encoder:
+            self.k_scale, self.v_scale = (
+                layer_kv_scale("TORCH forward", layer, name, impl.num_kv_heads, query.device)
+                for name in ("k_scale", "v_scale")
             )
         # A fresh prefill may read its new K/V from the inputs: for a non-fp8 cache of the
         # model dtype they equal what was cached. Shared-KV layers always read the cache.
@@ -319,21 +299,17 @@ class _Run:
                     self.key[rows].transpose(0, 1).unsqueeze(1),
                     self.value[rows].transpose(0, 1).unsqueeze(1),
                 )
-                k_valid = None
             else:
                 first_block = first_key // md.block_size
                 last_block = (seg.k_len + md.block_size - 1) // md.block_size
-                kv = self.cache_keys(md.block_table[seg.row : seg.row + 1, first_block:last_block])
-                k_valid = None
-                if first_block * md.block_size + kv.length != seg.k_len:
-                    k_valid = (
-                        torch.arange(kv.length, device=device)
-                        < seg.k_len - first_block * md.block_size
-                    ).unsqueeze(0)
+                kv = self.cache_keys(
+                    md.block_table[seg.row : seg.row + 1, first_block:last_block],
+                    length=seg.k_len - first_block * md.block_size,
+                )
             k_pos = first_key + torch.arange(kv.length, device=device)
             q_pos = (seg.context + torch.arange(seg.q_len, device=device)).unsqueeze(0)
             o, part_lse = dense_attention(
-                q, kv, q_pos, k_pos, k_valid, self.mods,
+                q, kv, q_pos, k_pos, None, self.mods,
                 causal=causal, use_sinks=use_sinks, need_lse=lse is not None,
                 lse_dtype=self.lse_dtype,
             )  # fmt: skip

@@ -1,10 +1,6 @@
-"""TORCH's plan: the metadata its builder makes for a step, and the builder.
-
-`build` reads only the CPU mirrors (no device sync) and returns frozen metadata: the leading
-decodes (and spec-decode runs of 1 + k tokens) as one padded group, with their query layout,
-key positions and key validity on the device; every other request as a `Segment`; for cascade
-attention the shared prefix's blocks and every token's position. The builder's `Workspace`
-is the one gather buffer every layer of a step reuses.
+"""TORCH's plan: the metadata its builder makes for a step from the CPU mirrors (no device
+sync), and the builder: the leading decodes (and spec-decode runs of 1 + k tokens) as one padded
+group, every other request as a `Segment`, for cascade the shared prefix's blocks.
 """
 
 from __future__ import annotations
@@ -61,7 +57,7 @@ class TorchAttentionMetadata:
         block_table: int32 `[num_reqs, max_blocks]` (device).
         slot_mapping: int64 `[num_tokens]` (device).
         causal: False for bidirectional attention.
-        num_decodes, num_decode_tokens: the leading requests run as one batched group.
+        num_decodes: the leading requests run as one batched group.
         decode_*: that group's padded layout (device): query token ids `[num_decodes, Lq]`,
             the real (request, query) cells as flat row indices and their token ids, query
             positions `[num_decodes, Lq]`; `decode_is_single_token` when every decode has
@@ -87,7 +83,6 @@ class TorchAttentionMetadata:
     slot_mapping: torch.Tensor
     causal: bool
     num_decodes: int
-    num_decode_tokens: int
     decode_is_single_token: bool
     decode_max_seq_len: int
     decode_max_query_len: int
@@ -139,11 +134,9 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
         common_prefix_len = self._check_prefix(common_prefix_len, context_cpu, block_size, cross)
         prefix_blocks = common_prefix_len // block_size
 
-        num_decodes = num_decode_tokens = 0
+        num_decodes = 0
         if self.reorder_batch_threshold is not None and not cross:
-            num_decodes, _, num_decode_tokens, _ = split_decodes_and_prefills(
-                cm, self.reorder_batch_threshold
-            )
+            num_decodes, _, _, _ = split_decodes_and_prefills(cm, self.reorder_batch_threshold)
         decode = self._plan_decodes(cm, num_decodes, common_prefix_len, block_size)
         loc = cm.query_start_loc_cpu[: num_reqs + 1].tolist()
         contexts = context_cpu.tolist()
@@ -172,7 +165,6 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
             slot_mapping=cm.slot_mapping,
             causal=cm.causal,
             num_decodes=num_decodes,
-            num_decode_tokens=num_decode_tokens,
             segments=all_segments[num_decodes:],
             all_segments=all_segments,
             common_attn_metadata=cm,

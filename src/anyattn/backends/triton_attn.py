@@ -1,14 +1,10 @@
 """TRITON: our own paged-attention kernels, for any NVIDIA GPU that runs Triton.
 
-The whole step (decodes, fresh prefills, chunked prefills with context) is one launch of
-`anyattn.ops.unified_attention`, reading K/V from the paged cache in NHD or HND layout with
-GQA packing; decode batches too small to fill the GPU split each request's keys across programs
-(flash-decoding) and merge the splits in a second launch. Features: causal and non-causal,
-sliding window, ALiBi, soft cap, sinks, fp8 KV with per-tensor or per-KV-head scales, LSE.
-
-Plan/run split (`triton_attn_builder`): `build` makes frozen metadata from the CPU mirrors;
-`forward` launches from it and plans nothing. CUDA graphs: ALWAYS; the kernel finds each
-program's request on the GPU from `query_start_loc`.
+The whole step is one launch of `anyattn.ops.unified_attention` over the paged cache (NHD or
+HND, GQA packing); decode batches too small to fill the GPU split each request's keys
+(flash-decoding) and merge the splits in a second launch. `build` (`triton_attn_builder`) plans
+from the CPU mirrors; `forward` only launches. CUDA graphs: ALWAYS (the kernel finds each
+program's request on the GPU).
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ from anyattn.backends.triton_attn_builder import (
     TritonAttentionMetadataBuilder,
 )
 from anyattn.ops.unified_attention import UnifiedAttentionParams, unified_attention
-from anyattn.types import AttentionType, DeviceInfo, KVCacheLayout
+from anyattn.types import AttentionType, DeviceInfo
 from anyattn.validation import check_forward, check_forward_inputs, layer_kv_scale
 
 __all__ = [
@@ -64,12 +60,6 @@ class TritonAttentionBackend(AttentionBackend):
     def get_supported_head_sizes(cls) -> list[int]:
         # Any multiple of 8 up to 256: the kernel pads the head to a power of two with masks.
         return list(range(8, 257, 8))
-
-    @classmethod
-    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        # Both run at the same speed on the H200 (benchmarks/RESULTS.md); NHD is what
-        # FlashInfer and FlashAttention use, so caches can be shared with them.
-        return (KVCacheLayout.NHD, KVCacheLayout.HND)
 
     @classmethod
     def supports_compute_capability(cls, capability: tuple[int, int]) -> bool:
@@ -156,8 +146,10 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         alibi_slopes, sinks = self._on(query.device)
         k_scale = v_scale = None
         if kv_cache.element_size() == 1:
-            k_scale = layer_kv_scale(_API, layer, "k_scale", self.num_kv_heads, query.device)
-            v_scale = layer_kv_scale(_API, layer, "v_scale", self.num_kv_heads, query.device)
+            k_scale, v_scale = (
+                layer_kv_scale(_API, layer, name, self.num_kv_heads, query.device)
+                for name in ("k_scale", "v_scale")
+            )
         params = UnifiedAttentionParams(
             scale=self.scale,
             causal=md.causal,
@@ -172,21 +164,12 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         from_input = md.is_fresh_prefill and self._can_read_input(query, key, value, kv_cache)
         # Views of the real rows: padding rows are neither read nor written.
         unified_attention(
-            query[:n],
-            kv_cache,
-            output[:n],
-            md.query_start_loc,
-            md.seq_lens,
-            md.block_table,
-            md.num_reqs,
-            md.max_query_len,
-            params,
+            query[:n], kv_cache, output[:n], md.query_start_loc, md.seq_lens, md.block_table,
+            md.num_reqs, md.max_query_len, params,
             output_lse=None if output_lse is None else output_lse[:, :n],
-            num_splits=md.num_splits,
-            workspace=md.workspace,
-            key=key[:n] if from_input else None,
-            value=value[:n] if from_input else None,
-        )
+            num_splits=md.num_splits, workspace=md.workspace,
+            key=key[:n] if from_input else None, value=value[:n] if from_input else None,
+        )  # fmt: skip
         return output
 
     def _can_read_input(
@@ -229,19 +212,9 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         output_lse: torch.Tensor | None = None,
     ) -> None:
         """See `AttentionImpl.validate_inputs`; shapes, dtypes and devices of every input."""
-        check_forward_inputs(
-            _API,
-            self,
-            TritonAttentionBackend.supported_dtypes,
-            query,
-            key,
-            value,
-            kv_cache,
-            md,
-            TritonAttentionMetadata,
-            output=output,
-            output_lse=output_lse,
-        )
+        check_forward_inputs(_API, self, TritonAttentionBackend.supported_dtypes, query, key,
+                             value, kv_cache, md, TritonAttentionMetadata, output=output,
+                             output_lse=output_lse)  # fmt: skip
 
 
 TritonAttentionImpl.backend = TritonAttentionBackend

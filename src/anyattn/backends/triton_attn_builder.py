@@ -1,13 +1,9 @@
 """TRITON's plan: the metadata its builder makes for a step, the number of KV splits, and the
 split-KV workspace.
 
-`build` reads only the CPU mirrors (to choose the number of KV splits and whether a fresh
-prefill may read its new K/V from the inputs) and hands the kernel views of the common
-metadata's device tensors, so it never waits on the GPU. The launch depends only on tensor
-sizes and these choices, never on device values, so a CUDA graph captured for a batch shape
-replays for any contents of that shape. The split-KV workspace is the builder's, sized for the
-layer with the most heads, made by the first build that splits (an eager warm-up step before
-capture makes it; it refuses to grow during capture).
+`build` reads only the CPU mirrors (the number of KV splits; whether a fresh prefill may read its
+new K/V from the inputs) and hands the kernel the step's device tensors: a CUDA graph captured
+for a batch shape replays for any contents of that shape.
 """
 
 from __future__ import annotations
@@ -22,7 +18,6 @@ from anyattn.ops.unified_attention import split_kv_workspace_shape
 from anyattn.types import AttentionCGSupport
 
 __all__ = [
-    "SplitWorkspace",
     "TritonAttentionMetadata",
     "TritonAttentionMetadataBuilder",
     "choose_num_splits",
@@ -36,42 +31,6 @@ _MAX_SPLITS = 16
 _MIN_KEYS_PER_SPLIT = 1024
 # Decode batches up to this many tokens may split (the workspace is sized for them).
 _MAX_SPLIT_TOKENS = 256
-
-
-class SplitWorkspace:
-    """The float32 buffers of split-KV partial results, owned by the builder and shared by
-    every layer; made by the first `build` that splits, sized for the builder's layers. Grown
-    outside graph capture only (the runner's warm-up runs first)."""
-
-    def __init__(self, max_tokens: int, device: torch.device) -> None:
-        self.max_tokens = max_tokens
-        self.device = device
-        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def get(self, num_heads: int, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(partial_out, partial_lse)` for `max_tokens` rows and `_MAX_SPLITS` splits."""
-        out_shape, lse_shape = split_kv_workspace_shape(
-            self.max_tokens, num_heads, head_size, _MAX_SPLITS
-        )
-        bufs = self._buffers
-        if bufs is not None and all(
-            have >= need for have, need in zip(bufs[0].shape, out_shape, strict=True)
-        ):
-            return bufs  # the kernel indexes through strides: a larger buffer serves too
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "TRITON forward: the split-KV workspace must grow during CUDA-graph capture "
-                f"(got {num_heads} heads x {head_size}); run one eager step of each captured "
-                "shape first (the engine's warm-up does)."
-            )
-        if bufs is not None:  # layers with other head counts share the group: cover both
-            out_shape = tuple(map(max, out_shape, bufs[0].shape))
-            lse_shape = out_shape[:3]
-        bufs = self._buffers = (
-            torch.empty(out_shape, dtype=torch.float32, device=self.device),
-            torch.empty(lse_shape, dtype=torch.float32, device=self.device),
-        )
-        return bufs
 
 
 @dataclass(frozen=True)
@@ -93,7 +52,6 @@ class TritonAttentionMetadata:
             the step's new K/V instead of the pages.
         workspace: `(partial_out, partial_lse)`, the builder's split-KV buffers for every
             layer; None when `num_splits` is 1.
-        kernel_path: which kernel path runs, for logs and benchmarks.
         layer_names: the builder's layers (`forward` refuses any other).
         common_attn_metadata: the step it was built from (its mirrors for the checks).
     """
@@ -110,7 +68,6 @@ class TritonAttentionMetadata:
     num_splits: int
     is_fresh_prefill: bool
     workspace: tuple[torch.Tensor, torch.Tensor] | None
-    kernel_path: str
     common_attn_metadata: CommonAttentionMetadata
     layer_names: frozenset[str]
 
@@ -139,9 +96,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
 
     def __init__(self, kv_cache_spec, layers, limits, device) -> None:
         super().__init__(kv_cache_spec, layers, limits, device)
-        max_tokens = min(limits.max_num_tokens, _MAX_SPLIT_TOKENS)
-        self._workspace = SplitWorkspace(max_tokens, self.device)
-        self._max_heads = max((p.num_heads for p in self.layers.values()), default=1)
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self._layer_names = frozenset(self.layer_names)
 
     def build(
@@ -179,9 +134,6 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
         is_fresh = (
             not for_capture and num_reqs > 0 and cm.max_query_len > 1 and not bool(context.any())
         )
-        path = "unified" if splits == 1 else f"unified split-kv x{splits}"
-        if is_fresh:
-            path += " (fresh prefill: K/V via TMA where the impl can)"
         return TritonAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             num_reqs=num_reqs,
@@ -194,12 +146,28 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
             causal=cm.causal,
             num_splits=splits,
             is_fresh_prefill=is_fresh,
-            workspace=(
-                None
-                if splits == 1
-                else self._workspace.get(self._max_heads, self.kv_cache_spec.head_size)
-            ),
-            kernel_path=path,
+            workspace=None if splits == 1 else self._split_workspace(),
             common_attn_metadata=cm,
             layer_names=self._layer_names,
         )
+
+    def _split_workspace(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float32 `(partial_out, partial_lse)` every layer shares, for the layer with the
+        most heads, made by the first build that splits (an eager warm-up step before capture
+        makes it)."""
+        if self._workspace is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "TritonAttentionMetadataBuilder: the split-KV workspace would be made during "
+                    "CUDA-graph capture; run one eager step of each captured shape first (the "
+                    "engine's warm-up does)."
+                )
+            max_tokens = min(self.limits.max_num_tokens, _MAX_SPLIT_TOKENS)
+            num_heads = max((p.num_heads for p in self.layers.values()), default=1)
+            shapes = split_kv_workspace_shape(
+                max_tokens, num_heads, self.kv_cache_spec.head_size, _MAX_SPLITS
+            )
+            self._workspace = tuple(
+                torch.empty(shape, dtype=torch.float32, device=self.device) for shape in shapes
+            )
+        return self._workspace

@@ -15,9 +15,8 @@ float32 `scale` (per tensor, or per KV head):
    sign of a NaN quotient differs between CPUs and GPUs, so it is not kept); -0.0 and values
    that round to zero keep their sign.
 
-Both functions give the same bytes on every device for every input: Triton's own fp32 -> fp8
-cast is not used because the interpreter (`TRITON_INTERPRET=1`) rounds it wrongly and its NaN
-sign follows the hardware; on sm89+ that cast is `cvt.rn.satfinite` (nearest even, saturating).
+Both functions give the same bytes on every device for every input (Triton's own fp32 -> fp8
+cast is not used: the interpreter rounds it wrongly and its NaN sign follows the hardware).
 """
 
 from __future__ import annotations

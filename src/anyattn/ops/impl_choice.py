@@ -13,13 +13,9 @@ __all__ = ["use_triton"]
 
 
 def use_triton(op: str, impl: str, device: torch.device) -> bool:
-    """Whether `op` runs its Triton kernel.
-
-    Args:
-        op: the op's name, for messages.
-        impl: "triton" or "torch" force one path; "auto" takes Triton on CUDA when triton is
-            importable (on the CPU, "triton" needs `TRITON_INTERPRET=1` set before import).
-        device: where the op's tensors live.
+    """Whether `op` (its name, for messages) runs its Triton kernel on `device`: `impl`
+    "triton" or "torch" forces one path; "auto" takes Triton on CUDA when triton is importable
+    (on the CPU, "triton" needs `TRITON_INTERPRET=1` set before import).
 
     Raises:
         ValueError: an unknown `impl`.

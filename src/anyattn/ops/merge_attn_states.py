@@ -1,21 +1,16 @@
 """Merge two partial attention results computed over disjoint sets of keys.
 
-Cascade attention (shared prefix / per-request suffix), context / new-token splits and
-context-parallel shards each produce, per query row, an output normalised over its own keys and
-the log-sum-exp (LSE) of its scores. With `m = max(lse_p, lse_s)`,
-`w_p = exp(lse_p - m)`, `w_s = exp(lse_s - m)`:
+Each side holds, per query row, an output normalised over its own keys and the LSE of its
+scores. With `m = max(lse_p, lse_s)`, `w_p = exp(lse_p - m)`, `w_s = exp(lse_s - m)`:
 
     out = (w_p * out_p + w_s * out_s) / (w_p + w_s),   lse = m + log(w_p + w_s)
 
-is exactly attention over the union of the keys. An empty side has LSE -inf (a `+inf` LSE is read
-as -inf too) and contributes nothing, whatever its output rows hold; a row empty on both sides
-gets zeros and LSE -inf, never NaN. LSEs are natural logs, or base 2 with `lse_base_on_e=False`.
-A layer's sink must be counted in exactly one of the two sides (docs/semantics.md, "Merging
-partial results").
+is attention over the union of the keys. An empty side has LSE -inf (+inf is read as -inf) and
+contributes nothing, whatever its rows hold; a row empty on both sides gets zeros and LSE -inf.
+A layer's sink is counted in exactly one side (docs/semantics.md, "Merging partial results").
 
-On CUDA, when triton is importable, the merge is one Triton kernel launch (one program per
-(token, head)); the PyTorch path serves the CPU and CUDA without triton. `impl=` forces either
-one (tests run the kernel on the CPU under `TRITON_INTERPRET=1`).
+On CUDA, when triton is importable, the merge is one Triton launch; the PyTorch path serves the
+CPU and CUDA without triton. `impl=` forces either one.
 """
 
 from __future__ import annotations
@@ -114,10 +109,7 @@ def merge_attn_states_ref(
     output_lse: torch.Tensor | None = None,
     lse_base_on_e: bool = True,
 ) -> None:
-    """Reference for `merge_attn_states`: same arguments and result, one row at a time, float64.
-
-    Does no validation; meant for tests on valid inputs.
-    """
+    """Reference for `merge_attn_states`, one row at a time in float64; no validation."""
     base = math.e if lse_base_on_e else 2.0
     num_tokens, num_heads, _ = output.shape
     for token in range(num_tokens):
@@ -162,25 +154,13 @@ def _merge_with_triton(
     # Never written when has_output_lse is False: the pointer only needs a valid tensor.
     out_lse = output_lse if output_lse is not None else prefix_lse
     _merge_attn_states_kernel[(num_tokens, num_heads)](
-        output,
-        prefix_output,
-        prefix_lse,
-        suffix_output,
-        suffix_lse,
-        out_lse,
-        head_size,
-        *output.stride(),
-        *prefix_output.stride(),
-        *suffix_output.stride(),
-        *prefix_lse.stride(),
-        *suffix_lse.stride(),
-        *out_lse.stride(),
-        HAS_OUTPUT_LSE=has_output_lse,
-        BASE_E=lse_base_on_e,
-        F64=torch.float64 in (prefix_lse.dtype, suffix_lse.dtype),
-        BLOCK_D=block_d,
+        output, prefix_output, prefix_lse, suffix_output, suffix_lse, out_lse, head_size,
+        *output.stride(), *prefix_output.stride(), *suffix_output.stride(),
+        *prefix_lse.stride(), *suffix_lse.stride(), *out_lse.stride(),
+        HAS_OUTPUT_LSE=has_output_lse, BASE_E=lse_base_on_e,
+        F64=torch.float64 in (prefix_lse.dtype, suffix_lse.dtype), BLOCK_D=block_d,
         num_warps=1 if block_d <= 256 else 2 if block_d <= 1024 else 4,
-    )
+    )  # fmt: skip
 
 
 if triton is not None:

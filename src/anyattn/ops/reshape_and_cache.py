@@ -1,25 +1,16 @@
 """Write a step's new K/V into a paged KV cache, and read fp8 caches back.
 
-`reshape_and_cache` is the launcher (validates, then writes with vectorised indexing),
-`reshape_and_cache_ref` the plain-PyTorch reference, `dequantize_cache` the reader-side helper
-that turns (fp8) cache values back into model-dtype values.
+`reshape_and_cache` checks its arguments (`tensor_checks.check_kv_write_args`) and writes;
+`reshape_and_cache_unchecked` writes for an impl that has checked the layer call
+(`anyattn.validation`); `reshape_and_cache_ref` is the plain-PyTorch reference and
+`dequantize_cache` turns cache values back into model-dtype values.
 
-The cache has the logical shape `(num_blocks, 2, block_size, num_kv_heads, head_size)`, index 1
-being K (0) / V (1), with any strides (NHD or HND, see `anyattn.kv_cache.allocate_kv_cache`);
-every write goes through that view, so both layouts work. Token `t` goes to
-`slot = slot_mapping[t] = block_id * block_size + offset`; slot -1 is padding and is never
-written (docs/semantics.md, "KV cache"). fp8 caches hold `x / scale` rounded by the one rule
-of `anyattn.ops.fp8_quant` (IEEE float32 division, nearest-even fp8, saturation at 448 for e4m3
-and 57344 for e5m2, NaN as 0x7F), where `scale` (float32, `[]` or `[num_kv_heads]`) is
-`k_scale` for K and `v_scale` for V.
+The cache is the logical `(num_blocks, 2, block_size, num_kv_heads, head_size)` view (index 1:
+K, V) in any stride order. Token `t` goes to `slot_mapping[t] = block_id * block_size +
+offset`; -1 is padding, never written. fp8 caches hold `x / scale` by `fp8_quant`'s rule.
 
-On CUDA, when triton is importable, the write is one Triton kernel launch (one program per
-token); the vectorised PyTorch path serves the CPU and CUDA without triton. `impl=` forces
-either one (tests run the kernel on the CPU under `TRITON_INTERPRET=1`).
-
-Its arguments are checked by `anyattn.ops.tensor_checks.check_kv_write_args`; an attention
-impl, which checks a layer call once from the step's CPU mirrors (`anyattn.validation`,
-docs/design.md), writes with `reshape_and_cache_unchecked`.
+On CUDA, when triton is importable, the write is one Triton launch (one program per token); the
+PyTorch path serves the CPU and CUDA without triton. `impl=` forces either one.
 """
 
 from __future__ import annotations
@@ -58,9 +49,8 @@ def reshape_and_cache(
     *,
     impl: str = "auto",
 ) -> None:
-    """Write `key`/`value` into `kv_cache` at the slots of `slot_mapping`, in place.
-
-    Everything is validated before the first write: after any error the cache is unchanged.
+    """Write `key`/`value` into `kv_cache` at the slots of `slot_mapping`, in place; after
+    any error the cache is unchanged.
 
     Args:
         key, value: `[num_tokens, num_kv_heads, head_size]`, float32 / float16 / bfloat16, same
@@ -89,9 +79,8 @@ def reshape_and_cache(
             `impl`.
         RuntimeError: `impl="triton"` without triton installed.
 
-    The values of `slot_mapping[:num_tokens]` and of the scales are checked on the host: on a
-    device they are read back first (a device-to-host copy on every call; none while a CUDA
-    graph is being captured, when they are not checked). The write itself never syncs.
+    The values of `slot_mapping[:num_tokens]` and of the scales are checked on the host (read
+    back from a device, except while a CUDA graph is captured); the write never syncs.
     """
     cache_dtype = check_kv_write_args(
         _OP, key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale
@@ -179,27 +168,13 @@ def _write_with_triton(
     tile = block_h * block_d
     num_warps = 1 if tile <= 256 else 2 if tile <= 1024 else 4 if tile <= 4096 else 8
     _reshape_and_cache_kernel[(num_tokens,)](
-        key,
-        value,
-        kv_cache,
-        slot_mapping,
-        scales[0],
-        scales[1],
-        num_kv_heads,
-        head_size,
-        kv_cache.shape[2],
-        *key.stride(),
-        *value.stride(),
-        *kv_cache.stride(),
-        slot_mapping.stride(0),
-        FP8=fp8,
-        IS_E4M3=kv_cache.dtype == torch.float8_e4m3fn,
+        key, value, kv_cache, slot_mapping, *scales, num_kv_heads, head_size, kv_cache.shape[2],
+        *key.stride(), *value.stride(), *kv_cache.stride(), slot_mapping.stride(0),
+        FP8=fp8, IS_E4M3=kv_cache.dtype == torch.float8_e4m3fn,
         K_SCALE_PER_HEAD=fp8 and k_scale is not None and k_scale.dim() == 1,
         V_SCALE_PER_HEAD=fp8 and v_scale is not None and v_scale.dim() == 1,
-        BLOCK_H=block_h,
-        BLOCK_D=block_d,
-        num_warps=num_warps,
-    )
+        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=num_warps,
+    )  # fmt: skip
 
 
 if triton is not None:
@@ -330,10 +305,7 @@ def reshape_and_cache_ref(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Reference for `reshape_and_cache`: same arguments and result, one token at a time.
-
-    Does no validation; meant for tests on valid inputs.
-    """
+    """Reference for `reshape_and_cache`, one token at a time; no validation."""
     fp8 = is_fp8_cache(kv_cache_dtype)
     block_size = kv_cache.shape[2]
     # float32 holds every model-dtype value exactly, so casting through it rounds only once.

@@ -1,10 +1,8 @@
 """The merge of split-KV partial results (flash-decoding's second kernel).
 
-`unified_attention` with `num_splits > 1` leaves, per (token, head), `num_splits` partial
-outputs and their base-2 LSEs in a float32 workspace; `reduce_splits_kernel` weighs each by
-`exp2(lse_s - max)`, writes the merged row into `output` and, when asked, the natural-log LSE.
-A split with no key (LSE -inf) weighs 0; a row with no key at all gets zeros and LSE -inf.
-Padding rows (past `query_start_loc[num_reqs]`) are left untouched.
+`reduce_splits_kernel` weighs each of a (token, head)'s `num_splits` partial outputs by
+`exp2(lse_s - max)` and writes the merged row (and, when asked, the natural-log LSE). A split
+with no key weighs 0; a row with no key gets zeros and LSE -inf; padding rows are untouched.
 """
 
 from __future__ import annotations

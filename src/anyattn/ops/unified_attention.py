@@ -1,16 +1,12 @@
 """Paged attention for a whole mixed batch in one Triton launch (plus a reduce for split-KV).
 
 `unified_attention` checks its arguments, chooses the tile shape and launches
-`anyattn.ops.unified_attention_kernel` over `num_tokens // BLOCK_Q + num_reqs` programs per KV
-head (each finds its request on the GPU: no host-side table, so the launch is a pure function
-of tensor sizes and CUDA-graph safe). Split-KV (flash-decoding): with `num_splits > 1` each
-request's keys are cut into that many chunks whose partial results `anyattn.ops.split_kv_reduce`
-merges; used for decode batches too small to fill the GPU. `unified_attention_ref` is the same
-computation in plain PyTorch, for tests.
-
-Semantics (docs/semantics.md): `s = scale * q.k`, soft cap, ALiBi `slope * (j - p)`, causal
-`j <= p`, window `p - W < j`, sinks in the denominator only; a row with no key gives zeros and
-LSE -inf (or the sink's logit when the layer has sinks).
+`unified_attention_kernel` over `num_tokens // BLOCK_Q + num_reqs` programs per KV head (each
+finds its request on the GPU, so the launch depends only on tensor sizes: CUDA-graph safe).
+With `num_splits > 1` (flash-decoding) each request's keys are cut into that many chunks, merged
+by `split_kv_reduce`. `unified_attention_ref` is the same computation in plain PyTorch.
+Semantics: docs/semantics.md; a row with no key gives zeros and LSE -inf (the sink's logit with
+sinks).
 """
 
 from __future__ import annotations
@@ -79,9 +75,7 @@ def _choose_config(
     from_input: bool,
     cache_element_size: int = 2,
 ) -> _Config:
-    """Tile shapes, from the H200 sweep in benchmarks/RESULTS.md: decode-like batches use the
-    smallest tensor-core tile (16 rows) and long key tiles; mixed batches and prefills up to
-    4096 tokens 64-row tiles; longer prefills 128 x 128 tiles."""
+    """Tile shapes, from the H200 sweep in benchmarks/RESULTS.md."""
     min_m = max(16, triton.next_power_of_2(num_queries_per_kv))
     rows = max_query_len * num_queries_per_kv
     # fp32 caches hold half the keys per byte of shared memory: halve the key tiles.
@@ -102,12 +96,8 @@ def _choose_config(
 def split_kv_workspace_shape(
     max_num_tokens: int, num_heads: int, head_size: int, num_splits: int
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shapes of the float32 split-KV workspace: partial outputs and their LSEs.
-
-    Returns:
-        `((max_num_tokens, num_heads, num_splits, head_size), (max_num_tokens, num_heads,
-        num_splits))`.
-    """
+    """Shapes of the float32 split-KV workspace: partial outputs `(max_num_tokens, num_heads,
+    num_splits, head_size)` and their LSEs `(max_num_tokens, num_heads, num_splits)`."""
     return (
         (max_num_tokens, num_heads, num_splits, head_size),
         (max_num_tokens, num_heads, num_splits),
@@ -192,77 +182,38 @@ def unified_attention(
     else:
         partial_out = partial_lse = output
     num_tiles = num_tokens // cfg.block_q + num_reqs
+    lse_arg = output_lse if output_lse is not None else dummy
     unified_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
-        query,
-        key_cache,
-        value_cache,
-        k_desc,
-        v_desc,
-        output,
-        output_lse if output_lse is not None else dummy,
-        partial_out,
-        partial_lse,
-        block_table,
-        seq_lens,
-        query_start_loc,
+        query, key_cache, value_cache, k_desc, v_desc, output, lse_arg, partial_out, partial_lse,
+        block_table, seq_lens, query_start_loc,
         params.alibi_slopes if params.alibi_slopes is not None else dummy,
         params.sinks if params.sinks is not None else dummy,
-        k_scale if k_scale is not None else dummy,
-        v_scale if v_scale is not None else dummy,
-        num_reqs,
-        params.scale,
-        params.logits_soft_cap or 0.0,
-        params.sliding_window or 0,
-        *query.stride(),
-        *key_cache.stride(),
-        *value_cache.stride(),
-        *output.stride(),
+        k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy,
+        num_reqs, params.scale, params.logits_soft_cap or 0.0, params.sliding_window or 0,
+        *query.stride(), *key_cache.stride(), *value_cache.stride(), *output.stride(),
         *(output_lse.stride() if output_lse is not None else (0, 0)),
         *(partial_out.stride() if num_splits > 1 else (0, 0, 0, 0)),
         *(partial_lse.stride() if num_splits > 1 else (0, 0, 0)),
-        block_table.stride(0),
-        _scale_stride(k_scale),
-        _scale_stride(v_scale),
-        HEAD_SIZE=head_size,
-        HEAD_PAD=head_pad,
-        QUERIES_PER_KV=queries_per_kv,
-        BLOCK_SIZE=kv_cache.shape[2],
-        TILE_M=cfg.tile_m,
-        BLOCK_Q=cfg.block_q,
-        TILE_N=cfg.tile_n,
-        NUM_SPLITS=num_splits,
-        IS_CAUSAL=params.causal,
+        block_table.stride(0), _scale_stride(k_scale), _scale_stride(v_scale),
+        HEAD_SIZE=head_size, HEAD_PAD=head_pad, QUERIES_PER_KV=queries_per_kv,
+        BLOCK_SIZE=kv_cache.shape[2], TILE_M=cfg.tile_m, BLOCK_Q=cfg.block_q, TILE_N=cfg.tile_n,
+        NUM_SPLITS=num_splits, IS_CAUSAL=params.causal,
         HAS_WINDOW=params.sliding_window is not None,
         HAS_SOFTCAP=params.logits_soft_cap is not None,
-        HAS_ALIBI=params.alibi_slopes is not None,
-        HAS_SINKS=params.sinks is not None,
-        HAS_KV_SCALE=k_scale is not None,
-        HAS_LSE=output_lse is not None,
-        IEEE_DOT=query.dtype == torch.float32,
-        KV_FROM_INPUT=key is not None,
-        WARP_SPECIALIZE=warp_specialize,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+        HAS_ALIBI=params.alibi_slopes is not None, HAS_SINKS=params.sinks is not None,
+        HAS_KV_SCALE=k_scale is not None, HAS_LSE=output_lse is not None,
+        IEEE_DOT=query.dtype == torch.float32, KV_FROM_INPUT=key is not None,
+        WARP_SPECIALIZE=warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
     if num_splits > 1:
         reduce_splits_kernel[(num_tokens, num_heads)](
-            output,
-            output_lse if output_lse is not None else dummy,
-            partial_out,
-            partial_lse,
-            query_start_loc,
-            num_reqs,
-            *output.stride(),
-            *(output_lse.stride() if output_lse is not None else (0, 0)),
-            *partial_out.stride(),
-            *partial_lse.stride(),
-            HEAD_SIZE=head_size,
-            HEAD_PAD=head_pad,
-            NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
-            HAS_LSE=output_lse is not None,
+            output, lse_arg, partial_out, partial_lse, query_start_loc, num_reqs,
+            *output.stride(), *(output_lse.stride() if output_lse is not None else (0, 0)),
+            *partial_out.stride(), *partial_lse.stride(),
+            HEAD_SIZE=head_size, HEAD_PAD=head_pad, NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), HAS_LSE=output_lse is not None,
             num_warps=4,
-        )
+        )  # fmt: skip
     return output
 
 
@@ -276,7 +227,7 @@ def _validate(
     key: torch.Tensor | None,
     value: torch.Tensor | None,
 ) -> None:
-    """Shapes the kernel relies on, checked before the launch (nothing is written first)."""
+    """Shapes the kernel relies on, checked before the launch."""
     if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
         raise ValueError(
             f"{_OP}: query must be [num_tokens, num_heads, head_size] and kv_cache "

@@ -1,20 +1,14 @@
-"""The Triton kernel of `anyattn.ops.unified_attention` (the launch, its checks and the tile
-choice live there).
+"""The Triton kernel of `anyattn.ops.unified_attention` (which holds the launch).
 
-One program handles one *query tile* of one request and one KV head: `TILE_M` rows made of
-`BLOCK_Q` consecutive query tokens times the `num_heads // num_kv_heads` query heads that share
-the KV head (GQA packing: every K/V tile read from the cache serves all of them). It walks the
-request's keys `TILE_N` at a time, translating key positions through the block table, so tiles
-are independent of the cache block size, and keeps an online softmax in fp32 (exp2 domain).
+One program handles one query tile of one request and one KV head: `TILE_M` rows made of
+`BLOCK_Q` consecutive query tokens times the query heads that share the KV head (GQA packing).
+It walks the request's keys `TILE_N` at a time through the block table (tiles are independent
+of the cache block size), with an online softmax in fp32 (exp2 domain).
 
-Tiles map to requests without any host-side table: request r owns tile ids
-`[query_start_loc[r] // BLOCK_Q + r, query_start_loc[r + 1] // BLOCK_Q + r + 1)`, so
-`num_tokens // BLOCK_Q + num_reqs` programs cover any batch and each finds its request with a
-binary search (`_find_request`).
-
-With `NUM_SPLITS > 1` a program handles one of that many chunks of its request's keys and writes
-a partial output and its base-2 LSE into the float32 workspace; `anyattn.ops.split_kv_reduce`
-merges them.
+Request r owns tile ids `[query_start_loc[r] // BLOCK_Q + r, query_start_loc[r + 1] // BLOCK_Q +
+r + 1)`, so `num_tokens // BLOCK_Q + num_reqs` programs cover any batch and each finds its
+request by binary search. With `NUM_SPLITS > 1` a program handles one chunk of its request's
+keys and writes a partial output and its base-2 LSE into the workspace.
 """
 
 from __future__ import annotations
