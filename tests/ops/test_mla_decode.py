@@ -109,7 +109,9 @@ def check_splits_agree(device: str, dtype: torch.dtype) -> None:
             workspace=workspace if splits > 1 else None,
         )  # fmt: skip
         results.append(out.float())
-    tol = 2e-3 if dtype == torch.float16 else 1e-5
+    # Each split count rounds its probabilities to the model dtype over other key ranges, so
+    # outputs agree to that dtype's rounding step (bf16: 2^-8 relative), exactly in fp32.
+    tol = {torch.float16: 2e-3, torch.bfloat16: 1e-2}.get(dtype, 1e-5)
     for other in results[1:]:
         torch.testing.assert_close(other, results[0], atol=tol, rtol=tol)
 
