@@ -137,8 +137,8 @@ def plan_shared_kv_cache(
             for b in unique
         )
         raise KVCacheNotShareableError(
-            f"{api}: the {what} differ for 8 blocks of {kernel} tokens, {num_kv_heads} KV heads "
-            f"of {head_size} ({detail})."
+            f"{api}: the {what} differ for 8 blocks of {kernel} tokens, num_kv_heads "
+            f"{num_kv_heads}, head_size {head_size} ({detail})."
         )
     return SharedKVCache(
         unique, kernel, layout, tuple(unique[0].get_kv_cache_stride_order(layout)), kv_cache_dtype

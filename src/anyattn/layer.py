@@ -13,8 +13,7 @@ from torch import nn
 
 from anyattn.backend import AttentionBackend
 from anyattn.config import AttentionSelectorConfig, AttentionSpec
-from anyattn.impl import AttentionImpl
-from anyattn.kv_cache_sharing import plan_shared_kv_cache
+from anyattn.kv_cache_sharing import KVCacheNotShareableError, plan_shared_kv_cache
 from anyattn.layer_phases import forward_by_phase
 from anyattn.phase_metadata import PhaseSplitMetadata
 from anyattn.selector import select_backend
@@ -128,7 +127,7 @@ class Attention(nn.Module):
             ValueError: either backend cannot serve this layer (its reasons are listed), or the
                 two cannot share one KV cache (why), or the layer is not decoder attention.
         """
-        impl = self._impl_for(backend)
+        self._check_serves(backend)
         prefill_impl = None
         if prefill_backend is not None and prefill_backend is not backend:
             if self.attn_type is not AttentionType.DECODER:
@@ -136,20 +135,28 @@ class Attention(nn.Module):
                     f"Attention({self.layer_name}): a prefill backend needs decoder attention "
                     f"(got attn_type {self.attn_type.value}, expected decoder)."
                 )
-            prefill_impl = self._impl_for(prefill_backend)
-            plan_shared_kv_cache(
-                (backend, prefill_backend),
-                block_size=self.block_size or backend.get_preferred_block_size(),
-                num_kv_heads=self.num_kv_heads,
-                head_size=self.head_size,
-                kv_cache_dtype=self.config.kv_cache_dtype,
-            )
+            self._check_serves(prefill_backend)
+            try:
+                plan_shared_kv_cache(
+                    (backend, prefill_backend),
+                    block_size=self.block_size or backend.get_preferred_block_size(),
+                    num_kv_heads=self.num_kv_heads,
+                    head_size=self.head_size,
+                    kv_cache_dtype=self.config.kv_cache_dtype,
+                )
+            except KVCacheNotShareableError as error:
+                raise KVCacheNotShareableError(
+                    f"Attention({self.layer_name}): decodes on {backend.get_name()} and prefills "
+                    f"on {prefill_backend.get_name()} need one KV cache: {error} Use one backend "
+                    "for both, or a pair that shares a cache."
+                ) from None
+            prefill_impl = prefill_backend.get_impl_cls()(*self._impl_args)
         else:
             prefill_backend = None
-        self.backend, self.impl = backend, impl
+        self.backend, self.impl = backend, backend.get_impl_cls()(*self._impl_args)
         self.prefill_backend, self.prefill_impl = prefill_backend, prefill_impl
 
-    def _impl_for(self, backend: type[AttentionBackend]) -> AttentionImpl:
+    def _check_serves(self, backend: type[AttentionBackend]) -> None:
         reasons = backend.validate_configuration(self.config, self._device_info)
         if backend.get_unavailable_reason():
             reasons.append(f"not available here: {backend.get_unavailable_reason()}")
@@ -158,7 +165,6 @@ class Attention(nn.Module):
                 f"Attention({self.layer_name}): backend {backend.get_name()} cannot serve this "
                 f"layer: {'; '.join(reasons)}."
             )
-        return backend.get_impl_cls()(*self._impl_args)
 
     def kv_cache_spec(
         self,

@@ -72,9 +72,15 @@ def split_by_phase(
         `(decode, prefill)`, each None when it has no request.
 
     Raises:
-        ValueError: `num_decodes` outside `[0, num_reqs]`.
+        TypeError: `num_decodes` is not an int.
+        ValueError: `num_decodes` outside `[0, num_reqs]`, or a cross-attention step.
     """
     num_reqs = common.num_reqs
+    if common.encoder_seq_lens_cpu is not None:
+        raise ValueError(
+            "split_by_phase: cross-attention steps are not split by phase (got encoder_seq_lens, "
+            "expected decoder attention). Build them with the layer's one builder."
+        )
     if isinstance(num_decodes, bool) or not isinstance(num_decodes, int | np.integer):
         raise TypeError(f"split_by_phase: num_decodes must be an int (got {num_decodes!r}).")
     if not 0 <= num_decodes <= num_reqs:
