@@ -72,11 +72,13 @@ def positive_int(text: str) -> int:
     return value
 
 
-def backend_request(flag_value: str | None) -> tuple[str | None, str]:
+def backend_request(flag_value: str | None, allow_pair: bool = False) -> tuple[str | None, str]:
     """The backend a command is asked for and where the request came from.
 
     Args:
         flag_value: the `--backend` argument, or None when it was not given.
+        allow_pair: accept "DECODE,PREFILL" (`anyattn generate` runs the phases on two
+            backends; `explain` judges one).
 
     Returns:
         `(name, source)`: the name from `--backend`, else from `$ANYATTN_BACKEND`, else None
@@ -93,10 +95,12 @@ def backend_request(flag_value: str | None) -> tuple[str | None, str]:
     if name is not None and name.strip().lower() == FASTEST:
         return name, source  # measured selection, not a backend name
     parts = [] if name is None else name.split(",")
-    if len(parts) > 2:
+    if len(parts) > 2 or (len(parts) == 2 and not allow_pair):
+        expected = "two names, decode then prefill, e.g. TRITON,FLASHINFER"
         raise ValueError(
-            f"{source}: a backend pair is two names, decode then prefill (got {name!r}, "
-            "expected e.g. TRITON,FLASHINFER)."
+            f"{source}: one backend name expected (got {name!r}, a pair)."
+            if not allow_pair
+            else f"{source}: a backend pair is two names (got {name!r}, expected {expected})."
         )
     for part in parts:
         if part.strip().upper() not in backend_names():

@@ -170,21 +170,27 @@ def _check_prompts(
             )
 
 
-def _explain_layers(llm, backend: str | None, console: Console) -> None:
-    """The selector's verdict for each distinct layer configuration of the model."""
+def _explain_layers(llm, console: Console) -> None:
+    """The selector's verdict for each distinct layer configuration of the model, with the
+    backends its layers run on marked (`chosen`, or `decode` and `prefill` for a pair)."""
     from anyattn.selector import explain
     from anyattn.types import DeviceInfo
 
     device = DeviceInfo.current(llm.device)
-    configs: dict[object, str] = {}
+    configs: dict[object, object] = {}
     for layer in llm.model.attention_layers():
-        configs.setdefault(layer.config, layer.layer_name)  # the first layer of each config
-    for config, first_layer in configs.items():
-        result = explain(config, device, backend)
-        console.print(f"selection for {first_layer} (and layers like it):")
+        configs.setdefault(layer.config, layer)  # the first layer of each config
+    for config, layer in configs.items():
+        result = explain(config, device, layer.backend.get_name())
+        prefill = getattr(layer, "prefill_backend", None)
+        decode = layer.backend.get_name()
+        marks = {decode: "chosen"}
+        if prefill is not None:
+            marks = {decode: "chosen: decode", prefill.get_name(): "chosen: prefill"}
+        console.print(f"selection for {layer.layer_name} (and layers like it):")
         for verdict in result.verdicts:
             why = list(verdict.reasons) + ([verdict.unavailable] if verdict.unavailable else [])
-            mark = "chosen" if verdict.name == result.chosen else "; ".join(why) or "fits"
+            mark = marks.get(verdict.name) or "; ".join(why) or "fits"
             console.print(f"  {verdict.name}: {mark}")
 
 
@@ -280,7 +286,7 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_tokens=args.max_tokens,
     )
-    requested, source = backend_request(args.backend)
+    requested, source = backend_request(args.backend, allow_pair=True)
     how = "chosen by the selector" if requested is None else f"requested by {source}"
     if requested is not None and requested.strip().lower() == FASTEST:
         how = f"measured per phase, requested by {source}"
@@ -307,7 +313,7 @@ def run_generate(args: argparse.Namespace) -> int:
     for note in llm.backend_notes:
         err.print(f"backends: {note}")
     if args.verbose:
-        _explain_layers(llm, args.backend, err)
+        _explain_layers(llm, err)
     start = time.perf_counter()
     if len(prompts) == 1:
         tokens = _stream_one(llm, prompts[0], params, args.chat, err)
