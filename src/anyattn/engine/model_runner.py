@@ -1,6 +1,7 @@
 """ModelRunner: lays out each step from the running requests' `InputBatch`, builds attention
-metadata once per KV-cache group (`kv_cache_group.py`), runs the model, and returns the logits
-of the requests that need a next token. On CUDA, uniform decode steps replay CUDA graphs when
+metadata once per KV-cache group (`kv_cache_group.py`; a per-phase group's decodes and prefills
+by their own builders, `phase_split.py`), runs the model, and returns the logits of the
+requests that need a next token. On CUDA, uniform decode steps replay CUDA graphs when
 every group's backend allows it (`cuda_graphs.py`); one log line says whether, or why not.
 """
 
