@@ -388,3 +388,11 @@ def test_names_and_reasons_in_square_brackets_are_printed_as_given(
     assert main(["explain", "--head-size", "64", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "FAKE[RED]" in out and hint in out
+
+
+def test_explain_judges_one_backend_not_a_pair(capsys):
+    assert main(["explain", "--head-size", "64", "--backend", "TORCH,FLEX_ATTENTION"]) == 1
+    assert capsys.readouterr().err == (
+        "anyattn explain: error: --backend: one backend name expected (got "
+        "'TORCH,FLEX_ATTENTION', a pair).\n"
+    )

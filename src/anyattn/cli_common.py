@@ -72,29 +72,42 @@ def positive_int(text: str) -> int:
     return value
 
 
-def backend_request(flag_value: str | None) -> tuple[str | None, str]:
+def backend_request(flag_value: str | None, allow_pair: bool = False) -> tuple[str | None, str]:
     """The backend a command is asked for and where the request came from.
 
     Args:
         flag_value: the `--backend` argument, or None when it was not given.
+        allow_pair: accept "DECODE,PREFILL" (`anyattn generate` runs the phases on two
+            backends; `explain` judges one).
 
     Returns:
-        `(name, source)`: the name from `--backend`, else from `$ANYATTN_BACKEND`, else None;
-        source is `"--backend"` or `"ANYATTN_BACKEND"` (`"--backend"` when nothing is asked).
+        `(name, source)`: the name from `--backend`, else from `$ANYATTN_BACKEND`, else None
+        (a name, "fastest", or a pair "DECODE,PREFILL" of names); source is `"--backend"` or
+        `"ANYATTN_BACKEND"` (`"--backend"` when nothing is asked).
 
     Raises:
-        ValueError: the name is not a registered backend; the message names its source.
+        ValueError: a name that is not a registered backend, or more than two; the message
+            names its source.
     """
     name, source = flag_value, BACKEND_FLAG
     if name is None and os.environ.get(ENV_VAR, "").strip():
         name, source = os.environ[ENV_VAR].strip(), ENV_VAR
     if name is not None and name.strip().lower() == FASTEST:
         return name, source  # measured selection, not a backend name
-    if name is not None and name.upper() not in backend_names():
+    parts = [] if name is None else name.split(",")
+    if len(parts) > 2 or (len(parts) == 2 and not allow_pair):
+        expected = "two names, decode then prefill, e.g. TRITON,FLASHINFER"
         raise ValueError(
-            f"{source}: unknown backend name (got {name!r}, expected one of "
-            f"{', '.join(backend_names())})."
+            f"{source}: one backend name expected (got {name!r}, a pair)."
+            if not allow_pair
+            else f"{source}: a backend pair is two names (got {name!r}, expected {expected})."
         )
+    for part in parts:
+        if part.strip().upper() not in backend_names():
+            raise ValueError(
+                f"{source}: unknown backend name (got {part.strip()!r}, expected one of "
+                f"{', '.join(backend_names())})."
+            )
     return name, source
 
 

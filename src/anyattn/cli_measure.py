@@ -3,7 +3,8 @@
 The engine's limits (`--max-num-seqs`, `--max-num-batched-tokens`, `--max-model-len`) set the
 timed steps. It prints the steps, each candidate's summed time per phase and its first-call
 seconds (compilation, autotuning), the rejected candidates, the choice per phase and overall,
-whether the phase choices can share one KV cache, and what the cache did ("used <file>": no
+whether the decode and prefill choices can share one KV cache, whether the engine runs them as a
+per-phase pair (or the overall choice, and why), and what the cache did ("used <file>": no
 timing was done).
 """
 
@@ -119,4 +120,7 @@ def print_measurement(console: Console, measured: Measurement) -> None:
             line += f" (within the run's noise or 2%: {', '.join(choice.tied)}; static order)"
         console.print(Text(line))
     shared = "yes" if measured.kv_cache_shared else "no"
-    console.print(Text(f"phase choices share one KV cache: {shared} ({measured.kv_cache_note})"))
+    console.print(
+        Text(f"decode and prefill choices share one KV cache: {shared} ({measured.kv_cache_note})")
+    )
+    console.print(Text(f"engine: {measured.pair_note()}"))

@@ -13,6 +13,9 @@ from torch import nn
 
 from anyattn.backend import AttentionBackend
 from anyattn.config import AttentionSelectorConfig, AttentionSpec
+from anyattn.kv_cache_sharing import KVCacheNotShareableError, plan_shared_kv_cache
+from anyattn.layer_phases import forward_by_phase
+from anyattn.phase_metadata import PhaseSplitMetadata
 from anyattn.selector import select_backend
 from anyattn.types import AttentionType, DeviceInfo
 from anyattn.validation import check_layer_call
@@ -37,7 +40,10 @@ class Attention(nn.Module):
         needs_lse: the engine will merge partial results and needs LSEs.
 
     Attributes:
-        backend: the backend class in use; `impl`: its impl instance.
+        backend: the backend class in use (the decode backend of a per-phase layer); `impl`:
+            its impl instance.
+        prefill_backend, prefill_impl: the backend and impl of prefill rows when they differ
+            (`use_backend(..., prefill_backend=...)`), else None.
         k_scale, v_scale: float32 buffers, shape `[]` or `[num_kv_heads]` (fp8 caches).
     """
 
@@ -104,13 +110,53 @@ class Attention(nn.Module):
         self.register_buffer("k_scale", one, persistent=False)
         self.register_buffer("v_scale", one.clone(), persistent=False)
 
-    def use_backend(self, backend: type[AttentionBackend]) -> None:
+    def use_backend(
+        self,
+        backend: type[AttentionBackend],
+        prefill_backend: type[AttentionBackend] | None = None,
+    ) -> None:
         """Run the layer on `backend` from now on (a new impl with the layer's arguments), e.g.
         the one a measured selection chose. Call it before the engine builds its groups.
 
+        With `prefill_backend` (another backend), steps given as `PhaseSplitMetadata` run their
+        decode rows on `backend` and their prefill rows on `prefill_backend`, over one cache
+        both read (`anyattn.kv_cache_sharing`; docs/per_phase.md); metadata of `backend`'s own
+        builder (decode-only steps, CUDA graphs) runs on `backend` alone.
+
         Raises:
-            ValueError: `backend` cannot serve this layer (its reasons are listed).
+            ValueError: either backend cannot serve this layer (its reasons are listed), or the
+                two cannot share one KV cache (why), or the layer is not decoder attention.
         """
+        self._check_serves(backend)
+        prefill_impl = None
+        if prefill_backend is not None and prefill_backend is not backend:
+            if self.attn_type is not AttentionType.DECODER:
+                raise ValueError(
+                    f"Attention({self.layer_name}): a prefill backend needs decoder attention "
+                    f"(got attn_type {self.attn_type.value}, expected decoder)."
+                )
+            self._check_serves(prefill_backend)
+            try:
+                plan_shared_kv_cache(
+                    (backend, prefill_backend),
+                    block_size=self.block_size or backend.get_preferred_block_size(),
+                    num_kv_heads=self.num_kv_heads,
+                    head_size=self.head_size,
+                    kv_cache_dtype=self.config.kv_cache_dtype,
+                )
+            except KVCacheNotShareableError as error:
+                raise KVCacheNotShareableError(
+                    f"Attention({self.layer_name}): decodes on {backend.get_name()} and prefills "
+                    f"on {prefill_backend.get_name()} need one KV cache: {error} Use one backend "
+                    "for both, or a pair that shares a cache."
+                ) from None
+            prefill_impl = prefill_backend.get_impl_cls()(*self._impl_args)
+        else:
+            prefill_backend = None
+        self.backend, self.impl = backend, backend.get_impl_cls()(*self._impl_args)
+        self.prefill_backend, self.prefill_impl = prefill_backend, prefill_impl
+
+    def _check_serves(self, backend: type[AttentionBackend]) -> None:
         reasons = backend.validate_configuration(self.config, self._device_info)
         if backend.get_unavailable_reason():
             reasons.append(f"not available here: {backend.get_unavailable_reason()}")
@@ -119,8 +165,6 @@ class Attention(nn.Module):
                 f"Attention({self.layer_name}): backend {backend.get_name()} cannot serve this "
                 f"layer: {'; '.join(reasons)}."
             )
-        self.backend = backend
-        self.impl = backend.get_impl_cls()(*self._impl_args)
 
     def kv_cache_spec(
         self,
@@ -157,8 +201,10 @@ class Attention(nn.Module):
             key, value: `[num_tokens, num_kv_heads, head_size]` (None for a cross-attention
                 step that writes no encoder tokens).
             kv_cache: this layer's cache (for KV-sharing layers: the target layer's cache).
-            attn_metadata: what this layer's group builder built for the step.
-            output_lse: optional float32 `[num_heads, num_tokens]` to receive LSEs.
+            attn_metadata: what this layer's group builder built for the step, or a
+                `PhaseSplitMetadata` for a layer with a prefill backend.
+            output_lse: optional float32 `[num_heads, num_tokens]` to receive LSEs (natural
+                log for a per-phase step; else in the impl's `lse_base_on_e` base).
 
         Returns:
             `[num_tokens, num_heads, head_size]`; rows past the step's real tokens are zeros.
@@ -166,6 +212,10 @@ class Attention(nn.Module):
         output = torch.empty_like(query)
         # rows past the step's real tokens (padding) are not written by the impl
         output[getattr(attn_metadata, "num_actual_tokens", 0) :].zero_()
+        if isinstance(attn_metadata, PhaseSplitMetadata):
+            return forward_by_phase(
+                self, query, key, value, kv_cache, attn_metadata, output, output_lse
+            )
         # Encoder self-attention keeps no cache; backends whose forward writes it do so there.
         writes_cache = self.attn_type not in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
         writes_cache = writes_cache and key is not None

@@ -161,3 +161,26 @@ def test_several_prompts_stream_one_line_each_as_they_finish(folder, capsys, mon
     assert [line[:4] for line in streamed.splitlines()] == ["[1] "]
     assert [line[:4] for line in rest.out.splitlines()] == ["[2] "]
     assert "tokens/s" in rest.err.splitlines()[-1]
+
+
+def test_a_backend_pair_runs_decodes_and_prefills_apart(folder, capsys):
+    argv = ["generate", "t5 t6 t7", "--model", str(folder), "--device", "cpu", "--max-tokens", "3"]
+    assert main([*argv, "--backend", "TORCH,FLEX_ATTENTION", "-v"]) == 0
+    err = capsys.readouterr().err
+    assert "attention backend: FLEX_ATTENTION, TORCH (requested by --backend;" in err
+    assert "backend per layer: 0-2 TORCH (decode) + FLEX_ATTENTION (prefill)\n" in err
+    assert "backends: decodes on TORCH, prefills on FLEX_ATTENTION (requested)\n" in err
+    assert "  TORCH: chosen: decode\n" in err and "  FLEX_ATTENTION: chosen: prefill\n" in err
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("TORCH,NOPE", "--backend: unknown backend name (got 'NOPE', expected one of TORCH"),
+        ("TORCH,TORCH,TORCH", "--backend: a backend pair is two names (got 'TORCH,TORCH,TORCH'"),
+    ],
+)
+def test_a_bad_backend_pair_is_refused_before_loading(value, expected, capsys, no_model_load):
+    assert main(["generate", "t1", "--backend", value]) == 1
+    err = one_error_line(capsys.readouterr().err)
+    assert err.startswith(f"anyattn generate: error: {expected}")

@@ -14,6 +14,7 @@ from anyattn.backends.torch_mla import TorchMLABackend, TorchMLAImpl
 from anyattn.cli import main
 from anyattn.config import AttentionSelectorConfig, BatchLimits
 from anyattn.layer import Attention
+from anyattn.measure import Measurement
 from anyattn.measure.layer_shape import resolve_layer
 from anyattn.measure.verify import check_against_oracle
 from anyattn.selector import measure_backends, select_backend
@@ -159,4 +160,6 @@ def test_explain_measure_times_once_then_uses_the_cache(capsys):
     assert "(no timing done)" in " ".join(out.split())
     for text in ("decode/2x31", "summed time per phase", "first calls", "overall: "):
         assert text in out
-    assert "phase choices share one KV cache: yes" in out
+    # TORCH and FLEX_ATTENTION share a cache (HND, TORCH's preference, which FLEX also takes)
+    assert "decode and prefill choices share one KV cache: yes" in out
+    assert f"engine: {Measurement.from_dict(data).pair_note()}" in " ".join(out.split())

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from anyattn.config import AttentionSelectorConfig, BatchLimits
-from anyattn.measure import MeasureStep, Phase, StepTiming, choose
+from anyattn.measure import Measurement, MeasureStep, Phase, StepTiming, choose
 from anyattn.registry import get_backend_class
 from anyattn.selector import measure_backends, priority_list, select_backend
 from anyattn.types import DeviceInfo
@@ -138,28 +140,68 @@ def test_choose_skips_phases_without_steps_and_backends_without_every_step():
     assert choices["decode"].backend == "B" and choices["decode"].totals_us == {"B": 5.0}
 
 
+def _split_kv_shape(cls, num_blocks, block_size, num_kv_heads, head_size, cache_dtype="auto"):
+    return (2, num_blocks, block_size, num_kv_heads, head_size)  # K and V outermost
+
+
 def test_phase_choices_that_cannot_share_a_kv_cache_say_why(register, make_backend):
     torch_backend = get_backend_class("TORCH")
-    # TORCH's cache layout, but 16-token kernel blocks where TORCH takes the engine's 32.
+    # TORCH's layouts, but K and V in the outermost dimension.
     fake = make_backend(
-        "SMALL_BLOCKS",
-        block_sizes=[16],
+        "SPLIT_KV",
         priority={"cpu": 50},
         supported_kv_cache_layouts=torch_backend.supported_kv_cache_layouts,
         get_kv_cache_stride_order=torch_backend.get_kv_cache_stride_order,
+        get_kv_cache_shape=classmethod(_split_kv_shape),
     )
-    register("SMALL_BLOCKS", fake)
+    register("SPLIT_KV", fake)
     table = {("TORCH", p.value): 100.0 for p in Phase}
     table |= {("FLEX_ATTENTION", p.value): 300.0 for p in Phase}
-    table |= {("SMALL_BLOCKS", p.value): 300.0 for p in Phase}
-    table[("SMALL_BLOCKS", "prefill")] = 10.0
+    table |= {("SPLIT_KV", p.value): 300.0 for p in Phase}
+    table[("SPLIT_KV", "prefill")] = 10.0
     config = CONFIG.replace(block_size=32)
     measured = measure_backends(config, LIMITS, "cpu", timer=fake_timer(table), checker=passes)
-    assert (measured.choice("decode"), measured.choice("prefill")) == ("TORCH", "SMALL_BLOCKS")
-    assert not measured.kv_cache_shared
-    assert measured.kv_cache_note == "TORCH and SMALL_BLOCKS differ in kernel block size, shape"
+    assert (measured.choice("decode"), measured.choice("prefill")) == ("TORCH", "SPLIT_KV")
+    assert not measured.kv_cache_shared and measured.phase_pair is None
+    assert measured.kv_cache_note == (
+        "KV cache shared by TORCH and SPLIT_KV: the logical cache shapes differ for 8 blocks of "
+        "32 tokens, num_kv_heads 2, head_size 64 (TORCH: (8, 2, 32, 2, 64) in order "
+        "(0, 1, 3, 2, 4); SPLIT_KV: (2, 8, 32, 2, 64) in order (0, 1, 3, 2, 4))."
+    )
+    assert measured.pair_note() == (
+        "one backend, TORCH (overall), for every step: TORCH (decode) and SPLIT_KV (prefill) "
+        f"cannot share one KV cache ({measured.kv_cache_note})"
+    )
     one = measure_backends(
-        CONFIG, LIMITS, "cpu", timer=fake_timer(table | {("SMALL_BLOCKS", "prefill"): 300.0}),
+        CONFIG, LIMITS, "cpu", timer=fake_timer(table | {("SPLIT_KV", "prefill"): 300.0}),
         checker=passes, use_cache=False,
     )  # fmt: skip
     assert one.kv_cache_shared and one.kv_cache_note == "one backend for every phase"
+    assert one.pair_note() == (
+        "one backend, TORCH (overall), for every step: decode and prefill both chose TORCH"
+    )
+
+
+def test_phase_choices_that_share_a_kv_cache_make_a_pair(three):
+    table = {("TORCH", p.value): 100.0 for p in Phase}
+    table |= {("FLEX_ATTENTION", p.value): 300.0 for p in Phase} | {
+        ("THIRD", p.value): 900.0 for p in Phase
+    }
+    table[("FLEX_ATTENTION", "prefill")] = 10.0
+    measured = measure_backends(CONFIG, LIMITS, "cpu", timer=fake_timer(table), checker=passes)
+    assert measured.kv_cache_shared and measured.phase_pair == ("TORCH", "FLEX_ATTENTION")
+    # TORCH (the decode choice) prefers HND, which FLEX_ATTENTION also takes
+    note = "TORCH and FLEX_ATTENTION share one cache: kernel block 16, layout HND, cache dtype auto"
+    assert measured.kv_cache_note == note
+    assert measured.pair_note() == (
+        "per-phase pair used: decodes on TORCH, prefills (and the prefill rows of mixed steps) "
+        f"on FLEX_ATTENTION; {note}"
+    )
+    again = Measurement.from_dict(measured.to_dict())
+    assert again.phase_pair == measured.phase_pair and again.to_dict()["engine"] == (
+        measured.pair_note()
+    )
+    mla = dataclasses.replace(measured, is_mla=True)
+    assert mla.phase_pair is None and mla.pair_note().endswith(
+        "the engine runs MLA layers on one backend for every phase"
+    )

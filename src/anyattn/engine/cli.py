@@ -103,9 +103,11 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
     gen.add_argument(
         "--backend",
         metavar="NAME",
-        help="attention backend for every layer, an error if it does not fit; 'fastest' "
-        "times the backends that fit on this machine and takes the fastest (cached) "
-        f"(default: ${ENV_VAR} if set, else the selector's choice)",
+        help="attention backend for every layer, an error if it does not fit; DECODE,PREFILL "
+        "runs decodes on one backend and prefills on another over one KV cache; 'fastest' "
+        "times the backends that fit on this machine and takes the fastest (cached), as such a "
+        f"pair when the decode and prefill choices differ and can share a cache (default: "
+        f"${ENV_VAR} if set, else the selector's choice)",
     )
     for flag, field, number, metavar, default, text in (
         ("--max-tokens", "max_tokens", int, "N", 128, "most tokens to generate per prompt"),
@@ -168,30 +170,40 @@ def _check_prompts(
             )
 
 
-def _explain_layers(llm, backend: str | None, console: Console) -> None:
-    """The selector's verdict for each distinct layer configuration of the model."""
+def _explain_layers(llm, console: Console) -> None:
+    """The selector's verdict for each distinct layer configuration of the model, with the
+    backends its layers run on marked (`chosen`, or `decode` and `prefill` for a pair)."""
     from anyattn.selector import explain
     from anyattn.types import DeviceInfo
 
     device = DeviceInfo.current(llm.device)
-    configs: dict[object, str] = {}
+    configs: dict[object, object] = {}
     for layer in llm.model.attention_layers():
-        configs.setdefault(layer.config, layer.layer_name)  # the first layer of each config
-    for config, first_layer in configs.items():
-        result = explain(config, device, backend)
-        console.print(f"selection for {first_layer} (and layers like it):")
+        configs.setdefault(layer.config, layer)  # the first layer of each config
+    for config, layer in configs.items():
+        result = explain(config, device, layer.backend.get_name())
+        prefill = getattr(layer, "prefill_backend", None)
+        decode = layer.backend.get_name()
+        marks = {decode: "chosen"}
+        if prefill is not None:
+            marks = {decode: "chosen: decode", prefill.get_name(): "chosen: prefill"}
+        console.print(f"selection for {layer.layer_name} (and layers like it):")
         for verdict in result.verdicts:
             why = list(verdict.reasons) + ([verdict.unavailable] if verdict.unavailable else [])
-            mark = "chosen" if verdict.name == result.chosen else "; ".join(why) or "fits"
+            mark = marks.get(verdict.name) or "; ".join(why) or "fits"
             console.print(f"  {verdict.name}: {mark}")
 
 
 def _backends_by_layer(layers: Sequence[object]) -> str:
     """Runs of consecutive layers on one backend, `0-2 TORCH_MLA (MLA), 3 TORCH`: which backend
-    each attention layer got (MLA layers marked)."""
+    each attention layer got (MLA layers marked; a pair as `TORCH (decode) + FLEX_ATTENTION
+    (prefill)`)."""
     runs: list[tuple[int, int, str]] = []
     for index, layer in enumerate(layers):
         name = layer.backend.get_name() + (" (MLA)" if layer.config.use_mla else "")
+        prefill = getattr(layer, "prefill_backend", None)
+        if prefill is not None:
+            name = f"{name} (decode) + {prefill.get_name()} (prefill)"
         if runs and runs[-1][2] == name:
             runs[-1] = (runs[-1][0], index, name)
         else:
@@ -274,10 +286,10 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_tokens=args.max_tokens,
     )
-    requested, source = backend_request(args.backend)
+    requested, source = backend_request(args.backend, allow_pair=True)
     how = "chosen by the selector" if requested is None else f"requested by {source}"
     if requested is not None and requested.strip().lower() == FASTEST:
-        how = f"measured, fastest overall, requested by {source}"
+        how = f"measured per phase, requested by {source}"
     prompts = args.prompts or [DEFAULT_PROMPT]
     start = time.perf_counter()
     path, context, tokenizer = _read_model(args.model)
@@ -298,8 +310,10 @@ def run_generate(args: argparse.Namespace) -> int:
         f"{', '.join(llm.backend_names)} ({how}; loaded in {time.perf_counter() - start:.1f} s)"
     )
     err.print(f"backend per layer: {_backends_by_layer(llm.model.attention_layers())}")
+    for note in llm.backend_notes:
+        err.print(f"backends: {note}")
     if args.verbose:
-        _explain_layers(llm, args.backend, err)
+        _explain_layers(llm, err)
     start = time.perf_counter()
     if len(prompts) == 1:
         tokens = _stream_one(llm, prompts[0], params, args.chat, err)

@@ -1,9 +1,11 @@
 """`KVCacheGroup`: attention layers that share one backend and one KV-cache spec (an
 `AttentionSpec`, or an `MLAAttentionSpec` for MLA's latent cache), and the one metadata builder
-serving them (a plain model has one group; Gemma2's sliding and global layers make two). Every
-group reads the engine's block table and slot mapping; a group whose kernel block is smaller
-than the engine block reads the table expanded to kernel blocks (slot numbers are the same in
-both)."""
+serving them (a plain model has one group; Gemma2's sliding and global layers make two). A
+per-phase group also has a prefill backend and its builder: decode requests run on the first,
+prefill requests on the second, over one cache per layer in the layout both take
+(docs/per_phase.md). Every group reads the engine's block table and slot mapping; a group whose
+kernel block is smaller than the engine block reads the table expanded to kernel blocks (slot
+numbers are the same in both)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from anyattn.backend import AttentionBackend, AttentionMetadataBuilder
 from anyattn.config import AttentionSpec
 from anyattn.metadata import CommonAttentionMetadata, expand_block_table
+from anyattn.types import KVCacheLayout
 
 __all__ = ["KVCacheGroup", "in_kernel_blocks"]
 
@@ -23,7 +26,10 @@ class KVCacheGroup:
     """Layers that share a backend and a KV-cache spec, and the one builder serving them.
 
     `num_query_heads`: the most query heads of its layers (for the cascade cost model);
-    `has_alibi`: whether any of them biases by ALiBi (which rules cascade attention out).
+    `has_alibi`: whether any of them biases by ALiBi (which rules cascade attention out);
+    `prefill_backend`, `prefill_builder`: the prefill rows' backend and builder of a per-phase
+    group (None: one backend for every row); `layout`: the caches' physical layout (None: the
+    backend's preferred one).
     """
 
     backend: type[AttentionBackend]
@@ -33,6 +39,16 @@ class KVCacheGroup:
     kernel_block_size: int
     num_query_heads: int
     has_alibi: bool = False
+    prefill_backend: type[AttentionBackend] | None = None
+    prefill_builder: AttentionMetadataBuilder | None = None
+    layout: KVCacheLayout | None = None
+
+    def describe(self) -> str:
+        """The backend name, or `"DEC (decode) + PRE (prefill)"` for a per-phase group."""
+        name = self.backend.get_name()
+        if self.prefill_backend is None:
+            return name
+        return f"{name} (decode) + {self.prefill_backend.get_name()} (prefill)"
 
 
 def in_kernel_blocks(

@@ -29,6 +29,11 @@ from anyattn.engine.arguments import (
     parse_device,
     parse_memory,
 )
+from anyattn.engine.backend_choice import (
+    parse_backend_request,
+    use_backend_pair,
+    use_fastest_backends,
+)
 from anyattn.engine.block_manager import BlockManager
 from anyattn.engine.detokenizer import OutputText
 from anyattn.engine.loader import load_model
@@ -39,7 +44,6 @@ from anyattn.engine.sampling_params import SamplingParams
 from anyattn.engine.scheduler import ScheduledBatch, Scheduler
 from anyattn.engine.sequence import Sequence as Request
 from anyattn.engine.sequence import SequenceStatus
-from anyattn.selector import ENV_VAR, FASTEST, select_backend
 from anyattn.types import parse_dtype
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
@@ -64,10 +68,14 @@ class LLM:
     Args:
         model: a GGUF file or a Hugging Face folder (config.json + safetensors); default: the
             embedded SmolLM2-135M-Instruct GGUF.
-        backend: an attention backend name to use for every layer instead of selecting one;
-            "fastest" (or `ANYATTN_BACKEND=fastest`) times the backends that fit each layer
-            config under this engine's limits and takes the fastest overall
-            (`anyattn.selector.measure_backends`; cached on disk).
+        backend: an attention backend name (or class) to use for every layer instead of
+            selecting one; a pair `("TRITON", "FLASHINFER")` or `"TRITON,FLASHINFER"` runs
+            decodes on the first and prefills (and the prefill rows of mixed steps) on the
+            second over one KV cache (docs/per_phase.md); "fastest" (or
+            `ANYATTN_BACKEND=fastest`) times the backends that fit each layer config under this
+            engine's limits and takes the decode and prefill choices as such a pair when they
+            differ and can share a cache, else the fastest overall
+            (`anyattn.selector.measure_backends`; cached on disk; `backend_notes` says which).
         dtype: model dtype; default float32 on the CPU, bfloat16 on CUDA.
         device: "cpu" or "cuda"; default CUDA when available.
         block_size: KV block size; default 16.
@@ -85,7 +93,7 @@ class LLM:
     def __init__(
         self,
         model: str | os.PathLike | None = None,
-        backend: str | None = None,
+        backend: str | type | tuple[str | type, str | type] | None = None,
         dtype: str | torch.dtype | None = None,
         device: str | torch.device | None = None,
         block_size: int | None = None,
@@ -118,14 +126,13 @@ class LLM:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"LLM: {name} must be a positive int (got {value!r}).")
         memory = parse_memory(kv_cache_memory)
-        requested = backend if backend is not None else os.environ.get(ENV_VAR, "")
-        is_fastest = isinstance(requested, str) and requested.strip().lower() == FASTEST
+        request = parse_backend_request(backend)
         loaded = load_model(
             model,
             dtype=self.dtype,
             device=self.device,
             block_size=self.block_size,
-            backend=None if is_fastest else backend,
+            backend=request.backend,
             kv_cache_dtype=kv_cache_dtype,
             max_positions=_DEFAULT_MAX_MODEL_LEN if max_model_len is None else max_model_len,
         )
@@ -141,8 +148,12 @@ class LLM:
                 f"expected <= {context})."
             )
         limits = BatchLimits(max_num_seqs, max_num_batched_tokens, self.max_model_len)
-        if is_fastest:
-            self._use_fastest_backends(limits)
+        # what the layers run on beyond one backend each, and why (also logged)
+        self.backend_notes: list[str] = []
+        if request.is_fastest:
+            self.backend_notes = use_fastest_backends(self.model, self.device, limits)
+        elif request.prefill_backend is not None:
+            self.backend_notes = [use_backend_pair(self.model, request.prefill_backend)]
         num_blocks = self._num_blocks(memory, kv_cache_dtype, limits)
         self.runner = ModelRunner(
             self.model,
@@ -187,26 +198,9 @@ class LLM:
             )
         return num_blocks
 
-    def _use_fastest_backends(self, limits: BatchLimits) -> None:
-        """Measure each distinct layer config under the engine's limits (cached on disk) and
-        run its layers on the fastest backend overall."""
-        chosen: dict[object, type] = {}
-        for layer in self.model.attention_layers():
-            if layer.config not in chosen:
-                chosen[layer.config] = select_backend(
-                    layer.config,
-                    self.device,
-                    policy=FASTEST,
-                    limits=limits,
-                    layer_params=layer.impl.layer_params(),
-                    progress=True,
-                )
-            if layer.backend is not chosen[layer.config]:
-                layer.use_backend(chosen[layer.config])
-
     @property
     def backend_names(self) -> list[str]:
-        """The attention backends the layers run on."""
+        """The attention backends the layers run on (both of a per-phase pair)."""
         return self.runner.backend_names
 
     # --- requests ----------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """ModelRunner: lays out each step from the running requests' `InputBatch`, builds attention
-metadata once per KV-cache group (`kv_cache_group.py`), runs the model, and returns the logits
-of the requests that need a next token. On CUDA, uniform decode steps replay CUDA graphs when
+metadata once per KV-cache group (`kv_cache_group.py`; a per-phase group's decodes and prefills
+by their own builders, `phase_split.py`), runs the model, and returns the logits of the
+requests that need a next token. On CUDA, uniform decode steps replay CUDA graphs when
 every group's backend allows it (`cuda_graphs.py`); one log line says whether, or why not.
 """
 
@@ -22,13 +23,18 @@ from anyattn.engine.cuda_graphs import (
 )
 from anyattn.engine.input_batch import InputBatch, StepInputs
 from anyattn.engine.kv_cache_group import KVCacheGroup, in_kernel_blocks
+from anyattn.engine.phase_split import build_by_phase, split_threshold
 from anyattn.kv_cache import allocate_kv_cache
+from anyattn.kv_cache_sharing import KVCacheNotShareableError, SharedKVCache, plan_shared_kv_cache
 from anyattn.layer import Attention
 from anyattn.metadata import CommonAttentionMetadata
 from anyattn.mla_layer import MLAAttention
 from anyattn.types import AttentionCGSupport
 
 logger = logging.getLogger(__name__)
+
+# (backend, prefill backend of a per-phase group or None, KV-cache spec in kernel blocks)
+GroupKey = tuple[type[AttentionBackend], type[AttentionBackend] | None, AttentionSpec]
 
 __all__ = ["KVCacheGroup", "ModelRunner", "StepOutput"]
 
@@ -85,23 +91,17 @@ class ModelRunner:
             )
         specs = self._group_specs(attention_layers, kv_cache_dtype)
         self.cuda_graph_plan, self.limits = self._plan_cuda_graphs(specs, limits, enforce_eager)
-        self.groups = [
-            KVCacheGroup(
-                backend,
-                spec,
-                names,
-                backend.get_builder_cls()(
-                    spec,
-                    {name: layers[name].impl.layer_params() for name in names},
-                    self.limits,
-                    self.device,
-                ),
-                spec.block_size,
-                max(layers[name].num_heads for name in names),
-                any(layers[name].config.has_alibi for name in names),
-            )
-            for (backend, spec), names in specs.items()
+        self.groups = [self._make_group(key, names, layers) for key, names in specs.items()]
+        # Every group's batch is laid out decodes first at one threshold (`_order`).
+        thresholds = [g.builder.reorder_batch_threshold for g in self.groups]
+        thresholds += [split_threshold(g) for g in self.groups if g.prefill_builder is not None]
+        thresholds += [
+            g.prefill_builder.reorder_batch_threshold
+            for g in self.groups
+            if g.prefill_builder is not None
         ]
+        known = [t for t in thresholds if t is not None]
+        self.decode_threshold: int | None = min(known) if known else None
         self.kv_caches: dict[str, torch.Tensor] = {}
         for group in self.groups:
             kernel_blocks = num_blocks * (block_size // group.kernel_block_size)
@@ -114,6 +114,7 @@ class ModelRunner:
                     group.spec.head_size,
                     dtype,
                     kv_cache_dtype,
+                    layout=group.layout,
                     device=self.device,
                 )
         self.cuda_graphs: CudaGraphRunner | None = None
@@ -131,7 +132,7 @@ class ModelRunner:
 
     def _plan_cuda_graphs(
         self,
-        specs: dict[tuple[type[AttentionBackend], AttentionSpec], list[str]],
+        specs: dict[GroupKey, list[str]],
         limits: BatchLimits,
         enforce_eager: bool,
     ) -> tuple[CudaGraphPlan, BatchLimits]:
@@ -141,7 +142,8 @@ class ModelRunner:
             sizes = default_capture_sizes(limits.max_num_reqs, limits.max_num_tokens)
             limits = replace(limits, cudagraph_capture_sizes=sizes)
         levels: dict[str, AttentionCGSupport] = {}
-        for backend, spec in specs:
+        # Graph steps are pure decodes: a per-phase group runs them on its decode backend alone.
+        for backend, _, spec in specs:
             level = backend.get_builder_cls().get_cudagraph_support(spec, limits)
             name = backend.get_name()
             levels[name] = min(level, levels.get(name, level))
@@ -164,29 +166,86 @@ class ModelRunner:
 
     def _group_specs(
         self, layers: list[Attention | MLAAttention], kv_cache_dtype: str
-    ) -> dict[tuple[type[AttentionBackend], AttentionSpec], list[str]]:
-        """(backend, spec) -> layer names, in layer order; each layer gives its own spec (an
-        `AttentionSpec`, or an `MLAAttentionSpec` for a latent cache) in kernel blocks."""
-        by_key: dict[tuple[type[AttentionBackend], AttentionSpec], list[str]] = {}
+    ) -> dict[GroupKey, list[str]]:
+        """(backend, prefill backend or None, spec) -> layer names, in layer order; each layer
+        gives its own spec (an `AttentionSpec`, or an `MLAAttentionSpec` for a latent cache) in
+        kernel blocks: for a per-phase layer the kernel block both backends read.
+
+        Raises:
+            ValueError: a per-phase layer whose two backends cannot share its cache (why).
+        """
+        by_key: dict[GroupKey, list[str]] = {}
         for layer in layers:
-            kernel = layer.backend.get_kernel_block_size(self.block_size)
+            prefill = getattr(layer, "prefill_backend", None)
+            if prefill is None:
+                kernel = layer.backend.get_kernel_block_size(self.block_size)
+            else:
+                kernel = self._shared_cache(layer, prefill, kv_cache_dtype).kernel_block_size
             spec = layer.kv_cache_spec(kernel, self.dtype, kv_cache_dtype)
-            by_key.setdefault((layer.backend, spec), []).append(layer.layer_name)
+            by_key.setdefault((layer.backend, prefill, spec), []).append(layer.layer_name)
         return by_key
+
+    def _shared_cache(
+        self, layer: Attention, prefill: type[AttentionBackend], kv_cache_dtype: str
+    ) -> SharedKVCache:
+        try:
+            return plan_shared_kv_cache(
+                (layer.backend, prefill),
+                block_size=self.block_size,
+                num_kv_heads=layer.num_kv_heads,
+                head_size=layer.head_size,
+                kv_cache_dtype=kv_cache_dtype,
+            )
+        except KVCacheNotShareableError as error:
+            raise KVCacheNotShareableError(
+                f"ModelRunner: layer {layer.layer_name!r} cannot run decodes on "
+                f"{layer.backend.get_name()} and prefills on {prefill.get_name()}: {error} Run "
+                "it on one backend."
+            ) from None
+
+    def _make_group(
+        self, key: GroupKey, names: list[str], layers: dict[str, Attention | MLAAttention]
+    ) -> KVCacheGroup:
+        """The group of `names`: its builder (and the prefill builder of a per-phase group,
+        each made with its own impls' records) and its caches' layout."""
+        backend, prefill, spec = key
+
+        def builder(backend_cls: type[AttentionBackend], impl_attr: str) -> object:
+            records = {name: getattr(layers[name], impl_attr).layer_params() for name in names}
+            return backend_cls.get_builder_cls()(spec, records, self.limits, self.device)
+
+        layout = None
+        if prefill is not None:
+            shared = self._shared_cache(layers[names[0]], prefill, spec.kv_cache_dtype)
+            layout = shared.layout
+        return KVCacheGroup(
+            backend,
+            spec,
+            names,
+            builder(backend, "impl"),
+            spec.block_size,
+            max(layers[name].num_heads for name in names),
+            any(layers[name].config.has_alibi for name in names),
+            prefill_backend=prefill,
+            prefill_builder=None if prefill is None else builder(prefill, "prefill_impl"),
+            layout=layout,
+        )
 
     @property
     def backend_names(self) -> list[str]:
-        return sorted({g.backend.get_name() for g in self.groups})
+        """Every backend the groups run on (both of a per-phase group)."""
+        names = {g.backend.get_name() for g in self.groups}
+        names |= {g.prefill_backend.get_name() for g in self.groups if g.prefill_backend}
+        return sorted(names)
 
     def _order(self, num_new: np.ndarray) -> np.ndarray:
-        """Batch order every builder accepts: decodes first when one asks (stable)."""
-        thresholds = [g.builder.reorder_batch_threshold for g in self.groups]
-        thresholds = [t for t in thresholds if t is not None]
-        if not thresholds:
+        """Batch order every builder accepts: decodes first when one asks, or when a group runs
+        phases on different backends (stable)."""
+        if self.decode_threshold is None:
             return np.arange(len(num_new))
         # One layout serves every group; the smallest threshold keeps each group's leading
         # decodes within its own threshold.
-        is_decode = num_new <= min(thresholds)
+        is_decode = num_new <= self.decode_threshold
         return np.concatenate([np.flatnonzero(is_decode), np.flatnonzero(~is_decode)])
 
     def execute(self, batch: InputBatch, slots: np.ndarray, num_new: np.ndarray) -> StepOutput:
@@ -264,17 +323,34 @@ class ModelRunner:
         used_prefix = 0
         for group in self.groups:
             group_common = in_kernel_blocks(group, common, self.block_size)
-            cascade = prefix_len > 0 and group.builder.use_cascade_attention(
-                prefix_len,
-                query_lens,
-                num_query_heads=group.num_query_heads,
-                num_kv_heads=group.spec.num_kv_heads,
-                use_alibi=group.has_alibi,
-                use_sliding_window=group.spec.sliding_window is not None,
-                num_sms=self.num_sms,
-            )
-            built = group.builder.build(prefix_len if cascade else 0, group_common)
-            used_prefix = max(used_prefix, prefix_len if cascade else 0)
+
+            def cascade_len(builder: object, lens: np.ndarray, group: KVCacheGroup = group) -> int:
+                return self._cascade_len(group, builder, prefix_len, lens)
+
+            if group.prefill_builder is None:
+                prefix = cascade_len(group.builder, query_lens)
+                built: object = group.builder.build(prefix, group_common)
+            else:
+                assert self.decode_threshold is not None  # a per-phase group sets one
+                built, prefix = build_by_phase(
+                    group, group_common, self.decode_threshold, cascade_len
+                )
+            used_prefix = max(used_prefix, prefix)
             for name in group.layer_names:
                 metadata[name] = built
         return metadata, used_prefix
+
+    def _cascade_len(
+        self, group: KVCacheGroup, builder: object, prefix_len: int, query_lens: np.ndarray
+    ) -> int:
+        """`prefix_len` when `builder` runs this step's shared prefix by cascade, else 0."""
+        cascade = prefix_len > 0 and builder.use_cascade_attention(
+            prefix_len,
+            query_lens,
+            num_query_heads=group.num_query_heads,
+            num_kv_heads=group.spec.num_kv_heads,
+            use_alibi=group.has_alibi,
+            use_sliding_window=group.spec.sliding_window is not None,
+            num_sms=self.num_sms,
+        )
+        return prefix_len if cascade else 0

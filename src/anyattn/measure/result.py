@@ -1,5 +1,5 @@
-"""The result of a measured selection: steps, times, choices per phase, and whether the phase
-choices could share one KV cache.
+"""The result of a measured selection: steps, times, choices per phase, whether the decode and
+prefill choices could share one KV cache, and so whether an engine runs them as a pair.
 
 `Measurement` is what `anyattn.selector.measure_backends` returns and what the cache stores
 (`to_dict` / `from_dict`; choices are recomputed from the stored times on load, so a cached
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from anyattn.backend import AttentionBackend
 from anyattn.config import AttentionSelectorConfig
+from anyattn.kv_cache_sharing import KVCacheNotShareableError, plan_shared_kv_cache
 from anyattn.layer_params import LayerParams
 from anyattn.measure.policy import OVERALL, PhaseChoice, choose
 from anyattn.measure.steps import MeasureStep, Phase
@@ -32,9 +33,11 @@ class Measurement:
         timings: backend -> step name -> `StepTiming`.
         rejected: backend -> why it was not timed (oracle check failed, or it raised).
         choices: "decode", "prefill", "mixed" (those with steps) and "overall" -> `PhaseChoice`.
-        kv_cache_shared: whether the phase choices can share one KV cache (same shape, kernel
-            block size, layout and cache dtype), so an engine may run them on one cache.
+        kv_cache_shared: whether the decode and prefill choices can share one KV cache (a
+            kernel block size, layout and cache dtype both take, the same logical shape:
+            `anyattn.kv_cache_sharing`), so an engine may run them on one cache.
         kv_cache_note: why, or why not.
+        is_mla: the config is MLA (the engine runs MLA layers on one backend per layer).
         timing_s: wall seconds of checking and timing (0 when read from the cache).
         from_cache: whether this came from the on-disk cache.
         cache_note: what the cache did ("used <path>", "saved to <path>", "cache off", ...).
@@ -47,6 +50,7 @@ class Measurement:
     rejected: Mapping[str, str]
     kv_cache_shared: bool
     kv_cache_note: str
+    is_mla: bool = False
     timing_s: float = 0.0
     from_cache: bool = False
     cache_note: str = ""
@@ -65,6 +69,37 @@ class Measurement:
     def overall(self) -> str | None:
         """The single best backend over every step."""
         return self.choice(OVERALL)
+
+    @property
+    def phase_pair(self) -> tuple[str, str] | None:
+        """`(decode, prefill)` when the engine runs the phases on two backends: they differ and
+        can share one KV cache (and the layer is not MLA); else None (the overall choice
+        serves every step)."""
+        decode, prefill = self.choice(Phase.DECODE), self.choice(Phase.PREFILL)
+        if decode is None or prefill is None or decode == prefill:
+            return None
+        return None if self.is_mla or not self.kv_cache_shared else (decode, prefill)
+
+    def pair_note(self) -> str:
+        """What an engine runs on this measurement, and why not a per-phase pair."""
+        decode, prefill = self.choice(Phase.DECODE), self.choice(Phase.PREFILL)
+        pair = self.phase_pair
+        if pair is not None:
+            return (
+                f"per-phase pair used: decodes on {pair[0]}, prefills (and the prefill rows of "
+                f"mixed steps) on {pair[1]}; {self.kv_cache_note}"
+            )
+        one = f"one backend, {self.overall} (overall), for every step"
+        if decode is None or prefill is None:
+            return f"{one}: no decode or no prefill step was timed"
+        if decode == prefill:
+            return f"{one}: decode and prefill both chose {decode}"
+        if self.is_mla:
+            return f"{one}: the engine runs MLA layers on one backend for every phase"
+        return (
+            f"{one}: {decode} (decode) and {prefill} (prefill) cannot share one KV cache "
+            f"({self.kv_cache_note})"
+        )
 
     def first_calls_s(self, backend: str) -> float:
         """Seconds of `backend`'s first calls beyond their steady state, summed over the
@@ -90,6 +125,8 @@ class Measurement:
             "first_calls_s": {b: self.first_calls_s(b) for b in self.timings},
             "kv_cache_shared": self.kv_cache_shared,
             "kv_cache_note": self.kv_cache_note,
+            "is_mla": self.is_mla,
+            "engine": self.pair_note(),
             "timing_s": self.timing_s,
             "from_cache": self.from_cache,
             "cache_note": self.cache_note,
@@ -114,6 +151,7 @@ class Measurement:
             rejected={str(k): str(v) for k, v in data["rejected"].items()},  # type: ignore[attr-defined]
             kv_cache_shared=bool(data["kv_cache_shared"]),
             kv_cache_note=str(data["kv_cache_note"]),
+            is_mla=bool(data["is_mla"]),
             from_cache=True,
             cache_note=cache_note,
         )
@@ -124,28 +162,20 @@ def kv_cache_compatibility(
     config: AttentionSelectorConfig,
     layer: LayerParams,
 ) -> tuple[bool, str]:
-    """Whether `backends` can run on one KV cache for `config`: the same logical shape, kernel
-    block size, preferred physical layout (stride order) and cache dtype."""
+    """Whether `backends` (the decode choice first, then the prefill choice) can run on one KV
+    cache for `config` (`anyattn.kv_cache_sharing.plan_shared_kv_cache` at the config's block
+    size, else 16), and the plan or why not."""
     unique = list(dict.fromkeys(backends))
     if len(unique) < 2:
         return True, "one backend for every phase"
-    block_size = config.block_size or unique[0].get_preferred_block_size(16)
-    heads = 1 if config.use_mla else layer.num_kv_heads
-
-    def layout_of(backend: type[AttentionBackend]) -> tuple[object, ...]:
-        kernel = backend.get_kernel_block_size(block_size)
-        shape = backend.get_kv_cache_shape(8, kernel, heads, layer.head_size, config.kv_cache_dtype)
-        order = backend.get_kv_cache_stride_order(backend.supported_kv_cache_layouts()[0])
-        return kernel, tuple(shape), tuple(order), config.cache_dtype
-
-    first = layout_of(unique[0])
-    for other in unique[1:]:
-        theirs = layout_of(other)
-        if theirs != first:
-            fields = ("kernel block size", "shape", "layout", "cache dtype")
-            differs = [f for f, a, b in zip(fields, first, theirs, strict=True) if a != b]
-            return False, (
-                f"{unique[0].get_name()} and {other.get_name()} differ in {', '.join(differs)}"
-            )
-    names = " and ".join(b.get_name() for b in unique)
-    return True, f"{names} share the cache shape, kernel block size, layout and dtype"
+    try:
+        shared = plan_shared_kv_cache(
+            unique,
+            block_size=config.block_size or unique[0].get_preferred_block_size(16),
+            num_kv_heads=1 if config.use_mla else layer.num_kv_heads,
+            head_size=layer.head_size,
+            kv_cache_dtype=config.kv_cache_dtype,
+        )
+    except KVCacheNotShareableError as error:
+        return False, str(error)
+    return True, shared.describe()

@@ -32,7 +32,7 @@ from anyattn.measure.inputs import prepare_step
 from anyattn.measure.layer_shape import resolve_layer
 from anyattn.measure.policy import choose
 from anyattn.measure.result import Measurement, kv_cache_compatibility
-from anyattn.measure.steps import MeasureStep, measurement_steps
+from anyattn.measure.steps import MeasureStep, Phase, measurement_steps
 from anyattn.measure.timing import StepTiming, Timer, time_prepared
 from anyattn.measure.verify import check_against_oracle
 
@@ -176,7 +176,10 @@ def measure_candidates(
     timing_s = time.perf_counter() - start
     order = tuple(b.get_name() for b in candidates)
     by_name = {b.get_name(): b for b in candidates}
-    chosen = [by_name[c.backend] for c in choose(steps, order, timings).values()]
+    choices = choose(steps, order, timings)
+    # The pair an engine would run: decodes on the decode choice, prefills on the prefill's.
+    phases = [p.value for p in (Phase.DECODE, Phase.PREFILL) if p.value in choices]
+    chosen = [by_name[choices[p].backend] for p in phases]
     shared, why = kv_cache_compatibility(chosen, config, layer)
     result = Measurement(
         device=str(device_identity(device)["name"]),
@@ -186,6 +189,7 @@ def measure_candidates(
         rejected=rejected,
         kv_cache_shared=shared,
         kv_cache_note=why,
+        is_mla=config.use_mla,
         timing_s=timing_s,
     )
     if use_cache:

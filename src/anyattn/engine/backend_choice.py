@@ -1,0 +1,154 @@
+"""What `LLM(backend=...)` asks for, and moving the loaded model's layers onto it.
+
+Accepted requests (docs/per_phase.md):
+- None: the selector's static order (it reads `ANYATTN_BACKEND` itself);
+- a backend name or class: every layer on it;
+- a pair, `("TRITON", "FLASHINFER")` or the text `"TRITON,FLASHINFER"` (also in
+  `ANYATTN_BACKEND`): decodes on the first, prefills (and the prefill rows of mixed steps) on
+  the second, over one KV cache per layer; refused when they cannot share one, or for MLA layers;
+- "fastest": measured per layer config (`anyattn.selector.measure_backends`); the decode and
+  prefill choices as a pair when they differ and can share a cache, else the overall choice,
+  with a note that says which and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from anyattn.backend import AttentionBackend
+from anyattn.config import BatchLimits
+from anyattn.registry import get_backend_class
+from anyattn.selector import ENV_VAR, FASTEST, measure_backends
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BackendRequest", "parse_backend_request", "use_backend_pair", "use_fastest_backends"]
+
+BackendArg = str | type[AttentionBackend]
+
+
+@dataclass(frozen=True, slots=True)
+class BackendRequest:
+    """A parsed `backend` argument.
+
+    Attributes:
+        backend: what the model is loaded with: the single or decode backend (None: the
+            selector chooses, also for "fastest", whose choice comes after the load).
+        prefill_backend: the prefill backend of a pair, else None.
+        is_fastest: measure and choose ("fastest").
+    """
+
+    backend: BackendArg | None
+    prefill_backend: BackendArg | None = None
+    is_fastest: bool = False
+
+
+def _pair(values: Sequence[object], source: str) -> BackendRequest:
+    if len(values) != 2 or not all(
+        isinstance(v, type) or (isinstance(v, str) and v.strip()) for v in values
+    ):
+        raise ValueError(
+            f"{source}: a backend pair is two backend names or classes, decode then prefill "
+            f"(got {values!r}, expected e.g. ('TRITON', 'FLASHINFER') or 'TRITON,FLASHINFER')."
+        )
+    decode, prefill = (v.strip() if isinstance(v, str) else v for v in values)
+    for value in (decode, prefill):
+        if isinstance(value, str) and value.lower() == FASTEST:
+            raise ValueError(
+                f"{source}: 'fastest' chooses both phases itself (got it in the pair {values!r})."
+            )
+    return BackendRequest(decode, prefill)
+
+
+def parse_backend_request(backend: object) -> BackendRequest:
+    """Parse `LLM`'s `backend` argument (None: `$ANYATTN_BACKEND` for "fastest" or a pair).
+
+    Raises:
+        TypeError: not a name, a backend class, a pair of them, or None.
+        ValueError: a pair that is not two names or classes.
+    """
+    source = "LLM: backend"
+    if backend is None:
+        text = os.environ.get(ENV_VAR, "").strip()
+        if text.lower() == FASTEST:
+            return BackendRequest(None, is_fastest=True)
+        if "," in text:
+            return _pair(text.split(","), ENV_VAR)
+        return BackendRequest(None)  # the selector reads the variable itself
+    if isinstance(backend, str):
+        if backend.strip().lower() == FASTEST:
+            return BackendRequest(None, is_fastest=True)
+        return _pair(backend.split(","), source) if "," in backend else BackendRequest(backend)
+    if isinstance(backend, type):
+        return BackendRequest(backend)
+    if isinstance(backend, tuple | list):
+        return _pair(list(backend), source)
+    raise TypeError(
+        f"{source} must be a backend name, a backend class, a (decode, prefill) pair of them, "
+        f"or 'fastest' (got {type(backend).__name__})."
+    )
+
+
+def _as_class(backend: BackendArg) -> type[AttentionBackend]:
+    return backend if isinstance(backend, type) else get_backend_class(backend)
+
+
+def use_backend_pair(model: torch.nn.Module, prefill_backend: BackendArg) -> str:
+    """Run every attention layer's prefill rows on `prefill_backend` (its decodes stay on the
+    backend it was loaded with); returns a note for the log.
+
+    Raises:
+        ValueError: an MLA layer (MLA layers run one backend), or a layer whose two backends
+            cannot share its cache (`Attention.use_backend` says why).
+    """
+    prefill = _as_class(prefill_backend)
+    layers = list(model.attention_layers())
+    for layer in layers:
+        if layer.config.use_mla:
+            raise ValueError(
+                f"LLM: backend pair for MLA layer {layer.layer_name!r} (got decode "
+                f"{layer.backend.get_name()}, prefill {prefill.get_name()}; MLA layers run one "
+                "backend for every phase). Pass one MLA backend name."
+            )
+    for layer in layers:
+        layer.use_backend(layer.backend, prefill_backend=prefill)
+    decode = ", ".join(sorted({layer.backend.get_name() for layer in layers}))
+    return f"decodes on {decode}, prefills on {prefill.get_name()} (requested)"
+
+
+def use_fastest_backends(
+    model: torch.nn.Module, device: torch.device, limits: BatchLimits
+) -> list[str]:
+    """Measure each distinct layer config under the engine's limits (cached on disk) and move
+    its layers onto the measured choice: the decode and prefill choices as a pair when the
+    measurement says so (`Measurement.phase_pair`), else the overall choice. Returns one note
+    per config (`Measurement.pair_note`), also logged."""
+    notes: list[str] = []
+    chosen: dict[object, tuple[type[AttentionBackend], type[AttentionBackend] | None]] = {}
+    for layer in model.attention_layers():
+        if layer.config not in chosen:
+            measured = measure_backends(
+                layer.config,
+                limits,
+                device,
+                layer_params=layer.impl.layer_params(),
+                progress=True,
+            )
+            pair = measured.phase_pair
+            if pair is None:
+                chosen[layer.config] = (get_backend_class(measured.overall), None)
+            else:
+                chosen[layer.config] = (get_backend_class(pair[0]), get_backend_class(pair[1]))
+            notes.append(f"{layer.layer_name} (and layers like it): {measured.pair_note()}")
+            logger.info("measured backends: %s", notes[-1])
+        backend, prefill = chosen[layer.config]
+        if prefill is not None:
+            layer.use_backend(backend, prefill_backend=prefill)
+        elif layer.backend is not backend:
+            layer.use_backend(backend)
+    return notes

@@ -1,0 +1,131 @@
+"""A step split by phase: its leading decode requests and the (fresh or chunked) prefills after
+them, each described by its own `CommonAttentionMetadata` and built by its own backend's builder
+(docs/per_phase.md).
+
+`split_by_phase` cuts a decodes-first step in two; `PhaseSplitMetadata` is what a per-phase
+layer (`anyattn.layer.Attention` with a prefill backend) receives: the whole step (whose slot
+mapping the layer writes once) and the two parts' built metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from anyattn.metadata import CommonAttentionMetadata
+
+__all__ = ["PhaseSplitMetadata", "split_by_phase"]
+
+
+@dataclass(frozen=True)
+class PhaseSplitMetadata:
+    """One step of a layer that runs decodes and prefills on different backends.
+
+    Rows `[0, num_decode_tokens)` of the step's tokens are its decode requests' (built by the
+    decode backend's builder into `decode`), rows `[num_decode_tokens, num_actual_tokens)` its
+    prefill requests' (built by the prefill backend's builder into `prefill`); a part without
+    requests is None.
+
+    Attributes:
+        common_attn_metadata: the whole step; the layer writes K/V once with its `slot_mapping`.
+        num_decode_tokens: the decode part's tokens (the prefill part's first row).
+        decode: the decode backend's metadata over `split_by_phase`'s decode part, or None.
+        prefill: the prefill backend's metadata over its prefill part, or None.
+    """
+
+    common_attn_metadata: CommonAttentionMetadata
+    num_decode_tokens: int
+    decode: object | None
+    prefill: object | None
+
+    @property
+    def num_actual_tokens(self) -> int:
+        return self.common_attn_metadata.num_actual_tokens
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.common_attn_metadata.slot_mapping
+
+
+def _max(values: np.ndarray) -> int:
+    return int(values.max()) if values.size else 0
+
+
+def split_by_phase(
+    common: CommonAttentionMetadata, num_decodes: int
+) -> tuple[CommonAttentionMetadata | None, CommonAttentionMetadata | None]:
+    """Cut a decodes-first step after its first `num_decodes` requests.
+
+    The decode part holds requests `[0, num_decodes)` and their tokens `[0, D)`, D =
+    `query_start_loc[num_decodes]`; the prefill part the remaining requests, its offsets rebased
+    to start at 0, its slot mapping `slot_mapping[D:]` (padding past the real tokens stays with
+    it). Device tensors are views or device-side arithmetic (no synchronisation); the CPU
+    mirrors are read for the maxima.
+
+    Args:
+        common: the step, decodes first (`anyattn.metadata.split_decodes_and_prefills`).
+        num_decodes: requests in the decode part, `0 <= num_decodes <= common.num_reqs`.
+
+    Returns:
+        `(decode, prefill)`, each None when it has no request.
+
+    Raises:
+        TypeError: `num_decodes` is not an int.
+        ValueError: `num_decodes` outside `[0, num_reqs]`, or a cross-attention step.
+    """
+    num_reqs = common.num_reqs
+    if common.encoder_seq_lens_cpu is not None:
+        raise ValueError(
+            "split_by_phase: cross-attention steps are not split by phase (got encoder_seq_lens, "
+            "expected decoder attention). Build them with the layer's one builder."
+        )
+    if isinstance(num_decodes, bool) or not isinstance(num_decodes, int | np.integer):
+        raise TypeError(f"split_by_phase: num_decodes must be an int (got {num_decodes!r}).")
+    if not 0 <= num_decodes <= num_reqs:
+        raise ValueError(
+            f"split_by_phase: num_decodes outside the step (got {num_decodes}, expected 0 <= "
+            f"num_decodes <= num_reqs = {num_reqs})."
+        )
+    host = common.host_batch
+    num_decode_tokens = int(host.query_start_loc[num_decodes])
+    decode = prefill = None
+    if num_decodes:
+        decode = CommonAttentionMetadata(
+            query_start_loc=common.query_start_loc[: num_decodes + 1],
+            query_start_loc_cpu=common.query_start_loc_cpu[: num_decodes + 1],
+            seq_lens=common.seq_lens[:num_decodes],
+            seq_lens_cpu=common.seq_lens_cpu[:num_decodes],
+            num_computed_tokens_cpu=common.num_computed_tokens_cpu[:num_decodes],
+            num_reqs=num_decodes,
+            num_actual_tokens=num_decode_tokens,
+            max_query_len=_max(host.query_lens[:num_decodes]),
+            max_seq_len=_max(host.seq_lens[:num_decodes]),
+            block_table_tensor=common.block_table_tensor[:num_decodes],
+            slot_mapping=common.slot_mapping[:num_decode_tokens],
+            causal=common.causal,
+            block_table_cpu=common.block_table_cpu[:num_decodes],
+            slot_mapping_cpu=common.slot_mapping_cpu[:num_decode_tokens],
+        )
+    if num_decodes < num_reqs:
+        offset = common.query_start_loc[num_decodes : num_reqs + 1] - num_decode_tokens
+        offset_cpu = common.query_start_loc_cpu[num_decodes : num_reqs + 1] - num_decode_tokens
+        rows = slice(num_decodes, num_reqs)
+        prefill = CommonAttentionMetadata(
+            query_start_loc=offset.to(common.query_start_loc.dtype),
+            query_start_loc_cpu=offset_cpu.to(common.query_start_loc_cpu.dtype),
+            seq_lens=common.seq_lens[rows],
+            seq_lens_cpu=common.seq_lens_cpu[rows],
+            num_computed_tokens_cpu=common.num_computed_tokens_cpu[rows],
+            num_reqs=num_reqs - num_decodes,
+            num_actual_tokens=common.num_actual_tokens - num_decode_tokens,
+            max_query_len=_max(host.query_lens[num_decodes:]),
+            max_seq_len=_max(host.seq_lens[num_decodes:]),
+            block_table_tensor=common.block_table_tensor[rows],
+            slot_mapping=common.slot_mapping[num_decode_tokens:],
+            causal=common.causal,
+            block_table_cpu=common.block_table_cpu[rows],
+            slot_mapping_cpu=common.slot_mapping_cpu[num_decode_tokens:],
+        )
+    return decode, prefill
