@@ -11,7 +11,7 @@ each a common value of current models:
 | sliding_window | 4096 |
 | logits_soft_cap | 50.0 |
 | MLA qk_rope_head_dim | 64 (when the config does not say) |
-| MLA qk_nope_head_dim, v_head_dim | 128, 128 (DeepSeek-V2/V3) |
+| MLA qk_nope_head_dim, v_head_dim | 128, 128 (DeepSeek-V2/V3), each when the config does not say |
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ DEFAULT_MLA_V_DIM = 128
 
 def _mla_layer(config: AttentionSelectorConfig, num_heads: int) -> MLALayerParams:
     rope = config.qk_rope_head_dim or DEFAULT_MLA_ROPE_DIM
+    nope = config.qk_nope_head_dim or DEFAULT_MLA_NOPE_DIM
     if rope >= config.head_size:
         raise ValueError(
             f"measure: head_size {config.head_size} leaves no latent rank next to the default "
@@ -48,12 +49,12 @@ def _mla_layer(config: AttentionSelectorConfig, num_heads: int) -> MLALayerParam
         num_heads=num_heads,
         num_kv_heads=1,
         head_size=config.head_size,
-        scale=(DEFAULT_MLA_NOPE_DIM + rope) ** -0.5,
+        scale=(nope + rope) ** -0.5,
         kv_cache_dtype=config.kv_cache_dtype,
         kv_lora_rank=config.head_size - rope,
         qk_rope_head_dim=rope,
-        qk_nope_head_dim=DEFAULT_MLA_NOPE_DIM,
-        v_head_dim=DEFAULT_MLA_V_DIM,
+        qk_nope_head_dim=nope,
+        v_head_dim=config.v_head_dim or DEFAULT_MLA_V_DIM,
     )
 
 
