@@ -11,14 +11,19 @@ import torch
 
 from anyattn.registry import get_backend_class
 from anyattn.testing import (
+    MLA_SHAPES,
     KitMLALayer,
+    MLACase,
     build_mla_batch,
     check_backend,
     error_bound,
+    get_spec,
+    judge_mla_step,
     max_abs_error,
     mla_oracle,
     mla_step,
     plan_cases,
+    run_mla_step,
 )
 
 torch_mla = pytest.importorskip("anyattn.backends.torch_mla")
@@ -215,3 +220,35 @@ def test_three_or_more_context_chunks_give_the_unchunked_result() -> None:
         *inputs, *weights, *lengths, scale=case.scale, compute_dtype=torch.float32
     )
     assert max_abs_error(chunked.output[:n], ref64) <= error_bound(ref64, ref32, torch.float32)
+
+
+def test_judging_by_phase_names_the_wrong_path(register) -> None:
+    """`judge_mla_step(by_phase=True)`: one result per path and one for the exact checks."""
+
+    class WrongPrefill(TorchMLAImpl):
+        def forward_mha(self, layer, q, kv_c, k_pe, kv_cache, md, output):
+            super().forward_mha(layer, q, kv_c, k_pe, kv_cache, md, output)
+            output.mul_(1.05)
+
+    class NoRopeWrite(TorchMLAImpl):
+        def do_kv_cache_update(self, layer, kv_c_normed, k_pe, kv_cache, slot_mapping, md=None):
+            super().do_kv_cache_update(
+                layer, kv_c_normed, torch.zeros_like(k_pe), kv_cache, slot_mapping, md
+            )
+
+    case = MLACase("m", "mixed", get_spec("mixed", quick=True), shape=MLA_SHAPES[2])
+    cpu = torch.device("cpu")
+
+    def failed(backend) -> dict[str, str]:
+        step = run_mla_step(backend, case, cpu, torch.float32, seed=0)
+        results = judge_mla_step(case, *step, torch.float32, by_phase=True)
+        assert [r.name for r in results] == ["m.decode", "m.prefill", "m.exact"]
+        return {r.name: r.detail for r in results if not r.passed}
+
+    assert failed(TorchMLABackend) == {}
+    assert failed(_register_impl(register, "TEST_MLA_WRONG_PREFILL", WrongPrefill)) == {
+        "m.prefill": "error above bound"
+    }
+    careless = failed(_register_impl(register, "TEST_MLA_NO_ROPE_WRITE", NoRopeWrite))
+    assert set(careless) == {"m.decode", "m.exact"}
+    assert careless["m.exact"].startswith("KV cache differs from the expected writes")

@@ -20,7 +20,8 @@ MLA backends (`backend.is_mla()`) are checked by the same entry points: `plan_ca
 them `MLACase`s (`MLA_FEATURES`: the catalogue's batches at latent splits 512+64, 320+64 and
 64+16, a context read in several workspace chunks, fp8, ...), judged against `mla_oracle`
 (the up-projected form, float64) with the same tolerance rule; `build_mla_batch` and
-`KitMLALayer` are the pieces.
+`KitMLALayer` are the pieces, `run_mla_step` / `judge_mla_step` one case's run and judgement
+(by phase on request, as measured selection uses them).
 """
 
 from anyattn.testing.batch_spec import CATALOGUE, QUICK_CATALOGUE, BatchSpec, get_spec
@@ -31,7 +32,14 @@ from anyattn.testing.check import KitLayer, check_backend, run_case
 from anyattn.testing.mla_batch import MLABatch, build_mla_batch
 from anyattn.testing.mla_cache_io import read_latents, write_latents
 from anyattn.testing.mla_cases import MLA_FEATURES, MLA_SHAPES, MLACase, MLAShape, plan_mla_cases
-from anyattn.testing.mla_check import KitMLALayer, MLAStepResult, mla_step, run_mla_case
+from anyattn.testing.mla_check import (
+    KitMLALayer,
+    MLAStepResult,
+    judge_mla_step,
+    mla_step,
+    run_mla_case,
+    run_mla_step,
+)
 from anyattn.testing.mla_oracle import mla_oracle, mla_up_project
 from anyattn.testing.oracle import attention_oracle
 from anyattn.testing.paged import PagedBatch, build_batch, layer_records
@@ -66,6 +74,7 @@ __all__ = [
     "dequantize_kv",
     "error_bound",
     "get_spec",
+    "judge_mla_step",
     "layer_records",
     "max_abs_error",
     "mla_oracle",
@@ -78,6 +87,7 @@ __all__ = [
     "read_latents",
     "run_case",
     "run_mla_case",
+    "run_mla_step",
     "sweep_spec",
     "write_kv",
     "write_latents",

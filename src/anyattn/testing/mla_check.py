@@ -35,7 +35,14 @@ from anyattn.testing.mla_cases import MLACase
 from anyattn.testing.mla_oracle import mla_oracle
 from anyattn.testing.report import CaseResult
 
-__all__ = ["KitMLALayer", "MLAStepResult", "mla_step", "run_mla_case"]
+__all__ = [
+    "KitMLALayer",
+    "MLAStepResult",
+    "judge_mla_step",
+    "mla_step",
+    "run_mla_case",
+    "run_mla_step",
+]
 
 
 @dataclass
@@ -227,9 +234,26 @@ def _exact_problems(
     return problems
 
 
-def _judge(
-    case: MLACase, batch: MLABatch, layer: KitMLALayer, outcome: MLAStepResult, dtype: torch.dtype
+def judge_mla_step(
+    case: MLACase,
+    batch: MLABatch,
+    layer: KitMLALayer,
+    outcome: MLAStepResult,
+    dtype: torch.dtype,
+    *,
+    by_phase: bool = False,
 ) -> list[CaseResult]:
+    """Judge a step `run_mla_step` ran against `mla_oracle` and the exact checks.
+
+    Args:
+        by_phase: judge the decode rows (`<name>.decode`) and the prefill rows
+            (`<name>.prefill`) as two results, each against its own rows' bound, and the exact
+            checks as a third (`<name>.exact`), so that a failure says which path is wrong;
+            default: one result for the whole output, the exact checks folded in.
+
+    Returns:
+        The output's result(s), plus `<name>.lse` when the case checks the decode LSE.
+    """
     n, d = batch.num_actual_tokens, outcome.num_decode_tokens
     kv_c, k_pe = batch.oracle_latents(outcome.num_decodes)
     inputs = (batch.q_nope[:n], batch.q_pe[:n], kv_c, k_pe, batch.w_uk, batch.w_uv)
@@ -238,9 +262,22 @@ def _judge(
     ref_lowp, lse_lowp = mla_oracle(*inputs, *lengths, scale=case.scale, compute_dtype=dtype)
     problems = _exact_problems(case, batch, layer, outcome)
     output = outcome.output[:n]
-    results = [
-        judge_against_oracle(case.name, output, ref64, ref_lowp, dtype, problems, case.feature)
-    ]
+    if by_phase:
+        phases = {"decode": slice(0, d), "prefill": slice(d, n)}
+        results = []
+        for phase, rows in phases.items():
+            if rows.stop > rows.start:
+                name = f"{case.name}.{phase}"
+                args = (output[rows], ref64[rows], ref_lowp[rows], dtype, [], case.feature)
+                results.append(judge_against_oracle(name, *args))
+        detail = "; ".join(problems)
+        results.append(
+            CaseResult(f"{case.name}.exact", 0.0, 0.0, not problems, detail, case.feature)
+        )
+    else:
+        results = [
+            judge_against_oracle(case.name, output, ref64, ref_lowp, dtype, problems, case.feature)
+        ]
     if outcome.output_lse is not None:
         lse = outcome.output_lse.double()
         if not outcome.lse_base_on_e:
@@ -259,15 +296,15 @@ def _judge(
     return results
 
 
-def run_mla_case(
+def run_mla_step(
     backend: type[AttentionBackend],
     case: MLACase,
     device: torch.device,
     dtype: torch.dtype,
     seed: int,
-) -> list[CaseResult]:
-    """Run one MLA case (see `anyattn.testing.plan_cases`); raises what the backend raises
-    (`anyattn.testing.run_case` turns that into a failed result)."""
+) -> tuple[MLABatch, KitMLALayer, MLAStepResult]:
+    """Build `case`'s batch for a new impl of `backend` and run one step through it
+    (`mla_step`); raises what the backend raises. `judge_mla_step` judges what it returns."""
     impl = _make_impl(backend, case)
     # Impl first: the builder learns its layer before it builds, as in the engine.
     params = impl.layer_params()
@@ -293,5 +330,16 @@ def run_mla_case(
         batch.w_uv,
         new_latents=batch.kv_c[: batch.num_actual_tokens],
     )
-    outcome = mla_step(impl, layer, batch, case.check_lse)
-    return _judge(case, batch, layer, outcome, dtype)
+    return batch, layer, mla_step(impl, layer, batch, case.check_lse)
+
+
+def run_mla_case(
+    backend: type[AttentionBackend],
+    case: MLACase,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int,
+) -> list[CaseResult]:
+    """Run one MLA case (see `anyattn.testing.plan_cases`); raises what the backend raises
+    (`anyattn.testing.run_case` turns that into a failed result)."""
+    return judge_mla_step(case, *run_mla_step(backend, case, device, dtype, seed), dtype)
