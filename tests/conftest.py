@@ -4,6 +4,7 @@ measured-selection cache for every test, fake backends.
 Fixtures:
     make_backend: build a fake `AttentionBackend` class from a few declarations (no kernels).
     register: register a backend name for the current test only.
+    register_mla_variant: register a TORCH_MLA subclass with another impl under a test name.
     triton_interpreter: run a test file as a script under `TRITON_INTERPRET=1`.
 """
 
@@ -151,6 +152,27 @@ def register() -> Iterator[Callable[[str, str | type], str | type]]:
     yield _register
     for name in names:
         registry.unregister_backend(name)
+
+
+@pytest.fixture
+def register_mla_variant(register) -> Callable[..., type[AttentionBackend]]:
+    """`register_mla_variant(name, impl_cls, **attrs) -> backend`: a subclass of TORCH_MLA
+    named `name` whose impl is `impl_cls` (a `TorchMLAImpl` subclass, whose `backend` is set
+    to it), with class attributes `attrs` (e.g. `priority`), registered for this test."""
+    from anyattn.backends.torch_mla import TorchMLABackend
+
+    def make(name: str, impl_cls: type, **attrs: object) -> type[AttentionBackend]:
+        namespace = {
+            "get_name": staticmethod(lambda: name),
+            "get_impl_cls": staticmethod(lambda: impl_cls),
+            **attrs,
+        }
+        backend = type(f"{name.title().replace('_', '')}Backend", (TorchMLABackend,), namespace)
+        impl_cls.backend = backend
+        register(name, backend)
+        return backend
+
+    return make
 
 
 @pytest.fixture

@@ -4,7 +4,8 @@ The layer owns the projections, named as in Hugging Face checkpoints (`q_proj`, 
 + `q_a_layernorm` + `q_b_proj`; `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`),
 the absorption (`W_UK`, `W_UV`: views of `kv_b_proj`'s weight) and the split of a step into
 decode rows (absorbed, `impl.forward_mqa`) and prefill rows (up-projected, `impl.forward_mha`).
-Its backend is chosen once, by the selector, among MLA backends. Metadata is passed explicitly.
+Its backend is chosen by the selector among MLA backends (or given), and may be replaced with
+`use_backend` before the engine builds its groups. Metadata is passed explicitly.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class MLAAttention(nn.Module):
         workspace_tokens: most cached latent rows a prefill reads (and up-projects) at once.
 
     Attributes:
-        backend, impl: the MLA backend class and its impl.
+        backend, impl: the MLA backend class and its impl (`use_backend` replaces both).
         k_scale, v_scale: float32 `[]` buffers; an fp8 latent cache uses `k_scale`.
 
     Its parameters do not require grad (an inference layer: `forward` builds no autograd
@@ -122,17 +123,20 @@ class MLAAttention(nn.Module):
             qk_nope_head_dim=qk_nope_head_dim,
             v_head_dim=v_head_dim,
         )
-        self.backend = self._choose_backend(backend, device)
-        self.impl = self.backend.get_impl_cls()(
-            num_heads,
-            scale,
-            kv_lora_rank=kv_lora_rank,
-            qk_rope_head_dim=qk_rope_head_dim,
-            qk_nope_head_dim=qk_nope_head_dim,
-            v_head_dim=v_head_dim,
-            kv_cache_dtype=kv_cache_dtype,
-            workspace_tokens=workspace_tokens,
-        )
+        self._device_info = device or DeviceInfo.current()
+        self._impl_args = (num_heads, scale)
+        self._impl_kwargs = {
+            "kv_lora_rank": kv_lora_rank,
+            "qk_rope_head_dim": qk_rope_head_dim,
+            "qk_nope_head_dim": qk_nope_head_dim,
+            "v_head_dim": v_head_dim,
+            "kv_cache_dtype": kv_cache_dtype,
+            "workspace_tokens": workspace_tokens,
+        }
+        if isinstance(backend, type):
+            self.use_backend(backend)
+        else:
+            self.use_backend(select_backend(self.config, device, backend))
         if block_size is not None and workspace_tokens < block_size:
             raise ValueError(
                 f"MLAAttention({layer_name}): workspace_tokens too small for one context chunk "
@@ -159,12 +163,38 @@ class MLAAttention(nn.Module):
         # An inference layer: no autograd graph is built through it (as the engine's layers).
         self.requires_grad_(False)
 
-    def _choose_backend(
-        self, backend: type[AttentionBackend] | str | None, device: DeviceInfo | None
-    ) -> type[AttentionBackend]:
-        if not isinstance(backend, type):
-            return select_backend(self.config, device, backend)
-        reasons = backend.validate_configuration(self.config, device or DeviceInfo.current())
+    def use_backend(
+        self,
+        backend: type[AttentionBackend],
+        prefill_backend: type[AttentionBackend] | None = None,
+    ) -> None:
+        """Run the layer on `backend` from now on (a new impl with the layer's arguments; the
+        weights and scale buffers stay), e.g. the one a measured selection chose. Call it
+        before the engine builds its groups: the cache and metadata are the backend's.
+
+        Args:
+            backend: an MLA backend class that serves this layer.
+            prefill_backend: None or `backend` itself: MLA layers run one backend for every
+                phase (the signature is `Attention.use_backend`'s).
+
+        Raises:
+            TypeError: `backend` is not a backend class.
+            ValueError: `backend` cannot serve this layer (its reasons are listed), or a
+                different `prefill_backend` was given. The layer is unchanged then.
+        """
+        if not (isinstance(backend, type) and issubclass(backend, AttentionBackend)):
+            raise TypeError(
+                f"MLAAttention({self.layer_name}): backend must be an AttentionBackend class "
+                f"(got {backend!r}); get one by name with anyattn.registry.get_backend_class."
+            )
+        if prefill_backend is not None and prefill_backend is not backend:
+            raise ValueError(
+                f"MLAAttention({self.layer_name}): prefill_backend "
+                f"{prefill_backend.get_name()} differs from backend {backend.get_name()} "
+                "(expected None or the same backend: MLA layers run one backend for every "
+                "phase)."
+            )
+        reasons = backend.validate_configuration(self.config, self._device_info)
         if backend.get_unavailable_reason():
             reasons.append(f"not available here: {backend.get_unavailable_reason()}")
         if reasons:
@@ -172,7 +202,8 @@ class MLAAttention(nn.Module):
                 f"MLAAttention({self.layer_name}): backend {backend.get_name()} cannot serve "
                 f"this layer: {'; '.join(reasons)}."
             )
-        return backend
+        impl = backend.get_impl_cls()(*self._impl_args, **self._impl_kwargs)
+        self.backend, self.impl = backend, impl
 
     @property
     def W_UK(self) -> torch.Tensor:
