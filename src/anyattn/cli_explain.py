@@ -94,14 +94,15 @@ def add_explain_parser(commands: argparse._SubParsersAction) -> None:
         type=positive_int,
         metavar="N",
         help="MLA (--use-mla): the no-rope part P of the up-projected query and key rows "
-        "(their size is P + R), for backends whose prefill limits it",
+        "(their size is P + R), for backends whose prefill limits it; --measure times the "
+        "layer with it (default 128)",
     )
     ex.add_argument(
         "--v-head-dim",
         type=positive_int,
         metavar="N",
         help="MLA (--use-mla): the size Vd of the up-projected value rows, for backends whose "
-        "prefill limits it",
+        "prefill limits it; --measure times the layer with it (default 128)",
     )
     ex.add_argument(
         "--backend",
