@@ -19,7 +19,8 @@ from anyattn.impl import AttentionImplBase
 from anyattn.impl_args import validate_mla_impl_arguments
 from anyattn.layer_params import DEFAULT_WORKSPACE_TOKENS, MLALayerParams
 from anyattn.ops.concat_and_cache_mla import concat_and_cache_mla_unchecked
-from anyattn.types import AttentionType
+from anyattn.types import AttentionType, is_fp8_cache
+from anyattn.validation import layer_kv_scale
 from anyattn.validation_mla import check_mla_kv_write
 
 __all__ = ["MLAAttentionImpl", "MLALayer"]
@@ -206,3 +207,19 @@ class MLAAttentionImpl(AttentionImplBase[M], Generic[M]):
         concat_and_cache_mla_unchecked(
             kv_c_normed, k_pe, kv_cache, slot_mapping, self.kv_cache_dtype, scale
         )
+
+    def latent_scale(self, api: str, layer: MLALayer, device: torch.device) -> torch.Tensor | None:
+        """The fp8 latent cache's per-layer scale (`layer.k_scale`, shape `[]`, on `device`);
+        None for a cache in a 16- or 32-bit dtype."""
+        if not is_fp8_cache(self.kv_cache_dtype):
+            return None
+        return layer_kv_scale(api, layer, "k_scale", 1, device).reshape(())
+
+    def dequantize_latent(
+        self, api: str, layer: MLALayer, rows: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Cache rows as `dtype`: `rows.float() * k_scale` for an fp8 cache, else a cast."""
+        scale = self.latent_scale(api, layer, rows.device)
+        if scale is None:
+            return rows.to(dtype)
+        return (rows.float() * scale).to(dtype)

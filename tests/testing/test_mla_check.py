@@ -154,7 +154,7 @@ def test_dequantising_with_v_scale_is_caught(register) -> None:
     """The fp8 latent cache has one scale, k_scale; a backend that reads v_scale fails."""
 
     class ReadsVScale(TorchMLAImpl):
-        def _dequantize(self, api, layer, rows, dtype):
+        def dequantize_latent(self, api, layer, rows, dtype):
             return (rows.float() * layer.v_scale).to(dtype)
 
     backend = _register_impl(register, "TEST_MLA_V_SCALE", ReadsVScale)

@@ -29,8 +29,6 @@ from anyattn.backends.mla_builder import MLAMetadataBuilder
 from anyattn.backends.mla_metadata import MLADecodeMetadata, MLAMetadata
 from anyattn.mla_backend import MLAAttentionBackend
 from anyattn.mla_impl import MLAAttentionImpl, MLALayer
-from anyattn.types import is_fp8_cache
-from anyattn.validation import layer_kv_scale
 from anyattn.validation_mla import check_mha_inputs, check_mqa_inputs
 
 __all__ = ["MAX_WORK_ELEMENTS", "TorchMLABackend", "TorchMLAImpl", "TorchMLAMetadataBuilder"]
@@ -122,7 +120,7 @@ class TorchMLAImpl(MLAAttentionImpl[MLAMetadata]):
         table = torch.where(columns[None, :] < own_blocks[:, None], table, 0)
         # keys: [g, max_seq_len, L + R], each row's request's cache rows in order
         keys = kv_cache[table].flatten(1, 2)[:, :max_seq_len]
-        keys = self._dequantize(api, layer, keys, torch.float32)
+        keys = self.dequantize_latent(api, layer, keys, torch.float32)
         positions = torch.arange(max_seq_len, device=keys.device)
         is_key = positions[None, :] < seq_lens[:, None]  # [g, max_seq_len]
         # Zeroed, not only masked in the scores: a row that is no key may hold NaN (never
@@ -163,7 +161,7 @@ class TorchMLAImpl(MLAAttentionImpl[MLAMetadata]):
             )
         for chunk in pre.chunks:
             latent = kv_cache[chunk.slots // md.block_size, chunk.slots % md.block_size]
-            latent = self._dequantize(api, layer, latent, q.dtype)  # [N, L + R]
+            latent = self.dequantize_latent(api, layer, latent, q.dtype)  # [N, L + R]
             c_kv, c_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
             chunk_keys, chunk_values = self._up_project(api, layer, c_kv, c_pe)
             for piece in chunk.pieces:
@@ -193,15 +191,6 @@ class TorchMLAImpl(MLAAttentionImpl[MLAMetadata]):
             )
         keys = torch.cat([k_nope, k_pe[:, None, :].expand(-1, heads, -1).to(k_nope.dtype)], -1)
         return keys, v
-
-    def _dequantize(
-        self, api: str, layer: MLALayer, rows: torch.Tensor, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """Cache rows as `dtype`: `rows.float() * k_scale` for an fp8 cache, else a cast."""
-        if not is_fp8_cache(self.kv_cache_dtype):
-            return rows.to(dtype)
-        scale = layer_kv_scale(api, layer, "k_scale", 1, rows.device)
-        return (rows.float() * scale.reshape(())).to(dtype)
 
 
 def _groups(seq_lens: list[int], max_keys: int) -> Iterator[tuple[int, int]]:

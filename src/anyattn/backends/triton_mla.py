@@ -36,8 +36,7 @@ from anyattn.mla_impl import MLAAttentionImpl, MLALayer
 from anyattn.ops.merge_attn_states import merge_attn_states
 from anyattn.ops.mla_decode import mla_decode
 from anyattn.ops.unified_attention import UnifiedAttentionParams, unified_attention
-from anyattn.types import DeviceInfo, is_fp8_cache
-from anyattn.validation import layer_kv_scale
+from anyattn.types import DeviceInfo
 from anyattn.validation_mla import check_mha_inputs, check_mqa_inputs
 
 __all__ = ["TritonMLABackend", "TritonMLAImpl", "TritonMLAMetadataBuilder"]
@@ -171,7 +170,7 @@ class TritonMLAImpl(MLAAttentionImpl[TritonMLAMetadata]):
             md.decode.block_table,
             md.decode.seq_lens,
             self.scale,
-            k_scale=self._k_scale(api, layer, kv_cache),
+            k_scale=self.latent_scale(api, layer, kv_cache.device),
             output_lse=output_lse,
             num_splits=plan.num_splits,
             workspace=plan.workspace,
@@ -212,7 +211,7 @@ class TritonMLAImpl(MLAAttentionImpl[TritonMLAMetadata]):
         rank = self.kv_lora_rank
         for chunk, chunk_plan in zip(md.prefill.chunks, plan.chunks, strict=True):
             latent = kv_cache[chunk.slots // md.block_size, chunk.slots % md.block_size]
-            latent = self._dequantize(api, layer, latent, q.dtype)  # [N, L + R]
+            latent = self.dequantize_latent(api, layer, latent, q.dtype)  # [N, L + R]
             chunk_kv = self._dense_cache(api, layer, latent[:, :rank], latent[:, rank:])
             rows = slice(chunk_plan.q_start, chunk_plan.q_end)
             part = torch.empty_like(acc[rows])
@@ -270,20 +269,6 @@ class TritonMLAImpl(MLAAttentionImpl[TritonMLAMetadata]):
         kv[:, 1, :, :vd] = v
         kv[:, 1, :, vd:] = 0
         return kv[:, :, None]  # [N, 2, block_size 1, H, D]
-
-    def _k_scale(self, api: str, layer: MLALayer, kv_cache: torch.Tensor) -> torch.Tensor | None:
-        if not is_fp8_cache(self.kv_cache_dtype):
-            return None
-        return layer_kv_scale(api, layer, "k_scale", 1, kv_cache.device).reshape(())
-
-    def _dequantize(
-        self, api: str, layer: MLALayer, rows: torch.Tensor, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """Cache rows as `dtype`: `rows.float() * k_scale` for an fp8 cache, else a cast."""
-        scale = self._k_scale(api, layer, rows)
-        if scale is None:
-            return rows.to(dtype)
-        return (rows.float() * scale).to(dtype)
 
 
 def _pad_last(x: torch.Tensor, size: int) -> torch.Tensor:
