@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from _timing import gpu_times_us, markdown_table, synchronize
 
+from anyattn.backends.flashinfer_mla import FlashInferMLAImpl
 from anyattn.backends.torch_mla import TorchMLAImpl
 from anyattn.backends.triton_mla import TritonMLAImpl
 from anyattn.config import BatchLimits, MLAAttentionSpec
@@ -39,6 +40,8 @@ from anyattn.ops.mla_decode import mla_decode_ref
 from anyattn.testing import error_bound, max_abs_error
 
 _MAX_SCORE_BYTES = 2 << 30
+_IMPLS = {"TRITON_MLA": TritonMLAImpl, "FLASHINFER_MLA": FlashInferMLAImpl,
+          "TORCH_MLA": TorchMLAImpl}  # fmt: skip
 _CHECK_ROWS = 2  # rows (decode) or queries (prefill) checked against float64
 
 
@@ -230,7 +233,7 @@ def run_case(kind: str, step: Step, contenders: Sequence[str], reps: int) -> lis
             if name == "FLASHINFER":
                 run = flashinfer_runner(step)
             else:
-                impl_cls = TritonMLAImpl if name == "TRITON_MLA" else TorchMLAImpl
+                impl_cls = _IMPLS[name]
                 run = (decode_runner if kind == "decode" else prefill_runner)(step, impl_cls)
             out = run()
             synchronize(step.device)
@@ -253,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny shapes and few repetitions")
     parser.add_argument("--heads", default=None, help="comma-separated (default 16,128)")
     parser.add_argument("--blocks", default=None, help="block sizes (default 64,16)")
-    parser.add_argument("--contenders", default="TRITON_MLA,TORCH_MLA,FLASHINFER")
+    parser.add_argument("--contenders", default="TRITON_MLA,FLASHINFER_MLA,FLASHINFER,TORCH_MLA")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     setting = TINY if device.type == "cpu" else FULL
@@ -263,12 +266,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         int(b) for b in (args.blocks or ("16" if device.type == "cpu" else "64,16")).split(",")
     ]
     contenders = args.contenders.split(",")
-    if "FLASHINFER" in contenders:
+    if {"FLASHINFER", "FLASHINFER_MLA"} & set(contenders):
         try:
             import flashinfer.mla  # noqa: F401
         except ImportError:
             print("FlashInfer: not importable, skipped")
-            contenders.remove("FLASHINFER")
+            contenders = [c for c in contenders if not c.startswith("FLASHINFER")]
     copy_rate, matmul_rate = yardsticks(device, reps)
     print(f"device copy rate {copy_rate:.3f} TB/s (read + written); matmul {matmul_rate:.1f} "
           f"TFLOP/s ({'bf16' if device.type == 'cuda' else 'float32'})")  # fmt: skip

@@ -42,6 +42,7 @@ class AttentionBackendEnum(enum.Enum):
     FLASH_ATTN = "anyattn.backends.flash_attn:FlashAttentionBackend"
     TORCH_MLA = "anyattn.backends.torch_mla:TorchMLABackend"
     TRITON_MLA = "anyattn.backends.triton_mla:TritonMLABackend"
+    FLASHINFER_MLA = "anyattn.backends.flashinfer_mla:FlashInferMLABackend"
 
     def get_path(self) -> str:
         """The class path in use: a registered override, else the built-in one."""

@@ -147,36 +147,51 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
 class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
     kind = "ragged"
 
-    def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, causal=False,
-             window_left=-1, logits_soft_cap=None, sm_scale=None, q_data_type=None,
-             kv_data_type=None, o_data_type=None, non_blocking=True):  # fmt: skip
+    def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk,
+             head_dim_vo=None, causal=False, window_left=-1, logits_soft_cap=None, sm_scale=None,
+             q_data_type=None, kv_data_type=None, o_data_type=None, non_blocking=True):  # fmt: skip
         for x in (qo_indptr, kv_indptr):
             assert x.dtype == torch.int32 and x.device.type == "cpu", x
         assert len(qo_indptr) == len(kv_indptr) and num_qo_heads % num_kv_heads == 0
+        assert int(qo_indptr[0]) == int(kv_indptr[0]) == 0
         self.plan_args = dict(
             qo_indptr=qo_indptr.clone(), kv_indptr=kv_indptr.clone(),
             heads=(num_qo_heads, num_kv_heads, head_dim_qk), causal=causal,
+            head_dim_vo=head_dim_vo or head_dim_qk,
             window_left=window_left, soft_cap=logits_soft_cap or 0.0,
             scale=sm_scale or head_dim_qk**-0.5, dtypes=(q_data_type, kv_data_type, o_data_type),
         )  # fmt: skip
         plans.append((self.kind, self.plan_args))
 
-    def run(self, q, k, v, *, out=None, return_lse=False):
+    def run(self, q, k, v, *, out=None, lse=None, return_lse=False, lse_base="log2",
+            lse_layout="NH"):  # fmt: skip
         a = self.plan_args
         assert q.dtype == a["dtypes"][0] and k.dtype == v.dtype == a["dtypes"][1]
         assert len(q) == int(a["qo_indptr"][-1]) and len(k) == int(a["kv_indptr"][-1])
+        assert q.shape[1:] == (a["heads"][0], a["heads"][2]) and k.shape[-1] == a["heads"][2]
+        assert v.shape[-1] == a["head_dim_vo"] and len(v) == len(k)
         runs.append(self.kind)
-        result = torch.zeros(q.shape, dtype=torch.float64)
-        lse = torch.full((len(q), q.shape[1]), -math.inf, dtype=torch.float64)
+        result = torch.zeros(*q.shape[:2], v.shape[-1], dtype=torch.float64)
+        row_lse = torch.full((len(q), q.shape[1]), -math.inf, dtype=torch.float64)
         for i in range(len(a["qo_indptr"]) - 1):
             rows = slice(int(a["qo_indptr"][i]), int(a["qo_indptr"][i + 1]))
             keys = slice(int(a["kv_indptr"][i]), int(a["kv_indptr"][i + 1]))
-            result[rows], lse[rows] = attend(q[rows], k[keys], v[keys], scale=a["scale"],
-                                             causal=a["causal"], window_left=a["window_left"],
-                                             soft_cap=a["soft_cap"])  # fmt: skip
-        out = torch.empty_like(q) if out is None else out
+            result[rows], row_lse[rows] = attend(q[rows], k[keys], v[keys], scale=a["scale"],
+                                                 causal=a["causal"], window_left=a["window_left"],
+                                                 soft_cap=a["soft_cap"])  # fmt: skip
+        if out is None:
+            out = q.new_empty(result.shape)
+        assert out.shape == result.shape
         out.copy_(result)
-        return (out, lse.float()) if return_lse else out
+        if not return_lse:
+            return out
+        row_lse = row_lse * (math.log(2.0) if lse_base == "ln" else 1.0)
+        row_lse = row_lse.t() if lse_layout == "HN" else row_lse
+        if lse is None:
+            lse = torch.empty(row_lse.shape, dtype=torch.float32)
+        assert lse.shape == row_lse.shape and lse.dtype == torch.float32
+        lse.copy_(row_lse)
+        return out, lse
 
 
 def xqa_batch_decode_with_kv_cache(query, kv_cache, workspace_buffer, block_tables, seq_lens,

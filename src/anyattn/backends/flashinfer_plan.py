@@ -20,6 +20,7 @@ from anyattn.metadata import HostBatch
 __all__ = [
     "PagedIndex",
     "first_trailing_fresh",
+    "gather_pages",
     "num_leading_decodes",
     "paged_index",
     "query_indptr",
@@ -98,7 +99,7 @@ def paged_index(
     qo_indptr[: num_reqs + 1] = query_start - query_start[0]
     qo_indptr[num_reqs + 1 :] = qo_indptr[num_reqs]
     num_pages = int(kv_indptr[num_reqs])
-    indices = _gather_pages(block_table, first, pages, kv_indptr[: num_reqs + 1], num_pages)
+    indices = gather_pages(block_table, first, pages, kv_indptr[: num_reqs + 1], num_pages)
     return PagedIndex(
         torch.from_numpy(qo_indptr),
         torch.from_numpy(kv_indptr),
@@ -108,7 +109,7 @@ def paged_index(
     )
 
 
-def _gather_pages(
+def gather_pages(
     block_table: torch.Tensor, first: int, pages: np.ndarray, indptr: np.ndarray, num_pages: int
 ) -> torch.Tensor:
     """int32 `[num_pages]`: row `first + i`'s first `pages[i]` ids, request after request,
