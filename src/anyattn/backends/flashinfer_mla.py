@@ -12,8 +12,8 @@
 
 Only FlashInfer's public API is used (the releases of `flashinfer_version.SUPPORTED_VERSIONS`).
 Declared: what ran on an H200 (sm90): float16 / bfloat16 with a cache of the model's dtype,
-latent split 512 + 64, up-projected head sizes `P + R = 192` with `Vd` 128 or 192, blocks of
-16, 32 and 64 tokens, the decode LSE. Not declared: fp8 latent caches, other splits (FlashInfer's
+latent split 512 + 64, up-projected head sizes `P + R = 192` and `Vd = 128` (DeepSeek-V2/V3's),
+blocks of 16, 32 and 64 tokens, the decode LSE. Not declared: fp8 latent caches, other splits (FlashInfer's
 kernels take `kv_lora_rank` in multiples of 128 with rope 64, not run here), other
 architectures, CUDA graphs.
 """
@@ -39,8 +39,9 @@ from anyattn.validation_mla import check_mha_inputs, check_mqa_inputs
 
 __all__ = ["FlashInferMLABackend", "FlashInferMLAImpl", "FlashInferMLAMetadataBuilder"]
 
-# (P + R, Vd) pairs of the up-projected prefill that ran (DeepSeek-V2/V3's, and equal heads).
-_PREFILL_HEAD_DIMS = ((192, 128), (192, 192))
+# (P + R, Vd) pairs of the up-projected prefill that ran: DeepSeek-V2/V3's. (With Vd = 192,
+# FlashInfer 0.7.2's ragged prefill merges its KV splits with a kernel that refuses head 192.)
+_PREFILL_HEAD_DIMS = ((192, 128),)
 
 
 class FlashInferMLABackend(MLAAttentionBackend):

@@ -186,6 +186,12 @@ def _feature_cases(
     if feature == "head_dims":
         s = base.shape
         equal = replace(s, v_head_dim=s.qk_nope_head_dim + s.qk_rope_head_dim)
+        head_dims = getattr(backend, "get_mla_head_dims_reason", None)
+        refused = head_dims and head_dims(
+            equal.qk_nope_head_dim, equal.qk_rope_head_dim, equal.v_head_dim
+        )
+        if refused:
+            return [], [f"v_head_dim {equal.v_head_dim}: {refused}"]
         return [case(f"v_head_dim{equal.v_head_dim}", "chunked_prefill", shape=equal)], []
     if feature == "block_sizes":
         wanted = (
