@@ -139,3 +139,25 @@ def test_explain_says_why_triton_mla_refuses_the_sizes(capsys):
         f"them; {TRITON_LIMIT})"
     ]
 
+
+def test_hints_name_a_backend_that_fits_as_given_not_after_a_change(capsys):
+    pytest.importorskip("triton")
+    args = ["explain", "--use-mla", "--head-size", "576", "--qk-rope-head-dim", "64",
+            "--device", "sm90", "--json", "--backend", "TRITON_MLA"]  # fmt: skip
+    assert main([*args, "--qk-nope-head-dim", "256", "--v-head-dim", "300"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["chosen"] is None
+    # TORCH_MLA fits with the given dtype: no hint pretends a dtype change is what it takes.
+    assert data["hints"] == [
+        "TORCH_MLA fits this config as given (the selector's choice when TRITON_MLA is not "
+        "requested)"
+    ]
+    # A change that makes the requested backend fit is hinted with that backend.
+    fp32 = ["--qk-nope-head-dim", "128", "--v-head-dim", "128", "--dtype", "float32"]
+    assert main([*args, *fp32]) == 1
+    assert json.loads(capsys.readouterr().out)["hints"] == [
+        "TORCH_MLA fits this config as given (the selector's choice when TRITON_MLA is not "
+        "requested)",
+        "with dtype=bfloat16, TRITON_MLA would fit",
+        "with dtype=float16, TRITON_MLA would fit",
+    ]
