@@ -80,6 +80,28 @@ def test_backends_lists_torch_mla_with_its_splits(capsys):
     assert records["TORCH"]["mla_splits"] is None
 
 
+def test_backends_table_has_an_mla_splits_row_for_mla_backends_only(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "120")
+    assert main(["backends"]) == 0
+    out = capsys.readouterr().out
+    tables: dict[str, dict[str, str]] = {}
+    for line in out.splitlines():
+        if line and not line.startswith(" "):
+            rows = tables.setdefault(line.strip(), {})
+        elif line.strip():
+            field, _, value = line.strip().partition("  ")
+            rows[field] = value.strip()
+    assert tables["TRITON_MLA"]["mla splits"] == (
+        "{16, 32, ..., 512}+{16, 32, 64} (kv_lora_rank+qk_rope_head_dim)"
+    )
+    assert tables["TORCH_MLA"]["mla splits"] == "any"
+    assert list(tables["TRITON_MLA"]).index("mla splits") == (
+        list(tables["TRITON_MLA"]).index("head sizes") + 1
+    )
+    for name in ("TORCH", "TRITON", "FLEX_ATTENTION"):
+        assert "mla splits" not in tables[name], name
+
+
 # --- TRITON_MLA's prefill head sizes ---------------------------------------------------------
 
 TRITON_LIMIT = (
