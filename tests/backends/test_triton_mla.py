@@ -1,7 +1,8 @@
 """TRITON_MLA on the CPU: the MLA conformance kit and extra cases under the Triton interpreter
 (this file run as a script with `TRITON_INTERPRET=1`), then declarations, selection and the
 builder's plans. float32 and float16 under the interpreter (it computes bf16 wrongly, see
-../shared/STYLE.md); bf16, every declared split and CUDA graphs in test_triton_mla_gpu.py.
+docs/semantics.md, "Tolerance"); bf16, every declared split and CUDA graphs in
+test_triton_mla_gpu.py.
 """
 
 from __future__ import annotations
