@@ -348,7 +348,7 @@ def make_reference(data: CaseData) -> Reference:
 def compare(rows: torch.Tensor, reference: Reference, dtype: torch.dtype) -> tuple[float, bool]:
     """(max abs error, within tolerance) of canonical-order output rows against the reference.
 
-    Tolerance: STYLE.md's starting atol = rtol for the dtype (bf16 1.5e-2)."""
+    Tolerance: docs/semantics.md's starting atol = rtol for the dtype (bf16 1.5e-2)."""
     got = rows[reference.token_index].double()
     error = (got - reference.expected).abs().max().item()
     tol = TOLERANCE[dtype]

@@ -153,7 +153,7 @@ def _cmd_backends(args: argparse.Namespace) -> int:
         features = record["features"]
         assert isinstance(features, dict)
         capability = record["min_compute_capability"]
-        rows = (
+        rows = [
             ("status", status),
             ("class", str(record["class"])),
             ("devices", _join(record["devices"])
@@ -166,7 +166,13 @@ def _cmd_backends(args: argparse.Namespace) -> int:
             ("attn types", _join(record["attn_types"])),
             ("features", _join([name for name, on in features.items() if on])),
             ("cuda graphs", str(record["cudagraph_support"])),
-        )  # fmt: skip
+        ]  # fmt: skip
+        if record["mla_splits"] is not None:
+            # The latent splits L+R an MLA backend takes, in the text its reasons use.
+            splits = str(record["mla_splits"])
+            splits += "" if splits == "any" else " (kv_lora_rank+qk_rope_head_dim)"
+            after = [field for field, _ in rows].index("head sizes") + 1
+            rows.insert(after, ("mla splits", splits))
         for field, value in rows:
             table.add_row(field, value if isinstance(value, Text) else Text(value))
         console.print(table)

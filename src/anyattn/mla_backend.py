@@ -79,6 +79,7 @@ class MLAAttentionBackend(AttentionBackend):
         """Why the up-projected (prefill) path cannot take Q/K rows of `qk_nope_head_dim +
         qk_rope_head_dim` and V rows of `v_head_dim`, naming the sizes it takes; None when it
         can. The selector asks with the config's sizes (None where the config does not say
-        them; a backend that limits the sizes refuses unknown ones, saying which are needed)
-        and the impl's constructor with its own. Default: any sizes."""
+        them: then the sizes it does not know are left to the impl's constructor, which asks
+        with its own, so that a config without them still selects by the rest). Default: any
+        sizes."""
         return None

@@ -79,7 +79,8 @@ class MLAAttentionImpl(AttentionImplBase[M], Generic[M]):
         Raises:
             TypeError: the class names no backend, or a non-MLA one.
             ValueError: a malformed size or scale, or a latent split, row size or cache dtype
-                the backend does not declare.
+                the backend does not declare, or up-projected head sizes it refuses
+                (`get_mla_head_dims_reason`, the rule the selector applies).
         """
         backend = getattr(type(self), "backend", None)
         if backend is None:

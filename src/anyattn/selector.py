@@ -127,10 +127,23 @@ def _verdicts(config: AttentionSelectorConfig, device: DeviceInfo) -> tuple[Back
 
 
 def _hints(
-    config: AttentionSelectorConfig, device: DeviceInfo, verdicts: tuple[BackendVerdict, ...]
+    config: AttentionSelectorConfig,
+    device: DeviceInfo,
+    verdicts: tuple[BackendVerdict, ...],
+    requested: str | None,
 ) -> tuple[str, ...]:
-    """Single changes to the request that would make some backend fit."""
+    """Single changes to the request that would make some backend fit.
+
+    A backend that already fits as given (possible only when another one was requested) is
+    named as such, never as fitting after a change; a change is hinted with the first backend
+    it makes fit, the requested one where the change makes that one fit."""
     hints: list[str] = []
+    as_given = [v.name for v in verdicts if v.fits and not v.not_automatic]
+    if as_given:
+        hints.append(
+            f"{as_given[0]} fits this config as given (the selector's choice when {requested} "
+            "is not requested)"
+        )
     for v in verdicts:
         if v.fits and v.not_automatic:
             hints.append(f"{v.name} fits this config when requested explicitly ({v.not_automatic})")
@@ -162,9 +175,14 @@ def _hints(
             variant = config.replace(**change)
         except ValueError:
             continue
-        fitting = [v.name for v in _verdicts(variant, device) if v.fits and not v.not_automatic]
+        fitting = [
+            v.name
+            for v in _verdicts(variant, device)
+            if v.fits and not v.not_automatic and v.name not in as_given
+        ]
         if fitting:
-            hints.append(f"with {label}, {fitting[0]} would fit")
+            name = requested if requested in fitting else fitting[0]
+            hints.append(f"with {label}, {name} would fit")
     if not hints:
         hints.append("no single setting change makes a backend fit; see the reasons above")
     return tuple(hints)
@@ -219,7 +237,7 @@ def _explain_cached(
         chosen = requested if verdict.fits else None
     else:
         chosen = next((v.name for v in verdicts if v.fits and not v.not_automatic), None)
-    hints = () if chosen is not None else _hints(config, device, verdicts)
+    hints = () if chosen is not None else _hints(config, device, verdicts, requested)
     return Explanation(config, device, chosen, requested, requested_by, verdicts, hints)
 
 

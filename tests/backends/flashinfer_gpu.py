@@ -2,7 +2,7 @@
 with the step's K/V written to the cache, one forward, and the oracle's verdict.
 
 The layer is 8 query / 2 KV heads of 128, softmax scale 0.1, bf16 unless a test says
-otherwise; the oracle is the kit's float64 reference with STYLE.md's error bound.
+otherwise; the oracle is the kit's float64 reference with docs/semantics.md's error bound.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def oracle(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor, float]:
 
 
 def assert_matches_oracle(batch: PagedBatch, output: torch.Tensor) -> torch.Tensor:
-    """The STYLE.md tolerance rule against the float64 oracle; returns the oracle's LSE."""
+    """docs/semantics.md's tolerance rule against the float64 oracle; returns the oracle's LSE."""
     ref64, lse64, bound = oracle(batch)
     assert max_abs_error(output[: batch.num_actual_tokens], ref64) <= bound
     return lse64

@@ -139,7 +139,7 @@ class Schedule:
 
 
 def bound(ref64: torch.Tensor, ref_lowp: torch.Tensor, dtype: torch.dtype) -> float:
-    """STYLE.md's tolerance: `2 * max|ref_lowp - ref64| + floor`, floor the rounding noise of
-    `dtype` at the reference's magnitude."""
+    """docs/semantics.md's tolerance: `2 * max|ref_lowp - ref64| + floor`, floor the rounding
+    noise of `dtype` at the reference's magnitude."""
     noise = ((ref64.to(dtype) + 0.3) - 0.3).double() - ref64
     return 2 * (ref_lowp.double() - ref64).abs().max().item() + 2 * noise.abs().max().item()

@@ -83,7 +83,7 @@ def test_conforms_on_cpu_half_precision(dtype):
     "case",
     [
         Case("sinks", "sinks", get_spec("mixed"), use_sinks=True),
-        # every score mod at once, in DESIGN.md's order, with a window and sinks
+        # every score mod at once, in docs/semantics.md's order, with a window and sinks
         Case(
             "all_mods",
             "sinks",

@@ -90,7 +90,7 @@ class _TaggedMetadata(MLAMetadata):
     tag: str = ""
 
 
-def test_plan_hooks_and_their_former_names_are_overridable():
+def test_plan_hooks_are_overridable():
     class PublicHooks(MLAMetadataBuilder):
         def plan_decodes(self, cm, num_decodes):
             base = super().plan_decodes(cm, num_decodes)
@@ -100,11 +100,6 @@ def test_plan_hooks_and_their_former_names_are_overridable():
         def plan_prefills(self, cm, num_decodes):
             base = super().plan_prefills(cm, num_decodes)
             return dataclasses.replace(base, max_query_len=-1)
-
-    class FormerName(MLAMetadataBuilder):
-        def _plan_decodes(self, cm, num_decodes):
-            base = super()._plan_decodes(cm, num_decodes)
-            return dataclasses.replace(base, max_seq_len=-1)
 
     class WrapsBuild(MLAMetadataBuilder):
         def build(self, common_prefix_len, common_attn_metadata):
@@ -117,8 +112,6 @@ def test_plan_hooks_and_their_former_names_are_overridable():
     assert isinstance(public.decode, _TaggedDecode) and public.decode.tag == "public"
     assert torch.equal(public.decode.seq_lens, reference.decode.seq_lens)
     assert public.prefill.max_query_len == -1
-    former, _ = _build(FormerName, query_lens, seq_lens)
-    assert former.decode.max_seq_len == -1 and reference.decode.max_seq_len == 5
     wrapped, _ = _build(WrapsBuild, query_lens, seq_lens)
     assert isinstance(wrapped, _TaggedMetadata) and wrapped.tag == "built"
     assert wrapped.prefill is not None and wrapped.num_decodes == reference.num_decodes == 1

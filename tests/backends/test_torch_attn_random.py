@@ -2,7 +2,7 @@
 
 Each example draws a batch (decodes, fresh and chunked prefills, spec-decode-sized queries),
 a block size, a layout, head counts and score modifiers; the kit builds the shuffled paged
-cache (a fresh block permutation per seed) and judges the output with STYLE.md's tolerance.
+cache (a fresh block permutation per seed) and judges the output with docs/semantics.md's tolerance.
 """
 
 from __future__ import annotations

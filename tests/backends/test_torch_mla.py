@@ -160,5 +160,5 @@ def test_impl_entry_points_over_a_converted_cache(dtype, kv_cache_dtype):
 
 
 def _atol(dtype: torch.dtype) -> float:
-    # STYLE.md's starting tolerances for fp32 / bf16 outputs (values of magnitude ~1).
+    # docs/semantics.md's starting tolerances for fp32 / bf16 outputs (values of magnitude ~1).
     return {torch.float32: 1e-5, torch.bfloat16: 1.5e-2}[dtype]

@@ -3,8 +3,8 @@ split-KV forced and forbidden on one batch, CUDA-graph capture and replay, 64-bi
 
 Triton decides whether kernels are interpreted when they are defined, so the CPU kernel cases
 run in one subprocess with `TRITON_INTERPRET=1` set before anything is imported: this file run
-as a script. The interpreter computes bf16 wrongly (see ../shared/STYLE.md): fp32 and fp16
-there, bf16 and fp8 rounding on the GPU.
+as a script. The interpreter computes bf16 wrongly (see docs/semantics.md, "Tolerance"): fp32
+and fp16 there, bf16 and fp8 rounding on the GPU.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """TRITON_MLA on the CPU: the MLA conformance kit and extra cases under the Triton interpreter
 (this file run as a script with `TRITON_INTERPRET=1`), then declarations, selection and the
 builder's plans. float32 and float16 under the interpreter (it computes bf16 wrongly, see
-../shared/STYLE.md); bf16, every declared split and CUDA graphs in test_triton_mla_gpu.py.
+docs/semantics.md, "Tolerance"); bf16, every declared split and CUDA graphs in
+test_triton_mla_gpu.py.
 """
 
 from __future__ import annotations
@@ -103,7 +104,9 @@ def test_declarations_and_reasons() -> None:
     assert TritonMLABackend.describe()["mla_splits"] == "{16, 32, ..., 512}+{16, 32, 64}"
     level = TritonMLABackend.get_cudagraph_support()
     assert level is AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-    base = AttentionSelectorConfig(576, "bfloat16", use_mla=True, qk_rope_head_dim=64)
+    base = AttentionSelectorConfig(
+        576, "bfloat16", use_mla=True, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128
+    )
     assert TritonMLABackend.validate_configuration(base, SM90) == []
     assert TritonMLABackend.validate_configuration(base.replace(needs_lse=True), SM90) == []
     fp8 = base.replace(kv_cache_dtype="fp8_e4m3")
@@ -128,7 +131,9 @@ def test_declarations_and_reasons() -> None:
 
 def test_chosen_before_torch_mla_on_cuda_only() -> None:
     pytest.importorskip("triton")
-    config = AttentionSelectorConfig(576, "bfloat16", use_mla=True, qk_rope_head_dim=64)
+    config = AttentionSelectorConfig(
+        576, "bfloat16", use_mla=True, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128
+    )
     for device in ("sm80", "sm90", "sm100"):
         assert select_backend(config, device=device) is TritonMLABackend
     assert select_backend(config, device="cpu") is TorchMLABackend
@@ -141,8 +146,14 @@ def test_chosen_before_torch_mla_on_cuda_only() -> None:
 def test_impl_refuses_what_the_kernels_cannot_take() -> None:
     with pytest.raises(ValueError, match=r"latent split not supported .*kv_lora_rank=72"):
         TritonMLAImpl(4, 0.1, **{**SIZES, "kv_lora_rank": 72})
-    with pytest.raises(ValueError, match=r"expected both <= 256"):
-        TritonMLAImpl(4, 0.1, **{**SIZES, "qk_nope_head_dim": 256})
+    # The constructor applies the selector's rule: its message holds the same reason.
+    wide = {**SIZES, "qk_nope_head_dim": 256}
+    reason = TritonMLABackend.get_mla_head_dims_reason(256, 16, 24)
+    assert reason is not None and "qk_rope_head_dim = 272, v_head_dim = 24 not supported" in reason
+    with pytest.raises(ValueError) as error:
+        TritonMLAImpl(4, 0.1, **wide)
+    assert str(error.value).startswith(f"TRITON_MLA impl: {reason} (got qk_nope_head_dim=256")
+    TritonMLAImpl(4, 0.1, **{**SIZES, "qk_nope_head_dim": 240, "v_head_dim": 256})  # at the limit
 
 
 # --- the builder's plans --------------------------------------------------------------------

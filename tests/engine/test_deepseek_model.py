@@ -19,7 +19,8 @@ from anyattn.types import AttentionCGSupport
 transformers = pytest.importorskip("transformers")
 
 KINDS = ("deepseek_v2", "deepseek_v2_group", "deepseek_v3", "deepseek_v3_512")
-# STYLE.md asks for 1e-3 against transformers in fp32; these models land near 1e-6.
+# docs/semantics.md ("Tolerance") asks for 1e-3 against transformers in fp32; these models land
+# near 1e-6.
 ATOL = RTOL = 2e-5
 
 
@@ -81,8 +82,9 @@ def test_chunked_prefills_beside_decodes_match_transformers(
 def test_bfloat16_error_within_twice_transformers_bfloat16_error(
     kind, tiny_hf_model, paged_runner, hf_logits
 ):
-    """STYLE.md's low-precision rule against transformers loading the same folder in bf16
-    (routers kept in fp32 by both), per token row over four prompts (a prefill, then a decode).
+    """docs/semantics.md's 16-bit whole-model rule against transformers loading the same folder
+    in bf16 (routers kept in fp32 by both), per token row over four prompts (a prefill, then a
+    decode).
 
     Routing is discrete: bf16 rounding that flips a near-tie between experts moves that row's
     logits by O(1), in either implementation and at different rows, so the rule is applied to

@@ -79,7 +79,8 @@ def merge_in_dtype(
 
 
 def tolerance(ref64: torch.Tensor, ref_lowp: torch.Tensor, dtype: torch.dtype) -> float:
-    """STYLE.md: 2 * the low-precision oracle's error plus the rounding noise of `dtype`."""
+    """docs/semantics.md, "Tolerance": 2 * the low-precision oracle's error plus the rounding
+    noise of `dtype` (the 16-bit factor 2 for every dtype)."""
     rounded = ref64.to(dtype)
     floor = 2 * float(((rounded + 0.3) - 0.3).double().sub(rounded.double()).abs().max())
     return 2 * float((ref_lowp.double() - ref64).abs().max()) + floor

@@ -2,9 +2,10 @@
 
 Triton decides whether a kernel is interpreted when it is defined, so the CPU cases run in one
 subprocess with `TRITON_INTERPRET=1` set before anything is imported: this file run as a
-script. The interpreter computes bf16 wrongly (../shared/STYLE.md): float32 and float16 there,
-bf16 in the `gpu` tests. Shapes are tiny (4 heads, latent 32+16 / 48+16 / 64+16, blocks of 16
-over shuffled pools) with contexts spanning several blocks and split-KV forced.
+script. The interpreter computes bf16 wrongly (docs/semantics.md, "Tolerance"): float32 and
+float16 there, bf16 in the `gpu` tests. Shapes are tiny (4 heads, latent 32+16 / 48+16 /
+64+16, blocks of 16 over shuffled pools) with contexts spanning several blocks and split-KV
+forced.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 Triton decides whether a kernel is interpreted when it is defined (when the op modules are
 imported), so the CPU cases run in one subprocess with `TRITON_INTERPRET=1` set before anything
-is imported: this file run as a script. The interpreter computes bf16 and fp8 rounding wrongly
-(see ../shared/STYLE.md), so there fp32/fp16 are checked, and fp8 only on values the format
-holds exactly (scaling and saturation, no rounding); the `gpu` tests add bf16 and rounded fp8.
+is imported: this file run as a script. The interpreter computes bf16 (see docs/semantics.md,
+"Tolerance") and fp8 rounding wrongly, so there fp32/fp16 are checked, and fp8 only on values
+the format holds exactly (scaling and saturation, no rounding); the `gpu` tests add bf16 and
+rounded fp8.
 """
 
 from __future__ import annotations

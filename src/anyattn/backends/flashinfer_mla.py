@@ -11,10 +11,10 @@
   (no mask), merged into the running result by LSE (`anyattn.ops.merge_attn_states`).
 
 Only FlashInfer's public API is used (the releases of `flashinfer_version.SUPPORTED_VERSIONS`).
-Declared: what ran on an H200 (sm90): float16 / bfloat16 with a cache of the model's dtype,
+Declared: what ran on an H100 (sm90): float16 / bfloat16 with a cache of the model's dtype,
 latent split 512 + 64, up-projected head sizes `P + R = 192` and `Vd = 128` (DeepSeek-V2/V3's),
-blocks of 16, 32 and 64 tokens, the decode LSE. Not declared: fp8 latent caches, other splits (FlashInfer's
-kernels take `kv_lora_rank` in multiples of 128 with rope 64, not run here), other
+blocks of 16, 32 and 64 tokens, the decode LSE. Not declared: fp8 latent caches, other splits
+(FlashInfer's kernels take `kv_lora_rank` in multiples of 128 with rope 64; not run), other
 architectures, CUDA graphs.
 """
 

@@ -140,21 +140,12 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
             num_decode_tokens=num_decode_tokens,
             num_prefills=num_prefills,
             num_prefill_tokens=num_prefill_tokens,
-            # Through the former private names, so that subclasses overriding those still run.
-            decode=self._plan_decodes(cm, num_decodes) if num_decode_tokens else None,
-            prefill=self._plan_prefills(cm, num_decodes) if num_prefill_tokens else None,
+            decode=self.plan_decodes(cm, num_decodes) if num_decode_tokens else None,
+            prefill=self.plan_prefills(cm, num_decodes) if num_prefill_tokens else None,
             workspace_tokens=self.workspace_tokens,
             layer_names=self._layer_names,
             common_attn_metadata=cm,
         )
-
-    def _plan_decodes(self, cm: CommonAttentionMetadata, num_decodes: int) -> MLADecodeMetadata:
-        """The former name of `plan_decodes`, which `build` calls: an override of either runs."""
-        return self.plan_decodes(cm, num_decodes)
-
-    def _plan_prefills(self, cm: CommonAttentionMetadata, num_decodes: int) -> MLAPrefillMetadata:
-        """The former name of `plan_prefills`, which `build` calls: an override of either runs."""
-        return self.plan_prefills(cm, num_decodes)
 
     def plan_decodes(self, cm: CommonAttentionMetadata, num_decodes: int) -> MLADecodeMetadata:
         """The decode part of a step with a decode row (a hook: override to add a plan).

@@ -14,8 +14,9 @@
 Declared: float16 / bfloat16; latent splits `kv_lora_rank` any multiple of 16 up to 512 with
 `qk_rope_head_dim` 16, 32 or 64; any block size; fp8 latent caches (one per-layer scale; e4m3
 from sm89, as Triton casts it); the decode LSE in natural base; CUDA graphs for uniform
-single-token decodes (`triton_mla_builder`). The up-projected head size `max(P + R, Vd)` must
-be at most 256 (the impl's constructor says so: the selector does not see P or Vd).
+single-token decodes (`triton_mla_builder`); up-projected head sizes `P + R` and `Vd` each at
+most 256, the prefill kernel's widest head (`get_mla_head_dims_reason`, which the selector asks
+with the config's sizes, when it gives them, and the impl's constructor with its own).
 """
 
 from __future__ import annotations
@@ -83,6 +84,26 @@ class TritonMLABackend(MLAAttentionBackend):
         return True
 
     @classmethod
+    def get_mla_head_dims_reason(
+        cls, qk_nope_head_dim: int | None, qk_rope_head_dim: int | None, v_head_dim: int | None
+    ) -> str | None:
+        """Refuses `P + R` or `Vd` above 256 (`unified_attention`'s widest head); sizes the
+        config does not give are checked by the impl's constructor, which knows them."""
+        limit = (
+            "supported: qk_nope_head_dim + qk_rope_head_dim and v_head_dim each <= "
+            f"{_MAX_DENSE_HEAD}, the prefill kernel's widest head"
+        )
+        if qk_nope_head_dim is None or qk_rope_head_dim is None or v_head_dim is None:
+            return None
+        qk = qk_nope_head_dim + qk_rope_head_dim
+        if qk > _MAX_DENSE_HEAD or v_head_dim > _MAX_DENSE_HEAD:
+            return (
+                f"MLA prefill head sizes qk_nope_head_dim + qk_rope_head_dim = {qk}, v_head_dim "
+                f"= {v_head_dim} not supported ({limit})"
+            )
+        return None
+
+    @classmethod
     def supports_combination(cls, config, device: DeviceInfo) -> str | None:
         capability = device.capability
         if config.kv_cache_dtype in ("fp8", "fp8_e4m3") and capability and capability < (8, 9):
@@ -117,10 +138,11 @@ class TritonMLAImpl(MLAAttentionImpl[TritonMLAMetadata]):
         kv_sharing_target_layer_name: str | None = None,
         workspace_tokens: int = DEFAULT_WORKSPACE_TOKENS,
     ) -> None:
-        """See `MLAAttentionImpl.__init__`.
+        """See `MLAAttentionImpl.__init__`; its checks include
+        `TritonMLABackend.get_mla_head_dims_reason` (P + R and Vd each at most 256).
 
         Raises:
-            ValueError: also when `max(qk_nope_head_dim + qk_rope_head_dim, v_head_dim)`
+            ValueError: also when `qk_nope_head_dim + qk_rope_head_dim` or `v_head_dim`
                 exceeds 256, the widest head of the prefill kernel.
         """
         super().__init__(
@@ -134,16 +156,8 @@ class TritonMLAImpl(MLAAttentionImpl[TritonMLAMetadata]):
             kv_sharing_target_layer_name=kv_sharing_target_layer_name,
             workspace_tokens=workspace_tokens,
         )
-        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
-        if max(qk, self.v_head_dim) > _MAX_DENSE_HEAD:
-            raise ValueError(
-                f"{self.backend.get_name()} impl: the up-projected head size is too wide for "
-                f"the prefill kernel (got qk_nope_head_dim + qk_rope_head_dim = {qk} and "
-                f"v_head_dim = {self.v_head_dim}, expected both <= {_MAX_DENSE_HEAD}). Use "
-                "backend='TORCH_MLA'."
-            )
         # Keys and values share one head size in the prefill kernel; the shorter is padded.
-        self._dense_head = max(qk, self.v_head_dim)
+        self._dense_head = max(self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim)
 
     def forward_mqa(
         self,

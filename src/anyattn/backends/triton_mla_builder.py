@@ -226,12 +226,12 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
             )
         return self._extend(base, self.limits.max_model_len)
 
-    def _plan_decodes(self, cm: CommonAttentionMetadata, num_decodes: int) -> MLADecodeMetadata:
+    def plan_decodes(self, cm: CommonAttentionMetadata, num_decodes: int) -> MLADecodeMetadata:
         """The shared plan, but reading the step's `seq_lens` and block table in place when
         every decode request has its token (always in a CUDA-graph step)."""
         host = cm.host_batch
         if not bool((host.query_lens[:num_decodes] == 1).all()):
-            return super()._plan_decodes(cm, num_decodes)
+            return super().plan_decodes(cm, num_decodes)
         seq_lens_cpu = torch.from_numpy(host.seq_lens[:num_decodes].astype(np.int32))
         return MLADecodeMetadata(
             block_table=cm.block_table_tensor[:num_decodes],

@@ -143,6 +143,8 @@ class MLACase:
         return AttentionSelectorConfig(
             head_size=self.shape.head_size,
             qk_rope_head_dim=self.shape.qk_rope_head_dim,
+            qk_nope_head_dim=self.shape.qk_nope_head_dim,
+            v_head_dim=self.shape.v_head_dim,
             dtype=dtype,
             kv_cache_dtype=self.kv_cache_dtype,  # type: ignore[arg-type]
             block_size=self.block_size,
