@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["PRESETS", "save_random_llama"]
+__all__ = ["PRESETS", "save_random_llama", "save_word_tokenizer"]
 
 PRESETS: dict[str, dict] = {
     "llama-1b": {
@@ -65,7 +65,6 @@ def save_random_llama(
     bf16 models of one preset share their weights up to rounding.
     """
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
     sizes = PRESETS[preset]
     config = transformers.LlamaConfig(**sizes, rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -74,11 +73,20 @@ def save_random_llama(
     model = model.to(dtype).eval()
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
-    vocab = {f"t{i}": i for i in range(sizes["vocab_size"])}
+    save_word_tokenizer(folder, sizes["vocab_size"])
+    return model
+
+
+def save_word_tokenizer(folder: Path, vocab_size: int) -> None:
+    """Write a word-level tokenizer of `vocab_size` words "t0 t1 ..." into `folder` (t0 unknown
+    and padding, t1 end of text): what `LLM` needs to load a folder whose prompts are token ids."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, unk_token="t0", eos_token="t1", pad_token="t0"
     )
     fast.save_pretrained(folder)
-    return model
