@@ -9,9 +9,9 @@ of every generated token, and the bfloat16 bound `[new_tokens]` of each of those
    batched under a token budget (`MAX_NUM_BATCHED_TOKENS`) smaller than the longer prompts, so
    they are prefilled in chunks over their cached context, beside the others' decodes.
 2. Sanity checks of it against transformers (float32, eager): its logits of the same tokens
-   (teacher-forced) within STYLE.md's 1e-3, and transformers' `generate` giving the same tokens
+   (teacher-forced) within docs/semantics.md's 1e-3, and transformers' `generate` giving the same tokens
    (where it parts, the reference's top-2 gap there is reported: a near-tie).
-3. The bound of each row, STYLE.md's low-precision rule with the reference as `ref64` and
+3. The bound of each row, docs/semantics.md's low-precision rule with the reference as `ref64` and
    transformers run in bfloat16 on the same tokens as `ref_lowp`:
    `bound = 2 * max|ref_bf16 - ref32| + floor` (`anyattn.testing.error_bound`; floor: bfloat16's
    rounding noise at the logits' magnitude). A conforming bfloat16 run's logits lie within it.
@@ -37,7 +37,7 @@ and passes; 10% off fails; TORCH_MLA gives none). A backend fails on a mismatch,
 1, or an error; backends not registered, not installed or not for this device are skipped
 (printed). Exit status 1 when a backend failed or none ran; `--save` exits 1 when the reference
 disagrees with transformers (logits beyond 1e-3, or `generate` parting where the top-2 gap is
-above STYLE.md's 1e-4).
+above docs/semantics.md's 1e-4).
 
 Run: `python benchmarks/deepseek_gpu_check.py --save .ds-check` on the CPU (~1 minute), then on
 the GPU, with `src` and FlashInfer importable: `python benchmarks/deepseek_gpu_check.py --check
@@ -62,7 +62,7 @@ NEW_TOKENS = 32
 BLOCK_SIZE = 16  # FLASHINFER_MLA takes 16, 32 or 64
 MAX_NUM_BATCHED_TOKENS = 32
 MAX_MODEL_LEN = 256
-# STYLE.md's whole-model rule against transformers in float32
+# docs/semantics.md's whole-model rule against transformers in float32
 FP32_ATOL, FP32_NEAR_TIE = 1e-3, 1e-4
 _PARTING = ("step", "reference_token", "token", "gap", "allowed_gap", "verdict")
 
@@ -226,7 +226,7 @@ def save(folder: Path, new_tokens: int, prompt_lens: list[int], seed: int) -> di
 
 
 def _is_sane(entry: dict) -> bool:
-    """The reference agrees with transformers in float32 (STYLE.md's whole-model rule)."""
+    """The reference agrees with transformers in float32 (docs/semantics.md's whole-model rule)."""
     gap = entry["top2_gap_there"]
     is_near_tie = gap is None or gap < FP32_NEAR_TIE
     return entry["max_logit_error_vs_transformers"] <= FP32_ATOL and is_near_tie
