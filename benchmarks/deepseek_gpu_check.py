@@ -12,8 +12,7 @@ of every generated token, and the bfloat16 bound `[new_tokens]` of each of those
    (teacher-forced) within 1e-3 (docs/semantics.md), and transformers' `generate` giving the
    same tokens (where it parts, the reference's top-2 gap there is reported: a near-tie).
 3. The bound of each row, docs/semantics.md's low-precision rule with the reference as `ref64`
-   and
-   transformers run in bfloat16 on the same tokens as `ref_lowp`:
+   and transformers run in bfloat16 on the same tokens as `ref_lowp`:
    `bound = 2 * max|ref_bf16 - ref32| + floor` (`anyattn.testing.error_bound`; floor: bfloat16's
    rounding noise at the logits' magnitude). A conforming bfloat16 run's logits lie within it.
 
