@@ -2,13 +2,16 @@
 mode (a backend name, "fastest" or a pair "DECODE,PREFILL"), timed on the batch workload (the
 first B prompts submitted at once, every batch on one LLM) or on the mixed workload
 (`engine_mixed.py`, its own LLM). Each contender's set-up seconds (a "fastest" measurement
-included), what its layers run (`KVCacheGroup.describe`) and its backend notes are kept.
+included), what its layers run (`KVCacheGroup.describe`), its backend notes and, for "fastest",
+each measurement's choices and summed times per phase are kept.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from engine_mixed import time_mixed
@@ -60,19 +63,60 @@ def label(backend: str) -> str:
     return "+".join(p.strip() for p in backend.split(","))
 
 
+def _summary(measured) -> dict:
+    """What a "fastest" measurement chose and the summed time of each backend per phase (us):
+    the figures that say why the engine runs a pair or one backend."""
+    return {
+        "choices": {phase: c.backend for phase, c in measured.choices.items()},
+        "totals_us": {phase: dict(c.totals_us) for phase, c in measured.choices.items()},
+        "rejected": dict(measured.rejected),
+        "engine": measured.pair_note(),
+        "timing_s": measured.timing_s,
+        "from_cache": measured.from_cache,
+    }
+
+
+@contextlib.contextmanager
+def _kept_measurements() -> Iterator[list]:
+    """The measurements `LLM(backend="fastest")` makes meanwhile (it calls `measure_backends`
+    through `anyattn.engine.backend_choice`)."""
+    import anyattn.engine.backend_choice as backend_choice
+
+    kept: list = []
+    measure = backend_choice.measure_backends
+
+    def keep(*args, **kwargs):
+        kept.append(measure(*args, **kwargs))
+        return kept[-1]
+
+    backend_choice.measure_backends = keep
+    try:
+        yield kept
+    finally:
+        backend_choice.measure_backends = measure
+
+
 def set_up(make, device) -> tuple[object, dict]:
     """An LLM and what it runs: set-up seconds (a "fastest" measurement included), its layers'
-    groups and its backend notes."""
+    groups, its backend notes and the summary of each measurement it made."""
     sync(device)
     start = time.perf_counter()
-    llm = make()
+    with _kept_measurements() as measured:
+        llm = make()
     sync(device)
     info = {
         "setup_s": time.perf_counter() - start,
         "runs": " / ".join(g.describe() for g in llm.runner.groups),
         "notes": list(llm.backend_notes),
+        "measurements": [_summary(m) for m in measured],
     }
     print(f"  set up in {info['setup_s']:.1f} s; runs {info['runs']}; {info['notes']}", flush=True)
+    for summary in info["measurements"]:
+        for phase, totals in summary["totals_us"].items():
+            cells = ", ".join(
+                f"{b} {us:.0f}" for b, us in sorted(totals.items(), key=lambda x: x[1])
+            )
+            print(f"  measured {phase}: {cells} us (chose {summary['choices'][phase]})", flush=True)
     return llm, info
 
 

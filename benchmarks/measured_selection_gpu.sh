@@ -78,7 +78,7 @@ for step in ${*:-tests table engine}; do
             --backends ${BACKENDS:-TRITON FLASH_ATTN FLASHINFER} --fastest \
             --pairs ${PAIRS:-TRITON,FLASH_ATTN FLASHINFER,FLASH_ATTN} \
             --repeats "${REPEATS:-2}" >"$out/engine.log" 2>&1
-        grep -E "^ *anyattn|set up in|skipped|^\||interrupted|^wrote" "$out/engine.log"
+        grep -E "^ *anyattn|set up in|  measured |skipped|^\||interrupted|^wrote" "$out/engine.log"
         ;;
     *)
         echo "unknown step $step (expected tests, table, engine)"

@@ -84,6 +84,10 @@ def test_engine_gpu_times_fastest_pairs_and_the_mixed_workload(bench, cpu_backen
     assert compared == {(w, b, n) for w, b in (("batch", 2), ("mixed", 6)) for n in names[1:]}
     fastest = results["contenders"]["batch anyattn fastest eager"]
     assert fastest["setup_s"] > 0 and "(and layers like it)" in fastest["notes"][0]
+    (measured,) = fastest["measurements"]  # one layer config, measured once
+    assert measured["choices"]["overall"] in cpu_backend_pair and not measured["from_cache"]
+    assert set(measured["totals_us"]["decode"]) == set(cpu_backend_pair)
+    assert measured["engine"] in fastest["notes"][0]
     assert {"date", "command", "versions", "mixed_workload"} <= set(results)
 
 
