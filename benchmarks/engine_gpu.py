@@ -18,27 +18,58 @@ greedy, EOS ignored.
    `transformers generate_batch` (continuous batching; its span from the first request's
    creation to the last one's end when the installed version records it, else the call's wall
    time). Two untimed warm-up runs (2 new tokens) precede each timed one.
+   anyattn contenders are backend names, `fastest` (`LLM(backend="fastest")`: measured under
+   the engine's limits, a per-phase pair when the decode and prefill choices differ and can
+   share a cache, else the overall choice; `--fastest`) and per-phase pairs `DECODE,PREFILL`
+   (decodes on the first backend, prefills and the prefill rows of mixed steps on the second;
+   `--pairs`), each with its own LLM; the JSON keeps each one's set-up seconds (the
+   measurement included), what its layers run and why (`backend_notes`).
+3. The mixed workload (`--workloads mixed`, `engine_mixed.py`): more requests than run at once,
+   prompt and output lengths drawn per request, so that as requests finish new prompts are
+   prefilled in chunks alongside the running decodes; tokens/s of all outputs, and the count of
+   decode-only, mixed and prefill-only steps. Its own LLM per contender (its limits; prefix
+   caching off). "fastest" and the pairs are compared with the best single backend of each
+   workload, batch and mode (`engine_report.comparison`: within 3%, or within the spread of
+   `--repeats` runs; whether a pair beats every single backend).
 
-Writes `engine_gpu.json` (every row, versions, the check) and, when matplotlib imports,
-`engine_gpu.png` (tokens/s per contender against batch size) into `--out` (default `$OUT`, else
+Writes `engine_gpu.json` (every row, versions, the check, the comparison) and, when matplotlib
+imports, `engine_gpu.png` (tokens/s per contender against batch size; the mixed workload's
+tokens/s per contender; date, versions and command below) into `--out` (default `$OUT`, else
 `./out`). `--plot JSON` only draws the plot from an earlier run's JSON.
 
 Run (GPU): `python benchmarks/engine_gpu.py [--src CHECKOUT] [--backends TRITON FLASHINFER]
+[--fastest] [--pairs TRITON,FLASH_ATTN] [--workloads batch mixed]
 [--contenders anyattn generate generate_batch] [--modes graphs eager] [--batches 1 16 64 256]`.
-CPU smoke run: `--device cpu --model micro --backends TORCH --modes eager --batches 1 4
---new-tokens 8 --check-reqs 2`.
+CPU smoke run: `--device cpu --model micro --backends TORCH --fastest --pairs
+TORCH,FLEX_ATTENTION --workloads batch mixed --modes eager --batches 1 4 --new-tokens 8
+--check-reqs 2 --mixed-requests 6 --mixed-max-seqs 3 --mixed-batched-tokens 16
+--mixed-prompt-len 8 24 --mixed-new-tokens 2 6`.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import datetime
+import importlib.metadata
 import json
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from engine_llm import (
+    engine_tokens,
+    free,
+    label,
+    make_llm,
+    make_row,
+    time_anyattn,
+    time_anyattn_mixed,
+    timed,
+)
+from engine_mixed import MixedWorkload
+from engine_report import comparison, comparison_table, plot
 
 GPU_BACKENDS = ["TRITON", "FLASH_ATTN", "FLASHINFER", "FLEX_ATTENTION"]
 NEAR_TIE = 1e-3
@@ -50,7 +81,21 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None, help="default $OUT, else ./out")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     parser.add_argument("--model", default="llama-1b", help="preset of engine_model.py")
-    parser.add_argument("--backends", nargs="+", default=None, help="default: the GPU backends")
+    parser.add_argument(
+        "--backends", nargs="+", default=None,
+        help="default: the GPU backends; also 'fastest' and pairs DECODE,PREFILL",
+    )  # fmt: skip
+    parser.add_argument(
+        "--fastest", action="store_true", help="add LLM(backend='fastest') as a contender"
+    )
+    parser.add_argument(
+        "--pairs", nargs="+", default=[], metavar="DECODE,PREFILL",
+        help="add per-phase pairs as contenders, e.g. TRITON,FLASH_ATTN",
+    )  # fmt: skip
+    parser.add_argument(
+        "--workloads", nargs="+", default=["batch"], choices=["batch", "mixed"],
+        help="batch: --batches submitted at once; mixed: engine_mixed.py",
+    )  # fmt: skip
     parser.add_argument(
         "--contenders", nargs="+", default=["anyattn", "generate", "generate_batch"],
         choices=["anyattn", "generate", "generate_batch"],
@@ -66,7 +111,23 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--check-reqs", type=int, default=4)
     parser.add_argument("--check-new-tokens", type=int, default=16)
     parser.add_argument("--plot", type=Path, default=None, help="only plot this JSON")
-    return parser.parse_args(argv)
+    mixed = MixedWorkload()
+    parser.add_argument("--mixed-requests", type=int, default=mixed.requests)
+    parser.add_argument("--mixed-max-seqs", type=int, default=mixed.max_num_seqs)
+    parser.add_argument("--mixed-batched-tokens", type=int, default=mixed.max_num_batched_tokens)
+    parser.add_argument("--mixed-prompt-len", type=int, nargs=2, default=list(mixed.prompt_len),
+                        metavar=("LO", "HI"))  # fmt: skip
+    parser.add_argument("--mixed-new-tokens", type=int, nargs=2, default=list(mixed.new_tokens),
+                        metavar=("LO", "HI"))  # fmt: skip
+    args = parser.parse_args(argv)
+    for pair in args.pairs:
+        if len([p for p in pair.split(",") if p.strip()]) != 2:
+            parser.error(f"--pairs: each is DECODE,PREFILL (got {pair!r})")
+    args.mixed = MixedWorkload(
+        args.mixed_requests, args.mixed_max_seqs, args.mixed_batched_tokens,
+        tuple(args.mixed_prompt_len), tuple(args.mixed_new_tokens),
+    )  # fmt: skip
+    return args
 
 
 def _prompts(num: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
@@ -77,54 +138,15 @@ def _prompts(num: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
     return [rng.integers(2, vocab, size=int(n)).tolist() for n in lengths]
 
 
-def _free() -> None:
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _make_llm(folder: Path, backend: str, mode: str, device, dtype, max_reqs: int, max_len: int):
-    from anyattn.engine.llm import LLM
-
-    return LLM(
-        folder,
-        backend=backend,
-        dtype=dtype,
-        device=device,
-        block_size=16,
-        kv_cache_memory="16GiB" if device.type == "cuda" else "256MiB",
-        max_num_seqs=max_reqs,
-        max_num_batched_tokens=8192,
-        max_model_len=max_len,
-        enforce_eager=mode == "eager",
-    )
-
-
-def _engine_tokens(llm, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    from anyattn.engine.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
-
-
 def check_backend(folder, hf32, backend, mode, device, prompts, new_tokens) -> dict:
     """The fp32 check of one backend and mode against transformers (module docstring, 1)."""
     import torch
 
     max_len = max(map(len, prompts)) + new_tokens + 16
-    llm = _make_llm(folder, backend, mode, device, torch.float32, len(prompts), max_len)
-    tokens = _engine_tokens(llm, prompts, new_tokens)
+    llm = make_llm(folder, backend, mode, device, torch.float32, len(prompts), max_len)
+    tokens = engine_tokens(llm, prompts, new_tokens)
     del llm
-    _free()
+    free()
     report = {"backend": backend, "mode": mode, "mismatches": 0, "near_ties": [], "parted": []}
     for index, (prompt, generated) in enumerate(zip(prompts, tokens, strict=True)):
         ids = torch.tensor([prompt + generated[:-1]], device=device)
@@ -154,35 +176,6 @@ def check_backend(folder, hf32, backend, mode, device, prompts, new_tokens) -> d
     return report
 
 
-def _timed(run, device, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        run()
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def time_anyattn(folder, backend, mode, device, dtype, prompt_sets, new_tokens, repeats):
-    """Rows of one backend and mode over every batch (one LLM serves them all)."""
-    max_reqs = max(map(len, prompt_sets))
-    max_len = max(len(p) for ps in prompt_sets for p in ps) + new_tokens + 16
-    llm = _make_llm(folder, backend, mode, device, dtype, max_reqs, max_len)
-    rows = []
-    for prompts in prompt_sets:
-        # Twice: the timed run's prefills hit the prefix cache, as the second warm-up's do, so
-        # the kernels of prefills over cached context are compiled before the clock starts.
-        for _ in range(2):
-            _engine_tokens(llm, prompts, 2)
-        seconds = _timed(lambda p=prompts, e=llm: _engine_tokens(e, p, new_tokens), device, repeats)
-        rows.append(_row(f"anyattn {backend} {mode}", len(prompts), seconds, new_tokens))
-    del llm
-    _free()
-    return rows
-
-
 def time_generate(hf, device, prompt_sets, new_tokens, repeats):
     import torch
 
@@ -204,8 +197,8 @@ def time_generate(hf, device, prompt_sets, new_tokens, repeats):
                 )  # fmt: skip
 
         run(2)
-        seconds = _timed(lambda run=run: run(new_tokens), device, repeats)
-        rows.append(_row("transformers generate", len(prompts), seconds, new_tokens))
+        seconds = min(timed(lambda run=run: run(new_tokens), device, repeats))
+        rows.append(make_row("transformers generate", len(prompts), seconds, new_tokens))
     return rows
 
 
@@ -230,56 +223,42 @@ def time_generate_batch(hf, device, prompt_sets, new_tokens, repeats):
             if min(spans) > 0 and min(created) > 0:
                 wall = max(spans) - min(created)
             best = min(best, wall)
-        rows.append(_row("transformers generate_batch", len(prompts), best, new_tokens))
+        rows.append(make_row("transformers generate_batch", len(prompts), best, new_tokens))
     return rows
 
 
-def _row(contender: str, batch: int, seconds: float, new_tokens: int) -> dict:
-    row = {
-        "contender": contender,
-        "batch": batch,
-        "seconds": seconds,
-        "tokens_per_s": batch * new_tokens / seconds,
-        "ms_per_token": seconds / new_tokens * 1e3,
-    }
-    print(
-        f"{contender:>34} {batch:>5} {row['tokens_per_s']:>10.1f} {row['ms_per_token']:>9.2f}",
-        flush=True,
-    )
-    return row
-
-
-def plot(results: dict, path: Path) -> bool:
-    """Tokens/s against batch size, one line per contender; False when matplotlib is absent."""
+def _version(distribution: str) -> str:
     try:
-        import matplotlib
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    figure, axes = plt.subplots(figsize=(8, 5))
-    contenders = sorted({r["contender"] for r in results["rows"]})
-    for contender in contenders:
-        rows = sorted(
-            (r for r in results["rows"] if r["contender"] == contender), key=lambda r: r["batch"]
-        )
-        axes.plot(
-            [r["batch"] for r in rows],
-            [r["tokens_per_s"] for r in rows],
-            marker="o",
-            label=contender,
-        )
-    axes.set_xscale("log", base=2)
-    axes.set_yscale("log")
-    axes.set_xlabel("batch (requests submitted at once)")
-    axes.set_ylabel("output tokens/s")
-    axes.set_title(f"{results['model']}, {results['dtype']}, {results['device_name']}")
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    return True
+
+def time_contenders(args, backends, folder, device, dtype, prompt_sets, vocab, results) -> None:
+    """Time every anyattn contender and mode on every workload into `results` (rows, what
+    each LLM ran); a contender that fails is recorded in `results["errors"]` and skipped."""
+    for workload in args.workloads:
+        for backend in backends:
+            for mode in args.modes:
+                what = f"{workload} anyattn {label(backend)} {mode}"
+                print(what, flush=True)
+                try:
+                    if workload == "batch":
+                        rows, info = time_anyattn(
+                            folder, backend, mode, device, dtype, prompt_sets, args.new_tokens,
+                            args.repeats,
+                        )  # fmt: skip
+                    else:
+                        rows, info = time_anyattn_mixed(
+                            folder, backend, mode, device, dtype, args.mixed, vocab, args.repeats
+                        )
+                except Exception as error:  # a contender that cannot run here: say why
+                    results["errors"].append(f"{what}: {error}")
+                    print(f"{what}: skipped ({error})", flush=True)
+                    free()
+                    continue
+                results["rows"] += rows
+                results["contenders"][what] = info
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -303,20 +282,31 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     backends = args.backends or (GPU_BACKENDS if device.type == "cuda" else ["TORCH"])
+    backends = list(dict.fromkeys([*backends, *(["fastest"] if args.fastest else []), *args.pairs]))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"anyattn from {Path(anyattn.__file__).parent}; torch {torch.__version__}, "
           f"transformers {transformers.__version__}, {name}")  # fmt: skip
+    versions = {
+        "torch": torch.__version__, "triton": _version("triton"),
+        "flashinfer": _version("flashinfer-python"), "flash-attn-4": _version("flash-attn-4"),
+        "transformers": transformers.__version__,
+    }  # fmt: skip
     results = {
         "model": args.model, "dtype": str(dtype).removeprefix("torch."), "device_name": name,
         "torch": torch.__version__, "transformers": transformers.__version__,
+        "versions": versions,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "python3 benchmarks/engine_gpu.py " + " ".join(sys.argv[1:] if argv is None
+                                                                 else argv),
         "anyattn_src": str(Path(anyattn.__file__).parent), "new_tokens": args.new_tokens,
-        "checks": [], "errors": [], "rows": [],
+        "mixed_workload": args.mixed.describe() if "mixed" in args.workloads else "",
+        "checks": [], "errors": [], "rows": [], "contenders": {},
     }  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / args.model
         with torch.device(device):  # random init on the device: fast for the 1.2B model
             save_random_llama(folder, args.model, dtype=torch.bfloat16)
-        _free()
+        free()
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
         prompts = _prompts(max([*args.batches, args.check_reqs]), *args.prompt_len, vocab)
         load = transformers.AutoModelForCausalLM.from_pretrained
@@ -338,21 +328,16 @@ def main(argv: list[str] | None = None) -> None:
                           f"({report['mismatches']} mismatches, near-ties {report['near_ties']}, "
                           f"generate parts at {report['parted']})", flush=True)  # fmt: skip
             del hf32
-            _free()
+            free()
         prompt_sets = [prompts[:batch] for batch in args.batches]
         print(f"{'contender':>34} {'batch':>5} {'tokens/s':>10} {'ms/token':>9}")
         if "anyattn" in args.contenders:
-            for backend in backends:
-                for mode in args.modes:
-                    try:
-                        results["rows"] += time_anyattn(
-                            folder, backend, mode, device, dtype, prompt_sets, args.new_tokens,
-                            args.repeats,
-                        )  # fmt: skip
-                    except Exception as error:
-                        results["errors"].append(f"anyattn {backend} {mode}: {error}")
-                        print(f"anyattn {backend} {mode}: skipped ({error})", flush=True)
-                        _free()
+            try:
+                time_contenders(args, backends, folder, device, dtype, prompt_sets, vocab, results)
+            except KeyboardInterrupt:  # a timeout's SIGINT: keep the rows timed so far
+                results["errors"].append("interrupted")
+                print("interrupted: writing the rows timed so far", flush=True)
+                args.contenders = []
         hf_contenders = [c for c in ("generate", "generate_batch") if c in args.contenders]
         if hf_contenders:
             hf = load(folder, dtype=dtype, attn_implementation="sdpa").to(device).eval()
@@ -364,7 +349,10 @@ def main(argv: list[str] | None = None) -> None:
                     results["errors"].append(f"transformers {contender}: {error}")
                     print(f"transformers {contender}: failed ({error})", flush=True)
             del hf
-            _free()
+            free()
+    results["comparison"] = comparison(results["rows"])
+    if results["comparison"]:
+        print(f"\n{comparison_table(results['comparison'])}\n", flush=True)
     (out / "engine_gpu.json").write_text(json.dumps(results, indent=1))
     drawn = plot(results, out / "engine_gpu.png")
     print(f"wrote {out / 'engine_gpu.json'}" + (" and engine_gpu.png" if drawn else ""))

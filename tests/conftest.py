@@ -5,6 +5,8 @@ Fixtures:
     make_backend: build a fake `AttentionBackend` class from a few declarations (no kernels).
     register: register a backend name for the current test only.
     register_mla_variant: register a TORCH_MLA subclass with another impl under a test name.
+    cpu_backend_pair: TORCH's code registered again as TORCH_TWIN and FLEX_ATTENTION made
+        unavailable, for per-phase pairs and measurements on the CPU without compiling.
     triton_interpreter: run a test file as a script under `TRITON_INTERPRET=1`.
 """
 
@@ -173,6 +175,50 @@ def register_mla_variant(register) -> Callable[..., type[AttentionBackend]]:
         return backend
 
     return make
+
+
+@pytest.fixture
+def cpu_backend_pair(register, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str]:
+    """("TORCH", "TORCH_TWIN"): a second CPU backend, TORCH's impl and builder under another
+    name, registered for this test, and FLEX_ATTENTION unavailable, so that a measurement on the
+    CPU times these two and a per-phase pair runs without FLEX_ATTENTION's compilation (tens of
+    seconds). The two share any cache TORCH takes."""
+    from anyattn.backends.flex_attention import FlexAttentionBackend
+    from anyattn.backends.torch_attn import (
+        TorchAttentionBackend,
+        TorchAttentionImpl,
+        TorchAttentionMetadataBuilder,
+    )
+
+    class TwinImpl(TorchAttentionImpl):
+        pass
+
+    class TwinBuilder(TorchAttentionMetadataBuilder):
+        pass
+
+    class TorchTwinBackend(TorchAttentionBackend):
+        @staticmethod
+        def get_name() -> str:
+            return "TORCH_TWIN"
+
+        @staticmethod
+        def get_impl_cls() -> type[TorchAttentionImpl]:
+            return TwinImpl
+
+        @staticmethod
+        def get_builder_cls() -> type[TorchAttentionMetadataBuilder]:
+            return TwinBuilder
+
+    TwinImpl.backend = TorchTwinBackend
+    TwinBuilder.backend = TorchTwinBackend
+    register("TORCH_TWIN", TorchTwinBackend)
+    monkeypatch.setattr(
+        FlexAttentionBackend,
+        "get_unavailable_reason",
+        classmethod(lambda cls: "made unavailable by the cpu_backend_pair fixture"),
+    )
+    selector.clear_cache()
+    return "TORCH", "TORCH_TWIN"
 
 
 @pytest.fixture
