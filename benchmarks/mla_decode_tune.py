@@ -9,8 +9,10 @@ block 64) and head count, `anyattn.ops.mla_decode` runs with each `MLADecodeTile
 grid (today's default `mla_decode_tiles` first) and each of a few split counts around the
 builder's `choose_num_splits` (half, same, double). Every (tiles, splits) pair is first checked
 on two rows against the float64 reference (`check_decode`: a pair that fails or cannot launch is
-reported, not timed); FlashInfer's MLA kernel runs on the same pages when importable. The
-yardsticks (device copy rate, bf16 matmul rate) are measured in the same run.
+reported, not timed); before that, each tiles is checked the same way on a batch whose checked
+rows end in partial key tiles (`RAGGED`; one that fails is reported and left out). FlashInfer's
+MLA kernel runs on the same pages when importable. The yardsticks (device copy rate, bf16
+matmul rate) are measured in the same run.
 
 Per shape a table: the tiles, the fastest of its split counts (programs = rows x programs per
 row x splits) and its median µs, TB/s of latent bytes, TFLOP/s (`2 H (2L + R)` per key), the
@@ -45,7 +47,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 from _timing import markdown_table, synchronize
-from mla_decode import FULL, TINY, Step, check_decode, decode_work, flashinfer_runner, measure
+from mla_decode import (
+    FULL,
+    TINY,
+    Setting,
+    Step,
+    check_decode,
+    decode_work,
+    flashinfer_runner,
+    measure,
+)
 from mla_decode import yardsticks as measure_yardsticks
 
 from anyattn.backends.triton_mla_builder import choose_num_splits
@@ -82,6 +93,10 @@ GRID_CPU = (  # interpreted: one of each variant, tiles that fit blocks of 16
     _T(16, 16, 4, 1, latent_splits=2),
 )
 PROFILED = {(16, 8, 32768), (128, 64, 4096)}  # (heads, rows, context) whose best is profiled
+# Contexts of the ragged check: the first two (the checked rows) end in a partial tile for
+# every tile_n, which the timed contexts (multiples of 2048) never do.
+RAGGED = (1000, 97, 4097, 33)
+RAGGED_CPU = (45, 23, 9, 70)
 _KV_LOAD_IDS = {"gather": KV_GATHER, "block": KV_BLOCK, "tma": KV_TMA}
 
 
@@ -139,6 +154,22 @@ def resources(kernel: object | None, num_warps: int, device: torch.device) -> tu
     per_warp = -(-regs * 32 // 256) * 256  # registers are granted per warp in units of 256
     fits = min(sm_regs // (per_warp * num_warps), sm_smem // (shared + 1024), sm_warps // num_warps)
     return f"{regs} / {spills} / {shared / 1024:.0f}", str(fits)
+
+
+def ragged_check(
+    setting: Setting, heads: int, block_size: int, grid: Sequence[MLADecodeTiles],
+    device: torch.device,
+) -> dict[MLADecodeTiles, str]:  # fmt: skip
+    """Each tiles' verdict ('ok' or the error) on a batch of `RAGGED` contexts, 4 splits."""
+    lens = list(RAGGED_CPU if device.type == "cpu" else RAGGED)
+    step = Step(setting, heads, block_size, [1] * len(lens), lens, device)
+    verdicts = {}
+    for tiles in (mla_decode_tiles(heads), *grid):
+        try:
+            verdicts[tiles] = check_decode(step, triton_runner(step, tiles, 4)())
+        except Exception as error:  # a config that cannot launch is reported, not fatal
+            verdicts[tiles] = f"failed: {type(error).__name__}: {error}"[:140]
+    return verdicts
 
 
 def split_candidates(default: int) -> list[int]:
@@ -287,9 +318,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The profiled cases first, so that a run cut short still has them.
     cases = [(h, rows_n, length) for h in heads for rows_n, length in shapes]
     cases.sort(key=lambda case: case not in PROFILED)
+    grids: dict[int, list[MLADecodeTiles]] = {}
     for h, rows_n, length in cases:
-        grid = GRID_CPU if on_cpu else (GRID_FEW_HEADS if h <= 16 else GRID_MANY_HEADS)
-        grid = [t for t in grid if t.kv_load in args.kv_loads.split(",")]
+        if h not in grids:  # the ragged check of this head count's grid; failures are dropped
+            grid = GRID_CPU if on_cpu else (GRID_FEW_HEADS if h <= 16 else GRID_MANY_HEADS)
+            grid = [t for t in grid if t.kv_load in args.kv_loads.split(",")]
+            verdicts = ragged_check(setting, h, block_size, grid, device)
+            bad = {label(t): v for t, v in verdicts.items() if v != "ok"}
+            print(f"\nragged check, H={h}, contexts {RAGGED_CPU if on_cpu else RAGGED}, 4 "
+                  f"splits: {bad or 'every tiles ok'}")  # fmt: skip
+            grids[h] = [t for t in grid if verdicts[t] == "ok"]
+        grid = grids[h]
         step = Step(setting, h, block_size, [1] * rows_n, [length] * rows_n, device)
         peer_us, peer = flashinfer_time(step, reps) if use_flashinfer else (None, "skipped")
         table, best = sweep_shape(step, grid, peer_us, rates, reps)

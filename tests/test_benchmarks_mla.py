@@ -42,7 +42,8 @@ def test_quick_cpu_run_checks_and_times_every_contender() -> None:
 
 def test_tune_quick_cpu_run_checks_and_times_every_variant() -> None:
     """`benchmarks/mla_decode_tune.py --device cpu --quick`: every tile variant passes its
-    float64 check and is timed, a best configuration is named and profiled."""
+    float64 checks (ragged contexts, the timed shape) and is timed, a best configuration is
+    named and profiled."""
     pytest.importorskip("triton")
     pytest.importorskip("numpy")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -60,4 +61,5 @@ def test_tune_quick_cpu_run_checks_and_times_every_variant() -> None:
     assert {"block", "tma", "latent/2"} <= {word for n in names for word in n.split(", ")}
     for row in rows:
         assert float(row[2]) > 0, (row, result.stdout)  # checked, then timed
+    assert "4 splits: every tiles ok" in result.stdout  # the ragged check
     assert "\nbest: " in result.stdout and "\nProfile: decode " in result.stdout
