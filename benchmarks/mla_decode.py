@@ -160,6 +160,14 @@ def flashinfer_runner(step: Step) -> Callable[[], torch.Tensor]:
     return lambda: wrapper.run(q_nope, q_pe, ckv, kpe)
 
 
+def decode_work(step: Step) -> tuple[int, int]:
+    """(latent bytes, FLOPs) of a decode step: each request's cache rows read once (`L + R`
+    values each), `2 * H * (2L + R)` FLOPs per key and row."""
+    s, keys = step.s, sum(step.seq_lens)
+    latent_bytes = keys * (s.rank + s.rope) * step.kv_cache.element_size()
+    return latent_bytes, 2 * step.heads * (2 * s.rank + s.rope) * keys
+
+
 def check_decode(step: Step, out: torch.Tensor) -> str:
     """'ok' or the error: the first rows against `mla_decode_ref` in float64."""
     n, rank = min(_CHECK_ROWS, len(step.seq_lens)), step.s.rank
@@ -216,8 +224,7 @@ def run_case(kind: str, step: Step, contenders: Sequence[str], reps: int) -> lis
         f"block {step.block_size}"
     )
     if kind == "decode":
-        bytes_ = sum(step.seq_lens) * (s.rank + s.rope) * step.kv_cache.element_size()
-        flops = 2 * step.heads * (2 * s.rank + s.rope) * sum(step.seq_lens)
+        bytes_, flops = decode_work(step)
         score_bytes = 4 * step.heads * sum(step.seq_lens) * 2
     else:
         bytes_ = 0

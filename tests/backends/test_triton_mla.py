@@ -160,7 +160,7 @@ def test_impl_refuses_what_the_kernels_cannot_take() -> None:
 
 
 @pytest.mark.parametrize(
-    ("num_rows", "head_tiles", "max_seq_len", "expected"),
+    ("num_rows", "programs_per_row", "max_seq_len", "expected"),
     [
         (8, 1, 32768, 32),  # 8 x 32768 at 16 heads: 256 programs of 1024 keys
         (8, 2, 32768, 16),  # at 128 heads (two 64-head tiles)
@@ -171,8 +171,14 @@ def test_impl_refuses_what_the_kernels_cannot_take() -> None:
         (0, 1, 0, 1),
     ],
 )
-def test_choose_num_splits(num_rows, head_tiles, max_seq_len, expected) -> None:
-    assert choose_num_splits(num_rows, head_tiles, max_seq_len) == expected
+def test_choose_num_splits(num_rows, programs_per_row, max_seq_len, expected) -> None:
+    assert choose_num_splits(num_rows, programs_per_row, max_seq_len) == expected
+
+
+def test_choose_num_splits_takes_its_policy_as_arguments() -> None:
+    assert choose_num_splits(8, 1, 32768, target_programs=528, max_splits=64) == 64
+    assert choose_num_splits(8, 1, 32768, max_splits=16) == 16
+    assert choose_num_splits(8, 1, 32768, 2048) == 16  # at least 2048 keys per split
 
 
 def _impl(**changes) -> TritonMLAImpl:

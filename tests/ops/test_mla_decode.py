@@ -24,6 +24,7 @@ from anyattn.ops.mla_decode import (
     mla_decode,
     mla_decode_ref,
     mla_decode_workspace_shape,
+    tma_unsupported_reason,
 )
 from anyattn.testing import assign_blocks, error_bound, max_abs_error
 
@@ -147,6 +148,19 @@ def cases(device: str) -> list[tuple[Callable[..., None], tuple[Any, ...]]]:
         # 20 heads in 16-head tiles (two programs per row, the second partly masked), block 5.
         found.append((check_against_reference, (device, dtype, 32, 16, 2, 20, None,
                                                 MLADecodeTiles(16, 16, 4, 1), 5)))  # fmt: skip
+        # The tile variants: one block-table entry per tile (tiles of 16 in blocks of 32, so
+        # rows 40 and 97 end in partial tiles, 16 in a full one), TMA descriptors (rank 48:
+        # the padded columns come from past the descriptor's edge), latent halves (rank 48:
+        # the second half partly masked; 20 heads, block 5, gathered), both over fp8.
+        for kv_load, splits in itertools.product(("block", "tma"), (1, 3)):
+            tiles = MLADecodeTiles(16, 16, 4, 3, kv_load=kv_load)
+            found.append((check_against_reference, (device, dtype, 48, 16, splits, 4, None,
+                                                    tiles, 32)))  # fmt: skip
+        halves = MLADecodeTiles(16, 16, 4, 1, latent_splits=2)
+        found.append((check_against_reference, (device, dtype, 48, 16, 2, 20, None, halves, 5)))
+        tma_halves = MLADecodeTiles(16, 16, 4, 3, latent_splits=2, kv_load="tma")
+        found.append((check_against_reference, (device, dtype, 64, 16, 1, 4,
+                                                torch.float8_e4m3fn, tma_halves)))  # fmt: skip
         for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
             found.append((check_against_reference, (device, dtype, 32, 16, 2, 4, fp8)))
         found.append((check_splits_agree, (device, dtype)))
@@ -156,7 +170,13 @@ def cases(device: str) -> list[tuple[Callable[..., None], tuple[Any, ...]]]:
 
 def case_id(case: tuple[Callable[..., None], tuple[Any, ...]]) -> str:
     check, args = case
-    return "-".join([check.__name__.removeprefix("check_"), *map(str, args[1:])])
+    return "-".join([check.__name__.removeprefix("check_"), *map(_short, args[1:])])
+
+
+def _short(arg: object) -> str:
+    if isinstance(arg, MLADecodeTiles):
+        return f"tiles{arg.block_h}x{arg.tile_n}/{arg.latent_splits}/{arg.kv_load}"
+    return str(arg)
 
 
 @pytest.mark.slow  # about 12 s of interpreted kernels
@@ -187,6 +207,35 @@ def test_bad_arguments_are_refused_before_anything_is_written() -> None:
         mla_decode(wide, q_pe, torch.zeros(3, 16, 544, dtype=torch.float16), wide, table, lens, 1)
     with pytest.raises(TypeError, match=r"seq_lens must be a torch\.Tensor"):
         mla_decode(q, q_pe, cache, out, table, [5, 9], 0.1)
+    assert not out.any()
+
+
+def test_tiles_and_their_conditions_are_checked_before_the_launch() -> None:
+    with pytest.raises(ValueError, match=r"tile_n must be a power of two >= 16 \(got 24\)"):
+        MLADecodeTiles(16, 24, 4, 2)
+    with pytest.raises(ValueError, match=r"latent_splits must be 1 or 2 \(got 4\)"):
+        MLADecodeTiles(16, 16, 4, 2, latent_splits=4)
+    with pytest.raises(ValueError, match=r"kv_load must be one of \['block', 'gather', 'tma'\]"):
+        MLADecodeTiles(16, 16, 4, 2, kv_load="ldg")
+    assert MLADecodeTiles(64, 32, 8, 2, latent_splits=2).programs_per_row(128) == 4
+    case = make_decode([5, 9], 32, 16, 4, torch.float16, torch.float16)
+    q, q_pe, cache = case["q_latent"], case["q_pe"], case["kv_cache"]
+    table, lens = case["block_table"], case["seq_lens"]
+    out = torch.zeros_like(q)
+    with pytest.raises(ValueError, match="kv_load='block' needs tile_n to divide the block size"):
+        mla_decode(q, q_pe, cache, out, table, lens, 0.1,
+                   tiles=MLADecodeTiles(16, 32, 4, 2, kv_load="block"))  # fmt: skip
+    # Blocks that are not consecutive rows: a cache holding every other block of a wider one.
+    strided = torch.cat([cache, cache], dim=1)[:, :16]
+    with pytest.raises(ValueError, match="kv_load='tma' cannot read this cache: the cache's bl"):
+        mla_decode(q, q_pe, strided, out, table, lens, 0.1,
+                   tiles=MLADecodeTiles(16, 16, 4, 2, kv_load="tma"))  # fmt: skip
+    with pytest.raises(ValueError, match="latent_splits=2 needs kv_lora_rank > 16"):
+        narrow = make_decode([5, 9], 16, 16, 4, torch.float16, torch.float16)
+        mla_decode(narrow["q_latent"], narrow["q_pe"], narrow["kv_cache"], out[..., :16], table,
+                   lens, 0.1, tiles=MLADecodeTiles(16, 16, 4, 2, latent_splits=2))  # fmt: skip
+    assert "rope at 72 B" in tma_unsupported_reason(torch.zeros(3, 16, 40, dtype=torch.half), 36)
+    assert tma_unsupported_reason(cache, 32) is None
     assert not out.any()
 
 

@@ -55,26 +55,30 @@ _MIN_KEYS_PER_SPLIT = 256
 
 def choose_num_splits(
     num_rows: int,
-    num_head_tiles: int,
+    programs_per_row: int,
     max_seq_len: int,
     min_keys_per_split: int = _MIN_KEYS_PER_SPLIT,
+    *,
+    target_programs: int = _TARGET_PROGRAMS,
+    max_splits: int = _MAX_SPLITS,
 ) -> int:
-    """KV splits of a decode step: doubled while `num_rows * num_head_tiles * splits` programs
-    stay under `_TARGET_PROGRAMS`, at most `_MAX_SPLITS`, never fewer than
-    `min_keys_per_split` keys per split. So `num_rows * splits <= split_rows_capacity`."""
+    """KV splits of a decode step: doubled while `num_rows * programs_per_row * splits`
+    programs stay under `target_programs`, at most `max_splits`, never fewer than
+    `min_keys_per_split` keys per split. So `num_rows * splits <= split_rows_capacity`.
+    `programs_per_row` is `MLADecodeTiles.programs_per_row(num_heads)`."""
     if num_rows == 0:
         return 1
     splits = 1
-    while splits < _MAX_SPLITS and num_rows * num_head_tiles * splits * 2 <= _TARGET_PROGRAMS:
+    while splits < max_splits and num_rows * programs_per_row * splits * 2 <= target_programs:
         splits *= 2
     while splits > 1 and max_seq_len < splits * min_keys_per_split:
         splits //= 2
     return splits
 
 
-def split_rows_capacity(num_head_tiles: int) -> int:
+def split_rows_capacity(programs_per_row: int, target_programs: int = _TARGET_PROGRAMS) -> int:
     """The most `num_rows * num_splits` that `choose_num_splits` gives for splits > 1."""
-    return _TARGET_PROGRAMS // num_head_tiles
+    return target_programs // programs_per_row
 
 
 @dataclass(frozen=True)
@@ -169,9 +173,11 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
     """Plans a TRITON_MLA step from the CPU mirrors; never syncs with the device."""
 
     _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-    # Fewest keys a split takes (a class attribute so that tests can force splits on tiny
-    # contexts).
+    # The split policy of `choose_num_splits`, class attributes so that a subclass can tune
+    # it (and tests can force splits on tiny contexts).
     min_keys_per_split: int = _MIN_KEYS_PER_SPLIT
+    target_programs: int = _TARGET_PROGRAMS
+    max_splits: int = _MAX_SPLITS
 
     def __init__(
         self,
@@ -185,9 +191,9 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
         super().__init__(kv_cache_spec, layers, limits, device)
         heads = [p.num_heads for p in self.layers.values()]
         self._max_heads = max(heads, default=1)
-        self._head_tiles = -(-self._max_heads // mla_decode_tiles(self._max_heads).block_h)
+        self._programs_per_row = mla_decode_tiles(self._max_heads).programs_per_row(self._max_heads)
         self._workspace = _SplitWorkspace(
-            split_rows_capacity(self._head_tiles),
+            split_rows_capacity(self._programs_per_row, self.target_programs),
             self._max_heads,
             kv_cache_spec.kv_lora_rank,
             self.device,
@@ -244,7 +250,14 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
         decode_plan = None
         if base.decode is not None:
             rows = base.num_decode_tokens
-            splits = choose_num_splits(rows, self._head_tiles, max_seq_len, self.min_keys_per_split)
+            splits = choose_num_splits(
+                rows,
+                self._programs_per_row,
+                max_seq_len,
+                self.min_keys_per_split,
+                target_programs=self.target_programs,
+                max_splits=self.max_splits,
+            )
             workspace = None
             if splits > 1:
                 workspace = self._workspace.view(
