@@ -11,20 +11,24 @@ rows `[c_kv (L), k_pe (R)]` of its request (docs/mla.md, "Two paths"):
 tile (the absorbed decode at many heads is compute-bound, so the heads share each read as the
 rows of `tl.dot` tiles). With `num_splits > 1` each request's keys are cut into that many
 chunks (flash-decoding, for batches too small to fill the GPU) whose partial results a second
-launch merges by LSE. `MLADecodeTiles` holds the launch's tuning knobs (tile sizes, warps,
-stages, latent splits, how keys are read); `mla_decode_tiles` is the default choice. The launch
+launch merges by LSE. `MLADecodeTiles` (`anyattn.ops.mla_decode_tiles`) holds the launch's
+tuning knobs (tile sizes, warps, stages, latent splits, how keys are read); `mla_decode_tiles`
+is the default choice. The launch
 depends only on tensor sizes, never on device values: CUDA-graph safe. `mla_decode_ref` is the
 same computation in plain PyTorch, for tests.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 
 from anyattn.ops.mla_decode_kernel import KV_BLOCK, KV_GATHER, KV_TMA
+from anyattn.ops.mla_decode_tiles import (
+    MLADecodeTiles,
+    check_tiles,
+    mla_decode_tiles,
+    tma_unsupported_reason,
+)
 
 try:
     import triton
@@ -46,72 +50,13 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # The widest latent the kernel holds in one accumulator tile (DeepSeek's kv_lora_rank).
 _MAX_LATENT = 512
 
+# The kernel's constexpr for each `MLADecodeTiles.kv_load`.
 _KV_LOADS = {"gather": KV_GATHER, "block": KV_BLOCK, "tma": KV_TMA}
 
 if triton is not None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from anyattn.ops.mla_decode_kernel import mla_decode_kernel, mla_reduce_kernel
-
-
-@dataclass(frozen=True, slots=True)
-class MLADecodeTiles:
-    """Launch shape of `mla_decode_kernel`: its tuning knobs.
-
-    Attributes:
-        block_h: query heads per program, a power of two >= 16 (the rows of a `tl.dot` tile).
-        tile_n: keys per step of the online softmax, a power of two >= 16.
-        num_warps, num_stages: Triton launch options.
-        latent_splits: programs per head tile, 1 or 2; with 2 each computes the full scores
-            and accumulates half of the latent output columns (half the float32 accumulator
-            per program, the scores computed twice).
-        kv_load: how a key tile is read from the paged cache. "gather": a block-table entry
-            per key, any block size. "block": one entry per tile and no key mask before a
-            request's last partial tile (needs `block_size % tile_n == 0`). "tma": as
-            "block", through TMA tensor descriptors (also needs a cache whose blocks are
-            contiguous rows, `stride(0) == block_size * stride(1)`, `stride(2) == 1`, and
-            16-byte aligned rows and rope columns; see `tma_unsupported_reason`).
-    """
-
-    block_h: int
-    tile_n: int
-    num_warps: int
-    num_stages: int
-    latent_splits: int = 1
-    kv_load: Literal["gather", "block", "tma"] = "gather"
-
-    def __post_init__(self) -> None:
-        for name in ("block_h", "tile_n"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 16 or value & (value - 1):
-                raise ValueError(
-                    f"MLADecodeTiles: {name} must be a power of two >= 16 (got {value!r})."
-                )
-        if self.latent_splits not in (1, 2):
-            raise ValueError(
-                f"MLADecodeTiles: latent_splits must be 1 or 2 (got {self.latent_splits!r})."
-            )
-        if self.kv_load not in _KV_LOADS:
-            raise ValueError(
-                f"MLADecodeTiles: kv_load must be one of {sorted(_KV_LOADS)} (got "
-                f"{self.kv_load!r})."
-            )
-
-    def programs_per_row(self, num_heads: int) -> int:
-        """Programs of one decode row and KV split: head tiles times latent splits."""
-        return -(-num_heads // self.block_h) * self.latent_splits
-
-
-def mla_decode_tiles(num_heads: int) -> MLADecodeTiles:
-    """The tile shape for `num_heads` query heads: up to 16 heads one 16-row tile of 64 keys
-    (the decode is memory-bound there: one program per row reads each latent row once); more
-    heads take 64-head tiles of 32 keys with 8 warps (compute-bound: each latent row read once
-    per 64 heads, the accumulator `[64, 512]` float32 spread over 256 threads)."""
-    if num_heads <= 16:
-        return MLADecodeTiles(block_h=16, tile_n=64, num_warps=4, num_stages=2)
-    if num_heads <= 32:
-        return MLADecodeTiles(block_h=32, tile_n=64, num_warps=4, num_stages=2)
-    return MLADecodeTiles(block_h=64, tile_n=32, num_warps=8, num_stages=2)
 
 
 def mla_decode_workspace_shape(
@@ -180,7 +125,7 @@ def mla_decode(
     if num_rows == 0:
         return output
     tiles = tiles or mla_decode_tiles(num_heads)
-    _check_tiles(tiles, kv_cache, rank)
+    check_tiles(_OP, tiles, kv_cache, rank)
     is_fp8 = kv_cache.dtype in _FP8
     dummy = seq_lens  # a valid pointer for arguments a constexpr flag disables
     partial_out, partial_lse = workspace if num_splits > 1 else (output, output)
@@ -230,47 +175,6 @@ def mla_decode(
             num_warps=4,
         )  # fmt: skip
     return output
-
-
-def tma_unsupported_reason(kv_cache: torch.Tensor, kv_lora_rank: int) -> str | None:
-    """Why `kv_load="tma"` cannot read `kv_cache` (None when it can): TMA descriptors need the
-    cache's blocks laid out as contiguous rows, unit stride along a row, and 16-byte aligned
-    rows, start and rope columns."""
-    num_blocks, block_size, _ = kv_cache.shape
-    item = kv_cache.element_size()
-    stride_b, stride_s, stride_d = kv_cache.stride()
-    if stride_d != 1 or (num_blocks > 1 and stride_b != block_size * stride_s):
-        return (
-            f"the cache's blocks are not contiguous rows (strides {kv_cache.stride()}, expected "
-            f"({block_size} * row stride, row stride, 1))"
-        )
-    if (stride_s * item) % 16 or kv_cache.data_ptr() % 16 or (kv_lora_rank * item) % 16:
-        return (
-            f"rows, start or rope columns not 16-byte aligned (row stride {stride_s * item} B, "
-            f"start {kv_cache.data_ptr() % 16} B past 16, rope at {kv_lora_rank * item} B)"
-        )
-    return None
-
-
-def _check_tiles(tiles: MLADecodeTiles, kv_cache: torch.Tensor, rank: int) -> None:
-    """The block-size and layout conditions of `tiles.kv_load` (see `MLADecodeTiles`)."""
-    if not isinstance(tiles, MLADecodeTiles):
-        raise TypeError(f"{_OP}: tiles must be MLADecodeTiles (got {type(tiles).__name__}).")
-    block_size = kv_cache.shape[1]
-    if tiles.kv_load != "gather" and block_size % tiles.tile_n:
-        raise ValueError(
-            f"{_OP}: kv_load={tiles.kv_load!r} needs tile_n to divide the block size (got "
-            f"tile_n {tiles.tile_n}, block_size {block_size}); use kv_load='gather'."
-        )
-    if tiles.latent_splits == 2 and rank <= 16:
-        raise ValueError(
-            f"{_OP}: latent_splits=2 needs kv_lora_rank > 16 (got {rank}): each half is a "
-            "tl.dot operand of at least 16 columns."
-        )
-    if tiles.kv_load == "tma":
-        reason = tma_unsupported_reason(kv_cache, rank)
-        if reason is not None:
-            raise ValueError(f"{_OP}: kv_load='tma' cannot read this cache: {reason}.")
 
 
 def _validate(
