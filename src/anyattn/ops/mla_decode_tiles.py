@@ -63,7 +63,7 @@ class MLADecodeTiles:
             )
         if self.kv_load not in KV_LOADS:
             raise ValueError(
-                f"MLADecodeTiles: kv_load must be one of {list(KV_LOADS)} (got {self.kv_load!r})."
+                f"MLADecodeTiles: kv_load must be one of {sorted(KV_LOADS)} (got {self.kv_load!r})."
             )
 
     def programs_per_row(self, num_heads: int) -> int:
