@@ -28,19 +28,31 @@ from anyattn.types import (
 if TYPE_CHECKING:
     from anyattn.config import AttentionSelectorConfig, AttentionSpec, BatchLimits
 
-__all__ = ["PLATFORMS", "AttentionBackend", "format_mla_splits", "platform_key"]
+__all__ = ["PLATFORMS", "AttentionBackend", "format_mla_splits", "platform_key", "rank_on"]
 
-# Platform keys of `AttentionBackend.priority`.
-PLATFORMS = ("cpu", "cuda", "blackwell")
+# Platform keys of `AttentionBackend.priority`. "hopper" (sm90) falls back to a backend's "cuda"
+# rank when it declares none of its own.
+PLATFORMS = ("cpu", "cuda", "hopper", "blackwell")
 
 
 def platform_key(device: DeviceInfo) -> str:
-    """The `priority` key of `device`: "cpu", "blackwell" (sm100+) or "cuda" (the rest)."""
+    """The `priority` key of `device`: "cpu", "blackwell" (sm100+), "hopper" (sm90) or "cuda"
+    (the rest, and CUDA of unknown capability)."""
     if device.type == "cpu":
         return "cpu"
     if device.capability is not None and device.capability >= (10, 0):
         return "blackwell"
+    if device.capability is not None and device.capability[0] == 9:
+        return "hopper"
     return "cuda"
+
+
+def rank_on(priority: Mapping[str, int], key: str) -> int | None:
+    """A backend's rank on platform `key` (lower tried first), None when it declares none there
+    (then it is chosen there only on explicit request)."""
+    if key == "hopper" and key not in priority:
+        return priority.get("cuda")
+    return priority.get(key)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

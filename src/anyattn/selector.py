@@ -23,7 +23,7 @@ import os
 import torch
 
 from anyattn.config import AttentionSelectorConfig, BatchLimits
-from anyattn.declarations import AttentionBackend, platform_key
+from anyattn.declarations import AttentionBackend, platform_key, rank_on
 from anyattn.explanation import BackendVerdict, Explanation, NoBackendError
 from anyattn.layer_params import LayerParams
 from anyattn.measure.result import Measurement
@@ -80,7 +80,7 @@ def _ranked(
         cls = item[1]
         if isinstance(cls, str):
             return (True, False, 0)
-        declared = cls.priority.get(key)
+        declared = rank_on(cls.priority, key)
         # MLA backends compete only with MLA backends, standard ones with standard ones.
         other_kind = cls.is_mla() != use_mla
         return (declared is None, other_kind, 0 if declared is None else declared)
@@ -106,7 +106,7 @@ def _judge(
         return BackendVerdict(name, position, (), cls)
     key = platform_key(device)
     not_automatic = None
-    if key not in cls.priority:
+    if rank_on(cls.priority, key) is None:
         not_automatic = f"declares no priority for {key}"
     elif not cls.chosen_automatically(config, device):
         not_automatic = "not chosen automatically for this config"

@@ -229,14 +229,15 @@ def test_not_selected_when_missing_and_the_reason_says_how_to_install(
         select_backend(config(), device, backend="FLASHINFER")
 
 
-def test_blackwell_prefers_flashinfer_over_flash_attn(installed, make_backend, register):
+def test_hopper_and_blackwell_prefer_flashinfer_over_flash_attn(installed, make_backend, register):
     installed()
-    flash_attn_priority = {"cuda": 0, "blackwell": 1}  # FLASH_ATTN's own
+    flash_attn_priority = {"cuda": 0, "hopper": 1, "blackwell": 1}  # FLASH_ATTN's own
     register(
         "FLASH_ATTN", make_backend("FLASH_ATTN", devices=("cuda",), priority=flash_attn_priority)
     )
     assert explain(config(), SM100).chosen == "FLASHINFER"
-    assert explain(config(), SM90).chosen == "FLASH_ATTN"
+    assert explain(config(), SM90).chosen == "FLASHINFER"
+    assert explain(config(), DeviceInfo.parse("sm80")).chosen == "FLASH_ATTN"
     # a capability FlashInfer lacks moves the choice on, with the reason recorded
     result = explain(config(has_alibi=True), SM100)
     assert result.chosen != "FLASHINFER"

@@ -80,7 +80,9 @@ class FlashAttentionBackend(AttentionBackend, metaclass=_DeclaredByInstalledVers
     """Declarations of the FLASH_ATTN backend: the union over the installed versions; joint
     constraints per version (head size by compute capability, ...) in `validate_configuration`."""
 
-    priority: ClassVar[Mapping[str, int]] = {"cuda": 0, "blackwell": 1}
+    # Second to FLASHINFER on sm90 and Blackwell (see FlashInferBackend.priority), first on
+    # other CUDA devices.
+    priority: ClassVar[Mapping[str, int]] = {"cuda": 0, "hopper": 1, "blackwell": 1}
 
     supported_dtypes = (torch.float16, torch.bfloat16)
     supported_device_types = ("cuda",)

@@ -51,8 +51,10 @@ class FlashInferBackend(AttentionBackend):
     supported_attn_types = (AttentionType.DECODER,)
     min_compute_capability = (8, 0)
     forward_includes_kv_cache_update = False
-    # Second to FLASH_ATTN on sm80-sm90, first on Blackwell.
-    priority: ClassVar[Mapping[str, int]] = {"cuda": 1, "blackwell": 0}
+    # First on sm90, where it was measured fastest or tied in every phase (benchmarks/RESULTS.md,
+    # "Attention kernels, every contender in one run"), and on Blackwell; second to FLASH_ATTN
+    # on other CUDA devices.
+    priority: ClassVar[Mapping[str, int]] = {"cuda": 1, "hopper": 0, "blackwell": 0}
 
     @staticmethod
     def get_name() -> str:
