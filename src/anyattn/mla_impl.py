@@ -209,6 +209,34 @@ class MLAAttentionImpl(AttentionImplBase[M], Generic[M]):
             kv_c_normed, k_pe, kv_cache, slot_mapping, self.kv_cache_dtype, scale
         )
 
+    def up_project(
+        self, api: str, layer: MLALayer, c_kv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`layer.up_project(c_kv)` for latents `c_kv [N, L]`, checked: `(k_nope [N, H, P],
+        v [N, H, Vd])`.
+
+        Raises:
+            ValueError: the layer returned other shapes (both named, with those expected).
+        """
+        k_nope, v = layer.up_project(c_kv)
+        num_rows, heads = c_kv.shape[0], self.num_heads
+        want = ((num_rows, heads, self.qk_nope_head_dim), (num_rows, heads, self.v_head_dim))
+        if (tuple(k_nope.shape), tuple(v.shape)) != want:
+            raise ValueError(
+                f"{api}: layer.up_project returned k_nope {list(k_nope.shape)} and v "
+                f"{list(v.shape)} (expected {list(want[0])} and {list(want[1])})."
+            )
+        return k_nope, v
+
+    def up_projected_keys_values(
+        self, api: str, layer: MLALayer, c_kv: torch.Tensor, k_pe: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys `[N, H, P + R]` (`[k_nope, k_pe]`, the rope key `k_pe [N, R]` shared by every
+        head) and values `[N, H, Vd]` of latents `c_kv [N, L]` (`up_project`'s checks)."""
+        k_nope, v = self.up_project(api, layer, c_kv)
+        rope = k_pe[:, None, :].expand(-1, self.num_heads, -1).to(k_nope.dtype)
+        return torch.cat([k_nope, rope], dim=-1), v
+
     def latent_scale(self, api: str, layer: MLALayer, device: torch.device) -> torch.Tensor | None:
         """The fp8 latent cache's per-layer scale (`layer.k_scale`, shape `[]`, on `device`);
         None for a cache in a 16- or 32-bit dtype."""

@@ -166,7 +166,7 @@ class FlashInferMLAImpl(MLAAttentionImpl[FlashInferMLAMetadata]):
             return
         plan = self._plan(api, layer, md)
         assert plan.new_tokens is not None  # planned with every prefill part
-        keys, values = self._keys_values(api, layer, kv_c_normed, k_pe)
+        keys, values = self.up_projected_keys_values(api, layer, kv_c_normed, k_pe)
         rows = plan.new_tokens.q_end
         if not plan.chunks:
             plan.new_tokens.wrapper.run(q[:rows], keys, values, out=output[:rows])
@@ -180,7 +180,9 @@ class FlashInferMLAImpl(MLAAttentionImpl[FlashInferMLAMetadata]):
         for chunk, launches in zip(md.prefill.chunks, plan.chunks, strict=True):
             latent = kv_cache[chunk.slots // block_size, chunk.slots % block_size]
             latent = self.dequantize_latent(api, layer, latent, q.dtype)  # [N, L + R]
-            keys, values = self._keys_values(api, layer, latent[:, :rank], latent[:, rank:])
+            keys, values = self.up_projected_keys_values(
+                api, layer, latent[:, :rank], latent[:, rank:]
+            )
             for launch in launches:
                 qs, ks = (
                     slice(launch.q_start, launch.q_end),
@@ -197,22 +199,6 @@ class FlashInferMLAImpl(MLAAttentionImpl[FlashInferMLAMetadata]):
         plan = md.plans[layer.layer_name]  # the layer name was checked with the inputs
         plan.check_current(api)
         return plan
-
-    def _keys_values(
-        self, api: str, layer: MLALayer, c_kv: torch.Tensor, k_pe: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Up-projected keys `[N, H, P + R]` (`k_pe [N, R]` shared by every head) and values
-        `[N, H, Vd]` of latents `c_kv [N, L]`."""
-        k_nope, v = layer.up_project(c_kv)
-        num_rows, heads = c_kv.shape[0], self.num_heads
-        want = ((num_rows, heads, self.qk_nope_head_dim), (num_rows, heads, self.v_head_dim))
-        if (tuple(k_nope.shape), tuple(v.shape)) != want:
-            raise ValueError(
-                f"{api}: layer.up_project returned k_nope {list(k_nope.shape)} and v "
-                f"{list(v.shape)} (expected {list(want[0])} and {list(want[1])})."
-            )
-        keys = torch.cat([k_nope, k_pe[:, None, :].expand(-1, heads, -1)], dim=-1)
-        return keys, v
 
 
 FlashInferMLAImpl.backend = FlashInferMLABackend

@@ -149,7 +149,7 @@ class TorchMLAImpl(MLAAttentionImpl[MLAMetadata]):
         if md.prefill is None:
             return
         pre = md.prefill
-        keys, values = self._up_project(api, layer, kv_c_normed, k_pe)
+        keys, values = self.up_projected_keys_values(api, layer, kv_c_normed, k_pe)
         # acc, acc_lse: float32 [T_pre, H, Vd] and [H, T_pre], the running result of each row
         acc = torch.empty(output.shape, dtype=torch.float32, device=q.device)
         acc_lse = torch.empty(self.num_heads, q.shape[0], dtype=torch.float32, device=q.device)
@@ -163,7 +163,7 @@ class TorchMLAImpl(MLAAttentionImpl[MLAMetadata]):
             latent = kv_cache[chunk.slots // md.block_size, chunk.slots % md.block_size]
             latent = self.dequantize_latent(api, layer, latent, q.dtype)  # [N, L + R]
             c_kv, c_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-            chunk_keys, chunk_values = self._up_project(api, layer, c_kv, c_pe)
+            chunk_keys, chunk_values = self.up_projected_keys_values(api, layer, c_kv, c_pe)
             for piece in chunk.pieces:
                 rows = slice(piece.q_start, piece.q_start + piece.q_len)
                 keys_of = slice(piece.row_start, piece.row_start + piece.row_len)
@@ -172,25 +172,6 @@ class TorchMLAImpl(MLAAttentionImpl[MLAMetadata]):
                 )
                 _merge_into(acc[rows], acc_lse[:, rows], part, part_lse)
         output.copy_(acc)
-
-    def _up_project(
-        self, api: str, layer: MLALayer, c_kv: torch.Tensor, k_pe: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys `[N, H, P + R]` (the rope key shared by every head) and values `[N, H, Vd]`."""
-        k_nope, v = layer.up_project(c_kv)
-        num_rows, heads = c_kv.shape[0], self.num_heads
-        if tuple(k_nope.shape) != (num_rows, heads, self.qk_nope_head_dim) or tuple(v.shape) != (
-            num_rows,
-            heads,
-            self.v_head_dim,
-        ):
-            raise ValueError(
-                f"{api}: layer.up_project returned k_nope {list(k_nope.shape)} and v "
-                f"{list(v.shape)} (expected [{num_rows}, {heads}, {self.qk_nope_head_dim}] and "
-                f"[{num_rows}, {heads}, {self.v_head_dim}])."
-            )
-        keys = torch.cat([k_nope, k_pe[:, None, :].expand(-1, heads, -1).to(k_nope.dtype)], -1)
-        return keys, v
 
 
 def _groups(seq_lens: list[int], max_keys: int) -> Iterator[tuple[int, int]]:

@@ -262,19 +262,9 @@ class TritonMLAImpl(MLAAttentionImpl[TritonMLAMetadata]):
     ) -> torch.Tensor:
         """Up-projected keys and values of latents `c_kv [N, L]`, `k_pe [N, R]` as a cache of N
         one-token blocks `(N, 2, 1, H, D)` (D the dense head; padding columns zero)."""
-        k_nope, v = layer.up_project(c_kv)
+        k_nope, v = self.up_project(api, layer, c_kv)
         num_rows, heads = c_kv.shape[0], self.num_heads
         nope, rope, vd = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
-        if tuple(k_nope.shape) != (num_rows, heads, nope) or tuple(v.shape) != (
-            num_rows,
-            heads,
-            vd,
-        ):
-            raise ValueError(
-                f"{api}: layer.up_project returned k_nope {list(k_nope.shape)} and v "
-                f"{list(v.shape)} (expected [{num_rows}, {heads}, {nope}] and "
-                f"[{num_rows}, {heads}, {vd}])."
-            )
         dense = self._dense_head
         kv = torch.empty(num_rows, 2, heads, dense, dtype=c_kv.dtype, device=c_kv.device)
         kv[:, 0, :, :nope] = k_nope
