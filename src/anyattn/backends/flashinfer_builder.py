@@ -47,7 +47,7 @@ from anyattn.layer_params import LayerParams
 from anyattn.metadata import CommonAttentionMetadata, HostBatch
 from anyattn.types import AttentionCGSupport, AttentionType, is_fp8_cache
 
-__all__ = ["FlashInferMetadataBuilder"]
+__all__ = ["WORKSPACE_BYTES", "FlashInferMetadataBuilder"]
 
 # FlashInfer's recommended float workspace (split-KV partial results), shared by every wrapper
 # of a builder: layers run one after another on one stream.
@@ -265,15 +265,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                          generation=step.generation, slots=tuple(slots))  # fmt: skip
 
     def _planned(self, slot: WrapperSlot, step: _Step, *args: Any, **kwargs: Any) -> None:
-        """`plan(*args, **kwargs)` of `slot`'s wrapper (once per build: records share no
-        wrapper), after its last plan's copy has run."""
-        slot.wait_for_last_copy()
-        slot.generation = 0  # a plan that fails leaves no usable plan behind
-        slot.obj.plan(*args, **kwargs)
-        slot.generation = step.generation
-        if self.device.type == "cuda":
-            slot.event = torch.cuda.Event()
-            slot.event.record(torch.cuda.current_stream(self.device))
+        """`plan(*args, **kwargs)` of `slot`'s wrapper for `step` (once per build: records
+        share no wrapper)."""
+        slot.plan(step.generation, self.device, *args, **kwargs)
 
     def _xqa_inputs(
         self, step: _Step

@@ -13,7 +13,7 @@ import torch
 from anyattn.layer_params import LayerParams
 from anyattn.metadata import CommonAttentionMetadata
 
-__all__ = ["FlashInferMetadata", "LayerPlan", "WrapperSlot"]
+__all__ = ["FlashInferMetadata", "LayerPlan", "WrapperSlot", "check_plans_current"]
 
 
 class WrapperSlot:
@@ -30,6 +30,30 @@ class WrapperSlot:
         """Block only while the device has not yet run the last plan's copy."""
         if self.event is not None and not self.event.query():
             self.event.synchronize()
+
+    def plan(self, generation: int, device: torch.device, *args: Any, **kwargs: Any) -> None:
+        """`obj.plan(*args, **kwargs)` for build `generation`, after the last plan's copy has
+        run; records the event the next plan waits for (CUDA). A plan that raises leaves the
+        slot with no usable plan (generation 0)."""
+        self.wait_for_last_copy()
+        self.generation = 0
+        self.obj.plan(*args, **kwargs)
+        self.generation = generation
+        if device.type == "cuda":
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(device))
+
+
+def check_plans_current(api: str, generation: int, slots: tuple[WrapperSlot, ...]) -> None:
+    """Raises `RuntimeError` when a build after `generation` has planned any of `slots` again
+    (metadata holding those plans is stale)."""
+    for slot in slots:
+        if slot.generation != generation:
+            raise RuntimeError(
+                f"{api}: the metadata is stale (built by build {generation}; build "
+                f"{slot.generation} has planned its wrappers since). Run a step's layers "
+                "before building the next step, or build again."
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,13 +81,7 @@ class LayerPlan:
 
     def check_current(self, api: str) -> None:
         """Raises `RuntimeError` when a later build has planned this plan's wrappers again."""
-        for slot in self.slots:
-            if slot.generation != self.generation:
-                raise RuntimeError(
-                    f"{api}: the metadata is stale (built by build {self.generation}; build "
-                    f"{slot.generation} has planned its wrappers since). Run a step's layers "
-                    "before building the next step, or build again."
-                )
+        check_plans_current(api, self.generation, self.slots)
 
 
 @dataclass(frozen=True, slots=True)

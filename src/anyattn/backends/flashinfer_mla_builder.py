@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from anyattn.backends.flashinfer_metadata import WrapperSlot
+from anyattn.backends.flashinfer_builder import WORKSPACE_BYTES
+from anyattn.backends.flashinfer_metadata import WrapperSlot, check_plans_current
 from anyattn.backends.flashinfer_plan import gather_pages
 from anyattn.backends.flashinfer_version import import_flashinfer
 from anyattn.backends.mla_builder import MLAMetadataBuilder
@@ -44,10 +45,6 @@ __all__ = [
     "MLAWrapperPlan",
     "RaggedLaunch",
 ]
-
-# FlashInfer's recommended float workspace (split-KV partial results), shared by the builder's
-# wrappers, which run one after another on one stream.
-WORKSPACE_BYTES = 128 << 20
 
 
 @dataclass(frozen=True)
@@ -88,13 +85,7 @@ class MLAWrapperPlan:
 
     def check_current(self, api: str) -> None:
         """Raises `RuntimeError` when a later build has planned these wrappers again."""
-        for slot in self.slots:
-            if slot.generation != self.generation:
-                raise RuntimeError(
-                    f"{api}: the metadata is stale (built by build {self.generation}; build "
-                    f"{slot.generation} has planned its wrappers since). Run a step's layers "
-                    "before building the next step, or build again."
-                )
+        check_plans_current(api, self.generation, self.slots)
 
 
 @dataclass(frozen=True)
@@ -231,14 +222,7 @@ class FlashInferMLAMetadataBuilder(MLAMetadataBuilder):
         return RaggedLaunch(slot.obj, int(qo[0]), int(qo[-1]), causal, int(kv[0]), int(kv[-1]))
 
     def _planned(self, slot: WrapperSlot, *args: Any, **kwargs: Any) -> None:
-        """`plan(*args, **kwargs)` of `slot`'s wrapper, after its last plan's copy has run."""
-        slot.wait_for_last_copy()
-        slot.generation = 0  # a plan that fails leaves no usable plan behind
-        slot.obj.plan(*args, **kwargs)
-        slot.generation = self._generation
-        if self.device.type == "cuda":
-            slot.event = torch.cuda.Event()
-            slot.event.record(torch.cuda.current_stream(self.device))
+        slot.plan(self._generation, self.device, *args, **kwargs)
 
     def _decode_slot(self, key: tuple[int, float]) -> WrapperSlot:
         slot = self._decode_slots.get(key)
