@@ -165,7 +165,7 @@ def ragged_check(
     lens = list(RAGGED_CPU if device.type == "cpu" else RAGGED)
     step = Step(setting, heads, block_size, [1] * len(lens), lens, device)
     verdicts = {}
-    for tiles in (mla_decode_tiles(heads), *grid):
+    for tiles in (mla_decode_tiles(heads, step.kv_cache, setting.rank), *grid):
         try:
             verdicts[tiles] = check_decode(step, triton_runner(step, tiles, 4)())
         except Exception as error:  # a config that cannot launch is reported, not fatal
@@ -188,7 +188,7 @@ def sweep_shape(
     rows_n, heads, device = len(step.seq_lens), step.heads, step.device
     bytes_, flops = decode_work(step)
     memory_bound = heads <= 16
-    default_tiles = mla_decode_tiles(heads)
+    default_tiles = mla_decode_tiles(heads, step.kv_cache, step.s.rank)
     table, best = [], None
     for tiles in (None, *grid):
         shown = tiles or default_tiles

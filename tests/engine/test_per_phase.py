@@ -114,6 +114,26 @@ def test_pair_under_preemption_changes_no_output(tiny_llm):
     assert pressed.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("backend", ["TORCH", "TORCH,FLEX_ATTENTION"])
+def test_every_build_runs_under_inference_mode(tiny_llm, backend):
+    # A builder's lazily made buffer is an inference tensor when first made under inference
+    # mode (graph capture); updating it in place in a later build outside that mode fails, as
+    # FlashInfer's planned wrappers did in a pair's mixed steps. So every build is in the mode.
+    llm, _ = tiny_llm("llama", backend=backend, max_num_batched_tokens=7)
+    group = llm.runner.groups[0]
+    modes: list[bool] = []
+    for builder in filter(None, (group.builder, group.prefill_builder)):
+        build = builder.build
+
+        def recording(*args, build=build):
+            modes.append(torch.is_inference_mode_enabled())
+            return build(*args)
+
+        builder.build = recording
+    _tokens(llm, PROMPTS)
+    assert modes and all(modes), modes
+
+
 def _split_kv_shape(cls, num_blocks, block_size, num_kv_heads, head_size, cache_dtype="auto"):
     return (2, num_blocks, block_size, num_kv_heads, head_size)  # K and V outermost
 

@@ -23,6 +23,7 @@ from anyattn.ops.mla_decode import (
     MLADecodeTiles,
     mla_decode,
     mla_decode_ref,
+    mla_decode_tiles,
     mla_decode_workspace_shape,
     tma_unsupported_reason,
 )
@@ -250,3 +251,24 @@ def test_kernel_on_cuda(case: tuple[Callable[..., None], tuple[Any, ...]]) -> No
 if __name__ == "__main__":
     # Run by test_kernel_under_interpreter with TRITON_INTERPRET=1.
     exit_with_report(failures_of(cases("cpu"), lambda c: c[0](*c[1]), case_id), len(cases("cpu")))
+
+
+def test_default_tiles_read_keys_by_block_table_entry_off_sm90() -> None:
+    # TMA needs a CUDA cache on sm90+; a CPU cache (the interpreter) gets per-key gathers, with
+    # the same head tiles (hence the builder's split plan) as on the GPU.
+    cache = torch.zeros(3, 64, 576, dtype=torch.bfloat16)
+    for heads, block_h in ((1, 16), (16, 16), (32, 32), (128, 64)):
+        tiles = mla_decode_tiles(heads, cache, 512)
+        assert tiles.kv_load == "gather"
+        assert tiles.block_h == block_h
+        assert mla_decode_tiles(heads) == tiles
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_default_tiles_use_tma_where_the_gpu_and_cache_allow() -> None:
+    cache = torch.zeros(3, 64, 576, dtype=torch.bfloat16, device="cuda")
+    tma = torch.cuda.get_device_capability()[0] >= 9
+    for heads in (16, 128):
+        assert (mla_decode_tiles(heads, cache, 512).kv_load == "tma") == tma
+        assert mla_decode_tiles(heads, cache[:, :32], 512).kv_load == "gather"  # block 32

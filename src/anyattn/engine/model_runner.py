@@ -263,15 +263,18 @@ class ModelRunner:
         step = batch.gather(slots[order], num_new[order])
         common = self._common_metadata(step)
         prefix_len = batch.common_prefix_len(slots)
-        attn_metadata, used_prefix = self._build(common, prefix_len, num_new[order])
-        input_ids = torch.from_numpy(step.input_ids).to(self.device)
-        positions = torch.from_numpy(step.positions).to(self.device)
         rows = np.flatnonzero(needs_sample[order])
-        # Copied before the forward is queued: a copy from pageable memory after it would wait
-        # for the whole forward to finish.
-        last = torch.from_numpy(step.query_start_loc[1:][rows].astype(np.int64) - 1)
-        last = last.to(self.device)
+        # Builders run under inference mode on every path (graph capture and replay too): a
+        # buffer a builder makes lazily is then an inference tensor, which may only be updated
+        # in place under inference mode, whichever path updates it next.
         with torch.inference_mode():
+            attn_metadata, used_prefix = self._build(common, prefix_len, num_new[order])
+            input_ids = torch.from_numpy(step.input_ids).to(self.device)
+            positions = torch.from_numpy(step.positions).to(self.device)
+            # Copied before the forward is queued: a copy from pageable memory after it would
+            # wait for the whole forward to finish.
+            last = torch.from_numpy(step.query_start_loc[1:][rows].astype(np.int64) - 1)
+            last = last.to(self.device)
             hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches)
             logits = self.model.compute_logits(hidden[last])
         return StepOutput(order.tolist(), order[rows].tolist(), logits, used_prefix)

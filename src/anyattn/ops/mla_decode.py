@@ -102,8 +102,8 @@ def mla_decode(
         workspace: float32 `(partial_out, partial_lse)` of at least
             `mla_decode_workspace_shape(num_rows, num_heads, L, num_splits)`; required when
             `num_splits > 1`.
-        tiles: the launch shape (default `mla_decode_tiles(num_heads)`), whose `kv_load`
-            may restrict the block size and cache layout (`MLADecodeTiles`).
+        tiles: the launch shape (default `mla_decode_tiles(num_heads, kv_cache, L)`), whose
+            `kv_load` may restrict the block size and cache layout (`MLADecodeTiles`).
 
     Returns:
         `output`.
@@ -124,7 +124,7 @@ def mla_decode(
     rope = q_pe.shape[2]
     if num_rows == 0:
         return output
-    tiles = tiles or mla_decode_tiles(num_heads)
+    tiles = tiles or mla_decode_tiles(num_heads, kv_cache, rank)
     check_tiles(_OP, tiles, kv_cache, rank)
     is_fp8 = kv_cache.dtype in _FP8
     dummy = seq_lens  # a valid pointer for arguments a constexpr flag disables
