@@ -162,10 +162,10 @@ def test_impl_refuses_what_the_kernels_cannot_take() -> None:
 @pytest.mark.parametrize(
     ("num_rows", "programs_per_row", "max_seq_len", "expected"),
     [
-        (8, 1, 32768, 32),  # 8 x 32768 at 16 heads: 256 programs of 1024 keys
-        (8, 2, 32768, 16),  # at 128 heads (two 64-head tiles)
-        (64, 1, 4096, 4),
-        (256, 1, 2048, 1),  # 256 programs already
+        (8, 1, 32768, 16),  # 8 x 32768 at 16 heads: 128 programs of 2048 keys
+        (8, 2, 32768, 8),  # at 128 heads (two 64-head tiles)
+        (64, 1, 4096, 2),
+        (256, 1, 2048, 1),  # over 128 programs already
         (1, 1, 1000, 2),  # at least 256 keys per split
         (3, 1, 255, 1),
         (0, 1, 0, 1),
@@ -231,7 +231,8 @@ def test_capture_needs_persistent_inputs_and_uniform_decodes() -> None:
         _builder().build_for_cudagraph_capture(cm)
     builder = _builder(has_persistent_graph_inputs=True, cudagraph_capture_sizes=(2, 4))
     md = builder.build_for_cudagraph_capture(cm)
-    # The split choice assumes max_model_len (4096) keys: 2 rows x 1 head tile -> 64 -> 32.
+    # The split choice assumes max_model_len (4096) keys: 2 rows x 1 head tile -> 32 splits,
+    # then 16 for at least 256 keys each.
     assert md.decode_plan.num_splits == choose_num_splits(2, 1, 4096) == 16
     mixed = make_common_attn_metadata([1, 3], [40, 9], _table([40, 9]), 16)
     with pytest.raises(ValueError, match="only batches of single-token decodes are captured"):

@@ -47,8 +47,9 @@ __all__ = [
 ]
 
 # Split-KV: aim for this many programs on the GPU, at most this many splits, at least this
-# many keys per split (design values for the H200's 132 SMs, to be tuned on it).
-_TARGET_PROGRAMS = 256
+# many keys per split. The default decode tiles hold one program per SM (their shared memory),
+# and one wave on sm90's 132 SMs was fastest in benchmarks/RESULTS.md's tile sweep.
+_TARGET_PROGRAMS = 128
 _MAX_SPLITS = 32
 _MIN_KEYS_PER_SPLIT = 256
 

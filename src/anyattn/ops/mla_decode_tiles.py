@@ -75,32 +75,35 @@ def mla_decode_tiles(
     num_heads: int, kv_cache: torch.Tensor | None = None, kv_lora_rank: int | None = None
 ) -> MLADecodeTiles:
     """The tile shape for `num_heads` query heads reading `kv_cache` (`[num_blocks, block_size,
-    L + R]`, latent width `kv_lora_rank`; None: a cache of unknown layout).
+    L + R]`, latent width `kv_lora_rank`; None: a 16-bit cache of unknown layout).
 
     Up to 16 heads: one 16-row tile per program (the decode is memory-bound there: each latent
     row is read once per request). More than 32: 64-head tiles (compute-bound: each latent row
-    read once per 64 heads, the accumulator `[64, 512]` float32 over 256 threads). Keys are read
-    through TMA where the GPU has it (sm90+) and the cache allows it (`tma_unsupported_reason`,
-    a block size that 64-key tiles divide); else one block-table entry per key. The head-tile
-    size, hence `programs_per_row`, depends on `num_heads` only.
+    read once per 64 heads, the accumulator `[64, 512]` float32 over 256 threads). Keys of a
+    16-bit cache are read through TMA where the GPU has it (sm90+) and the cache allows it
+    (`tma_unsupported_reason`, a block size that 64-key tiles divide); else one block-table
+    entry per key. A float32 cache keeps 2 stages (5 of its key tiles would not fit in shared
+    memory). The head tile, hence `programs_per_row`, depends on `num_heads` only.
     """
     tma = kv_cache is not None and kv_lora_rank is not None and _takes_tma(kv_cache, kv_lora_rank)
+    stages = 2 if kv_cache is not None and kv_cache.element_size() > 2 else 5
     if num_heads <= 16:
-        if tma:
-            return MLADecodeTiles(block_h=16, tile_n=64, num_warps=8, num_stages=5, kv_load="tma")
-        return MLADecodeTiles(block_h=16, tile_n=64, num_warps=8, num_stages=5)
+        load = "tma" if tma else "gather"
+        return MLADecodeTiles(block_h=16, tile_n=64, num_warps=8, num_stages=stages, kv_load=load)
     if num_heads <= 32:
         return MLADecodeTiles(block_h=32, tile_n=64, num_warps=4, num_stages=2)
     if tma:
         return MLADecodeTiles(block_h=64, tile_n=64, num_warps=8, num_stages=2, kv_load="tma")
-    return MLADecodeTiles(block_h=64, tile_n=32, num_warps=8, num_stages=5)
+    return MLADecodeTiles(block_h=64, tile_n=32, num_warps=8, num_stages=stages)
 
 
 def _takes_tma(kv_cache: torch.Tensor, kv_lora_rank: int) -> bool:
-    """Whether the default tiles read `kv_cache` through TMA: a CUDA cache on sm90+ whose block
-    size 64-key tiles divide and whose layout `tma_unsupported_reason` accepts."""
+    """Whether the default tiles read `kv_cache` through TMA: a 16-bit CUDA cache (the dtypes the
+    tile sweep ran) on sm90+ whose block size 64-key tiles divide and whose layout
+    `tma_unsupported_reason` accepts."""
     return (
         kv_cache.is_cuda
+        and kv_cache.dtype in (torch.float16, torch.bfloat16)
         and torch.cuda.get_device_capability(kv_cache.device)[0] >= 9
         and kv_cache.shape[1] % 64 == 0
         and tma_unsupported_reason(kv_cache, kv_lora_rank) is None
