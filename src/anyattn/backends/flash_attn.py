@@ -71,9 +71,27 @@ class _DeclaredByInstalledVersion(abc.ABCMeta):
     def min_compute_capability(cls) -> tuple[int, int]:
         return min(i.min_capability for i in versions.declared_interfaces())
 
+    @property
+    def supported_features(cls) -> tuple[str, ...]:
+        interfaces = versions.declared_interfaces()
+        features = [
+            feature
+            for feature, attribute in _VERSION_FEATURES
+            if any(getattr(i, attribute) for i in interfaces)
+        ]
+        if "lse" in features:
+            features.append("cascade")  # the merge needs both passes' LSEs
+        return ("non_causal", *features)
 
-def _any(attribute: str) -> bool:
-    return any(getattr(i, attribute) for i in versions.declared_interfaces())
+
+# Features a FlashAttention version may take: (feature, its `FlashAttnInterface` attribute).
+_VERSION_FEATURES = (
+    ("sink", "sink_arg"),
+    ("sliding_window", "has_window"),
+    ("alibi", "has_alibi"),
+    ("logits_soft_cap", "has_softcap"),
+    ("lse", "lse_arg"),
+)
 
 
 class FlashAttentionBackend(AttentionBackend, metaclass=_DeclaredByInstalledVersion):
@@ -110,34 +128,6 @@ class FlashAttentionBackend(AttentionBackend, metaclass=_DeclaredByInstalledVers
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
         return sorted({s for i in versions.declared_interfaces() for s in i.head_sizes()})
-
-    @classmethod
-    def supports_sink(cls) -> bool:
-        return _any("sink_arg")
-
-    @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return _any("has_window")
-
-    @classmethod
-    def supports_alibi(cls) -> bool:
-        return _any("has_alibi")
-
-    @classmethod
-    def supports_logits_soft_cap(cls) -> bool:
-        return _any("has_softcap")
-
-    @classmethod
-    def supports_non_causal(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_lse(cls) -> bool:
-        return _any("lse_arg")
-
-    @classmethod
-    def supports_cascade(cls) -> bool:
-        return cls.supports_lse()  # the merge needs both passes' LSEs
 
     @classmethod
     def supports_combination(cls, config, device) -> str | None:

@@ -49,6 +49,7 @@ class FlashInferBackend(AttentionBackend):
     supported_kv_cache_dtypes = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
     supported_device_types = ("cuda",)
     supported_attn_types = (AttentionType.DECODER,)
+    supported_features = ("sliding_window", "logits_soft_cap", "non_causal", "lse")
     min_compute_capability = (8, 0)
     forward_includes_kv_cache_update = False
     # First on sm90, where it was measured fastest or tied in every phase (benchmarks/RESULTS.md,
@@ -76,22 +77,6 @@ class FlashInferBackend(AttentionBackend):
     @classmethod
     def get_supported_kernel_block_sizes(cls) -> list[int | MultipleOf]:
         return [16, 32, 64]
-
-    @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_logits_soft_cap(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_non_causal(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_lse(cls) -> bool:
-        return True
 
     @classmethod
     def supports_combination(cls, config, device) -> str | None:

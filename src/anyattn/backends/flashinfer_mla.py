@@ -54,6 +54,7 @@ class FlashInferMLABackend(MLAAttentionBackend):
     supported_dtypes = (torch.float16, torch.bfloat16)
     supported_kv_cache_dtypes = ("auto", "float16", "bfloat16")
     supported_device_types = ("cuda",)
+    supported_features = ("lse",)
 
     @staticmethod
     def get_name() -> str:
@@ -78,10 +79,6 @@ class FlashInferMLABackend(MLAAttentionBackend):
     @classmethod
     def supports_compute_capability(cls, capability: tuple[int, int]) -> bool:
         return capability == (9, 0)
-
-    @classmethod
-    def supports_lse(cls) -> bool:
-        return True
 
     @classmethod
     def supports_combination(cls, config, device: DeviceInfo) -> str | None:

@@ -48,6 +48,10 @@ class TorchAttentionBackend(AttentionBackend):
     supported_kv_cache_dtypes = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
     supported_device_types = ("cpu", "cuda")
     supported_attn_types = tuple(AttentionType)
+    supported_features = (
+        "sink", "sliding_window", "alibi", "logits_soft_cap", "non_causal",
+        "per_head_quant_scales", "lse", "cascade",
+    )  # fmt: skip
     forward_includes_kv_cache_update = False
 
     @staticmethod
@@ -67,38 +71,6 @@ class TorchAttentionBackend(AttentionBackend):
         # HND first: copying one KV head's blocks out of the pages then moves whole
         # [block_size, head_size] tiles, measured 40% faster than NHD's head_size rows.
         return (KVCacheLayout.HND, KVCacheLayout.NHD)
-
-    @classmethod
-    def supports_sink(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_alibi(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_logits_soft_cap(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_non_causal(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_per_head_quant_scales(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_lse(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_cascade(cls) -> bool:
-        return True
 
 
 class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):

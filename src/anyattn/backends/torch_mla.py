@@ -49,6 +49,7 @@ class TorchMLABackend(MLAAttentionBackend):
     supported_dtypes = _DTYPES
     supported_kv_cache_dtypes = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
     supported_device_types = ("cpu", "cuda")
+    supported_features = ("lse",)
 
     @staticmethod
     def get_name() -> str:
@@ -61,10 +62,6 @@ class TorchMLABackend(MLAAttentionBackend):
     @staticmethod
     def get_builder_cls() -> type[TorchMLAMetadataBuilder]:
         return TorchMLAMetadataBuilder
-
-    @classmethod
-    def supports_lse(cls) -> bool:
-        return True
 
 
 class TorchMLAMetadataBuilder(MLAMetadataBuilder):

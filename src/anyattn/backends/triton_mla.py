@@ -56,6 +56,7 @@ class TritonMLABackend(MLAAttentionBackend):
     supported_dtypes = (torch.float16, torch.bfloat16)
     supported_kv_cache_dtypes = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
     supported_device_types = ("cuda",)
+    supported_features = ("lse",)
 
     @staticmethod
     def get_name() -> str:
@@ -78,10 +79,6 @@ class TritonMLABackend(MLAAttentionBackend):
     @classmethod
     def supports_compute_capability(cls, capability: tuple[int, int]) -> bool:
         return capability >= (8, 0)
-
-    @classmethod
-    def supports_lse(cls) -> bool:
-        return True
 
     @classmethod
     def get_mla_head_dims_reason(
