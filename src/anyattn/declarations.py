@@ -21,6 +21,7 @@ from anyattn.types import (
     DeviceInfo,
     KVCacheLayout,
     MultipleOf,
+    check_positive_int,
     is_fp8_cache,
     parse_cache_dtype,
 )
@@ -146,18 +147,15 @@ class AttentionBackend(ABC):
         Raises:
             ValueError: a block size this backend's kernels cannot take, or a bad dimension.
         """
+        api = f"{cls.get_name()}.get_kv_cache_shape"
         dims = {"num_blocks": num_blocks, "block_size": block_size}
         dims.update(num_kv_heads=num_kv_heads, head_size=head_size)
         for name, value in dims.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"{cls.get_name()}.get_kv_cache_shape: {name} must be a positive int "
-                    f"(got {value!r})."
-                )
-        parse_cache_dtype(cache_dtype, argument=f"{cls.get_name()}.get_kv_cache_shape: cache_dtype")
+            check_positive_int(api, name, value)
+        parse_cache_dtype(cache_dtype, argument=f"{api}: cache_dtype")
         if not cls.supports_block_size(block_size):
             raise ValueError(
-                f"{cls.get_name()}.get_kv_cache_shape: block_size not supported (got {block_size}, "
+                f"{api}: block_size not supported (got {block_size}, "
                 f"expected {_format_block_sizes(cls.get_supported_kernel_block_sizes())})."
             )
         return (num_blocks, 2, block_size, num_kv_heads, head_size)

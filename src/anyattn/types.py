@@ -25,6 +25,7 @@ __all__ = [
     "KVCacheLayout",
     "MultipleOf",
     "cache_torch_dtype",
+    "check_positive_int",
     "is_fp8_cache",
     "parse_cache_dtype",
     "parse_dtype",
@@ -140,6 +141,16 @@ def parse_cache_dtype(value: str | None, *, argument: str = "kv_cache_dtype") ->
         f"{argument}: unknown KV-cache dtype (got {value!r}, expected one of "
         f"{', '.join(CACHE_DTYPES)})."
     )
+
+
+def check_positive_int(api: str, name: str, value: object, *, allow_none: bool = False) -> None:
+    """Raise `ValueError` ("{api}: {name} must be a positive int (got ...)") unless `value` is
+    an int >= 1 (not a bool), or None when `allow_none`."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        expected = "a positive int or None" if allow_none else "a positive int"
+        raise ValueError(f"{api}: {name} must be {expected} (got {value!r}).")
 
 
 def is_fp8_cache(cache_dtype: str) -> bool:
