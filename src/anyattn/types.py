@@ -18,6 +18,7 @@ import torch
 __all__ = [
     "CACHE_DTYPES",
     "DTYPES",
+    "ENCODER_TYPES",
     "AttentionCGSupport",
     "AttentionType",
     "CacheDType",
@@ -43,6 +44,10 @@ class AttentionType(enum.StrEnum):
     """Bidirectional self-attention of an encoder-only model; no KV cache."""
     ENCODER_DECODER = "encoder_decoder"
     """Cross-attention: decoder queries over the encoder's K/V, kept in the layer's own cache."""
+
+
+ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+"""The attention types with no KV cache: their keys and values are the step's own."""
 
 
 @functools.total_ordering

@@ -35,6 +35,7 @@ from anyattn.backends.flash_attn_builder import (
 )
 from anyattn.ops.merge_attn_states import merge_attn_states
 from anyattn.types import (
+    ENCODER_TYPES,
     AttentionType,
     MultipleOf,
     cache_torch_dtype,
@@ -49,8 +50,6 @@ __all__ = [
     "FlashAttentionMetadataBuilder",
     "FlashAttnPass",
 ]
-
-_ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
 
 
 class _DeclaredByInstalledVersion(abc.ABCMeta):
@@ -242,7 +241,7 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
             return output
         interface = self._interface_for(query.device)
         lse = None if output_lse is None else output_lse[:, :n]
-        if self.attn_type in _ENCODER_TYPES:
+        if self.attn_type in ENCODER_TYPES:
             # Bidirectional self-attention over the step's own keys: no cache.
             out, part_lse = self._attend(
                 interface, query[:n], key[:n], value[:n], md.encoder, self.sinks, lse is not None
@@ -340,10 +339,8 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
     ) -> None:
         """See `AttentionImpl.validate_inputs`; shapes, dtypes, devices and feature joints."""
         api = "FLASH_ATTN forward"
-        check_forward_inputs(api, self, FlashAttentionBackend.supported_dtypes, query, key, value,
-                             kv_cache, md, FlashAttentionMetadata, output=output,
-                             output_lse=output_lse,
-                             reads_cache=self.attn_type not in _ENCODER_TYPES)  # fmt: skip
+        check_forward_inputs(api, self, query, key, value, kv_cache, md, FlashAttentionMetadata,
+                             output=output, output_lse=output_lse)  # fmt: skip
         self._check_features(md, output_lse, api)
         interface = self._interface_for(query.device)
         if md.block_size % interface.block_size_multiple:
@@ -351,14 +348,14 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
                 f"{api}: {interface.label} needs blocks of a multiple of "
                 f"{interface.block_size_multiple} tokens (got block_size {md.block_size})."
             )
-        if self.attn_type not in _ENCODER_TYPES:
+        if self.attn_type not in ENCODER_TYPES:
             self._check_cache(query, kv_cache, api)
 
     def _check_features(
         self, md: FlashAttentionMetadata, output_lse: torch.Tensor | None, api: str
     ) -> None:
         # (a sliding window with non-causal attention: refused by check_forward_inputs)
-        if self.attn_type in _ENCODER_TYPES and md.encoder is None:
+        if self.attn_type in ENCODER_TYPES and md.encoder is None:
             raise ValueError(
                 f"{api}: the metadata was built for no encoder layer (got an "
                 f"{self.attn_type.value} layer). Give the builder this layer's record."

@@ -265,9 +265,9 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
                 f"{api}: query dtype differs from the KV-cache spec's dtype (got {query.dtype}, "
                 f"expected {md.dtype})."
             )
-        check_forward_inputs(api, self, FlashInferBackend.supported_dtypes, query, key, value,
-                             kv_cache, md, FlashInferMetadata, output=output,
-                             output_lse=output_lse,  # graph steps run their padded rows too
+        check_forward_inputs(api, self, query, key, value, kv_cache, md, FlashInferMetadata,
+                             output=output, output_lse=output_lse,
+                             # graph steps run their padded rows too
                              num_rows=max(md.num_actual_tokens, md.decode_rows))  # fmt: skip
         if kv_cache.dtype != md.cache_dtype:
             raise ValueError(

@@ -22,6 +22,7 @@ from anyattn.backends.torch_attn_builder import (
 from anyattn.ops.dense_attention import DenseKV, PagedKV, ScoreMods, dense_attention
 from anyattn.ops.merge_attn_states import merge_attn_states
 from anyattn.types import (
+    ENCODER_TYPES,
     AttentionType,
     KVCacheLayout,
     cache_torch_dtype,
@@ -35,8 +36,6 @@ __all__ = [
     "TorchAttentionMetadata",
     "TorchAttentionMetadataBuilder",
 ]
-
-_ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -163,10 +162,9 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
         output_lse: torch.Tensor | None = None,
     ) -> None:
         """See `AttentionImpl.validate_inputs`; shapes, dtypes and devices of every input."""
-        check_forward_inputs("TORCH forward", self, TorchAttentionBackend.supported_dtypes, query,
-                             key, value, kv_cache, md, TorchAttentionMetadata, output=output,
-                             output_lse=output_lse,
-                             reads_cache=self.attn_type not in _ENCODER_TYPES)  # fmt: skip
+        check_forward_inputs("TORCH forward", self, query, key, value, kv_cache, md,
+                             TorchAttentionMetadata, output=output,
+                             output_lse=output_lse)  # fmt: skip
 
 
 class _Run:
@@ -186,7 +184,7 @@ class _Run:
         self.impl, self.query, self.key, self.value = impl, query, key, value
         self.kv_cache, self.md, self.mods = kv_cache, md, mods
         self.lse_dtype = torch.float32
-        self.encoder = impl.attn_type in _ENCODER_TYPES
+        self.encoder = impl.attn_type in ENCODER_TYPES
         self.cross = impl.attn_type == AttentionType.ENCODER_DECODER
         self.k_scale = self.v_scale = None
         if is_fp8_cache(impl.kv_cache_dtype) and not self.encoder:

@@ -188,9 +188,8 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         output_lse: torch.Tensor | None = None,
     ) -> None:
         """See `AttentionImpl.validate_inputs`; shapes, dtypes and devices of every input."""
-        check_forward_inputs(_API, self, TritonAttentionBackend.supported_dtypes, query, key,
-                             value, kv_cache, md, TritonAttentionMetadata, output=output,
-                             output_lse=output_lse)  # fmt: skip
+        check_forward_inputs(_API, self, query, key, value, kv_cache, md, TritonAttentionMetadata,
+                             output=output, output_lse=output_lse)  # fmt: skip
 
 
 TritonAttentionImpl.backend = TritonAttentionBackend
