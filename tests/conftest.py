@@ -103,7 +103,7 @@ def make_fake_backend(
 ) -> type[AttentionBackend]:
     """A fake backend class declaring exactly what is passed (defaults: the plain decoder case).
 
-    `features` names the `supports_<feature>` checks that answer True (see `FEATURES`);
+    `features` is its `supported_features` (names from `FEATURES`);
     `unavailable` is its `get_unavailable_reason()`; `combination(config, device)` its
     `supports_combination`; `priority` its rank per platform (default: after every built-in
     backend on every platform).
@@ -125,10 +125,9 @@ def make_fake_backend(
         "is_mla": classmethod(lambda cls: mla),
         "is_sparse": classmethod(lambda cls: sparse),
         "priority": {"cpu": 100, "cuda": 100, "blackwell": 100} if priority is None else priority,
+        "supported_features": tuple(features),
         **class_attrs,
     }
-    for feature in features:
-        namespace[f"supports_{feature}"] = classmethod(lambda cls: True)
     if combination is not None:
         namespace["supports_combination"] = classmethod(
             lambda cls, config, device: combination(config, device)

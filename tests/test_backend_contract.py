@@ -250,6 +250,17 @@ def test_declared_feature_gives_no_reason(make_backend, feature, changes):
     assert backend.validate_configuration(config(**changes), CPU) == []
 
 
+def test_declared_features_answer_the_supports_classmethods(make_backend):
+    backend = make_backend(features=["sink", "cascade"])
+    assert backend.supports_sink() and backend.supports_cascade()
+    assert not (backend.supports_lse() or backend.supports_alibi())
+
+
+def test_unknown_feature_name_is_refused_at_class_creation(make_backend):
+    with pytest.raises(TypeError, match=r"supported_features: unknown feature names \(got sinks,"):
+        make_backend(supported_features=("sinks",))
+
+
 def test_per_head_quant_scales_reasons(make_backend):
     plain = make_backend(kv_cache_dtypes=("auto", "fp8"))
     assert plain.validate_configuration(

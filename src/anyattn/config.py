@@ -15,19 +15,12 @@ from anyattn.types import (
     AttentionType,
     CacheDType,
     cache_torch_dtype,
+    check_positive_int,
     parse_cache_dtype,
     parse_dtype,
 )
 
 __all__ = ["AttentionSelectorConfig", "AttentionSpec", "BatchLimits", "MLAAttentionSpec"]
-
-
-def _positive_int(api: str, name: str, value: object, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        expected = "a positive int or None" if allow_none else "a positive int"
-        raise ValueError(f"{api}: {name} must be {expected} (got {value!r}).")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +77,7 @@ class AttentionSelectorConfig:
 
     def __post_init__(self) -> None:
         api = "AttentionSelectorConfig"
-        _positive_int(api, "head_size", self.head_size)
+        check_positive_int(api, "head_size", self.head_size)
         object.__setattr__(self, "dtype", parse_dtype(self.dtype, argument=f"{api}: dtype"))
         object.__setattr__(
             self,
@@ -101,9 +94,9 @@ class AttentionSelectorConfig:
             raise ValueError(
                 f"{api}: unknown attn_type (got {self.attn_type!r}, expected one of {valid})."
             ) from None
-        _positive_int(api, "block_size", self.block_size, allow_none=True)
-        _positive_int(api, "num_heads", self.num_heads, allow_none=True)
-        _positive_int(api, "num_kv_heads", self.num_kv_heads, allow_none=True)
+        check_positive_int(api, "block_size", self.block_size, allow_none=True)
+        check_positive_int(api, "num_heads", self.num_heads, allow_none=True)
+        check_positive_int(api, "num_kv_heads", self.num_kv_heads, allow_none=True)
         if self.num_heads is not None and self.num_kv_heads is not None:
             if self.num_heads % self.num_kv_heads:
                 raise ValueError(
@@ -114,7 +107,7 @@ class AttentionSelectorConfig:
             if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
                 raise TypeError(f"{api}: {f.name} must be a bool (got {getattr(self, f.name)!r}).")
         rope = self.qk_rope_head_dim
-        _positive_int(api, "qk_rope_head_dim", rope, allow_none=True)
+        check_positive_int(api, "qk_rope_head_dim", rope, allow_none=True)
         if rope is not None and not self.use_mla:
             raise ValueError(
                 f"{api}: qk_rope_head_dim is for MLA layers (got qk_rope_head_dim={rope} with "
@@ -122,7 +115,7 @@ class AttentionSelectorConfig:
             )
         for name in ("qk_nope_head_dim", "v_head_dim"):
             value = getattr(self, name)
-            _positive_int(api, name, value, allow_none=True)
+            check_positive_int(api, name, value, allow_none=True)
             if value is not None and not self.use_mla:
                 raise ValueError(
                     f"{api}: {name} is for MLA layers (got {name}={value} with use_mla=False, "
@@ -183,9 +176,9 @@ class BatchLimits:
 
     def __post_init__(self) -> None:
         api = "BatchLimits"
-        _positive_int(api, "max_num_reqs", self.max_num_reqs)
-        _positive_int(api, "max_num_tokens", self.max_num_tokens)
-        _positive_int(api, "max_model_len", self.max_model_len)
+        check_positive_int(api, "max_num_reqs", self.max_num_reqs)
+        check_positive_int(api, "max_num_tokens", self.max_num_tokens)
+        check_positive_int(api, "max_model_len", self.max_model_len)
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
             raise ValueError(
                 f"{api}: num_speculative_tokens must be an int >= 0 "
@@ -193,7 +186,7 @@ class BatchLimits:
             )
         sizes = tuple(self.cudagraph_capture_sizes)
         for size in sizes:
-            _positive_int(api, "cudagraph_capture_sizes entry", size)
+            check_positive_int(api, "cudagraph_capture_sizes entry", size)
         object.__setattr__(self, "cudagraph_capture_sizes", tuple(sorted(set(sizes))))
         if not isinstance(self.has_persistent_graph_inputs, bool):
             raise TypeError(
@@ -224,10 +217,10 @@ class AttentionSpec:
 
     def __post_init__(self) -> None:
         api = type(self).__name__
-        _positive_int(api, "block_size", self.block_size)
-        _positive_int(api, "num_kv_heads", self.num_kv_heads)
-        _positive_int(api, "head_size", self.head_size)
-        _positive_int(api, "sliding_window", self.sliding_window, allow_none=True)
+        check_positive_int(api, "block_size", self.block_size)
+        check_positive_int(api, "num_kv_heads", self.num_kv_heads)
+        check_positive_int(api, "head_size", self.head_size)
+        check_positive_int(api, "sliding_window", self.sliding_window, allow_none=True)
         object.__setattr__(self, "dtype", parse_dtype(self.dtype, argument=f"{api}: dtype"))
         object.__setattr__(
             self,
@@ -276,7 +269,7 @@ class MLAAttentionSpec(AttentionSpec):
     def __post_init__(self) -> None:
         api = "MLAAttentionSpec"
         for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
-            _positive_int(api, name, getattr(self, name))
+            check_positive_int(api, name, getattr(self, name))
         row = self.kv_lora_rank + self.qk_rope_head_dim
         if self.head_size is None:
             object.__setattr__(self, "head_size", row)

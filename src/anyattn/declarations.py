@@ -21,6 +21,7 @@ from anyattn.types import (
     DeviceInfo,
     KVCacheLayout,
     MultipleOf,
+    check_positive_int,
     is_fp8_cache,
     parse_cache_dtype,
 )
@@ -71,6 +72,9 @@ _FEATURES = (
     ("batch_invariance", "use_batch_invariant", "batch invariance"),
     ("lse", "needs_lse", "returning LSE"),
 )
+# Every name `AttentionBackend.supported_features` may hold: those above, and "cascade" (a
+# builder's choice, not a config flag).
+_FEATURE_NAMES = (*(feature for feature, _, _ in _FEATURES), "cascade")
 
 
 def _format_block_sizes(sizes: Sequence[int | MultipleOf]) -> str:
@@ -88,6 +92,11 @@ class AttentionBackend(ABC):
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto", "float16", "bfloat16")
     supported_device_types: ClassVar[tuple[str, ...]] = ("cuda",)
     supported_attn_types: ClassVar[tuple[AttentionType, ...]] = (AttentionType.DECODER,)
+    # The optional features the kernels have, by the names of the `supports_<feature>`
+    # classmethods, which read it: any of "sink", "sliding_window", "alibi", "logits_soft_cap",
+    # "non_causal", "per_head_quant_scales", "batch_invariance", "lse", "cascade". A backend
+    # whose answer depends on more (the installed package) overrides those classmethods.
+    supported_features: ClassVar[tuple[str, ...]] = ()
     # Lowest CUDA compute capability the kernels run on; None: no lower bound.
     min_compute_capability: ClassVar[tuple[int, int] | None] = None
     # When False, the layer calls impl.do_kv_cache_update before impl.forward.
@@ -95,6 +104,17 @@ class AttentionBackend(ABC):
     # Rank per platform key (`PLATFORMS`), lower tried first; a platform absent here: never
     # chosen automatically there, only on explicit request.
     priority: ClassVar[Mapping[str, int]] = {}
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        """Refuse a `supported_features` name no `supports_<feature>` reads (a typo would
+        otherwise declare nothing, silently)."""
+        super().__init_subclass__(**kwargs)
+        unknown = set(cls.__dict__.get("supported_features", ())) - set(_FEATURE_NAMES)
+        if unknown:
+            raise TypeError(
+                f"{cls.__name__}.supported_features: unknown feature names (got "
+                f"{', '.join(sorted(unknown))}, expected names from {', '.join(_FEATURE_NAMES)})."
+            )
 
     @staticmethod
     @abstractmethod
@@ -127,18 +147,15 @@ class AttentionBackend(ABC):
         Raises:
             ValueError: a block size this backend's kernels cannot take, or a bad dimension.
         """
+        api = f"{cls.get_name()}.get_kv_cache_shape"
         dims = {"num_blocks": num_blocks, "block_size": block_size}
         dims.update(num_kv_heads=num_kv_heads, head_size=head_size)
         for name, value in dims.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"{cls.get_name()}.get_kv_cache_shape: {name} must be a positive int "
-                    f"(got {value!r})."
-                )
-        parse_cache_dtype(cache_dtype, argument=f"{cls.get_name()}.get_kv_cache_shape: cache_dtype")
+            check_positive_int(api, name, value)
+        parse_cache_dtype(cache_dtype, argument=f"{api}: cache_dtype")
         if not cls.supports_block_size(block_size):
             raise ValueError(
-                f"{cls.get_name()}.get_kv_cache_shape: block_size not supported (got {block_size}, "
+                f"{api}: block_size not supported (got {block_size}, "
                 f"expected {_format_block_sizes(cls.get_supported_kernel_block_sizes())})."
             )
         return (num_blocks, 2, block_size, num_kv_heads, head_size)
@@ -297,42 +314,42 @@ class AttentionBackend(ABC):
 
     @classmethod
     def supports_sink(cls) -> bool:
-        return False
+        return "sink" in cls.supported_features
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
-        return False
+        return "sliding_window" in cls.supported_features
 
     @classmethod
     def supports_alibi(cls) -> bool:
-        return False
+        return "alibi" in cls.supported_features
 
     @classmethod
     def supports_logits_soft_cap(cls) -> bool:
-        return False
+        return "logits_soft_cap" in cls.supported_features
 
     @classmethod
     def supports_non_causal(cls) -> bool:
         """Bidirectional attention in the paged-KV decoder path (not the encoder types)."""
-        return False
+        return "non_causal" in cls.supported_features
 
     @classmethod
     def supports_per_head_quant_scales(cls) -> bool:
-        return False
+        return "per_head_quant_scales" in cls.supported_features
 
     @classmethod
     def supports_batch_invariance(cls) -> bool:
-        return False
+        return "batch_invariance" in cls.supported_features
 
     @classmethod
     def supports_lse(cls) -> bool:
         """`forward` fills `output_lse` when it is given."""
-        return False
+        return "lse" in cls.supported_features
 
     @classmethod
     def supports_cascade(cls) -> bool:
         """The builder can run a shared prefix once (`use_cascade_attention`)."""
-        return False
+        return "cascade" in cls.supported_features
 
     @classmethod
     def supports_combination(
@@ -434,8 +451,8 @@ class AttentionBackend(ABC):
     @classmethod
     def describe(cls) -> dict[str, object]:
         """Everything this backend declares, as plain data (for `anyattn backends --json`)."""
-        features = {f: getattr(cls, f"supports_{f}")() for f, _, _ in _FEATURES}
-        features.update(cascade=cls.supports_cascade(), mla=cls.is_mla(), sparse=cls.is_sparse())
+        features = {f: getattr(cls, f"supports_{f}")() for f in _FEATURE_NAMES}
+        features.update(mla=cls.is_mla(), sparse=cls.is_sparse())
         splits = cls.get_supported_mla_splits()
         capability = cls.min_compute_capability
         return {

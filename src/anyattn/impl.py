@@ -58,6 +58,21 @@ class AttentionImplBase(ABC, Generic[M]):
     head_size: int
     scale: float
 
+    @classmethod
+    def _declared_backend(cls, kind: str = "AttentionBackend") -> type[AttentionBackend]:
+        """`cls.backend`, which every impl class must name (its constructor asks first).
+
+        Raises:
+            TypeError: the class names none (the message asks for a `kind` subclass).
+        """
+        backend = getattr(cls, "backend", None)
+        if backend is None:
+            raise TypeError(
+                f"{cls.__name__}: an impl class must name its backend (set "
+                f"{cls.__name__}.backend = <{kind} subclass>)."
+            )
+        return backend
+
 
 class AttentionImpl(AttentionImplBase[M], Generic[M]):
     """A standard (non-MLA) attention impl; one instance per layer."""
@@ -88,15 +103,9 @@ class AttentionImpl(AttentionImplBase[M], Generic[M]):
             NotImplementedError: a feature the backend does not declare, or a joint rule
                 broken (a sliding window needs causal decoder attention).
         """
-        backend = getattr(type(self), "backend", None)
-        if backend is None:
-            raise TypeError(
-                f"{type(self).__name__}: an impl class must name its backend (set "
-                f"{type(self).__name__}.backend = <AttentionBackend subclass>)."
-            )
         sliding_window = sliding_window or None
         self.num_kv_heads = validate_impl_arguments(
-            backend,
+            self._declared_backend(),
             num_heads=num_heads,
             head_size=head_size,
             scale=scale,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from anyattn.declarations import format_mla_splits
-from anyattn.types import AttentionType, parse_cache_dtype
+from anyattn.types import AttentionType, check_positive_int, parse_cache_dtype
 
 if TYPE_CHECKING:
     from anyattn.declarations import AttentionBackend
@@ -40,32 +40,22 @@ def validate_impl_arguments(
     """Check an impl's constructor arguments against `backend`'s declarations and the joint
     rules (a sliding window needs decoder attention). Returns the effective `num_kv_heads`."""
     api = f"{backend.get_name()} impl"
-    for name, value in (("num_heads", num_heads), ("head_size", head_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{api}: {name} must be a positive int (got {value!r}).")
+    check_positive_int(api, "num_heads", num_heads)
+    check_positive_int(api, "head_size", head_size)
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
-        raise ValueError(f"{api}: num_kv_heads must be a positive int (got {kv_heads!r}).")
+    check_positive_int(api, "num_kv_heads", kv_heads)
     if num_heads % kv_heads:
         raise ValueError(
             f"{api}: num_heads must be a multiple of num_kv_heads (got num_heads={num_heads}, "
             f"num_kv_heads={kv_heads})."
         )
-    if isinstance(scale, torch.Tensor) and scale.numel() == 1:
-        scale = scale.item()
-    if not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"{api}: scale must be a positive finite float (got {scale!r}).")
+    _check_scale(api, scale)
     if not backend.supports_head_size(head_size):
         raise ValueError(
             f"{api}: head_size not supported (got {head_size}, expected one of "
             f"{backend.get_supported_head_sizes()})."
         )
-    parse_cache_dtype(kv_cache_dtype, argument=f"{api}: kv_cache_dtype")
-    if not backend.supports_kv_cache_dtype(kv_cache_dtype):
-        raise ValueError(
-            f"{api}: kv_cache_dtype not supported (got {kv_cache_dtype!r}, expected one of "
-            f"{', '.join(backend.supported_kv_cache_dtypes)})."
-        )
+    _check_kv_cache_dtype(api, backend, kv_cache_dtype)
     try:
         attn_type = AttentionType(attn_type)
     except ValueError:
@@ -179,12 +169,8 @@ def validate_mla_impl_arguments(
         "v_head_dim": v_head_dim, "workspace_tokens": workspace_tokens,
     }  # fmt: skip
     for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{api}: {name} must be a positive int (got {value!r}).")
-    if isinstance(scale, torch.Tensor) and scale.numel() == 1:
-        scale = scale.item()
-    if not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"{api}: scale must be a positive finite float (got {scale!r}).")
+        check_positive_int(api, name, value)
+    _check_scale(api, scale)
     head_size = kv_lora_rank + qk_rope_head_dim
     if not backend.supports_head_size(head_size):
         raise ValueError(
@@ -199,12 +185,7 @@ def validate_mla_impl_arguments(
             f"qk_rope_head_dim={qk_rope_head_dim}, expected one of {splits}). "
             + _pick_another(f"--use-mla --qk-rope-head-dim {qk_rope_head_dim}")
         )
-    parse_cache_dtype(kv_cache_dtype, argument=f"{api}: kv_cache_dtype")
-    if not backend.supports_kv_cache_dtype(kv_cache_dtype):
-        raise ValueError(
-            f"{api}: kv_cache_dtype not supported (got {kv_cache_dtype!r}, expected one of "
-            f"{', '.join(backend.supported_kv_cache_dtypes)})."
-        )
+    _check_kv_cache_dtype(api, backend, kv_cache_dtype)
     head_dims = getattr(backend, "get_mla_head_dims_reason", None)
     reason = head_dims and head_dims(qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
     if reason:
@@ -213,6 +194,24 @@ def validate_mla_impl_arguments(
             f"{qk_rope_head_dim}, v_head_dim={v_head_dim}). Pick another backend (`anyattn "
             "explain --use-mla` with --qk-nope-head-dim and --v-head-dim lists those that "
             "support it)."
+        )
+
+
+def _check_scale(api: str, scale: object) -> None:
+    """A positive finite real (a one-element tensor is read as its value)."""
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1:
+        scale = scale.item()
+    if not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"{api}: scale must be a positive finite float (got {scale!r}).")
+
+
+def _check_kv_cache_dtype(api: str, backend: type[AttentionBackend], kv_cache_dtype: str) -> None:
+    """A known KV-cache dtype that `backend` declares."""
+    parse_cache_dtype(kv_cache_dtype, argument=f"{api}: kv_cache_dtype")
+    if not backend.supports_kv_cache_dtype(kv_cache_dtype):
+        raise ValueError(
+            f"{api}: kv_cache_dtype not supported (got {kv_cache_dtype!r}, expected one of "
+            f"{', '.join(backend.supported_kv_cache_dtypes)})."
         )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from anyattn.declarations import AttentionBackend
-from anyattn.types import AttentionType, KVCacheLayout, parse_cache_dtype
+from anyattn.types import AttentionType, KVCacheLayout
 
 __all__ = ["MLAAttentionBackend"]
 
@@ -42,21 +42,13 @@ class MLAAttentionBackend(AttentionBackend):
             ValueError: `num_kv_heads` other than 1, a bad dimension, or a block size the
                 kernels cannot take.
         """
-        api = f"{cls.get_name()}.get_kv_cache_shape"
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
-                            ("head_size", head_size)):  # fmt: skip
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{api}: {name} must be a positive int (got {value!r}).")
+        # the base class's checks of the other arguments
+        super().get_kv_cache_shape(num_blocks, block_size, 1, head_size, cache_dtype)
         if num_kv_heads != 1:
             raise ValueError(
-                f"{api}: num_kv_heads must be 1 for an MLA latent cache (got {num_kv_heads!r}); "
-                "MLA caches one latent row per token, shared by every head."
-            )
-        parse_cache_dtype(cache_dtype, argument=f"{api}: cache_dtype")
-        if not cls.supports_block_size(block_size):
-            sizes = ", ".join(str(s) for s in cls.get_supported_kernel_block_sizes())
-            raise ValueError(
-                f"{api}: block_size not supported (got {block_size}, expected {sizes})."
+                f"{cls.get_name()}.get_kv_cache_shape: num_kv_heads must be 1 for an MLA latent "
+                f"cache (got {num_kv_heads!r}); MLA caches one latent row per token, shared by "
+                "every head."
             )
         return (num_blocks, block_size, head_size)
 

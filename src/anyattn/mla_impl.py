@@ -41,14 +41,13 @@ class MLALayer(Protocol):
 class MLAAttentionImpl(AttentionImplBase[M], Generic[M]):
     """Multi-head latent attention: the cache holds one latent row `[c_kv, k_pe]` per token.
 
-    Subclasses set `backend` (an `MLAAttentionBackend`), `metadata_cls` (the metadata their
-    builder makes, checked on every call) and `supported_dtypes`, and implement `forward_mqa`
-    and `forward_mha`.
+    Subclasses set `backend` (an `MLAAttentionBackend`, whose `supported_dtypes` the inputs
+    are checked against) and `metadata_cls` (the metadata their builder makes, checked on
+    every call), and implement `forward_mqa` and `forward_mha`.
     """
 
     params_cls: ClassVar[type[MLALayerParams]] = MLALayerParams
     metadata_cls: ClassVar[type]
-    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
 
     def __init__(
         self,
@@ -82,14 +81,8 @@ class MLAAttentionImpl(AttentionImplBase[M], Generic[M]):
                 the backend does not declare, or up-projected head sizes it refuses
                 (`get_mla_head_dims_reason`, the rule the selector applies).
         """
-        backend = getattr(type(self), "backend", None)
-        if backend is None:
-            raise TypeError(
-                f"{type(self).__name__}: an impl class must name its backend (set "
-                f"{type(self).__name__}.backend = <MLAAttentionBackend subclass>)."
-            )
         validate_mla_impl_arguments(
-            backend,
+            self._declared_backend("MLAAttentionBackend"),
             num_heads=num_heads,
             scale=scale,
             kv_lora_rank=kv_lora_rank,
@@ -243,6 +236,21 @@ class MLAAttentionImpl(AttentionImplBase[M], Generic[M]):
         if not is_fp8_cache(self.kv_cache_dtype):
             return None
         return layer_kv_scale(api, layer, "k_scale", 1, device).reshape(())
+
+    def read_latents(
+        self,
+        api: str,
+        layer: MLALayer,
+        kv_cache: torch.Tensor,
+        slots: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache rows at `slots [N]` (int64, `block_id * block_size + offset`) as `dtype`
+        (`dequantize_latent`), split into `c_kv [N, L]` and `k_pe [N, R]`."""
+        block_size = kv_cache.shape[1]
+        rows = kv_cache[slots // block_size, slots % block_size]  # [N, L + R]
+        rows = self.dequantize_latent(api, layer, rows, dtype)
+        return rows.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
 
     def dequantize_latent(
         self, api: str, layer: MLALayer, rows: torch.Tensor, dtype: torch.dtype

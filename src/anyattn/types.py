@@ -18,6 +18,7 @@ import torch
 __all__ = [
     "CACHE_DTYPES",
     "DTYPES",
+    "ENCODER_TYPES",
     "AttentionCGSupport",
     "AttentionType",
     "CacheDType",
@@ -25,6 +26,7 @@ __all__ = [
     "KVCacheLayout",
     "MultipleOf",
     "cache_torch_dtype",
+    "check_positive_int",
     "is_fp8_cache",
     "parse_cache_dtype",
     "parse_dtype",
@@ -42,6 +44,10 @@ class AttentionType(enum.StrEnum):
     """Bidirectional self-attention of an encoder-only model; no KV cache."""
     ENCODER_DECODER = "encoder_decoder"
     """Cross-attention: decoder queries over the encoder's K/V, kept in the layer's own cache."""
+
+
+ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+"""The attention types with no KV cache: their keys and values are the step's own."""
 
 
 @functools.total_ordering
@@ -140,6 +146,16 @@ def parse_cache_dtype(value: str | None, *, argument: str = "kv_cache_dtype") ->
         f"{argument}: unknown KV-cache dtype (got {value!r}, expected one of "
         f"{', '.join(CACHE_DTYPES)})."
     )
+
+
+def check_positive_int(api: str, name: str, value: object, *, allow_none: bool = False) -> None:
+    """Raise `ValueError` ("{api}: {name} must be a positive int (got ...)") unless `value` is
+    an int >= 1 (not a bool), or None when `allow_none`."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        expected = "a positive int or None" if allow_none else "a positive int"
+        raise ValueError(f"{api}: {name} must be {expected} (got {value!r}).")
 
 
 def is_fp8_cache(cache_dtype: str) -> bool:

@@ -27,7 +27,7 @@ from anyattn.ops.tensor_checks import (
     check_slot_mapping,
     check_slot_values,
 )
-from anyattn.types import AttentionType, cache_torch_dtype, is_fp8_cache
+from anyattn.types import ENCODER_TYPES, AttentionType, cache_torch_dtype, is_fp8_cache
 
 __all__ = [
     "check_forward",
@@ -41,8 +41,6 @@ __all__ = [
     "step_of",
 ]
 
-_ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
-
 
 class AttentionImpl(Protocol):
     """What the checks read of an `anyattn.impl.AttentionImpl` (which imports this module)."""
@@ -54,6 +52,7 @@ class AttentionImpl(Protocol):
     attn_type: AttentionType
     sliding_window: int | None
     kv_sharing_target_layer_name: str | None
+    backend: type  # its `supported_dtypes`: the query dtypes the impl takes
 
     def validate_inputs(self, query, key, value, kv_cache, attn_metadata, output, output_lse):
         """See `anyattn.impl.AttentionImpl.validate_inputs`."""
@@ -128,7 +127,7 @@ def check_layer_call(
     impl.validate_inputs(query, key, value, kv_cache, attn_metadata, output, output_lse)
     slot_mapping = getattr(attn_metadata, "slot_mapping", None)
     step = step_of(attn_metadata)
-    if step is not None and impl.attn_type not in _ENCODER_TYPES:  # (remembered: a look-up)
+    if step is not None and impl.attn_type not in ENCODER_TYPES:  # (remembered: a look-up)
         check_step_against_cache(f"{type(impl).__name__}.forward", step, kv_cache)
     if writes_kv and key is not None and impl.kv_sharing_target_layer_name is None:
         api = f"{type(impl).__name__}.do_kv_cache_update"
@@ -259,23 +258,22 @@ def _check_block_table(
 
 
 def check_forward_inputs(
-    api: str, impl: AttentionImpl, supported_dtypes: tuple[torch.dtype, ...],
-    query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
-    kv_cache: torch.Tensor, attn_metadata: object, metadata_type: type, *,
-    output: torch.Tensor, output_lse: torch.Tensor | None, reads_cache: bool = True,
+    api: str, impl: AttentionImpl, query: torch.Tensor, key: torch.Tensor | None,
+    value: torch.Tensor | None, kv_cache: torch.Tensor, attn_metadata: object,
+    metadata_type: type, *, output: torch.Tensor, output_lse: torch.Tensor | None,
     num_rows: int | None = None,
 ) -> None:  # fmt: skip
     """Shapes, dtypes and devices of one `forward` call's tensors, and the step against the
     cache (`check_step_against_cache`): the shared part of every impl's `validate_inputs`.
+    The cache is not checked for encoder attention (`ENCODER_TYPES`), which takes its K/V
+    only from the inputs.
 
     Args:
         api: names the caller in messages, e.g. "TRITON forward".
         impl: the impl (`num_heads`, `head_size`, `num_kv_heads`, `kv_cache_dtype`,
-            `attn_type`, `sliding_window`).
-        supported_dtypes: query dtypes the backend takes.
+            `attn_type`, `sliding_window`; the query dtypes its `backend` declares).
         attn_metadata: the backend's metadata, of `metadata_type` (its `block_size`,
             `num_actual_tokens`, `causal` and `common_attn_metadata` are read).
-        reads_cache: False for attention that takes K/V only from its inputs (encoder).
         num_rows: query rows the kernels run (default: `num_actual_tokens`).
 
     Raises:
@@ -290,6 +288,8 @@ def check_forward_inputs(
             "attn_metadata.causal=False); the window is defined causally."
         )
     num_rows = md.num_actual_tokens if num_rows is None else num_rows
+    supported_dtypes = impl.backend.supported_dtypes
+    reads_cache = impl.attn_type not in ENCODER_TYPES
     heads = (impl.num_heads, impl.head_size)
     if query.dim() != 3 or tuple(query.shape[1:]) != heads:
         raise ValueError(

@@ -43,7 +43,7 @@ class MLAImpl(Protocol):
     qk_nope_head_dim: int
     v_head_dim: int
     kv_cache_dtype: str
-    supported_dtypes: tuple[torch.dtype, ...]
+    backend: type  # its `supported_dtypes`: the model dtypes the impl takes
     metadata_cls: type
 
 
@@ -254,8 +254,9 @@ def _check_metadata(api: str, impl: MLAImpl, layer: object, attn_metadata: objec
 
 
 def _check_dtype(api: str, impl: MLAImpl, name: str, x: torch.Tensor) -> None:
-    if x.dtype not in impl.supported_dtypes:
-        names = ", ".join(str(d).removeprefix("torch.") for d in impl.supported_dtypes)
+    supported = impl.backend.supported_dtypes
+    if x.dtype not in supported:
+        names = ", ".join(str(d).removeprefix("torch.") for d in supported)
         raise ValueError(
             f"{api}: {name} dtype not supported (got {x.dtype}, expected one of {names})."
         )

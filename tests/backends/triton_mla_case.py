@@ -33,7 +33,6 @@ class InterpretedTritonMLA(TritonMLABackend):
 
 class InterpretedTritonMLAImpl(TritonMLAImpl):
     backend = InterpretedTritonMLA
-    supported_dtypes = _DTYPES
 
 
 class InterpretedTritonMLABuilder(TritonMLAMetadataBuilder):

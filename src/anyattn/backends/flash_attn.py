@@ -35,6 +35,7 @@ from anyattn.backends.flash_attn_builder import (
 )
 from anyattn.ops.merge_attn_states import merge_attn_states
 from anyattn.types import (
+    ENCODER_TYPES,
     AttentionType,
     MultipleOf,
     cache_torch_dtype,
@@ -49,8 +50,6 @@ __all__ = [
     "FlashAttentionMetadataBuilder",
     "FlashAttnPass",
 ]
-
-_ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
 
 
 class _DeclaredByInstalledVersion(abc.ABCMeta):
@@ -71,9 +70,27 @@ class _DeclaredByInstalledVersion(abc.ABCMeta):
     def min_compute_capability(cls) -> tuple[int, int]:
         return min(i.min_capability for i in versions.declared_interfaces())
 
+    @property
+    def supported_features(cls) -> tuple[str, ...]:
+        interfaces = versions.declared_interfaces()
+        features = [
+            feature
+            for feature, attribute in _VERSION_FEATURES
+            if any(getattr(i, attribute) for i in interfaces)
+        ]
+        if "lse" in features:
+            features.append("cascade")  # the merge needs both passes' LSEs
+        return ("non_causal", *features)
 
-def _any(attribute: str) -> bool:
-    return any(getattr(i, attribute) for i in versions.declared_interfaces())
+
+# Features a FlashAttention version may take: (feature, its `FlashAttnInterface` attribute).
+_VERSION_FEATURES = (
+    ("sink", "sink_arg"),
+    ("sliding_window", "has_window"),
+    ("alibi", "has_alibi"),
+    ("logits_soft_cap", "has_softcap"),
+    ("lse", "lse_arg"),
+)
 
 
 class FlashAttentionBackend(AttentionBackend, metaclass=_DeclaredByInstalledVersion):
@@ -110,34 +127,6 @@ class FlashAttentionBackend(AttentionBackend, metaclass=_DeclaredByInstalledVers
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
         return sorted({s for i in versions.declared_interfaces() for s in i.head_sizes()})
-
-    @classmethod
-    def supports_sink(cls) -> bool:
-        return _any("sink_arg")
-
-    @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return _any("has_window")
-
-    @classmethod
-    def supports_alibi(cls) -> bool:
-        return _any("has_alibi")
-
-    @classmethod
-    def supports_logits_soft_cap(cls) -> bool:
-        return _any("has_softcap")
-
-    @classmethod
-    def supports_non_causal(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_lse(cls) -> bool:
-        return _any("lse_arg")
-
-    @classmethod
-    def supports_cascade(cls) -> bool:
-        return cls.supports_lse()  # the merge needs both passes' LSEs
 
     @classmethod
     def supports_combination(cls, config, device) -> str | None:
@@ -252,7 +241,7 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
             return output
         interface = self._interface_for(query.device)
         lse = None if output_lse is None else output_lse[:, :n]
-        if self.attn_type in _ENCODER_TYPES:
+        if self.attn_type in ENCODER_TYPES:
             # Bidirectional self-attention over the step's own keys: no cache.
             out, part_lse = self._attend(
                 interface, query[:n], key[:n], value[:n], md.encoder, self.sinks, lse is not None
@@ -350,10 +339,8 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
     ) -> None:
         """See `AttentionImpl.validate_inputs`; shapes, dtypes, devices and feature joints."""
         api = "FLASH_ATTN forward"
-        check_forward_inputs(api, self, FlashAttentionBackend.supported_dtypes, query, key, value,
-                             kv_cache, md, FlashAttentionMetadata, output=output,
-                             output_lse=output_lse,
-                             reads_cache=self.attn_type not in _ENCODER_TYPES)  # fmt: skip
+        check_forward_inputs(api, self, query, key, value, kv_cache, md, FlashAttentionMetadata,
+                             output=output, output_lse=output_lse)  # fmt: skip
         self._check_features(md, output_lse, api)
         interface = self._interface_for(query.device)
         if md.block_size % interface.block_size_multiple:
@@ -361,14 +348,14 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
                 f"{api}: {interface.label} needs blocks of a multiple of "
                 f"{interface.block_size_multiple} tokens (got block_size {md.block_size})."
             )
-        if self.attn_type not in _ENCODER_TYPES:
+        if self.attn_type not in ENCODER_TYPES:
             self._check_cache(query, kv_cache, api)
 
     def _check_features(
         self, md: FlashAttentionMetadata, output_lse: torch.Tensor | None, api: str
     ) -> None:
         # (a sliding window with non-causal attention: refused by check_forward_inputs)
-        if self.attn_type in _ENCODER_TYPES and md.encoder is None:
+        if self.attn_type in ENCODER_TYPES and md.encoder is None:
             raise ValueError(
                 f"{api}: the metadata was built for no encoder layer (got an "
                 f"{self.attn_type.value} layer). Give the builder this layer's record."

@@ -39,11 +39,9 @@ from anyattn.backends.flash_attn_plan import (
     plan_cascade,
 )
 from anyattn.metadata import CommonAttentionMetadata
-from anyattn.types import AttentionCGSupport, AttentionType
+from anyattn.types import ENCODER_TYPES, AttentionCGSupport
 
 __all__ = ["FlashAttentionMetadata", "FlashAttentionMetadataBuilder", "FlashAttnPass"]
-
-_ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
 
 
 @dataclass(frozen=True)
@@ -160,7 +158,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             )
         self._buffers: _DecodeBuffers | None = None  # made by the first decode-layout build
         self._layer_names = frozenset(self.layer_names)
-        self._has_encoder_layers = any(p.attn_type in _ENCODER_TYPES for p in self.layers.values())
+        self._has_encoder_layers = any(p.attn_type in ENCODER_TYPES for p in self.layers.values())
 
     @cached_property
     def _gather_bidirectional(self) -> bool:

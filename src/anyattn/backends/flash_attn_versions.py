@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from anyattn.types import AttentionType
+from anyattn.types import ENCODER_TYPES, AttentionType
 
 if TYPE_CHECKING:
     from anyattn.config import AttentionSelectorConfig
@@ -55,7 +55,6 @@ __all__ = [
 
 PIP_COMMAND = "pip install 'anyattn[flash-attn]'"
 
-_ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
 _PAGE_ARGS = ("page_table", "block_table")
 _SEQ_LENS_ARGS = ("seqused_k", "cache_seqlens")
 _SINK_ARGS = ("learnable_sink", "s_aux")
@@ -238,7 +237,7 @@ class FlashAttnInterface:
     def attn_types(self) -> tuple[AttentionType, ...]:
         paged = (AttentionType.DECODER, AttentionType.ENCODER_DECODER)
         # Encoder self-attention reads contiguous K/V through cu_seqlens_k.
-        return (*paged, *_ENCODER_TYPES) if self.has_cu_seqlens_k else paged
+        return (*paged, *ENCODER_TYPES) if self.has_cu_seqlens_k else paged
 
     def supports_capability(self, capability: tuple[int, int]) -> bool:
         facts = _FACTS[self.version]

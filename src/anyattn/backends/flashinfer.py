@@ -49,6 +49,7 @@ class FlashInferBackend(AttentionBackend):
     supported_kv_cache_dtypes = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
     supported_device_types = ("cuda",)
     supported_attn_types = (AttentionType.DECODER,)
+    supported_features = ("sliding_window", "logits_soft_cap", "non_causal", "lse")
     min_compute_capability = (8, 0)
     forward_includes_kv_cache_update = False
     # First on sm90, where it was measured fastest or tied in every phase (benchmarks/RESULTS.md,
@@ -76,22 +77,6 @@ class FlashInferBackend(AttentionBackend):
     @classmethod
     def get_supported_kernel_block_sizes(cls) -> list[int | MultipleOf]:
         return [16, 32, 64]
-
-    @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_logits_soft_cap(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_non_causal(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_lse(cls) -> bool:
-        return True
 
     @classmethod
     def supports_combination(cls, config, device) -> str | None:
@@ -280,9 +265,9 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
                 f"{api}: query dtype differs from the KV-cache spec's dtype (got {query.dtype}, "
                 f"expected {md.dtype})."
             )
-        check_forward_inputs(api, self, FlashInferBackend.supported_dtypes, query, key, value,
-                             kv_cache, md, FlashInferMetadata, output=output,
-                             output_lse=output_lse,  # graph steps run their padded rows too
+        check_forward_inputs(api, self, query, key, value, kv_cache, md, FlashInferMetadata,
+                             output=output, output_lse=output_lse,
+                             # graph steps run their padded rows too
                              num_rows=max(md.num_actual_tokens, md.decode_rows))  # fmt: skip
         if kv_cache.dtype != md.cache_dtype:
             raise ValueError(

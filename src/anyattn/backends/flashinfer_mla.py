@@ -54,6 +54,7 @@ class FlashInferMLABackend(MLAAttentionBackend):
     supported_dtypes = (torch.float16, torch.bfloat16)
     supported_kv_cache_dtypes = ("auto", "float16", "bfloat16")
     supported_device_types = ("cuda",)
+    supported_features = ("lse",)
 
     @staticmethod
     def get_name() -> str:
@@ -78,10 +79,6 @@ class FlashInferMLABackend(MLAAttentionBackend):
     @classmethod
     def supports_compute_capability(cls, capability: tuple[int, int]) -> bool:
         return capability == (9, 0)
-
-    @classmethod
-    def supports_lse(cls) -> bool:
-        return True
 
     @classmethod
     def supports_combination(cls, config, device: DeviceInfo) -> str | None:
@@ -120,7 +117,6 @@ class FlashInferMLAImpl(MLAAttentionImpl[FlashInferMLAMetadata]):
     """FLASHINFER_MLA's two entry points; see the module docstring."""
 
     metadata_cls = FlashInferMLAMetadata
-    supported_dtypes = FlashInferMLABackend.supported_dtypes
 
     def forward_mqa(
         self,
@@ -176,13 +172,9 @@ class FlashInferMLAImpl(MLAAttentionImpl[FlashInferMLAMetadata]):
         plan.new_tokens.wrapper.run(q[:rows], keys, values, out=output[:rows], lse=acc_lse,
                                     return_lse=True, lse_base="ln", lse_layout="HN")  # fmt: skip
         del keys, values
-        rank, block_size = self.kv_lora_rank, md.block_size
         for chunk, launches in zip(md.prefill.chunks, plan.chunks, strict=True):
-            latent = kv_cache[chunk.slots // block_size, chunk.slots % block_size]
-            latent = self.dequantize_latent(api, layer, latent, q.dtype)  # [N, L + R]
-            keys, values = self.up_projected_keys_values(
-                api, layer, latent[:, :rank], latent[:, rank:]
-            )
+            c_kv, c_pe = self.read_latents(api, layer, kv_cache, chunk.slots, q.dtype)
+            keys, values = self.up_projected_keys_values(api, layer, c_kv, c_pe)
             for launch in launches:
                 qs, ks = (
                     slice(launch.q_start, launch.q_end),

@@ -46,6 +46,10 @@ class FlexAttentionBackend(AttentionBackend):
     supported_kv_cache_dtypes = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
     supported_device_types = ("cpu", "cuda")
     supported_attn_types = tuple(AttentionType)
+    supported_features = (
+        "sink", "sliding_window", "alibi", "logits_soft_cap", "non_causal",
+        "per_head_quant_scales", "lse",  # lse: on CUDA only (see supports_combination)
+    )  # fmt: skip
     # The Triton template is tuned for and tested on Ampere and newer.
     min_compute_capability = (8, 0)
     forward_includes_kv_cache_update = False
@@ -73,35 +77,6 @@ class FlexAttentionBackend(AttentionBackend):
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
         return list(range(16, 257, 16))
-
-    @classmethod
-    def supports_sink(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_alibi(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_logits_soft_cap(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_non_causal(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_per_head_quant_scales(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_lse(cls) -> bool:
-        """On CUDA only; `supports_combination` rejects `needs_lse` on the CPU."""
-        return True
 
     @classmethod
     def supports_combination(cls, config, device) -> str | None:

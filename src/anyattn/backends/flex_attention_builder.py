@@ -31,17 +31,14 @@ from anyattn.backends.flex_attention_plan import (
     row_bounds,
 )
 from anyattn.metadata import CommonAttentionMetadata
-from anyattn.types import AttentionCGSupport, AttentionType
+from anyattn.types import ENCODER_TYPES, AttentionCGSupport, AttentionType
 
 __all__ = [
-    "ENCODER_TYPES",
     "FlexAttentionMetadata",
     "FlexAttentionMetadataBuilder",
     "mask_key",
 ]
 
-# Attention whose keys are the step's own (never read from the cache).
-ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
 
 MaskKey = tuple[bool, "int | None", bool]
 

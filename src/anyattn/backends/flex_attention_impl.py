@@ -24,9 +24,9 @@ from collections.abc import Callable
 import torch
 
 from anyattn.backend import AttentionImpl, AttentionLayer, check_layer_planned
-from anyattn.backends.flex_attention_builder import ENCODER_TYPES, FlexAttentionMetadata, mask_key
+from anyattn.backends.flex_attention_builder import FlexAttentionMetadata, mask_key
 from anyattn.backends.flex_attention_plan import FIRST_KEY_ROW, TILE
-from anyattn.types import is_fp8_cache
+from anyattn.types import ENCODER_TYPES, is_fp8_cache
 from anyattn.validation import check_forward, check_forward_inputs, layer_kv_scale
 
 __all__ = ["FlexAttentionImpl"]
@@ -171,10 +171,8 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         output_lse: torch.Tensor | None = None,
     ) -> None:
         """See `AttentionImpl.validate_inputs`; shapes, dtypes and devices of every input."""
-        check_forward_inputs(_API, self, self.backend.supported_dtypes, query, key, value,
-                             kv_cache, md, FlexAttentionMetadata, output=output,
-                             output_lse=output_lse,
-                             reads_cache=self.attn_type not in ENCODER_TYPES)  # fmt: skip
+        check_forward_inputs(_API, self, query, key, value, kv_cache, md, FlexAttentionMetadata,
+                             output=output, output_lse=output_lse)  # fmt: skip
         if output_lse is not None and query.device.type != "cuda":
             raise NotImplementedError(
                 f"{_API}: output_lse not supported on {query.device.type} (Inductor's CPU "

@@ -22,6 +22,7 @@ from anyattn.backends.torch_attn_builder import (
 from anyattn.ops.dense_attention import DenseKV, PagedKV, ScoreMods, dense_attention
 from anyattn.ops.merge_attn_states import merge_attn_states
 from anyattn.types import (
+    ENCODER_TYPES,
     AttentionType,
     KVCacheLayout,
     cache_torch_dtype,
@@ -36,8 +37,6 @@ __all__ = [
     "TorchAttentionMetadataBuilder",
 ]
 
-_ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
-
 
 class TorchAttentionBackend(AttentionBackend):
     """Declarations of the TORCH backend."""
@@ -48,6 +47,10 @@ class TorchAttentionBackend(AttentionBackend):
     supported_kv_cache_dtypes = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
     supported_device_types = ("cpu", "cuda")
     supported_attn_types = tuple(AttentionType)
+    supported_features = (
+        "sink", "sliding_window", "alibi", "logits_soft_cap", "non_causal",
+        "per_head_quant_scales", "lse", "cascade",
+    )  # fmt: skip
     forward_includes_kv_cache_update = False
 
     @staticmethod
@@ -67,38 +70,6 @@ class TorchAttentionBackend(AttentionBackend):
         # HND first: copying one KV head's blocks out of the pages then moves whole
         # [block_size, head_size] tiles, measured 40% faster than NHD's head_size rows.
         return (KVCacheLayout.HND, KVCacheLayout.NHD)
-
-    @classmethod
-    def supports_sink(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_alibi(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_logits_soft_cap(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_non_causal(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_per_head_quant_scales(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_lse(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_cascade(cls) -> bool:
-        return True
 
 
 class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
@@ -191,10 +162,9 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
         output_lse: torch.Tensor | None = None,
     ) -> None:
         """See `AttentionImpl.validate_inputs`; shapes, dtypes and devices of every input."""
-        check_forward_inputs("TORCH forward", self, TorchAttentionBackend.supported_dtypes, query,
-                             key, value, kv_cache, md, TorchAttentionMetadata, output=output,
-                             output_lse=output_lse,
-                             reads_cache=self.attn_type not in _ENCODER_TYPES)  # fmt: skip
+        check_forward_inputs("TORCH forward", self, query, key, value, kv_cache, md,
+                             TorchAttentionMetadata, output=output,
+                             output_lse=output_lse)  # fmt: skip
 
 
 class _Run:
@@ -214,7 +184,7 @@ class _Run:
         self.impl, self.query, self.key, self.value = impl, query, key, value
         self.kv_cache, self.md, self.mods = kv_cache, md, mods
         self.lse_dtype = torch.float32
-        self.encoder = impl.attn_type in _ENCODER_TYPES
+        self.encoder = impl.attn_type in ENCODER_TYPES
         self.cross = impl.attn_type == AttentionType.ENCODER_DECODER
         self.k_scale = self.v_scale = None
         if is_fp8_cache(impl.kv_cache_dtype) and not self.encoder:

@@ -33,8 +33,6 @@ from anyattn.validation_mla import check_mha_inputs, check_mqa_inputs
 
 __all__ = ["MAX_WORK_ELEMENTS", "TorchMLABackend", "TorchMLAImpl", "TorchMLAMetadataBuilder"]
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
 # Most float32 elements of one intermediate (gathered decode keys, a tile's scores): 2^26, i.e.
 # 256 MiB, so that memory does not grow with the batch or the prompt (the largest chunk of a
 # step is then a few of these).
@@ -46,9 +44,10 @@ class TorchMLABackend(MLAAttentionBackend):
 
     priority: ClassVar[Mapping[str, int]] = {"cpu": 0, "cuda": 4, "blackwell": 4}
 
-    supported_dtypes = _DTYPES
+    supported_dtypes = (torch.float32, torch.float16, torch.bfloat16)
     supported_kv_cache_dtypes = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
     supported_device_types = ("cpu", "cuda")
+    supported_features = ("lse",)
 
     @staticmethod
     def get_name() -> str:
@@ -62,10 +61,6 @@ class TorchMLABackend(MLAAttentionBackend):
     def get_builder_cls() -> type[TorchMLAMetadataBuilder]:
         return TorchMLAMetadataBuilder
 
-    @classmethod
-    def supports_lse(cls) -> bool:
-        return True
-
 
 class TorchMLAMetadataBuilder(MLAMetadataBuilder):
     """The shared MLA builder, its spec checked against TORCH_MLA's declarations."""
@@ -75,7 +70,6 @@ class TorchMLAImpl(MLAAttentionImpl[MLAMetadata]):
     """TORCH_MLA's two entry points; see the module docstring."""
 
     metadata_cls = MLAMetadata
-    supported_dtypes = _DTYPES
 
     def forward_mqa(
         self,
@@ -160,9 +154,7 @@ class TorchMLAImpl(MLAAttentionImpl[MLAMetadata]):
                 q[rows], keys[rows], values[rows], self.scale, causal=True
             )
         for chunk in pre.chunks:
-            latent = kv_cache[chunk.slots // md.block_size, chunk.slots % md.block_size]
-            latent = self.dequantize_latent(api, layer, latent, q.dtype)  # [N, L + R]
-            c_kv, c_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+            c_kv, c_pe = self.read_latents(api, layer, kv_cache, chunk.slots, q.dtype)
             chunk_keys, chunk_values = self.up_projected_keys_values(api, layer, c_kv, c_pe)
             for piece in chunk.pieces:
                 rows = slice(piece.q_start, piece.q_start + piece.q_len)

@@ -42,6 +42,10 @@ class TritonAttentionBackend(AttentionBackend):
     supported_kv_cache_dtypes = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
     supported_device_types = ("cuda",)
     supported_attn_types = (AttentionType.DECODER,)
+    supported_features = (
+        "sink", "sliding_window", "alibi", "logits_soft_cap", "non_causal",
+        "per_head_quant_scales", "lse",
+    )  # fmt: skip
     forward_includes_kv_cache_update = False
 
     @staticmethod
@@ -64,34 +68,6 @@ class TritonAttentionBackend(AttentionBackend):
     @classmethod
     def supports_compute_capability(cls, capability: tuple[int, int]) -> bool:
         return capability >= (8, 0)
-
-    @classmethod
-    def supports_sink(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_alibi(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_logits_soft_cap(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_non_causal(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_per_head_quant_scales(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_lse(cls) -> bool:
-        return True
 
     @classmethod
     def supports_combination(cls, config, device: DeviceInfo) -> str | None:
@@ -212,9 +188,8 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         output_lse: torch.Tensor | None = None,
     ) -> None:
         """See `AttentionImpl.validate_inputs`; shapes, dtypes and devices of every input."""
-        check_forward_inputs(_API, self, TritonAttentionBackend.supported_dtypes, query, key,
-                             value, kv_cache, md, TritonAttentionMetadata, output=output,
-                             output_lse=output_lse)  # fmt: skip
+        check_forward_inputs(_API, self, query, key, value, kv_cache, md, TritonAttentionMetadata,
+                             output=output, output_lse=output_lse)  # fmt: skip
 
 
 TritonAttentionImpl.backend = TritonAttentionBackend

@@ -31,7 +31,6 @@ from anyattn.backends.triton_mla_builder import (
     TritonMLAMetadata,
     TritonMLAMetadataBuilder,
 )
-from anyattn.layer_params import DEFAULT_WORKSPACE_TOKENS
 from anyattn.mla_backend import MLAAttentionBackend
 from anyattn.mla_impl import MLAAttentionImpl, MLALayer
 from anyattn.ops.merge_attn_states import merge_attn_states
@@ -56,6 +55,7 @@ class TritonMLABackend(MLAAttentionBackend):
     supported_dtypes = (torch.float16, torch.bfloat16)
     supported_kv_cache_dtypes = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
     supported_device_types = ("cuda",)
+    supported_features = ("lse",)
 
     @staticmethod
     def get_name() -> str:
@@ -78,10 +78,6 @@ class TritonMLABackend(MLAAttentionBackend):
     @classmethod
     def supports_compute_capability(cls, capability: tuple[int, int]) -> bool:
         return capability >= (8, 0)
-
-    @classmethod
-    def supports_lse(cls) -> bool:
-        return True
 
     @classmethod
     def get_mla_head_dims_reason(
@@ -123,41 +119,11 @@ class TritonMLAImpl(MLAAttentionImpl[TritonMLAMetadata]):
     """TRITON_MLA's two entry points; see the module docstring."""
 
     metadata_cls = TritonMLAMetadata
-    supported_dtypes = TritonMLABackend.supported_dtypes
 
-    def __init__(
-        self,
-        num_heads: int,
-        scale: float,
-        *,
-        kv_lora_rank: int,
-        qk_rope_head_dim: int,
-        qk_nope_head_dim: int,
-        v_head_dim: int,
-        kv_cache_dtype: str = "auto",
-        kv_sharing_target_layer_name: str | None = None,
-        workspace_tokens: int = DEFAULT_WORKSPACE_TOKENS,
-    ) -> None:
-        """See `MLAAttentionImpl.__init__`; its checks include
-        `TritonMLABackend.get_mla_head_dims_reason` (P + R and Vd each at most 256).
-
-        Raises:
-            ValueError: also when `qk_nope_head_dim + qk_rope_head_dim` or `v_head_dim`
-                exceeds 256, the widest head of the prefill kernel.
-        """
-        super().__init__(
-            num_heads,
-            scale,
-            kv_lora_rank=kv_lora_rank,
-            qk_rope_head_dim=qk_rope_head_dim,
-            qk_nope_head_dim=qk_nope_head_dim,
-            v_head_dim=v_head_dim,
-            kv_cache_dtype=kv_cache_dtype,
-            kv_sharing_target_layer_name=kv_sharing_target_layer_name,
-            workspace_tokens=workspace_tokens,
-        )
-        # Keys and values share one head size in the prefill kernel; the shorter is padded.
-        self._dense_head = max(self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim)
+    @property
+    def _dense_head(self) -> int:
+        """Keys and values share one head size in the prefill kernel; the shorter is padded."""
+        return max(self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim)
 
     def forward_mqa(
         self,
@@ -222,11 +188,9 @@ class TritonMLAImpl(MLAAttentionImpl[TritonMLAMetadata]):
         acc_lse = torch.empty(heads, num_rows, dtype=torch.float32, device=q.device)
         self._attend(query, new_kv, acc, acc_lse, plan.new_tokens)
         del new_kv
-        rank = self.kv_lora_rank
         for chunk, chunk_plan in zip(md.prefill.chunks, plan.chunks, strict=True):
-            latent = kv_cache[chunk.slots // md.block_size, chunk.slots % md.block_size]
-            latent = self.dequantize_latent(api, layer, latent, q.dtype)  # [N, L + R]
-            chunk_kv = self._dense_cache(api, layer, latent[:, :rank], latent[:, rank:])
+            c_kv, c_pe = self.read_latents(api, layer, kv_cache, chunk.slots, q.dtype)
+            chunk_kv = self._dense_cache(api, layer, c_kv, c_pe)
             rows = slice(chunk_plan.q_start, chunk_plan.q_end)
             part = torch.empty_like(acc[rows])
             part_lse = torch.empty_like(acc_lse[:, rows])

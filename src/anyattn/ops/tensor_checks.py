@@ -78,18 +78,7 @@ def check_kv_write_args(
                 f"{key.device}). Put key, value, kv_cache, slot_mapping and the scales on one "
                 "device."
             )
-    if kv_cache_dtype not in CACHE_DTYPES:
-        raise ValueError(
-            f"{op}: unknown kv_cache_dtype (got {kv_cache_dtype!r}, expected one of "
-            f"{', '.join(CACHE_DTYPES)})."
-        )
-    expected = cache_torch_dtype(kv_cache_dtype, key.dtype)
-    if kv_cache.dtype != expected:
-        raise TypeError(
-            f"{op}: kv_cache has the wrong dtype for kv_cache_dtype={kv_cache_dtype!r} (got "
-            f"{kv_cache.dtype}, expected {expected}). Allocate the cache with the same "
-            "kv_cache_dtype and model dtype."
-        )
+    _check_cache_dtype(op, kv_cache, kv_cache_dtype, key.dtype)
     fp8 = is_fp8_cache(kv_cache_dtype)
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if scale is None:
@@ -144,18 +133,7 @@ def check_mla_write_args(
                 f"{op}: {name} is on another device than kv_c (got {x.device}, expected "
                 f"{kv_c.device}). Put kv_c, k_pe, kv_cache, slot_mapping and scale on one device."
             )
-    if kv_cache_dtype not in CACHE_DTYPES:
-        raise ValueError(
-            f"{op}: unknown kv_cache_dtype (got {kv_cache_dtype!r}, expected one of "
-            f"{', '.join(CACHE_DTYPES)})."
-        )
-    expected = cache_torch_dtype(kv_cache_dtype, kv_c.dtype)
-    if kv_cache.dtype != expected:
-        raise TypeError(
-            f"{op}: kv_cache has the wrong dtype for kv_cache_dtype={kv_cache_dtype!r} (got "
-            f"{kv_cache.dtype}, expected {expected}). Allocate the cache with the same "
-            "kv_cache_dtype and model dtype."
-        )
+    _check_cache_dtype(op, kv_cache, kv_cache_dtype, kv_c.dtype)
     fp8 = is_fp8_cache(kv_cache_dtype)
     if scale is None:
         if fp8:
@@ -170,6 +148,25 @@ def check_mla_write_args(
     if check_values:
         check_slot_values(op, slot_mapping[:num_tokens], kv_cache)
     return kv_cache_dtype
+
+
+def _check_cache_dtype(
+    op: str, kv_cache: torch.Tensor, kv_cache_dtype: str, model_dtype: torch.dtype
+) -> None:
+    """`kv_cache_dtype` a known name and `kv_cache` of the element dtype it means for
+    `model_dtype`."""
+    if kv_cache_dtype not in CACHE_DTYPES:
+        raise ValueError(
+            f"{op}: unknown kv_cache_dtype (got {kv_cache_dtype!r}, expected one of "
+            f"{', '.join(CACHE_DTYPES)})."
+        )
+    expected = cache_torch_dtype(kv_cache_dtype, model_dtype)
+    if kv_cache.dtype != expected:
+        raise TypeError(
+            f"{op}: kv_cache has the wrong dtype for kv_cache_dtype={kv_cache_dtype!r} (got "
+            f"{kv_cache.dtype}, expected {expected}). Allocate the cache with the same "
+            "kv_cache_dtype and model dtype."
+        )
 
 
 def cache_block_dims(kv_cache: torch.Tensor) -> tuple[int, int]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from anyattn.metadata import apply_swaps, reorder_batch_to_split_decodes_and_prefills
+
 __all__ = ["CATALOGUE", "QUICK_CATALOGUE", "BatchSpec", "get_spec"]
 
 
@@ -82,6 +84,16 @@ class BatchSpec:
     def is_first_step(self) -> tuple[bool, ...]:
         """Per request: no decoder context yet (cross attention writes encoder K/V now)."""
         return tuple(c == 0 for c in self.context_lens)
+
+    def decodes_first_order(self, decode_threshold: int | None) -> list[int]:
+        """Request indices in the order an engine runs them for a builder whose
+        `reorder_batch_threshold` is `decode_threshold`: decodes first, by the fewest swaps
+        (`anyattn.metadata.reorder_batch_to_split_decodes_and_prefills`); as listed for None."""
+        order = list(range(self.num_reqs))
+        if decode_threshold is not None:
+            swaps = reorder_batch_to_split_decodes_and_prefills(self.query_lens, decode_threshold)
+            apply_swaps(order, swaps)
+        return order
 
     def permuted(self, order: list[int]) -> BatchSpec:
         """The same batch with request `order[i]` placed at position i."""

@@ -14,7 +14,7 @@ import torch
 from anyattn.ops.fp8_quant import quantize_fp8
 from anyattn.types import is_fp8_cache
 
-__all__ = ["dequantize_kv", "quantize_kv", "read_kv", "write_kv"]
+__all__ = ["as_stored", "dequantize_kv", "quantize_kv", "read_kv", "write_kv"]
 
 
 def _broadcast_scale(scale: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
@@ -54,6 +54,17 @@ def dequantize_kv(
     if is_fp8_cache(kv_cache_dtype):
         return stored.double() * _broadcast_scale(scale, stored).double()
     return stored.double()
+
+
+def as_stored(
+    x: torch.Tensor,
+    kv_cache_dtype: str,
+    cache_dtype: torch.dtype,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """float64 values a cache of `kv_cache_dtype` holding `x` gives back (`quantize_kv`, then
+    `dequantize_kv`: for fp8 the quantised values)."""
+    return dequantize_kv(quantize_kv(x, kv_cache_dtype, cache_dtype, scale), kv_cache_dtype, scale)
 
 
 def _check_cache_shape(kv_cache: torch.Tensor, api: str) -> None:

@@ -22,14 +22,12 @@ from anyattn.config import BatchLimits, MLAAttentionSpec
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.metadata import (
     CommonAttentionMetadata,
-    apply_swaps,
     make_common_attn_metadata,
-    reorder_batch_to_split_decodes_and_prefills,
 )
 from anyattn.slots import expand_block_table
 from anyattn.testing.batch_spec import BatchSpec
 from anyattn.testing.blocks import assign_blocks, token_slots
-from anyattn.testing.cache_io import dequantize_kv, quantize_kv
+from anyattn.testing.cache_io import as_stored
 from anyattn.testing.mla_cache_io import write_latents
 from anyattn.testing.mla_cases import MLAShape
 
@@ -100,16 +98,6 @@ class MLABatch:
                 rows.append(torch.cat([stored[:context], given[context:]]))
         latents = torch.cat(rows)
         return latents.split([self.shape.kv_lora_rank, self.shape.qk_rope_head_dim], dim=-1)
-
-
-def _reorder_order(builder: AttentionMetadataBuilder, spec: BatchSpec) -> list[int]:
-    order = list(range(spec.num_reqs))
-    if builder.reorder_batch_threshold is not None:
-        swaps = reorder_batch_to_split_decodes_and_prefills(
-            spec.query_lens, builder.reorder_batch_threshold
-        )
-        apply_swaps(order, swaps)
-    return order
 
 
 def _draw_rows(
@@ -192,7 +180,7 @@ def build_mla_batch(
         max_model_len=max(spec.seq_lens),
     )
     builder = backend.get_builder_cls()(kv_spec, layers, limits, device)
-    order = _reorder_order(builder, spec)
+    order = spec.decodes_first_order(builder.reorder_batch_threshold)
     spec = spec.permuted(order)
     queries = [queries[i].to(dtype) for i in order]
     rows = [rows[i].to(dtype) for i in order]
@@ -264,14 +252,7 @@ def build_mla_batch(
         attn_metadata=attn_metadata,
         builder=builder,
         given_rows=[x.double().to(device) for x in rows],
-        stored_rows=[
-            dequantize_kv(
-                quantize_kv(x.to(device), kv_cache_dtype, cache_dtype, k_scale),
-                kv_cache_dtype,
-                k_scale,
-            )
-            for x in rows
-        ],
+        stored_rows=[as_stored(x.to(device), kv_cache_dtype, cache_dtype, k_scale) for x in rows],
         k_scale=k_scale,
         kv_cache_dtype=kv_cache_dtype,
         num_actual_tokens=spec.num_tokens,

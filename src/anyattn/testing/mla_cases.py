@@ -21,7 +21,7 @@ from anyattn.backend import AttentionBackend
 from anyattn.config import AttentionSelectorConfig
 from anyattn.testing.batch_spec import BatchSpec, get_spec
 from anyattn.testing.declared import FP8_CACHE_DTYPES, declared_fp8, global_reasons
-from anyattn.types import DeviceInfo, is_fp8_cache
+from anyattn.types import DeviceInfo, check_positive_int, is_fp8_cache
 
 __all__ = [
     "MLA_FEATURES",
@@ -67,9 +67,7 @@ class MLAShape:
 
     def __post_init__(self) -> None:
         for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"MLAShape: {name} must be a positive int (got {value!r}).")
+            check_positive_int("MLAShape", name, getattr(self, name))
 
     @property
     def name(self) -> str:

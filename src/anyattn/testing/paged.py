@@ -20,14 +20,12 @@ from anyattn.config import AttentionSpec, BatchLimits
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.metadata import (
     CommonAttentionMetadata,
-    apply_swaps,
     make_common_attn_metadata,
-    reorder_batch_to_split_decodes_and_prefills,
 )
 from anyattn.slots import expand_block_table
 from anyattn.testing.batch_spec import BatchSpec
 from anyattn.testing.blocks import assign_blocks, cross_slot_mapping, token_slots
-from anyattn.testing.cache_io import dequantize_kv, quantize_kv, write_kv
+from anyattn.testing.cache_io import as_stored, write_kv
 from anyattn.types import AttentionType, KVCacheLayout
 
 __all__ = ["PagedBatch", "build_batch", "layer_records"]
@@ -157,16 +155,6 @@ def _draw_values(
     )
 
 
-def _reorder_order(builder: AttentionMetadataBuilder, spec: BatchSpec) -> list[int]:
-    order = list(range(spec.num_reqs))
-    if builder.reorder_batch_threshold is not None:
-        swaps = reorder_batch_to_split_decodes_and_prefills(
-            spec.query_lens, builder.reorder_batch_threshold
-        )
-        apply_swaps(order, swaps)
-    return order
-
-
 def _split_positions(
     spec: BatchSpec, kv_lens: Sequence[int], attn_type: AttentionType
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -280,7 +268,7 @@ def build_batch(
     if layers is None:
         layers = layer_records(kv_spec, num_heads=num_heads, attn_type=attn_type)
     builder = backend.get_builder_cls()(kv_spec, layers, limits, device)
-    order = _reorder_order(builder, spec)
+    order = spec.decodes_first_order(builder.reorder_batch_threshold)
     spec, drawn = spec.permuted(order), drawn.reordered(order)
     kv_lens = tuple(kv_lens_in[i] for i in order)
 
@@ -357,8 +345,8 @@ def build_batch(
         # Encoder attention reads the step's own key/value, never the cache.
         oracle_key, oracle_value = all_key.double(), all_value.double()
     else:
-        oracle_key = _as_stored(all_key, kv_cache_dtype, kv_cache.dtype, k_scale)
-        oracle_value = _as_stored(all_value, kv_cache_dtype, kv_cache.dtype, v_scale)
+        oracle_key = as_stored(all_key, kv_cache_dtype, kv_cache.dtype, k_scale)
+        oracle_value = as_stored(all_value, kv_cache_dtype, kv_cache.dtype, v_scale)
     return PagedBatch(
         spec=spec,
         order=order,
@@ -382,10 +370,3 @@ def build_batch(
         causal=bool(common.causal),
         num_actual_tokens=spec.num_tokens,
     )
-
-
-def _as_stored(
-    x: torch.Tensor, kv_cache_dtype: str, cache_dtype: torch.dtype, scale: torch.Tensor
-) -> torch.Tensor:
-    """float64 values a cache holding `x` gives back (fp8: quantised, then dequantised)."""
-    return dequantize_kv(quantize_kv(x, kv_cache_dtype, cache_dtype, scale), kv_cache_dtype, scale)

@@ -34,7 +34,14 @@ from anyattn.backend import AttentionBackend
 from anyattn.testing.batch_spec import BatchSpec, get_spec
 from anyattn.testing.cases import Case
 from anyattn.testing.mla_cases import MLA_SHAPES, MLACase, MLAShape
-from anyattn.types import AttentionType, DeviceInfo, KVCacheLayout, MultipleOf, is_fp8_cache
+from anyattn.types import (
+    ENCODER_TYPES,
+    AttentionType,
+    DeviceInfo,
+    KVCacheLayout,
+    MultipleOf,
+    is_fp8_cache,
+)
 
 __all__ = ["SweepCase", "declaration_cases", "sweep_spec"]
 
@@ -42,7 +49,6 @@ __all__ = ["SweepCase", "declaration_cases", "sweep_spec"]
 _ANY_HEAD_SIZES = (64, 80, 96, 128, 256, 65)
 # The largest engine block size the sweep runs for `MultipleOf(n)` declarations.
 _LARGEST_BLOCK_SIZE = 256
-_ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
 # Feature flag -> the change to the base case that exercises it.
 _FEATURES = {
     "supports_sink": {"use_sinks": True},
@@ -97,7 +103,7 @@ def sweep_spec(block_size: int, attn_type: AttentionType = AttentionType.DECODER
     chunk_context = _off_grid(2 * b + 1, b, chunk_query)
     decode_context = _off_grid(b + 2, b, 1)
     fresh = _off_grid(b + 3, b)
-    if attn_type in _ENCODER_TYPES:
+    if attn_type in ENCODER_TYPES:
         lens = (_off_grid(2 * b + 5, b), _off_grid(7, b), fresh)
         return BatchSpec(f"sweep_encoder_b{b}", lens, lens)
     query_lens = (chunk_query, 1, fresh)
