@@ -18,6 +18,11 @@ import pytest
 import torch
 
 from anyattn.backends import flash_attn_versions as versions
+from anyattn.backends.flash_attn_entry_point import (
+    FlashAttnInterface,
+    FlashAttnVersion,
+    interface_from_function,
+)
 
 
 def _reference(
@@ -179,34 +184,32 @@ def fa3_varlen_upstream(
     raise AssertionError("FA3's varlen entry has no page table; the backend must not call it")
 
 
-FV = versions.FlashAttnVersion
+FV = FlashAttnVersion
 
 
-def fa4() -> versions.FlashAttnInterface:
-    return versions.interface_from_function(
-        FV.FA4, "flash_attn.cute", "flash_attn_varlen_func", fa4_varlen
-    )
+def fa4() -> FlashAttnInterface:
+    return interface_from_function(FV.FA4, "flash_attn.cute", "flash_attn_varlen_func", fa4_varlen)
 
 
-def fa4_through_forward() -> versions.FlashAttnInterface:
+def fa4_through_forward() -> FlashAttnInterface:
     """FA4 as detected when its forward takes `out`: declared by the public call, run through
     the forward."""
     return versions.fa4_forward_interface(fa4(), fa4_forward)
 
 
-def fa2() -> versions.FlashAttnInterface:
-    return versions.interface_from_function(
+def fa2() -> FlashAttnInterface:
+    return interface_from_function(
         FV.FA2, "flash_attn.flash_attn_interface", "flash_attn_varlen_func", fa2_varlen
     )
 
 
-def fa3() -> versions.FlashAttnInterface:
-    return versions.interface_from_function(
+def fa3() -> FlashAttnInterface:
+    return interface_from_function(
         FV.FA3, "flash_attn_interface", "flash_attn_with_kvcache", fa3_with_kvcache
     )
 
 
-def install(monkeypatch: pytest.MonkeyPatch, *interfaces: versions.FlashAttnInterface) -> None:
+def install(monkeypatch: pytest.MonkeyPatch, *interfaces: FlashAttnInterface) -> None:
     """Make the backend see exactly `interfaces` installed (none: nothing importable)."""
     errors = () if interfaces else ("flash_attn.cute: not installed",)
     detection = versions.Detection(tuple(interfaces), errors)

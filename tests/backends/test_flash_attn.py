@@ -20,11 +20,20 @@ from fa_fakes import (
     install,
 )
 
+from anyattn.backends import flash_attn_builder
 from anyattn.backends import flash_attn_versions as versions
 from anyattn.backends.flash_attn import (
     FlashAttentionBackend,
     FlashAttentionImpl,
     FlashAttentionMetadataBuilder,
+)
+from anyattn.backends.flash_attn_entry_point import (
+    PIP_COMMAND,
+    FlashAttnInterface,
+    FlashAttnRequest,
+    FlashAttnVersion,
+    interface_from_function,
+    reference_fa4_interface,
 )
 from anyattn.backends.flash_attn_plan import contiguous_key_rows
 from anyattn.config import AttentionSelectorConfig, AttentionSpec, BatchLimits
@@ -37,7 +46,7 @@ from anyattn.testing import assign_blocks, layer_records, plan_cases, run_case
 from anyattn.types import AttentionCGSupport, AttentionType, DeviceInfo, MultipleOf
 
 SM80, SM90, SM100, SM120 = (DeviceInfo.parse(s) for s in ("sm80", "sm90", "sm100", "sm120"))
-FV = versions.FlashAttnVersion
+FV = FlashAttnVersion
 
 
 def _config(**changes) -> AttentionSelectorConfig:
@@ -58,7 +67,7 @@ def test_the_registry_names_the_backend():
 
 def test_signatures_are_read_at_run_time():
     fa4_ = fa4()
-    assert fa4_.params == versions.reference_fa4_interface().params
+    assert fa4_.params == reference_fa4_interface().params
     assert (fa4_.page_table_arg, fa4_.seq_lens_arg, fa4_.sink_arg, fa4_.lse_arg) == (
         "page_table", "seqused_k", "learnable_sink", "return_lse",
     )  # fmt: skip
@@ -77,14 +86,14 @@ def test_signatures_are_read_at_run_time():
 
 
 def test_an_entry_point_without_a_page_table_is_not_usable(monkeypatch):
-    upstream = versions.interface_from_function(
+    upstream = interface_from_function(
         FV.FA3, "flash_attn_interface", "flash_attn_varlen_func", fa3_varlen_upstream
     )
     assert upstream.missing_essentials() == ["no page table argument (page_table / block_table)"]
     install(monkeypatch, upstream)
     assert versions.installed_interfaces() == ()
     reason = FlashAttentionBackend.get_unavailable_reason()
-    assert "no page table argument" in reason and versions.PIP_COMMAND in reason
+    assert "no page table argument" in reason and PIP_COMMAND in reason
 
 
 def test_arguments_map_to_each_versions_names():
@@ -142,15 +151,15 @@ def test_keys_read_contiguously_where_the_paged_bidirectional_kernel_is_wrong(mo
     """With FA4's paged bidirectional kernel marked faulty, cross and non-causal passes reach it
     with contiguous keys (no page table) and still match the oracle; causal ones stay paged."""
     install(monkeypatch, fa4())
-    monkeypatch.setattr(versions, "paged_bidirectional_is_faulty", lambda *args: True)
+    monkeypatch.setattr(flash_attn_builder, "paged_bidirectional_is_faulty", lambda *args: True)
     calls = []
-    real_call = versions.FlashAttnInterface.call
+    real_call = FlashAttnInterface.call
 
     def spy(self, **kwargs):
         calls.append((kwargs["causal"], kwargs["page_table"] is None))
         return real_call(self, **kwargs)
 
-    monkeypatch.setattr(versions.FlashAttnInterface, "call", spy)
+    monkeypatch.setattr(FlashAttnInterface, "call", spy)
     features = ["non_causal", "encoder_decoder", "mixed", "cascade"]
     cases, _ = _kit_cases(monkeypatch, dtype, features)
     assert {c.feature for c in cases} == set(features)
@@ -255,9 +264,9 @@ def test_with_two_versions_the_layer_decides(monkeypatch):
     b = FlashAttentionBackend
     assert b.get_supported_kernel_block_sizes() == [MultipleOf(16)]
     assert b.supports_alibi() and b.supports_sink()
-    request = versions.FlashAttnRequest(head_size=128, capability=(8, 0), block_size=256)
+    request = FlashAttnRequest(head_size=128, capability=(8, 0), block_size=256)
     assert versions.choose_interface(versions.installed_interfaces(), request)[0].version == FV.FA2
-    request = versions.FlashAttnRequest(head_size=128, capability=(9, 0), block_size=256)
+    request = FlashAttnRequest(head_size=128, capability=(9, 0), block_size=256)
     assert versions.choose_interface(versions.installed_interfaces(), request)[0].version == FV.FA4
     assert _reasons(SM90, block_size=256, has_alibi=True) == []  # FA2 takes it
     assert _reasons(SM80, block_size=16) != []  # FA4 has no sm80 paged path, FA2 wants 256
@@ -454,7 +463,7 @@ def test_fa4_detection_prefers_the_forward_that_takes_out(monkeypatch, forward_p
 
     monkeypatch.setattr(versions.importlib, "import_module", import_module)
     found = versions._detect_version(FV.FA4)
-    assert found.params >= versions.reference_fa4_interface().params
+    assert found.params >= reference_fa4_interface().params
     if forward_params == "complete":
         assert found.has_out and found.entry == "_flash_attn_fwd"
     else:
@@ -482,7 +491,7 @@ def test_fa3_declares_no_fp8_cache_and_says_why(monkeypatch):
     install(monkeypatch, fa3())
     _, not_declared = _kit_cases(monkeypatch, torch.bfloat16)
     assert {"fp8", "per_head_scales"} <= {n.split(":")[0] for n in not_declared}
-    request = versions.FlashAttnRequest(head_size=128, capability=(9, 0), kv_cache_dtype="fp8")
+    request = FlashAttnRequest(head_size=128, capability=(9, 0), kv_cache_dtype="fp8")
     chosen, why = versions.choose_interface(versions.installed_interfaces(), request)
     assert chosen is None
     assert why == [
@@ -611,6 +620,4 @@ def test_fa4_stand_in_matches_its_signature():
     """The stand-in must keep FA4's parameter list, or the tests above test nothing real."""
     import inspect
 
-    assert frozenset(inspect.signature(fa4_varlen).parameters) == (
-        versions.reference_fa4_interface().params
-    )
+    assert frozenset(inspect.signature(fa4_varlen).parameters) == (reference_fa4_interface().params)

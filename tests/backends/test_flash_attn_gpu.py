@@ -21,6 +21,7 @@ from anyattn.backends.flash_attn import (
     FlashAttentionImpl,
     FlashAttentionMetadataBuilder,
 )
+from anyattn.backends.flash_attn_entry_point import FlashAttnVersion
 from anyattn.config import AttentionSpec, BatchLimits
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.metadata import make_common_attn_metadata
@@ -39,7 +40,7 @@ from anyattn.types import KVCacheLayout
 def _fa4_installed() -> bool:
     # torch.cuda first: on a CPU machine nothing is imported at collection.
     return torch.cuda.is_available() and any(
-        i.version is versions.FlashAttnVersion.FA4 for i in versions.installed_interfaces()
+        i.version is FlashAttnVersion.FA4 for i in versions.installed_interfaces()
     )
 
 

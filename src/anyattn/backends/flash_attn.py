@@ -1,9 +1,9 @@
 """FLASH_ATTN: FlashAttention's varlen kernel over the paged KV cache.
 
 Wraps `flash_attn_varlen_func` of the newest installed FlashAttention (FA4, `pip install
-'anyattn[flash-attn]'`, else FA3, else FA2); `flash_attn_versions` declares only what the
-installed entry points take (FA4's declarations while none is installed). Every layer runs the
-newest version that serves it on its GPU.
+'anyattn[flash-attn]'`, else FA3, else FA2); `flash_attn_versions` finds the installed
+entry points and declares only what they take (`flash_attn_entry_point`; FA4's declarations
+while none is installed). Every layer runs the newest version that serves it on its GPU.
 
 One kernel call serves a whole mixed batch with no reordering: queries by `cu_seqlens_q`, keys
 through the page table up to `seqused_k` (FA2: `cu_seqlens_k`). Bottom-right causal alignment
@@ -32,6 +32,11 @@ from anyattn.backends.flash_attn_builder import (
     FlashAttentionMetadata,
     FlashAttentionMetadataBuilder,
     FlashAttnPass,
+)
+from anyattn.backends.flash_attn_entry_point import (
+    PIP_COMMAND,
+    FlashAttnInterface,
+    FlashAttnRequest,
 )
 from anyattn.ops.merge_attn_states import merge_attn_states
 from anyattn.types import (
@@ -152,7 +157,7 @@ class FlashAttentionBackend(AttentionBackend, metaclass=_DeclaredByInstalledVers
             # (nothing installed: what is declared is FA4, the extra's; name the version that
             # serves an sm80-sm89 GPU instead)
             reasons = [
-                f"{r}: FA4, which {versions.PIP_COMMAND} installs, runs on sm90+; "
+                f"{r}: FA4, which {PIP_COMMAND} installs, runs on sm90+; "
                 "FlashAttention 2 runs on sm80+ (pip install flash-attn)"
                 if r.startswith("compute capability")
                 else r
@@ -160,7 +165,7 @@ class FlashAttentionBackend(AttentionBackend, metaclass=_DeclaredByInstalledVers
             ]
         if reasons or not device.is_cuda:
             return reasons
-        request = versions.FlashAttnRequest.from_config(config, device)
+        request = FlashAttnRequest.from_config(config, device)
         chosen, why = versions.choose_interface(versions.declared_interfaces(), request)
         if chosen is None:
             reasons.append(f"no FlashAttention version takes this combination ({'; '.join(why)})")
@@ -184,7 +189,7 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.sinks = None if self.sinks is None else self.sinks.detach().float()
-        self._request = versions.FlashAttnRequest(
+        self._request = FlashAttnRequest(
             head_size=self.head_size,
             kv_cache_dtype=self.kv_cache_dtype,
             attn_type=self.attn_type,
@@ -202,9 +207,9 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
                 f"FLASH_ATTN impl: no installed FlashAttention takes this layer ({'; '.join(why)})."
             )
         self._any_device_interface = chosen
-        self._interfaces: dict[torch.device, versions.FlashAttnInterface] = {}
+        self._interfaces: dict[torch.device, FlashAttnInterface] = {}
 
-    def _interface_for(self, device: torch.device) -> versions.FlashAttnInterface:
+    def _interface_for(self, device: torch.device) -> FlashAttnInterface:
         """The version for `device`'s compute capability, chosen once per device."""
         interface = self._interfaces.get(device)
         if interface is None:
@@ -271,7 +276,7 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
 
     def _attend(
         self,
-        interface: versions.FlashAttnInterface,
+        interface: FlashAttnInterface,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,

@@ -31,6 +31,7 @@ import torch
 
 from anyattn.backend import AttentionMetadataBuilder
 from anyattn.backends import flash_attn_versions as versions
+from anyattn.backends.flash_attn_entry_point import paged_bidirectional_is_faulty
 from anyattn.backends.flash_attn_plan import (
     cascade_is_worthwhile,
     contiguous_key_rows,
@@ -60,7 +61,7 @@ class FlashAttnPass:
         key_rows: int64 `(blocks, offsets)`, each `[sum of key lengths]` (device), when the
             keys are read out of the paged cache into contiguous rows (`cache[blocks,
             offsets]`, by `cu_seqlens_k`) because the kernel's paged bidirectional path is
-            wrong at this head size (`flash_attn_versions.paged_bidirectional_is_faulty`);
+            wrong at this head size (`flash_attn_entry_point.paged_bidirectional_is_faulty`);
             `page_table` is then None.
     """
 
@@ -170,9 +171,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             return False
         cuda = self.device.type == "cuda"
         capability = torch.cuda.get_device_capability(self.device) if cuda else None
-        return versions.paged_bidirectional_is_faulty(
-            installed[0], capability, self.kv_cache_spec.head_size
-        )
+        return paged_bidirectional_is_faulty(installed[0], capability, self.kv_cache_spec.head_size)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata
