@@ -21,13 +21,14 @@ from anyattn.backends.torch_attn_builder import (
 )
 from anyattn.ops.dense_attention import DenseKV, PagedKV, ScoreMods, dense_attention
 from anyattn.ops.merge_attn_states import merge_attn_states
+from anyattn.ops.reshape_and_cache import write_cpu_slots
 from anyattn.types import (
     AttentionType,
     KVCacheLayout,
     cache_torch_dtype,
     is_fp8_cache,
 )
-from anyattn.validation import check_forward, check_forward_inputs, layer_kv_scale
+from anyattn.validation import check_forward, check_forward_inputs, check_kv_write, layer_kv_scale
 
 __all__ = [
     "TorchAttentionBackend",
@@ -162,6 +163,29 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
             run.segments(output, lse, first_key=0, use_sinks=True)
         return output
 
+    def do_kv_cache_update(
+        self,
+        layer: AttentionLayer,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        attn_metadata: object = None,
+    ) -> None:
+        """See `AttentionImpl.do_kv_cache_update`. On the CPU the step's own slot mapping comes
+        resolved by the builder (`TorchAttentionMetadata.cpu_slots`): each layer's write is
+        then one `index_put_`."""
+        planned = getattr(attn_metadata, "cpu_slots", None)
+        if (
+            planned is None
+            or self.kv_sharing_target_layer_name is not None
+            or not planned.serves(slot_mapping, key.shape[0], kv_cache)
+        ):
+            super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping, attn_metadata)
+            return
+        args = check_kv_write(self, layer, key, value, kv_cache, slot_mapping, attn_metadata)
+        write_cpu_slots(planned, key, value, kv_cache, *args)
+
     def _cascade_prefix(self, run: _Run) -> tuple[torch.Tensor, torch.Tensor]:
         """Every query of the step against the shared prefix, gathered and attended once."""
         md = run.md
@@ -252,10 +276,10 @@ class _Run:
         num_decodes = md.num_decodes
         if num_decodes == 0 or self.encoder:
             return
+        # md.decode_block_ids: the group's block-table columns from the first key's block on
         first_block = first_key // md.block_size
         kv = self.cache_keys(
-            md.block_table[:num_decodes, first_block : first_block + md.decode_num_blocks],
-            length=md.decode_max_seq_len - first_block * md.block_size,
+            md.decode_block_ids, length=md.decode_max_seq_len - first_block * md.block_size
         )
         k_pos, k_valid = md.decode_key_positions, md.decode_key_valid
         # A single query token sits at its sequence's last position, so every valid key is

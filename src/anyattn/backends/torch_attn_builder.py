@@ -12,6 +12,7 @@ import torch
 
 from anyattn.backend import AttentionMetadataBuilder
 from anyattn.metadata import CommonAttentionMetadata, split_decodes_and_prefills
+from anyattn.ops.reshape_and_cache import CpuSlots, cpu_slots
 from anyattn.types import AttentionCGSupport
 
 __all__ = ["Segment", "TorchAttentionMetadata", "TorchAttentionMetadataBuilder", "Workspace"]
@@ -56,6 +57,8 @@ class TorchAttentionMetadata:
         block_size: tokens per block of `block_table`.
         block_table: int32 `[num_reqs, max_blocks]` (device).
         slot_mapping: int64 `[num_tokens]` (device).
+        cpu_slots: on the CPU, `slot_mapping` resolved once for every layer's cache write;
+            None on other devices.
         causal: False for bidirectional attention.
         num_decodes: the leading requests run as one batched group.
         decode_*: that group's padded layout (device): query token ids `[num_decodes, Lq]`,
@@ -63,6 +66,8 @@ class TorchAttentionMetadata:
             positions `[num_decodes, Lq]`; `decode_is_single_token` when every decode has
             exactly one query token.
         decode_num_blocks: block-table columns the group reads (from `prefix_blocks` on).
+        decode_block_ids: int64 `[num_decodes, decode_num_blocks]` (device): those columns,
+            made once per step for every layer's gather.
         decode_key_positions: int64 `[keys]` (device): positions of the keys the group reads,
             from `common_prefix_len` on.
         decode_key_valid: bool `[num_decodes, keys]` (device), or None when every decode has
@@ -81,6 +86,7 @@ class TorchAttentionMetadata:
     block_size: int
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
+    cpu_slots: CpuSlots | None
     causal: bool
     num_decodes: int
     decode_is_single_token: bool
@@ -91,6 +97,7 @@ class TorchAttentionMetadata:
     decode_valid_token_ids: torch.Tensor
     decode_positions: torch.Tensor
     decode_num_blocks: int
+    decode_block_ids: torch.Tensor
     decode_key_positions: torch.Tensor
     decode_key_valid: torch.Tensor | None
     segments: tuple[Segment, ...]
@@ -163,6 +170,11 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
             block_size=block_size,
             block_table=cm.block_table_tensor,
             slot_mapping=cm.slot_mapping,
+            cpu_slots=(
+                cpu_slots(cm.slot_mapping, cm.num_actual_tokens, block_size)
+                if cm.slot_mapping.device.type == "cpu"
+                else None
+            ),
             causal=cm.causal,
             num_decodes=num_decodes,
             segments=all_segments[num_decodes:],
@@ -222,6 +234,8 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
         k_pos = first_key + torch.arange(max(max_seq_len - first_block * block_size, 0))
         uniform = bool(num_decodes) and bool((seq_lens == max_seq_len).all())
         k_valid = None if uniform else k_pos.unsqueeze(0) < seq_lens.unsqueeze(1)
+        num_blocks = max(-(-max_seq_len // block_size) - first_block, 0)
+        block_ids = cm.block_table_tensor[:num_decodes, first_block : first_block + num_blocks]
         return {
             # one token per request: query row r is request r's, no gather needed
             "decode_is_single_token": bool(num_decodes) and bool((query_lens == 1).all()),
@@ -233,7 +247,8 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
             "decode_positions": ((seq_lens - query_lens).unsqueeze(1) + offsets).to(
                 device, non_blocking=True
             ),
-            "decode_num_blocks": max(-(-max_seq_len // block_size) - first_block, 0),
+            "decode_num_blocks": num_blocks,
+            "decode_block_ids": block_ids.long(),
             "decode_key_positions": k_pos.to(device, non_blocking=True),
             "decode_key_valid": None if k_valid is None else k_valid.to(device, non_blocking=True),
         }
