@@ -8,18 +8,20 @@ segment per other request); `forward` gathers each group's blocks once, KV-head-
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from anyattn.backend import AttentionBackend, AttentionImpl, AttentionLayer, check_layer_planned
 from anyattn.backends.torch_attn_builder import (
     TorchAttentionMetadata,
     TorchAttentionMetadataBuilder,
 )
-from anyattn.ops.dense_attention import DenseKV, PagedKV, ScoreMods, dense_attention
+from anyattn.ops.dense_attention import DenseKV, PagedKV, ScoreMods, dense_attention, is_one_load
 from anyattn.ops.merge_attn_states import merge_attn_states
 from anyattn.ops.reshape_and_cache import write_cpu_slots
 from anyattn.types import (
@@ -116,6 +118,16 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
             alibi_slopes=None if slopes is None else slopes.view(*shape, 1, 1),
             sinks=None if sinks is None else sinks.detach().float().view(*shape, 1),
         )
+        # Decodes of such a layer need no score modifier and no mask but the keys' lengths:
+        # `_plain_decodes` serves them (see there).
+        self._has_plain_decodes = (
+            self.attn_type == AttentionType.DECODER
+            and not is_fp8_cache(self.kv_cache_dtype)
+            and self.logits_soft_cap is None
+            and self.sliding_window is None
+            and slopes is None
+            and sinks is None
+        )
 
     def _mods_on(self, device: torch.device) -> ScoreMods:
         """The score modifiers with their tensors on `device` (moved once, then kept)."""
@@ -146,6 +158,9 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
         check_forward(self, query, key, value, kv_cache, md, output, output_lse)
         n = md.num_actual_tokens
         if n == 0:
+            return output
+        if self._has_plain_decodes and _is_plain_decode_step(md, query, kv_cache, output_lse):
+            _plain_decodes(self.scale, query, kv_cache, md, output)
             return output
         run = _Run(self, query, key, value, kv_cache, md, self._mods_on(query.device), layer)
         lse = None if output_lse is None else output_lse[:, :n]
@@ -340,6 +355,60 @@ class _Run:
             out[seg.q_start : seg.q_start + seg.q_len] = o[0]
             if lse is not None:
                 lse[:, seg.q_start : seg.q_start + seg.q_len] = part_lse[0]
+
+
+def _is_plain_decode_step(
+    md: TorchAttentionMetadata,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    output_lse: torch.Tensor | None,
+) -> bool:
+    """Whether `_plain_decodes` serves this step (on a layer without score modifiers): only
+    single-token decodes, no cascade, no LSE, K/V of the query dtype, gathered whole."""
+    bias = md.decode_key_bias
+    num_kv_heads, head_size = kv_cache.shape[3:]
+    return (
+        md.decode_is_single_token
+        and md.num_decodes == md.num_actual_tokens
+        and not md.common_prefix_len
+        and output_lse is None
+        and kv_cache.dtype == query.dtype
+        and (bias is None or bias.dtype == query.dtype)
+        and is_one_load(md.num_decodes, md.decode_max_seq_len, head_size, num_kv_heads)
+    )
+
+
+def _plain_decodes(
+    scale: float,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    md: TorchAttentionMetadata,
+    output: torch.Tensor,
+) -> None:
+    """A step of single-token decodes only, on a layer without score modifiers: what
+    `_Run.decodes` computes, as one gather of the group's blocks and one SDPA call. It is the
+    engine's decode step on the CPU, where each small op costs more than its work (measured
+    about 9% of a batch-8 step of the default model, benchmarks/RESULTS.md)."""
+    num_decodes = md.num_decodes
+    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    # [2, num_kv_heads, num_blocks, block_size, head_size] view: the gather lands KV-head-major
+    source = kv_cache.permute(1, 3, 0, 2, 4)
+    index = md.decode_block_ids.view(-1)
+    shape = (2, num_kv_heads, index.numel(), block_size, head_size)
+    numel = math.prod(shape)
+    kv = md.workspace.get(numel, kv_cache.dtype, kv_cache.device)[:numel].view(shape)
+    torch.index_select(source, 2, index, out=kv)
+    # kv: [2, num_kv_heads, num_decodes, keys, head_size]
+    kv = kv.view(2, num_kv_heads, num_decodes, -1, head_size)[:, :, :, : md.decode_max_seq_len]
+    out = F.scaled_dot_product_attention(
+        query[:num_decodes].unsqueeze(2),  # [num_decodes, num_heads, 1, head_size]
+        kv[0].transpose(0, 1),  # [num_decodes, num_kv_heads, keys, head_size]
+        kv[1].transpose(0, 1),
+        attn_mask=md.decode_key_bias,
+        scale=scale,
+        enable_gqa=query.shape[1] != num_kv_heads,
+    )
+    output[:num_decodes] = out.squeeze(2)
 
 
 TorchAttentionImpl.backend = TorchAttentionBackend

@@ -72,6 +72,8 @@ class TorchAttentionMetadata:
             from `common_prefix_len` on.
         decode_key_valid: bool `[num_decodes, keys]` (device), or None when every decode has
             the longest length.
+        decode_key_bias: the same as an additive SDPA mask in the spec's dtype, 0 or -inf
+            `[num_decodes, 1, 1, keys]` (device), or None.
         segments: every other request, one by one.
         all_segments: every request as a segment (encoder attention runs them all so).
         common_prefix_len: tokens of the shared prefix run once (cascade), else 0.
@@ -100,6 +102,7 @@ class TorchAttentionMetadata:
     decode_block_ids: torch.Tensor
     decode_key_positions: torch.Tensor
     decode_key_valid: torch.Tensor | None
+    decode_key_bias: torch.Tensor | None
     segments: tuple[Segment, ...]
     all_segments: tuple[Segment, ...]
     common_attn_metadata: CommonAttentionMetadata
@@ -234,6 +237,10 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
         k_pos = first_key + torch.arange(max(max_seq_len - first_block * block_size, 0))
         uniform = bool(num_decodes) and bool((seq_lens == max_seq_len).all())
         k_valid = None if uniform else k_pos.unsqueeze(0) < seq_lens.unsqueeze(1)
+        k_bias = None
+        if k_valid is not None:
+            k_bias = torch.zeros(k_valid.shape, dtype=self.kv_cache_spec.dtype)
+            k_bias = k_bias.masked_fill_(~k_valid, float("-inf"))[:, None, None]
         num_blocks = max(-(-max_seq_len // block_size) - first_block, 0)
         block_ids = cm.block_table_tensor[:num_decodes, first_block : first_block + num_blocks]
         return {
@@ -251,6 +258,7 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
             "decode_block_ids": block_ids.long(),
             "decode_key_positions": k_pos.to(device, non_blocking=True),
             "decode_key_valid": None if k_valid is None else k_valid.to(device, non_blocking=True),
+            "decode_key_bias": None if k_bias is None else k_bias.to(device, non_blocking=True),
         }
 
     def use_cascade_attention(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DenseKV", "KVSource", "PagedKV", "ScoreMods", "dense_attention"]
+__all__ = ["DenseKV", "KVSource", "PagedKV", "ScoreMods", "dense_attention", "is_one_load"]
 
 # Scores of one query chunk are materialised; bound their size (elements) to bound memory.
 _MAX_SCORE_ELEMENTS = 1 << 24
@@ -215,6 +215,12 @@ def _manual(
     return out, lse
 
 
+def is_one_load(batch: int, length: int, head_size: int, num_kv_heads: int) -> bool:
+    """Whether K (or V) of `batch` requests of `length` keys is small enough to gather whole:
+    up to `_LOAD_BYTES` of float32; larger ones are loaded a few KV heads at a time."""
+    return batch * length * head_size * num_kv_heads <= _LOAD_BYTES // 4
+
+
 def dense_attention(
     q: torch.Tensor,
     kv: KVSource,
@@ -256,7 +262,7 @@ def dense_attention(
         and (mods.sinks is None or not use_sinks)
         and not need_lse
     )
-    small = batch * kv.length * d * kvh <= _LOAD_BYTES // 4
+    small = is_one_load(batch, kv.length, d, kvh)
     if plain and kv.length > 0 and (small or (batch == 1 and lq > 1)):
         # SDPA's fused kernels: no score matrix in memory (and few ops for small decode
         # batches). All rows have a key here: causal rows see themselves, windows include the
