@@ -54,7 +54,6 @@ def test_every_row_count_matches_a_float64_product(num_tokens, has_bias):
     ref64 = x.double() @ weight.double().T + (0 if bias is None else bias.double())
     ref32 = torch.nn.functional.linear(x, weight, bias)
     assert out.shape == (num_tokens, 150) and out.dtype == torch.float32
-    assert out.is_contiguous()
     # the fp32 reference's own error, doubled, plus fp32 rounding at the outputs' magnitude
     floor = 2 * torch.finfo(torch.float32).eps * ref64.abs().max().item()
     bound = 2 * (ref32.double() - ref64).abs().max().item() + floor

@@ -199,7 +199,7 @@ class SelfAttention(nn.Module):
         """hidden: `[num_tokens, hidden_size]`; cos/sin from `RotaryEmbedding` -> same shape
         as hidden."""
         num_tokens = hidden.shape[0]
-        qkv = self.qkv(hidden)  # [num_tokens, q + 2 * kv]
+        qkv = self.qkv(hidden).contiguous()  # [num_tokens, q + 2 * kv], rows viewed as heads
         heads = self.num_heads + self.num_kv_heads
         # qk: [num_tokens, num_heads + num_kv_heads, head_size], rotated in one go
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads, self.head_size)

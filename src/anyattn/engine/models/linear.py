@@ -1,13 +1,13 @@
 """`Linear`: `x @ weight.T + bias`, with the weight laid out for what the device's BLAS reads
 fastest at the step's number of rows.
 
-On the CPU in float32 (MKL) the fastest layout depends on the row count, by up to 1.8x either
-way (benchmarks/RESULTS.md, "Engine against transformers (CPU)"): one row is a
-matrix-vector product, fastest over a column-major weight; from two rows on, `weight @ x.T`
-over a row-major weight beats both `x @ weight.T` forms. The weight is therefore kept in
-both layouts there, at twice its memory. Elsewhere (CUDA, and CPU dtypes
-other than float32, which MKL does not run) one layout serves: row-major on CUDA,
-column-major on the CPU.
+On the CPU in float32 (MKL) the fastest layout depends on the row count, by 1.3x to 3x either
+way over the default model's weights (benchmarks/cpu_linear.py; figures in
+benchmarks/RESULTS.md): one row is a matrix-vector product, fastest over a column-major
+weight; from two rows on, `weight @ x.T` over a row-major weight beats both `x @ weight.T`
+forms. The weight is therefore kept in both layouts there, at twice its memory. Elsewhere
+(CUDA, and CPU dtypes other than float32, which MKL does not run) one layout serves:
+row-major on CUDA, column-major on the CPU.
 """
 
 from __future__ import annotations
@@ -55,12 +55,18 @@ class Linear(nn.Module):
         self.bias = _frozen(torch.empty(out_features, **factory)) if has_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: `[num_tokens, in_features]` -> contiguous `[num_tokens, out_features]`."""
+        """x: `[num_tokens, in_features]` -> `[num_tokens, out_features]`.
+
+        From two rows on, on the CPU in float32, the result is the transpose of the
+        `[out_features, num_tokens]` product (strides `(1, num_tokens)`): element-wise ops and
+        the residual add read it as it is, and a copy into rows would cost a pass over data
+        the other core just wrote. Call `.contiguous()` where rows must be contiguous.
+        """
         if self.weight_rows is None or x.shape[0] < 2:
             return F.linear(x, self.weight, self.bias)
-        # [out, num_tokens]: x must be row-major for MKL's fast path (x.t() column-major).
-        out = torch.mm(self.weight_rows, x.contiguous().t()).t().contiguous()
-        return out if self.bias is None else out.add_(self.bias)
+        # x must be row-major for MKL's fast path (x.t() column-major).
+        out = torch.mm(self.weight_rows, x.contiguous().t()).t()  # [num_tokens, out] view
+        return out if self.bias is None else out + self.bias
 
     def weight_slot(self, rows: slice = slice(None)) -> WeightSlot:
         """Where a checkpoint tensor for weight rows `rows` goes (both layouts)."""
