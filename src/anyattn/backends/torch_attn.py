@@ -387,8 +387,9 @@ def _plain_decodes(
 ) -> None:
     """A step of single-token decodes only, on a layer without score modifiers: what
     `_Run.decodes` computes, as one gather of the group's blocks and one SDPA call. It is the
-    engine's decode step on the CPU, where each small op costs more than its work (measured
-    about 9% of a batch-8 step of the default model, benchmarks/RESULTS.md)."""
+    engine's decode step on the CPU, where each of the general path's small ops and Python
+    calls costs more than its work (benchmarks/RESULTS.md, "Engine against transformers
+    (CPU)")."""
     num_decodes = md.num_decodes
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
     # [2, num_kv_heads, num_blocks, block_size, head_size] view: the gather lands KV-head-major
