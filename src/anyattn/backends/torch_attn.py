@@ -3,7 +3,9 @@
 It implements every feature of the contract except MLA, sparse attention and bitwise batch
 invariance. The builder plans the step from the CPU mirrors (a batched decode group, then one
 segment per other request); `forward` gathers each group's blocks once, KV-head-major, and runs
-`dense_attention` (SDPA where no feature needs the explicit math).
+`dense_attention` (SDPA where no feature needs the explicit math). A step of single-token
+decodes on a layer without score modifiers takes a shorter path to SDPA (`_plain_decodes`), and
+on the CPU the builder resolves the step's slots once for every layer's cache write.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """TORCH's plan: the metadata its builder makes for a step from the CPU mirrors (no device
 sync), and the builder: the leading decodes (and spec-decode runs of 1 + k tokens) as one padded
-group, every other request as a `Segment`, for cascade the shared prefix's blocks.
+group, every other request as a `Segment`, for cascade the shared prefix's blocks, and on the
+CPU the cache write's resolved slots (`CpuSlots`).
 """
 
 from __future__ import annotations
