@@ -252,14 +252,16 @@ def test_metadata_is_frozen_and_forward_adds_nothing_to_it():
 
 @pytest.mark.parametrize("seq_lens", [[1, 17, 40, 33], [20, 20]])
 def test_plain_decode_steps_take_one_gather_and_match_a_float64_reference(monkeypatch, seq_lens):
-    """Single-token decodes on a layer without score modifiers go to `_plain_decodes` (one
-    gather, one SDPA, the lengths as an additive mask) and agree with float64 attention over the
-    same cache rows."""
+    """Single-token decodes on a layer without score modifiers go to `plain_decode_attention`
+    (one gather, one SDPA, the lengths as an additive mask) and agree with float64 attention
+    over the same cache rows."""
     from anyattn.backends import torch_attn
 
     calls = []
-    plain = torch_attn._plain_decodes
-    monkeypatch.setattr(torch_attn, "_plain_decodes", lambda *args: calls.append(1) or plain(*args))
+    plain = torch_attn.plain_decode_attention
+    monkeypatch.setattr(
+        torch_attn, "plain_decode_attention", lambda *args: calls.append(1) or plain(*args)
+    )
     gen = torch.Generator().manual_seed(4)
     num_reqs = len(seq_lens)
     table = (torch.randperm(40, generator=gen)[: num_reqs * 3] + 1).view(num_reqs, 3).int()

@@ -4,26 +4,32 @@ It implements every feature of the contract except MLA, sparse attention and bit
 invariance. The builder plans the step from the CPU mirrors (a batched decode group, then one
 segment per other request); `forward` gathers each group's blocks once, KV-head-major, and runs
 `dense_attention` (SDPA where no feature needs the explicit math). A step of single-token
-decodes on a layer without score modifiers takes a shorter path to SDPA (`_plain_decodes`), and
+decodes on a layer without score modifiers takes a shorter path to SDPA
+(`plain_decode_attention`), and
 on the CPU the builder resolves the step's slots once for every layer's cache write.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from anyattn.backend import AttentionBackend, AttentionImpl, AttentionLayer, check_layer_planned
 from anyattn.backends.torch_attn_builder import (
     TorchAttentionMetadata,
     TorchAttentionMetadataBuilder,
 )
-from anyattn.ops.dense_attention import DenseKV, PagedKV, ScoreMods, dense_attention, is_one_load
+from anyattn.ops.dense_attention import (
+    DenseKV,
+    PagedKV,
+    ScoreMods,
+    dense_attention,
+    is_one_load,
+    plain_decode_attention,
+)
 from anyattn.ops.merge_attn_states import merge_attn_states
 from anyattn.ops.reshape_and_cache import write_cpu_slots
 from anyattn.types import (
@@ -121,7 +127,7 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
             sinks=None if sinks is None else sinks.detach().float().view(*shape, 1),
         )
         # Decodes of such a layer need no score modifier and no mask but the keys' lengths:
-        # `_plain_decodes` serves them (see there).
+        # `plain_decode_attention` serves them.
         self._has_plain_decodes = (
             self.attn_type == AttentionType.DECODER
             and not is_fp8_cache(self.kv_cache_dtype)
@@ -162,7 +168,14 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
         if n == 0:
             return output
         if self._has_plain_decodes and _is_plain_decode_step(md, query, kv_cache, output_lse):
-            _plain_decodes(self.scale, query, kv_cache, md, output)
+            # one gather of the group's blocks and one SDPA call: the engine's CPU decode step,
+            # where each of the general path's small ops and Python calls costs more than its
+            # work (benchmarks/RESULTS.md, "Engine against transformers (CPU)")
+            num_decodes = md.num_decodes
+            plain_decode_attention(
+                query[:num_decodes], kv_cache, md.decode_block_ids, md.decode_max_seq_len,
+                md.decode_key_bias, self.scale, md.workspace.get, output[:num_decodes],
+            )  # fmt: skip
             return output
         run = _Run(self, query, key, value, kv_cache, md, self._mods_on(query.device), layer)
         lse = None if output_lse is None else output_lse[:, :n]
@@ -365,8 +378,8 @@ def _is_plain_decode_step(
     kv_cache: torch.Tensor,
     output_lse: torch.Tensor | None,
 ) -> bool:
-    """Whether `_plain_decodes` serves this step (on a layer without score modifiers): only
-    single-token decodes, no cascade, no LSE, K/V of the query dtype, gathered whole."""
+    """Whether `plain_decode_attention` serves this step (on a layer without score modifiers):
+    only single-token decodes, no cascade, no LSE, K/V of the query dtype, gathered whole."""
     bias = md.decode_key_bias
     num_kv_heads, head_size = kv_cache.shape[3:]
     return (
@@ -378,40 +391,6 @@ def _is_plain_decode_step(
         and (bias is None or bias.dtype == query.dtype)
         and is_one_load(md.num_decodes, md.decode_max_seq_len, head_size, num_kv_heads)
     )
-
-
-def _plain_decodes(
-    scale: float,
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    md: TorchAttentionMetadata,
-    output: torch.Tensor,
-) -> None:
-    """A step of single-token decodes only, on a layer without score modifiers: what
-    `_Run.decodes` computes, as one gather of the group's blocks and one SDPA call. It is the
-    engine's decode step on the CPU, where each of the general path's small ops and Python
-    calls costs more than its work (benchmarks/RESULTS.md, "Engine against transformers
-    (CPU)")."""
-    num_decodes = md.num_decodes
-    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
-    # [2, num_kv_heads, num_blocks, block_size, head_size] view: the gather lands KV-head-major
-    source = kv_cache.permute(1, 3, 0, 2, 4)
-    index = md.decode_block_ids.view(-1)
-    shape = (2, num_kv_heads, index.numel(), block_size, head_size)
-    numel = math.prod(shape)
-    kv = md.workspace.get(numel, kv_cache.dtype, kv_cache.device)[:numel].view(shape)
-    torch.index_select(source, 2, index, out=kv)
-    # kv: [2, num_kv_heads, num_decodes, keys, head_size]
-    kv = kv.view(2, num_kv_heads, num_decodes, -1, head_size)[:, :, :, : md.decode_max_seq_len]
-    out = F.scaled_dot_product_attention(
-        query[:num_decodes].unsqueeze(2),  # [num_decodes, num_heads, 1, head_size]
-        kv[0].transpose(0, 1),  # [num_decodes, num_kv_heads, keys, head_size]
-        kv[1].transpose(0, 1),
-        attn_mask=md.decode_key_bias,
-        scale=scale,
-        enable_gqa=query.shape[1] != num_kv_heads,
-    )
-    output[:num_decodes] = out.squeeze(2)
 
 
 TorchAttentionImpl.backend = TorchAttentionBackend
