@@ -211,7 +211,9 @@ class Attention(nn.Module):
         """
         output = torch.empty_like(query)
         # rows past the step's real tokens (padding) are not written by the impl
-        output[getattr(attn_metadata, "num_actual_tokens", 0) :].zero_()
+        num_actual_tokens = getattr(attn_metadata, "num_actual_tokens", 0)
+        if num_actual_tokens < output.shape[0]:
+            output[num_actual_tokens:].zero_()
         if isinstance(attn_metadata, PhaseSplitMetadata):
             return forward_by_phase(
                 self, query, key, value, kv_cache, attn_metadata, output, output_lse

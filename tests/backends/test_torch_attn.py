@@ -248,3 +248,33 @@ def test_metadata_is_frozen_and_forward_adds_nothing_to_it():
     _layer()(q, None, None, _filled_cache(num_blocks), md)
     assert not hasattr(md, "__dict__") or not set(vars(md)) - set(before)
     assert all(getattr(md, name) is value for name, value in before.items())
+
+
+@pytest.mark.parametrize("seq_lens", [[1, 17, 40, 33], [20, 20]])
+def test_plain_decode_steps_take_one_gather_and_match_a_float64_reference(monkeypatch, seq_lens):
+    """Single-token decodes on a layer without score modifiers go to `plain_decode_attention`
+    (one gather, one SDPA, the lengths as an additive mask) and agree with float64 attention
+    over the same cache rows."""
+    from anyattn.backends import torch_attn
+
+    calls = []
+    plain = torch_attn.plain_decode_attention
+    monkeypatch.setattr(
+        torch_attn, "plain_decode_attention", lambda *args: calls.append(1) or plain(*args)
+    )
+    gen = torch.Generator().manual_seed(4)
+    num_reqs = len(seq_lens)
+    table = (torch.randperm(40, generator=gen)[: num_reqs * 3] + 1).view(num_reqs, 3).int()
+    cache = _filled_cache(64)
+    q = torch.randn(num_reqs, HEADS, HEAD_SIZE, generator=gen)
+    md = _builder().build(0, make_common_attn_metadata([1] * num_reqs, seq_lens, table, BLOCK))
+    got = _layer()(q, None, None, cache, md)
+    assert calls == [1]
+    group = HEADS // KV_HEADS
+    for r, length in enumerate(seq_lens):
+        pos = torch.arange(length)
+        rows = cache[table[r, pos // BLOCK].long(), :, pos % BLOCK].double()  # [L, 2, KVH, D]
+        k, v = rows[:, 0].repeat_interleave(group, 1), rows[:, 1].repeat_interleave(group, 1)
+        scores = torch.einsum("hd,lhd->hl", q[r].double(), k) * HEAD_SIZE**-0.5
+        ref = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+        torch.testing.assert_close(got[r].double(), ref, atol=2e-6, rtol=2e-6)

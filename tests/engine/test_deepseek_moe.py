@@ -9,6 +9,7 @@ import torch
 
 from anyattn.engine.model_config import ModelConfig
 from anyattn.engine.models.moe import MoE, split_fused_experts
+from anyattn.engine.models.weights import load_into_slots
 
 transformers = pytest.importorskip("transformers")
 
@@ -61,9 +62,8 @@ def _modules(routing: str, seed: int = 0):
     state = {f"mlp.{k}": v for k, v in hf_moe.state_dict().items()}
     loaded = dict(split_fused_experts(state.items()))
     assert set(loaded) == set(slots)
-    with torch.no_grad():
-        for name, slot in slots.items():
-            slot.target.copy_(loaded[name])
+    # through the loader: a CPU float32 Linear (the shared experts) also keeps a row-major copy
+    load_into_slots("test", slots, loaded.items())
     return hf_moe.eval(), ours
 
 

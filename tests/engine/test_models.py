@@ -158,10 +158,14 @@ def test_load_weights_casts_and_ignores_tied_head_and_rotary_buffers(tiny_hf_mod
     weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     weights["model.rotary_emb.inv_freq"] = torch.ones(8)
     model.load_weights((name, w.to(torch.bfloat16)) for name, w in weights.items())
-    assert model.lm_head_weight is model.embed_weight
+    # tied: the embedding is the head's weight (its row-major copy, float32 on the CPU)
+    assert model.embed_weight is model.lm_head.weight_rows
+    assert torch.equal(model.lm_head.weight, model.embed_weight)
     expected = weights["model.layers.2.self_attn.v_proj.weight"].to(torch.bfloat16).float()
     q, kv = model.layers[2].self_attn.q_size, model.layers[2].self_attn.kv_size
-    assert torch.equal(model.layers[2].self_attn.qkv_weight[q + kv :], expected)
+    qkv = model.layers[2].self_attn.qkv
+    assert torch.equal(qkv.weight[q + kv :], expected)
+    assert torch.equal(qkv.weight_rows[q + kv :], expected)
 
 
 def test_build_model_rejects_unknown_architecture():

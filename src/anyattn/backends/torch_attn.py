@@ -3,7 +3,10 @@
 It implements every feature of the contract except MLA, sparse attention and bitwise batch
 invariance. The builder plans the step from the CPU mirrors (a batched decode group, then one
 segment per other request); `forward` gathers each group's blocks once, KV-head-major, and runs
-`dense_attention` (SDPA where no feature needs the explicit math).
+`dense_attention` (SDPA where no feature needs the explicit math). A step of single-token
+decodes on a layer without score modifiers takes a shorter path to SDPA
+(`plain_decode_attention`), and
+on the CPU the builder resolves the step's slots once for every layer's cache write.
 """
 
 from __future__ import annotations
@@ -19,8 +22,16 @@ from anyattn.backends.torch_attn_builder import (
     TorchAttentionMetadata,
     TorchAttentionMetadataBuilder,
 )
-from anyattn.ops.dense_attention import DenseKV, PagedKV, ScoreMods, dense_attention
+from anyattn.ops.dense_attention import (
+    DenseKV,
+    PagedKV,
+    ScoreMods,
+    dense_attention,
+    is_one_load,
+    plain_decode_attention,
+)
 from anyattn.ops.merge_attn_states import merge_attn_states
+from anyattn.ops.reshape_and_cache import write_cpu_slots
 from anyattn.types import (
     ENCODER_TYPES,
     AttentionType,
@@ -28,7 +39,7 @@ from anyattn.types import (
     cache_torch_dtype,
     is_fp8_cache,
 )
-from anyattn.validation import check_forward, check_forward_inputs, layer_kv_scale
+from anyattn.validation import check_forward, check_forward_inputs, check_kv_write, layer_kv_scale
 
 __all__ = [
     "TorchAttentionBackend",
@@ -86,6 +97,16 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
             alibi_slopes=None if slopes is None else slopes.view(*shape, 1, 1),
             sinks=None if sinks is None else sinks.detach().float().view(*shape, 1),
         )
+        # Decodes of such a layer need no score modifier and no mask but the keys' lengths:
+        # `plain_decode_attention` serves them.
+        self._has_plain_decodes = (
+            self.attn_type == AttentionType.DECODER
+            and not is_fp8_cache(self.kv_cache_dtype)
+            and self.logits_soft_cap is None
+            and self.sliding_window is None
+            and slopes is None
+            and sinks is None
+        )
 
     def _mods_on(self, device: torch.device) -> ScoreMods:
         """The score modifiers with their tensors on `device` (moved once, then kept)."""
@@ -117,6 +138,16 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
         n = md.num_actual_tokens
         if n == 0:
             return output
+        if self._has_plain_decodes and _is_plain_decode_step(md, query, kv_cache, output_lse):
+            # one gather of the group's blocks and one SDPA call: the engine's CPU decode step,
+            # where each of the general path's small ops and Python calls costs more than its
+            # work (benchmarks/RESULTS.md, "Engine against transformers (CPU)")
+            num_decodes = md.num_decodes
+            plain_decode_attention(
+                query[:num_decodes], kv_cache, md.decode_block_ids, md.decode_max_seq_len,
+                md.decode_key_bias, self.scale, md.workspace.get, output[:num_decodes],
+            )  # fmt: skip
+            return output
         run = _Run(self, query, key, value, kv_cache, md, self._mods_on(query.device), layer)
         lse = None if output_lse is None else output_lse[:, :n]
         if md.common_prefix_len:
@@ -132,6 +163,29 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
             run.decodes(output, lse, first_key=0, use_sinks=True)
             run.segments(output, lse, first_key=0, use_sinks=True)
         return output
+
+    def do_kv_cache_update(
+        self,
+        layer: AttentionLayer,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        attn_metadata: object = None,
+    ) -> None:
+        """See `AttentionImpl.do_kv_cache_update`. On the CPU the step's own slot mapping comes
+        resolved by the builder (`TorchAttentionMetadata.cpu_slots`): each layer's write is
+        then one `index_put_`."""
+        planned = getattr(attn_metadata, "cpu_slots", None)
+        if (
+            planned is None
+            or self.kv_sharing_target_layer_name is not None
+            or not planned.serves(slot_mapping, key.shape[0], kv_cache)
+        ):
+            super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping, attn_metadata)
+            return
+        args = check_kv_write(self, layer, key, value, kv_cache, slot_mapping, attn_metadata)
+        write_cpu_slots(planned, key, value, kv_cache, *args)
 
     def _cascade_prefix(self, run: _Run) -> tuple[torch.Tensor, torch.Tensor]:
         """Every query of the step against the shared prefix, gathered and attended once."""
@@ -222,10 +276,10 @@ class _Run:
         num_decodes = md.num_decodes
         if num_decodes == 0 or self.encoder:
             return
+        # md.decode_block_ids: the group's block-table columns from the first key's block on
         first_block = first_key // md.block_size
         kv = self.cache_keys(
-            md.block_table[:num_decodes, first_block : first_block + md.decode_num_blocks],
-            length=md.decode_max_seq_len - first_block * md.block_size,
+            md.decode_block_ids, length=md.decode_max_seq_len - first_block * md.block_size
         )
         k_pos, k_valid = md.decode_key_positions, md.decode_key_valid
         # A single query token sits at its sequence's last position, so every valid key is
@@ -286,6 +340,27 @@ class _Run:
             out[seg.q_start : seg.q_start + seg.q_len] = o[0]
             if lse is not None:
                 lse[:, seg.q_start : seg.q_start + seg.q_len] = part_lse[0]
+
+
+def _is_plain_decode_step(
+    md: TorchAttentionMetadata,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    output_lse: torch.Tensor | None,
+) -> bool:
+    """Whether `plain_decode_attention` serves this step (on a layer without score modifiers):
+    only single-token decodes, no cascade, no LSE, K/V of the query dtype, gathered whole."""
+    bias = md.decode_key_bias
+    num_kv_heads, head_size = kv_cache.shape[3:]
+    return (
+        md.decode_is_single_token
+        and md.num_decodes == md.num_actual_tokens
+        and not md.common_prefix_len
+        and output_lse is None
+        and kv_cache.dtype == query.dtype
+        and (bias is None or bias.dtype == query.dtype)
+        and is_one_load(md.num_decodes, md.decode_max_seq_len, head_size, num_kv_heads)
+    )
 
 
 TorchAttentionImpl.backend = TorchAttentionBackend

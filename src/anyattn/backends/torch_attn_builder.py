@@ -1,6 +1,7 @@
 """TORCH's plan: the metadata its builder makes for a step from the CPU mirrors (no device
 sync), and the builder: the leading decodes (and spec-decode runs of 1 + k tokens) as one padded
-group, every other request as a `Segment`, for cascade the shared prefix's blocks.
+group, every other request as a `Segment`, for cascade the shared prefix's blocks, and on the
+CPU the cache write's resolved slots (`CpuSlots`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from anyattn.backend import AttentionMetadataBuilder
 from anyattn.metadata import CommonAttentionMetadata, split_decodes_and_prefills
+from anyattn.ops.reshape_and_cache import CpuSlots, cpu_slots
 from anyattn.types import AttentionCGSupport
 
 __all__ = ["Segment", "TorchAttentionMetadata", "TorchAttentionMetadataBuilder", "Workspace"]
@@ -56,6 +58,8 @@ class TorchAttentionMetadata:
         block_size: tokens per block of `block_table`.
         block_table: int32 `[num_reqs, max_blocks]` (device).
         slot_mapping: int64 `[num_tokens]` (device).
+        cpu_slots: on the CPU, `slot_mapping` resolved once for every layer's cache write;
+            None on other devices.
         causal: False for bidirectional attention.
         num_decodes: the leading requests run as one batched group.
         decode_*: that group's padded layout (device): query token ids `[num_decodes, Lq]`,
@@ -63,10 +67,14 @@ class TorchAttentionMetadata:
             positions `[num_decodes, Lq]`; `decode_is_single_token` when every decode has
             exactly one query token.
         decode_num_blocks: block-table columns the group reads (from `prefix_blocks` on).
+        decode_block_ids: int64 `[num_decodes, decode_num_blocks]` (device): those columns,
+            made once per step for every layer's gather.
         decode_key_positions: int64 `[keys]` (device): positions of the keys the group reads,
             from `common_prefix_len` on.
         decode_key_valid: bool `[num_decodes, keys]` (device), or None when every decode has
             the longest length.
+        decode_key_bias: the same as an additive SDPA mask in the spec's dtype, 0 or -inf
+            `[num_decodes, 1, 1, keys]` (device), or None.
         segments: every other request, one by one.
         all_segments: every request as a segment (encoder attention runs them all so).
         common_prefix_len: tokens of the shared prefix run once (cascade), else 0.
@@ -81,6 +89,7 @@ class TorchAttentionMetadata:
     block_size: int
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
+    cpu_slots: CpuSlots | None
     causal: bool
     num_decodes: int
     decode_is_single_token: bool
@@ -91,8 +100,10 @@ class TorchAttentionMetadata:
     decode_valid_token_ids: torch.Tensor
     decode_positions: torch.Tensor
     decode_num_blocks: int
+    decode_block_ids: torch.Tensor
     decode_key_positions: torch.Tensor
     decode_key_valid: torch.Tensor | None
+    decode_key_bias: torch.Tensor | None
     segments: tuple[Segment, ...]
     all_segments: tuple[Segment, ...]
     common_attn_metadata: CommonAttentionMetadata
@@ -163,6 +174,11 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
             block_size=block_size,
             block_table=cm.block_table_tensor,
             slot_mapping=cm.slot_mapping,
+            cpu_slots=(
+                cpu_slots(cm.slot_mapping, cm.num_actual_tokens, block_size)
+                if cm.slot_mapping.device.type == "cpu"
+                else None
+            ),
             causal=cm.causal,
             num_decodes=num_decodes,
             segments=all_segments[num_decodes:],
@@ -222,6 +238,12 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
         k_pos = first_key + torch.arange(max(max_seq_len - first_block * block_size, 0))
         uniform = bool(num_decodes) and bool((seq_lens == max_seq_len).all())
         k_valid = None if uniform else k_pos.unsqueeze(0) < seq_lens.unsqueeze(1)
+        k_bias = None
+        if k_valid is not None:
+            k_bias = torch.zeros(k_valid.shape, dtype=self.kv_cache_spec.dtype)
+            k_bias = k_bias.masked_fill_(~k_valid, float("-inf"))[:, None, None]
+        num_blocks = max(-(-max_seq_len // block_size) - first_block, 0)
+        block_ids = cm.block_table_tensor[:num_decodes, first_block : first_block + num_blocks]
         return {
             # one token per request: query row r is request r's, no gather needed
             "decode_is_single_token": bool(num_decodes) and bool((query_lens == 1).all()),
@@ -233,9 +255,11 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
             "decode_positions": ((seq_lens - query_lens).unsqueeze(1) + offsets).to(
                 device, non_blocking=True
             ),
-            "decode_num_blocks": max(-(-max_seq_len // block_size) - first_block, 0),
+            "decode_num_blocks": num_blocks,
+            "decode_block_ids": block_ids.long(),
             "decode_key_positions": k_pos.to(device, non_blocking=True),
             "decode_key_valid": None if k_valid is None else k_valid.to(device, non_blocking=True),
+            "decode_key_bias": None if k_bias is None else k_bias.to(device, non_blocking=True),
         }
 
     def use_cascade_attention(

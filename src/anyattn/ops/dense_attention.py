@@ -16,7 +16,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DenseKV", "KVSource", "PagedKV", "ScoreMods", "dense_attention"]
+__all__ = [
+    "DenseKV",
+    "KVSource",
+    "PagedKV",
+    "ScoreMods",
+    "dense_attention",
+    "is_one_load",
+    "plain_decode_attention",
+]
 
 # Scores of one query chunk are materialised; bound their size (elements) to bound memory.
 _MAX_SCORE_ELEMENTS = 1 << 24
@@ -215,6 +223,12 @@ def _manual(
     return out, lse
 
 
+def is_one_load(batch: int, length: int, head_size: int, num_kv_heads: int) -> bool:
+    """Whether K (or V) of `batch` requests of `length` keys is small enough to gather whole:
+    up to `_LOAD_BYTES` of float32; larger ones are loaded a few KV heads at a time."""
+    return batch * length * head_size * num_kv_heads <= _LOAD_BYTES // 4
+
+
 def dense_attention(
     q: torch.Tensor,
     kv: KVSource,
@@ -256,7 +270,7 @@ def dense_attention(
         and (mods.sinks is None or not use_sinks)
         and not need_lse
     )
-    small = batch * kv.length * d * kvh <= _LOAD_BYTES // 4
+    small = is_one_load(batch, kv.length, d, kvh)
     if plain and kv.length > 0 and (small or (batch == 1 and lq > 1)):
         # SDPA's fused kernels: no score matrix in memory (and few ops for small decode
         # batches). All rows have a key here: causal rows see themselves, windows include the
@@ -303,3 +317,48 @@ def dense_attention(
                 batch, num_heads, end - start
             )
     return out, lse
+
+
+def plain_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    num_keys: int,
+    key_bias: torch.Tensor | None,
+    scale: float,
+    workspace: Callable[[int, torch.dtype, torch.device], torch.Tensor],
+    out: torch.Tensor,
+) -> None:
+    """One query token per request, no score modifier: `dense_attention`'s SDPA path for a
+    decode group, as one gather of the requests' blocks and one SDPA call.
+
+    Args:
+        q: `[B, num_heads, head_size]`, the cache's dtype.
+        kv_cache: `[num_blocks, 2, block_size, num_kv_heads, head_size]`, any strides.
+        block_ids: int64 `[B, nblk]` physical block ids; keys are their first `num_keys`
+            positions (`is_one_load` of them, as `dense_attention` gathers whole).
+        key_bias: additive mask `[B, 1, 1, num_keys]` in q's dtype (0, or -inf past a
+            request's length), or None when every request has `num_keys` keys.
+        workspace: `(numel, dtype, device) -> 1-D buffer` to gather into (reused across layers).
+        out: `[B, num_heads, head_size]`, written.
+    """
+    batch = q.shape[0]
+    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    # [2, num_kv_heads, num_blocks, block_size, head_size] view: the gather lands KV-head-major
+    source = kv_cache.permute(1, 3, 0, 2, 4)
+    index = block_ids.view(-1)
+    shape = (2, num_kv_heads, index.numel(), block_size, head_size)
+    numel = math.prod(shape)
+    kv = workspace(numel, kv_cache.dtype, kv_cache.device)[:numel].view(shape)
+    torch.index_select(source, 2, index, out=kv)
+    # kv: [2, num_kv_heads, B, keys, head_size]
+    kv = kv.view(2, num_kv_heads, batch, -1, head_size)[:, :, :, :num_keys]
+    attended = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [B, num_heads, 1, head_size]
+        kv[0].transpose(0, 1),  # [B, num_kv_heads, keys, head_size]
+        kv[1].transpose(0, 1),
+        attn_mask=key_bias,
+        scale=scale,
+        enable_gqa=q.shape[1] != num_kv_heads,
+    )
+    out.copy_(attended.squeeze(2))

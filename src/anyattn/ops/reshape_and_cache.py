@@ -15,6 +15,8 @@ PyTorch path serves the CPU and CUDA without triton. `impl=` forces either one.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from anyattn.ops.fp8_quant import quantize_fp8
@@ -29,10 +31,13 @@ except ImportError:  # triton is an optional extra
     triton = None
 
 __all__ = [
+    "CpuSlots",
+    "cpu_slots",
     "dequantize_cache",
     "reshape_and_cache",
     "reshape_and_cache_ref",
     "reshape_and_cache_unchecked",
+    "write_cpu_slots",
 ]
 
 _OP = "reshape_and_cache"
@@ -281,19 +286,78 @@ def _write_on_cpu(
     value: torch.Tensor,
     kv_cache: torch.Tensor,
     slots: torch.Tensor,
-    cache_dtype: torch.dtype,
+    cache_dtype: str,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
 ) -> None:
-    # On the CPU dropping padding with a mask costs nothing extra, and it saves the
-    # sync-free fallback writes the device path needs.
+    planned = cpu_slots(slots, key.shape[0], kv_cache.shape[2])
+    write_cpu_slots(planned, key, value, kv_cache, cache_dtype, k_scale, v_scale)
+
+
+@dataclass(frozen=True)
+class CpuSlots:
+    """A slot mapping resolved for writes into CPU caches of one block size: made once per
+    step (`cpu_slots`, e.g. by a metadata builder), it leaves each layer's write one
+    `index_put_` (`write_cpu_slots`) instead of a dozen small tensor ops.
+
+    Attributes:
+        slot_mapping: the mapping it was made from (`serves` asks for that very tensor).
+        num_tokens: tokens resolved (the first `num_tokens` entries).
+        block_size: the caches' block size.
+        rows: int64 `[n]` rows of the real (non -1) tokens, or None when all are real.
+        index: `(block, 0 for K / 1 for V, offset)`, int64 `[2 * n]` each: K rows, then V rows.
+    """
+
+    slot_mapping: torch.Tensor
+    num_tokens: int
+    block_size: int
+    rows: torch.Tensor | None
+    index: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+    def serves(self, slot_mapping: torch.Tensor, num_tokens: int, kv_cache: torch.Tensor) -> bool:
+        """Whether a write of `num_tokens` tokens at `slot_mapping` into `kv_cache` is this."""
+        return (
+            slot_mapping is self.slot_mapping
+            and num_tokens == self.num_tokens
+            and kv_cache.device.type == "cpu"
+            and kv_cache.shape[2] == self.block_size
+        )
+
+
+def cpu_slots(slot_mapping: torch.Tensor, num_tokens: int, block_size: int) -> CpuSlots:
+    """Resolve the first `num_tokens` entries of a CPU `slot_mapping` (int64, -1 for padding)
+    into cache indices for blocks of `block_size` tokens (no checks: see `reshape_and_cache`)."""
+    slots = slot_mapping[:num_tokens]
+    # On the CPU dropping padding with a mask costs nothing extra, and it saves the sync-free
+    # fallback writes the device path needs.
     is_real = slots >= 0
+    rows = None
     if not bool(is_real.all()):
-        slots, key, value = slots[is_real], key[is_real], value[is_real]
-    block_size = kv_cache.shape[2]
+        rows = is_real.nonzero().flatten()
+        slots = slots[rows]
     block, offset = slots // block_size, slots % block_size
-    for index, (x, scale) in enumerate(((key, k_scale), (value, v_scale))):
-        kv_cache[:, index][block, offset] = _to_cache_dtype(x, scale, cache_dtype)
+    kind = torch.arange(2).repeat_interleave(slots.shape[0])
+    index = (block.repeat(2), kind, offset.repeat(2))
+    return CpuSlots(slot_mapping, num_tokens, block_size, rows, index)
+
+
+def write_cpu_slots(
+    slots: CpuSlots,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    cache_dtype: str,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
+    """`reshape_and_cache_unchecked` into a CPU cache at resolved slots (`slots.serves` this
+    write); scales None for a non-fp8 cache."""
+    if slots.rows is not None:
+        key, value = key[slots.rows], value[slots.rows]
+    k = _to_cache_dtype(key, k_scale, cache_dtype)
+    v = _to_cache_dtype(value, v_scale, cache_dtype)
+    # [2 * n, num_kv_heads, head_size] at (block, K or V, offset)
+    kv_cache.index_put_(slots.index, torch.cat((k, v)))
 
 
 def reshape_and_cache_ref(

@@ -13,7 +13,8 @@ from torch import nn
 
 from anyattn.backend import AttentionBackend
 from anyattn.engine.model_config import ModelConfig
-from anyattn.engine.models.layers import RMSNorm, Slots, empty_linear_weight, empty_param
+from anyattn.engine.models.layers import RMSNorm, Slots, empty_param
+from anyattn.engine.models.linear import Linear
 from anyattn.engine.models.rope import RotaryEmbedding
 from anyattn.engine.models.weights import WeightSlot, load_into_slots
 from anyattn.types import parse_cache_dtype, parse_dtype
@@ -52,10 +53,13 @@ class CausalLM(nn.Module):
         self.device = torch.device(device)
         kv_cache_dtype = parse_cache_dtype(kv_cache_dtype, argument=f"{api}: kv_cache_dtype")
         factory = {"dtype": self.dtype, "device": self.device}
-        # Laid out for the LM head (`empty_linear_weight`) when it is tied to it: an embedding
-        # lookup gathers a few strided rows, the head reads all of it every step.
-        make_embed = empty_linear_weight if config.tie_word_embeddings else empty_param
-        self.embed_weight = make_embed(config.vocab_size, config.hidden_size, **factory)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, **factory)
+        if config.tie_word_embeddings:
+            # The head's own weight; a lookup gathers rows, so from the row-major copy if any.
+            rows = self.lm_head.weight_rows
+            self.embed_weight = self.lm_head.weight if rows is None else rows
+        else:
+            self.embed_weight = empty_param(config.vocab_size, config.hidden_size, **factory)
         self.rotary = RotaryEmbedding(
             config.head_dim,
             config.rope_theta,
@@ -79,11 +83,6 @@ class CausalLM(nn.Module):
             config.rms_norm_eps,
             has_unit_offset=self.has_unit_offset_norms,
             **factory,
-        )
-        self.lm_head_weight = (
-            self.embed_weight
-            if config.tie_word_embeddings
-            else empty_linear_weight(config.vocab_size, config.hidden_size, **factory)
         )
 
     def make_layer(self, index: int, attn_kwargs: dict[str, object]) -> nn.Module:
@@ -115,7 +114,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: `[n, hidden_size]` -> float32 logits `[n, vocab_size]`, final soft cap
         applied."""
-        logits = F.linear(hidden, self.lm_head_weight).float()
+        logits = self.lm_head(hidden).float()
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -128,12 +127,14 @@ class CausalLM(nn.Module):
 
     def weight_slots(self) -> Slots:
         """Every tensor the model needs, by Hugging Face name."""
-        yield from _slot("model.embed_tokens.weight", self.embed_weight)
+        tied = self.config.tie_word_embeddings
+        embed = self.lm_head.weight_slot() if tied else WeightSlot(self.embed_weight)
+        yield "model.embed_tokens.weight", embed
         for i, layer in enumerate(self.layers):
             yield from layer.weight_slots(f"model.layers.{i}")
         yield from self.norm.weight_slots("model.norm")
-        if not self.config.tie_word_embeddings:
-            yield from _slot("lm_head.weight", self.lm_head_weight)
+        if not tied:
+            yield "lm_head.weight", self.lm_head.weight_slot()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy a checkpoint (Hugging Face names and layouts) into the model, casting to its
@@ -148,7 +149,3 @@ class CausalLM(nn.Module):
         and an LM head next to tied embeddings."""
         tied = self.config.tie_word_embeddings
         return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
-
-
-def _slot(name: str, param: torch.Tensor) -> Slots:
-    yield name, WeightSlot(param)

@@ -3,8 +3,9 @@ block around `anyattn.layer.Attention` (RoPE is in `rope.py`).
 
 Every block computes what transformers computes, in the same order where rounding could tell
 the difference (RMSNorm in fp32, then cast). Fused where each PyTorch call is a fixed cost:
-q/k/v are one matmul, gate/up one matmul, and RoPE rotates q and k together. Parameters are
-allocated empty; `weight_slots` tells the loader where each Hugging Face tensor goes.
+q/k/v are one matmul, gate/up one matmul, and RoPE rotates q and k together. Projections are
+`Linear`s (`linear.py`: weight layouts per device). Parameters are allocated empty;
+`weight_slots` tells the loader where each Hugging Face tensor goes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from anyattn.backend import AttentionBackend
 from anyattn.engine.model_config import ModelConfig
+from anyattn.engine.models.linear import Linear
 from anyattn.engine.models.rope import apply_rotary
 from anyattn.engine.models.weights import WeightSlot
 from anyattn.layer import Attention
@@ -29,21 +31,6 @@ Slots = Iterator[tuple[str, WeightSlot]]
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     """An uninitialised, frozen parameter (the checkpoint fills it)."""
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-
-
-def empty_linear_weight(
-    out_features: int, in_features: int, *, dtype: torch.dtype, device: torch.device | str
-) -> nn.Parameter:
-    """An uninitialised `[out_features, in_features]` weight for `F.linear`.
-
-    On the CPU it is stored column-major, so the transpose `F.linear` multiplies by is a plain
-    row-major `[in, out]` matrix for the BLAS; the logical shape is unchanged. CUDA keeps the
-    row-major layout.
-    """
-    if torch.device(device).type != "cpu":
-        return empty_param(out_features, in_features, dtype=dtype, device=device)
-    storage = torch.empty(in_features, out_features, dtype=dtype, device=device)
-    return nn.Parameter(storage.t(), requires_grad=False)
 
 
 class RMSNorm(nn.Module):
@@ -111,32 +98,27 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.intermediate_size = intermediate_size
         self.act = ACTIVATIONS[hidden_act]
-        self.gate_up_weight = empty_linear_weight(
-            2 * intermediate_size, hidden_size, dtype=dtype, device=device
-        )
-        self.down_weight = empty_linear_weight(
-            hidden_size, intermediate_size, dtype=dtype, device=device
-        )
-        self.gate_up_bias = self.down_bias = None
-        if has_bias:
-            self.gate_up_bias = empty_param(2 * intermediate_size, dtype=dtype, device=device)
-            self.down_bias = empty_param(hidden_size, dtype=dtype, device=device)
+        self.has_bias = has_bias
+        factory = {"has_bias": has_bias, "dtype": dtype, "device": device}
+        self.gate_up = Linear(hidden_size, 2 * intermediate_size, **factory)
+        self.down = Linear(intermediate_size, hidden_size, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: `[num_tokens, hidden_size]` -> `[num_tokens, hidden_size]`."""
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # [num_tokens, 2 * inter]
+        gate_up = self.gate_up(x)  # [num_tokens, 2 * intermediate_size]
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return F.linear(self.act(gate) * up, self.down_weight, self.down_bias)
+        return self.down(self.act(gate) * up)
 
     def weight_slots(self, prefix: str) -> Slots:
         n = self.intermediate_size
-        for kind in ("weight", "bias"):
-            gate_up, down = getattr(self, f"gate_up_{kind}"), getattr(self, f"down_{kind}")
-            if gate_up is None:
-                continue
-            yield f"{prefix}.gate_proj.{kind}", WeightSlot(gate_up[:n])
-            yield f"{prefix}.up_proj.{kind}", WeightSlot(gate_up[n:])
-            yield f"{prefix}.down_proj.{kind}", WeightSlot(down)
+        parts = {"gate_proj": slice(0, n), "up_proj": slice(n, 2 * n)}
+        for proj, rows in parts.items():
+            yield f"{prefix}.{proj}.weight", self.gate_up.weight_slot(rows)
+            if self.has_bias:
+                yield f"{prefix}.{proj}.bias", self.gate_up.bias_slot(rows)
+        yield f"{prefix}.down_proj.weight", self.down.weight_slot()
+        if self.has_bias:
+            yield f"{prefix}.down_proj.bias", self.down.bias_slot()
 
 
 class SelfAttention(nn.Module):
@@ -168,10 +150,10 @@ class SelfAttention(nn.Module):
         self.q_size = num_heads * head_size
         self.kv_size = num_kv_heads * head_size
         qkv_size = self.q_size + 2 * self.kv_size
-        self.qkv_weight = empty_linear_weight(qkv_size, hidden_size, dtype=dtype, device=device)
-        self.qkv_bias = empty_param(qkv_size, dtype=dtype, device=device) if has_qkv_bias else None
-        self.o_weight = empty_linear_weight(hidden_size, self.q_size, dtype=dtype, device=device)
-        self.o_bias = empty_param(hidden_size, dtype=dtype, device=device) if has_o_bias else None
+        self.has_qkv_bias, self.has_o_bias = has_qkv_bias, has_o_bias
+        factory = {"dtype": dtype, "device": device}
+        self.qkv = Linear(hidden_size, qkv_size, has_bias=has_qkv_bias, **factory)
+        self.o = Linear(self.q_size, hidden_size, has_bias=has_o_bias, **factory)
         self.attn = Attention(
             num_heads,
             head_size,
@@ -217,7 +199,7 @@ class SelfAttention(nn.Module):
         """hidden: `[num_tokens, hidden_size]`; cos/sin from `RotaryEmbedding` -> same shape
         as hidden."""
         num_tokens = hidden.shape[0]
-        qkv = F.linear(hidden, self.qkv_weight, self.qkv_bias)  # [num_tokens, q + 2 * kv]
+        qkv = self.qkv(hidden).contiguous()  # [num_tokens, q + 2 * kv], rows viewed as heads
         heads = self.num_heads + self.num_kv_heads
         # qk: [num_tokens, num_heads + num_kv_heads, head_size], rotated in one go
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads, self.head_size)
@@ -227,7 +209,7 @@ class SelfAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_size)
         out = self.attn(q, k, v, kv_cache, attn_metadata)  # [num_tokens, num_heads, head_size]
         # reshape, not view: a backend may hand back an output with q's (row-strided) layout
-        return F.linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias)
+        return self.o(out.reshape(num_tokens, self.q_size))
 
     def weight_slots(self, prefix: str) -> Slots:
         q, kv = self.q_size, self.kv_size
@@ -237,9 +219,9 @@ class SelfAttention(nn.Module):
             "v_proj": slice(q + kv, q + 2 * kv),
         }
         for proj, part in rows.items():
-            yield f"{prefix}.{proj}.weight", WeightSlot(self.qkv_weight[part])
-            if self.qkv_bias is not None:
-                yield f"{prefix}.{proj}.bias", WeightSlot(self.qkv_bias[part])
-        yield f"{prefix}.o_proj.weight", WeightSlot(self.o_weight)
-        if self.o_bias is not None:
-            yield f"{prefix}.o_proj.bias", WeightSlot(self.o_bias)
+            yield f"{prefix}.{proj}.weight", self.qkv.weight_slot(part)
+            if self.has_qkv_bias:
+                yield f"{prefix}.{proj}.bias", self.qkv.bias_slot(part)
+        yield f"{prefix}.o_proj.weight", self.o.weight_slot()
+        if self.has_o_bias:
+            yield f"{prefix}.o_proj.bias", self.o.bias_slot()

@@ -1,5 +1,6 @@
 """Checkpoint tensors into model parameters, by Hugging Face name: a `WeightSlot` says where
-one lands (a view of a parameter, rows of a fused one, and an optional transform)."""
+one lands (a view of a parameter, rows of a fused one, copies in other layouts, and an
+optional transform)."""
 
 from __future__ import annotations
 
@@ -29,10 +30,13 @@ class CountedWeights(Iterator[tuple[str, torch.Tensor]]):
 @dataclass(frozen=True, slots=True)
 class WeightSlot:
     """Where one checkpoint tensor goes: `target`, a view of a parameter of the tensor's
-    shape, and a `transform` applied before the copy (e.g. Gemma's `1 + w`)."""
+    shape, a `transform` applied before the copy (e.g. Gemma's `1 + w`), and `copies`, views
+    of the same shape that take the same values (a CPU `Linear`'s second layout): fill slots
+    with `load_into_slots`, which writes both."""
 
     target: torch.Tensor
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+    copies: tuple[torch.Tensor, ...] = ()
 
 
 def load_into_slots(
@@ -41,9 +45,9 @@ def load_into_slots(
     weights: Iterable[tuple[str, torch.Tensor]],
     ignore: Callable[[str], bool] = lambda name: False,
 ) -> None:
-    """Copy each streamed `(name, tensor)` into `slots[name].target`, cast to its dtype; names
-    for which `ignore` holds may lack a slot. ValueError (prefixed `api`) names every missing,
-    unexpected and mis-shaped tensor at once."""
+    """Copy each streamed `(name, tensor)` into `slots[name].target` and its copies, cast to
+    their dtype; names for which `ignore` holds may lack a slot. ValueError (prefixed `api`)
+    names every missing, unexpected and mis-shaped tensor at once."""
     loaded: set[str] = set()
     unexpected: list[str] = []
     misshaped: list[str] = []
@@ -59,7 +63,9 @@ def load_into_slots(
                     f"{name} (got {tuple(tensor.shape)}, expected {tuple(slot.target.shape)})"
                 )
                 continue
-            slot.target.copy_(slot.transform(tensor) if slot.transform else tensor)
+            value = slot.transform(tensor) if slot.transform else tensor
+            for target in (slot.target, *slot.copies):
+                target.copy_(value)
             loaded.add(name)
     missing = [name for name in slots if name not in loaded]
     problems = [
