@@ -15,8 +15,9 @@
 # Writes under $OUT (default /tmp/out): tests.log, fastest.md (the tables), fastest.log,
 # fastest.json, engine.log, engine_gpu.json, engine_gpu.png. Settings (environment):
 # BACKENDS (default "TRITON FLASH_ATTN FLASHINFER"), PAIRS (default "TRITON,FLASH_ATTN
-# FLASHINFER,FLASH_ATTN"), REPEATS (2, engine runs per contender), and the timeouts in seconds
-# TESTS_S (150), TABLE_S (420), ENGINE_S (560). Prints each step's exit status, time and tables.
+# FLASHINFER,FLASH_ATTN"), REPEATS (2, engine runs per contender), WORKLOADS (default "batch
+# mixed", in the order run), and the timeouts in seconds TESTS_S (150), TABLE_S (420),
+# ENGINE_S (560). Prints each step's exit status, time and tables.
 set -u
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
@@ -74,7 +75,7 @@ for step in ${*:-tests table engine}; do
     engine)
         # shellcheck disable=SC2086  # BACKENDS and PAIRS are lists
         run engine "${ENGINE_S:-560}" python3 benchmarks/engine_gpu.py --out "$out" --no-check \
-            --contenders anyattn --modes graphs --batches 16 64 --workloads batch mixed \
+            --contenders anyattn --modes graphs --batches 16 64 --workloads ${WORKLOADS:-batch mixed} \
             --backends ${BACKENDS:-TRITON FLASH_ATTN FLASHINFER} --fastest \
             --pairs ${PAIRS:-TRITON,FLASH_ATTN FLASHINFER,FLASH_ATTN} \
             --repeats "${REPEATS:-2}" >"$out/engine.log" 2>&1
