@@ -55,6 +55,23 @@ def test_default_location_follows_xdg_then_home(monkeypatch, tmp_path):
     assert cache_dir() == Path.home() / ".cache" / "anyattn"
 
 
+def test_source_hash_covers_every_module_of_the_package(monkeypatch, tmp_path):
+    # A kernel module no backend class lives in changes the key as much as a backend's own file.
+    import anyattn
+    from anyattn.measure import cache
+
+    (tmp_path / "ops").mkdir()
+    (tmp_path / "__init__.py").write_text("")
+    kernel = tmp_path / "ops" / "kernel.py"
+    kernel.write_text("BLOCK = 64\n")
+    monkeypatch.setattr(anyattn, "__file__", str(tmp_path / "__init__.py"))
+    before = cache.source_hash.__wrapped__()
+    kernel.write_text("BLOCK = 128\n")
+    assert cache.source_hash.__wrapped__() != before
+    kernel.rename(tmp_path / "ops" / "kernel2.py")  # same bytes, another module
+    assert len({before, cache.source_hash.__wrapped__()}) == 2
+
+
 def test_second_run_uses_the_cache_and_times_nothing():
     timer = CountingTimer()
     first = measure(timer)
@@ -63,7 +80,9 @@ def test_second_run_uses_the_cache_and_times_nothing():
     assert first.cache_note.endswith(f"saved to {path}")
     entry = json.loads(path.read_text())  # a readable JSON with its key
     assert entry["key"]["device"]["type"] == "cpu"
-    assert set(entry["key"]["versions"]) >= {"torch", "triton", "flashinfer-python", "flash-attn"}
+    assert set(entry["key"]["versions"]) >= {
+        "torch", "triton", "flashinfer-python", "flash-attn", "flash-attn-4", "nvidia-cutlass-dsl"
+    }  # fmt: skip
     assert entry["result"]["choices"]["overall"]["backend"] == "FLEX_ATTENTION"
     second = measure(timer)
     assert timer.calls == 2 * len(first.steps)  # nothing timed again

@@ -6,25 +6,26 @@ by hand; a deleted file is measured again. `ANYATTN_NO_MEASURE_CACHE=1` turns th
 (nothing read, nothing written).
 
 A file is used only when its whole key equals the current one: the device's name, the GPU
-driver, the versions of anyattn, torch, triton, flashinfer and flash-attn, a hash of the source
-of every candidate backend's modules (and of this measuring package), the layer config, its
-record and the engine's limits. A file that cannot be read, is not valid JSON, has another
+driver, the versions of anyattn, torch, triton, FlashInfer and FlashAttention (FA2/3 and FA4 with
+its CUTLASS DSL), a hash of the source of the whole `anyattn` package (a change to any kernel,
+planner or wrapper invalidates every file: a backend's speed depends on more modules than its
+own), the layer config, its record and the engine's limits. A file that cannot be read, is not valid JSON, has another
 format or another key is measured again and overwritten, never trusted.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
-import inspect
 import json
 import os
 import platform
-import sys
 from pathlib import Path
 
 import torch
 
+import anyattn
 from anyattn.backend import AttentionBackend
 
 __all__ = [
@@ -43,7 +44,15 @@ __all__ = [
 CACHE_DIR_ENV = "ANYATTN_CACHE_DIR"
 NO_CACHE_ENV = "ANYATTN_NO_MEASURE_CACHE"
 FORMAT = 1
-_PACKAGES = ("anyattn", "torch", "triton", "flashinfer-python", "flash-attn")
+_PACKAGES = (
+    "anyattn",
+    "torch",
+    "triton",
+    "flashinfer-python",
+    "flash-attn",
+    "flash-attn-4",
+    "nvidia-cutlass-dsl",
+)
 
 
 def cache_dir() -> Path | None:
@@ -102,22 +111,15 @@ def _versions() -> dict[str, str | None]:
     return versions
 
 
-def source_hash(backends: list[type[AttentionBackend]]) -> str:
-    """sha256 over the source files of each backend's, impl's and builder's modules and of
-    this measuring package (a file that cannot be read is hashed by its name alone)."""
-    files: set[str] = set()
-    for backend in backends:
-        for cls in (backend, backend.get_impl_cls(), backend.get_builder_cls()):
-            path = inspect.getsourcefile(sys.modules[cls.__module__]) or cls.__module__
-            files.add(path)
-    files.update(str(p) for p in Path(__file__).parent.glob("*.py"))
+@functools.cache
+def source_hash() -> str:
+    """sha256 over every source file of the installed `anyattn` package, by relative path (the
+    package's source does not change while a process runs)."""
+    root = Path(anyattn.__file__).resolve().parent
     digest = hashlib.sha256()
-    for path in sorted(files):
-        digest.update(Path(path).name.encode())
-        try:
-            digest.update(Path(path).read_bytes())
-        except OSError:
-            digest.update(b"<unreadable>")
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
@@ -134,7 +136,7 @@ def make_key(
         "device": device_identity(device),
         "versions": _versions(),
         "backends": [b.get_name() for b in backends],
-        "source_sha256": source_hash(backends),
+        "source_sha256": source_hash(),
         "config": config,
         "layer": layer,
         "limits": limits,
