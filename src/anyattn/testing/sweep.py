@@ -162,7 +162,9 @@ def _at(base: Case, name: str, **changes: object) -> Case:
     return replace(case, spec=sweep_spec(case.block_size, case.attn_type))
 
 
-def _feature_case(backend: type[AttentionBackend], flag: str, base: Case) -> Case | None:
+def _feature_case(
+    backend: type[AttentionBackend], flag: str, base: Case, device: DeviceInfo, dtype: torch.dtype
+) -> Case | None:
     name = f"feature-{flag.removeprefix('supports_')}"
     if flag == "supports_cascade":
         spec = get_spec("cascade", quick=True)
@@ -178,7 +180,12 @@ def _feature_case(backend: type[AttentionBackend], flag: str, base: Case) -> Cas
             return None
         changes["kv_cache_dtype"] = fp8[0]
     if flag == "supports_sink":
-        changes["check_lse"] = backend.supports_lse()
+        # The sink's term in the LSE is checked wherever this device returns the LSE at all
+        # (FLEX_ATTENTION declares LSE on CUDA only, sinks everywhere).
+        with_lse = replace(base, name=name, **changes, check_lse=True)
+        changes["check_lse"] = backend.supports_lse() and not backend.validate_configuration(
+            with_lse.selector_config(dtype), device
+        )
     return replace(base, name=name, **changes)
 
 
@@ -215,7 +222,7 @@ def _candidates(
         )
     for flag in _FEATURES:
         if getattr(backend, flag)():
-            case = _feature_case(backend, flag, base)
+            case = _feature_case(backend, flag, base, device, base_dtype)
             if case is not None:
                 out.append((case, base_dtype))
     return out
