@@ -10,6 +10,7 @@ from mla_case import HEADS, LIMITS, SCALE, SIZES, STEP1, Schedule, make_layer, r
 from anyattn import AttentionSelectorConfig, DeviceInfo, MLAAttention
 from anyattn.backends.torch_mla import TorchMLABackend, TorchMLAImpl, TorchMLAMetadataBuilder
 from anyattn.config import AttentionSpec, MLAAttentionSpec
+from anyattn.metadata import make_common_attn_metadata
 
 L, R, P, VD = (SIZES[k] for k in SIZES)
 CPU = DeviceInfo.cpu()
@@ -240,3 +241,23 @@ def test_entry_points_check_their_tensors():
     ):
         impl.do_kv_cache_update(layer, torch.randn(2, L), torch.randn(2, R), cache[..., :8],
                                 md.slot_mapping, md)  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", [-3, "num_blocks", 10**6])
+def test_a_bad_block_id_in_a_column_only_read_is_refused_before_any_write(bad):
+    """Request B's first column holds context the step only reads: a negative id or one at or
+    past the cache's end there is refused by name, and the cache is left bit-identical."""
+    schedule = Schedule(make_layer(torch.float32), torch.float32)
+    schedule.run(STEP1)
+    step = {"A": 1, "E": 1, "B": 5, "C": 3, "D": 7}
+    num_blocks = schedule.kv_cache.shape[0]
+    bad = num_blocks if bad == "num_blocks" else bad
+    table = schedule.block_table[[schedule.rows[r] for r in step]].clone()
+    table[2, 0] = bad  # B: 13 cached tokens in columns 0-3, this step's 5 in columns 3-4
+    seq_lens = [schedule.done[r] + n for r, n in step.items()]
+    common = make_common_attn_metadata(list(step.values()), seq_lens, table, 4)
+    md = schedule.builder.build(0, common)
+    hidden = torch.randn(md.num_actual_tokens, 32)
+    _refused(schedule, md, hidden, schedule.kv_cache, ValueError,
+             rf"block_table_tensor has a block outside the cache for request 2, column 0 \(got "
+             rf"{bad}, expected 0 <= block < num_blocks = {num_blocks} in the 5 columns")  # fmt: skip
