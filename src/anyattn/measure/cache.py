@@ -9,8 +9,8 @@ A file is used only when its whole key equals the current one: the device's name
 driver, the versions of anyattn, torch, triton, FlashInfer and FlashAttention (FA2/3 and FA4 with
 its CUTLASS DSL), a hash of the source of the whole `anyattn` package (a change to any kernel,
 planner or wrapper invalidates every file: a backend's speed depends on more modules than its
-own), the layer config, its record and the engine's limits. A file that cannot be read, is not valid JSON, has another
-format or another key is measured again and overwritten, never trusted.
+own), the layer config, its record and the engine's limits. A file that cannot be read, is not
+valid JSON, has another format or another key is measured again and overwritten, never trusted.
 """
 
 from __future__ import annotations
