@@ -258,6 +258,8 @@ def test_a_bad_block_id_in_a_column_only_read_is_refused_before_any_write(bad):
     common = make_common_attn_metadata(list(step.values()), seq_lens, table, 4)
     md = schedule.builder.build(0, common)
     hidden = torch.randn(md.num_actual_tokens, 32)
-    _refused(schedule, md, hidden, schedule.kv_cache, ValueError,
-             rf"block_table_tensor has a block outside the cache for request 2, column 0 "
-             rf"\(got {bad}, expected 0 <= block < num_blocks = {num_blocks} in the 5 columns")  # fmt: skip
+    message = (
+        rf"block_table_tensor has a block outside the cache for request 2, column 0 "
+        rf"\(got {bad}, expected 0 <= block < num_blocks = {num_blocks} in the 5 columns"
+    )
+    _refused(schedule, md, hidden, schedule.kv_cache, ValueError, message)
