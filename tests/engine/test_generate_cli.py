@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -184,3 +185,26 @@ def test_a_bad_backend_pair_is_refused_before_loading(value, expected, capsys, n
     assert main(["generate", "t1", "--backend", value]) == 1
     err = one_error_line(capsys.readouterr().err)
     assert err.startswith(f"anyattn generate: error: {expected}")
+
+
+def test_on_a_terminal_running_answers_show_as_they_are_generated(folder, capsys, monkeypatch):
+    # The same batch as above, stdout a terminal: while the second request runs on, its line
+    # shows its text so far; the finished lines are the same as without a terminal.
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    long = " ".join(["t5"] * 126)
+    written_before_step = []
+    step = llm_module.LLM.step
+
+    def spy(self):
+        written_before_step.append(capsys.readouterr().out)
+        return step(self)
+
+    monkeypatch.setattr(llm_module.LLM, "step", spy)
+    argv = ["generate", long, "t1 t2", "--model", str(folder), "--max-tokens", "10"]
+    assert main([*argv, "--device", "cpu"]) == 0
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", "".join(written_before_step))
+    assert re.search(r"^\[2\] \S", plain, re.MULTILINE)  # the running answer, before it ends
+    final = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", capsys.readouterr().out)
+    assert [line[:4] for line in (plain + final).splitlines() if line.startswith("[")][-1:] == [
+        "[2] "
+    ]

@@ -2,9 +2,11 @@
 
 One prompt streams its text as it is generated. Several run as one batch, and each answer is
 printed as one line, `[i] text` (i: the prompt's position from 1; a newline in the answer shown
-as `\\n`), as soon as its request finishes. Every argument is checked before the model loads:
-values at parsing (exit status 2, naming the flag), the backend name, and the prompts' lengths
-against the model's context, read from its config and tokenizer alone.
+as `\\n`), as soon as its request finishes; on a terminal the answers still running are shown
+below those lines, one line each (the end of its text), updated as tokens arrive. Every
+argument is checked before the model loads: values at parsing (exit status 2, naming the flag),
+the backend name, and the prompts' lengths against the model's context, read from its config and
+tokenizer alone.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from rich.console import Console
+from rich.console import Console, Group
+from rich.live import Live
+from rich.text import Text
 
 from anyattn.cli_common import arg_type, backend_request, make_console, print_error
 from anyattn.engine.arguments import encode_text, parse_device
@@ -237,31 +241,57 @@ def _stream_one(llm, prompt: str, params: SamplingParams, chat: bool, err: Conso
 def _run_several(
     llm, prompts: Sequence[str], params: SamplingParams, chat: bool, err: Console
 ) -> tuple[int, int]:
-    """Run the prompts as one batch, printing each answer when it finishes; returns (tokens
-    generated, requests failed)."""
+    """Run the prompts as one batch, printing each answer as one line when it finishes (on a
+    terminal, the answers still running show below, one line each, as they are generated);
+    returns (tokens generated, requests failed)."""
     for index, prompt in enumerate(prompts, 1):
         err.print(f"[{index}] > {_one_line(prompt)}")
     index_of: dict[int, int] = {}
     tokens = failed = 0
+    out = Console(highlight=False, markup=False, soft_wrap=True)
+    running: dict[int, str] = {}  # prompt position -> its text so far (terminal only)
+
+    def view() -> Group:
+        lines = []
+        for index, text in sorted(running.items()):
+            prefix = f"[{index}] "
+            room = max(out.width - 1 - len(prefix), 8)
+            lines.append(Text(prefix + _one_line(text)[-room:], no_wrap=True))
+        return Group(*lines)
+
+    live = (
+        Live(view(), console=out, auto_refresh=False, transient=True) if out.is_terminal else None
+    )
     try:
+        if live is not None:
+            live.start()
         for index, prompt in enumerate(prompts, 1):
             index_of[llm.add_request(prompt, params, chat)] = index
         pending = set(index_of)
         while pending:
             for output in llm.step():
-                if not output.finished or output.request_id not in pending:
+                if output.request_id not in pending:
                     continue
-                pending.discard(output.request_id)
                 index = index_of[output.request_id]
                 completion = output.outputs[0]
+                if not output.finished:
+                    if live is not None:
+                        running[index] = completion.text
+                    continue
+                pending.discard(output.request_id)
+                running.pop(index, None)
                 tokens += len(completion.token_ids)
                 if output.error:
                     failed += 1
                     print_error("generate", f"[{index}] {output.error}")
                 else:
-                    sys.stdout.write(f"[{index}] {_one_line(completion.text)}\n")
-                    sys.stdout.flush()
+                    out.print(Text(f"[{index}] {_one_line(completion.text)}"))
+                    out.file.flush()
+            if live is not None:
+                live.update(view(), refresh=True)
     finally:
+        if live is not None:
+            live.stop()
         for request_id in index_of:  # on an interrupt, stop what is still running
             llm.abort_request(request_id)
     return tokens, failed
