@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 
@@ -69,6 +70,17 @@ def test_each_backend_wins_its_phase_in_turn(three, rotation):
     # Overall: 4 decode steps outweigh the prefill and the mixed step.
     assert measured.overall == winner["decode"]
     assert measured.first_calls_s(order[0]) > 0
+
+
+def test_oracle_checks_are_reported_apart_from_timing(three):
+    # The checks (where kernels compile) take 50 ms each here, the fake timings nothing.
+    def slow_check(backend):
+        time.sleep(0.05)
+
+    timer = fake_timer(timings_where(dict.fromkeys((p.value for p in Phase), three[0]), three))
+    measured = measure_backends(CONFIG, LIMITS, "cpu", timer=timer, checker=slow_check)
+    assert measured.check_s >= 0.15 > measured.timing_s
+    assert measured.to_dict()["check_s"] == measured.check_s
 
 
 @pytest.mark.parametrize("winner", ["TORCH", "FLEX_ATTENTION", "THIRD"])

@@ -38,7 +38,10 @@ class Measurement:
             `anyattn.kv_cache_sharing`), so an engine may run them on one cache.
         kv_cache_note: why, or why not.
         is_mla: the config is MLA (the engine runs MLA layers on one backend per layer).
-        timing_s: wall seconds of checking and timing (0 when read from the cache).
+        check_s: wall seconds of the oracle checks, where each backend's kernels compile (0 when
+            read from the cache).
+        timing_s: wall seconds of timing the steps, each step's first call included (its
+            compilation and autotuning: `first_calls_s`); 0 when read from the cache.
         from_cache: whether this came from the on-disk cache.
         cache_note: what the cache did ("used <path>", "saved to <path>", "cache off", ...).
     """
@@ -51,6 +54,7 @@ class Measurement:
     kv_cache_shared: bool
     kv_cache_note: str
     is_mla: bool = False
+    check_s: float = 0.0
     timing_s: float = 0.0
     from_cache: bool = False
     cache_note: str = ""
@@ -127,6 +131,7 @@ class Measurement:
             "kv_cache_note": self.kv_cache_note,
             "is_mla": self.is_mla,
             "engine": self.pair_note(),
+            "check_s": self.check_s,
             "timing_s": self.timing_s,
             "from_cache": self.from_cache,
             "cache_note": self.cache_note,

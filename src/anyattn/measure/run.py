@@ -93,15 +93,19 @@ def _measure(
     timer: Timer,
     checker: Checker,
     progress: bool,
-) -> tuple[dict[str, dict[str, StepTiming]], dict[str, str]]:
+) -> tuple[dict[str, dict[str, StepTiming]], dict[str, str], float]:
+    """Check then time each candidate; returns (timings, rejected, seconds of checks)."""
     timings: dict[str, dict[str, StepTiming]] = {}
+    check_s = 0.0
     rejected: dict[str, str] = {}
     with _progress(progress) as bar:
         task = bar.add_task("", total=len(candidates) * (len(steps) + 1))
         for backend in candidates:
             name = backend.get_name()
             bar.update(task, description=f"{name}: oracle check")
+            start = time.perf_counter()
             reason = checker(backend)
+            check_s += time.perf_counter() - start
             bar.advance(task)
             if reason is not None:
                 rejected[name] = f"oracle check failed: {reason}"
@@ -119,7 +123,7 @@ def _measure(
                     bar.advance(task)
             if name not in rejected:
                 timings[name] = timed
-    return timings, rejected
+    return timings, rejected, check_s
 
 
 def measure_candidates(
@@ -172,8 +176,8 @@ def measure_candidates(
     timer = timer or _default_timer(config, layer, limits, device, per_step_s)
     checker = checker or (lambda backend: check_against_oracle(backend, config, layer, device))
     start = time.perf_counter()
-    timings, rejected = _measure(candidates, steps, timer, checker, progress)
-    timing_s = time.perf_counter() - start
+    timings, rejected, check_s = _measure(candidates, steps, timer, checker, progress)
+    timing_s = time.perf_counter() - start - check_s
     order = tuple(b.get_name() for b in candidates)
     by_name = {b.get_name(): b for b in candidates}
     choices = choose(steps, order, timings)
@@ -190,6 +194,7 @@ def measure_candidates(
         kv_cache_shared=shared,
         kv_cache_note=why,
         is_mla=config.use_mla,
+        check_s=check_s,
         timing_s=timing_s,
     )
     if use_cache:
