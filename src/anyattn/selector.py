@@ -302,6 +302,7 @@ def measure_backends(
     progress: bool = False,
     timer: Timer | None = None,
     checker: Checker | None = None,
+    layers_per_step: int | None = None,
 ) -> Measurement:
     """Time every backend the selector would take automatically for `config` on this machine,
     each after an oracle check, and choose per phase and overall (docs/measured_selection.md).
@@ -317,6 +318,9 @@ def measure_backends(
             variable `ANYATTN_NO_MEASURE_CACHE=1` also turns it off).
         progress: show a progress bar on stderr.
         timer, checker: replace the timing and the oracle check (tests).
+        layers_per_step: how many layer calls share one metadata `build` per step (an engine's
+            layers of this config); each step's build time is then counted, that share per
+            layer call. None (default): layer calls are compared alone.
 
     Returns:
         The `Measurement` (`.overall`, `.choice("decode")`, the times, the rejections).
@@ -349,6 +353,7 @@ def measure_backends(
         checker=checker,
         use_cache=use_cache,
         progress=progress,
+        layers_per_step=layers_per_step,
     )
 
 

@@ -185,17 +185,28 @@ def _timer_where(winners: dict[str, str]):
     return timer
 
 
-def _measure_with(monkeypatch, winners):
+def _measure_with(monkeypatch, winners) -> list[dict]:
+    """Fake timings for the engine's measurement; returns the list of each call's arguments."""
+    calls: list[dict] = []
+
     def measure(config, limits, device, **kwargs):
+        calls.append(dict(kwargs))
         kwargs |= {"timer": _timer_where(winners), "checker": lambda backend: None}
         return measure_backends(config, limits, device, **kwargs)
 
     monkeypatch.setattr(backend_choice, "measure_backends", measure)
+    return calls
 
 
 def test_fastest_runs_a_measured_pair(tiny_llm, monkeypatch):
-    _measure_with(monkeypatch, {"decode": "TORCH", "prefill": "FLEX_ATTENTION", "mixed": "TORCH"})
+    # FLEX_ATTENTION's mixed steps are fast too: the pair, counting a mixed step as both
+    # backends' step, clearly beats TORCH alone.
+    winners = {"decode": "TORCH", "prefill": "FLEX_ATTENTION", "mixed": "FLEX_ATTENTION"}
+    calls = _measure_with(monkeypatch, winners)
     llm, hf_model = tiny_llm("llama", backend="fastest", max_num_batched_tokens=7)
+    # One measurement for the one layer config, its build shared by all the model's layers.
+    num_layers = len(list(llm.runner.model.attention_layers()))
+    assert [c["layers_per_step"] for c in calls] == [num_layers] and num_layers > 1
     group = llm.runner.groups[0]
     assert (group.backend.get_name(), group.prefill_backend.get_name()) == PAIR
     assert (

@@ -199,7 +199,7 @@ def test_phase_choices_that_share_a_kv_cache_make_a_pair(three):
     table |= {("FLEX_ATTENTION", p.value): 300.0 for p in Phase} | {
         ("THIRD", p.value): 900.0 for p in Phase
     }
-    table[("FLEX_ATTENTION", "prefill")] = 10.0
+    table[("FLEX_ATTENTION", "prefill")] = table[("FLEX_ATTENTION", "mixed")] = 10.0
     measured = measure_backends(CONFIG, LIMITS, "cpu", timer=fake_timer(table), checker=passes)
     assert measured.kv_cache_shared and measured.phase_pair == ("TORCH", "FLEX_ATTENTION")
     # TORCH (the decode choice) prefers HND, which FLEX_ATTENTION also takes
@@ -217,3 +217,39 @@ def test_phase_choices_that_share_a_kv_cache_make_a_pair(three):
     assert mla.phase_pair is None and mla.pair_note().endswith(
         "the engine runs MLA layers on one backend for every phase"
     )
+
+
+def test_a_pair_runs_only_when_it_clearly_beats_the_overall_choice(three):
+    # FLEX_ATTENTION prefills 10x faster, but its mixed step is slow: under a pair a mixed step
+    # runs both backends (counted as both whole steps), so the pair is predicted to lose.
+    table = {("TORCH", p.value): 100.0 for p in Phase}
+    table |= {("FLEX_ATTENTION", p.value): 300.0 for p in Phase} | {
+        ("THIRD", p.value): 900.0 for p in Phase
+    }
+    table[("FLEX_ATTENTION", "prefill")] = 10.0
+    measured = measure_backends(CONFIG, LIMITS, "cpu", timer=fake_timer(table), checker=passes)
+    assert measured.choice("decode") == "TORCH" and measured.choice("prefill") == "FLEX_ATTENTION"
+    assert measured.kv_cache_shared and measured.phase_pair is None
+    decodes = sum(s.phase is Phase.DECODE for s in measured.steps)
+    pair_us, overall_us = decodes * 100 + 10 + (100 + 300), (decodes + 2) * 100
+    assert measured.pair_note() == (
+        "one backend, TORCH (overall), for every step: the pair TORCH (decode) + FLEX_ATTENTION "
+        f"(prefill) is predicted at {pair_us} us over the steps (a mixed step counted as both "
+        f"backends' step) against {overall_us} us, not a clear gain"
+    )
+
+
+@pytest.mark.parametrize(("layers_per_step", "winner"), [(None, "FLEX_ATTENTION"),
+                         (1, "TORCH"), (100, "FLEX_ATTENTION")])  # fmt: skip
+def test_each_steps_build_is_shared_by_the_layers_that_use_it(three, layers_per_step, winner):
+    # FLEX_ATTENTION's calls take 90 us against TORCH's 100, its build 500 us against 1: alone
+    # a layer call pays the whole build; an engine of 100 such layers pays 5 us of it per call.
+    def timer(backend, step):
+        name = backend.get_name()
+        base, build = {"TORCH": (100.0, 1.0), "FLEX_ATTENTION": (90.0, 500.0)}.get(name, (900, 1))
+        return StepTiming(step.name, (base,), first_call_us=base, build_us=build)
+
+    measured = measure_backends(CONFIG, LIMITS, "cpu", timer=timer, checker=passes,
+                                layers_per_step=layers_per_step)  # fmt: skip
+    assert measured.overall == winner
+    assert Measurement.from_dict(measured.to_dict()).overall == winner

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -124,13 +125,17 @@ def use_backend_pair(model: torch.nn.Module, prefill_backend: BackendArg) -> str
 def use_fastest_backends(
     model: torch.nn.Module, device: torch.device, limits: BatchLimits
 ) -> list[str]:
-    """Measure each distinct layer config under the engine's limits (cached on disk) and move
+    """Measure each distinct layer config under the engine's limits (cached on disk; each step's
+    `build` weighed over the config's layers, which share it) and move
     its layers onto the measured choice: the decode and prefill choices as a pair when the
     measurement says so (`Measurement.phase_pair`), else the overall choice. Returns one note
     per config (`Measurement.pair_note`), also logged."""
     notes: list[str] = []
     chosen: dict[object, tuple[type[AttentionBackend], type[AttentionBackend] | None]] = {}
-    for layer in model.attention_layers():
+    layers = list(model.attention_layers())
+    # The engine builds metadata once per step for all the layers of a config.
+    per_config = Counter(layer.config for layer in layers)
+    for layer in layers:
         if layer.config not in chosen:
             measured = measure_backends(
                 layer.config,
@@ -138,6 +143,7 @@ def use_fastest_backends(
                 device,
                 layer_params=layer.impl.layer_params(),
                 progress=True,
+                layers_per_step=per_config[layer.config],
             )
             pair = measured.phase_pair
             if pair is None:

@@ -1,9 +1,12 @@
 """Choose a backend per phase from measured step times; no backend is named here.
 
-A phase's backend minimises its summed time over the phase's steps (the median of each step's
-timed calls). Measurements are noisy, so a backend is preferred only when it is clearly faster:
-every backend whose sum is within the tolerance of the fastest sum is tied with it, and among
-tied backends the static order (the selector's priority list, judged for this device) decides.
+A phase's backend minimises its summed time over the phase's steps: per step, the median of its
+timed calls and, when the number of layer calls that share one `build` per step is known (an
+engine's layers of the config), that share of the step's host `build` time, which an engine
+pays once per step before any layer runs. Measurements are noisy, so a backend is preferred only
+when it is clearly faster: every backend whose sum is within the tolerance of the fastest sum is
+tied with it, and among tied backends the static order (the selector's priority list, judged for
+this device) decides.
 The tolerance between the fastest backend f and a backend b is
 `max(2% of f's sum, spread(f) + spread(b))`, where a backend's spread over a phase is the sum
 of its steps' median absolute deviations: the run's own measured noise. The "overall" choice
@@ -18,7 +21,15 @@ from dataclasses import dataclass
 from anyattn.measure.steps import MeasureStep, Phase
 from anyattn.measure.timing import StepTiming
 
-__all__ = ["OVERALL", "RELATIVE_TOLERANCE", "PhaseChoice", "choose", "choose_phase"]
+__all__ = [
+    "OVERALL",
+    "RELATIVE_TOLERANCE",
+    "PhaseChoice",
+    "choose",
+    "choose_phase",
+    "step_cost_us",
+    "within_tolerance",
+]
 
 OVERALL = "overall"
 RELATIVE_TOLERANCE = 0.02
@@ -52,11 +63,26 @@ class PhaseChoice:
         }
 
 
+def step_cost_us(timing: StepTiming, layers_per_step: int | None) -> float:
+    """One layer call's cost on a step: its median time, plus its share of the step's `build`
+    when `layers_per_step` layer calls share that build (None: the build is not counted)."""
+    if layers_per_step is None:
+        return timing.median_us
+    return timing.median_us + timing.build_us / layers_per_step
+
+
+def within_tolerance(total: float, best: float, spread: float) -> bool:
+    """Whether `total` is tied with `best`: within 2% of it or within the two sums' measured
+    spread (`spread`: both backends' spreads added)."""
+    return total - best <= max(RELATIVE_TOLERANCE * best, spread)
+
+
 def choose_phase(
     phase: str,
     step_names: Sequence[str],
     order: Sequence[str],
     timings: Mapping[str, Mapping[str, StepTiming]],
+    layers_per_step: int | None = None,
 ) -> PhaseChoice | None:
     """The backend for one phase.
 
@@ -66,6 +92,7 @@ def choose_phase(
         order: candidate backends in static order (earlier wins a tie).
         timings: backend -> step name -> its timing; a backend missing any of `step_names`
             (rejected, or failed while timed) takes no part.
+        layers_per_step: layer calls sharing one `build` per step (`step_cost_us`).
 
     Returns:
         The choice, or None when the phase has no step or no backend has timed all of them.
@@ -77,7 +104,7 @@ def choose_phase(
     for name in order:
         timed = timings.get(name, {})
         if all(step in timed for step in step_names):
-            totals[name] = sum(timed[step].median_us for step in step_names)
+            totals[name] = sum(step_cost_us(timed[step], layers_per_step) for step in step_names)
             spreads[name] = sum(timed[step].spread_us for step in step_names)
     if not totals:
         return None
@@ -86,7 +113,7 @@ def choose_phase(
     tied = tuple(
         name
         for name in totals
-        if totals[name] - best <= max(RELATIVE_TOLERANCE * best, spreads[fastest] + spreads[name])
+        if within_tolerance(totals[name], best, spreads[fastest] + spreads[name])
     )
     return PhaseChoice(phase, tied[0], fastest, totals, tied)
 
@@ -95,12 +122,13 @@ def choose(
     steps: Sequence[MeasureStep],
     order: Sequence[str],
     timings: Mapping[str, Mapping[str, StepTiming]],
+    layers_per_step: int | None = None,
 ) -> dict[str, PhaseChoice]:
     """The choice of each phase that has steps ("decode", "prefill", "mixed") and "overall"."""
     choices: dict[str, PhaseChoice] = {}
     groups = [(p.value, [s.name for s in steps if s.phase is p]) for p in Phase]
     for label, names in [*groups, (OVERALL, [s.name for s in steps])]:
-        choice = choose_phase(label, names, order, timings)
+        choice = choose_phase(label, names, order, timings, layers_per_step)
         if choice is not None:
             choices[label] = choice
     return choices

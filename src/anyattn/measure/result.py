@@ -1,6 +1,11 @@
 """The result of a measured selection: steps, times, choices per phase, whether the decode and
 prefill choices could share one KV cache, and so whether an engine runs them as a pair.
 
+A pair is run only when it is predicted to beat the overall choice beyond the run's tolerance
+over all the steps: decode steps on the decode choice, prefill steps on the prefill choice, and
+each mixed step counted as both backends' whole mixed-step times (under a pair a mixed step
+runs both backends' builds and launches, each over part of the rows; the sum bounds it).
+
 `Measurement` is what `anyattn.selector.measure_backends` returns and what the cache stores
 (`to_dict` / `from_dict`; choices are recomputed from the stored times on load, so a cached
 file cannot carry a choice its times do not support).
@@ -15,7 +20,7 @@ from anyattn.backend import AttentionBackend
 from anyattn.config import AttentionSelectorConfig
 from anyattn.kv_cache_sharing import KVCacheNotShareableError, plan_shared_kv_cache
 from anyattn.layer_params import LayerParams
-from anyattn.measure.policy import OVERALL, PhaseChoice, choose
+from anyattn.measure.policy import OVERALL, PhaseChoice, choose, step_cost_us, within_tolerance
 from anyattn.measure.steps import MeasureStep, Phase
 from anyattn.measure.timing import StepTiming
 
@@ -38,6 +43,8 @@ class Measurement:
             `anyattn.kv_cache_sharing`), so an engine may run them on one cache.
         kv_cache_note: why, or why not.
         is_mla: the config is MLA (the engine runs MLA layers on one backend per layer).
+        layers_per_step: the layer calls that share one `build` per step (an engine's layers of
+            the config), which weighs each step's build into its cost; None: not counted.
         check_s: wall seconds of the oracle checks, where each backend's kernels compile (0 when
             read from the cache).
         timing_s: wall seconds of timing the steps, each step's first call included (its
@@ -54,6 +61,7 @@ class Measurement:
     kv_cache_shared: bool
     kv_cache_note: str
     is_mla: bool = False
+    layers_per_step: int | None = None
     check_s: float = 0.0
     timing_s: float = 0.0
     from_cache: bool = False
@@ -61,7 +69,8 @@ class Measurement:
     choices: Mapping[str, PhaseChoice] = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "choices", choose(self.steps, self.order, self.timings))
+        choices = choose(self.steps, self.order, self.timings, self.layers_per_step)
+        object.__setattr__(self, "choices", choices)
 
     def choice(self, phase: Phase | str) -> str | None:
         """The backend chosen for `phase` ("decode", "prefill", "mixed", "overall")."""
@@ -74,15 +83,38 @@ class Measurement:
         """The single best backend over every step."""
         return self.choice(OVERALL)
 
+    def _pair_and_overall_us(self, decode: str, prefill: str) -> tuple[float, float, float]:
+        """Predicted summed cost of the pair and of the overall choice over every step, and
+        the two sums' spread."""
+        pair = overall = spread = 0.0
+        users = {Phase.DECODE: (decode,), Phase.PREFILL: (prefill,), Phase.MIXED: (decode, prefill)}
+        best = self.overall
+        for step in self.steps:
+            for name in users[step.phase]:
+                timing = self.timings[name][step.name]
+                pair += step_cost_us(timing, self.layers_per_step)
+                spread += timing.spread_us
+            timing = self.timings[best][step.name]  # type: ignore[index]
+            overall += step_cost_us(timing, self.layers_per_step)
+            spread += timing.spread_us
+        return pair, overall, spread
+
+    def _pair_pays(self, decode: str, prefill: str) -> bool:
+        pair, overall, spread = self._pair_and_overall_us(decode, prefill)
+        return pair < overall and not within_tolerance(overall, pair, spread)
+
     @property
     def phase_pair(self) -> tuple[str, str] | None:
-        """`(decode, prefill)` when the engine runs the phases on two backends: they differ and
-        can share one KV cache (and the layer is not MLA); else None (the overall choice
-        serves every step)."""
+        """`(decode, prefill)` when the engine runs the phases on two backends: they differ,
+        can share one KV cache (and the layer is not MLA), and the pair is predicted to beat
+        the overall choice (module docstring); else None (the overall choice serves every
+        step)."""
         decode, prefill = self.choice(Phase.DECODE), self.choice(Phase.PREFILL)
         if decode is None or prefill is None or decode == prefill:
             return None
-        return None if self.is_mla or not self.kv_cache_shared else (decode, prefill)
+        if self.is_mla or not self.kv_cache_shared:
+            return None
+        return (decode, prefill) if self._pair_pays(decode, prefill) else None
 
     def pair_note(self) -> str:
         """What an engine runs on this measurement, and why not a per-phase pair."""
@@ -100,9 +132,16 @@ class Measurement:
             return f"{one}: decode and prefill both chose {decode}"
         if self.is_mla:
             return f"{one}: the engine runs MLA layers on one backend for every phase"
+        if not self.kv_cache_shared:
+            return (
+                f"{one}: {decode} (decode) and {prefill} (prefill) cannot share one KV cache "
+                f"({self.kv_cache_note})"
+            )
+        pair_us, overall_us, _ = self._pair_and_overall_us(decode, prefill)
         return (
-            f"{one}: {decode} (decode) and {prefill} (prefill) cannot share one KV cache "
-            f"({self.kv_cache_note})"
+            f"{one}: the pair {decode} (decode) + {prefill} (prefill) is predicted at "
+            f"{pair_us:.0f} us over the steps (a mixed step counted as both backends' step) "
+            f"against {overall_us:.0f} us, not a clear gain"
         )
 
     def first_calls_s(self, backend: str) -> float:
@@ -130,6 +169,7 @@ class Measurement:
             "kv_cache_shared": self.kv_cache_shared,
             "kv_cache_note": self.kv_cache_note,
             "is_mla": self.is_mla,
+            "layers_per_step": self.layers_per_step,
             "engine": self.pair_note(),
             "check_s": self.check_s,
             "timing_s": self.timing_s,
@@ -157,6 +197,9 @@ class Measurement:
             kv_cache_shared=bool(data["kv_cache_shared"]),
             kv_cache_note=str(data["kv_cache_note"]),
             is_mla=bool(data["is_mla"]),
+            layers_per_step=None
+            if data["layers_per_step"] is None
+            else int(data["layers_per_step"]),  # type: ignore[call-overload]
             from_cache=True,
             cache_note=cache_note,
         )

@@ -137,6 +137,7 @@ def measure_candidates(
     checker: Checker | None = None,
     use_cache: bool = True,
     progress: bool = False,
+    layers_per_step: int | None = None,
 ) -> Measurement:
     """Check, time and choose among `candidates` (in static order) for `config` on `device`.
 
@@ -150,6 +151,8 @@ def measure_candidates(
         checker: replaces the oracle check (tests); default: `check_against_oracle`.
         use_cache: read and write the on-disk cache (`anyattn.measure.cache`).
         progress: show a progress bar on stderr.
+        layers_per_step: layer calls sharing one `build` per step (an engine's layers of this
+            config): each step's build is then weighed into its cost (`Measurement`).
 
     Raises:
         ValueError: no candidates, missing heads, or a config measured selection does not
@@ -159,7 +162,8 @@ def measure_candidates(
         raise ValueError("measure: no candidate backend (got none, expected at least one).")
     layer = resolve_layer(config, layer_params)
     steps = measurement_steps(config, limits)
-    key = make_key(device, list(candidates), _jsonable(config), _jsonable(layer), _jsonable(limits))  # type: ignore[arg-type]
+    limits_key = {**_jsonable(limits), "layers_per_step": layers_per_step}  # type: ignore[dict-item]
+    key = make_key(device, list(candidates), _jsonable(config), _jsonable(layer), limits_key)  # type: ignore[arg-type]
     if use_cache and cache_dir() is None:
         use_cache, note = False, f"cache off ({NO_CACHE_ENV} is set)"
     else:
@@ -180,7 +184,7 @@ def measure_candidates(
     timing_s = time.perf_counter() - start - check_s
     order = tuple(b.get_name() for b in candidates)
     by_name = {b.get_name(): b for b in candidates}
-    choices = choose(steps, order, timings)
+    choices = choose(steps, order, timings, layers_per_step)
     # The pair an engine would run: decodes on the decode choice, prefills on the prefill's.
     phases = [p.value for p in (Phase.DECODE, Phase.PREFILL) if p.value in choices]
     chosen = [by_name[choices[p].backend] for p in phases]
@@ -194,6 +198,7 @@ def measure_candidates(
         kv_cache_shared=shared,
         kv_cache_note=why,
         is_mla=config.use_mla,
+        layers_per_step=layers_per_step,
         check_s=check_s,
         timing_s=timing_s,
     )
