@@ -1,9 +1,10 @@
 """`anyattn explain --measure`: the measured selection for one layer configuration, printed.
 
 The engine's limits (`--max-num-seqs`, `--max-num-batched-tokens`, `--max-model-len`) set the
-timed steps. It prints the steps, each candidate's summed time per phase and its first-call
-seconds (compilation, autotuning), the rejected candidates, the choice per phase and overall,
-whether the decode and prefill choices can share one KV cache, whether the engine runs them as a
+timed steps; `--num-layers N` counts each step's `build` over N layers, as the engine does. It
+prints the steps, each candidate's summed time per phase and its first-call seconds
+(compilation, autotuning), the rejected candidates, the choice per phase and overall, whether
+the decode and prefill choices can share one KV cache, whether the engine runs them as a
 per-phase pair (or the overall choice, and why), and what the cache did ("used <file>": no
 timing was done).
 """
@@ -46,6 +47,15 @@ def add_measure_arguments(parser: argparse.ArgumentParser) -> None:
             help=f"engine limit the timed steps come from (default: {default})",
         )
     group.add_argument(
+        "--num-layers",
+        type=positive_int,
+        metavar="N",
+        default=None,
+        help="the model's layers of this configuration, which share each step's metadata "
+        "build: the build is then counted, 1/N per layer call, as the engine does (default: "
+        "not counted)",
+    )
+    group.add_argument(
         "--no-measure-cache",
         action="store_true",
         help="neither read nor write the measurement cache (see ANYATTN_CACHE_DIR)",
@@ -68,6 +78,7 @@ def run_measure(args: argparse.Namespace, config: AttentionSelectorConfig) -> Me
         args.device,
         use_cache=not args.no_measure_cache,
         progress=True,
+        layers_per_step=args.num_layers,
     )
 
 
