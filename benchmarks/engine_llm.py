@@ -71,6 +71,12 @@ def _summary(measured) -> dict:
         "totals_us": {phase: dict(c.totals_us) for phase, c in measured.choices.items()},
         "rejected": dict(measured.rejected),
         "engine": measured.pair_note(),
+        "layers_per_step": measured.layers_per_step,
+        "build_us": {
+            b: {step: t.build_us for step, t in per_step.items()}
+            for b, per_step in measured.timings.items()
+        },
+        "check_s": measured.check_s,
         "timing_s": measured.timing_s,
         "from_cache": measured.from_cache,
     }
@@ -117,6 +123,12 @@ def set_up(make, device) -> tuple[object, dict]:
                 f"{b} {us:.0f}" for b, us in sorted(totals.items(), key=lambda x: x[1])
             )
             print(f"  measured {phase}: {cells} us (chose {summary['choices'][phase]})", flush=True)
+        builds = ", ".join(
+            f"{b} {max(per_step.values()):.0f}" for b, per_step in summary["build_us"].items()
+        )
+        print(f"  build per step (largest, us): {builds}; over {summary['layers_per_step']} "
+              f"layers; checks {summary['check_s']:.1f} s, timing {summary['timing_s']:.1f} s",
+              flush=True)  # fmt: skip
     return llm, info
 
 
