@@ -16,9 +16,10 @@ one run, and `anyattn explain --measure` twice over one cache folder.
      behind a hold kernel (device time), the contenders in alternating rounds.
    - The verdict: the pick's median over the best single backend's median at most 1.03, or
      their difference within the sum of both medians' absolute deviations (this run's spread).
-   The mixed case also times what the engine runs for "fastest" when the measurement gives a
-   per-phase pair (docs/per_phase.md): the decode rows on the decode choice and the prefill rows
-   on the prefill choice over one cache (`--pair D,P` names another pair).
+   The mixed case also times the decode and prefill choices as a per-phase pair when they differ
+   and can share a cache (docs/per_phase.md): the decode rows on the decode choice and the
+   prefill rows on the prefill choice over one cache (`--pair D,P` names another pair); the
+   engine runs such a pair only when the measurement predicts it pays (its note says).
 2. `anyattn explain --measure` (its entry point, `anyattn.cli.main`, in this process, after the
    table: kernels are compiled by then) twice with `ANYATTN_CACHE_DIR` a fresh folder: the first
    run checks and times (the calls into the timing and the oracle check are counted), the second
@@ -190,7 +191,12 @@ def time_case(
     if spec.section != "mixed":
         pair = None
     elif pair is None and measured is not None:
-        pair = measured.phase_pair
+        # The choices as a pair wherever they differ and can share a cache, whether or not the
+        # engine would run it (its note says), so that the table shows what a pair costs.
+        decode, prefill = measured.choice("decode"), measured.choice("prefill")
+        split = decode is not None and prefill is not None and decode != prefill
+        if split and measured.kv_cache_shared and not measured.is_mla:
+            pair = (decode, prefill)
     singles = list(dict.fromkeys([*backends, *([pick] if pick else [])]))
     prepare = {name: functools.partial(kernels.prepare_backend, name) for name in singles}
     if pair is not None:
