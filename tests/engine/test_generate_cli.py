@@ -144,8 +144,9 @@ def test_help_shows_every_default(capsys):
         assert default in text
 
 
-def test_several_prompts_stream_one_line_each_as_they_finish(folder, capsys, monkeypatch):
-    # The first request reaches the context (128 tokens) after 2 tokens; the second runs on.
+def _two_prompts(folder, capsys, monkeypatch) -> str:
+    """Run two prompts: the first reaches the context (128 tokens) after 2 tokens, the second
+    runs on. Returns what stdout had received before the last engine step."""
     long = " ".join(["t5"] * 126)
     written_before_step = []
     step = llm_module.LLM.step
@@ -157,8 +158,12 @@ def test_several_prompts_stream_one_line_each_as_they_finish(folder, capsys, mon
     monkeypatch.setattr(llm_module.LLM, "step", spy)
     argv = ["generate", long, "t1 t2", "--model", str(folder), "--max-tokens", "10"]
     assert main([*argv, "--device", "cpu"]) == 0
+    return "".join(written_before_step)
+
+
+def test_several_prompts_stream_one_line_each_as_they_finish(folder, capsys, monkeypatch):
+    streamed = _two_prompts(folder, capsys, monkeypatch)
     rest = capsys.readouterr()
-    streamed = "".join(written_before_step)
     assert [line[:4] for line in streamed.splitlines()] == ["[1] "]
     assert [line[:4] for line in rest.out.splitlines()] == ["[2] "]
     assert "tokens/s" in rest.err.splitlines()[-1]
@@ -191,18 +196,8 @@ def test_on_a_terminal_running_answers_show_as_they_are_generated(folder, capsys
     # The same batch as above, stdout a terminal: while the second request runs on, its line
     # shows its text so far; the finished lines are the same as without a terminal.
     monkeypatch.setenv("FORCE_COLOR", "1")
-    long = " ".join(["t5"] * 126)
-    written_before_step = []
-    step = llm_module.LLM.step
-
-    def spy(self):
-        written_before_step.append(capsys.readouterr().out)
-        return step(self)
-
-    monkeypatch.setattr(llm_module.LLM, "step", spy)
-    argv = ["generate", long, "t1 t2", "--model", str(folder), "--max-tokens", "10"]
-    assert main([*argv, "--device", "cpu"]) == 0
-    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", "".join(written_before_step))
+    streamed = _two_prompts(folder, capsys, monkeypatch)
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", streamed)
     assert re.search(r"^\[2\] \S", plain, re.MULTILINE)  # the running answer, before it ends
     final = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", capsys.readouterr().out)
     assert [line[:4] for line in (plain + final).splitlines() if line.startswith("[")][-1:] == [
