@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import sys
 
 import pytest
 import torch
@@ -193,13 +194,16 @@ def test_a_bad_backend_pair_is_refused_before_loading(value, expected, capsys, n
 
 
 def test_on_a_terminal_running_answers_show_as_they_are_generated(folder, capsys, monkeypatch):
-    # The same batch as above, stdout a terminal: while the second request runs on, its line
-    # shows its text so far; the finished lines are the same as without a terminal.
-    monkeypatch.setenv("FORCE_COLOR", "1")
+    # The same batch, stdout a terminal: while the second request runs on, its line shows its
+    # text so far; the finished lines are those printed without a terminal.
+    plain_run = _two_prompts(folder, capsys, monkeypatch) + capsys.readouterr().out
+    finished = plain_run.splitlines()
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    monkeypatch.setenv("TERM", "xterm")
     streamed = _two_prompts(folder, capsys, monkeypatch)
-    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", streamed)
-    assert re.search(r"^\[2\] \S", plain, re.MULTILINE)  # the running answer, before it ends
-    final = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", capsys.readouterr().out)
-    assert [line[:4] for line in (plain + final).splitlines() if line.startswith("[")][-1:] == [
-        "[2] "
-    ]
+    ansi = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
+    before_end = ansi.sub("\n", streamed).splitlines()
+    running = [line for line in before_end if line.startswith("[2] ") and line not in finished]
+    assert running  # the second answer, shown before it ended
+    lines = ansi.sub("\n", streamed + capsys.readouterr().out).splitlines()
+    assert [line for line in lines if line in finished] == finished

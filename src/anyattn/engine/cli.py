@@ -17,12 +17,11 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from rich.console import Console, Group
-from rich.live import Live
-from rich.text import Text
+from rich.console import Console
 
 from anyattn.cli_common import arg_type, backend_request, make_console, print_error
 from anyattn.engine.arguments import encode_text, parse_device
+from anyattn.engine.running_view import RunningView, visible_line
 from anyattn.engine.sampling_params import SamplingParams
 from anyattn.selector import ENV_VAR, FASTEST
 from anyattn.types import parse_dtype
@@ -218,10 +217,6 @@ def _backends_by_layer(layers: Sequence[object]) -> str:
     )
 
 
-def _one_line(text: str) -> str:
-    return text.replace("\r", "\\r").replace("\n", "\\n")
-
-
 def _stream_one(llm, prompt: str, params: SamplingParams, chat: bool, err: Console) -> int:
     """Stream one prompt's text to stdout; returns its token count."""
     if chat:
@@ -245,53 +240,35 @@ def _run_several(
     terminal, the answers still running show below, one line each, as they are generated);
     returns (tokens generated, requests failed)."""
     for index, prompt in enumerate(prompts, 1):
-        err.print(f"[{index}] > {_one_line(prompt)}")
+        err.print(f"[{index}] > {visible_line(prompt)}")
     index_of: dict[int, int] = {}
     tokens = failed = 0
-    out = Console(highlight=False, markup=False, soft_wrap=True)
-    running: dict[int, str] = {}  # prompt position -> its text so far (terminal only)
-
-    def view() -> Group:
-        lines = []
-        for index, text in sorted(running.items()):
-            prefix = f"[{index}] "
-            room = max(out.width - 1 - len(prefix), 8)
-            lines.append(Text(prefix + _one_line(text)[-room:], no_wrap=True))
-        return Group(*lines)
-
-    live = (
-        Live(view(), console=out, auto_refresh=False, transient=True) if out.is_terminal else None
-    )
+    view = RunningView(Console(highlight=False, markup=False, soft_wrap=True))
     try:
-        if live is not None:
-            live.start()
-        for index, prompt in enumerate(prompts, 1):
-            index_of[llm.add_request(prompt, params, chat)] = index
-        pending = set(index_of)
-        while pending:
-            for output in llm.step():
-                if output.request_id not in pending:
-                    continue
-                index = index_of[output.request_id]
-                completion = output.outputs[0]
-                if not output.finished:
-                    if live is not None:
-                        running[index] = completion.text
-                    continue
-                pending.discard(output.request_id)
-                running.pop(index, None)
-                tokens += len(completion.token_ids)
-                if output.error:
-                    failed += 1
-                    print_error("generate", f"[{index}] {output.error}")
-                else:
-                    out.print(Text(f"[{index}] {_one_line(completion.text)}"))
-                    out.file.flush()
-            if live is not None:
-                live.update(view(), refresh=True)
+        with view:
+            for index, prompt in enumerate(prompts, 1):
+                index_of[llm.add_request(prompt, params, chat)] = index
+            pending = set(index_of)
+            while pending:
+                for output in llm.step():
+                    if output.request_id not in pending:
+                        continue
+                    index = index_of[output.request_id]
+                    completion = output.outputs[0]
+                    if not output.finished:
+                        view.running(index, completion.text)
+                        continue
+                    pending.discard(output.request_id)
+                    tokens += len(completion.token_ids)
+                    if output.error:
+                        failed += 1
+                        view.finished(index)
+                        message = f"[{index}] {output.error}"
+                        view.error(lambda message=message: print_error("generate", message))
+                    else:
+                        view.finished(index, f"[{index}] {visible_line(completion.text)}")
+                view.refresh()
     finally:
-        if live is not None:
-            live.stop()
         for request_id in index_of:  # on an interrupt, stop what is still running
             llm.abort_request(request_id)
     return tokens, failed
