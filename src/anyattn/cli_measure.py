@@ -110,7 +110,10 @@ def print_measurement(console: Console, measured: Measurement) -> None:
         steps.add_row(step.phase.value, step.name, step.describe())
     console.print(steps)
     labels = [p.value for p in Phase if p.value in measured.choices] + [OVERALL]
-    times = Table(box=box.SIMPLE_HEAD, title="summed time per phase", title_justify="left")
+    title = "summed time per phase"
+    if measured.layers_per_step is not None:
+        title += f" (each step's build counted over {measured.layers_per_step} layers)"
+    times = Table(box=box.SIMPLE_HEAD, title=title, title_justify="left")
     times.add_column("backend", no_wrap=True)
     for label in labels:
         times.add_column(label, justify="right", no_wrap=True)

@@ -67,9 +67,10 @@ def test_source_hash_covers_every_module_of_the_package(monkeypatch, tmp_path):
     monkeypatch.setattr(anyattn, "__file__", str(tmp_path / "__init__.py"))
     before = cache.source_hash.__wrapped__()
     kernel.write_text("BLOCK = 128\n")
-    assert cache.source_hash.__wrapped__() != before
+    changed = cache.source_hash.__wrapped__()
+    assert changed != before
     kernel.rename(tmp_path / "ops" / "kernel2.py")  # same bytes, another module
-    assert len({before, cache.source_hash.__wrapped__()}) == 2
+    assert cache.source_hash.__wrapped__() not in (before, changed)
 
 
 def test_second_run_uses_the_cache_and_times_nothing():

@@ -163,8 +163,11 @@ def test_explain_measure_times_once_then_uses_the_cache(capsys):
     # TORCH and FLEX_ATTENTION share a cache (HND, TORCH's preference, which FLEX also takes)
     assert "decode and prefill choices share one KV cache: yes" in out
     assert f"engine: {Measurement.from_dict(data).pair_note()}" in " ".join(out.split())
-    # The engine's layer count weighs each step's build: another key, measured again.
+    # The engine's layer count weighs each step's build into the same (cached) times.
+    assert main([*args, "--num-layers", "16"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(no timing done)" in out and "each step's build counted over 16 layers" in out
     assert main([*args, "--num-layers", "16", "--json"]) == 0
     counted = json.loads(capsys.readouterr().out)["measurement"]
-    assert counted["layers_per_step"] == 16 and not counted["from_cache"]
+    assert counted["layers_per_step"] == 16 and counted["from_cache"]
     assert data["layers_per_step"] is None

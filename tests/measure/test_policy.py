@@ -253,3 +253,31 @@ def test_each_steps_build_is_shared_by_the_layers_that_use_it(three, layers_per_
                                 layers_per_step=layers_per_step)  # fmt: skip
     assert measured.overall == winner
     assert Measurement.from_dict(measured.to_dict()).overall == winner
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.5])
+def test_a_bad_layers_per_step_is_refused_before_any_timing(three, bad):
+    timer = fake_timer({(n, p.value): 100.0 for n in three for p in Phase})
+    with pytest.raises(
+        ValueError, match=rf"layers_per_step must be None or an int >= 1 \(got {bad!r}\)"
+    ):
+        measure_backends(CONFIG, LIMITS, "cpu", timer=timer, checker=passes, layers_per_step=bad)
+    assert timer.calls == []
+
+
+def test_a_pair_needs_every_step_timed(three):
+    # A stored result whose prefill choice lacks its mixed step: no pair, and the note says why.
+    table = {("TORCH", p.value): 100.0 for p in Phase}
+    table |= {("FLEX_ATTENTION", p.value): 10.0 for p in Phase} | {
+        ("THIRD", p.value): 900.0 for p in Phase
+    }
+    table |= {("FLEX_ATTENTION", "decode"): 300.0}
+    measured = measure_backends(CONFIG, LIMITS, "cpu", timer=fake_timer(table), checker=passes)
+    assert measured.phase_pair == ("TORCH", "FLEX_ATTENTION")
+    data = measured.to_dict()
+    data["timings"]["FLEX_ATTENTION"] = [
+        t for t in data["timings"]["FLEX_ATTENTION"] if not t["step"].startswith("mixed")
+    ]
+    partial = Measurement.from_dict(data)
+    assert partial.phase_pair is None
+    assert partial.pair_note().endswith("not every step was timed on TORCH, FLEX_ATTENTION")

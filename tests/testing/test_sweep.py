@@ -104,3 +104,12 @@ def test_every_declared_mla_split_dtype_and_cache_dtype_is_planned(name):
 
 def test_a_backend_off_its_device_plans_nothing():
     assert declaration_cases(get_backend_class("FLASHINFER"), "cpu") == ([], [])
+
+
+def test_the_sink_case_checks_the_lse_where_the_device_returns_it():
+    # FLEX_ATTENTION declares sinks everywhere and LSE on CUDA only.
+    flex = get_backend_class("FLEX_ATTENTION")
+    for device, check_lse in ((DeviceInfo.cpu(), False), (SM90, True)):
+        cases, _ = declaration_cases(flex, device)
+        (sink,) = [c for c in cases if c.id == "feature-sink"]
+        assert sink.case.check_lse is check_lse

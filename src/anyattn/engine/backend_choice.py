@@ -133,7 +133,9 @@ def use_fastest_backends(
     notes: list[str] = []
     chosen: dict[object, tuple[type[AttentionBackend], type[AttentionBackend] | None]] = {}
     layers = list(model.attention_layers())
-    # The engine builds metadata once per step for all the layers of a config.
+    # The engine builds metadata once per step for each group of layers with one backend and
+    # KV-cache spec, so all the layers of a config share a build. (Configs that differ only
+    # outside the spec may share one too: N then undercounts, weighing builds more, not less.)
     per_config = Counter(layer.config for layer in layers)
     for layer in layers:
         if layer.config not in chosen:

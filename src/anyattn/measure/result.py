@@ -83,24 +83,28 @@ class Measurement:
         """The single best backend over every step."""
         return self.choice(OVERALL)
 
-    def _pair_and_overall_us(self, decode: str, prefill: str) -> tuple[float, float, float]:
+    def _pair_and_overall_us(self, decode: str, prefill: str) -> tuple[float, float, float] | None:
         """Predicted summed cost of the pair and of the overall choice over every step, and
-        the two sums' spread."""
-        pair = overall = spread = 0.0
-        users = {Phase.DECODE: (decode,), Phase.PREFILL: (prefill,), Phase.MIXED: (decode, prefill)}
+        the two sums' spread; None when a step lacks a timing they need."""
         best = self.overall
+        users = {Phase.DECODE: (decode,), Phase.PREFILL: (prefill,), Phase.MIXED: (decode, prefill)}
+        pair = overall = spread = 0.0
         for step in self.steps:
-            for name in users[step.phase]:
-                timing = self.timings[name][step.name]
-                pair += step_cost_us(timing, self.layers_per_step)
-                spread += timing.spread_us
-            timing = self.timings[best][step.name]  # type: ignore[index]
-            overall += step_cost_us(timing, self.layers_per_step)
-            spread += timing.spread_us
+            pair_timings = [self.timings.get(n, {}).get(step.name) for n in users[step.phase]]
+            best_timing = self.timings.get(best, {}).get(step.name) if best else None
+            if best_timing is None or any(t is None for t in pair_timings):
+                return None
+            for timing in [*pair_timings, best_timing]:
+                spread += timing.spread_us  # type: ignore[union-attr]
+            pair += sum(step_cost_us(t, self.layers_per_step) for t in pair_timings)  # type: ignore[arg-type]
+            overall += step_cost_us(best_timing, self.layers_per_step)
         return pair, overall, spread
 
     def _pair_pays(self, decode: str, prefill: str) -> bool:
-        pair, overall, spread = self._pair_and_overall_us(decode, prefill)
+        predicted = self._pair_and_overall_us(decode, prefill)
+        if predicted is None:
+            return False
+        pair, overall, spread = predicted
         return pair < overall and not within_tolerance(overall, pair, spread)
 
     @property
@@ -137,7 +141,11 @@ class Measurement:
                 f"{one}: {decode} (decode) and {prefill} (prefill) cannot share one KV cache "
                 f"({self.kv_cache_note})"
             )
-        pair_us, overall_us, _ = self._pair_and_overall_us(decode, prefill)
+        predicted = self._pair_and_overall_us(decode, prefill)
+        if predicted is None:
+            names = ", ".join(dict.fromkeys(n for n in (decode, prefill, self.overall) if n))
+            return f"{one}: not every step was timed on {names}"
+        pair_us, overall_us, _ = predicted
         return (
             f"{one}: the pair {decode} (decode) + {prefill} (prefill) is predicted at "
             f"{pair_us:.0f} us over the steps (a mixed step counted as both backends' step) "

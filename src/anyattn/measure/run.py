@@ -160,10 +160,17 @@ def measure_candidates(
     """
     if not candidates:
         raise ValueError("measure: no candidate backend (got none, expected at least one).")
+    if layers_per_step is not None and (
+        not isinstance(layers_per_step, int) or isinstance(layers_per_step, bool)
+        or layers_per_step < 1
+    ):  # fmt: skip
+        raise ValueError(
+            f"measure: layers_per_step must be None or an int >= 1 (got {layers_per_step!r})."
+        )
     layer = resolve_layer(config, layer_params)
     steps = measurement_steps(config, limits)
-    limits_key = {**_jsonable(limits), "layers_per_step": layers_per_step}  # type: ignore[dict-item]
-    key = make_key(device, list(candidates), _jsonable(config), _jsonable(layer), limits_key)  # type: ignore[arg-type]
+    # `layers_per_step` only weighs the stored times, so it is not part of the key.
+    key = make_key(device, list(candidates), _jsonable(config), _jsonable(layer), _jsonable(limits))  # type: ignore[arg-type]
     if use_cache and cache_dir() is None:
         use_cache, note = False, f"cache off ({NO_CACHE_ENV} is set)"
     else:
@@ -172,7 +179,8 @@ def measure_candidates(
         stored, note = load_entry(key)
         if stored is not None:
             try:
-                return Measurement.from_dict(stored, cache_note=note)
+                found = Measurement.from_dict(stored, cache_note=note)
+                return dataclasses.replace(found, layers_per_step=layers_per_step)
             except (KeyError, TypeError, ValueError, AttributeError) as error:
                 note = f"{note.removeprefix('used ')} is not a valid measurement ({error}); "
                 note += "measured again"
