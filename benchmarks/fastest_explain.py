@@ -38,8 +38,8 @@ CPU_LIMITS = ("4", "64", "256")
 @dataclass
 class ExplainRun:
     """One `anyattn explain --measure` run: exit code, wall seconds, timed steps and oracle
-    checks counted, what its measurement says (cache use, timing seconds, first-call seconds
-    per backend), the cache folder's files after it, and its printed output."""
+    checks counted, what its measurement says (cache use, oracle-check and timing seconds,
+    first-call seconds per backend), the cache folder's files after it, and its printed output."""
 
     argv: list[str]
     exit_code: int
@@ -47,6 +47,7 @@ class ExplainRun:
     timed_steps: int
     oracle_checks: int
     from_cache: bool = False
+    check_s: float = 0.0
     timing_s: float = 0.0
     first_calls_s: dict[str, float] = field(default_factory=dict)
     cache_note: str = ""
@@ -140,6 +141,7 @@ def _run_once(argv: list[str], folder: Path) -> ExplainRun:
     if measured:
         m = measured[-1]
         run.from_cache, run.timing_s, run.cache_note = m.from_cache, m.timing_s, m.cache_note
+        run.check_s = m.check_s
         run.first_calls_s = {b: m.first_calls_s(b) for b in m.timings}
     return run
 
@@ -174,6 +176,7 @@ def explain_report(runs: Sequence[ExplainRun]) -> str:
             r.timed_steps,
             r.oracle_checks,
             "yes" if r.from_cache else "no",
+            f"{r.check_s:.1f}",
             f"{r.timing_s:.1f}",
             ", ".join(f"{b} {s:.1f}" for b, s in r.first_calls_s.items()) or "-",
             r.cache_note,
@@ -187,6 +190,7 @@ def explain_report(runs: Sequence[ExplainRun]) -> str:
         "steps timed",
         "oracle checks",
         "from cache",
+        "checks s",
         "timing s",
         "first calls s",
         "cache",
