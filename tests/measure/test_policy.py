@@ -281,3 +281,31 @@ def test_a_pair_needs_every_step_timed(three):
     partial = Measurement.from_dict(data)
     assert partial.phase_pair is None
     assert partial.pair_note().endswith("not every step was timed on TORCH, FLEX_ATTENTION")
+
+
+def test_a_cached_measurement_judges_cache_sharing_for_the_choices_made_now(three):
+    # FLEX_ATTENTION's calls are faster everywhere, but its decode build is 500 us: alone it
+    # wins both phases; over one layer per build TORCH takes the decodes. The cached entry of
+    # the first call must not carry its "one backend" sharing note into the second.
+    def timer(backend, step):
+        name = backend.get_name()
+        if name == "FLEX_ATTENTION":
+            base, build = (90.0, 500.0) if step.phase is Phase.DECODE else (10.0, 1.0)
+        else:
+            base, build = (100.0, 1.0) if name == "TORCH" else (900.0, 1.0)
+        return StepTiming(step.name, (base,), first_call_us=base, build_us=build)
+
+    alone = measure_backends(CONFIG, LIMITS, "cpu", timer=timer, checker=passes)
+    assert alone.kv_cache_note == "one backend for every phase"
+    cached = measure_backends(CONFIG, LIMITS, "cpu", timer=timer, checker=passes,
+                              layers_per_step=1)  # fmt: skip
+    fresh = measure_backends(CONFIG, LIMITS, "cpu", timer=timer, checker=passes,
+                             layers_per_step=1, use_cache=False)  # fmt: skip
+    assert cached.from_cache and (cached.choice("decode"), cached.choice("prefill")) == (
+        "TORCH", "FLEX_ATTENTION"
+    )  # fmt: skip
+    assert (cached.kv_cache_shared, cached.kv_cache_note) == (
+        fresh.kv_cache_shared, fresh.kv_cache_note
+    )  # fmt: skip
+    assert cached.kv_cache_note.startswith("TORCH and FLEX_ATTENTION share one cache")
+    assert cached.pair_note() == fresh.pair_note()

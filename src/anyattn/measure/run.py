@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from rich.console import Console
@@ -30,7 +30,7 @@ from anyattn.measure.cache import (
 )
 from anyattn.measure.inputs import prepare_step
 from anyattn.measure.layer_shape import resolve_layer
-from anyattn.measure.policy import choose
+from anyattn.measure.policy import PhaseChoice, choose
 from anyattn.measure.result import Measurement, kv_cache_compatibility
 from anyattn.measure.steps import MeasureStep, Phase, measurement_steps
 from anyattn.measure.timing import StepTiming, Timer, time_prepared
@@ -126,6 +126,19 @@ def _measure(
     return timings, rejected, check_s
 
 
+def _cache_sharing(
+    choices: Mapping[str, PhaseChoice],
+    candidates: Sequence[type[AttentionBackend]],
+    config: AttentionSelectorConfig,
+    layer: LayerParams,
+) -> tuple[bool, str]:
+    """Whether the pair an engine would run (decodes on the decode choice, prefills on the
+    prefill's) can share one KV cache, and why (`kv_cache_compatibility`)."""
+    by_name = {b.get_name(): b for b in candidates}
+    phases = [p.value for p in (Phase.DECODE, Phase.PREFILL) if p.value in choices]
+    return kv_cache_compatibility([by_name[choices[p].backend] for p in phases], config, layer)
+
+
 def measure_candidates(
     config: AttentionSelectorConfig,
     limits: BatchLimits,
@@ -180,7 +193,11 @@ def measure_candidates(
         if stored is not None:
             try:
                 found = Measurement.from_dict(stored, cache_note=note)
-                return dataclasses.replace(found, layers_per_step=layers_per_step)
+                # This call's `layers_per_step` may choose other backends than the stored
+                # call's: whether they share a cache is judged for the choices made now.
+                found = dataclasses.replace(found, layers_per_step=layers_per_step)
+                shared, why = _cache_sharing(found.choices, candidates, config, layer)
+                return dataclasses.replace(found, kv_cache_shared=shared, kv_cache_note=why)
             except (KeyError, TypeError, ValueError, AttributeError) as error:
                 note = f"{note.removeprefix('used ')} is not a valid measurement ({error}); "
                 note += "measured again"
@@ -191,12 +208,8 @@ def measure_candidates(
     timings, rejected, check_s = _measure(candidates, steps, timer, checker, progress)
     timing_s = time.perf_counter() - start - check_s
     order = tuple(b.get_name() for b in candidates)
-    by_name = {b.get_name(): b for b in candidates}
     choices = choose(steps, order, timings, layers_per_step)
-    # The pair an engine would run: decodes on the decode choice, prefills on the prefill's.
-    phases = [p.value for p in (Phase.DECODE, Phase.PREFILL) if p.value in choices]
-    chosen = [by_name[choices[p].backend] for p in phases]
-    shared, why = kv_cache_compatibility(chosen, config, layer)
+    shared, why = _cache_sharing(choices, candidates, config, layer)
     result = Measurement(
         device=str(device_identity(device)["name"]),
         order=order,
