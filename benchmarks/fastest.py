@@ -191,12 +191,9 @@ def time_case(
     if spec.section != "mixed":
         pair = None
     elif pair is None and measured is not None:
-        # The choices as a pair wherever they differ and can share a cache, whether or not the
-        # engine would run it (its note says), so that the table shows what a pair costs.
-        decode, prefill = measured.choice("decode"), measured.choice("prefill")
-        split = decode is not None and prefill is not None and decode != prefill
-        if split and measured.kv_cache_shared and not measured.is_mla:
-            pair = (decode, prefill)
+        # Whether or not the engine would run it (its note says), so that the table shows
+        # what a pair costs.
+        pair = measured.possible_pair
     singles = list(dict.fromkeys([*backends, *([pick] if pick else [])]))
     prepare = {name: functools.partial(kernels.prepare_backend, name) for name in singles}
     if pair is not None:

@@ -108,17 +108,22 @@ class Measurement:
         return pair < overall and not within_tolerance(overall, pair, spread)
 
     @property
-    def phase_pair(self) -> tuple[str, str] | None:
-        """`(decode, prefill)` when the engine runs the phases on two backends: they differ,
-        can share one KV cache (and the layer is not MLA), and the pair is predicted to beat
-        the overall choice (module docstring); else None (the overall choice serves every
-        step)."""
+    def possible_pair(self) -> tuple[str, str] | None:
+        """`(decode, prefill)` when the two choices differ, can share one KV cache and the layer
+        is not MLA (an engine could run them as a pair); else None."""
         decode, prefill = self.choice(Phase.DECODE), self.choice(Phase.PREFILL)
         if decode is None or prefill is None or decode == prefill:
             return None
         if self.is_mla or not self.kv_cache_shared:
             return None
-        return (decode, prefill) if self._pair_pays(decode, prefill) else None
+        return decode, prefill
+
+    @property
+    def phase_pair(self) -> tuple[str, str] | None:
+        """`possible_pair` when the engine runs it: the pair is predicted to beat the overall
+        choice (module docstring); else None (the overall choice serves every step)."""
+        pair = self.possible_pair
+        return pair if pair is not None and self._pair_pays(*pair) else None
 
     def pair_note(self) -> str:
         """What an engine runs on this measurement, and why not a per-phase pair."""
