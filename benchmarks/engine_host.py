@@ -48,6 +48,10 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--profile", type=int, default=0, metavar="N", help="print cProfile's top N entries of "
         "the timed steps at the largest batch (the timings then include the profiler)"
     )  # fmt: skip
+    parser.add_argument(
+        "--device-profile", type=int, default=0, metavar="N", help="CUDA: print torch.profiler's "
+        "top N kernels by device time over the timed steps at the smallest batch"
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -102,16 +106,24 @@ def _fill(llm, num_reqs: int, lengths: list[int], max_tokens: int, vocab: int) -
 
 
 def _measure(llm, clock: StepClock, num_reqs: int, args, sync) -> dict[str, float]:
+    import torch
+
     times: dict[str, list[float]] = {"schedule": [], "prepare": [], "launch": [], "step": []}
-    profiler = None
+    profiler = device_profiler = None
     if args.profile and num_reqs == max(args.batches):
         import cProfile
 
         profiler = cProfile.Profile()
+    if args.device_profile and num_reqs == min(args.batches) and torch.cuda.is_available():
+        device_profiler = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        )
     for i in range(args.warmup + args.steps):
         sync()
         if profiler is not None and i >= args.warmup:
             profiler.enable()
+        if device_profiler is not None and i == args.warmup:
+            device_profiler.start()
         start = time.perf_counter()
         llm.step()
         end = time.perf_counter()
@@ -123,12 +135,27 @@ def _measure(llm, clock: StepClock, num_reqs: int, args, sync) -> dict[str, floa
             times["prepare"].append(clock.marks["forward"] - clock.marks["execute"])
             times["launch"].append(clock.marks["launch"] - start)
             times["step"].append(end - start)
+    if device_profiler is not None:
+        sync()
+        device_profiler.stop()
+        _print_device_profile(device_profiler, args.steps, args.device_profile, num_reqs)
     if profiler is not None:
         import pstats
 
         print(f"cProfile of {args.steps} decode steps of {num_reqs} requests (tottime):")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
     return {key: statistics.median(values) * 1e3 for key, values in times.items()}
+
+
+def _print_device_profile(profiler, steps: int, top: int, num_reqs: int) -> None:
+    """Kernels by device time per step (a CUDA graph's kernels are listed one by one)."""
+    events = [e for e in profiler.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events) / steps
+    print(f"device time per decode step of {num_reqs} requests: {total / 1e3:.3f} ms "
+          f"({sum(e.count for e in events) // steps} kernels and copies per step)")  # fmt: skip
+    for e in events[:top]:
+        print(f"  {e.self_device_time_total / steps:9.1f} us  x{e.count // steps:<4} {e.key[:90]}")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
