@@ -26,11 +26,17 @@ them `MLACase`s (`MLA_FEATURES`: the catalogue's batches at latent splits 512+64
 
 from anyattn.testing.batch_spec import CATALOGUE, QUICK_CATALOGUE, BatchSpec, get_spec
 from anyattn.testing.blocks import assign_blocks
-from anyattn.testing.cache_io import dequantize_kv, quantize_kv, read_kv, write_kv
+from anyattn.testing.cache_io import (
+    dequantize_kv,
+    quantize_kv,
+    read_kv,
+    read_latents,
+    write_kv,
+    write_latents,
+)
 from anyattn.testing.cases import FEATURES, Case, plan_cases
 from anyattn.testing.check import KitLayer, check_backend, run_case
 from anyattn.testing.mla_batch import MLABatch, build_mla_batch
-from anyattn.testing.mla_cache_io import read_latents, write_latents
 from anyattn.testing.mla_cases import MLA_FEATURES, MLA_SHAPES, MLACase, MLAShape, plan_mla_cases
 from anyattn.testing.mla_check import (
     KitMLALayer,

@@ -1,8 +1,10 @@
-"""The kit's own KV-cache reader and writer, and the fp8 quantisation they agree on.
+"""The kit's own KV-cache readers and writers, and the fp8 quantisation they agree on.
 
 Deliberately simple (index writes, no kernels), so that a backend's cache writes can be compared
-bit for bit with what they should be. Caches have the standard logical shape
-`(num_blocks, 2, block_size, num_kv_heads, head_size)` (index 1: 0 = K, 1 = V), any layout.
+bit for bit with what they should be. Standard caches have the logical shape
+`(num_blocks, 2, block_size, num_kv_heads, head_size)` (index 1: 0 = K, 1 = V), any layout; MLA
+latent caches `(num_blocks, block_size, L + R)`, one row `[c_kv (L), k_pe (R)]` per token, with
+one per-layer fp8 scale (docs/mla.md, "The cache").
 """
 
 from __future__ import annotations
@@ -12,9 +14,18 @@ from collections.abc import Sequence
 import torch
 
 from anyattn.ops.fp8_quant import quantize_fp8
+from anyattn.testing.blocks import token_slots
 from anyattn.types import is_fp8_cache
 
-__all__ = ["as_stored", "dequantize_kv", "quantize_kv", "read_kv", "write_kv"]
+__all__ = [
+    "as_stored",
+    "dequantize_kv",
+    "quantize_kv",
+    "read_kv",
+    "read_latents",
+    "write_kv",
+    "write_latents",
+]
 
 
 def _broadcast_scale(scale: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
@@ -75,6 +86,40 @@ def _check_cache_shape(kv_cache: torch.Tensor, api: str) -> None:
         )
 
 
+def _check_latent_cache(kv_cache: torch.Tensor, api: str) -> None:
+    if kv_cache.dim() != 3:
+        raise ValueError(
+            f"{api}: kv_cache must be an MLA cache (num_blocks, block_size, L + R) "
+            f"(got shape {tuple(kv_cache.shape)})."
+        )
+
+
+def _store(
+    blocks: torch.Tensor,
+    rows: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    scale: torch.Tensor | None,
+) -> None:
+    """Write `quantize_kv(rows[t])` at slot `slot_mapping[t]` (-1 skipped) of `blocks`, a view
+    `[num_blocks, block_size, ...]` of a cache (its own strides, so writes land in its storage)."""
+    block_size = blocks.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].to(blocks.device)
+    stored = quantize_kv(rows[keep.to(rows.device)], kv_cache_dtype, blocks.dtype, scale)
+    blocks[slots // block_size, slots % block_size] = stored.to(blocks.device)
+
+
+def _positions(
+    block_table: torch.Tensor, seq_lens: Sequence[int], block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(block_ids, offsets)` of each request's first `seq_lens[r]` positions, back to back."""
+    positions = [torch.arange(s, device=block_table.device) for s in seq_lens]
+    slots = token_slots(block_table, positions, block_size) if positions else torch.zeros(0)
+    slots = slots.long().to(device)
+    return slots // block_size, slots % block_size
+
+
 def write_kv(
     kv_cache: torch.Tensor,
     key: torch.Tensor,
@@ -94,14 +139,8 @@ def write_kv(
         k_scale, v_scale: float32 `[]` or `[num_kv_heads]`.
     """
     _check_cache_shape(kv_cache, "write_kv")
-    block_size = kv_cache.shape[2]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].to(kv_cache.device)
-    block_ids, offsets = slots // block_size, slots % block_size
-    for index, x, scale in ((0, key, k_scale), (1, value, v_scale)):
-        stored = quantize_kv(x[keep.to(x.device)], kv_cache_dtype, kv_cache.dtype, scale)
-        # select() keeps the layout's strides, so the write lands in the cache's own storage.
-        kv_cache.select(1, index)[block_ids, offsets] = stored.to(kv_cache.device)
+    _store(kv_cache.select(1, 0), key, slot_mapping, kv_cache_dtype, k_scale)
+    _store(kv_cache.select(1, 1), value, slot_mapping, kv_cache_dtype, v_scale)
 
 
 def read_kv(
@@ -119,12 +158,45 @@ def read_kv(
         `(key, value)`, each `[sum(seq_lens), num_kv_heads, head_size]` in the cache dtype.
     """
     _check_cache_shape(kv_cache, "read_kv")
-    block_size = kv_cache.shape[2]
-    table = block_table.to(kv_cache.device).long()
-    keys, values = [], []
-    for r, seq_len in enumerate(seq_lens):
-        positions = torch.arange(seq_len, device=kv_cache.device)
-        block_ids = table[r, positions // block_size]
-        keys.append(kv_cache[block_ids, 0, positions % block_size])
-        values.append(kv_cache[block_ids, 1, positions % block_size])
-    return torch.cat(keys), torch.cat(values)
+    block_ids, offsets = _positions(block_table, seq_lens, kv_cache.shape[2], kv_cache.device)
+    return kv_cache[block_ids, 0, offsets], kv_cache[block_ids, 1, offsets]
+
+
+def write_latents(
+    kv_cache: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    scale: torch.Tensor | None = None,
+) -> None:
+    """Store MLA rows `[kv_c[t], k_pe[t]]` at their slots (-1 skipped).
+
+    Args:
+        kv_cache: `[num_blocks, block_size, L + R]`.
+        kv_c: `[num_tokens, L]`; k_pe: `[num_tokens, R]`.
+        slot_mapping: int64 `[num_tokens]`, `block_id * block_size + offset` or -1.
+        kv_cache_dtype: "auto" or a cache dtype name.
+        scale: float32 `[]`, the per-layer fp8 scale (None means 1).
+    """
+    _check_latent_cache(kv_cache, "write_latents")
+    if kv_c.shape[0] != k_pe.shape[0] or kv_c.shape[-1] + k_pe.shape[-1] != kv_cache.shape[-1]:
+        raise ValueError(
+            f"write_latents: kv_c [num_tokens, L] and k_pe [num_tokens, R] must fill rows of "
+            f"{kv_cache.shape[-1]} (got {tuple(kv_c.shape)} and {tuple(k_pe.shape)})."
+        )
+    _store(kv_cache, torch.cat([kv_c, k_pe], dim=-1), slot_mapping, kv_cache_dtype, scale)
+
+
+def read_latents(
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: Sequence[int],
+    kv_cache_dtype: str = "auto",
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """float64 MLA rows `[c_kv, k_pe]` of each request's first `seq_lens[r]` positions, back to
+    back (fp8 dequantised with `scale`): `[sum(seq_lens), L + R]`."""
+    _check_latent_cache(kv_cache, "read_latents")
+    block_ids, offsets = _positions(block_table, seq_lens, kv_cache.shape[1], kv_cache.device)
+    return dequantize_kv(kv_cache[block_ids, offsets], kv_cache_dtype, scale)

@@ -27,8 +27,7 @@ from anyattn.metadata import (
 from anyattn.slots import expand_block_table
 from anyattn.testing.batch_spec import BatchSpec
 from anyattn.testing.blocks import assign_blocks, token_slots
-from anyattn.testing.cache_io import as_stored
-from anyattn.testing.mla_cache_io import write_latents
+from anyattn.testing.cache_io import as_stored, write_latents
 from anyattn.testing.mla_cases import MLAShape
 
 __all__ = ["MLABatch", "build_mla_batch"]
