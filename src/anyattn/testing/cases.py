@@ -17,7 +17,14 @@ import torch
 from anyattn.backend import AttentionBackend
 from anyattn.config import AttentionSelectorConfig
 from anyattn.testing.batch_spec import BatchSpec, get_spec
-from anyattn.testing.declared import FP8_CACHE_DTYPES, declared_fp8, global_reasons
+from anyattn.testing.declared import (
+    FP8_CACHE_DTYPES,
+    block_size_cases,
+    declared_fp8,
+    feature_names,
+    global_reasons,
+    plan_features,
+)
 from anyattn.testing.mla_cases import MLACase, plan_mla_cases
 from anyattn.types import AttentionType, DeviceInfo, KVCacheLayout, is_fp8_cache
 
@@ -55,7 +62,6 @@ FEATURES: Mapping[str, str] = MappingProxyType(
 )
 """Feature names accepted by `check_backend(features=...)`, with what each runs."""
 
-_ENGINE_BLOCK_SIZES = (16, 32)
 # Scales exactly representable in bf16/fp16, so that only the fp8 rounding is tested.
 _K_SCALES = (0.375, 0.5, 0.3125, 0.25)
 _V_SCALES = (0.15625, 0.1875, 0.125, 0.25)
@@ -216,16 +222,9 @@ def _feature_cases(
             cases.append(case(name, head_size=rejected, expect_rejection=True))
         return cases, missing
     if feature == "block_sizes":
-        wanted = (
-            (*_ENGINE_BLOCK_SIZES, 5) if backend.supports_block_size(5) else _ENGINE_BLOCK_SIZES
+        return block_size_cases(
+            backend, base.block_size, lambda b: case(f"block_size{b}", "odd_lengths", block_size=b)
         )
-        cases = [
-            case(f"block_size{b}", "odd_lengths", block_size=b)
-            for b in wanted
-            if b != base.block_size and backend.supports_block_size(b)
-        ]
-        missing = [f"block_size {b}" for b in wanted if not backend.supports_block_size(b)]
-        return cases, missing
     if feature == "layouts":
         declared = backend.supported_kv_cache_layouts()
         cases = [
@@ -309,34 +308,17 @@ def plan_cases(
     """
     if backend.is_mla():
         return plan_mla_cases(backend, device, dtype, features, quick)
-    names = list(FEATURES) if features is None else list(features)
-    unknown = [n for n in names if n not in FEATURES]
-    if unknown:
-        raise ValueError(
-            f"plan_cases: unknown feature (got {', '.join(unknown)}, expected names from "
-            f"{', '.join(FEATURES)})."
-        )
-    device_info = DeviceInfo.current(device)
-    reasons = global_reasons(backend, device_info, dtype)
+    names = feature_names("plan_cases: unknown feature", FEATURES, features)
+    info = DeviceInfo.current(device)
+    reasons = global_reasons(backend, info, dtype)
     if reasons:
         return [], [f"backend: {r}" for r in reasons]
     base = _base_case(backend)
-    cases: list[Case] = []
-    not_declared: list[str] = []
-    for feature in names:
-        reason = _not_declared(backend, feature)
-        if reason is not None:
-            not_declared.append(f"{feature}: {reason}")
-            continue
-        feature_cases, missing = _feature_cases(backend, feature, base, quick)
-        not_declared.extend(f"{feature}: {m} not declared" for m in missing)
-        for c in feature_cases:
-            # Joint constraints (supports_combination, device, dtype) are the backend's word too.
-            reasons = []
-            if not c.expect_rejection:
-                reasons = backend.validate_configuration(c.selector_config(dtype), device_info)
-            if reasons:
-                not_declared.append(f"{feature}: case {c.name}: {'; '.join(reasons)}")
-            else:
-                cases.append(c)
-    return cases, not_declared
+    return plan_features(
+        backend,
+        names,
+        lambda feature: _not_declared(backend, feature),
+        lambda feature: _feature_cases(backend, feature, base, quick),
+        info,
+        dtype,
+    )

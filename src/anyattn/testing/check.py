@@ -30,12 +30,12 @@ import torch
 
 from anyattn.backend import AttentionBackend, AttentionImpl
 from anyattn.testing.cases import Case, plan_cases
-from anyattn.testing.judging import judge_against_oracle, num_changed
 from anyattn.testing.mla_cases import MLACase
 from anyattn.testing.mla_check import run_mla_case
 from anyattn.testing.oracle import attention_oracle
 from anyattn.testing.paged import PagedBatch, build_batch
 from anyattn.testing.report import CaseResult, ConformanceReport
+from anyattn.testing.tolerance import cache_problems, judge_against_oracle, judge_lse, num_changed
 from anyattn.types import AttentionType
 
 __all__ = ["KitLayer", "check_backend", "run_case"]
@@ -202,11 +202,8 @@ def _judge(
     dtype: torch.dtype,
 ) -> list[CaseResult]:
     """Exact checks (cache contents, padding rows) and the oracle comparison."""
-    problems = []
     n = batch.num_actual_tokens
-    changed = num_changed(batch.kv_cache, batch.expected_kv_cache)
-    if changed:
-        problems.append(f"KV cache differs from the expected writes in {changed} elements")
+    problems = cache_problems(batch.kv_cache, batch.expected_kv_cache)
     padding = outcome.output[n:]
     if num_changed(padding, torch.full_like(padding, math.nan)):
         problems.append("output padding rows were written")
@@ -228,12 +225,9 @@ def _judge(
         judge_against_oracle(case.name, output, ref64, ref_lowp, dtype, problems, case.feature)
     ]
     if outcome.output_lse is not None:
-        lse = outcome.output_lse[:, :n].double()
-        if not outcome.lse_base_on_e:
-            lse = lse * math.log(2.0)
-        lse_name = f"{case.name}.lse"
+        lse = outcome.output_lse[:, :n]
         results.append(
-            judge_against_oracle(lse_name, lse, lse64, lse_lowp, torch.float32, [], case.feature)
+            judge_lse(case.name, lse, outcome.lse_base_on_e, lse64, lse_lowp, case.feature)
         )
     return results
 

@@ -1,16 +1,41 @@
-"""What a backend declares, read the way the kit's planners (standard and MLA) both need it."""
+"""What a backend declares, read the way the kit's planners (standard and MLA) both need it,
+and the planning loop they share: features -> cases, with every undeclared part listed."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Protocol, TypeVar
 
 import torch
 
 from anyattn.backend import AttentionBackend
+from anyattn.config import AttentionSelectorConfig
 from anyattn.types import DeviceInfo
 
-__all__ = ["FP8_CACHE_DTYPES", "declared_fp8", "global_reasons"]
+__all__ = [
+    "ENGINE_BLOCK_SIZES",
+    "FP8_CACHE_DTYPES",
+    "block_size_cases",
+    "declared_fp8",
+    "feature_names",
+    "global_reasons",
+    "plan_features",
+]
 
 FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 """The fp8 KV-cache dtype names the kit runs when declared."""
+
+ENGINE_BLOCK_SIZES = (16, 32)
+"""The engine block sizes the "block_sizes" features run (and 5 when declared)."""
+
+
+class _Case(Protocol):
+    name: str
+
+    def selector_config(self, dtype: torch.dtype) -> AttentionSelectorConfig: ...
+
+
+C = TypeVar("C", bound=_Case)
 
 
 def global_reasons(
@@ -35,3 +60,67 @@ def global_reasons(
 def declared_fp8(backend: type[AttentionBackend]) -> list[str]:
     """The fp8 cache dtypes of `FP8_CACHE_DTYPES` the backend declares, in that order."""
     return [d for d in FP8_CACHE_DTYPES if backend.supports_kv_cache_dtype(d)]
+
+
+def block_size_cases(
+    backend: type[AttentionBackend], base_block_size: int, make: Callable[[int], C]
+) -> tuple[list[C], list[str]]:
+    """The "block_sizes" feature: `make(b)` for each of `ENGINE_BLOCK_SIZES` (and 5 when
+    declared) other than the base case's, and the sizes the backend does not declare."""
+    wanted = (*ENGINE_BLOCK_SIZES, 5) if backend.supports_block_size(5) else ENGINE_BLOCK_SIZES
+    cases = [make(b) for b in wanted if b != base_block_size and backend.supports_block_size(b)]
+    return cases, [f"block_size {b}" for b in wanted if not backend.supports_block_size(b)]
+
+
+def feature_names(
+    api: str, features: Mapping[str, str], requested: Iterable[str] | None
+) -> list[str]:
+    """The `requested` feature names (default: all of `features`).
+
+    Raises:
+        ValueError: a requested name not in `features`; `api` begins the message.
+    """
+    names = list(features) if requested is None else list(requested)
+    unknown = [n for n in names if n not in features]
+    if unknown:
+        raise ValueError(
+            f"{api} (got {', '.join(unknown)}, expected names from {', '.join(features)})."
+        )
+    return names
+
+
+def plan_features(
+    backend: type[AttentionBackend],
+    names: list[str],
+    not_declared: Callable[[str], str | None],
+    feature_cases: Callable[[str], tuple[list[C], list[str]]],
+    info: DeviceInfo,
+    dtype: torch.dtype,
+) -> tuple[list[C], list[str]]:
+    """The cases of the features `names` and what the backend does not declare, each entry
+    "<feature>: <reason>".
+
+    `not_declared(feature)` says why a feature is not declared as a whole (None: it is);
+    `feature_cases(feature)` gives its cases and its undeclared parts. A case the backend's
+    joint rules refuse (`validate_configuration`) is listed, not run.
+    """
+    cases: list[C] = []
+    skipped: list[str] = []
+    for feature in names:
+        reason = not_declared(feature)
+        if reason is not None:
+            skipped.append(f"{feature}: {reason}")
+            continue
+        planned, missing = feature_cases(feature)
+        skipped.extend(f"{feature}: {m} not declared" for m in missing)
+        for c in planned:
+            # Joint constraints (supports_combination, device, dtype) are the backend's word too;
+            # a case that expects the impl to reject its config is run, not validated.
+            reasons = []
+            if not getattr(c, "expect_rejection", False):
+                reasons = backend.validate_configuration(c.selector_config(dtype), info)
+            if reasons:
+                skipped.append(f"{feature}: case {c.name}: {'; '.join(reasons)}")
+            else:
+                cases.append(c)
+    return cases, skipped

@@ -20,7 +20,14 @@ import torch
 from anyattn.backend import AttentionBackend
 from anyattn.config import AttentionSelectorConfig
 from anyattn.testing.batch_spec import BatchSpec, get_spec
-from anyattn.testing.declared import FP8_CACHE_DTYPES, declared_fp8, global_reasons
+from anyattn.testing.declared import (
+    FP8_CACHE_DTYPES,
+    block_size_cases,
+    declared_fp8,
+    feature_names,
+    global_reasons,
+    plan_features,
+)
 from anyattn.types import DeviceInfo, check_positive_int, is_fp8_cache
 
 __all__ = [
@@ -51,7 +58,6 @@ MLA_FEATURES: Mapping[str, str] = MappingProxyType(
 """Feature names accepted by `check_backend(features=...)` for MLA backends."""
 
 _SPLIT_FEATURES = ("decode", "prefill", "mixed", "chunked", "odd_lengths")
-_ENGINE_BLOCK_SIZES = (16, 32)
 # A per-layer fp8 scale exactly representable in bf16/fp16, so that only fp8 rounding shows.
 _FP8_SCALE = 0.375
 
@@ -194,15 +200,9 @@ def _feature_cases(
             return [], [f"v_head_dim {equal.v_head_dim}: {refused}"]
         return [case(f"v_head_dim{equal.v_head_dim}", "chunked_prefill", shape=equal)], []
     if feature == "block_sizes":
-        wanted = (
-            (*_ENGINE_BLOCK_SIZES, 5) if backend.supports_block_size(5) else _ENGINE_BLOCK_SIZES
+        return block_size_cases(
+            backend, base.block_size, lambda b: case(f"block_size{b}", "odd_lengths", block_size=b)
         )
-        cases = [
-            case(f"block_size{b}", "odd_lengths", block_size=b)
-            for b in wanted
-            if b != base.block_size and backend.supports_block_size(b)
-        ]
-        return cases, [f"block_size {b}" for b in wanted if not backend.supports_block_size(b)]
     if feature == "padding":
         return [case("padding", num_padding_tokens=5)], []
     if feature == "context_chunks":
@@ -249,13 +249,7 @@ def plan_mla_cases(
     Raises:
         ValueError: an unknown feature name.
     """
-    names = list(MLA_FEATURES) if features is None else list(features)
-    unknown = [n for n in names if n not in MLA_FEATURES]
-    if unknown:
-        raise ValueError(
-            f"plan_mla_cases: unknown MLA feature (got {', '.join(unknown)}, expected names "
-            f"from {', '.join(MLA_FEATURES)})."
-        )
+    names = feature_names("plan_mla_cases: unknown MLA feature", MLA_FEATURES, features)
     info = DeviceInfo.current(device)
     reasons = global_reasons(backend, info, dtype)
     if reasons:
@@ -274,18 +268,12 @@ def plan_mla_cases(
     if not shapes:
         return [], not_declared
     base = replace(probe, shape=shapes[0])
-    cases: list[MLACase] = []
-    for feature in names:
-        reason = _not_declared(backend, feature)
-        if reason is not None:
-            not_declared.append(f"{feature}: {reason}")
-            continue
-        feature_cases, missing = _feature_cases(backend, feature, base, shapes, quick)
-        not_declared.extend(f"{feature}: {m} not declared" for m in missing)
-        for c in feature_cases:
-            case_reasons = backend.validate_configuration(c.selector_config(dtype), info)
-            if case_reasons:
-                not_declared.append(f"{feature}: case {c.name}: {'; '.join(case_reasons)}")
-            else:
-                cases.append(c)
-    return cases, not_declared
+    cases, skipped = plan_features(
+        backend,
+        names,
+        lambda feature: _not_declared(backend, feature),
+        lambda feature: _feature_cases(backend, feature, base, shapes, quick),
+        info,
+        dtype,
+    )
+    return cases, not_declared + skipped

@@ -29,11 +29,11 @@ import torch
 
 from anyattn.backend import AttentionBackend
 from anyattn.mla_impl import MLAAttentionImpl
-from anyattn.testing.judging import judge_against_oracle, num_changed
 from anyattn.testing.mla_batch import MLABatch, build_mla_batch
 from anyattn.testing.mla_cases import MLACase
 from anyattn.testing.mla_oracle import mla_oracle
 from anyattn.testing.report import CaseResult
+from anyattn.testing.tolerance import cache_problems, judge_against_oracle, judge_lse
 
 __all__ = [
     "KitMLALayer",
@@ -211,10 +211,7 @@ def mla_step(
 def _exact_problems(
     case: MLACase, batch: MLABatch, layer: KitMLALayer, outcome: MLAStepResult
 ) -> list[str]:
-    problems = []
-    changed = num_changed(batch.kv_cache, batch.expected_kv_cache)
-    if changed:
-        problems.append(f"KV cache differs from the expected writes in {changed} elements")
+    problems = cache_problems(batch.kv_cache, batch.expected_kv_cache)
     decode_rows = sum(batch.spec.query_lens[: outcome.num_decodes])
     if outcome.num_decode_tokens != decode_rows:
         problems.append(
@@ -279,19 +276,9 @@ def judge_mla_step(
             judge_against_oracle(case.name, output, ref64, ref_lowp, dtype, problems, case.feature)
         ]
     if outcome.output_lse is not None:
-        lse = outcome.output_lse.double()
-        if not outcome.lse_base_on_e:
-            lse = lse * math.log(2.0)
+        lse, base_on_e = outcome.output_lse, outcome.lse_base_on_e
         results.append(
-            judge_against_oracle(
-                f"{case.name}.lse",
-                lse,
-                lse64[:, :d],
-                lse_lowp[:, :d],
-                torch.float32,
-                [],
-                case.feature,
-            )
+            judge_lse(case.name, lse, base_on_e, lse64[:, :d], lse_lowp[:, :d], case.feature)
         )
     return results
 

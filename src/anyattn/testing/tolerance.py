@@ -1,4 +1,5 @@
-"""The conformance kit's tolerance rule: an error bound derived from the reference's own rounding.
+"""How the kit judges a result: exact bit comparisons, and the tolerance rule, an error bound
+derived from the reference's own rounding.
 
 Pass when `max|out - ref64| <= k * max|ref_lowp - ref64| + floor`, where `ref_lowp` is the
 oracle run in the input dtype and `floor = 2 * max|(ref64 + 0.3 - 0.3) - ref64|` computed in the
@@ -19,7 +20,18 @@ import math
 
 import torch
 
-__all__ = ["error_bound", "max_abs_error"]
+from anyattn.testing.report import CaseResult
+
+__all__ = [
+    "cache_problems",
+    "error_bound",
+    "judge_against_oracle",
+    "judge_lse",
+    "max_abs_error",
+    "num_changed",
+]
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def max_abs_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -61,3 +73,49 @@ def error_bound(ref64: torch.Tensor, ref_lowp: torch.Tensor, dtype: torch.dtype)
     floor = 2 * (((rounded + 0.3) - 0.3).double() - exact).abs().max()
     factor = 4 if dtype == torch.float32 else 2
     return float(factor * lowp_error + floor)
+
+
+def num_changed(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Elements whose bits differ (NaN-safe, -0.0 != 0.0, any layout)."""
+    as_int = _INT_OF_SIZE[a.element_size()]
+    return int((a.view(as_int) != b.view(as_int)).sum())
+
+
+def cache_problems(kv_cache: torch.Tensor, expected: torch.Tensor) -> list[str]:
+    """The exact check of a cache after a step: bit for bit the expected writes."""
+    changed = num_changed(kv_cache, expected)
+    return [f"KV cache differs from the expected writes in {changed} elements"] if changed else []
+
+
+def judge_against_oracle(
+    name: str,
+    out: torch.Tensor,
+    ref64: torch.Tensor,
+    ref_lowp: torch.Tensor,
+    dtype: torch.dtype,
+    problems: list[str],
+    feature: str,
+) -> CaseResult:
+    """One result: passed when `out` is within `error_bound` of `ref64` and `problems` (exact
+    checks that failed) is empty. `dtype` sets the floor: the model dtype for outputs, float32
+    for LSEs (always float32)."""
+    error = max_abs_error(out, ref64)
+    bound = error_bound(ref64, ref_lowp, dtype)
+    problems = list(problems)
+    if not error <= bound:
+        problems.insert(0, "NaN in the result" if math.isnan(error) else "error above bound")
+    return CaseResult(name, error, bound, not problems, "; ".join(problems), feature)
+
+
+def judge_lse(
+    name: str,
+    lse: torch.Tensor,
+    base_on_e: bool,
+    lse64: torch.Tensor,
+    lse_lowp: torch.Tensor,
+    feature: str,
+) -> CaseResult:
+    """The result `<name>.lse`: an impl's LSE (log2 when `base_on_e` is False, converted) against
+    the oracle's natural-log LSE, with a float32 floor."""
+    lse = lse.double() if base_on_e else lse.double() * math.log(2.0)
+    return judge_against_oracle(f"{name}.lse", lse, lse64, lse_lowp, torch.float32, [], feature)
