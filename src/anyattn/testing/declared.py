@@ -4,12 +4,11 @@ and the planning loop they share: features -> cases, with every undeclared part 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Protocol, TypeVar
+from typing import Any
 
 import torch
 
 from anyattn.backend import AttentionBackend
-from anyattn.config import AttentionSelectorConfig
 from anyattn.types import DeviceInfo
 
 __all__ = [
@@ -26,16 +25,6 @@ FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 """The fp8 KV-cache dtype names the kit runs when declared."""
 
 ENGINE_BLOCK_SIZES = (16, 32)
-"""The engine block sizes the "block_sizes" features run (and 5 when declared)."""
-
-
-class _Case(Protocol):
-    name: str
-
-    def selector_config(self, dtype: torch.dtype) -> AttentionSelectorConfig: ...
-
-
-C = TypeVar("C", bound=_Case)
 
 
 def global_reasons(
@@ -63,8 +52,8 @@ def declared_fp8(backend: type[AttentionBackend]) -> list[str]:
 
 
 def block_size_cases(
-    backend: type[AttentionBackend], base_block_size: int, make: Callable[[int], C]
-) -> tuple[list[C], list[str]]:
+    backend: type[AttentionBackend], base_block_size: int, make: Callable[[int], Any]
+) -> tuple[list[Any], list[str]]:
     """The "block_sizes" feature: `make(b)` for each of `ENGINE_BLOCK_SIZES` (and 5 when
     declared) other than the base case's, and the sizes the backend does not declare."""
     wanted = (*ENGINE_BLOCK_SIZES, 5) if backend.supports_block_size(5) else ENGINE_BLOCK_SIZES
@@ -75,11 +64,8 @@ def block_size_cases(
 def feature_names(
     api: str, features: Mapping[str, str], requested: Iterable[str] | None
 ) -> list[str]:
-    """The `requested` feature names (default: all of `features`).
-
-    Raises:
-        ValueError: a requested name not in `features`; `api` begins the message.
-    """
+    """The `requested` names (default: all of `features`); any other raises a ValueError whose
+    message begins with `api`."""
     names = list(features) if requested is None else list(requested)
     unknown = [n for n in names if n not in features]
     if unknown:
@@ -93,18 +79,15 @@ def plan_features(
     backend: type[AttentionBackend],
     names: list[str],
     not_declared: Callable[[str], str | None],
-    feature_cases: Callable[[str], tuple[list[C], list[str]]],
+    feature_cases: Callable[[str], tuple[list[Any], list[str]]],
     info: DeviceInfo,
     dtype: torch.dtype,
-) -> tuple[list[C], list[str]]:
-    """The cases of the features `names` and what the backend does not declare, each entry
-    "<feature>: <reason>".
-
-    `not_declared(feature)` says why a feature is not declared as a whole (None: it is);
-    `feature_cases(feature)` gives its cases and its undeclared parts. A case the backend's
-    joint rules refuse (`validate_configuration`) is listed, not run.
-    """
-    cases: list[C] = []
+) -> tuple[list[Any], list[str]]:
+    """The cases of the features `names`, and "<feature>: <reason>" for each part the backend
+    does not declare: a whole feature (`not_declared(feature)`), part of one
+    (`feature_cases(feature)` gives its cases and missing parts), or a case its joint rules
+    refuse (`validate_configuration`; a case expecting its impl to be rejected is not asked)."""
+    cases: list[Any] = []
     skipped: list[str] = []
     for feature in names:
         reason = not_declared(feature)
@@ -114,8 +97,6 @@ def plan_features(
         planned, missing = feature_cases(feature)
         skipped.extend(f"{feature}: {m} not declared" for m in missing)
         for c in planned:
-            # Joint constraints (supports_combination, device, dtype) are the backend's word too;
-            # a case that expects the impl to reject its config is run, not validated.
             reasons = []
             if not getattr(c, "expect_rejection", False):
                 reasons = backend.validate_configuration(c.selector_config(dtype), info)
