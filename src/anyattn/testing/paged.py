@@ -28,7 +28,7 @@ from anyattn.testing.blocks import assign_blocks, cross_slot_mapping, token_slot
 from anyattn.testing.cache_io import as_stored, write_kv
 from anyattn.types import AttentionType, KVCacheLayout
 
-__all__ = ["PagedBatch", "build_batch", "layer_records"]
+__all__ = ["PagedBatch", "build_batch", "gather_rows", "layer_records"]
 
 
 def layer_records(
@@ -103,56 +103,29 @@ class PagedBatch:
     num_actual_tokens: int
 
 
-def _randn(generator: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return torch.randn(shape, generator=generator).to(dtype)
-
-
-@dataclass
-class _Values:
-    """Per-request random inputs, drawn in the spec's own order."""
-
-    queries: list[torch.Tensor]  # [query_len, num_heads, head_size] each
-    keys: list[torch.Tensor]  # [kv_len, num_kv_heads, head_size] each
-    values: list[torch.Tensor]
-    padding_query: torch.Tensor  # [num_padding_tokens, num_heads, head_size]
-    padding_kv: torch.Tensor  # [2, num_padding_tokens, num_kv_heads, head_size]
-
-    def reordered(self, order: list[int]) -> _Values:
-        return _Values(
-            [self.queries[i] for i in order],
-            [self.keys[i] for i in order],
-            [self.values[i] for i in order],
-            self.padding_query,
-            self.padding_kv,
-        )
-
-
-def _draw_values(
+def _draw(
     spec: BatchSpec,
     kv_lens: Sequence[int],
-    shape: tuple[int, int, int],
-    dtype: torch.dtype,
-    num_padding_tokens: int,
-    generator: torch.Generator,
-) -> _Values:
-    num_heads, num_kv_heads, head_size = shape
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    num_padding: int,
+    g: torch.Generator,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """Per request (spec order) its queries `[q, H, D]`, keys and values `[kv_len, H_kv, D]`;
+    and the padding rows `[num_padding, H + 2 * H_kv, D]` (query, key, value heads)."""
     prefix = spec.common_prefix_len
     # A shared prefix has one set of K/V: every request reads the same physical blocks.
-    prefix_k = _randn(generator, (prefix, num_kv_heads, head_size), dtype)
-    prefix_v = _randn(generator, (prefix, num_kv_heads, head_size), dtype)
+    prefix_k = torch.randn(prefix, num_kv_heads, head_size, generator=g)
+    prefix_v = torch.randn(prefix, num_kv_heads, head_size, generator=g)
     queries, keys, values = [], [], []
     for query_len, kv_len in zip(spec.query_lens, kv_lens, strict=True):
-        queries.append(_randn(generator, (query_len, num_heads, head_size), dtype))
+        queries.append(torch.randn(query_len, num_heads, head_size, generator=g))
         own = (kv_len - prefix, num_kv_heads, head_size)
-        keys.append(torch.cat([prefix_k, _randn(generator, own, dtype)]))
-        values.append(torch.cat([prefix_v, _randn(generator, own, dtype)]))
-    return _Values(
-        queries,
-        keys,
-        values,
-        _randn(generator, (num_padding_tokens, num_heads, head_size), dtype),
-        _randn(generator, (2, num_padding_tokens, num_kv_heads, head_size), dtype),
-    )
+        keys.append(torch.cat([prefix_k, torch.randn(own, generator=g)]))
+        values.append(torch.cat([prefix_v, torch.randn(own, generator=g)]))
+    padding = torch.randn(num_padding, num_heads + 2 * num_kv_heads, head_size, generator=g)
+    return queries, keys, values, padding
 
 
 def _split_positions(
@@ -173,7 +146,8 @@ def _split_positions(
     return kit, step
 
 
-def _gather_rows(source: list[torch.Tensor], positions: list[torch.Tensor]) -> torch.Tensor:
+def gather_rows(source: list[torch.Tensor], positions: list[torch.Tensor]) -> torch.Tensor:
+    """The rows `positions[r]` of each `source[r]`, back to back."""
     return torch.cat([x[pos] for x, pos in zip(source, positions, strict=True)])
 
 
@@ -248,13 +222,8 @@ def build_batch(
     generator = torch.Generator().manual_seed(seed)
     kv_lens_in = spec.encoder_seq_lens if is_cross else spec.seq_lens
     assert kv_lens_in is not None
-    drawn = _draw_values(
-        spec,
-        kv_lens_in,
-        (num_heads, num_kv_heads, head_size),
-        dtype,
-        num_padding_tokens,
-        generator,
+    drawn = _draw(
+        spec, kv_lens_in, num_heads, num_kv_heads, head_size, num_padding_tokens, generator
     )
 
     limits = BatchLimits(
@@ -269,8 +238,10 @@ def build_batch(
         layers = layer_records(kv_spec, num_heads=num_heads, attn_type=attn_type)
     builder = backend.get_builder_cls()(kv_spec, layers, limits, device)
     order = spec.decodes_first_order(builder.reorder_batch_threshold)
-    spec, drawn = spec.permuted(order), drawn.reordered(order)
-    kv_lens = tuple(kv_lens_in[i] for i in order)
+    spec, kv_lens = spec.permuted(order), tuple(kv_lens_in[i] for i in order)
+    queries, keys, values = ([x[i].to(dtype) for i in order] for x in drawn[:3])
+    padding = drawn[3].to(dtype)
+    padding_query, padding_k, padding_v = padding.split([num_heads, num_kv_heads, num_kv_heads], 1)
 
     # Cross attention: as wide as the decoder's positions too, columns its keys never read.
     engine_table, num_engine_blocks = assign_blocks(
@@ -294,34 +265,25 @@ def build_batch(
     )
 
     kit_pos, step_pos = _split_positions(spec, kv_lens, attn_type)
+    scales = (kv_cache_dtype, k_scale, v_scale)
     write_kv(
         kv_cache,
-        _gather_rows(drawn.keys, kit_pos).to(device),
-        _gather_rows(drawn.values, kit_pos).to(device),
+        gather_rows(keys, kit_pos).to(device),
+        gather_rows(values, kit_pos).to(device),
         token_slots(block_table, kit_pos, kernel_block_size).to(device),
-        kv_cache_dtype,
-        k_scale,
-        v_scale,
+        *scales,
     )
-    step_key = _gather_rows(drawn.keys, step_pos)
-    step_value = _gather_rows(drawn.values, step_pos)
+    step_key, step_value = gather_rows(keys, step_pos), gather_rows(values, step_pos)
     expected_kv_cache = kv_cache.clone()
     if not is_encoder:
-        write_kv(
-            expected_kv_cache,
-            step_key.to(device),
-            step_value.to(device),
-            token_slots(block_table, step_pos, kernel_block_size).to(device),
-            kv_cache_dtype,
-            k_scale,
-            v_scale,
-        )
+        step_slots = token_slots(block_table, step_pos, kernel_block_size).to(device)
+        write_kv(expected_kv_cache, step_key.to(device), step_value.to(device), step_slots, *scales)
     if is_cross:
         key = step_key.to(device) if step_key.shape[0] else None
         value = step_value.to(device) if step_value.shape[0] else None
     else:
-        key = torch.cat([step_key, drawn.padding_kv[0]]).to(device)
-        value = torch.cat([step_value, drawn.padding_kv[1]]).to(device)
+        key = torch.cat([step_key, padding_k]).to(device)
+        value = torch.cat([step_value, padding_v]).to(device)
 
     common = make_common_attn_metadata(
         spec.query_lens,
@@ -340,7 +302,7 @@ def build_batch(
     )
     attn_metadata = builder.build(spec.common_prefix_len, common)
 
-    all_key, all_value = torch.cat(drawn.keys).to(device), torch.cat(drawn.values).to(device)
+    all_key, all_value = torch.cat(keys).to(device), torch.cat(values).to(device)
     if is_encoder:
         # Encoder attention reads the step's own key/value, never the cache.
         oracle_key, oracle_value = all_key.double(), all_value.double()
@@ -351,7 +313,7 @@ def build_batch(
         spec=spec,
         order=order,
         block_size=kernel_block_size,
-        query=torch.cat([*drawn.queries, drawn.padding_query]).to(device),
+        query=torch.cat([*queries, padding_query]).to(device),
         key=key,
         value=value,
         kv_cache=kv_cache,
