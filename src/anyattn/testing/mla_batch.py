@@ -29,6 +29,7 @@ from anyattn.testing.batch_spec import BatchSpec
 from anyattn.testing.blocks import assign_blocks, token_slots
 from anyattn.testing.cache_io import as_stored, write_latents
 from anyattn.testing.mla_cases import MLAShape
+from anyattn.testing.paged import gather_rows
 
 __all__ = ["MLABatch", "build_mla_batch"]
 
@@ -99,25 +100,6 @@ class MLABatch:
         return latents.split([self.shape.kv_lora_rank, self.shape.qk_rope_head_dim], dim=-1)
 
 
-def _draw_rows(
-    spec: BatchSpec, shape: MLAShape, num_heads: int, num_padding: int, g: torch.Generator
-) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-    """Per request (spec order): its queries `[q, H, P + R]` (q_nope, then q_pe) and latent
-    rows `[s, L + R]`; and the padding rows, `[num_padding, H * (P + R) + L + R]`."""
-    qk = shape.qk_nope_head_dim + shape.qk_rope_head_dim
-    queries, rows = [], []
-    for query_len, seq_len in zip(spec.query_lens, spec.seq_lens, strict=True):
-        queries.append(torch.randn(query_len, num_heads, qk, generator=g))
-        latents = torch.randn(seq_len, shape.kv_lora_rank, generator=g)
-        # RMS-normalised, as kv_a_layernorm leaves them.
-        latents = latents / latents.pow(2).mean(-1, keepdim=True).sqrt()
-        rows.append(
-            torch.cat([latents, torch.randn(seq_len, shape.qk_rope_head_dim, generator=g)], -1)
-        )
-    padding = torch.randn(num_padding, num_heads * qk + shape.head_size, generator=g)
-    return queries, rows, padding
-
-
 def build_mla_batch(
     backend: type[AttentionBackend],
     spec: BatchSpec,
@@ -157,8 +139,15 @@ def build_mla_batch(
     kernel_block_size = backend.get_kernel_block_size(block_size)
     k_scale = (torch.ones(()) if k_scale is None else k_scale.float()).to(device)
     g = torch.Generator().manual_seed(seed)
-    queries, rows, padding = _draw_rows(spec, shape, num_heads, num_padding_tokens, g)
-    rank, nope = shape.kv_lora_rank, shape.qk_nope_head_dim
+    rank, rope, nope = shape.kv_lora_rank, shape.qk_rope_head_dim, shape.qk_nope_head_dim
+    queries, rows = [], []  # per request: [q, H, P + R] (q_nope, then q_pe) and [s, L + R]
+    for query_len, seq_len in zip(spec.query_lens, spec.seq_lens, strict=True):
+        queries.append(torch.randn(query_len, num_heads, nope + rope, generator=g))
+        latents = torch.randn(seq_len, rank, generator=g)
+        # RMS-normalised, as kv_a_layernorm leaves them.
+        latents = latents / latents.pow(2).mean(-1, keepdim=True).sqrt()
+        rows.append(torch.cat([latents, torch.randn(seq_len, rope, generator=g)], -1))
+    padding = torch.randn(num_padding_tokens, num_heads * (nope + rope) + rank + rope, generator=g)
     w_uk = torch.randn(num_heads, nope, rank, generator=g) / math.sqrt(rank)
     w_uv = torch.randn(num_heads, shape.v_head_dim, rank, generator=g) / math.sqrt(rank)
 
@@ -169,7 +158,7 @@ def build_mla_batch(
         dtype=dtype,
         kv_cache_dtype=kv_cache_dtype,  # type: ignore[arg-type]
         kv_lora_rank=rank,
-        qk_rope_head_dim=shape.qk_rope_head_dim,
+        qk_rope_head_dim=rope,
         qk_nope_head_dim=nope,
         v_head_dim=shape.v_head_dim,
     )
@@ -199,25 +188,15 @@ def build_mla_batch(
     )
     context = [torch.arange(c) for c in spec.context_lens]
     new = [torch.arange(c, s) for c, s in zip(spec.context_lens, spec.seq_lens, strict=True)]
-    context_rows = torch.cat([x[pos] for x, pos in zip(rows, context, strict=True)]).to(device)
+    context_rows, new_rows = gather_rows(rows, context).to(device), gather_rows(rows, new)
+    context_slots = token_slots(block_table, context, kernel_block_size).to(device)
     write_latents(
-        kv_cache,
-        context_rows[:, :rank],
-        context_rows[:, rank:],
-        token_slots(block_table, context, kernel_block_size).to(device),
-        kv_cache_dtype,
-        k_scale,
+        kv_cache, *context_rows.split([rank, rope], -1), context_slots, kv_cache_dtype, k_scale
     )
-    new_rows = torch.cat([x[pos] for x, pos in zip(rows, new, strict=True)])
     expected_kv_cache = kv_cache.clone()
-    write_latents(
-        expected_kv_cache,
-        new_rows[:, :rank].to(device),
-        new_rows[:, rank:].to(device),
-        token_slots(block_table, new, kernel_block_size).to(device),
-        kv_cache_dtype,
-        k_scale,
-    )
+    new_slots = token_slots(block_table, new, kernel_block_size).to(device)
+    new_latents = new_rows.to(device).split([rank, rope], -1)
+    write_latents(expected_kv_cache, *new_latents, new_slots, kv_cache_dtype, k_scale)
     common = make_common_attn_metadata(
         spec.query_lens,
         spec.seq_lens,
@@ -228,7 +207,7 @@ def build_mla_batch(
     )
     attn_metadata = builder.build(0, common)
 
-    qk = nope + shape.qk_rope_head_dim
+    qk = nope + rope
     query = torch.cat([*queries, padding[:, : num_heads * qk].view(-1, num_heads, qk).to(dtype)])
     step_rows = torch.cat([new_rows, padding[:, num_heads * qk :].to(dtype)])
     cache_dtype = kv_cache.dtype
