@@ -55,25 +55,14 @@ class KitLayer:
     v_scale: torch.Tensor
 
 
-def _make_impl(
-    backend: type[AttentionBackend],
-    case: Case,
-    sinks: torch.Tensor | None,
-    shared_with: str | None,
-) -> AttentionImpl:
-    return backend.get_impl_cls()(
-        case.num_heads,
-        case.head_size,
-        case.scale,
-        case.num_kv_heads,
-        case.alibi_slopes(),
-        case.sliding_window,
-        case.kv_cache_dtype,
-        case.logits_soft_cap,
-        case.attn_type,
-        shared_with,
-        sinks,
-    )
+def _make_impls(
+    backend: type[AttentionBackend], case: Case, sinks: torch.Tensor | None
+) -> tuple[AttentionImpl, ...]:
+    """The impls of layer.0 and, with KV sharing, of layer.1 (which reads layer.0's cache)."""
+    args = (case.num_heads, case.head_size, case.scale, case.num_kv_heads, case.alibi_slopes())
+    args += (case.sliding_window, case.kv_cache_dtype, case.logits_soft_cap, case.attn_type)
+    targets = (None, "layer.0") if case.kv_sharing else (None,)
+    return tuple(backend.get_impl_cls()(*args, target, sinks) for target in targets)
 
 
 def _step(
@@ -108,7 +97,7 @@ def _step(
 
 def _check_rejection(backend: type[AttentionBackend], case: Case) -> list[CaseResult]:
     try:
-        _make_impl(backend, case, None, None)
+        _make_impls(backend, case, None)
     except (ValueError, NotImplementedError) as e:
         detail = f"rejected with {type(e).__name__}"
         return [CaseResult(case.name, 0.0, 0.0, True, detail, case.feature)]
@@ -147,64 +136,42 @@ def _build(
     )
 
 
-@dataclass
-class _Outcome:
-    """What the judged layer was given and what it returned."""
-
-    query: torch.Tensor
-    output: torch.Tensor
-    output_lse: torch.Tensor | None
-    lse_base_on_e: bool
-
-
-def _make_impls(
-    backend: type[AttentionBackend], case: Case, sinks: torch.Tensor | None
-) -> tuple[AttentionImpl, ...]:
-    """The impls of layer.0 and, with KV sharing, of layer.1 (which reads layer.0's cache)."""
-    impl = _make_impl(backend, case, sinks, None)
-    if not case.kv_sharing:
-        return (impl,)
-    return impl, _make_impl(backend, case, sinks, "layer.0")
-
-
 def _run_layers(
     backend: type[AttentionBackend],
     case: Case,
     batch: PagedBatch,
     impls: tuple[AttentionImpl, ...],
     generator: torch.Generator,
-) -> _Outcome:
-    """Run layer.0 on the batch; with KV sharing, then layer.1 on layer.0's cache."""
-    impl = impls[0]
-    layer = KitLayer("layer.0", batch.k_scale, batch.v_scale)
-    output, lse = _step(
-        backend, impl, layer, batch, batch.query, batch.key, batch.value, case.check_lse
-    )
-    if not case.kv_sharing:
-        return _Outcome(batch.query, output, lse, getattr(impl, "lse_base_on_e", True))
-    # layer.1 reads layer.0's cache; its own key/value differ and must never be written.
-    dtype, device = batch.query.dtype, batch.query.device
-    query, key, value = (
-        torch.randn(x.shape, generator=generator).to(dtype).to(device)
-        for x in (batch.query, batch.key, batch.value)
-    )
-    shared = impls[1]
-    layer1 = KitLayer("layer.1", batch.k_scale, batch.v_scale)
-    output, lse = _step(backend, shared, layer1, batch, query, key, value, case.check_lse)
-    return _Outcome(query, output, lse, getattr(shared, "lse_base_on_e", True))
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
+    """Run layer.0 on the batch; with KV sharing, then layer.1 on layer.0's cache. Returns the
+    judged layer's query, output, output_lse and `lse_base_on_e`."""
+    query, key, value = batch.query, batch.key, batch.value
+    if case.kv_sharing:
+        layer0 = KitLayer("layer.0", batch.k_scale, batch.v_scale)
+        _step(backend, impls[0], layer0, batch, query, key, value, case.check_lse)
+        # layer.1 reads layer.0's cache; its own key/value differ and must never be written.
+        query, key, value = (
+            torch.randn(x.shape, generator=generator).to(x.dtype).to(x.device)
+            for x in (query, key, value)
+        )
+    impl = impls[-1]
+    layer = KitLayer(f"layer.{len(impls) - 1}", batch.k_scale, batch.v_scale)
+    output, lse = _step(backend, impl, layer, batch, query, key, value, case.check_lse)
+    return query, output, lse, getattr(impl, "lse_base_on_e", True)
 
 
 def _judge(
     case: Case,
     batch: PagedBatch,
-    outcome: _Outcome,
+    outcome: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool],
     sinks: torch.Tensor | None,
     dtype: torch.dtype,
 ) -> list[CaseResult]:
     """Exact checks (cache contents, padding rows) and the oracle comparison."""
+    query, output, output_lse, lse_base_on_e = outcome
     n = batch.num_actual_tokens
     problems = cache_problems(batch.kv_cache, batch.expected_kv_cache)
-    padding = outcome.output[n:]
+    padding = output[n:]
     if num_changed(padding, torch.full_like(padding, math.nan)):
         problems.append("output padding rows were written")
 
@@ -216,19 +183,16 @@ def _judge(
         alibi_slopes=case.alibi_slopes(),
         sinks=sinks,
     )
-    inputs = (outcome.query[:n], batch.oracle_key, batch.oracle_value)
+    inputs = (query[:n], batch.oracle_key, batch.oracle_value)
     lengths = (batch.spec.query_lens, batch.kv_lens)
     ref64, lse64 = attention_oracle(*inputs, *lengths, **semantics)
     ref_lowp, lse_lowp = attention_oracle(*inputs, *lengths, compute_dtype=dtype, **semantics)
-    output = outcome.output[:n]
     results = [
-        judge_against_oracle(case.name, output, ref64, ref_lowp, dtype, problems, case.feature)
+        judge_against_oracle(case.name, output[:n], ref64, ref_lowp, dtype, problems, case.feature)
     ]
-    if outcome.output_lse is not None:
-        lse = outcome.output_lse[:, :n]
-        results.append(
-            judge_lse(case.name, lse, outcome.lse_base_on_e, lse64, lse_lowp, case.feature)
-        )
+    if output_lse is not None:
+        lse = output_lse[:, :n]
+        results.append(judge_lse(case.name, lse, lse_base_on_e, lse64, lse_lowp, case.feature))
     return results
 
 
