@@ -156,10 +156,11 @@ def _base_case(backend: type[AttentionBackend]) -> Case:
     )
 
 
-def _at(base: Case, name: str, **changes: object) -> Case:
+def _at(base: Case | MLACase, name: str, **changes: object) -> Case | MLACase:
     """`base` with `changes`, its batch remade for the new block size / attention type."""
     case = replace(base, name=name, **changes)
-    return replace(case, spec=sweep_spec(case.block_size, case.attn_type))
+    attn_type = case.attn_type if isinstance(case, Case) else AttentionType.DECODER
+    return replace(case, spec=sweep_spec(case.block_size, attn_type))
 
 
 def _feature_case(
@@ -189,23 +190,50 @@ def _feature_case(
     return replace(base, name=name, **changes)
 
 
+def _mla_shapes(backend: type[AttentionBackend]) -> list[MLAShape]:
+    """The declared latent splits (each with the kit's head sizes where it knows the split,
+    else P = Vd = 128), or the kit's `MLA_SHAPES` when any split is declared."""
+    splits = backend.get_supported_mla_splits()
+    if not splits:
+        return list(MLA_SHAPES)
+    known = {(s.kv_lora_rank, s.qk_rope_head_dim): s for s in MLA_SHAPES}
+    return [known.get((rank, rope), MLAShape(rank, rope, 128, 128)) for rank, rope in splits]
+
+
 def _candidates(
     backend: type[AttentionBackend], device: DeviceInfo
-) -> list[tuple[Case, torch.dtype]]:
-    base = _base_case(backend)
+) -> list[tuple[Case | MLACase, torch.dtype]]:
     base_dtype = _base_dtype(backend, device)
     dtypes = [
         d for d in (torch.float32, torch.float16, torch.bfloat16) if backend.supports_dtype(d)
     ]
-    out: list[tuple[Case, torch.dtype]] = []
-    for head_size in _head_sizes(backend):
-        for dtype in dtypes:
-            name = f"head_size-{head_size}-{_dtype_name(dtype)}"
-            out.append((replace(base, name=name, head_size=head_size), dtype))
+    out: list[tuple[Case | MLACase, torch.dtype]] = []
+    base: Case | MLACase
+    if backend.is_mla():
+        shapes = _mla_shapes(backend)
+        block_size = backend.get_preferred_block_size(16)
+        base = MLACase("", "sweep", sweep_spec(block_size), shape=shapes[0], block_size=block_size)
+        for shape in shapes:
+            for dtype in dtypes:
+                name = f"split-{shape.name}-{_dtype_name(dtype)}"
+                out.append((replace(base, name=name, shape=shape), dtype))
+    else:
+        base = _base_case(backend)
+        for head_size in _head_sizes(backend):
+            for dtype in dtypes:
+                name = f"head_size-{head_size}-{_dtype_name(dtype)}"
+                out.append((replace(base, name=name, head_size=head_size), dtype))
     for dtype in dtypes:
         for cache in backend.supported_kv_cache_dtypes:
             name = f"kv_cache_dtype-{_dtype_name(dtype)}-{cache}"
             out.append((replace(base, name=name, kv_cache_dtype=cache), dtype))
+    if isinstance(base, MLACase):
+        out += [
+            (_at(base, f"block_size-{b}", block_size=b), base_dtype) for b in _block_sizes(backend)
+        ]
+        if backend.supports_lse():
+            out.append((replace(base, name="feature-lse", check_lse=True), base_dtype))
+        return out
     for attn_type in backend.supported_attn_types:
         causal = attn_type is AttentionType.DECODER
         name = f"attn_type-{attn_type.value}"
@@ -228,46 +256,6 @@ def _candidates(
     return out
 
 
-def _mla_shapes(backend: type[AttentionBackend]) -> list[MLAShape]:
-    """The declared latent splits (each with the kit's head sizes where it knows the split,
-    else P = Vd = 128), or the kit's `MLA_SHAPES` when any split is declared."""
-    splits = backend.get_supported_mla_splits()
-    if not splits:
-        return list(MLA_SHAPES)
-    known = {(s.kv_lora_rank, s.qk_rope_head_dim): s for s in MLA_SHAPES}
-    return [known.get((rank, rope), MLAShape(rank, rope, 128, 128)) for rank, rope in splits]
-
-
-def _mla_candidates(
-    backend: type[AttentionBackend], device: DeviceInfo
-) -> list[tuple[MLACase, torch.dtype]]:
-    """MLA backends: every split with every dtype, every dtype with every cache dtype, every
-    block size, and the decode LSE when declared; on the decoder sweep batch."""
-    shapes = _mla_shapes(backend)
-    block_size = backend.get_preferred_block_size(16)
-    base = MLACase("", "sweep", sweep_spec(block_size), shape=shapes[0], block_size=block_size)
-    base_dtype = _base_dtype(backend, device)
-    dtypes = [
-        d for d in (torch.float32, torch.float16, torch.bfloat16) if backend.supports_dtype(d)
-    ]
-    out: list[tuple[MLACase, torch.dtype]] = []
-    for shape in shapes:
-        for dtype in dtypes:
-            name = f"split-{shape.name}-{_dtype_name(dtype)}"
-            out.append((replace(base, name=name, shape=shape), dtype))
-    for dtype in dtypes:
-        for cache in backend.supported_kv_cache_dtypes:
-            name = f"kv_cache_dtype-{_dtype_name(dtype)}-{cache}"
-            out.append((replace(base, name=name, kv_cache_dtype=cache), dtype))
-    for b in _block_sizes(backend):
-        out.append(
-            (replace(base, name=f"block_size-{b}", block_size=b, spec=sweep_spec(b)), base_dtype)
-        )
-    if backend.supports_lse():
-        out.append((replace(base, name="feature-lse", check_lse=True), base_dtype))
-    return out
-
-
 def declaration_cases(
     backend: type[AttentionBackend], device: torch.device | str | DeviceInfo
 ) -> tuple[list[SweepCase], list[str]]:
@@ -287,8 +275,7 @@ def declaration_cases(
         return [], []
     cases: list[SweepCase] = []
     not_declared: list[str] = []
-    candidates = _mla_candidates if backend.is_mla() else _candidates
-    for case, dtype in candidates(backend, info):
+    for case, dtype in _candidates(backend, info):
         reasons = backend.validate_configuration(case.selector_config(dtype), info)
         if reasons:
             not_declared.append(f"{case.name}: {'; '.join(reasons)}")
