@@ -33,43 +33,27 @@ def _check_shapes(
     query_lens: Sequence[int],
     seq_lens: Sequence[int],
 ) -> None:
-    api = "mla_oracle"
-    if w_uk.dim() != 3 or w_uv.dim() != 3:
-        raise ValueError(
-            f"{api}: w_uk must be [num_heads, qk_nope_head_dim, kv_lora_rank] and w_uv "
-            f"[num_heads, v_head_dim, kv_lora_rank] (got {tuple(w_uk.shape)} and "
-            f"{tuple(w_uv.shape)})."
-        )
+    def require(ok: bool, name: str, shape: str, got: torch.Tensor) -> None:
+        if not ok:
+            raise ValueError(f"mla_oracle: {name} must be {shape} (got {tuple(got.shape)}).")
+
+    require(w_uk.dim() == 3, "w_uk", "[num_heads, qk_nope_head_dim, kv_lora_rank]", w_uk)
     num_heads, nope, rank = w_uk.shape
-    if w_uv.shape[0] != num_heads or w_uv.shape[2] != rank:
-        raise ValueError(
-            f"{api}: w_uv must be [{num_heads}, v_head_dim, {rank}] to match w_uk "
-            f"{tuple(w_uk.shape)} (got {tuple(w_uv.shape)})."
-        )
-    if q_nope.dim() != 3 or tuple(q_nope.shape[1:]) != (num_heads, nope):
-        raise ValueError(
-            f"{api}: q_nope must be [num_tokens, {num_heads}, {nope}] (from w_uk) "
-            f"(got {tuple(q_nope.shape)})."
-        )
-    if q_pe.dim() != 3 or tuple(q_pe.shape[:2]) != tuple(q_nope.shape[:2]):
-        raise ValueError(
-            f"{api}: q_pe must be [{q_nope.shape[0]}, {num_heads}, qk_rope_head_dim] "
-            f"(got {tuple(q_pe.shape)})."
-        )
-    rope = q_pe.shape[2]
-    if kv_c.dim() != 2 or kv_c.shape[1] != rank:
-        raise ValueError(
-            f"{api}: kv_c must be [num_keys, {rank}] (kv_lora_rank from w_uk) "
-            f"(got {tuple(kv_c.shape)})."
-        )
-    if tuple(k_pe.shape) != (kv_c.shape[0], rope):
-        raise ValueError(
-            f"{api}: k_pe must be [{kv_c.shape[0]}, {rope}] (one rope key per latent) "
-            f"(got {tuple(k_pe.shape)})."
-        )
+    ok = w_uv.dim() == 3 and w_uv.shape[0] == num_heads and w_uv.shape[2] == rank
+    require(ok, "w_uv", f"[{num_heads}, v_head_dim, {rank}] to match w_uk", w_uv)
+    ok = q_nope.dim() == 3 and tuple(q_nope.shape[1:]) == (num_heads, nope)
+    require(ok, "q_nope", f"[num_tokens, {num_heads}, {nope}] (from w_uk)", q_nope)
+    ok = q_pe.dim() == 3 and q_pe.shape[:2] == q_nope.shape[:2]
+    require(ok, "q_pe", f"[{q_nope.shape[0]}, {num_heads}, qk_rope_head_dim]", q_pe)
+    ok = kv_c.dim() == 2 and kv_c.shape[1] == rank
+    require(ok, "kv_c", f"[num_keys, {rank}] (kv_lora_rank from w_uk)", kv_c)
+    want = (kv_c.shape[0], q_pe.shape[2])
+    require(
+        tuple(k_pe.shape) == want, "k_pe", f"[{want[0]}, {want[1]}] (one rope key per latent)", k_pe
+    )
     if sum(query_lens) != q_nope.shape[0] or sum(seq_lens) != kv_c.shape[0]:
         raise ValueError(
-            f"{api}: lengths do not match the tensors (got sum(query_lens)={sum(query_lens)} "
+            f"mla_oracle: lengths do not match the tensors (got sum(query_lens)={sum(query_lens)} "
             f"for {q_nope.shape[0]} query rows, sum(seq_lens)={sum(seq_lens)} for "
             f"{kv_c.shape[0]} latents)."
         )
