@@ -1,23 +1,9 @@
 """Run one MLA conformance case and judge it against the float64 MLA oracle.
 
-The kit plays the model's `MLAAttention` layer around the impl, as docs/mla.md describes it,
-with its own weights and arithmetic (so that nothing of the backend under test judges the
-backend): it writes the step's latents with `impl.do_kv_cache_update`, absorbs the decode
-queries itself (`q_latent[t, h] = W_UK[h]^T q_nope[t, h]`), calls `forward_mqa` on the decode
-rows and multiplies the latent output by `W_UV[h]`, and calls `forward_mha` on the prefill rows
-with a layer whose `up_project` computes `(W_UK c_kv, W_UV c_kv)` in the model dtype. Which
-rows are decodes is the metadata's word (`num_decode_tokens`). Outputs start as NaN. Strides are
-the layer's: `k_pe` is a view with row stride `L + R`, the other inputs contiguous.
-
-A case fails when the impl raises, when the `[num_tokens, H, Vd]` output (or the decode LSE)
-is further from `mla_oracle` than the tolerance rule allows, or when an exact check breaks:
-the cache after the step must hold exactly what the kit expects (context, the step's rows,
-nothing at padding slots or in the null block), the metadata's decode rows must be its decode
-requests' tokens, and a case with a small workspace must have its context read in at least
-`min_context_chunks` `up_project` calls of at most `workspace_tokens` context rows each (a row
-is a context row unless it is bit for bit one of the step's new latents, which a backend may
-up-project in any number of calls). The kit's `v_scale` is four times its `k_scale`, so that a
-backend that dequantises the fp8 latent cache with `v_scale` fails.
+The kit plays the model's `MLAAttention` layer with its own weights and arithmetic, so that
+nothing of the backend under test judges it; docs/mla.md ("Conformance") states how (which
+rows go to `forward_mqa` and `forward_mha`, strides, the exact checks, context chunks, and
+`v_scale = 4 * k_scale` to catch a backend that reads it). Outputs start as NaN.
 """
 
 from __future__ import annotations
@@ -99,13 +85,12 @@ class KitMLALayer:
         """How many rows of `c_kv` are, bit for bit, one of `new_latents`."""
         if self.new_latents is None or c_kv.shape[0] == 0:
             return 0
-        new = {bytes(row) for row in _row_bytes(self.new_latents)}
-        return sum(bytes(row) in new for row in _row_bytes(c_kv))
 
+        def rows(x: torch.Tensor) -> list[bytes]:  # via bytes: bfloat16 has no numpy dtype
+            return [bytes(r) for r in x.detach().contiguous().view(torch.uint8).cpu().numpy()]
 
-def _row_bytes(x: torch.Tensor) -> list:
-    """The bytes of each row of a 2-D tensor, as numpy rows (bfloat16 has no numpy dtype)."""
-    return list(x.detach().contiguous().view(torch.uint8).reshape(x.shape[0], -1).cpu().numpy())
+        new = set(rows(self.new_latents))
+        return sum(row in new for row in rows(c_kv))
 
 
 @dataclass
@@ -146,16 +131,13 @@ def _make_impl(backend: type[AttentionBackend], case: MLACase) -> MLAAttentionIm
 
 def _decode_split(attn_metadata: object) -> tuple[int, int]:
     """`(num_decodes, num_decode_tokens)` of an MLA builder's metadata (docs/mla.md)."""
-    split = (
-        getattr(attn_metadata, "num_decodes", None),
-        getattr(attn_metadata, "num_decode_tokens", None),
-    )
+    split = tuple(getattr(attn_metadata, n, None) for n in ("num_decodes", "num_decode_tokens"))
     if not all(isinstance(x, int) for x in split):
         raise TypeError(
             f"MLA metadata must say its decode split as int num_decodes and num_decode_tokens "
             f"(got {type(attn_metadata).__name__} with {split[0]!r} and {split[1]!r})."
         )
-    return split[0], split[1]
+    return split  # type: ignore[return-value]
 
 
 def mla_step(
