@@ -139,25 +139,37 @@ class Case:
         )
 
 
-_FLAG_FEATURES = MappingProxyType(
-    {
-        "non_causal": "supports_non_causal",
-        "sliding_window": "supports_sliding_window",
-        "alibi": "supports_alibi",
-        "soft_cap": "supports_logits_soft_cap",
-        "sinks": "supports_sink",
-        "lse": "supports_lse",
-        "cascade": "supports_cascade",
-        "per_head_scales": "supports_per_head_quant_scales",
-    }
-)
-_ATTN_TYPE_FEATURES = MappingProxyType(
-    {
-        "encoder": AttentionType.ENCODER,
-        "encoder_only": AttentionType.ENCODER_ONLY,
-        "encoder_decoder": AttentionType.ENCODER_DECODER,
-    }
-)
+_FLAG_FEATURES = {
+    "non_causal": "supports_non_causal",
+    "sliding_window": "supports_sliding_window",
+    "alibi": "supports_alibi",
+    "soft_cap": "supports_logits_soft_cap",
+    "sinks": "supports_sink",
+    "lse": "supports_lse",
+    "cascade": "supports_cascade",
+    "per_head_scales": "supports_per_head_quant_scales",
+}
+_ATTN_TYPE_FEATURES = {
+    "encoder": AttentionType.ENCODER,
+    "encoder_only": AttentionType.ENCODER_ONLY,
+    "encoder_decoder": AttentionType.ENCODER_DECODER,
+}
+# Features of one case: feature -> (case name, catalogue batch, changes to the base case).
+_ONE_CASE: dict[str, tuple[str, str, dict[str, object]]] = {
+    "prefill": ("long_prefill", "long_prefill", {"num_heads": 2, "num_kv_heads": 1}),
+    "mixed": ("mixed", "mixed", {}),
+    "chunked": ("chunked_prefill", "chunked_prefill", {}),
+    "odd_lengths": ("odd_lengths", "odd_lengths", {}),
+    "mqa": ("mqa", "mixed", {"num_heads": 8, "num_kv_heads": 1}),
+    "padding": ("padding", "mixed", {"num_padding_tokens": 5}),
+    "kv_sharing": ("kv_sharing", "mixed", {"kv_sharing": True}),
+    "non_causal": ("non_causal", "mixed", {"causal": False}),
+    "encoder": ("encoder", "encoder", {"attn_type": AttentionType.ENCODER}),
+    "encoder_only": ("encoder_only", "encoder", {"attn_type": AttentionType.ENCODER_ONLY}),
+    "alibi": ("alibi", "mixed", {"use_alibi": True}),
+    "soft_cap": ("soft_cap", "mixed", {"logits_soft_cap": 2.0}),
+    "lse": ("mixed_lse", "mixed", {"check_lse": True}),
+}
 
 
 def _not_declared(backend: type[AttentionBackend], feature: str) -> str | None:
@@ -198,19 +210,14 @@ def _feature_cases(
     def case(name: str, spec_name: str = "mixed", **changes: object) -> Case:
         return replace(base, name=name, feature=feature, spec=get_spec(spec_name, quick), **changes)
 
-    missing: list[str] = []
+    if feature in _ONE_CASE:
+        name, spec_name, changes = _ONE_CASE[feature]
+        return [case(name, spec_name, **changes)], []
     if feature == "decode":
         return [case("single_decode", "single_decode"), case("many_decodes", "many_decodes")], []
-    if feature == "prefill":
-        return [case("long_prefill", "long_prefill", num_heads=2, num_kv_heads=1)], []
-    if feature in ("mixed", "chunked", "odd_lengths"):
-        spec_name = {"chunked": "chunked_prefill"}.get(feature, feature)
-        return [case(spec_name, spec_name)], []
     if feature == "gqa":
         shapes = ((4, 4), (8, 2), (16, 2))
         return [case(f"gqa/ratio{h // k}", num_heads=h, num_kv_heads=k) for h, k in shapes], []
-    if feature == "mqa":
-        return [case("mqa", num_heads=8, num_kv_heads=1)], []
     if feature == "head_sizes":
         wanted = (64, 128, 80) if not backend.get_supported_head_sizes() else (64, 128)
         cases = [case(f"head_size{s}", head_size=s) for s in wanted if s != base.head_size]
@@ -234,14 +241,6 @@ def _feature_cases(
         ]
         missing = [f"layout {x}" for x in KVCacheLayout if x not in declared]
         return cases, missing
-    if feature == "padding":
-        return [case("padding", num_padding_tokens=5)], []
-    if feature == "kv_sharing":
-        return [case("kv_sharing", kv_sharing=True)], []
-    if feature == "non_causal":
-        return [case("non_causal", causal=False)], []
-    if feature in ("encoder", "encoder_only"):
-        return [case(feature, "encoder", attn_type=AttentionType(feature))], []
     if feature == "encoder_decoder":
         cross = AttentionType.ENCODER_DECODER
         # Eight query heads on one KV head over long encoders, at head size 80 where declared.
@@ -260,10 +259,6 @@ def _feature_cases(
             case("window33", "chunked_prefill", sliding_window=33),
             case("window7", "odd_lengths", sliding_window=7),
         ], []
-    if feature == "alibi":
-        return [case("alibi", use_alibi=True)], []
-    if feature == "soft_cap":
-        return [case("soft_cap", logits_soft_cap=2.0)], []
     if feature == "sinks":
         return [case("sinks", use_sinks=True, check_lse=backend.supports_lse())], []
     if feature == "fp8":
@@ -273,8 +268,6 @@ def _feature_cases(
     if feature == "per_head_scales":
         fp8 = declared_fp8(backend)[0]
         return [case("per_head_scales", kv_cache_dtype=fp8, per_head_scales=True)], []
-    if feature == "lse":
-        return [case("mixed_lse", check_lse=True)], []
     if feature == "cascade":
         prefix = get_spec("cascade", quick).common_prefix_len
         if prefix % base.block_size:
