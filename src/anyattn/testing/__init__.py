@@ -8,20 +8,13 @@ written from docs/semantics.md alone::
     def test_my_backend_conforms():
         check_backend(MyBackend, "cuda", torch.bfloat16).assert_passed()
 
-The pieces: `BatchSpec` and the curated `CATALOGUE` (decodes, long prefill, mixed, chunked
-prefill over long contexts, odd lengths 1/7/97/1025, encoder, cross attention, cascade);
-`build_batch` (inputs, a shuffled paged cache with a null block, the backend's own metadata)
-and `layer_records` (plain records of a KV-cache group's layers, for a builder);
-`attention_oracle` (dense, per-request loops, any dtype); the tolerance rule (`error_bound`);
-`plan_cases` / `run_case` / `check_backend` and the `ConformanceReport` they fill;
-`declaration_cases` (the sweep: every value a backend declares, once each).
-
-MLA backends (`backend.is_mla()`) are checked by the same entry points: `plan_cases` gives
-them `MLACase`s (`MLA_FEATURES`: the catalogue's batches at latent splits 512+64, 320+64 and
-64+16, a context read in several workspace chunks, fp8, ...), judged against `mla_oracle`
-(the up-projected form, float64) with the same tolerance rule; `build_mla_batch` and
-`KitMLALayer` are the pieces, `run_mla_step` / `judge_mla_step` one case's run and judgement
-(by phase on request, as measured selection uses them).
+The pieces: `BatchSpec` and the curated `CATALOGUE`; `build_batch` (inputs, a shuffled paged
+cache with a null block, the backend's own metadata) and `layer_records`; `attention_oracle`;
+the tolerance rule (`error_bound`); `plan_cases` / `run_case` / `check_backend` and the
+`ConformanceReport` they fill; `declaration_cases` (every value a backend declares, once each).
+MLA backends (`backend.is_mla()`) go through the same entry points with `MLACase`s
+(`MLA_FEATURES`), judged against `mla_oracle` (the up-projected form) by the same rule;
+`build_mla_batch`, `KitMLALayer`, `run_mla_step` and `judge_mla_step` are their pieces.
 """
 
 from anyattn.testing.batch_spec import CATALOGUE, QUICK_CATALOGUE, BatchSpec, get_spec

@@ -1,20 +1,17 @@
 """Run the conformance cases on a backend and judge them against the float64 oracle.
 
-`check_backend` is the entry point; `run_case` runs one planned `Case` (for parametrised
-suites). MLA backends get `MLACase`s, run by `anyattn.testing.mla_check`; the rest of this
-docstring is about the standard path. The kit plays the model's attention layer: when the backend's
-`forward_includes_kv_cache_update` is False it calls `impl.do_kv_cache_update(layer, key, value,
-kv_cache, slot_mapping, attn_metadata)` first (never for ENCODER / ENCODER_ONLY, which have no
-cache, nor for cross attention steps whose key/value are None), then `impl.forward(layer, query,
-key, value, kv_cache, attn_metadata, output, output_lse=...)` with `output` and `output_lse`
-filled with NaN: the impl's two entry points called directly, as an engine may.
+`check_backend` is the entry point; `run_case` runs one planned case (`MLACase`s by
+`anyattn.testing.mla_check`). The kit plays the model's attention layer, calling the impl's two
+entry points directly as an engine may: `do_kv_cache_update` when the backend's
+`forward_includes_kv_cache_update` is False (never for ENCODER / ENCODER_ONLY, which have no
+cache, nor for cross attention steps without key/value), then `forward` with `output` and
+`output_lse` filled with NaN.
 
-A case fails when the backend raises, when its output (or LSE) is further from the float64
-oracle than the tolerance rule allows, or when an exact check breaks: the cache after the step
-must hold exactly what the kit expects (context, the step's writes, nothing in the null block or
-at padding slots, nothing from a KV-sharing layer), and output rows past `num_actual_tokens`
-must be untouched. LSEs are compared in natural log (base-2 ones are converted when the impl's
-`lse_base_on_e` is False), with a float32 floor, since `output_lse` is float32 in every dtype.
+A case fails when the backend raises, when its output (or LSE, natural log, with a float32
+floor) is further from the oracle than the tolerance rule allows, or when an exact check breaks:
+the cache after the step must hold exactly the kit's expected writes (nothing in the null block,
+at padding slots, or from a KV-sharing layer), and output rows past `num_actual_tokens` must be
+untouched.
 """
 
 from __future__ import annotations
@@ -260,16 +257,10 @@ def check_backend(
     """Run every case `backend` declares and judge it against the float64 oracle.
 
     Args:
-        backend: the backend class.
         device: where to run (its type must be among the backend's `supported_device_types`).
         dtype: model dtype of query/key/value/output.
-        features: restrict to these names from `anyattn.testing.FEATURES` (default: all):
-            decode, prefill, mixed, chunked, odd_lengths, gqa, mqa, head_sizes, block_sizes,
-            layouts, padding, kv_sharing, non_causal, encoder, encoder_only, encoder_decoder,
-            sliding_window, alibi, soft_cap, sinks, fp8, per_head_scales, lse, cascade.
-            For an MLA backend (`backend.is_mla()`), names from `anyattn.testing.MLA_FEATURES`:
-            decode, prefill, mixed, chunked, odd_lengths (each at every declared latent
-            split), num_heads, head_dims, block_sizes, padding, context_chunks, fp8, lse.
+        features: restrict to these names from `anyattn.testing.FEATURES` (default: all), or
+            from `anyattn.testing.MLA_FEATURES` for an MLA backend (`backend.is_mla()`).
         quick: small shapes (`QUICK_CATALOGUE`) for slow kernels such as the Triton interpreter.
         seed: added to every case's own seed.
 
