@@ -101,14 +101,11 @@ def device_identity(device: torch.device) -> dict[str, object]:
     return {"type": device.type, "name": _cpu_name(), "threads": torch.get_num_threads()}
 
 
-def _versions() -> dict[str, str | None]:
-    versions: dict[str, str | None] = {}
-    for package in _PACKAGES:
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            versions[package] = None
-    return versions
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 @functools.cache
@@ -134,7 +131,7 @@ def make_key(
     return {
         "format": FORMAT,
         "device": device_identity(device),
-        "versions": _versions(),
+        "versions": {package: _version(package) for package in _PACKAGES},
         "backends": [b.get_name() for b in backends],
         "source_sha256": source_hash(),
         "config": config,

@@ -160,13 +160,8 @@ class Measurement:
     def first_calls_s(self, backend: str) -> float:
         """Seconds of `backend`'s first calls beyond their steady state, summed over the
         steps: compilation, autotuning and plan caches, paid once."""
-        return (
-            sum(
-                max(t.first_call_us - t.median_us, 0.0)
-                for t in self.timings.get(backend, {}).values()
-            )
-            / 1e6
-        )
+        timings = self.timings.get(backend, {}).values()
+        return sum(max(t.first_call_us - t.median_us, 0.0) for t in timings) / 1e6
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -201,6 +196,7 @@ class Measurement:
             str(b): {t["step"]: StepTiming.from_dict(t) for t in per_step}  # type: ignore[index]
             for b, per_step in data["timings"].items()  # type: ignore[attr-defined]
         }
+        layers = data["layers_per_step"]
         return Measurement(
             device=str(data["device"]),
             order=tuple(str(b) for b in data["order"]),  # type: ignore[attr-defined]
@@ -210,9 +206,7 @@ class Measurement:
             kv_cache_shared=bool(data["kv_cache_shared"]),
             kv_cache_note=str(data["kv_cache_note"]),
             is_mla=bool(data["is_mla"]),
-            layers_per_step=None
-            if data["layers_per_step"] is None
-            else int(data["layers_per_step"]),  # type: ignore[call-overload]
+            layers_per_step=None if layers is None else int(layers),  # type: ignore[call-overload]
             from_cache=True,
             cache_note=cache_note,
         )
