@@ -18,6 +18,7 @@ first in every step, as builders that reorder batches expect.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -71,12 +72,7 @@ class MeasureStep:
         return f"{requests}, {tokens}, context{'s' if len(contexts) > 1 else ''} {shown}"
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "name": self.name,
-            "phase": self.phase.value,
-            "query_lens": list(self.query_lens),
-            "seq_lens": list(self.seq_lens),
-        }
+        return dataclasses.asdict(self) | {"phase": self.phase.value}
 
     @staticmethod
     def from_dict(data: dict[str, object]) -> MeasureStep:

@@ -11,6 +11,7 @@ step for all layers; its host time is reported beside the layer time (`build_us`
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -62,12 +63,7 @@ class StepTiming:
         return statistics.median(abs(t - middle) for t in self.times_us)
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "step": self.step,
-            "times_us": list(self.times_us),
-            "first_call_us": self.first_call_us,
-            "build_us": self.build_us,
-        }
+        return dataclasses.asdict(self)
 
     @staticmethod
     def from_dict(data: dict[str, object]) -> StepTiming:
