@@ -1,16 +1,7 @@
-"""The on-disk cache of measured selections: one readable JSON file per measured layer.
-
-Location: `$ANYATTN_CACHE_DIR`, else `$XDG_CACHE_HOME/anyattn`, else `~/.cache/anyattn`; files
-live in its `measure/` folder, named by a digest of their key. Any file may be read or deleted
-by hand; a deleted file is measured again. `ANYATTN_NO_MEASURE_CACHE=1` turns the cache off
-(nothing read, nothing written).
-
-A file is used only when its whole key equals the current one: the device's name, the GPU
-driver, the versions of anyattn, torch, triton, FlashInfer and FlashAttention (FA2/3 and FA4 with
-its CUTLASS DSL), a hash of the source of the whole `anyattn` package (a change to any kernel,
-planner or wrapper invalidates every file: a backend's speed depends on more modules than its
-own), the layer config, its record and the engine's limits. A file that cannot be read, is not
-valid JSON, has another format or another key is measured again and overwritten, never trusted.
+"""The on-disk cache of measured selections: one readable JSON file per measured layer, used
+only when its whole key (device, driver, package versions, a hash of anyattn's source, the
+config, its record and the limits) equals the current one; any other file is measured again
+and overwritten, never trusted (docs/measured_selection.md, "The cache").
 """
 
 from __future__ import annotations

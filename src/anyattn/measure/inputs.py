@@ -1,11 +1,6 @@
-"""One step of one layer, set up for a backend as an engine would: the backend's own builder
-and impl, a paged KV cache filled with random values whose blocks are scattered over the pool
-(block 0 kept as the null block), and the step's query/key/value.
-
-`prepare_step` does the set-up once; `PreparedStep.build()` runs the builder on the step and
-`PreparedStep.run(metadata)` what the model's attention layer does each step: the K/V (or
-latent) write, unless the backend's forward does it, then the forward. For MLA the step's
-decode rows go to `forward_mqa` and its prefill rows to `forward_mha` (docs/mla.md).
+"""One step of one layer set up for a backend as an engine would: its own builder and impl, a
+paged cache of random values over shuffled blocks (block 0 the null block), the step's inputs.
+`prepare_step` sets up; `PreparedStep.build()` and `.run(metadata)` are what is timed.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Choose a backend per phase from measured step times; no backend is named here.
 
-A phase's backend minimises its summed time over the phase's steps: per step, the median of its
-timed calls and, when the number of layer calls that share one `build` per step is known (an
-engine's layers of the config), that share of the step's host `build` time, which an engine
-pays once per step before any layer runs. Measurements are noisy, so a backend is preferred only
-when it is clearly faster: every backend whose sum is within the tolerance of the fastest sum is
-tied with it, and among tied backends the static order (the selector's priority list, judged for
-this device) decides.
-The tolerance between the fastest backend f and a backend b is
-`max(2% of f's sum, spread(f) + spread(b))`, where a backend's spread over a phase is the sum
-of its steps' median absolute deviations: the run's own measured noise. The "overall" choice
-applies the same rule to the sum over every step.
+A phase's backend minimises its summed step cost (`step_cost_us`); a backend within the
+tolerance `max(2% of the fastest sum, spread(fastest) + spread(b))` of the fastest is tied with
+it, and the static order decides among tied backends (docs/measured_selection.md, "The policy").
 """
 
 from __future__ import annotations

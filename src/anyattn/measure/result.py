@@ -1,14 +1,8 @@
-"""The result of a measured selection: steps, times, choices per phase, whether the decode and
-prefill choices could share one KV cache, and so whether an engine runs them as a pair.
-
-A pair is run only when it is predicted to beat the overall choice beyond the run's tolerance
-over all the steps: decode steps on the decode choice, prefill steps on the prefill choice, and
-each mixed step counted as both backends' whole mixed-step times (under a pair a mixed step
-runs both backends' builds and launches, each over part of the rows; the sum bounds it).
-
-`Measurement` is what `anyattn.selector.measure_backends` returns and what the cache stores
-(`to_dict` / `from_dict`; choices are recomputed from the stored times on load, so a cached
-file cannot carry a choice its times do not support).
+"""The result of a measured selection (`Measurement`): steps, times, choices per phase, and
+whether an engine runs the decode and prefill choices as a pair: only when they can share one
+KV cache and are predicted to beat the overall choice beyond the run's tolerance, each mixed
+step counted as both backends' whole step (docs/measured_selection.md, "The policy"). The cache
+stores `to_dict`; `from_dict` recomputes the choices from the stored times.
 """
 
 from __future__ import annotations

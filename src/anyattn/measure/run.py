@@ -1,10 +1,6 @@
-"""Measure the candidate backends of one layer config and choose per phase (or read the cache).
-
-Each candidate is first checked against the float64 oracle on a sample step
-(`anyattn.measure.verify`); one that fails or raises is rejected, never timed. Then every
-step of `measurement_steps` is timed with the backend's own builder and impl
-(`anyattn.measure.timing`). The candidates and their static order come from the selector
-(`anyattn.selector.measure_backends`); nothing here names a backend.
+"""Measure the candidate backends of one layer config and choose per phase (or read the cache):
+each candidate is checked against the oracle (`verify`), rejected if it fails, else timed on
+every step (`timing`). The candidates and their static order come from the selector.
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
-"""The steps a measured selection times, derived from the engine's limits.
-
-Three phases, as an engine meets them: decode steps (every request brings one token, or
-`1 + num_speculative_tokens` with speculative decoding), one prefill step (the per-step token
-budget of fresh prompts) and one mixed step (decodes and a prefill chunk over a context in one
-batch). Shapes come from `BatchLimits`, never from a fixed toy size:
-
-- decode: 1, `max_num_reqs // 4` and `max_num_reqs` requests (at most as many as the token
-  budget allows), each over a context of 1024 tokens and one of `max_model_len // 2`;
-- prefill: `max_num_tokens` fresh tokens, in as few requests as `max_model_len` allows;
-- mixed: `max_num_reqs // 2` decodes over `max_model_len // 2` tokens of context, then one
-  prefill chunk that fills the rest of the token budget over a context of `max_model_len // 4`.
-
-Every length is clipped so that no request exceeds `max_model_len` and no step exceeds
-`max_num_reqs` or `max_num_tokens`; duplicate steps (small limits) are dropped. Decodes come
-first in every step, as builders that reorder batches expect.
-"""
+"""The steps a measured selection times, derived from the engine's `BatchLimits`: decode steps,
+one prefill step and one mixed step, decodes first in each (docs/measured_selection.md, "The
+steps", gives the shapes and how they are clipped to the limits)."""
 
 from __future__ import annotations
 

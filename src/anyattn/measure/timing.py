@@ -1,12 +1,8 @@
 """Time one backend on one step: its first call (compilation, autotuning, plan caches) apart
-from its steady state.
-
-The timed work is what one attention layer costs per step: the K/V (or latent) write and the
-forward, on metadata built once by the backend's own builder. On a GPU each call is bracketed
-by CUDA events, queued back to back behind a sleep kernel that holds the device while the host
-queues them, so that the events measure device time alone (as under CUDA graphs), never the
-host's Python; on the CPU `time.perf_counter` brackets each call. The builder runs once per
-step for all layers; its host time is reported beside the layer time (`build_us`), not added.
+from its steady state. The timed work is one layer's K/V (or latent) write and forward on
+metadata built once; on a GPU CUDA events queued behind a hold kernel measure device time
+alone, on the CPU `time.perf_counter` (docs/measured_selection.md, "Timing"). The builder's host
+time is reported beside the layer time (`build_us`), not added.
 """
 
 from __future__ import annotations

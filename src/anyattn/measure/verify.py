@@ -1,14 +1,7 @@
-"""Check a backend against the float64 oracle of `anyattn.testing` before it is timed.
-
-A backend that computes the wrong thing fast must never be chosen. Each candidate runs one
-sample step of the conformance kit first, with the layer's own shape, dtype, cache dtype, block
-size and features, a "mixed" batch (decodes, fresh prefills and a chunk over a context, small
-lengths) that also checks the cache writes exactly:
-
-- standard attention: a `Case` through `anyattn.testing.run_case`;
-- MLA: an `MLACase` of the layer's sizes (L, R, P, Vd), heads, scale and workspace through
-  `anyattn.testing.run_mla_step`, judged against `mla_oracle` by `judge_mla_step` per phase, so
-  that the reason names the wrong path (absorbed decode or up-projected prefill).
+"""Check a backend against the float64 oracle of `anyattn.testing` before it is timed, so that
+a backend that computes the wrong thing fast is never chosen: one quick "mixed" step of the
+conformance kit with the layer's own settings, a `Case` through `run_case`, or for MLA an
+`MLACase` judged per phase (docs/measured_selection.md, "Check before timing").
 """
 
 from __future__ import annotations
