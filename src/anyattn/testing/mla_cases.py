@@ -1,11 +1,7 @@
-"""Which cases the kit runs for an MLA backend (`backend.is_mla()`), from what it declares.
-
-The batch shapes are the standard catalogue's (decodes, a fresh prefill, a mixed batch, prefill
-chunks over long contexts, odd lengths; `anyattn.testing.batch_spec`), each run at every latent
-split of `MLA_SHAPES` the backend declares: 512+64 (DeepSeek-V2/V3), 320+64 (not a power of
-two) and 64+16 (small, for quick CPU runs). Whether a split is declared is the backend's own
-word (`validate_configuration` on the selector config a model layer would send). What the
-backend does not declare is listed in the report, never excused silently.
+"""Which cases the kit runs for an MLA backend (`backend.is_mla()`), from what it declares: the
+standard catalogue's batches at every latent split of `MLA_SHAPES` the backend declares (its
+`validate_configuration` on the config a model layer would send), then the other features of
+`MLA_FEATURES` (docs/mla.md, "Conformance"). What it does not declare is listed, never excused.
 """
 
 from __future__ import annotations
