@@ -1,17 +1,9 @@
 """The layer a measured selection times: the config's shape plus the values a config omits.
 
 An `AttentionSelectorConfig` says whether a layer has a sliding window, a soft cap or sinks, not
-their values, and for MLA not the no-rope and value sizes. A caller that knows the layer passes
-its `LayerParams` (`impl.layer_params()`, or `MLALayerParams` for MLA); otherwise these stand in,
-each a common value of current models:
-
-| field | default |
-|---|---|
-| scale | `head_size ** -0.5` (MLA: `(qk_nope_head_dim + qk_rope_head_dim) ** -0.5`) |
-| sliding_window | 4096 |
-| logits_soft_cap | 50.0 |
-| MLA qk_rope_head_dim | 64 (when the config does not say) |
-| MLA qk_nope_head_dim, v_head_dim | 128, 128 (DeepSeek-V2/V3), each when the config does not say |
+their values, nor for MLA the no-rope and value sizes. A caller that knows the layer passes its
+`LayerParams` (`MLALayerParams` for MLA); otherwise the `DEFAULT_*` values below stand in (common
+values of current models), and the scale is `head_size ** -0.5` (MLA: `(P + R) ** -0.5`).
 """
 
 from __future__ import annotations
