@@ -15,15 +15,8 @@ import torch
 
 from anyattn.backend import AttentionBackend
 from anyattn.config import AttentionSelectorConfig
+from anyattn.testing import declared
 from anyattn.testing.batch_spec import BatchSpec, get_spec
-from anyattn.testing.declared import (
-    FP8_CACHE_DTYPES,
-    block_size_cases,
-    declared_fp8,
-    feature_names,
-    global_reasons,
-    plan_features,
-)
 from anyattn.types import DeviceInfo, check_positive_int, is_fp8_cache
 
 __all__ = [
@@ -156,7 +149,7 @@ class MLACase:
 
 
 def _not_declared(backend: type[AttentionBackend], feature: str) -> str | None:
-    if feature == "fp8" and not declared_fp8(backend):
+    if feature == "fp8" and not declared.declared_fp8(backend):
         return "no fp8 kv_cache_dtype in supported_kv_cache_dtypes"
     if feature == "lse" and not backend.supports_lse():
         return "supports_lse() is False"
@@ -196,7 +189,7 @@ def _feature_cases(
             return [], [f"v_head_dim {equal.v_head_dim}: {refused}"]
         return [case(f"v_head_dim{equal.v_head_dim}", "chunked_prefill", shape=equal)], []
     if feature == "block_sizes":
-        return block_size_cases(
+        return declared.block_size_cases(
             backend, base.block_size, lambda b: case(f"block_size{b}", "odd_lengths", block_size=b)
         )
     if feature == "padding":
@@ -215,9 +208,9 @@ def _feature_cases(
         )
         return [chunked], []
     if feature == "fp8":
-        declared = declared_fp8(backend)
-        missing = [f"kv_cache_dtype {d}" for d in FP8_CACHE_DTYPES if d not in declared]
-        return [case(f"fp8/{d}", "chunked_prefill", kv_cache_dtype=d) for d in declared], missing
+        fp8 = declared.declared_fp8(backend)
+        missing = [f"kv_cache_dtype {d}" for d in declared.FP8_CACHE_DTYPES if d not in fp8]
+        return [case(f"fp8/{d}", "chunked_prefill", kv_cache_dtype=d) for d in fp8], missing
     if feature == "lse":
         return [case("mixed_lse", check_lse=True)], []
     raise AssertionError(f"MLA feature {feature} has no cases")
@@ -245,9 +238,9 @@ def plan_mla_cases(
     Raises:
         ValueError: an unknown feature name.
     """
-    names = feature_names("plan_mla_cases: unknown MLA feature", MLA_FEATURES, features)
+    names = declared.feature_names("plan_mla_cases: unknown MLA feature", MLA_FEATURES, features)
     info = DeviceInfo.current(device)
-    reasons = global_reasons(backend, info, dtype)
+    reasons = declared.global_reasons(backend, info, dtype)
     if reasons:
         return [], [f"backend: {r}" for r in reasons]
     block_size = backend.get_preferred_block_size(16)
@@ -264,7 +257,7 @@ def plan_mla_cases(
     if not shapes:
         return [], not_declared
     base = replace(probe, shape=shapes[0])
-    cases, skipped = plan_features(
+    cases, skipped = declared.plan_features(
         backend,
         names,
         lambda feature: _not_declared(backend, feature),
