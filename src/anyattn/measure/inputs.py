@@ -16,6 +16,7 @@ from anyattn.kv_cache import allocate_kv_cache
 from anyattn.layer_params import LayerParams, MLALayerParams
 from anyattn.measure.steps import MeasureStep
 from anyattn.metadata import CommonAttentionMetadata, make_common_attn_metadata
+from anyattn.testing.cases import geometric_alibi_slopes
 
 __all__ = ["LAYER_NAME", "MeasureLayer", "PreparedStep", "prepare_step"]
 
@@ -135,10 +136,6 @@ def _randn(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.randn(shape, device=device, dtype=torch.float32).to(dtype)
 
 
-def _alibi_slopes(num_heads: int) -> list[float]:
-    return [2.0 ** (-8.0 * (h + 1) / num_heads) for h in range(num_heads)]
-
-
 def _make_impl(backend: type[AttentionBackend], layer: LayerParams, device: torch.device) -> object:
     impl_cls = backend.get_impl_cls()
     if isinstance(layer, MLALayerParams):
@@ -151,7 +148,7 @@ def _make_impl(backend: type[AttentionBackend], layer: LayerParams, device: torc
     sinks = torch.zeros(layer.num_heads, device=device) if layer.has_sinks else None
     return impl_cls(
         layer.num_heads, layer.head_size, layer.scale, layer.num_kv_heads,
-        _alibi_slopes(layer.num_heads) if layer.has_alibi else None, layer.sliding_window,
+        geometric_alibi_slopes(layer.num_heads) if layer.has_alibi else None, layer.sliding_window,
         layer.kv_cache_dtype, layer.logits_soft_cap, layer.attn_type, None, sinks,
     )  # fmt: skip
 

@@ -28,7 +28,7 @@ from anyattn.testing.declared import (
 from anyattn.testing.mla_cases import MLACase, plan_mla_cases
 from anyattn.types import AttentionType, DeviceInfo, KVCacheLayout, is_fp8_cache
 
-__all__ = ["FEATURES", "Case", "plan_cases"]
+__all__ = ["FEATURES", "Case", "geometric_alibi_slopes", "plan_cases"]
 
 FEATURES: Mapping[str, str] = MappingProxyType(
     {
@@ -65,6 +65,11 @@ FEATURES: Mapping[str, str] = MappingProxyType(
 # Scales exactly representable in bf16/fp16, so that only the fp8 rounding is tested.
 _K_SCALES = (0.375, 0.5, 0.3125, 0.25)
 _V_SCALES = (0.15625, 0.1875, 0.125, 0.25)
+
+
+def geometric_alibi_slopes(num_heads: int) -> list[float]:
+    """The standard ALiBi slopes, `2 ** (-8 (h + 1) / num_heads)` for head h."""
+    return [2.0 ** (-8.0 * (h + 1) / num_heads) for h in range(num_heads)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,9 +120,7 @@ class Case:
         )
 
     def alibi_slopes(self) -> list[float] | None:
-        if not self.use_alibi:
-            return None
-        return [2.0 ** (-8.0 * (h + 1) / self.num_heads) for h in range(self.num_heads)]
+        return geometric_alibi_slopes(self.num_heads) if self.use_alibi else None
 
     def selector_config(self, dtype: torch.dtype) -> AttentionSelectorConfig:
         """What a model layer with these settings would ask the selector."""
