@@ -16,6 +16,7 @@ from anyattn.kv_cache import allocate_kv_cache
 from anyattn.layer_params import LayerParams, MLALayerParams
 from anyattn.measure.steps import MeasureStep
 from anyattn.metadata import CommonAttentionMetadata, make_common_attn_metadata
+from anyattn.testing.blocks import assign_blocks
 from anyattn.testing.cases import geometric_alibi_slopes
 
 __all__ = ["LAYER_NAME", "MeasureLayer", "PreparedStep", "prepare_step"]
@@ -117,21 +118,6 @@ class PreparedStep:
             )  # fmt: skip
 
 
-def _block_table(
-    seq_lens: tuple[int, ...], block_size: int, generator: torch.Generator
-) -> tuple[torch.Tensor, int]:
-    """int32 `[num_reqs, max_blocks]` over a shuffled pool (block 0 unused), and the pool size."""
-    counts = [-(-s // block_size) for s in seq_lens]
-    total = sum(counts)
-    ids = torch.randperm(total, generator=generator, dtype=torch.int64) + 1
-    table = torch.zeros(len(seq_lens), max(counts), dtype=torch.int32)
-    start = 0
-    for r, n in enumerate(counts):
-        table[r, :n] = ids[start : start + n].to(torch.int32)
-        start += n
-    return table, total + 1
-
-
 def _randn(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.randn(shape, device=device, dtype=torch.float32).to(dtype)
 
@@ -194,7 +180,9 @@ def prepare_step(
     dtype = config.dtype
     block_size = config.block_size or backend.get_preferred_block_size(16)
     kernel_block_size = backend.get_kernel_block_size(block_size)
-    table, num_blocks = _block_table(step.seq_lens, kernel_block_size, generator)
+    table, num_blocks = assign_blocks(
+        step.seq_lens, kernel_block_size, generator=generator, spare_blocks=False
+    )
     impl = _make_impl(backend, layer, device)
     is_mla = isinstance(layer, MLALayerParams)
     heads = 1 if is_mla else layer.num_kv_heads

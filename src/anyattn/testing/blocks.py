@@ -24,6 +24,7 @@ def assign_blocks(
     common_prefix_len: int = 0,
     num_cols: int | None = None,
     generator: torch.Generator | None = None,
+    spare_blocks: bool = True,
 ) -> tuple[torch.Tensor, int]:
     """Shuffled physical blocks for each request, from a pool larger than needed.
 
@@ -35,6 +36,8 @@ def assign_blocks(
         seq_lens: tokens each request must hold.
         common_prefix_len: shared leading tokens; a multiple of `block_size`.
         num_cols: width of the table (default: the most blocks any request needs).
+        spare_blocks: a pool half as large again as needed (at least 4 spare blocks), so that
+            the ids used are sparse in it; False: exactly the blocks needed, plus block 0.
 
     Returns:
         `(block_table, num_blocks)`: int32 `[num_reqs, num_cols]` (CPU) and the pool size.
@@ -49,7 +52,7 @@ def assign_blocks(
     num_cols = max(max(needed, default=0), num_cols or 0)
     total = num_shared + sum(n - num_shared for n in needed)
     # Spare blocks make the used ids sparse in the pool, not just permuted among themselves.
-    num_blocks = 1 + total + max(4, total // 2)
+    num_blocks = 1 + total + (max(4, total // 2) if spare_blocks else 0)
     pool = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
     shared, pool = pool[:num_shared], pool[num_shared:]
     block_table = torch.zeros(len(needed), max(num_cols, 1), dtype=torch.int32)
