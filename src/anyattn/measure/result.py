@@ -94,13 +94,6 @@ class Measurement:
             overall += step_cost_us(best_timing, self.layers_per_step)
         return pair, overall, spread
 
-    def _pair_pays(self, decode: str, prefill: str) -> bool:
-        predicted = self._pair_and_overall_us(decode, prefill)
-        if predicted is None:
-            return False
-        pair, overall, spread = predicted
-        return pair < overall and not within_tolerance(overall, pair, spread)
-
     @property
     def possible_pair(self) -> tuple[str, str] | None:
         """`(decode, prefill)` when the two choices differ, can share one KV cache and the layer
@@ -108,16 +101,19 @@ class Measurement:
         decode, prefill = self.choice(Phase.DECODE), self.choice(Phase.PREFILL)
         if decode is None or prefill is None or decode == prefill:
             return None
-        if self.is_mla or not self.kv_cache_shared:
-            return None
-        return decode, prefill
+        return None if self.is_mla or not self.kv_cache_shared else (decode, prefill)
 
     @property
     def phase_pair(self) -> tuple[str, str] | None:
         """`possible_pair` when the engine runs it: the pair is predicted to beat the overall
         choice (module docstring); else None (the overall choice serves every step)."""
         pair = self.possible_pair
-        return pair if pair is not None and self._pair_pays(*pair) else None
+        predicted = None if pair is None else self._pair_and_overall_us(*pair)
+        if predicted is None:
+            return None
+        pair_us, overall_us, spread = predicted
+        pays = pair_us < overall_us and not within_tolerance(overall_us, pair_us, spread)
+        return pair if pays else None
 
     def pair_note(self) -> str:
         """What an engine runs on this measurement, and why not a per-phase pair."""

@@ -78,17 +78,6 @@ def _mla_case(
     )
 
 
-def _check_mla(
-    backend: type[AttentionBackend],
-    config: AttentionSelectorConfig,
-    layer: MLALayerParams,
-    device: torch.device,
-) -> list[CaseResult]:
-    case = _mla_case(backend, config, layer)
-    step = run_mla_step(backend, case, device, config.dtype, seed=1)
-    return judge_mla_step(case, *step, config.dtype, by_phase=True)
-
-
 def _describe(result: CaseResult) -> str:
     """ "<part>: max error E above the bound B of the float64 oracle", or the kit's detail."""
     part = result.name.removeprefix(f"{_MLA_CASE_NAME}.")
@@ -112,8 +101,10 @@ def check_against_oracle(
     """
     try:
         if isinstance(layer, MLALayerParams):
-            failed = [r for r in _check_mla(backend, config, layer, device) if not r.passed]
-            return "; ".join(_describe(r) for r in failed) or None
+            mla_case = _mla_case(backend, config, layer)
+            step = run_mla_step(backend, mla_case, device, config.dtype, seed=1)
+            results = judge_mla_step(mla_case, *step, config.dtype, by_phase=True)
+            return "; ".join(_describe(r) for r in results if not r.passed) or None
         case = _standard_case(backend, config, layer)
         failed = [r for r in run_case(backend, case, device, config.dtype) if not r.passed]
     except Exception as error:  # a candidate may fail in any way; it is then not timed
