@@ -44,7 +44,7 @@ from anyattn.engine.sampling_params import SamplingParams
 from anyattn.engine.scheduler import ScheduledBatch, Scheduler
 from anyattn.engine.sequence import Sequence as Request
 from anyattn.engine.sequence import SequenceStatus
-from anyattn.types import parse_dtype
+from anyattn.types import check_positive_int, parse_dtype
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
 
@@ -123,8 +123,7 @@ class LLM:
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("max_model_len", 1 if max_model_len is None else max_model_len),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"LLM: {name} must be a positive int (got {value!r}).")
+            check_positive_int("LLM", name, value)
         memory = parse_memory(kv_cache_memory)
         request = parse_backend_request(backend)
         loaded = load_model(
@@ -258,7 +257,6 @@ class LLM:
     def abort_request(self, request_id: int) -> None:
         """Stop a request now (finish reason "abort") and forget it; unknown ids are ignored."""
         entry = self._requests.pop(request_id, None)
-        self._with_stops.pop(request_id, None)
         if entry is None:
             return
         if entry.request.status != SequenceStatus.FINISHED:

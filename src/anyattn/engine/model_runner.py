@@ -1,6 +1,6 @@
 """ModelRunner: lays out each step from the running requests' `InputBatch`, builds attention
 metadata once per KV-cache group (`kv_cache_group.py`; a per-phase group's decodes and prefills
-by their own builders, `phase_split.py`), runs the model, and returns the logits of the
+by their own builders, `build_by_phase`), runs the model, and returns the logits of the
 requests that need a next token. On CUDA, uniform decode steps replay CUDA graphs when
 every group's backend allows it (`cuda_graphs.py`); one log line says whether, or why not.
 """
@@ -22,8 +22,12 @@ from anyattn.engine.cuda_graphs import (
     plan_cuda_graphs,
 )
 from anyattn.engine.input_batch import InputBatch, StepInputs
-from anyattn.engine.kv_cache_group import KVCacheGroup, in_kernel_blocks
-from anyattn.engine.phase_split import build_by_phase, split_threshold
+from anyattn.engine.kv_cache_group import (
+    KVCacheGroup,
+    build_by_phase,
+    in_kernel_blocks,
+    split_threshold,
+)
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.kv_cache_sharing import KVCacheNotShareableError, SharedKVCache, plan_shared_kv_cache
 from anyattn.layer import Attention
