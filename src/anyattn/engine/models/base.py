@@ -25,11 +25,10 @@ from anyattn.engine.models.layers import (
     RMSNorm,
     SelfAttention,
     Slots,
-    empty_param,
 )
 from anyattn.engine.models.linear import Linear
 from anyattn.engine.models.rope import RotaryEmbedding
-from anyattn.engine.models.weights import WeightSlot, load_into_slots
+from anyattn.engine.models.weights import WeightSlot, empty_param, load_into_slots
 from anyattn.types import parse_cache_dtype, parse_dtype
 
 __all__ = ["CausalLM", "LlamaForCausalLM"]

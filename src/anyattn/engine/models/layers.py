@@ -19,17 +19,12 @@ from torch import nn
 from anyattn.engine.model_config import ModelConfig
 from anyattn.engine.models.linear import Linear
 from anyattn.engine.models.rope import apply_rotary
-from anyattn.engine.models.weights import WeightSlot
+from anyattn.engine.models.weights import WeightSlot, empty_param
 from anyattn.layer import Attention
 
 __all__ = ["ACTIVATIONS", "DecoderLayer", "GatedMLP", "RMSNorm", "SelfAttention"]
 
 Slots = Iterator[tuple[str, WeightSlot]]
-
-
-def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
-    """An uninitialised, frozen parameter (the checkpoint fills it)."""
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
 class RMSNorm(nn.Module):
