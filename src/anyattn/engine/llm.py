@@ -339,9 +339,7 @@ class LLM:
         """
         if isinstance(prompts, str) or is_token_ids(prompts):
             prompts = [prompts]
-        if isinstance(prompts, Mapping | bytes | bytearray) or not (
-            isinstance(prompts, Sequence) or hasattr(prompts, "__iter__")
-        ):
+        if isinstance(prompts, Mapping | bytes | bytearray) or not hasattr(prompts, "__iter__"):
             raise TypeError(
                 f"LLM.generate: prompts must be a str, token ids, or a list of those (got "
                 f"{type(prompts).__name__})."

@@ -98,12 +98,9 @@ class ModelRunner:
         self.groups = [self._make_group(key, names, layers) for key, names in specs.items()]
         # Every group's batch is laid out decodes first at one threshold (`_order`).
         thresholds = [g.builder.reorder_batch_threshold for g in self.groups]
-        thresholds += [split_threshold(g) for g in self.groups if g.prefill_builder is not None]
-        thresholds += [
-            g.prefill_builder.reorder_batch_threshold
-            for g in self.groups
-            if g.prefill_builder is not None
-        ]
+        for g in self.groups:
+            if g.prefill_builder is not None:
+                thresholds += [split_threshold(g), g.prefill_builder.reorder_batch_threshold]
         known = [t for t in thresholds if t is not None]
         self.decode_threshold: int | None = min(known) if known else None
         self.kv_caches: dict[str, torch.Tensor] = {}

@@ -102,14 +102,13 @@ class CausalLM(nn.Module):
         """Decoder layer `index`: called as `layer(hidden, cos, sin, kv_cache, attn_metadata)`,
         with `weight_slots(prefix)`; its attention layer is the one `attention_layers` lists
         (by default `.self_attn.attn`)."""
-        factory = {"dtype": self.dtype, "device": self.device}
-        self_attn = SelfAttention(self.config, index, attn_kwargs)
         return DecoderLayer(
             self.config,
-            self_attn,
+            SelfAttention(self.config, index, attn_kwargs),
             self.dense_mlp(),
             has_sandwich_norms=self.has_gemma_norms,
-            **factory,
+            dtype=self.dtype,
+            device=self.device,
         )
 
     def dense_mlp(self) -> GatedMLP:
