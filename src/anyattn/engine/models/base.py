@@ -99,7 +99,7 @@ class CausalLM(nn.Module):
         )
 
     def make_layer(self, index: int, attn_kwargs: dict[str, object]) -> nn.Module:
-        """Decoder layer `index`: called as `layer(hidden, cos, sin, kv_cache, attn_metadata)`,
+        """Decoder layer `index`: called as `layer(hidden, (cos, sin), kv_cache, attn_metadata)`,
         with `weight_slots(prefix)`; its attention layer is the one `attention_layers` lists
         (by default `.self_attn.attn`)."""
         return DecoderLayer(
@@ -138,9 +138,9 @@ class CausalLM(nn.Module):
         back), metadata and KV cache by layer name -> final hidden states `[num_tokens,
         hidden_size]` (after the last norm)."""
         hidden = self.embed(input_ids)  # [num_tokens, hidden_size]
-        cos, sin = self.rotary(positions)  # [num_tokens, 1, head_size] each
+        cos_sin = self.rotary(positions)  # cos and sin, [num_tokens, 1, head_size] each
         for layer, name in zip(self.layers, self.layer_names, strict=True):
-            hidden = layer(hidden, cos, sin, kv_caches[name], attn_metadata[name])
+            hidden = layer(hidden, cos_sin, kv_caches[name], attn_metadata[name])
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -229,13 +229,13 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         attn_metadata: object,
     ) -> torch.Tensor:
-        """hidden: `[num_tokens, hidden_size]`; cos/sin from `RotaryEmbedding` -> same shape
+        """hidden: `[num_tokens, hidden_size]`, `cos_sin` from `RotaryEmbedding` -> same shape
         as hidden."""
+        cos, sin = cos_sin
         x = self.input_layernorm(hidden)
         rotate = self.mla_rotate
         if rotate is None:
