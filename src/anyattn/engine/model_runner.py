@@ -216,9 +216,8 @@ class ModelRunner:
             return backend_cls.get_builder_cls()(spec, records, self.limits, self.device)
 
         layout = None
-        if prefill is not None:
-            shared = self._shared_cache(layers[names[0]], prefill, spec.kv_cache_dtype)
-            layout = shared.layout
+        if prefill is not None:  # the layout both backends take
+            layout = self._shared_cache(layers[names[0]], prefill, spec.kv_cache_dtype).layout
         return KVCacheGroup(
             backend,
             spec,
