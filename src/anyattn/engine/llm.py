@@ -283,12 +283,12 @@ class LLM:
         sampled = self._run(batch)
         finished = self.scheduler.update(batch, sampled)
         for entry in list(self._with_stops.values()):  # only requests with stop strings
-            stop = entry.text.update(entry.request.status == SequenceStatus.FINISHED)
-            if stop is not None and entry.request.status != SequenceStatus.FINISHED:
+            was_finished = entry.request.status == SequenceStatus.FINISHED
+            stop = entry.text.update(was_finished)
+            if stop is not None:  # a stop string in the last token still reads "stop"
                 self.scheduler.finish(entry.request, "stop", stop_reason=stop)
-                finished.append(entry.request)
-            elif stop is not None:  # a stop string in the last token still reads "stop"
-                entry.request.finish_reason, entry.request.stop_reason = "stop", stop
+                if not was_finished:
+                    finished.append(entry.request)
         for seq in finished:
             self._mark_finished(self._requests[seq.request_id])
         requests = self._requests
