@@ -75,12 +75,9 @@ def parse_backend_request(backend: object) -> BackendRequest:
     """
     source = "LLM: backend"
     if backend is None:
-        text = os.environ.get(ENV_VAR, "").strip()
-        if text.lower() == FASTEST:
-            return BackendRequest(None, is_fastest=True)
-        if "," in text:
-            return _pair(text.split(","), ENV_VAR)
-        return BackendRequest(None)  # the selector reads the variable itself
+        backend, source = os.environ.get(ENV_VAR, "").strip(), ENV_VAR
+        if backend.lower() != FASTEST and "," not in backend:
+            return BackendRequest(None)  # the selector reads the variable itself
     if isinstance(backend, str):
         if backend.strip().lower() == FASTEST:
             return BackendRequest(None, is_fastest=True)
@@ -147,11 +144,9 @@ def use_fastest_backends(
                 progress=True,
                 layers_per_step=per_config[layer.config],
             )
-            pair = measured.phase_pair
-            if pair is None:
-                chosen[layer.config] = (get_backend_class(measured.overall), None)
-            else:
-                chosen[layer.config] = (get_backend_class(pair[0]), get_backend_class(pair[1]))
+            decode, prefill = measured.phase_pair or (measured.overall, None)
+            prefill_cls = None if prefill is None else get_backend_class(prefill)
+            chosen[layer.config] = (get_backend_class(decode), prefill_cls)
             notes.append(f"{layer.layer_name} (and layers like it): {measured.pair_note()}")
             logger.info("measured backends: %s", notes[-1])
         backend, prefill = chosen[layer.config]

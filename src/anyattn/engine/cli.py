@@ -184,9 +184,9 @@ def _explain_layers(llm, console: Console) -> None:
     for layer in llm.model.attention_layers():
         configs.setdefault(layer.config, layer)  # the first layer of each config
     for config, layer in configs.items():
-        result = explain(config, device, layer.backend.get_name())
-        prefill = getattr(layer, "prefill_backend", None)
         decode = layer.backend.get_name()
+        result = explain(config, device, decode)
+        prefill = getattr(layer, "prefill_backend", None)
         marks = {decode: "chosen"}
         if prefill is not None:
             marks = {decode: "chosen: decode", prefill.get_name(): "chosen: prefill"}

@@ -20,18 +20,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEEPSEEK_ARCHITECTURES", "MLAConfig", "MoEConfig", "read_deepseek"]
+from anyattn.types import check_positive_int
+
+__all__ = ["DEEPSEEK_ARCHITECTURES", "MLAConfig", "MoEConfig", "int_field", "read_deepseek"]
 
 DEEPSEEK_ARCHITECTURES = ("deepseek_v2", "deepseek_v3")
 
 # transformers 5.24's defaults for the keys read here (num_experts_per_tok has none in V2).
+_MLA_DEFAULTS = {
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+}
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "deepseek_v2": {
-        "kv_lora_rank": 512,
-        "q_lora_rank": 1536,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
+        **_MLA_DEFAULTS,
         "n_routed_experts": 64,
         "n_shared_experts": 2,
         "moe_intermediate_size": 1407,
@@ -41,11 +46,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "scoring_func": "softmax",
     },
     "deepseek_v3": {
-        "kv_lora_rank": 512,
-        "q_lora_rank": 1536,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
+        **_MLA_DEFAULTS,
         "n_routed_experts": 256,
         "n_shared_experts": 1,
         "moe_intermediate_size": 2048,
@@ -131,8 +132,8 @@ def read_deepseek(
     # null counts as absent, except q_lora_rank, where it means "no low-rank query"
     cfg = {**_DEFAULTS[arch], **{k: v for k, v in config.items() if v is not None}}
     has_q_lora = not ("q_lora_rank" in config and config["q_lora_rank"] is None)
-    q_lora_rank = _int(cfg, "q_lora_rank") if has_q_lora else None
-    nope, rope = _int(cfg, "qk_nope_head_dim"), _int(cfg, "qk_rope_head_dim")
+    q_lora_rank = int_field(cfg, "q_lora_rank") if has_q_lora else None
+    nope, rope = int_field(cfg, "qk_nope_head_dim"), int_field(cfg, "qk_rope_head_dim")
     if rope % 2:
         raise ValueError(f"{_API}: qk_rope_head_dim must be even for RoPE (got {rope}).")
     for key, supported in (("attention_bias", False), ("moe_layer_freq", 1)):
@@ -150,10 +151,10 @@ def read_deepseek(
         scale = scale * mscale * mscale
     mla = MLAConfig(
         q_lora_rank=q_lora_rank,
-        kv_lora_rank=_int(cfg, "kv_lora_rank"),
+        kv_lora_rank=int_field(cfg, "kv_lora_rank"),
         qk_nope_head_dim=nope,
         qk_rope_head_dim=rope,
-        v_head_dim=_int(cfg, "v_head_dim"),
+        v_head_dim=int_field(cfg, "v_head_dim"),
         is_rope_interleaved=arch == "deepseek_v2" or bool(cfg["rope_interleave"]),
         scale=scale,
     )
@@ -173,11 +174,11 @@ def _read_moe(arch: str, cfg: Mapping[str, Any]) -> MoEConfig:
             f"{_API}: unsupported topk_method for {arch} (got {method!r}, expected one of "
             f"{', '.join(_TOPK_METHODS[arch])})."
         )
-    num_experts = _int(cfg, "n_routed_experts")
-    top_k = _int(cfg, "num_experts_per_tok")
+    num_experts = int_field(cfg, "n_routed_experts")
+    top_k = int_field(cfg, "num_experts_per_tok")
     is_grouped = method != "greedy"
-    n_group = _int(cfg, "n_group") if is_grouped else None
-    topk_group = _int(cfg, "topk_group") if is_grouped else None
+    n_group = int_field(cfg, "n_group") if is_grouped else None
+    topk_group = int_field(cfg, "topk_group") if is_grouped else None
     if top_k > num_experts:
         raise ValueError(
             f"{_API}: num_experts_per_tok exceeds n_routed_experts (got {top_k} and {num_experts})."
@@ -200,17 +201,14 @@ def _read_moe(arch: str, cfg: Mapping[str, Any]) -> MoEConfig:
                 f"{top_k} in all)."
             )
     shared = cfg.get("n_shared_experts") or 0
-    if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
-        raise ValueError(f"{_API}: n_shared_experts must be an int >= 0 (got {shared!r}).")
     first_dense = cfg["first_k_dense_replace"]
-    if isinstance(first_dense, bool) or not isinstance(first_dense, int) or first_dense < 0:
-        raise ValueError(
-            f"{_API}: first_k_dense_replace must be an int >= 0 (got {first_dense!r})."
-        )
+    for key, value in (("n_shared_experts", shared), ("first_k_dense_replace", first_dense)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{_API}: {key} must be an int >= 0 (got {value!r}).")
     return MoEConfig(
         num_experts=num_experts,
         num_experts_per_tok=top_k,
-        moe_intermediate_size=_int(cfg, "moe_intermediate_size"),
+        moe_intermediate_size=int_field(cfg, "moe_intermediate_size"),
         num_shared_experts=shared,
         first_k_dense_replace=first_dense,
         scoring=scoring,
@@ -222,10 +220,9 @@ def _read_moe(arch: str, cfg: Mapping[str, Any]) -> MoEConfig:
     )
 
 
-def _int(cfg: Mapping[str, Any], key: str) -> int:
+def int_field(cfg: Mapping[str, Any], key: str) -> int:
+    """`cfg[key]`, a positive int (ValueError otherwise, naming the key)."""
     if key not in cfg:
         raise ValueError(f"{_API}: config.json has no {key!r} (expected a positive int).")
-    value = cfg[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{_API}: {key} must be a positive int (got {value!r}).")
-    return value
+    check_positive_int(_API, key, cfg[key])
+    return cfg[key]

@@ -26,6 +26,7 @@ import gguf
 import numpy as np
 import torch
 
+from anyattn.engine.model_config import SUPPORTED_ARCHITECTURES as HF_ARCHITECTURES
 from anyattn.engine.models.weights import CountedWeights
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma2")
@@ -80,7 +81,9 @@ def read_gguf(
     if not dtype.is_floating_point:
         raise ValueError(f"read_gguf: dtype must be a floating dtype, got {dtype}")
     reader = _open_reader(path)
-    arch = _str_field(reader, "general.architecture", path)
+    arch = _field(reader, "general.architecture")
+    if not isinstance(arch, str):
+        raise ValueError(f"{path}: GGUF metadata lacks the string 'general.architecture'")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"{path}: unsupported GGUF architecture {arch!r}; "
@@ -150,13 +153,6 @@ def _field(reader: gguf.GGUFReader, key: str) -> Any:
     return None if field is None else field.contents()
 
 
-def _str_field(reader: gguf.GGUFReader, key: str, path: object) -> str:
-    value = _field(reader, key)
-    if not isinstance(value, str):
-        raise ValueError(f"{path}: GGUF metadata lacks the string {key!r}")
-    return value
-
-
 def _f32(value: float) -> float:
     # GGUF stores floats as float32; the shortest float32 repr gives back the decimal written
     # in the original config.json (1e-05, not 9.999999747378752e-06).
@@ -215,16 +211,12 @@ def _build_config(
         config["sliding_window"] = int(sliding_window)
 
     name = (_field(reader, "general.name") or "").lower()
+    model_type = arch
     if arch == "llama" and "mistral" in name:
         # llama.cpp files Mistral under "llama"; the name is the only hint left.
-        model_type, hf_class = "mistral", "MistralForCausalLM"
+        model_type = "mistral"
         config.setdefault("sliding_window", None)
-    else:
-        model_type, hf_class = {
-            "llama": ("llama", "LlamaForCausalLM"),
-            "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-            "gemma2": ("gemma2", "Gemma2ForCausalLM"),
-        }[arch]
+    hf_class = next(cls for cls, kind in HF_ARCHITECTURES.items() if kind == model_type)
     if arch == "gemma2":
         config["hidden_activation"] = "gelu_pytorch_tanh"
         config["attn_logit_softcapping"] = _opt_f32(md("attn_logit_softcapping"))

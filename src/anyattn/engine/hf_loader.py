@@ -125,9 +125,7 @@ def _safetensors_files(folder: Path) -> list[Path]:
         return files
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        other = sorted(p.name for p in folder.glob("*.bin")) + sorted(
-            p.name for p in folder.glob("*.pt")
-        )
+        other = [p.name for ext in ("bin", "pt") for p in sorted(folder.glob(f"*.{ext}"))]
         hint = f" Found {', '.join(other)}: convert it to safetensors." if other else ""
         raise FileNotFoundError(
             f"load_hf_folder: no *.safetensors files in {folder} (expected model.safetensors or "

@@ -44,7 +44,7 @@ from anyattn.engine.sampling_params import SamplingParams
 from anyattn.engine.scheduler import ScheduledBatch, Scheduler
 from anyattn.engine.sequence import Sequence as Request
 from anyattn.engine.sequence import SequenceStatus
-from anyattn.types import parse_dtype
+from anyattn.types import check_positive_int, parse_dtype
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
 
@@ -123,8 +123,7 @@ class LLM:
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("max_model_len", 1 if max_model_len is None else max_model_len),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"LLM: {name} must be a positive int (got {value!r}).")
+            check_positive_int("LLM", name, value)
         memory = parse_memory(kv_cache_memory)
         request = parse_backend_request(backend)
         loaded = load_model(
@@ -258,7 +257,6 @@ class LLM:
     def abort_request(self, request_id: int) -> None:
         """Stop a request now (finish reason "abort") and forget it; unknown ids are ignored."""
         entry = self._requests.pop(request_id, None)
-        self._with_stops.pop(request_id, None)
         if entry is None:
             return
         if entry.request.status != SequenceStatus.FINISHED:
@@ -285,12 +283,12 @@ class LLM:
         sampled = self._run(batch)
         finished = self.scheduler.update(batch, sampled)
         for entry in list(self._with_stops.values()):  # only requests with stop strings
-            stop = entry.text.update(entry.request.status == SequenceStatus.FINISHED)
-            if stop is not None and entry.request.status != SequenceStatus.FINISHED:
+            was_finished = entry.request.status == SequenceStatus.FINISHED
+            stop = entry.text.update(was_finished)
+            if stop is not None:  # a stop string in the last token still reads "stop"
                 self.scheduler.finish(entry.request, "stop", stop_reason=stop)
-                finished.append(entry.request)
-            elif stop is not None:  # a stop string in the last token still reads "stop"
-                entry.request.finish_reason, entry.request.stop_reason = "stop", stop
+                if not was_finished:
+                    finished.append(entry.request)
         for seq in finished:
             self._mark_finished(self._requests[seq.request_id])
         requests = self._requests
@@ -341,9 +339,7 @@ class LLM:
         """
         if isinstance(prompts, str) or is_token_ids(prompts):
             prompts = [prompts]
-        if isinstance(prompts, Mapping | bytes | bytearray) or not (
-            isinstance(prompts, Sequence) or hasattr(prompts, "__iter__")
-        ):
+        if isinstance(prompts, Mapping | bytes | bytearray) or not hasattr(prompts, "__iter__"):
             raise TypeError(
                 f"LLM.generate: prompts must be a str, token ids, or a list of those (got "
                 f"{type(prompts).__name__})."

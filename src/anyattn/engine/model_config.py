@@ -18,6 +18,7 @@ from anyattn.engine.deepseek_config import (
     DEEPSEEK_ARCHITECTURES,
     MLAConfig,
     MoEConfig,
+    int_field,
     read_deepseek,
 )
 from anyattn.types import parse_dtype
@@ -170,13 +171,13 @@ class ModelConfig:
         says which."""
         arch = _architecture(config)
         cfg = _with_defaults(arch, config)
-        hidden = _int(cfg, "hidden_size")
-        num_heads = _int(cfg, "num_attention_heads")
-        num_layers = _int(cfg, "num_hidden_layers")
+        hidden = int_field(cfg, "hidden_size")
+        num_heads = int_field(cfg, "num_attention_heads")
+        num_layers = int_field(cfg, "num_hidden_layers")
         has_kv_heads = cfg.get("num_key_value_heads") is not None
-        num_kv_heads = _int(cfg, "num_key_value_heads") if has_kv_heads else num_heads
-        head_dim = _int(cfg, "head_dim") if "head_dim" in cfg else hidden // num_heads
-        max_pos = _int(cfg, "max_position_embeddings")
+        num_kv_heads = int_field(cfg, "num_key_value_heads") if has_kv_heads else num_heads
+        head_dim = int_field(cfg, "head_dim") if "head_dim" in cfg else hidden // num_heads
+        max_pos = int_field(cfg, "max_position_embeddings")
         theta, rope_scaling = _rope(cfg, max_pos)
         mla = moe = None
         if arch in DEEPSEEK_ARCHITECTURES:
@@ -195,9 +196,9 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         return cls(
             architecture=arch,
-            vocab_size=_int(cfg, "vocab_size"),
+            vocab_size=int_field(cfg, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=_int(cfg, "intermediate_size"),
+            intermediate_size=int_field(cfg, "intermediate_size"),
             num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
@@ -259,15 +260,6 @@ def _with_defaults(arch: str, config: Mapping[str, Any]) -> dict[str, Any]:
         if key in config and config[key] is None:
             cfg[key] = None
     return cfg
-
-
-def _int(cfg: Mapping[str, Any], key: str) -> int:
-    if key not in cfg:
-        raise ValueError(f"{_API}: config.json has no {key!r} (expected a positive int).")
-    value = cfg[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{_API}: {key} must be a positive int (got {value!r}).")
-    return value
 
 
 def _float_or_none(cfg: Mapping[str, Any], key: str, is_used: bool) -> float | None:
@@ -339,16 +331,12 @@ def _sliding_windows(arch: str, cfg: Mapping[str, Any], num_layers: int) -> tupl
         return (window,) * num_layers
     layer_types = cfg.get("layer_types")
     if layer_types is None:
-        if arch == "qwen2":
+        if arch == "qwen2":  # the layers from max_window_layers on slide
             first = int(cfg.get("max_window_layers", 28))
-            layer_types = [
-                "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
-            ]
-        else:
-            # Gemma2: even layers slide, odd layers see everything.
-            layer_types = [
-                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
-            ]
+            slides = [i >= first for i in range(num_layers)]
+        else:  # Gemma2: even layers slide, odd layers see everything
+            slides = [i % 2 == 0 for i in range(num_layers)]
+        layer_types = ["sliding_attention" if s else "full_attention" for s in slides]
     known = {"sliding_attention", "full_attention"}
     if len(layer_types) != num_layers or not set(layer_types) <= known:
         raise ValueError(

@@ -1,6 +1,6 @@
 """ModelRunner: lays out each step from the running requests' `InputBatch`, builds attention
 metadata once per KV-cache group (`kv_cache_group.py`; a per-phase group's decodes and prefills
-by their own builders, `phase_split.py`), runs the model, and returns the logits of the
+by their own builders, `build_by_phase`), runs the model, and returns the logits of the
 requests that need a next token. On CUDA, uniform decode steps replay CUDA graphs when
 every group's backend allows it (`cuda_graphs.py`); one log line says whether, or why not.
 """
@@ -22,8 +22,12 @@ from anyattn.engine.cuda_graphs import (
     plan_cuda_graphs,
 )
 from anyattn.engine.input_batch import InputBatch, StepInputs
-from anyattn.engine.kv_cache_group import KVCacheGroup, in_kernel_blocks
-from anyattn.engine.phase_split import build_by_phase, split_threshold
+from anyattn.engine.kv_cache_group import (
+    KVCacheGroup,
+    build_by_phase,
+    in_kernel_blocks,
+    split_threshold,
+)
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.kv_cache_sharing import KVCacheNotShareableError, SharedKVCache, plan_shared_kv_cache
 from anyattn.layer import Attention
@@ -94,12 +98,9 @@ class ModelRunner:
         self.groups = [self._make_group(key, names, layers) for key, names in specs.items()]
         # Every group's batch is laid out decodes first at one threshold (`_order`).
         thresholds = [g.builder.reorder_batch_threshold for g in self.groups]
-        thresholds += [split_threshold(g) for g in self.groups if g.prefill_builder is not None]
-        thresholds += [
-            g.prefill_builder.reorder_batch_threshold
-            for g in self.groups
-            if g.prefill_builder is not None
-        ]
+        for g in self.groups:
+            if g.prefill_builder is not None:
+                thresholds += [split_threshold(g), g.prefill_builder.reorder_batch_threshold]
         known = [t for t in thresholds if t is not None]
         self.decode_threshold: int | None = min(known) if known else None
         self.kv_caches: dict[str, torch.Tensor] = {}
@@ -215,9 +216,8 @@ class ModelRunner:
             return backend_cls.get_builder_cls()(spec, records, self.limits, self.device)
 
         layout = None
-        if prefill is not None:
-            shared = self._shared_cache(layers[names[0]], prefill, spec.kv_cache_dtype)
-            layout = shared.layout
+        if prefill is not None:  # the layout both backends take
+            layout = self._shared_cache(layers[names[0]], prefill, spec.kv_cache_dtype).layout
         return KVCacheGroup(
             backend,
             spec,

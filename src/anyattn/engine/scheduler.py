@@ -103,9 +103,8 @@ class Scheduler:
                 f"Scheduler.add: request {seq.request_id!r} is not new (status "
                 f"{seq.status.name}, {seq.num_output_tokens} output tokens). Add a new Sequence."
             )
-        bm = self.block_manager
-        n = seq.num_prompt_tokens
-        rid = seq.request_id
+        bm, n, rid = self.block_manager, seq.num_prompt_tokens, seq.request_id
+        longest = self._longest(seq)
         if n == 0:
             self._fail(seq, f"request {rid!r} has an empty prompt; give it at least one token.")
         elif n > self.max_model_len:
@@ -114,8 +113,16 @@ class Scheduler:
                 f"request {rid!r} has a prompt of {n} tokens, longer than max_model_len "
                 f"{self.max_model_len}; shorten the prompt or raise max_model_len.",
             )
-        elif bm.num_blocks_for(self._longest(seq)) > bm.num_usable_blocks:
-            self._fail(seq, self._too_big_message(seq))
+        elif bm.num_blocks_for(longest) > bm.num_usable_blocks:
+            capped = " (max_model_len)" if longest == self.max_model_len else ""
+            self._fail(
+                seq,
+                f"request {rid!r} may grow to {longest} tokens{capped} (prompt {n} + max_tokens "
+                f"{seq.params.max_tokens}), which need {bm.num_blocks_for(longest)} KV blocks of "
+                f"{bm.block_size} tokens, but the pool has only {bm.num_usable_blocks}: it could "
+                "never finish, even alone. Lower max_tokens, shorten the prompt, or give the KV "
+                "cache more memory.",
+            )
         else:
             self.waiting.append(seq)
 
@@ -321,15 +328,3 @@ class Scheduler:
     def _longest(self, seq: Sequence) -> int:
         """The most tokens `seq` can reach before it finishes for "length"."""
         return min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
-
-    def _too_big_message(self, seq: Sequence) -> str:
-        bm = self.block_manager
-        longest = self._longest(seq)
-        capped = " (max_model_len)" if longest == self.max_model_len else ""
-        return (
-            f"request {seq.request_id!r} may grow to {longest} tokens{capped} (prompt "
-            f"{seq.num_prompt_tokens} + max_tokens {seq.params.max_tokens}), which need "
-            f"{bm.num_blocks_for(longest)} KV blocks of {bm.block_size} tokens, but the pool "
-            f"has only {bm.num_usable_blocks}: it could never finish, even alone. Lower "
-            "max_tokens, shorten the prompt, or give the KV cache more memory."
-        )

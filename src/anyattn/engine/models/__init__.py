@@ -7,10 +7,9 @@ Every model has the `CausalLM` interface (`forward`, `compute_logits`, `attentio
 from __future__ import annotations
 
 from anyattn.engine.model_config import ModelConfig
-from anyattn.engine.models.base import CausalLM
+from anyattn.engine.models.base import CausalLM, LlamaForCausalLM
 from anyattn.engine.models.deepseek import DeepseekForCausalLM
 from anyattn.engine.models.gemma2 import Gemma2ForCausalLM
-from anyattn.engine.models.llama import LlamaForCausalLM
 
 __all__ = [
     "MODEL_REGISTRY",

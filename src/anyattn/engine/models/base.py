@@ -1,7 +1,13 @@
-"""`CausalLM`: the decoder-only skeleton every family shares: token embedding, decoder
-layers (each family supplies its own), final norm, LM head (tied or not), one RoPE table, and
-loading by Hugging Face parameter name. The model runner relies on exactly `forward`,
-`compute_logits`, `attention_layers` and `load_weights`."""
+"""`CausalLM`: the decoder-only skeleton every family shares: token embedding, decoder layers,
+final norm, LM head (tied or not), one RoPE table, and loading by Hugging Face parameter name.
+The model runner relies on exactly `forward`, `compute_logits`, `attention_layers` and
+`load_weights`.
+
+Its layers are the Llama graph's, which serves Llama 2/3, SmolLM2, Mistral (sliding window) and
+Qwen2 (q/k/v biases) alike: they differ only in what `ModelConfig` records (biases, per-layer
+sliding windows, tied embeddings, RoPE scaling). `LlamaForCausalLM` is that graph by its
+Hugging Face name; Gemma2 and DeepSeek change parts of it.
+"""
 
 from __future__ import annotations
 
@@ -13,25 +19,32 @@ from torch import nn
 
 from anyattn.backend import AttentionBackend
 from anyattn.engine.model_config import ModelConfig
-from anyattn.engine.models.layers import RMSNorm, Slots, empty_param
+from anyattn.engine.models.layers import (
+    DecoderLayer,
+    GatedMLP,
+    RMSNorm,
+    SelfAttention,
+    Slots,
+)
 from anyattn.engine.models.linear import Linear
 from anyattn.engine.models.rope import RotaryEmbedding
-from anyattn.engine.models.weights import WeightSlot, load_into_slots
+from anyattn.engine.models.weights import WeightSlot, empty_param, load_into_slots
 from anyattn.types import parse_cache_dtype, parse_dtype
 
-__all__ = ["CausalLM"]
+__all__ = ["CausalLM", "LlamaForCausalLM"]
 
 
 class CausalLM(nn.Module):
-    """A decoder-only language model over anyattn's paged attention; subclasses set
-    `has_unit_offset_norms` and implement `make_layer`.
+    """A decoder-only language model over anyattn's paged attention, Llama's layers unless a
+    subclass sets `has_gemma_norms` or overrides `make_layer`.
 
     `block_size`, `backend` (None: the selector chooses) and `kv_cache_dtype` go to every
     `Attention`; `max_positions` is the RoPE table's length (default: the model's context).
     ValueError: a bad dtype, or no backend serves a layer.
     """
 
-    has_unit_offset_norms = False
+    # Gemma's norms: scales `1 + w`, and four per layer (`DecoderLayer.has_sandwich_norms`).
+    has_gemma_norms = False
     # False when a step cannot be captured in a CUDA graph (the runner then runs eagerly).
     supports_cuda_graphs = True
 
@@ -81,15 +94,34 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(
             config.hidden_size,
             config.rms_norm_eps,
-            has_unit_offset=self.has_unit_offset_norms,
+            has_unit_offset=self.has_gemma_norms,
             **factory,
         )
 
     def make_layer(self, index: int, attn_kwargs: dict[str, object]) -> nn.Module:
-        """Decoder layer `index`: called as `layer(hidden, cos, sin, kv_cache, attn_metadata)`,
+        """Decoder layer `index`: called as `layer(hidden, (cos, sin), kv_cache, attn_metadata)`,
         with `weight_slots(prefix)`; its attention layer is the one `attention_layers` lists
         (by default `.self_attn.attn`)."""
-        raise NotImplementedError
+        return DecoderLayer(
+            self.config,
+            SelfAttention(self.config, index, attn_kwargs),
+            self.dense_mlp(),
+            has_sandwich_norms=self.has_gemma_norms,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def dense_mlp(self) -> GatedMLP:
+        """The gated MLP of a (dense) decoder layer."""
+        config = self.config
+        return GatedMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            config.hidden_act,
+            has_bias=config.mlp_bias,
+            dtype=self.dtype,
+            device=self.device,
+        )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: int64 `[num_tokens]` -> `[num_tokens, hidden_size]`."""
@@ -106,9 +138,9 @@ class CausalLM(nn.Module):
         back), metadata and KV cache by layer name -> final hidden states `[num_tokens,
         hidden_size]` (after the last norm)."""
         hidden = self.embed(input_ids)  # [num_tokens, hidden_size]
-        cos, sin = self.rotary(positions)  # [num_tokens, 1, head_size] each
+        cos_sin = self.rotary(positions)  # cos and sin, [num_tokens, 1, head_size] each
         for layer, name in zip(self.layers, self.layer_names, strict=True):
-            hidden = layer(hidden, cos, sin, kv_caches[name], attn_metadata[name])
+            hidden = layer(hidden, cos_sin, kv_caches[name], attn_metadata[name])
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -149,3 +181,7 @@ class CausalLM(nn.Module):
         and an LM head next to tied embeddings."""
         tied = self.config.tie_word_embeddings
         return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama, SmolLM2, Mistral and Qwen2 (see `CausalLM`)."""

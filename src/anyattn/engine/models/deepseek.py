@@ -13,41 +13,39 @@ NeoX's halves. The softmax scale carries `mscale(factor, mscale_all_dim)^2`
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from anyattn.engine.model_config import ModelConfig
 from anyattn.engine.models.base import CausalLM
-from anyattn.engine.models.layers import GatedMLP, RMSNorm, Slots
+from anyattn.engine.models.layers import DecoderLayer
 from anyattn.engine.models.moe import MoE, split_fused_experts
 from anyattn.engine.models.rope import apply_rotary, apply_rotary_interleaved
-from anyattn.engine.models.weights import WeightSlot
 from anyattn.mla_layer import MLAAttention
 
-__all__ = ["DeepseekDecoderLayer", "DeepseekForCausalLM"]
+__all__ = ["DeepseekForCausalLM"]
 
 # transformers builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps, not the
 # config's rms_norm_eps (DeepSeek's own code does the same).
 _LATENT_NORM_EPS = 1e-6
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
-Rope = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
+class DeepseekForCausalLM(CausalLM):
+    """DeepSeek-V2 and DeepSeek-V3 (see `CausalLM` for the interface); `attention_layers` are
+    the `MLAAttention` layers, named `model.layers.<i>.self_attn`. Steps are not captured in
+    CUDA graphs (the MoE layers size their expert loop on the host)."""
 
-class DeepseekDecoderLayer(nn.Module):
-    """One DeepSeek layer: `h += mla(norm(h))`, `h += ffn(norm(h))`, the feed-forward a
-    `GatedMLP` or, from layer `first_k_dense_replace` on, an `MoE`."""
+    supports_cuda_graphs = False
 
-    def __init__(self, config: ModelConfig, index: int, attn_kwargs: dict[str, object]) -> None:
-        super().__init__()
-        mla, moe = config.mla, config.moe
+    def make_layer(self, index: int, attn_kwargs: dict[str, object]) -> nn.Module:
+        """`h += mla(norm(h))`, `h += ffn(norm(h))`, the feed-forward a `GatedMLP` or, from
+        layer `first_k_dense_replace` on, an `MoE`."""
+        config, mla, moe = self.config, self.config.mla, self.config.moe
         assert mla is not None and moe is not None, "ModelConfig.from_hf sets both for DeepSeek"
-        factory = {"dtype": attn_kwargs["dtype"], "device": attn_kwargs["device"]}
-        self.is_rope_interleaved = mla.is_rope_interleaved
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.self_attn = MLAAttention(
+        factory = {"dtype": self.dtype, "device": self.device}
+        self_attn = MLAAttention(
             config.hidden_size,
             config.num_attention_heads,
             kv_lora_rank=mla.kv_lora_rank,
@@ -60,59 +58,14 @@ class DeepseekDecoderLayer(nn.Module):
             layer_name=f"model.layers.{index}.self_attn",
             **attn_kwargs,
         )
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.mlp: nn.Module
         if moe.is_moe_layer(index):
-            self.mlp = MoE(
+            mlp: nn.Module = MoE(
                 config.hidden_size, moe, config.hidden_act, has_bias=config.mlp_bias, **factory
             )
         else:
-            self.mlp = GatedMLP(
-                config.hidden_size,
-                config.intermediate_size,
-                config.hidden_act,
-                has_bias=config.mlp_bias,
-                **factory,
-            )
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: object,
-    ) -> torch.Tensor:
-        """hidden: `[num_tokens, hidden_size]`; cos/sin from `RotaryEmbedding` over the rope
-        size -> same shape as hidden."""
-        rotate = apply_rotary_interleaved if self.is_rope_interleaved else apply_rotary
-
-        def rope(q_pe: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            # q_pe: [num_tokens, num_heads, R], k_pe: [num_tokens, 1, R]
-            return rotate(q_pe, cos, sin), rotate(k_pe, cos, sin)
-
-        attn = self.self_attn(self.input_layernorm(hidden), rope, kv_cache, attn_metadata)
-        hidden = hidden + attn
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
-
-    def weight_slots(self, prefix: str) -> Slots:
-        yield from self.input_layernorm.weight_slots(f"{prefix}.input_layernorm")
-        # MLAAttention's parameters carry the checkpoint's names (q_proj, kv_a_proj_with_mqa...)
-        for name, param in self.self_attn.named_parameters():
-            yield f"{prefix}.self_attn.{name}", WeightSlot(param)
-        yield from self.post_attention_layernorm.weight_slots(f"{prefix}.post_attention_layernorm")
-        yield from self.mlp.weight_slots(f"{prefix}.mlp")
-
-
-class DeepseekForCausalLM(CausalLM):
-    """DeepSeek-V2 and DeepSeek-V3 (see `CausalLM` for the interface); `attention_layers` are
-    the `MLAAttention` layers, named `model.layers.<i>.self_attn`. Steps are not captured in
-    CUDA graphs (the MoE layers size their expert loop on the host)."""
-
-    supports_cuda_graphs = False
-
-    def make_layer(self, index: int, attn_kwargs: dict[str, object]) -> nn.Module:
-        return DeepseekDecoderLayer(self.config, index, attn_kwargs)
+            mlp = self.dense_mlp()
+        rotate = apply_rotary_interleaved if mla.is_rope_interleaved else apply_rotary
+        return DecoderLayer(config, self_attn, mlp, mla_rotate=rotate, **factory)
 
     def attention_layers(self) -> list[MLAAttention]:
         return [layer.self_attn for layer in self.layers]

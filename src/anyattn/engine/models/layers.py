@@ -1,5 +1,5 @@
-"""Building blocks shared by the model families: RMSNorm, gated MLP and the self-attention
-block around `anyattn.layer.Attention` (RoPE is in `rope.py`).
+"""Building blocks shared by the model families: RMSNorm, gated MLP, the self-attention block
+around `anyattn.layer.Attention` (RoPE is in `rope.py`) and the decoder layer made of them.
 
 Every block computes what transformers computes, in the same order where rounding could tell
 the difference (RMSNorm in fp32, then cast). Fused where each PyTorch call is a fixed cost:
@@ -16,21 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from anyattn.backend import AttentionBackend
 from anyattn.engine.model_config import ModelConfig
 from anyattn.engine.models.linear import Linear
 from anyattn.engine.models.rope import apply_rotary
-from anyattn.engine.models.weights import WeightSlot
+from anyattn.engine.models.weights import WeightSlot, empty_param
 from anyattn.layer import Attention
 
-__all__ = ["ACTIVATIONS", "GatedMLP", "RMSNorm", "SelfAttention"]
+__all__ = ["ACTIVATIONS", "DecoderLayer", "GatedMLP", "RMSNorm", "SelfAttention"]
 
 Slots = Iterator[tuple[str, WeightSlot]]
-
-
-def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
-    """An uninitialised, frozen parameter (the checkpoint fills it)."""
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
 class RMSNorm(nn.Module):
@@ -123,68 +117,30 @@ class GatedMLP(nn.Module):
 
 class SelfAttention(nn.Module):
     """q/k/v projection (one matmul), RoPE on q and k, paged attention through
-    `anyattn.layer.Attention` (named `layer_name`: caches and metadata are keyed by it), output
-    projection. q, k and v reach `Attention` as views of the fused projection (rows strided)."""
+    `anyattn.layer.Attention` (named `model.layers.<index>.self_attn.attn`: caches and metadata
+    are keyed by it), output projection, all as `config` says for decoder layer `index` (its
+    sliding window included). q, k and v reach `Attention` as views of the fused projection
+    (rows strided)."""
 
-    def __init__(
-        self,
-        *,
-        hidden_size: int,
-        num_heads: int,
-        num_kv_heads: int,
-        head_size: int,
-        scale: float,
-        has_qkv_bias: bool,
-        has_o_bias: bool,
-        sliding_window: int | None,
-        logits_soft_cap: float | None,
-        layer_name: str,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        block_size: int,
-        backend: str | type[AttentionBackend] | None,
-        kv_cache_dtype: str,
-    ) -> None:
+    def __init__(self, config: ModelConfig, index: int, attn_kwargs: dict[str, object]) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
-        self.q_size = num_heads * head_size
-        self.kv_size = num_kv_heads * head_size
+        num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, config.head_dim
+        self.q_size = num_heads * config.head_dim
+        self.kv_size = num_kv_heads * config.head_dim
+        self.has_qkv_bias, self.has_o_bias = config.attention_bias, config.o_proj_bias
+        factory = {"dtype": attn_kwargs["dtype"], "device": attn_kwargs["device"]}
         qkv_size = self.q_size + 2 * self.kv_size
-        self.has_qkv_bias, self.has_o_bias = has_qkv_bias, has_o_bias
-        factory = {"dtype": dtype, "device": device}
-        self.qkv = Linear(hidden_size, qkv_size, has_bias=has_qkv_bias, **factory)
-        self.o = Linear(self.q_size, hidden_size, has_bias=has_o_bias, **factory)
+        self.qkv = Linear(config.hidden_size, qkv_size, has_bias=self.has_qkv_bias, **factory)
+        self.o = Linear(self.q_size, config.hidden_size, has_bias=self.has_o_bias, **factory)
         self.attn = Attention(
             num_heads,
-            head_size,
-            scale,
+            config.head_dim,
+            config.attention_scale,
             num_kv_heads,
-            dtype=dtype,
-            layer_name=layer_name,
-            sliding_window=sliding_window,
-            logits_soft_cap=logits_soft_cap,
-            kv_cache_dtype=kv_cache_dtype,
-            block_size=block_size,
-            backend=backend,
-            device=device,
-        )
-
-    @classmethod
-    def from_config(
-        cls, config: ModelConfig, index: int, attn_kwargs: dict[str, object]
-    ) -> SelfAttention:
-        """The attention block of decoder layer `index` (its window from the config)."""
-        return cls(
-            hidden_size=config.hidden_size,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
-            head_size=config.head_dim,
-            scale=config.attention_scale,
-            has_qkv_bias=config.attention_bias,
-            has_o_bias=config.o_proj_bias,
+            layer_name=f"model.layers.{index}.self_attn.attn",
             sliding_window=config.layer_sliding_windows[index],
             logits_soft_cap=config.attn_logit_softcapping,
-            layer_name=f"model.layers.{index}.self_attn.attn",
             **attn_kwargs,
         )
 
@@ -225,3 +181,85 @@ class SelfAttention(nn.Module):
         yield f"{prefix}.o_proj.weight", self.o.weight_slot()
         if self.has_o_bias:
             yield f"{prefix}.o_proj.bias", self.o.bias_slot()
+
+
+# Gemma2 norms the attention and MLP outputs too; its `post_attention_layernorm` is the norm
+# of the attention output, Llama's the norm before the MLP.
+_NORMS = ("input_layernorm", "post_attention_layernorm")
+_SANDWICH_NORMS = (*_NORMS, "pre_feedforward_layernorm", "post_feedforward_layernorm")
+Rotate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm decoder layer: `h += attn(norm(h))`, `h += mlp(norm(h))`; with
+    `has_sandwich_norms` (Gemma2: four norms, scaling by `1 + w`) `h += norm(attn(norm(h)))`,
+    `h += norm(mlp(norm(h)))`.
+
+    `self_attn` is a `SelfAttention`, or, when `mla_rotate` is given, an `MLAAttention` that
+    rotates its rope parts with `mla_rotate(x, cos, sin)` (`apply_rotary` or
+    `apply_rotary_interleaved`). `mlp` is a `GatedMLP` or an `MoE`.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        self_attn: nn.Module,
+        mlp: nn.Module,
+        *,
+        has_sandwich_norms: bool = False,
+        mla_rotate: Rotate | None = None,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        self.has_sandwich_norms = has_sandwich_norms
+        self.norm_names = _SANDWICH_NORMS if has_sandwich_norms else _NORMS
+        for name in self.norm_names:
+            norm = RMSNorm(
+                config.hidden_size,
+                config.rms_norm_eps,
+                has_unit_offset=has_sandwich_norms,
+                dtype=dtype,
+                device=device,
+            )
+            self.add_module(name, norm)
+        self.self_attn, self.mlp = self_attn, mlp
+        self.mla_rotate = mla_rotate
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        attn_metadata: object,
+    ) -> torch.Tensor:
+        """hidden: `[num_tokens, hidden_size]`, `cos_sin` from `RotaryEmbedding` -> same shape
+        as hidden."""
+        cos, sin = cos_sin
+        x = self.input_layernorm(hidden)
+        rotate = self.mla_rotate
+        if rotate is None:
+            attn = self.self_attn(x, cos, sin, kv_cache, attn_metadata)
+        else:
+
+            def rope(q_pe: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                # q_pe: [num_tokens, num_heads, R], k_pe: [num_tokens, 1, R]
+                return rotate(q_pe, cos, sin), rotate(k_pe, cos, sin)
+
+            attn = self.self_attn(x, rope, kv_cache, attn_metadata)
+        if not self.has_sandwich_norms:
+            hidden = hidden + attn
+            return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden + self.post_feedforward_layernorm(mlp)
+
+    def weight_slots(self, prefix: str) -> Slots:
+        for name in self.norm_names:
+            yield from getattr(self, name).weight_slots(f"{prefix}.{name}")
+        if self.mla_rotate is None:
+            yield from self.self_attn.weight_slots(f"{prefix}.self_attn")
+        else:  # MLAAttention's parameters carry the checkpoint's names (q_proj, kv_a_proj...)
+            for name, param in self.self_attn.named_parameters():
+                yield f"{prefix}.self_attn.{name}", WeightSlot(param)
+        yield from self.mlp.weight_slots(f"{prefix}.mlp")

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from anyattn.engine.models.weights import WeightSlot
+from anyattn.engine.models.weights import WeightSlot, empty_param
 
 __all__ = ["Linear"]
 
@@ -48,11 +48,11 @@ class Linear(nn.Module):
             storage = torch.empty(in_features, out_features, **factory)
             self.weight = nn.Parameter(storage.t(), requires_grad=False)
         else:
-            self.weight = _frozen(torch.empty(out_features, in_features, **factory))
+            self.weight = empty_param(out_features, in_features, **factory)
         self.weight_rows = None
         if device.type == "cpu" and dtype == torch.float32:
-            self.weight_rows = _frozen(torch.empty(out_features, in_features, **factory))
-        self.bias = _frozen(torch.empty(out_features, **factory)) if has_bias else None
+            self.weight_rows = empty_param(out_features, in_features, **factory)
+        self.bias = empty_param(out_features, **factory) if has_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: `[num_tokens, in_features]` -> `[num_tokens, out_features]`.
@@ -77,7 +77,3 @@ class Linear(nn.Module):
         """Where a checkpoint tensor for bias entries `rows` goes; the layer must have a bias."""
         assert self.bias is not None, "bias_slot of a Linear without a bias"
         return WeightSlot(self.bias[rows])
-
-
-def _frozen(tensor: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(tensor, requires_grad=False)

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from anyattn.engine.deepseek_config import MoEConfig
-from anyattn.engine.models.layers import ACTIVATIONS, GatedMLP, Slots, empty_param
-from anyattn.engine.models.weights import WeightSlot
+from anyattn.engine.models.layers import ACTIVATIONS, GatedMLP, Slots
+from anyattn.engine.models.weights import WeightSlot, empty_param
 
 __all__ = ["MoE", "TopKRouter", "split_fused_experts"]
 

@@ -8,8 +8,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-__all__ = ["CountedWeights", "WeightSlot", "load_into_slots"]
+__all__ = ["CountedWeights", "WeightSlot", "empty_param", "load_into_slots"]
 
 _MAX_NAMES = 8
 
@@ -25,6 +26,11 @@ class CountedWeights(Iterator[tuple[str, torch.Tensor]]):
 
     def __len__(self) -> int:
         return self._count
+
+
+def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    """An uninitialised, frozen parameter (the checkpoint fills it)."""
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
 @dataclass(frozen=True, slots=True)
