@@ -148,8 +148,14 @@ def _measure(llm, clock: StepClock, num_reqs: int, args, sync) -> dict[str, floa
 
 
 def _print_device_profile(profiler, steps: int, top: int, num_reqs: int) -> None:
-    """Kernels by device time per step (a CUDA graph's kernels are listed one by one)."""
-    events = [e for e in profiler.key_averages() if e.self_device_time_total > 0]
+    """Kernels and copies by device time per step (a CUDA graph's kernels are listed one by one).
+    Only device events count: an operator's own row would repeat the time of its kernels."""
+    import torch
+
+    cuda = torch.autograd.DeviceType.CUDA
+    events = [
+        e for e in profiler.key_averages() if e.device_type == cuda and e.self_device_time_total > 0
+    ]
     events.sort(key=lambda e: e.self_device_time_total, reverse=True)
     total = sum(e.self_device_time_total for e in events) / steps
     print(f"device time per decode step of {num_reqs} requests: {total / 1e3:.3f} ms "
