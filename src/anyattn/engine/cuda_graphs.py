@@ -61,7 +61,12 @@ def default_capture_sizes(max_num_reqs: int, max_num_tokens: int) -> tuple[int, 
     at most doubles a decode batch, which small decode batches, bound by the weights, barely
     notice)."""
     top = min(max_num_reqs, max_num_tokens)
-    return tuple(sorted({top} | {1 << i for i in range(top.bit_length()) if 1 << i < top}))
+    sizes = [top]
+    size = 1
+    while size < top:
+        sizes.append(size)
+        size *= 2
+    return tuple(sorted(sizes))
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ import traceback
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -56,8 +57,17 @@ def _make_impls(
     backend: type[AttentionBackend], case: Case, sinks: torch.Tensor | None
 ) -> tuple[AttentionImpl, ...]:
     """The impls of layer.0 and, with KV sharing, of layer.1 (which reads layer.0's cache)."""
-    args = (case.num_heads, case.head_size, case.scale, case.num_kv_heads, case.alibi_slopes())
-    args += (case.sliding_window, case.kv_cache_dtype, case.logits_soft_cap, case.attn_type)
+    args = (
+        case.num_heads,
+        case.head_size,
+        case.scale,
+        case.num_kv_heads,
+        case.alibi_slopes(),
+        case.sliding_window,
+        case.kv_cache_dtype,
+        case.logits_soft_cap,
+        case.attn_type,
+    )
     targets = (None, "layer.0") if case.kv_sharing else (None,)
     return tuple(backend.get_impl_cls()(*args, target, sinks) for target in targets)
 
@@ -133,15 +143,24 @@ def _build(
     )
 
 
+class _Outcome(NamedTuple):
+    """What the judged layer was given and what it returned."""
+
+    query: torch.Tensor
+    output: torch.Tensor
+    output_lse: torch.Tensor | None
+    lse_base_on_e: bool
+
+
 def _run_layers(
     backend: type[AttentionBackend],
     case: Case,
     batch: PagedBatch,
     impls: tuple[AttentionImpl, ...],
     generator: torch.Generator,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
-    """Run layer.0 on the batch; with KV sharing, then layer.1 on layer.0's cache. Returns the
-    judged layer's query, output, output_lse and `lse_base_on_e`."""
+) -> _Outcome:
+    """Run layer.0 on the batch; with KV sharing, then layer.1 on layer.0's cache (the judged
+    layer)."""
     query, key, value = batch.query, batch.key, batch.value
     if case.kv_sharing:
         layer0 = KitLayer("layer.0", batch.k_scale, batch.v_scale)
@@ -154,13 +173,13 @@ def _run_layers(
     impl = impls[-1]
     layer = KitLayer(f"layer.{len(impls) - 1}", batch.k_scale, batch.v_scale)
     output, lse = _step(backend, impl, layer, batch, query, key, value, case.check_lse)
-    return query, output, lse, getattr(impl, "lse_base_on_e", True)
+    return _Outcome(query, output, lse, getattr(impl, "lse_base_on_e", True))
 
 
 def _judge(
     case: Case,
     batch: PagedBatch,
-    outcome: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool],
+    outcome: _Outcome,
     sinks: torch.Tensor | None,
     dtype: torch.dtype,
 ) -> list[CaseResult]:
