@@ -209,7 +209,7 @@ def kv_cache_compatibility(
 ) -> tuple[bool, str]:
     """Whether `backends` (the decode choice first, then the prefill choice) can run on one KV
     cache for `config` (`anyattn.kv_cache_sharing.plan_shared_kv_cache` at the config's block
-    size, else 16), and the plan or why not."""
+    size, else the decode choice's preferred one), and the plan or why not."""
     unique = list(dict.fromkeys(backends))
     if len(unique) < 2:
         return True, "one backend for every phase"
