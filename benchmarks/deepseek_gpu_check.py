@@ -105,18 +105,18 @@ def generate(llm, prompts: list[list[int]], new_tokens: list[int]):
     # one params object per prompt: the sampler's rows are matched to prompts by it
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in new_tokens]
     rows: dict[int, list[torch.Tensor]] = {id(p): [] for p in params}
-    sampler = llm.sampler
+    sample = llm.sampler.sample
 
-    def recording_sampler(logits, row_params, generators):
+    def recording_sample(logits, row_params, generators):
         for row, p in zip(logits, row_params, strict=True):
             rows[id(p)].append(row.float().cpu())
-        return sampler(logits, row_params, generators)
+        return sample(logits, row_params, generators)
 
-    llm.sampler = recording_sampler
+    llm.sampler.sample = recording_sample
     try:
         outputs = llm.generate(prompts, params)
     finally:
-        llm.sampler = sampler
+        del llm.sampler.sample
     for output in outputs:
         if output.error:
             raise RuntimeError(f"request {output.request_id} failed: {output.error}")

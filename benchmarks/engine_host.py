@@ -9,7 +9,13 @@ Every request is past its prompt, so each timed step is a pure decode step of N 
 - launch: from the step's start to the return of `ModelRunner.execute`, i.e. to the launch of
   the model's last kernel (scheduler, step preparation, every metadata builder, the layer calls,
   the logits); the sampler's argmax follows;
-- step: the whole `LLM.step()` (sampling, the scheduler's update, detokenisation included).
+- step: the whole `LLM.step()` (sampling, the scheduler's update, detokenisation included);
+- steady: what a decode step costs when steps follow each other as in `generate`: `--steps`
+  steps back to back with no synchronisation between them, the total divided by their
+  number. With asynchronous scheduling (the default on CUDA) a step's host work overlaps the
+  previous step's kernels, so only this column shows its gain; the columns above time one
+  step launched on an idle device (and, with asynchronous scheduling, returning the previous
+  step's tokens).
 
 On CUDA the device is synchronised before each step starts and never inside it, so a step
 finds an idle GPU and `launch` is host time (unless the step itself synchronises); `step`
@@ -44,6 +50,10 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--src", type=Path, default=None, help="checkout whose src/ to measure")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument(
+        "--async-scheduling", choices=["default", "on", "off"], default="default",
+        help="the engine's async_scheduling (default: the engine's default, not passed)"
+    )  # fmt: skip
     parser.add_argument(
         "--profile", type=int, default=0, metavar="N", help="print cProfile's top N entries of "
         "the timed steps at the largest batch (the timings then include the profiler)"
@@ -135,6 +145,12 @@ def _measure(llm, clock: StepClock, num_reqs: int, args, sync) -> dict[str, floa
             times["prepare"].append(clock.marks["forward"] - clock.marks["execute"])
             times["launch"].append(clock.marks["launch"] - start)
             times["step"].append(end - start)
+    sync()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        llm.step()
+    sync()
+    steady = (time.perf_counter() - start) / args.steps
     if device_profiler is not None:
         sync()
         device_profiler.stop()
@@ -144,7 +160,8 @@ def _measure(llm, clock: StepClock, num_reqs: int, args, sync) -> dict[str, floa
 
         print(f"cProfile of {args.steps} decode steps of {num_reqs} requests (tottime):")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
-    return {key: statistics.median(values) * 1e3 for key, values in times.items()}
+    figures = {key: statistics.median(values) * 1e3 for key, values in times.items()}
+    return {**figures, "steady": steady * 1e3}
 
 
 def _print_device_profile(profiler, steps: int, top: int, num_reqs: int) -> None:
@@ -181,13 +198,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     max_reqs = max(args.batches)
     lo, hi = args.prompt_len
     lengths = np.random.default_rng(0).integers(lo, hi + 1, size=max_reqs).tolist()
-    max_tokens = 2 * (args.warmup + args.steps) + 8
+    max_tokens = 2 * (args.warmup + 2 * args.steps) + 8
     max_model_len = hi + max_tokens + 16
 
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    # passed only when asked, so that a `--src` checkout without the argument still runs
+    extra = {}
+    if args.async_scheduling != "default":
+        extra["async_scheduling"] = args.async_scheduling == "on"
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(model)
@@ -199,10 +220,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             save_random_llama(path, model, dtype)
         print(
             f"anyattn from {Path(anyattn.__file__).parent}; torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads, {device}, {dtype}, model {model}"
+            f"{torch.get_num_threads()} threads, {device}, {dtype}, model {model}, "
+            f"async_scheduling {args.async_scheduling}"
         )
         print(f"{'mode':>6} {'backend':>14} {'reqs':>5} {'schedule ms':>12} {'prepare ms':>11} "
-              f"{'launch ms':>10} {'step ms':>8}")  # fmt: skip
+              f"{'launch ms':>10} {'step ms':>8} {'steady ms':>10}")  # fmt: skip
         for mode in modes:
             llm = LLM(
                 path,
@@ -215,6 +237,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 max_num_batched_tokens=max(4096, hi),
                 max_model_len=max_model_len,
                 enforce_eager=mode == "eager",
+                **extra,
             )
             clock = StepClock(llm)
             backend = ",".join(llm.backend_names)
@@ -229,7 +252,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 print(
                     f"{mode:>6} {backend:>14} {num_reqs:>5} {figures['schedule']:>12.3f} "
                     f"{figures['prepare']:>11.3f} "
-                    f"{figures['launch']:>10.3f} {figures['step']:>8.3f}",
+                    f"{figures['launch']:>10.3f} {figures['step']:>8.3f} "
+                    f"{figures['steady']:>10.3f}",
                     flush=True,
                 )
             del llm

@@ -6,7 +6,8 @@ The contract between the runner (this file) and a backend's metadata builder:
   `query_start_loc`, `seq_lens`, `block_table` in engine blocks plus one expanded copy per group
   whose kernel block is smaller, `slot_mapping`) and pinned CPU twins (`num_computed_tokens` is
   CPU only). A step writes a prefix of the CPU buffers and copies it in place (`non_blocking`,
-  after the previous replay completed); the step's `CommonAttentionMetadata` holds views of
+  once the previous step's copies have run, which the model runner's event guarantees; the
+  previous replay may still be running); the step's `CommonAttentionMetadata` holds views of
   both, so every address is the same at capture and replay. One output buffer serves all graphs.
 - Padding. R requests of query length q run in the smallest captured size of N >= R requests.
   Requests R .. N-1 are dummies: seq_len q (context 0), block-table row 0 (the null block),
@@ -16,7 +17,8 @@ The contract between the runner (this file) and a backend's metadata builder:
   run (lazy initialisation and compilation happen outside the capture), then
   `builder.build_for_cudagraph_capture(common)` and the capture; one memory pool. Warm-up and
   capture say `max_seq_len = max_model_len`, so a launch sized by it fits any replay.
-- Replay: fill the buffers, `builder.build(0, common)` for every group, replay. The builder
+- Replay: fill the buffers, `builder.build(0, common)` for every group (`prepare`), patch the
+  input ids of tokens sampled by the step still running, replay (`replay`). The builder
   must return metadata whose device tensors live at the captured addresses (views of the
   common metadata or its own persistent buffers, written in place). Builders get
   `BatchLimits.has_persistent_graph_inputs` (this contract as a flag) so they may read the
@@ -185,9 +187,6 @@ class CudaGraphRunner:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.hidden: torch.Tensor | None = None  # [max_num_tokens, hidden_size], graph output
         self.pool = torch.cuda.graph_pool_handle()
-        # The pinned buffers (which a builder may copy from asynchronously) are rewritten only
-        # once the previous replay has completed.
-        self._step_done = torch.cuda.Event()
         self.num_replays = 0
 
     def graph_key(self, num_new: np.ndarray, num_blocks: np.ndarray) -> tuple[int, int] | None:
@@ -242,13 +241,17 @@ class CudaGraphRunner:
             self.hidden[:num_tokens].copy_(hidden)
         self.graphs[(num_tokens, query_len)] = graph
 
-    def run(self, key: tuple[int, int], batch: InputBatch, slots: np.ndarray) -> torch.Tensor:
-        """Replay the graph `key` (from `graph_key`) for the decode batch of `slots`; returns
-        the real tokens' hidden states `[R * query_len, hidden_size]`, a view of the output
-        buffer that the next replay overwrites."""
+    def prepare(
+        self, key: tuple[int, int], batch: InputBatch, slots: np.ndarray
+    ) -> tuple[torch.Tensor, np.ndarray]:
+        """Fill the graph `key`'s inputs (from `graph_key`) for the decode batch of `slots` and
+        build every group's metadata into its captured buffers; returns the device input ids
+        (`[num_tokens]`, padded) and their host values, for the caller to patch before `replay`.
+
+        The pinned host buffers are rewritten here: the caller must know that the copies the
+        previous `prepare` queued have run (the model runner waits on an event)."""
         num_tokens, query_len = key
-        self._step_done.synchronize()
-        _, _, common = self.inputs.prepare(batch, slots, query_len, num_tokens // query_len)
+        ids, _, common = self.inputs.prepare(batch, slots, query_len, num_tokens // query_len)
         # The builders fill their own persistent buffers; the graph reads the captured addresses.
         metadata = self.inputs.build(common, for_capture=False)
         # A replay runs no layer's Python: the step is checked against each group's cache here.
@@ -256,9 +259,14 @@ class CudaGraphRunner:
             name = group.layer_names[0]
             step = step_of(metadata[name])
             if step is not None:
-                check_step_against_cache("CudaGraphRunner.run", step, self.kv_caches[name])
+                check_step_against_cache("CudaGraphRunner.prepare", step, self.kv_caches[name])
+        return ids, self.inputs.host.input_ids[: len(slots) * query_len].numpy()
+
+    def replay(self, key: tuple[int, int], num_reqs: int) -> torch.Tensor:
+        """Replay the prepared graph `key`; returns the hidden states of the first `num_reqs`
+        requests' tokens `[num_reqs * query_len, hidden_size]`, a view of the output buffer
+        that the next replay overwrites."""
         self.graphs[key].replay()
-        self._step_done.record()
         self.num_replays += 1
         assert self.hidden is not None
-        return self.hidden[: len(slots) * query_len]
+        return self.hidden[: num_reqs * key[1]]

@@ -6,7 +6,8 @@ after each step; the model runner gathers a step by fancy indexing over its slot
 
 Arrays (R = max_num_reqs, L = max_model_len, B = ceil(L / block_size)), zero in free rows:
 
-    token_ids     int32 [R, L + 1]  prompt then output tokens; past num_tokens: stale
+    token_ids     int32 [R, L + 1]  prompt then output tokens (PLACEHOLDER: sampled by a step
+                                    still on the device); past num_tokens: stale
     num_tokens    int32 [R]         known tokens (prompt + output)
     num_computed  int32 [R]         leading tokens whose K/V are in the cache
     block_table   int32 [R, B]      engine block ids; past num_blocks: 0 (the null block)
@@ -19,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from anyattn.engine.sequence import PLACEHOLDER
 
 __all__ = ["InputBatch", "StepInputs"]
 
@@ -116,6 +119,14 @@ class InputBatch:
         """Append one token to each of `slots` (distinct slots)."""
         self.token_ids[slots, self.num_tokens[slots]] = tokens
         self.num_tokens[slots] += 1
+
+    def reserve_tokens(self, slots: np.ndarray) -> None:
+        """Append one token of unknown value (`PLACEHOLDER`) to each of `slots` (distinct)."""
+        self.append_tokens(slots, np.full(len(slots), PLACEHOLDER, dtype=np.int32))
+
+    def fill_tokens(self, slots: np.ndarray, tokens: np.ndarray) -> None:
+        """Give the reserved last token of each of `slots` its value."""
+        self.token_ids[slots, self.num_tokens[slots] - 1] = tokens
 
     def gather(self, slots: np.ndarray, num_new: np.ndarray) -> StepInputs:
         """The step that runs `token_ids[num_computed : num_computed + num_new[i]]` of each

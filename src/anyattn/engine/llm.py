@@ -6,7 +6,11 @@
         print(delta, end="", flush=True)
 
 One step: the scheduler picks requests and token counts, the model runner runs them, the
-sampler picks next tokens, the scheduler records them and finishes requests. Output text is
+sampler picks next tokens, the scheduler records them and finishes requests. With asynchronous
+scheduling (the default on CUDA) a step is scheduled and launched while the previous one still
+runs on the device: the scheduler counts the previous step's sampled tokens as reserved (their
+values on the device, which the model runner feeds in as input ids), then the previous step's
+tokens are read back and applied (`Scheduler.advance` / `Scheduler.resolve`). Output text is
 decoded when read (`CompletionOutput.text`), except for requests with stop strings, whose new
 tokens are decoded each step to find them.
 """
@@ -29,6 +33,7 @@ from anyattn.engine.arguments import (
     parse_device,
     parse_memory,
 )
+from anyattn.engine.async_copy import HostCopy
 from anyattn.engine.backend_choice import (
     parse_backend_request,
     use_backend_pair,
@@ -50,6 +55,15 @@ __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
 
 _DEFAULT_KV_CACHE_MEMORY = 1 << 30
 _DEFAULT_MAX_MODEL_LEN = 4096
+
+
+@dataclass(frozen=True)
+class _Launched:
+    """A step queued on the device: the batch rows it samples and their tokens, on their way
+    to the host."""
+
+    rows: list[int]
+    tokens: HostCopy
 
 
 @dataclass
@@ -88,6 +102,10 @@ class LLM:
         kv_cache_dtype: "auto" or an fp8 / half cache dtype.
         enforce_eager: never capture CUDA graphs (on CUDA, decode steps otherwise replay graphs
             captured at start-up when the attention backends allow it).
+        async_scheduling: schedule and launch each step before the previous one's tokens reach
+            the host, so the host's work overlaps the device's (README, "The engine"); default on
+            CUDA, off on the CPU (where the host is the device). Outputs are the same; a
+            finished request may compute one token more, which is dropped.
     """
 
     def __init__(
@@ -106,12 +124,17 @@ class LLM:
         enable_chunked_prefill: bool = True,
         kv_cache_dtype: str = "auto",
         enforce_eager: bool = False,
+        async_scheduling: bool | None = None,
     ) -> None:
         # Every argument is checked before the (slow) model load.
         if model is not None and not isinstance(model, str | os.PathLike):
             raise TypeError(
                 f"LLM: model must be a path to a .gguf file or a Hugging Face folder (got "
                 f"{type(model).__name__})."
+            )
+        if async_scheduling is not None and not isinstance(async_scheduling, bool):
+            raise TypeError(
+                f"LLM: async_scheduling must be a bool or None (got {async_scheduling!r})."
             )
         self.device = parse_device(device)
         default_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
@@ -173,6 +196,10 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill,
         )
         self.sampler = Sampler()
+        self.async_scheduling = (
+            self.device.type == "cuda" if async_scheduling is None else async_scheduling
+        )
+        self._in_flight: tuple[ScheduledBatch, _Launched] | None = None
         self._ids = itertools.count()
         self._requests: dict[int, _Tracked] = {}
         self._with_stops: dict[int, _Tracked] = {}  # unfinished requests with stop strings
@@ -271,17 +298,45 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns the outputs of requests that changed (a new token,
-        finished or failed)."""
+        finished or failed). With asynchronous scheduling a step's tokens are returned by the
+        next call, which launches its own step before it waits for them."""
         batch = self.scheduler.schedule()
         for seq in batch.failed:
             entry = self._requests[seq.request_id]
             entry.output.error = seq.error
             self._mark_finished(entry)
         changed = [self._requests[seq.request_id].output for seq in batch.failed]
-        if not batch.seqs:
-            return changed
-        sampled = self._run(batch)
-        finished = self.scheduler.update(batch, sampled)
+        launched = self._launch(batch) if batch.seqs else None
+        if self._in_flight is not None:
+            changed += self._resolve(*self._in_flight)
+            self._in_flight = None
+        if launched is not None:
+            self.scheduler.advance(batch, launched.rows)
+            if self.async_scheduling:
+                self._in_flight = (batch, launched)
+            else:
+                changed += self._resolve(batch, launched)
+        return changed
+
+    def _launch(self, batch: ScheduledBatch) -> _Launched:
+        """Queue the step's forward and sampling; nothing is read back yet."""
+        seqs = batch.seqs
+        out = self.runner.execute(self.scheduler.input_batch, batch.slots, batch.num_new_tokens)
+        entries = [self._requests[seqs[i].request_id] for i in out.sample_rows]
+        tokens = self.sampler.sample(
+            out.logits, [e.request.params for e in entries], [e.generator for e in entries]
+        )
+        self.runner.record_sampled(batch.slots[out.sample_rows], tokens)
+        return _Launched(out.sample_rows, HostCopy(tokens))
+
+    def _resolve(self, batch: ScheduledBatch, launched: _Launched) -> list[RequestOutput]:
+        """Wait for a launched step's tokens, hand them to the scheduler and the stop-string
+        checks; returns the outputs that changed."""
+        sampled: list[int | None] = [None] * len(batch.seqs)
+        for row, token in zip(launched.rows, launched.tokens.tolist(), strict=True):
+            sampled[row] = token
+        filled = self.scheduler.resolve(batch, sampled)
+        finished = [seq for seq in filled if seq.is_finished]
         for entry in list(self._with_stops.values()):  # only requests with stop strings
             was_finished = entry.request.status == SequenceStatus.FINISHED
             stop = entry.text.update(was_finished)
@@ -291,26 +346,7 @@ class LLM:
                     finished.append(entry.request)
         for seq in finished:
             self._mark_finished(self._requests[seq.request_id])
-        requests = self._requests
-        changed += [
-            requests[seq.request_id].output
-            for seq, token in zip(batch.seqs, sampled, strict=True)
-            if token is not None or seq.status == SequenceStatus.FINISHED
-        ]
-        return changed
-
-    def _run(self, batch: ScheduledBatch) -> list[int | None]:
-        seqs = batch.seqs
-        out = self.runner.execute(self.scheduler.input_batch, batch.slots, batch.num_new_tokens)
-        sampled: list[int | None] = [None] * len(seqs)
-        if out.sample_rows:
-            entries = [self._requests[seqs[i].request_id] for i in out.sample_rows]
-            tokens = self.sampler(
-                out.logits, [e.request.params for e in entries], [e.generator for e in entries]
-            )
-            for row, token in zip(out.sample_rows, tokens, strict=True):
-                sampled[row] = token
-        return sampled
+        return [self._requests[seq.request_id].output for seq in filled]
 
     def _mark_finished(self, entry: _Tracked) -> None:
         self._with_stops.pop(entry.request.request_id, None)

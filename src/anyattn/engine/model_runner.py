@@ -15,6 +15,7 @@ import torch
 
 from anyattn.backend import AttentionBackend
 from anyattn.config import AttentionSpec, BatchLimits
+from anyattn.engine.async_copy import to_device
 from anyattn.engine.cuda_graphs import (
     CudaGraphPlan,
     CudaGraphRunner,
@@ -28,6 +29,7 @@ from anyattn.engine.kv_cache_group import (
     in_kernel_blocks,
     split_threshold,
 )
+from anyattn.engine.sequence import PLACEHOLDER
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.kv_cache_sharing import KVCacheNotShareableError, SharedKVCache, plan_shared_kv_cache
 from anyattn.layer import Attention
@@ -118,6 +120,12 @@ class ModelRunner:
                     layout=group.layout,
                     device=self.device,
                 )
+        # The latest token sampled for each slot, on the device: a step scheduled before the
+        # previous one's tokens reached the host reads its reserved input tokens from here.
+        self.last_tokens = torch.zeros(self.limits.max_num_reqs, dtype=torch.long, device=device)
+        # Recorded once a step's inputs are copied: the next step rewrites pinned buffers (its
+        # own and the builders') only after it, while the step itself may still be running.
+        self._inputs_copied = torch.cuda.Event() if self.device.type == "cuda" else None
         self.cuda_graphs: CudaGraphRunner | None = None
         if self.cuda_graph_plan.enabled:  # captured now that the caches have their addresses
             self.cuda_graphs = CudaGraphRunner(
@@ -251,10 +259,14 @@ class ModelRunner:
     def execute(self, batch: InputBatch, slots: np.ndarray, num_new: np.ndarray) -> StepOutput:
         """Run `num_new[i]` tokens (int `[R]`) of each request `slots[i]` of `batch`, from its
         `num_computed` on (its blocks cover them); the requests whose step ends at their last
-        known token are sampled."""
+        known token are sampled. Reserved tokens (`PLACEHOLDER`) take the slot's entry of
+        `last_tokens`. Nothing is read back from the device: the step may still be running
+        when this returns."""
         slots = np.asarray(slots, dtype=np.int32)
         num_new = np.asarray(num_new, dtype=np.int32)
         needs_sample = batch.num_computed[slots] + num_new == batch.num_tokens[slots]
+        if self._inputs_copied is not None:
+            self._inputs_copied.synchronize()
         if self.cuda_graphs is not None:
             key = self.cuda_graphs.graph_key(num_new, batch.num_blocks[slots])
             if key is not None:
@@ -269,15 +281,35 @@ class ModelRunner:
         # in place under inference mode, whichever path updates it next.
         with torch.inference_mode():
             attn_metadata, used_prefix = self._build(common, prefix_len, num_new[order])
-            input_ids = torch.from_numpy(step.input_ids).to(self.device)
-            positions = torch.from_numpy(step.positions).to(self.device)
-            # Copied before the forward is queued: a copy from pageable memory after it would
-            # wait for the whole forward to finish.
-            last = torch.from_numpy(step.query_start_loc[1:][rows].astype(np.int64) - 1)
-            last = last.to(self.device)
+            input_ids = to_device(step.input_ids, self.device)
+            token_slots = np.repeat(slots[order], num_new[order])
+            self._fill_reserved(input_ids, step.input_ids, token_slots)
+            positions = to_device(step.positions, self.device)
+            last = to_device(step.query_start_loc[1:][rows].astype(np.int64) - 1, self.device)
+            self._record_inputs_copied()
             hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches)
             logits = self.model.compute_logits(hidden[last])
         return StepOutput(order.tolist(), order[rows].tolist(), logits, used_prefix)
+
+    def record_sampled(self, slots: np.ndarray, tokens: torch.Tensor) -> None:
+        """Remember the tokens just sampled (int64 `[R]` on the device) for `slots` (int `[R]`),
+        for the next step's reserved input tokens."""
+        if len(slots):
+            self.last_tokens[to_device(np.asarray(slots, dtype=np.int64), self.device)] = tokens
+
+    def _fill_reserved(
+        self, input_ids: torch.Tensor, host_ids: np.ndarray, token_slots: np.ndarray
+    ) -> None:
+        """Overwrite the reserved tokens of `input_ids` (`PLACEHOLDER` in their host values
+        `host_ids`, tokens of slots `token_slots`) with the slots' `last_tokens`."""
+        at = np.flatnonzero(host_ids[: len(token_slots)] == PLACEHOLDER)
+        if len(at):
+            index = to_device(np.stack([at, token_slots[at].astype(np.int64)]), self.device)
+            input_ids[index[0]] = self.last_tokens[index[1]]
+
+    def _record_inputs_copied(self) -> None:
+        if self._inputs_copied is not None:
+            self._inputs_copied.record()
 
     def _common_metadata(self, step: StepInputs) -> CommonAttentionMetadata:
         """The step's metadata: CPU mirrors over the step's arrays and their device copies."""
@@ -286,17 +318,17 @@ class ModelRunner:
         block_table = torch.from_numpy(step.block_table)
         slot_mapping = torch.from_numpy(step.slot_mapping)
         return CommonAttentionMetadata(
-            query_start_loc=query_start_loc.to(self.device),
+            query_start_loc=to_device(query_start_loc, self.device),
             query_start_loc_cpu=query_start_loc,
-            seq_lens=seq_lens.to(self.device),
+            seq_lens=to_device(seq_lens, self.device),
             seq_lens_cpu=seq_lens,
             num_computed_tokens_cpu=torch.from_numpy(step.num_computed),
             num_reqs=len(step.seq_lens),
             num_actual_tokens=len(step.input_ids),
             max_query_len=int(np.diff(step.query_start_loc).max(initial=0)),
             max_seq_len=int(step.seq_lens.max(initial=0)),
-            block_table_tensor=block_table.to(self.device),
-            slot_mapping=slot_mapping.to(self.device),
+            block_table_tensor=to_device(block_table, self.device),
+            slot_mapping=to_device(slot_mapping, self.device),
             block_table_cpu=block_table,
             slot_mapping_cpu=slot_mapping,
         )
@@ -308,10 +340,12 @@ class ModelRunner:
         assert self.cuda_graphs is not None
         query_len = key[1]
         rows = np.flatnonzero(needs_sample)
-        # Copied before the replay (see `execute`).
-        picked = torch.from_numpy(rows).to(self.device) if len(rows) < len(slots) else None
         with torch.inference_mode():
-            hidden = self.cuda_graphs.run(key, batch, slots)
+            input_ids, host_ids = self.cuda_graphs.prepare(key, batch, slots)
+            self._fill_reserved(input_ids, host_ids, np.repeat(slots, query_len))
+            picked = to_device(rows, self.device) if len(rows) < len(slots) else None
+            self._record_inputs_copied()
+            hidden = self.cuda_graphs.replay(key, len(slots))
             if query_len > 1:  # each request's last token
                 hidden = hidden[query_len - 1 :: query_len]
             if picked is not None:

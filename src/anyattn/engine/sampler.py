@@ -6,6 +6,7 @@ from collections.abc import Sequence as ParamsList
 
 import torch
 
+from anyattn.engine.async_copy import to_device
 from anyattn.engine.sampling_params import SamplingParams
 
 __all__ = ["Sampler", "make_generator"]
@@ -40,6 +41,16 @@ class Sampler:
         """One token id per row of float `logits` `[num_reqs, vocab_size]`, each row with its
         `SamplingParams` and generator (on `logits.device`; None: torch's global one).
         ValueError when the shapes or list lengths do not agree."""
+        return self.sample(logits, params, generators).tolist()
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: ParamsList[SamplingParams],
+        generators: ParamsList[torch.Generator | None],
+    ) -> torch.Tensor:
+        """`__call__`'s tokens as an int64 tensor `[num_reqs]` on `logits.device`, computed
+        without waiting for the device (nothing is read back)."""
         if logits.dim() != 2 or not logits.is_floating_point():
             raise ValueError(
                 f"Sampler: logits must be a float tensor [num_reqs, vocab_size] (got "
@@ -52,21 +63,21 @@ class Sampler:
                 f"{len(params)} and {len(generators)}, expected {num_reqs})."
             )
         if num_reqs == 0:
-            return []
+            return torch.zeros(0, dtype=torch.long, device=logits.device)
         logits = logits.float()
         tokens = logits.argmax(dim=-1)  # the greedy answer; sampled rows overwrite theirs
         rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if rows:
             device = logits.device
-            index = torch.tensor(rows, device=device)
+            index = _on(device, rows)
             chosen = [params[i] for i in rows]
-            temperature = torch.tensor([p.temperature for p in chosen], device=device)
+            temperature = _on(device, [p.temperature for p in chosen], torch.float32)
             # logits: [num_sampled, vocab_size]
             scaled = logits.index_select(0, index) / temperature.unsqueeze(1)
             probs = torch.softmax(_apply_top_k_top_p(scaled, chosen), dim=-1)
             sampled = _draw(probs, [generators[i] for i in rows])
             tokens.index_copy_(0, index, sampled)
-        return tokens.tolist()
+        return tokens
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -81,12 +92,12 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
     # Stable sort: equal logits keep index order, so top-k 1 picks argmax's token.
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     position = torch.arange(vocab_size, device=device)
-    drop = position >= torch.tensor(top_k, device=device).unsqueeze(1)  # [num_rows, vocab_size]
+    drop = position >= _on(device, top_k).unsqueeze(1)  # [num_rows, vocab_size]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     # Probability of the tokens ranked above each token: it is kept while that is < top_p.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop |= mass_before >= torch.tensor(top_p, device=device).unsqueeze(1)
+    drop |= mass_before >= _on(device, top_p, torch.float32).unsqueeze(1)
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
@@ -97,10 +108,15 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
     out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if unseeded:
-        index = torch.tensor(unseeded, device=probs.device)
+        index = _on(probs.device, unseeded)
         drawn = torch.multinomial(probs.index_select(0, index), 1).squeeze(1)
         out.index_copy_(0, index, drawn)
     for i, generator in enumerate(generators):
         if generator is not None:
             out[i] = torch.multinomial(probs[i], 1, generator=generator)[0]
     return out
+
+
+def _on(device: torch.device, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Per-row values as a tensor on `device`, copied without waiting for queued work."""
+    return to_device(torch.tensor(values, dtype=dtype), device)

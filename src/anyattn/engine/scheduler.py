@@ -5,6 +5,11 @@ token left (decodes), then to running ones part-way through their prompt (chunke
 group in admission order, then to waiting ones, first come first served, while fewer than
 `max_num_seqs` run. A waiting sequence that does not fit stops admission: nobody overtakes it.
 
+A step is applied in two halves: `advance` when it is launched (tokens computed, blocks offered
+to the prefix cache, one token reserved per sampled sequence) and `resolve` once its sampled
+tokens are on the host (values filled in, sequences finished). Between them the next step may
+be scheduled (the engine's asynchronous scheduling); `update` is the two at once.
+
 When a running sequence needs a block and none is free, the most recently admitted running one
 is preempted: its blocks are freed, `num_computed_tokens` drops to 0, and it goes back to the
 front of the queue, its generated tokens recomputed like prompt tokens when it resumes. A step
@@ -43,6 +48,8 @@ class ScheduledBatch:
     slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)
+    # indices into `seqs` whose next token `Scheduler.advance` reserved and `resolve` fills
+    reserved: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def num_tokens(self) -> int:
@@ -90,8 +97,7 @@ class Scheduler:
         self.input_batch = InputBatch(max_num_seqs, max_model_len, block_manager.block_size)
         self.num_preemptions = 0
         self._failed: list[Sequence] = []
-        # Per slot: the length at which its sequence finishes; eos and stop ids of all admitted.
-        self._max_num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        # eos and stop ids of every admitted sequence
         self._stop_ids = np.zeros(0, dtype=np.int64)
 
     def add(self, seq: Sequence) -> None:
@@ -198,62 +204,90 @@ class Scheduler:
         return scheduled
 
     def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
-        """Apply a computed step: advance, cache full blocks, append tokens, finish sequences.
+        """Apply a computed step whose tokens are known: `advance`, then `resolve`.
 
         `sampled[i]` is the token of `batch.seqs[i]` when the step computed all its known
         tokens, else None (a prefill chunk mid-prompt); ValueError when that does not hold.
         Returns the sequences that finished (their blocks already freed).
         """
-        seqs, n = batch.seqs, len(batch.seqs)
-        if len(sampled) != n:
+        if len(sampled) != len(batch.seqs):
             raise ValueError(
                 f"Scheduler.update: sampled has {len(sampled)} entries, expected one per "
-                f"scheduled sequence ({n})."
+                f"scheduled sequence ({len(batch.seqs)})."
             )
-        if n == 0:
-            return []
+        self.advance(batch, [i for i, token in enumerate(sampled) if token is not None])
+        return [seq for seq in self.resolve(batch, sampled) if seq.is_finished]
+
+    def advance(self, batch: ScheduledBatch, sample_rows: list[int]) -> None:
+        """Count a launched step as computed: advance each sequence, offer its filled blocks to
+        the prefix cache, and reserve the next token of each of `sample_rows` (indices into
+        `batch.seqs`, the sequences whose step computes all their known tokens), whose value
+        `resolve` gives once the step's sampled tokens reach the host. The next `schedule` may
+        run before that: a reserved token is scheduled like a known one. Sequences finished
+        since `schedule` are left alone. ValueError when `sample_rows` are not exactly the
+        sequences that complete.
+        """
+        seqs, n = batch.seqs, len(batch.seqs)
         arrays, slots = self.input_batch, batch.slots
         num_new = np.asarray(batch.num_new_tokens, dtype=np.int32)
-        # Sequences finished (aborted) between schedule and update are left alone.
         live = np.fromiter((s.status is SequenceStatus.RUNNING for s in seqs), bool, n)
-        has_token = np.fromiter((t is not None for t in sampled), bool, n)
+        samples = np.zeros(n, dtype=bool)
+        samples[np.asarray(sample_rows, dtype=np.int64)] = True
         before = arrays.num_computed[slots]
         completes = before + num_new == arrays.num_tokens[slots]
-        bad = np.flatnonzero(live & (completes != has_token))
+        bad = np.flatnonzero(live & (completes != samples))
         if len(bad):
             i = int(bad[0])
             expected = "a token" if completes[i] else "None (mid-prefill chunk)"
+            got = "a token" if samples[i] else "None"
             raise ValueError(
-                f"Scheduler.update: request {seqs[i].request_id!r} expected {expected} "
-                f"(got {sampled[i]!r})."
+                f"Scheduler.advance: request {seqs[i].request_id!r} expected {expected} "
+                f"(got {got})."
             )
         arrays.advance(slots[live], num_new[live])
-        rows = np.flatnonzero(live & has_token)
-        tokens = np.array([sampled[i] for i in rows.tolist()], dtype=np.int64)
-        arrays.append_tokens(slots[rows], tokens)
-        for seq, k, token in zip(seqs, batch.num_new_tokens, sampled, strict=True):
-            if seq.status is SequenceStatus.RUNNING:
-                seq.num_computed_tokens += k
-                if token is not None:
-                    seq.append_token(token)
+        for i in np.flatnonzero(live).tolist():
+            seqs[i].num_computed_tokens += batch.num_new_tokens[i]
         size = self.block_manager.block_size
         for i in np.flatnonzero(live & ((before + num_new) // size > before // size)).tolist():
             self.block_manager.commit(seqs[i])
-        may_end = arrays.num_tokens[slots[rows]] >= self._max_num_tokens[slots[rows]]
-        may_end |= np.isin(tokens, self._stop_ids)
-        finished = []
-        for i, token in zip(rows[may_end].tolist(), tokens[may_end].tolist(), strict=True):
-            seq, params = seqs[i], seqs[i].params
+        rows = np.flatnonzero(live & samples)
+        arrays.reserve_tokens(slots[rows])
+        for i in rows.tolist():
+            seqs[i].reserve_token()
+        batch.reserved = rows
+
+    def resolve(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
+        """Give the tokens `advance` reserved their values (`sampled[i]` for `batch.seqs[i]`)
+        and finish the sequences they end (their blocks freed). A sequence finished since keeps
+        none; one preempted since gets its token (recomputed with the others when it resumes).
+        Returns the sequences that got a token, in batch order."""
+        seqs, arrays = batch.seqs, self.input_batch
+        rows = [i for i in batch.reserved.tolist() if seqs[i].status is not SequenceStatus.FINISHED]
+        batch.reserved = batch.reserved[:0]
+        if not rows:
+            return []
+        filled = [seqs[i] for i in rows]
+        tokens = np.array([sampled[i] for i in rows], dtype=np.int64)
+        limits = np.empty(len(rows), dtype=np.int64)
+        running = []
+        for k, i in enumerate(rows):
+            seq = seqs[i]
+            seq.fill_token(int(tokens[k]))
+            limits[k] = self._longest(seq) - seq.num_tokens
+            if seq.status is SequenceStatus.RUNNING:
+                running.append(k)
+        arrays.fill_tokens(batch.slots[np.asarray(rows)[running]], tokens[running])
+        may_end = (limits <= 0) | np.isin(tokens, self._stop_ids)
+        for k in np.flatnonzero(may_end).tolist():
+            seq, token = seqs[rows[k]], int(tokens[k])
+            params = seq.params
             if not params.ignore_eos and token in seq.eos_token_ids:
                 self.finish(seq, "stop")
             elif token in params.stop_token_ids:
                 self.finish(seq, "stop", stop_reason=token)
             elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
                 self.finish(seq, "length")
-            else:
-                continue
-            finished.append(seq)
-        return finished
+        return filled
 
     def finish(
         self,
@@ -298,7 +332,6 @@ class Scheduler:
             seq.slot = self.input_batch.add(seq.token_ids, seq.num_computed_tokens, seq.block_table)
             self.running.append(seq)
             self._running_slots.append(seq.slot)
-            self._max_num_tokens[seq.slot] = self._longest(seq)
             ids = set(seq.eos_token_ids) | set(seq.params.stop_token_ids)
             if not ids <= set(self._stop_ids.tolist()):
                 self._stop_ids = np.union1d(self._stop_ids, sorted(ids)).astype(np.int64)

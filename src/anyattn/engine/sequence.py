@@ -6,11 +6,15 @@ import enum
 
 from anyattn.engine.sampling_params import SamplingParams
 
-__all__ = ["FINISH_REASONS", "Sequence", "SequenceStatus"]
+__all__ = ["FINISH_REASONS", "PLACEHOLDER", "Sequence", "SequenceStatus"]
 
 # "stop": an eos token, a stop token id or a stop string; "length": max_tokens or max_model_len;
 # "abort": the caller gave up on it; "error": it could not run (the message is in `error`).
 FINISH_REASONS = ("stop", "length", "abort", "error")
+
+# The value of a reserved token until its step's sampled token reaches the host (no vocabulary
+# id is negative, so a placeholder that reached the model would fail loudly, not silently).
+PLACEHOLDER = -1
 
 
 class SequenceStatus(enum.Enum):
@@ -28,7 +32,8 @@ class Sequence:
     the scheduler's `InputBatch`.
 
     Attributes:
-        output_token_ids: generated tokens, in order (a stop or eos token included).
+        output_token_ids: generated tokens, in order (a stop or eos token included); a
+            reserved token (`reserve_token`) joins them once its value is known.
         finish_reason: None until finished, then one of `FINISH_REASONS`; `stop_reason`: the
             stop token id or string that finished it (None for eos); `error`: why it failed.
         num_computed_tokens: leading tokens whose K/V are in the cache (prefix-cache hits
@@ -83,8 +88,19 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         """Append one generated token (its K/V are computed by a later step)."""
+        self.reserve_token()
+        self.fill_token(token_id)
+
+    def reserve_token(self) -> None:
+        """Count one more token whose value is not known yet (sampled by a step still running on
+        the device): `token_ids` ends with `PLACEHOLDER` until `fill_token`."""
+        self.token_ids.append(PLACEHOLDER)
+
+    def fill_token(self, token_id: int) -> None:
+        """Give the reserved last token its value; it becomes an output token."""
+        assert self.token_ids[-1] == PLACEHOLDER, "fill_token needs a reserved token"
+        self.token_ids[-1] = token_id
         self.output_token_ids.append(token_id)
-        self.token_ids.append(token_id)
 
     def __repr__(self) -> str:
         return (
