@@ -186,12 +186,13 @@ def test_a_reserved_token_is_scheduled_and_filled_in_place():
 def test_a_sequence_finished_while_its_next_step_runs_keeps_no_token():
     bm = BlockManager(32, 4)
     sched = Scheduler(bm, 4, 64, 64)
-    seq = Sequence(0, [1, 2, 3], _greedy(1))
+    seq = Sequence(0, [1, 2, 3], SamplingParams(temperature=0, max_tokens=5), eos_token_ids=(9,))
     sched.add(seq)
     first = sched.schedule()
     sched.advance(first, [0])
-    second = sched.schedule()  # runs the token that will end the request
-    assert sched.resolve(first, [9]) == [seq] and seq.finish_reason == "length"
+    second = sched.schedule()  # runs the token that will end the request (eos)
+    assert second.seqs == [seq]
+    assert sched.resolve(first, [9]) == [seq] and seq.finish_reason == "stop"
     assert bm.num_free_blocks == bm.num_usable_blocks
     sched.advance(second, [0])  # the finished sequence is left alone
     assert sched.resolve(second, [10]) == []
@@ -255,3 +256,43 @@ def test_reserved_input_ids_come_from_the_last_sampled_tokens(tiny_llm):
     runner.model.forward = spy
     runner.execute(batch, slots, np.array([1, 1]))
     assert seen == [[17, 23]]
+
+
+def test_a_prompt_of_max_model_len_tokens_ends_after_its_one_token(tiny_llm):
+    # its reserved token reaches max_model_len: the next step must not schedule it again
+    sync, fast = _pair(tiny_llm, max_model_len=12)
+    prompt = list(range(3, 15))
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    expected = _summary(sync.generate([prompt, [5, 6]], params))
+    assert _summary(fast.generate([prompt, [5, 6]], params)) == expected
+    assert len(expected[0][0]) == 1 and expected[0][2] == "length"
+    _assert_drained(fast)
+
+
+def test_a_request_at_max_tokens_is_not_run_again():
+    sched = Scheduler(BlockManager(32, 4), 4, 64, 64)
+    ending, going = Sequence(0, [1, 2, 3], _greedy(1)), Sequence(1, [4, 5], _greedy(4))
+    sched.add(ending)
+    sched.add(going)
+    first = sched.schedule()
+    sched.advance(first, [0, 1])
+    second = sched.schedule()  # `ending`'s reserved token is its last, whatever its value
+    assert second.seqs == [going]
+    sched.resolve(first, [7, 8])
+    assert ending.finish_reason == "length" and ending.output_token_ids == [7]
+
+
+def test_advancing_before_the_previous_step_is_resolved_is_refused():
+    sched = Scheduler(BlockManager(32, 4), 4, 64, 64)
+    seq = Sequence(0, [1, 2, 3], _greedy(4))
+    sched.add(seq)
+    first = sched.schedule()
+    sched.advance(first, [0])
+    second = sched.schedule()
+    with pytest.raises(RuntimeError, match="resolve the previous step"):
+        sched.advance(second, [0])
+    assert seq.num_computed_tokens == 3 and seq.token_ids == [1, 2, 3, PLACEHOLDER]
+    sched.resolve(first, [9])
+    sched.advance(second, [0])
+    sched.resolve(second, [10])
+    assert seq.output_token_ids == [9, 10]

@@ -29,6 +29,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from anyattn.async_copy import to_device
 from anyattn.backend import AttentionMetadataBuilder
 from anyattn.backends import flash_attn_versions as versions
 from anyattn.backends.flash_attn_entry_point import paged_bidirectional_is_faulty
@@ -258,8 +259,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             )
 
     def _upload(self, cpu: torch.Tensor) -> torch.Tensor:
-        # From pageable memory the copy is staged at once; the host never waits on the device.
-        return cpu.to(self.device, non_blocking=True)
+        return to_device(cpu, self.device)
 
     def _metadata(
         self, cm: CommonAttentionMetadata, main: FlashAttnPass, **kw

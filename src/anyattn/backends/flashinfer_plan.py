@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from anyattn.async_copy import to_device
 from anyattn.metadata import HostBatch
 
 __all__ = [
@@ -116,19 +117,10 @@ def gather_pages(
     gathered on the table's device (`output_size` keeps `repeat_interleave` from reading the
     total back)."""
     device = block_table.device
-    counts = _to_device(np.stack([pages, indptr[:-1]]).astype(np.int64), device)
+    counts = to_device(np.stack([pages, indptr[:-1]]).astype(np.int64), device)
     num_reqs = pages.shape[0]
     rows = torch.repeat_interleave(
         torch.arange(num_reqs, device=device), counts[0], output_size=num_pages
     )
     cols = torch.arange(num_pages, device=device) - counts[1][rows]
     return block_table[rows + first, cols]
-
-
-def _to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
-    """`host` on `device`, copied without the host waiting (through page-locked memory on
-    CUDA, which the caching host allocator keeps until the copy has run)."""
-    tensor = torch.from_numpy(host)
-    if device.type == "cuda":
-        tensor = tensor.pin_memory()
-    return tensor.to(device, non_blocking=True)

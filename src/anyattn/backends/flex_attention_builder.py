@@ -19,6 +19,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from anyattn.async_copy import to_device
 from anyattn.backend import AttentionMetadataBuilder
 from anyattn.backends.flex_attention_plan import (
     FIRST_KEY_ROW,
@@ -139,25 +140,13 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
             layout=layout,
             num_rows=num_rows,
             num_keys=num_keys,
-            q_key_pos=_to_device(q_key_pos, device),
+            q_key_pos=to_device(q_key_pos, device),
             masks=masks,
             key_blocks=key_blocks,
             key_offsets=key_offsets,
             layer_names=frozenset(self.layer_names),
             common_attn_metadata=cm,
         )
-
-
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """`array` on `device`: the same memory on the CPU, one non-blocking copy from pinned
-    memory on a GPU (never waits for it). Each tensor at storage offset 0: Inductor's GPU kernels
-    assume aligned inputs."""
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type == "cpu":
-        return tensor
-    if device.type == "cuda":
-        tensor = tensor.pin_memory()
-    return tensor.to(device, non_blocking=True)
 
 
 def _block_mask(
@@ -172,8 +161,8 @@ def _block_mask(
     bounds = np.zeros((2, num_rows), dtype=np.int32)
     bounds[0, n:] = 1  # padding rows keep nothing (lo 1 > hi 0)
     bounds[0, :n], bounds[1, :n] = lo[:n], hi[:n]
-    row_lo, row_hi = (_to_device(b, device) for b in bounds)
-    tensors = [_to_device(a, device) for a in lists]
+    row_lo, row_hi = (to_device(b, device) for b in bounds)
+    tensors = [to_device(a, device) for a in lists]
     # row and key tile counts vary with the step
     for tensor in tensors:
         for dim in range(2, tensor.dim()):
@@ -198,7 +187,7 @@ def _key_slots(
     lens = layout.key_lens
     request = np.repeat(np.arange(lens.shape[0]), lens)
     position = np.arange(request.shape[0]) - np.repeat(layout.key_start - FIRST_KEY_ROW, lens)
-    request_t, position_t = (_to_device(a, device) for a in (request, position))
+    request_t, position_t = (to_device(a, device) for a in (request, position))
     blocks = block_table[request_t, torch.div(position_t, block_size, rounding_mode="floor")]
     return blocks.long(), position_t % block_size
 

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from anyattn.async_copy import to_device
 from anyattn.backends.mla_metadata import (
     MLAChunkPiece,
     MLAContextChunk,
@@ -162,10 +163,10 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
         if rows.size == num_decodes:
             table = cm.block_table_tensor[:num_decodes]
         else:
-            table = cm.block_table_tensor[torch.from_numpy(rows).to(device)]
+            table = cm.block_table_tensor[to_device(rows, device)]
         return MLADecodeMetadata(
             block_table=table,
-            seq_lens=seq_lens_cpu.to(device, non_blocking=True),
+            seq_lens=to_device(seq_lens_cpu, device),
             seq_lens_cpu=seq_lens_cpu,
             max_seq_len=int(seq_lens_cpu.max()),
         )
@@ -185,7 +186,7 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
         chunks = tuple(_chunk(slots, pieces, len(context), device) for slots, pieces in plan)
         loc_cpu = torch.from_numpy(loc.astype(np.int32))
         return MLAPrefillMetadata(
-            query_start_loc=loc_cpu.to(device, non_blocking=True),
+            query_start_loc=to_device(loc_cpu, device),
             query_start_loc_cpu=loc_cpu,
             seq_lens_cpu=torch.from_numpy(host.seq_lens[num_decodes:].astype(np.int32)),
             context_lens_cpu=torch.from_numpy(context.astype(np.int32)),
@@ -205,10 +206,10 @@ def _chunk(
     cu_seq_lens = torch.from_numpy(np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32))
     return MLAContextChunk(
         num_tokens=int(slots.size),
-        slots=torch.from_numpy(slots).to(device, non_blocking=True),
+        slots=to_device(slots, device),
         slots_cpu=torch.from_numpy(slots),
         pieces=pieces,
-        cu_seq_lens=cu_seq_lens.to(device, non_blocking=True),
+        cu_seq_lens=to_device(cu_seq_lens, device),
         cu_seq_lens_cpu=cu_seq_lens,
         max_seq_len=int(seq_lens.max()),
     )

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from anyattn.async_copy import to_device
 from anyattn.backend import AttentionMetadataBuilder
 from anyattn.metadata import CommonAttentionMetadata, split_decodes_and_prefills
 from anyattn.ops.reshape_and_cache import CpuSlots, cpu_slots
@@ -249,17 +250,15 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
             "decode_is_single_token": bool(num_decodes) and bool((query_lens == 1).all()),
             "decode_max_seq_len": max_seq_len,
             "decode_max_query_len": max_query_len,
-            "decode_token_ids": token_ids.to(device, non_blocking=True),
-            "decode_valid_rows": valid_rows.to(device, non_blocking=True),
-            "decode_valid_token_ids": token_ids.flatten()[valid_rows].to(device, non_blocking=True),
-            "decode_positions": ((seq_lens - query_lens).unsqueeze(1) + offsets).to(
-                device, non_blocking=True
-            ),
+            "decode_token_ids": to_device(token_ids, device),
+            "decode_valid_rows": to_device(valid_rows, device),
+            "decode_valid_token_ids": to_device(token_ids.flatten()[valid_rows], device),
+            "decode_positions": to_device((seq_lens - query_lens).unsqueeze(1) + offsets, device),
             "decode_num_blocks": num_blocks,
             "decode_block_ids": block_ids.long(),
-            "decode_key_positions": k_pos.to(device, non_blocking=True),
-            "decode_key_valid": None if k_valid is None else k_valid.to(device, non_blocking=True),
-            "decode_key_bias": None if k_bias is None else k_bias.to(device, non_blocking=True),
+            "decode_key_positions": to_device(k_pos, device),
+            "decode_key_valid": None if k_valid is None else to_device(k_valid, device),
+            "decode_key_bias": None if k_bias is None else to_device(k_bias, device),
         }
 
     def use_cascade_attention(

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from anyattn.async_copy import to_device
 from anyattn.backends.mla_builder import MLAMetadataBuilder
 from anyattn.backends.mla_metadata import MLADecodeMetadata, MLAMetadata, MLAPrefillMetadata
 from anyattn.config import BatchLimits, MLAAttentionSpec
@@ -300,9 +301,9 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
             q_start=q_start,
             q_end=q_start + int(loc[-1]),
             num_reqs=len(keys),
-            query_start_loc=torch.from_numpy(loc.astype(np.int32)).to(device, non_blocking=True),
-            seq_lens=torch.from_numpy(keys.astype(np.int32)).to(device, non_blocking=True),
-            block_table=torch.from_numpy(table.astype(np.int32)).to(device, non_blocking=True),
+            query_start_loc=to_device(loc.astype(np.int32), device),
+            seq_lens=to_device(keys.astype(np.int32), device),
+            block_table=to_device(table.astype(np.int32), device),
             max_query_len=int(q_lens.max()),
             causal=causal,
         )

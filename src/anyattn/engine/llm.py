@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from anyattn.async_copy import HostCopy
 from anyattn.config import BatchLimits
 from anyattn.engine.arguments import (
     check_params,
@@ -33,7 +34,6 @@ from anyattn.engine.arguments import (
     parse_device,
     parse_memory,
 )
-from anyattn.engine.async_copy import HostCopy
 from anyattn.engine.backend_choice import (
     parse_backend_request,
     use_backend_pair,
@@ -104,8 +104,10 @@ class LLM:
             captured at start-up when the attention backends allow it).
         async_scheduling: schedule and launch each step before the previous one's tokens reach
             the host, so the host's work overlaps the device's (README, "The engine"); default on
-            CUDA, off on the CPU (where the host is the device). Outputs are the same; a
-            finished request may compute one token more, which is dropped.
+            CUDA, off on the CPU (where the host is the device). Greedy and seeded requests
+            get the tokens of the synchronous engine; a request that ends by eos or a stop may
+            compute one token more, which is dropped (and which moves the draws of unseeded
+            sampled requests in the same step).
     """
 
     def __init__(
@@ -306,10 +308,12 @@ class LLM:
             entry.output.error = seq.error
             self._mark_finished(entry)
         changed = [self._requests[seq.request_id].output for seq in batch.failed]
-        launched = self._launch(batch) if batch.seqs else None
-        if self._in_flight is not None:
-            changed += self._resolve(*self._in_flight)
-            self._in_flight = None
+        in_flight, self._in_flight = self._in_flight, None
+        try:
+            launched = self._launch(batch) if batch.seqs else None
+        finally:  # the step in flight is applied even when this one failed to launch
+            if in_flight is not None:
+                changed += self._resolve(*in_flight)
         if launched is not None:
             self.scheduler.advance(batch, launched.rows)
             if self.async_scheduling:

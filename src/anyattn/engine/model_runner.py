@@ -13,9 +13,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from anyattn.async_copy import to_device
 from anyattn.backend import AttentionBackend
 from anyattn.config import AttentionSpec, BatchLimits
-from anyattn.engine.async_copy import to_device
 from anyattn.engine.cuda_graphs import (
     CudaGraphPlan,
     CudaGraphRunner,
@@ -309,7 +309,7 @@ class ModelRunner:
 
     def _record_inputs_copied(self) -> None:
         if self._inputs_copied is not None:
-            self._inputs_copied.record()
+            self._inputs_copied.record(torch.cuda.current_stream(self.device))
 
     def _common_metadata(self, step: StepInputs) -> CommonAttentionMetadata:
         """The step's metadata: CPU mirrors over the step's arrays and their device copies."""

@@ -6,7 +6,7 @@ from collections.abc import Sequence as ParamsList
 
 import torch
 
-from anyattn.engine.async_copy import to_device
+from anyattn.async_copy import to_device
 from anyattn.engine.sampling_params import SamplingParams
 
 __all__ = ["Sampler", "make_generator"]

@@ -8,7 +8,10 @@ group in admission order, then to waiting ones, first come first served, while f
 A step is applied in two halves: `advance` when it is launched (tokens computed, blocks offered
 to the prefix cache, one token reserved per sampled sequence) and `resolve` once its sampled
 tokens are on the host (values filled in, sequences finished). Between them the next step may
-be scheduled (the engine's asynchronous scheduling); `update` is the two at once.
+be scheduled and launched (the engine's asynchronous scheduling), but not advanced: a step is
+advanced only once the previous one is resolved. A sequence whose reserved token brings it to
+its length limit is not scheduled again (it finishes when that token is resolved). `update` is
+the two halves at once.
 
 When a running sequence needs a block and none is free, the most recently admitted running one
 is preempted: its blocks are freed, `num_computed_tokens` drops to 0, and it goes back to the
@@ -31,7 +34,7 @@ import numpy as np
 
 from anyattn.engine.block_manager import BlockManager
 from anyattn.engine.input_batch import InputBatch
-from anyattn.engine.sequence import FINISH_REASONS, Sequence, SequenceStatus
+from anyattn.engine.sequence import FINISH_REASONS, PLACEHOLDER, Sequence, SequenceStatus
 
 __all__ = ["ScheduledBatch", "Scheduler"]
 
@@ -97,7 +100,8 @@ class Scheduler:
         self.input_batch = InputBatch(max_num_seqs, max_model_len, block_manager.block_size)
         self.num_preemptions = 0
         self._failed: list[Sequence] = []
-        # eos and stop ids of every admitted sequence
+        # Per slot: the length at which its sequence finishes; eos and stop ids of all admitted.
+        self._max_num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self._stop_ids = np.zeros(0, dtype=np.int64)
 
     def add(self, seq: Sequence) -> None:
@@ -141,9 +145,10 @@ class Scheduler:
         batch = ScheduledBatch(failed=self._failed)
         self._failed = []
         budget = self.max_num_batched_tokens
-        decode_slots = self._schedule_decodes(budget)
-        if decode_slots is not None:
-            seqs, num_new = list(self.running), [1] * len(self.running)
+        decodes = self._schedule_decodes(budget)
+        if decodes is not None:
+            seqs, decode_slots = decodes
+            num_new = [1] * len(seqs)
         else:
             scheduled = self._schedule_running(budget, batch)
             seqs, num_new = list(scheduled), list(scheduled.values())
@@ -153,16 +158,17 @@ class Scheduler:
             self._admit(budget, admitted)
         batch.seqs = seqs + list(admitted)
         batch.num_new_tokens = num_new + list(admitted.values())
-        if decode_slots is not None:
+        if decodes is not None:
             new_slots = [seq.slot for seq in admitted]
             batch.slots = np.append(decode_slots, new_slots) if new_slots else decode_slots
         else:
             batch.slots = np.array([seq.slot for seq in batch.seqs], dtype=np.int32)
         return batch
 
-    def _schedule_decodes(self, budget: int) -> np.ndarray | None:
+    def _schedule_decodes(self, budget: int) -> tuple[list[Sequence], np.ndarray] | None:
         """When every running sequence is a decode and the budget and free blocks cover them,
-        give each one token and return their slots; else None, changing nothing."""
+        give each one token and return them and their slots (those already at their length
+        limit left out); else None, changing nothing."""
         running, batch, bm = self.running, self.input_batch, self.block_manager
         if not running or budget < len(running):
             return None
@@ -170,6 +176,10 @@ class Scheduler:
         computed = batch.num_computed[slots]
         if not np.array_equal(batch.num_tokens[slots], computed + 1):
             return None
+        ending = batch.num_tokens[slots] >= self._max_num_tokens[slots]
+        if ending.any():  # their reserved token ends them whatever its value: nothing to run
+            running = [seq for seq, end in zip(running, ending.tolist(), strict=True) if not end]
+            slots, computed = slots[~ending], computed[~ending]
         grow = np.flatnonzero(computed >= batch.num_blocks[slots] * bm.block_size)
         if len(grow) > bm.num_free_blocks:
             return None
@@ -177,7 +187,7 @@ class Scheduler:
             seq = running[index]
             bm.append(seq, 1)
             batch.extend_blocks(seq.slot, seq.block_table)
-        return slots
+        return list(running), slots
 
     def _schedule_running(self, budget: int, batch: ScheduledBatch) -> dict[Sequence, int]:
         """Running sequences -> their new tokens, decodes first, preempting when blocks run out."""
@@ -188,6 +198,8 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if seq.num_tokens >= self._longest(seq):
+                continue  # a reserved token that ends it whatever its value: nothing to run
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.can_append(seq, num_new):
                 victim = self.running[-1]
@@ -244,13 +256,19 @@ class Scheduler:
                 f"Scheduler.advance: request {seqs[i].request_id!r} expected {expected} "
                 f"(got {got})."
             )
+        rows = np.flatnonzero(live & samples)
+        for i in rows.tolist():
+            if seqs[i].token_ids[-1] == PLACEHOLDER:
+                raise RuntimeError(
+                    f"Scheduler.advance: request {seqs[i].request_id!r} still has a reserved "
+                    "token; resolve the previous step before advancing the next."
+                )
         arrays.advance(slots[live], num_new[live])
         for i in np.flatnonzero(live).tolist():
             seqs[i].num_computed_tokens += batch.num_new_tokens[i]
         size = self.block_manager.block_size
         for i in np.flatnonzero(live & ((before + num_new) // size > before // size)).tolist():
             self.block_manager.commit(seqs[i])
-        rows = np.flatnonzero(live & samples)
         arrays.reserve_tokens(slots[rows])
         for i in rows.tolist():
             seqs[i].reserve_token()
@@ -269,14 +287,15 @@ class Scheduler:
         filled = [seqs[i] for i in rows]
         tokens = np.array([sampled[i] for i in rows], dtype=np.int64)
         limits = np.empty(len(rows), dtype=np.int64)
-        running = []
+        running, running_slots = [], []
         for k, i in enumerate(rows):
             seq = seqs[i]
             seq.fill_token(int(tokens[k]))
             limits[k] = self._longest(seq) - seq.num_tokens
             if seq.status is SequenceStatus.RUNNING:
                 running.append(k)
-        arrays.fill_tokens(batch.slots[np.asarray(rows)[running]], tokens[running])
+                running_slots.append(seq.slot)
+        arrays.fill_tokens(np.asarray(running_slots, dtype=np.int64), tokens[running])
         may_end = (limits <= 0) | np.isin(tokens, self._stop_ids)
         for k in np.flatnonzero(may_end).tolist():
             seq, token = seqs[rows[k]], int(tokens[k])
@@ -332,6 +351,7 @@ class Scheduler:
             seq.slot = self.input_batch.add(seq.token_ids, seq.num_computed_tokens, seq.block_table)
             self.running.append(seq)
             self._running_slots.append(seq.slot)
+            self._max_num_tokens[seq.slot] = self._longest(seq)
             ids = set(seq.eos_token_ids) | set(seq.params.stop_token_ids)
             if not ids <= set(self._stop_ids.tolist()):
                 self._stop_ids = np.union1d(self._stop_ids, sorted(ids)).astype(np.int64)

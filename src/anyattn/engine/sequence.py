@@ -86,11 +86,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int) -> None:
-        """Append one generated token (its K/V are computed by a later step)."""
-        self.reserve_token()
-        self.fill_token(token_id)
-
     def reserve_token(self) -> None:
         """Count one more token whose value is not known yet (sampled by a step still running on
         the device): `token_ids` ends with `PLACEHOLDER` until `fill_token`."""
