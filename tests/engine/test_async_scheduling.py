@@ -296,3 +296,42 @@ def test_advancing_before_the_previous_step_is_resolved_is_refused():
     sched.advance(second, [0])
     sched.resolve(second, [10])
     assert seq.output_token_ids == [9, 10]
+
+
+@pytest.mark.parametrize("seed, budget, max_num_seqs, num_blocks", [(1, 7, 3, 30), (2, 16, 5, 14)])
+def test_random_aborts_and_late_requests_change_no_output(
+    tiny_llm, seed, budget, max_num_seqs, num_blocks
+):
+    """Tight limits (chunked prefills; 14 blocks also preempt), requests aborted and added
+    between steps at random: every request that runs to its end has the synchronous engine's
+    tokens, an aborted one a prefix of them, and every block comes back."""
+    rng = np.random.default_rng(seed)
+    # 4-token blocks of 1536 bytes (see test_llm's pressure test)
+    limits = dict(
+        max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, kv_cache_memory=num_blocks * 1536
+    )
+    sync, fast = _pair(tiny_llm, **limits)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = {tuple(p): sync.generate(p, params)[0].outputs[0].token_ids for p in PROMPTS}
+    prompts = {fast.add_request(p, params): p for p in PROMPTS * 2}
+    outputs = {i: fast._requests[i].output for i in prompts}
+    aborted = set()
+    while fast.has_unfinished_requests():
+        fast.step()
+        live = [i for i in prompts if i not in aborted and not outputs[i].finished]
+        if live and rng.random() < 0.25:
+            victim = int(rng.choice(live))
+            aborted.add(victim)
+            fast.abort_request(victim)
+        if rng.random() < 0.2:
+            prompt = PROMPTS[int(rng.integers(len(PROMPTS)))]
+            new = fast.add_request(prompt, params)
+            prompts[new], outputs[new] = prompt, fast._requests[new].output
+    for request_id, prompt in prompts.items():
+        got, want = outputs[request_id].outputs[0].token_ids, expected[tuple(prompt)]
+        if request_id in aborted:
+            assert got == want[: len(got)]
+        else:
+            assert got == want and outputs[request_id].outputs[0].finish_reason == "length"
+    assert fast.scheduler.num_preemptions > 0 or num_blocks > 14
+    _assert_drained(fast)
