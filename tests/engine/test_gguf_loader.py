@@ -9,14 +9,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 import pytest
 import torch
 
-from anyattn.engine import default_model, gguf_loader
-from anyattn.engine.default_model import INSTALL_COMMAND, default_model_path
-from anyattn.engine.gguf_loader import (
+gguf = pytest.importorskip("gguf")  # the [hf] extra; absent on a bare GPU machine
+
+from anyattn.engine import default_model, gguf_loader  # noqa: E402
+from anyattn.engine.default_model import INSTALL_COMMAND, default_model_path  # noqa: E402
+from anyattn.engine.gguf_loader import (  # noqa: E402
     SUPPORTED_ARCHITECTURES,
     load_gguf_tokenizer,
     read_gguf,
