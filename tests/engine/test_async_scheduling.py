@@ -14,7 +14,7 @@ import torch
 from anyattn.engine.block_manager import BlockManager
 from anyattn.engine.input_batch import InputBatch
 from anyattn.engine.sampling_params import SamplingParams
-from anyattn.engine.scheduler import Scheduler
+from anyattn.engine.scheduler import ScheduledBatch, Scheduler
 from anyattn.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 pytest.importorskip("transformers")
@@ -162,12 +162,18 @@ def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def test_a_reserved_token_is_scheduled_and_filled_in_place():
+def _one_prefill_advanced() -> tuple[Scheduler, Sequence, ScheduledBatch]:
+    """A scheduler whose one request's prefill step is launched (advanced), tokens unknown."""
     sched = Scheduler(BlockManager(32, 4), 4, 64, 64)
     seq = Sequence(0, [1, 2, 3], _greedy(4))
     sched.add(seq)
     first = sched.schedule()
     sched.advance(first, [0])
+    return sched, seq, first
+
+
+def test_a_reserved_token_is_scheduled_and_filled_in_place():
+    sched, seq, first = _one_prefill_advanced()
     assert seq.token_ids == [1, 2, 3, PLACEHOLDER] and seq.output_token_ids == []
     arrays = sched.input_batch
     assert arrays.token_ids[seq.slot, 3] == PLACEHOLDER and arrays.num_tokens[seq.slot] == 4
@@ -283,11 +289,7 @@ def test_a_request_at_max_tokens_is_not_run_again():
 
 
 def test_advancing_before_the_previous_step_is_resolved_is_refused():
-    sched = Scheduler(BlockManager(32, 4), 4, 64, 64)
-    seq = Sequence(0, [1, 2, 3], _greedy(4))
-    sched.add(seq)
-    first = sched.schedule()
-    sched.advance(first, [0])
+    sched, seq, first = _one_prefill_advanced()
     second = sched.schedule()
     with pytest.raises(RuntimeError, match="resolve the previous step"):
         sched.advance(second, [0])

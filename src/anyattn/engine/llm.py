@@ -330,7 +330,8 @@ class LLM:
         tokens = self.sampler.sample(
             out.logits, [e.request.params for e in entries], [e.generator for e in entries]
         )
-        self.runner.record_sampled(batch.slots[out.sample_rows], tokens)
+        if self.async_scheduling:  # only a step scheduled before these are read uses them
+            self.runner.record_sampled(batch.slots[out.sample_rows], tokens)
         return _Launched(out.sample_rows, HostCopy(tokens))
 
     def _resolve(self, batch: ScheduledBatch, launched: _Launched) -> list[RequestOutput]:
