@@ -401,3 +401,11 @@ def test_random_mixes_terminate_with_invariants_and_unpressured_outputs(mix: dic
         else:
             assert seq.output_token_ids == ref.output_token_ids
             assert (seq.finish_reason, seq.stop_reason) == (ref.finish_reason, ref.stop_reason)
+
+
+def test_a_chunked_prompt_of_max_model_len_tokens_runs_to_its_one_token() -> None:
+    # its length is the limit from the start: the last prompt token must still run and sample
+    result = run([(prompt(0, 15), greedy(1))], block_size=1, budget=9, max_model_len=15)
+    assert [n for step in result.steps for _, n in step] == [9, 6]
+    assert len(result.seqs[0].output_token_ids) == 1
+    assert result.seqs[0].finish_reason == "length"

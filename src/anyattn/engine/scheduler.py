@@ -176,8 +176,14 @@ class Scheduler:
         computed = batch.num_computed[slots]
         if not np.array_equal(batch.num_tokens[slots], computed + 1):
             return None
-        ending = batch.num_tokens[slots] >= self._max_num_tokens[slots]
-        if ending.any():  # their reserved token ends them whatever its value: nothing to run
+        num_tokens = batch.num_tokens[slots]
+        # A reserved last token that reaches the length limit ends its sequence whatever its
+        # value: nothing to run. (A known last token at the limit, the end of a prompt of
+        # max_model_len tokens, still runs: it is sampled from.)
+        ending = (num_tokens >= self._max_num_tokens[slots]) & (
+            batch.token_ids[slots, num_tokens - 1] == PLACEHOLDER
+        )
+        if ending.any():
             running = [seq for seq, end in zip(running, ending.tolist(), strict=True) if not end]
             slots, computed = slots[~ending], computed[~ending]
         grow = np.flatnonzero(computed >= batch.num_blocks[slots] * bm.block_size)
@@ -198,8 +204,8 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if seq.num_tokens >= self._longest(seq):
-                continue  # a reserved token that ends it whatever its value: nothing to run
+            if seq.token_ids[-1] == PLACEHOLDER and seq.num_tokens >= self._longest(seq):
+                continue  # its reserved token ends it whatever its value: nothing to run
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.can_append(seq, num_new):
                 victim = self.running[-1]
