@@ -310,7 +310,7 @@ class Scheduler:
                 self.finish(seq, "stop")
             elif token in params.stop_token_ids:
                 self.finish(seq, "stop", stop_reason=token)
-            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif seq.num_tokens >= self._longest(seq):
                 self.finish(seq, "length")
         return filled
 
