@@ -5,17 +5,25 @@ on the stream (CUDA's "API synchronization behavior"), and `tensor.tolist()` of 
 waits for them all. An engine that prepares step N+1 while step N runs (the engine's
 asynchronous scheduling) needs neither: `to_device` stages host values in pinned memory and
 copies without blocking (PyTorch's pinned-memory cache keeps the staging block until the copy
-has run), which builders use for every per-step upload; `HostCopy` starts a device-to-host copy
-at a point of the stream and later waits for that point only. On the CPU both are plain
-tensors. Events are recorded on the tensor's own device's current stream.
+has run), which builders use for every per-step upload; `to_device_all` uploads several arrays
+through one staging buffer and one copy, for a step whose inputs are many small arrays (each
+copy has a fixed host cost); `HostCopy` starts a device-to-host copy at a point of the stream
+and later waits for that point only. On the CPU all are plain tensors. Events are recorded on
+the tensor's own device's current stream.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
-__all__ = ["HostCopy", "to_device"]
+__all__ = ["HostCopy", "to_device", "to_device_all"]
+
+# Each array of a packed upload starts at a multiple of this many bytes, so that every result
+# is as aligned as a tensor of its own (compiled kernels specialise on 16-byte alignment).
+_ALIGN = 64
 
 
 def to_device(values: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -27,6 +35,41 @@ def to_device(values: np.ndarray | torch.Tensor, device: torch.device) -> torch.
     if device.type != "cuda":
         return values.to(device)
     return values.pin_memory().to(device, non_blocking=True)
+
+
+def to_device_all(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """`to_device` of each of `arrays` (numpy arrays of any shapes and dtypes): on CUDA through
+    one pinned staging buffer and one copy, the results being views of one device buffer, each
+    starting at a 64-byte boundary; on the CPU each array's own memory (made contiguous)."""
+    arrays = [np.ascontiguousarray(a) for a in arrays]
+    if device.type != "cuda":
+        return [torch.from_numpy(a) for a in arrays]
+    staging, offsets = _pack(arrays, pin_memory=True)
+    return _unpack(staging.to(device, non_blocking=True), arrays, offsets)
+
+
+def _pack(arrays: Sequence[np.ndarray], *, pin_memory: bool) -> tuple[torch.Tensor, list[int]]:
+    """The bytes of contiguous `arrays` in one uint8 host tensor, and each one's byte offset."""
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total += -(-a.nbytes // _ALIGN) * _ALIGN
+    staging = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=pin_memory)
+    host = staging.numpy()
+    for a, at in zip(arrays, offsets, strict=True):
+        host[at : at + a.nbytes] = a.reshape(-1).view(np.uint8)
+    return staging, offsets
+
+
+def _unpack(
+    buffer: torch.Tensor, arrays: Sequence[np.ndarray], offsets: Sequence[int]
+) -> list[torch.Tensor]:
+    """Views of `buffer` (uint8, `_pack`'s layout) with each array's dtype and shape."""
+    views = []
+    for a, at in zip(arrays, offsets, strict=True):
+        dtype = torch.from_numpy(a[:0].reshape(-1)).dtype
+        views.append(buffer[at : at + a.nbytes].view(dtype).view(a.shape))
+    return views
 
 
 class HostCopy:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from anyattn.async_copy import to_device
+from anyattn.async_copy import to_device, to_device_all
 from anyattn.backend import AttentionBackend
 from anyattn.config import AttentionSpec, BatchLimits
 from anyattn.engine.cuda_graphs import (
@@ -273,19 +273,32 @@ class ModelRunner:
                 return self._execute_graph(key, batch, slots, needs_sample)
         order = self._order(num_new)
         step = batch.gather(slots[order], num_new[order])
-        common = self._common_metadata(step)
         prefix_len = batch.common_prefix_len(slots)
         rows = np.flatnonzero(needs_sample[order])
+        reserved = _reserved_index(step.input_ids, np.repeat(slots[order], num_new[order]))
+        # The step's inputs in one upload: each copy has a fixed host cost, and an eager step
+        # is bound by the host.
+        arrays = [
+            step.input_ids,
+            step.positions,
+            step.query_start_loc[1:][rows].astype(np.int64) - 1,
+            step.query_start_loc,
+            step.seq_lens,
+            step.block_table,
+            step.slot_mapping,
+        ]
+        if reserved is not None:
+            arrays.append(reserved)
+        input_ids, positions, last, *metadata_inputs = to_device_all(arrays, self.device)
+        common = self._common_metadata(step, *metadata_inputs[:4])
         # Builders run under inference mode on every path (graph capture and replay too): a
         # buffer a builder makes lazily is then an inference tensor, which may only be updated
         # in place under inference mode, whichever path updates it next.
         with torch.inference_mode():
             attn_metadata, used_prefix = self._build(common, prefix_len, num_new[order])
-            input_ids = to_device(step.input_ids, self.device)
-            token_slots = np.repeat(slots[order], num_new[order])
-            self._fill_reserved(input_ids, step.input_ids, token_slots)
-            positions = to_device(step.positions, self.device)
-            last = to_device(step.query_start_loc[1:][rows].astype(np.int64) - 1, self.device)
+            if reserved is not None:
+                index = metadata_inputs[4]
+                input_ids[index[0]] = self.last_tokens[index[1]]
             self._record_inputs_copied()
             hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches)
             logits = self.model.compute_logits(hidden[last])
@@ -302,35 +315,39 @@ class ModelRunner:
     ) -> None:
         """Overwrite the reserved tokens of `input_ids` (`PLACEHOLDER` in their host values
         `host_ids`, tokens of slots `token_slots`) with the slots' `last_tokens`."""
-        at = np.flatnonzero(host_ids[: len(token_slots)] == PLACEHOLDER)
-        if len(at):
-            index = to_device(np.stack([at, token_slots[at].astype(np.int64)]), self.device)
+        reserved = _reserved_index(host_ids, token_slots)
+        if reserved is not None:
+            index = to_device(reserved, self.device)
             input_ids[index[0]] = self.last_tokens[index[1]]
 
     def _record_inputs_copied(self) -> None:
         if self._inputs_copied is not None:
             self._inputs_copied.record(torch.cuda.current_stream(self.device))
 
-    def _common_metadata(self, step: StepInputs) -> CommonAttentionMetadata:
-        """The step's metadata: CPU mirrors over the step's arrays and their device copies."""
-        query_start_loc = torch.from_numpy(step.query_start_loc)
-        seq_lens = torch.from_numpy(step.seq_lens)
-        block_table = torch.from_numpy(step.block_table)
-        slot_mapping = torch.from_numpy(step.slot_mapping)
+    def _common_metadata(
+        self,
+        step: StepInputs,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> CommonAttentionMetadata:
+        """The step's metadata: CPU mirrors over the step's arrays, and the device copies of
+        its query start locations, sequence lengths, block table and slot mapping."""
         return CommonAttentionMetadata(
-            query_start_loc=to_device(query_start_loc, self.device),
-            query_start_loc_cpu=query_start_loc,
-            seq_lens=to_device(seq_lens, self.device),
-            seq_lens_cpu=seq_lens,
+            query_start_loc=query_start_loc,
+            query_start_loc_cpu=torch.from_numpy(step.query_start_loc),
+            seq_lens=seq_lens,
+            seq_lens_cpu=torch.from_numpy(step.seq_lens),
             num_computed_tokens_cpu=torch.from_numpy(step.num_computed),
             num_reqs=len(step.seq_lens),
             num_actual_tokens=len(step.input_ids),
             max_query_len=int(np.diff(step.query_start_loc).max(initial=0)),
             max_seq_len=int(step.seq_lens.max(initial=0)),
-            block_table_tensor=to_device(block_table, self.device),
-            slot_mapping=to_device(slot_mapping, self.device),
-            block_table_cpu=block_table,
-            slot_mapping_cpu=slot_mapping,
+            block_table_tensor=block_table,
+            slot_mapping=slot_mapping,
+            block_table_cpu=torch.from_numpy(step.block_table),
+            slot_mapping_cpu=torch.from_numpy(step.slot_mapping),
         )
 
     def _execute_graph(
@@ -391,3 +408,13 @@ class ModelRunner:
             num_sms=self.num_sms,
         )
         return prefix_len if cascade else 0
+
+
+def _reserved_index(host_ids: np.ndarray, token_slots: np.ndarray) -> np.ndarray | None:
+    """int64 `[2, n]`: the positions of the reserved tokens (`PLACEHOLDER`) among a step's
+    input ids `host_ids`, and the slots they belong to (`token_slots`, one per token); None
+    when there are none."""
+    at = np.flatnonzero(host_ids[: len(token_slots)] == PLACEHOLDER)
+    if not len(at):
+        return None
+    return np.stack([at, token_slots[at].astype(np.int64)])
