@@ -4,6 +4,7 @@ LSEs in natural base whatever base an impl writes, and refused calls that write 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -14,7 +15,7 @@ from anyattn.config import BatchLimits
 from anyattn.kv_cache import allocate_kv_cache
 from anyattn.kv_cache_sharing import plan_shared_kv_cache
 from anyattn.layer import Attention
-from anyattn.metadata import make_common_attn_metadata
+from anyattn.metadata import CommonAttentionMetadata, make_common_attn_metadata
 from anyattn.phase_metadata import PhaseSplitMetadata, split_by_phase
 from anyattn.registry import get_backend_class
 from anyattn.testing import assign_blocks, attention_oracle, error_bound, write_kv
@@ -86,6 +87,11 @@ def _step(layer: Attention, generator: torch.Generator):
         start += s
     write_kv(cache, keys[context_rows], values[context_rows], context.slot_mapping)
     common = make_common_attn_metadata(QUERY_LENS, SEQ_LENS, table, BLOCK)
+    return query, keys, values, new_rows, cache, _split(layer, common)
+
+
+def _split(layer: Attention, common: CommonAttentionMetadata) -> PhaseSplitMetadata:
+    """`common` split by phase, each part built by its backend's builder."""
     decode, prefill = split_by_phase(common, NUM_DECODES)
     built = []
     for backend, impl, part in (
@@ -95,8 +101,7 @@ def _step(layer: Attention, generator: torch.Generator):
         records = {layer.layer_name: impl.layer_params()}  # each builder gets its impl's record
         builder = backend.get_builder_cls()(layer.kv_cache_spec(BLOCK), records, LIMITS, "cpu")
         built.append(builder.build(0, part))
-    split = PhaseSplitMetadata(common, int(common.query_start_loc_cpu[NUM_DECODES]), *built)
-    return query, keys, values, new_rows, cache, split
+    return PhaseSplitMetadata(common, int(common.query_start_loc_cpu[NUM_DECODES]), *built)
 
 
 @pytest.mark.parametrize(
@@ -162,4 +167,29 @@ def test_a_prefill_part_needs_a_prefill_backend():
     before = cache.clone()
     with pytest.raises(ValueError, match=r"prefill part but the layer runs one backend \(TORCH\)"):
         layer(query, keys[new_rows], values[new_rows], cache, split)
+    assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize(
+    ("decode", "prefill"), [("TORCH", "FLEX_ATTENTION"), ("FLEX_ATTENTION", "TORCH")]
+)
+def test_a_bad_entry_is_reported_with_the_steps_own_indices(decode, prefill):
+    """A bad block id or slot in the prefill part names the request and token of the whole
+    step, not their indices within the part; nothing is written."""
+    layer = _layer(decode, prefill)
+    query, keys, values, new_rows, cache, split = _step(layer, torch.Generator().manual_seed(3))
+    common = split.common_attn_metadata
+    request = NUM_DECODES  # the prefill part's first request
+    table = common.block_table_cpu.clone()
+    table[request, 0] = -4
+    bad_table = dataclasses.replace(common, block_table_tensor=table, block_table_cpu=table)
+    token = int(common.query_start_loc_cpu[request]) + 1
+    slots = common.slot_mapping_cpu.clone()
+    slots[token] = cache.shape[0] * BLOCK + 1
+    bad_slots = dataclasses.replace(common, slot_mapping=slots, slot_mapping_cpu=slots)
+    before = cache.clone()
+    with pytest.raises(ValueError, match=rf"for request {request}, column 0 \(got -4"):
+        layer(query, keys[new_rows], values[new_rows], cache, _split(layer, bad_table))
+    with pytest.raises(ValueError, match=rf"at token {token} \(request {request}\)"):
+        layer(query, keys[new_rows], values[new_rows], cache, _split(layer, bad_slots))
     assert torch.equal(cache, before)

@@ -17,7 +17,8 @@ import torch
 from anyattn.declarations import AttentionBackend
 from anyattn.impl import AttentionImpl, AttentionLayer
 from anyattn.phase_metadata import PhaseSplitMetadata
-from anyattn.validation import check_layer_call
+from anyattn.types import ENCODER_TYPES
+from anyattn.validation import check_layer_call, check_step_against_cache
 
 __all__ = ["PhaseLayer", "forward_by_phase"]
 
@@ -81,6 +82,11 @@ def forward_by_phase(
          None if value is None else value[rows], output[rows], _part_lse(output_lse, rows))
         for impl, metadata, rows in parts
     ]  # fmt: skip
+    # The whole step against the cache first, so that a bad slot or block id is reported with
+    # the step's own request and token indices (a part's check counts within the part).
+    if layer.impl.attn_type not in ENCODER_TYPES:
+        api = f"Attention({layer.layer_name}).forward"
+        check_step_against_cache(api, split.common_attn_metadata, kv_cache)
     # Every part's call is checked before the one cache write: a refused call writes nothing.
     for impl, metadata, _, q, k, v, out, lse in calls:
         check_layer_call(impl, layer, q, k, v, kv_cache, metadata, out, lse, writes_kv=False)
