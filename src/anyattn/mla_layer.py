@@ -21,7 +21,7 @@ from anyattn.declarations import AttentionBackend
 from anyattn.layer_params import DEFAULT_WORKSPACE_TOKENS
 from anyattn.selector import select_backend
 from anyattn.types import DeviceInfo, parse_dtype
-from anyattn.validation_mla import check_mla_layer_call, check_rope_outputs
+from anyattn.validation_mla import check_mla_layer_call, check_rope_outputs, mla_layer_call
 
 __all__ = ["MLAAttention", "RMSNorm", "Rope"]
 
@@ -264,6 +264,13 @@ class MLAAttention(nn.Module):
         md = attn_metadata
         check_mla_layer_call(self.impl, self, hidden, kv_cache, md,
                              hidden_size=self.hidden_size, dtype=self.config.dtype)  # fmt: skip
+        with mla_layer_call(self.impl, kv_cache, md):
+            return self._forward(hidden, rope, kv_cache, md)
+
+    def _forward(
+        self, hidden: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, md: MLAMetadata
+    ) -> torch.Tensor:
+        """`forward` after its checks."""
         num_tokens, heads = hidden.shape[0], self.num_heads
         if self.q_lora_rank is None:
             q = self.q_proj(hidden)

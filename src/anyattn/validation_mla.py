@@ -3,12 +3,16 @@ of `anyattn.validation` (which it reuses for the step against the cache and the 
 
 `check_mla_layer_call` is what `MLAAttention.forward` runs first, once for the whole call;
 `check_mqa_inputs`, `check_mha_inputs` and `check_mla_kv_write` are the checks of an MLA
-impl's three entry points when called directly. Nothing here reads the device or writes to the
-caller's tensors, except that a write given no step reads back a device `slot_mapping`.
+impl's three entry points. Within a layer call (`mla_layer_call`) the entry points check only
+the tensors the layer made for them: the cache, the step and the scale were checked once.
+Nothing here reads the device or writes to the caller's tensors, except that a write given no
+step reads back a device `slot_mapping`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -30,6 +34,7 @@ __all__ = [
     "check_mla_layer_call",
     "check_mqa_inputs",
     "check_rope_outputs",
+    "mla_layer_call",
 ]
 
 
@@ -87,6 +92,31 @@ def check_mla_layer_call(
     _scale(api, impl, layer, kv_cache)
 
 
+@contextmanager
+def mla_layer_call(impl: MLAImpl, kv_cache: torch.Tensor, attn_metadata: object) -> Iterator[None]:
+    """The body of an `MLAAttention` call that `check_mla_layer_call` has checked: the impl's
+    entry points called in it with this cache and metadata skip the cache, step and scale
+    checks."""
+    step = step_of(attn_metadata)
+    if step is None:
+        yield
+        return
+    step.checks.mla_call = (impl, kv_cache, attn_metadata)
+    try:
+        yield
+    finally:
+        step.checks.mla_call = None
+
+
+def _in_layer_call(impl: MLAImpl, kv_cache: object, attn_metadata: object) -> bool:
+    """Whether this entry point runs inside the checked layer call of these very objects."""
+    step = step_of(attn_metadata)
+    call = None if step is None else step.checks.mla_call
+    return call is not None and all(
+        a is b for a, b in zip(call, (impl, kv_cache, attn_metadata), strict=True)
+    )
+
+
 def check_rope_outputs(
     impl: MLAImpl, result: object, num_tokens: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,6 +168,8 @@ def check_mla_cache(
         ValueError: another shape (a standard `(num_blocks, 2, ...)` cache among them), dtype
             or device; a slot or block id outside the cache.
     """
+    if _in_layer_call(impl, kv_cache, md):
+        return
     if not isinstance(kv_cache, torch.Tensor):
         raise TypeError(f"{api}: kv_cache must be a torch.Tensor (got {type(kv_cache).__name__}).")
     expected = ("num_blocks", md.block_size, impl.head_size)
@@ -171,7 +203,7 @@ def check_mqa_inputs(
     """`forward_mqa`'s arguments: `q_latent [T_dec, H, L]`, `q_pe [T_dec, H, R]`, `output` like
     `q_latent`, `output_lse` float32 `[H, >= T_dec]` or None, where `T_dec` is the metadata's
     `num_decode_tokens`; then the cache (`check_mla_cache`)."""
-    md = _check_metadata(api, impl, layer, attn_metadata)
+    md = _checked_metadata(api, impl, layer, kv_cache, attn_metadata)
     rows, heads = md.num_decode_tokens, impl.num_heads
     _check_rows(api, impl, "q_latent", q_latent, (rows, heads, impl.kv_lora_rank))
     _check_rows(api, impl, "q_pe", q_pe, (rows, heads, impl.qk_rope_head_dim), like=q_latent)
@@ -203,7 +235,7 @@ def check_mha_inputs(
     """`forward_mha`'s arguments: `q [T_pre, H, P + R]`, `kv_c_normed [T_pre, L]`,
     `k_pe [T_pre, R]`, `output [T_pre, H, Vd]`, where `T_pre` is the metadata's
     `num_prefill_tokens`; then the cache (`check_mla_cache`)."""
-    md = _check_metadata(api, impl, layer, attn_metadata)
+    md = _checked_metadata(api, impl, layer, kv_cache, attn_metadata)
     rows, heads = md.num_prefill_tokens, impl.num_heads
     qk = impl.qk_nope_head_dim + impl.qk_rope_head_dim
     _check_rows(api, impl, "q", q, (rows, heads, qk))
@@ -231,6 +263,8 @@ def check_mla_kv_write(
         cache, else None.
     """
     api = f"{_name(impl)}.do_kv_cache_update"
+    if _in_layer_call(impl, kv_cache, attn_metadata):
+        return _scale(api, impl, layer, kv_cache, check=False)
     scale = _scale(api, impl, layer, kv_cache) if isinstance(kv_cache, torch.Tensor) else None
     step = step_of(attn_metadata)
     is_mirrored = step is not None and slot_mapping is step.slot_mapping
@@ -245,6 +279,15 @@ def check_mla_kv_write(
     if step is not None:
         check_step_against_cache(api, step, kv_cache)
     return scale
+
+
+def _checked_metadata(
+    api: str, impl: MLAImpl, layer: object, kv_cache: object, attn_metadata: object
+):
+    """`attn_metadata`, checked unless the layer call it serves was (`_in_layer_call`)."""
+    if _in_layer_call(impl, kv_cache, attn_metadata):
+        return attn_metadata
+    return _check_metadata(api, impl, layer, attn_metadata)
 
 
 def _check_metadata(api: str, impl: MLAImpl, layer: object, attn_metadata: object):
@@ -280,12 +323,15 @@ def _check_rows(
         )
 
 
-def _scale(api: str, impl: MLAImpl, layer: object, kv_cache: torch.Tensor) -> torch.Tensor | None:
+def _scale(
+    api: str, impl: MLAImpl, layer: object, kv_cache: torch.Tensor, *, check: bool = True
+) -> torch.Tensor | None:
     """The layer's `k_scale` (the one per-layer scale of an fp8 latent cache) as float32 `[]`
-    on the cache's device, its values checked when it lives on the CPU; None for other caches."""
+    on the cache's device, its values checked when it lives on the CPU (unless `check` is
+    false: checked already); None for other caches."""
     if not is_fp8_cache(impl.kv_cache_dtype):
         return None
     scale = layer_kv_scale(api, layer, "k_scale", 1, kv_cache.device)
-    if layer.k_scale.is_cpu:
+    if check and layer.k_scale.is_cpu:
         check_scale_values(api, "layer.k_scale", layer.k_scale, fp8=True)
     return scale.reshape(())

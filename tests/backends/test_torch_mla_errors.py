@@ -263,3 +263,32 @@ def test_a_bad_block_id_in_a_column_only_read_is_refused_before_any_write(bad):
         rf"\(got {bad}, expected 0 <= block < num_blocks = {num_blocks} in the 5 columns"
     )
     _refused(schedule, md, hidden, schedule.kv_cache, ValueError, message)
+
+
+def test_a_layer_call_checks_the_cache_and_step_once(monkeypatch):
+    """`MLAAttention.forward` checks the cache, the step and the write once; its impl's entry
+    points skip those checks inside the call, and check them again when called directly."""
+    import anyattn.validation_mla as validation_mla
+
+    schedule = Schedule(make_layer(torch.float32), torch.float32)
+    schedule.run(STEP1)
+    calls = {"step": 0, "write": 0}
+    step_check = validation_mla.check_step_against_cache
+    write_check = validation_mla.check_mla_write_args
+
+    def count(name, check):
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return check(*args, **kwargs)
+
+        return counted
+
+    monkeypatch.setattr(validation_mla, "check_step_against_cache", count("step", step_check))
+    monkeypatch.setattr(validation_mla, "check_mla_write_args", count("write", write_check))
+    md, _ = schedule.run({"A": 1, "E": 1, "B": 5})  # decodes and a prefill: every entry point
+    assert calls == {"step": 1, "write": 0}
+    with pytest.raises(ValueError, match=r"^TorchMLAImpl.do_kv_cache_update: kv_cache must be"):
+        schedule.layer.impl.do_kv_cache_update(
+            schedule.layer, torch.randn(2, L), torch.randn(2, R), schedule.kv_cache[..., :8],
+            md.slot_mapping, md,
+        )  # fmt: skip
