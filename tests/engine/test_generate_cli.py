@@ -79,6 +79,18 @@ def test_backend_request_says_where_it_came_from(folder, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("source", ["--backend", "ANYATTN_BACKEND"])
+def test_a_backend_that_does_not_fit_names_its_source(folder, source, capsys, monkeypatch):
+    argv = ["generate", "t1", "--model", str(folder), "--device", "cpu", "--max-tokens", "1"]
+    if source == "--backend":
+        argv += ["--backend", "TRITON"]
+    else:
+        monkeypatch.setenv("ANYATTN_BACKEND", "TRITON")
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"requested backend TRITON (from {source}) cannot serve this config on cpu" in err
+
+
+@pytest.mark.parametrize("source", ["--backend", "ANYATTN_BACKEND"])
 def test_unknown_backend_names_its_source_before_loading(
     source, capsys, monkeypatch, no_model_load
 ):

@@ -304,13 +304,19 @@ def run_generate(args: argparse.Namespace) -> int:
     _check_prompts(prompts, tokenizer, args.chat, max_model_len, context)
     # The selector reads ANYATTN_BACKEND itself when no --backend is given, so that its
     # errors say where the request came from.
-    llm = LLM(
-        path,
-        backend=args.backend,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=max_model_len,
-    )
+    try:
+        llm = LLM(
+            path,
+            backend=args.backend,
+            dtype=args.dtype,
+            device=args.device,
+            max_model_len=max_model_len,
+        )
+    except ValueError as error:
+        # The selector names LLM's `backend` argument; here that argument is the flag.
+        if source is None or "(from argument)" not in str(error):
+            raise
+        raise ValueError(str(error).replace("(from argument)", f"(from {source})")) from None
     err.print(
         f"model {llm.model_path.name}: {len(llm.model.attention_layers())} attention layers on "
         f"{llm.device}, {str(llm.dtype).removeprefix('torch.')}; attention backend: "
