@@ -116,7 +116,7 @@ def test_unknown_backend_names_its_source_before_loading(
         (["--temperature", "nan"], "argument --temperature: must be a finite number >= 0 (got"),
         (["--top-k", "-2"], "argument --top-k: must be an int >= 1, or 0 / -1 for off (got -2)"),
         (["--top-k", "1.5"], "argument --top-k: must be an int (got '1.5')"),
-        (["--seed", "2" * 30], "argument --seed: must be None or an int in [-2**63, 2**64 - 1]"),
+        (["--seed", "2" * 30], "argument --seed: must be an int in [-2**63, 2**64 - 1]"),
         (["--max-tokens", "0"], "argument --max-tokens: must be an int >= 1 (got 0)"),
         (["--dtype", "float8"], "argument --dtype: unknown dtype (got 'float8', expected one of"),
         (["--device", "tpu"], "argument --device: must be cpu or cuda (got 'tpu')"),

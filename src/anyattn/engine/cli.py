@@ -52,7 +52,8 @@ def _sampling_type(field: str, number: type[int] | type[float]) -> Callable[[str
         try:
             SamplingParams(**{field: value})
         except ValueError as error:
-            message = str(error).removeprefix(f"SamplingParams: {field} ")
+            # (a flag given has a value: "None" is the flag left out)
+            message = str(error).removeprefix(f"SamplingParams: {field} ").replace("None or ", "")
             raise argparse.ArgumentTypeError(message) from None
         return value
 
