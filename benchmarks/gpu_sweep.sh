@@ -10,16 +10,15 @@
 # xdist workers and MAX_JOBS (default 4) FlashInfer's ninja jobs per JIT compile (FlashInfer's
 # conformance kits compile many modules: 4 workers of 4 jobs each finish more of them than 16
 # workers); SECONDS_LIMIT (default 520) cuts the run so that its log still comes back.
-# FlashInfer and FlashAttention-4 are used when importable (staged wheels in .gpu-wheels/part4
-# are unpacked to /tmp/gpusite first when present). The log lists every test with its outcome;
-# the last lines printed are the counts and the failures.
+# FlashInfer and FlashAttention-4 are used when importable (staged wheels in .gpu-wheels/ are
+# unpacked to /tmp/gpusite first by benchmarks/unpack_wheels.py, as far as their parts have
+# arrived). The log lists every test with its outcome; the last lines printed are the counts and
+# the failures.
 set -u
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-if [ -d .gpu-wheels/part4 ] && [ ! -d /tmp/gpusite ]; then
-    exports=$(mkdir -p /tmp/gw && cp .gpu-wheels/part4/* /tmp/gw/ && python3 /tmp/gw/install.py) \
-        || exit 1
-    eval "$exports"
+if [ -d .gpu-wheels ]; then
+    python3 benchmarks/unpack_wheels.py || exit 1
 fi
 # (paths already on PYTHONPATH come first: another build of a library can be tried that way)
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src:/tmp/gpusite:/tmp/gpusite/nvidia_cutlass_dsl/dsl_packages

@@ -11,7 +11,7 @@
 #
 # One command may run 10 minutes: run `tests table` (about 5 minutes) and `engine` (about 5
 # minutes) as two commands. FlashInfer and FA4 must be importable: on PYTHONPATH already, or
-# staged in .gpu-wheels/part4 (unpacked to /tmp/gpusite, as gpu_sweep.sh does); src/ goes first.
+# staged in .gpu-wheels/ (unpacked to /tmp/gpusite by benchmarks/unpack_wheels.py); src/ first.
 # Writes under $OUT (default /tmp/out): tests.log, fastest.md (the tables), fastest.log,
 # fastest.json, engine.log, engine_gpu.json, engine_gpu.png. Settings (environment):
 # BACKENDS (default "TRITON FLASH_ATTN FLASHINFER"), PAIRS (default "TRITON,FLASH_ATTN
@@ -21,10 +21,8 @@
 set -u
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-if [ -d .gpu-wheels/part4 ] && [ ! -d /tmp/gpusite ]; then
-    exports=$(mkdir -p /tmp/gw && cp .gpu-wheels/part4/* /tmp/gw/ && python3 /tmp/gw/install.py) \
-        || exit 1
-    eval "$exports"
+if [ -d .gpu-wheels ]; then
+    python3 benchmarks/unpack_wheels.py || exit 1
 fi
 if [ -d /tmp/gpusite ]; then
     export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/gpusite:/tmp/gpusite/nvidia_cutlass_dsl/dsl_packages

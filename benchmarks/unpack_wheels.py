@@ -1,0 +1,59 @@
+"""Unpack staged wheels into /tmp/gpusite on a GPU machine with no package index.
+
+Wheels too large for one transfer arrive as parts (`<wheel>.partNN`) spread over the folders
+`.gpu-wheels/*/`, one folder per transfer, each with a `manifest.json` naming every wheel's
+parts and sha256. Each run copies the parts present here into /tmp/gw (kept between transfers
+while the machine stays up) and unpacks every wheel whose parts have all arrived and whose
+sha256 matches; wheels already unpacked are skipped. So transfers can come in any order, and a
+command can use what has arrived so far (FlashInfer before FlashAttention-4, say).
+
+Run from the repository root: `python3 benchmarks/unpack_wheels.py` (prints what it did).
+`benchmarks/gpu_sweep.sh` and `benchmarks/measured_selection_gpu.sh` run it when `.gpu-wheels`
+exists, and put /tmp/gpusite on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import zipfile
+from pathlib import Path
+
+STAGED, PARTS, SITE = Path(".gpu-wheels"), Path("/tmp/gw"), Path("/tmp/gpusite")
+
+
+def main() -> None:
+    PARTS.mkdir(exist_ok=True)
+    SITE.mkdir(exist_ok=True)
+    manifest: dict[str, dict] = {}
+    for folder in sorted(p for p in STAGED.glob("*") if p.is_dir()):
+        for path in folder.iterdir():
+            if path.name == "manifest.json":
+                manifest.update(json.loads(path.read_text()))
+            elif not (PARTS / path.name).exists():
+                shutil.copy(path, PARTS / path.name)
+    known = PARTS / "manifest.json"
+    if known.exists():
+        manifest = {**json.loads(known.read_text()), **manifest}
+    known.write_text(json.dumps(manifest))
+    for wheel, meta in sorted(manifest.items()):
+        done = SITE / f".unpacked-{wheel}"
+        parts = [PARTS / name for name in meta["parts"]]
+        if done.exists():
+            continue
+        if not all(p.exists() for p in parts):
+            print(f"waiting for parts of {wheel}")
+            continue
+        data = b"".join(p.read_bytes() for p in parts)
+        if hashlib.sha256(data).hexdigest() != meta["sha256"]:
+            raise SystemExit(f"unpack_wheels: {wheel} is corrupt (sha256 mismatch)")
+        (PARTS / wheel).write_bytes(data)
+        with zipfile.ZipFile(PARTS / wheel) as archive:
+            archive.extractall(SITE)
+        done.touch()
+        print(f"unpacked {wheel}")
+
+
+if __name__ == "__main__":
+    main()
