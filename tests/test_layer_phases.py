@@ -193,3 +193,15 @@ def test_a_bad_entry_is_reported_with_the_steps_own_indices(decode, prefill):
     with pytest.raises(ValueError, match=rf"at token {token} \(request {request}\)"):
         layer(query, keys[new_rows], values[new_rows], cache, _split(layer, bad_slots))
     assert torch.equal(cache, before)
+
+
+def test_a_cache_of_another_shape_is_reported_as_such():
+    layer = _layer("TORCH", "FLEX_ATTENTION")
+    query, keys, values, new_rows, cache, split = _step(layer, torch.Generator().manual_seed(3))
+    flat = cache.flatten(2)[..., :8].reshape(cache.shape[0], -1, 8)[:, :16]
+    for bad, error, message in (
+        (flat, ValueError, r"TORCH forward: kv_cache must be \['num_blocks', 2, 4, 2, 16\]"),
+        (None, TypeError, r"TORCH forward: kv_cache must be a torch.Tensor"),
+    ):
+        with pytest.raises(error, match=message):
+            layer(query, keys[new_rows], values[new_rows], bad, split)

@@ -40,10 +40,11 @@ def to_device(values: np.ndarray | torch.Tensor, device: torch.device) -> torch.
 def to_device_all(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """`to_device` of each of `arrays` (numpy arrays of any shapes and dtypes): on CUDA through
     one pinned staging buffer and one copy, the results being views of one device buffer, each
-    starting at a 64-byte boundary; on the CPU each array's own memory (made contiguous)."""
+    starting at a 64-byte boundary; elsewhere as `to_device` (on the CPU each array's own
+    memory, made contiguous)."""
     arrays = [np.ascontiguousarray(a) for a in arrays]
     if device.type != "cuda":
-        return [torch.from_numpy(a) for a in arrays]
+        return [torch.from_numpy(a).to(device) for a in arrays]
     staging, offsets = _pack(arrays, pin_memory=True)
     return _unpack(staging.to(device, non_blocking=True), arrays, offsets)
 

@@ -44,6 +44,18 @@ def _part_lse(output_lse: torch.Tensor | None, rows: slice) -> torch.Tensor | No
     )
 
 
+def _is_layer_cache(impl: AttentionImpl, kv_cache: object, split: PhaseSplitMetadata) -> bool:
+    """Whether `kv_cache` has the shape of the layer's standard cache,
+    `(num_blocks, 2, block_size, num_kv_heads, head_size)`."""
+    part = split.decode if split.decode is not None else split.prefill
+    block_size = getattr(part, "block_size", None)
+    return (
+        isinstance(kv_cache, torch.Tensor)
+        and kv_cache.dim() == 5
+        and tuple(kv_cache.shape[1:]) == (2, block_size, impl.num_kv_heads, impl.head_size)
+    )
+
+
 def forward_by_phase(
     layer: PhaseLayer,
     query: torch.Tensor,
@@ -83,8 +95,9 @@ def forward_by_phase(
         for impl, metadata, rows in parts
     ]  # fmt: skip
     # The whole step against the cache first, so that a bad slot or block id is reported with
-    # the step's own request and token indices (a part's check counts within the part).
-    if layer.impl.attn_type not in ENCODER_TYPES:
+    # the step's own request and token indices (a part's check counts within the part). A
+    # cache of another shape is left to the parts' checks, which say what it should be.
+    if layer.impl.attn_type not in ENCODER_TYPES and _is_layer_cache(layer.impl, kv_cache, split):
         api = f"Attention({layer.layer_name}).forward"
         check_step_against_cache(api, split.common_attn_metadata, kv_cache)
     # Every part's call is checked before the one cache write: a refused call writes nothing.

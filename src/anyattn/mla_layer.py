@@ -264,7 +264,7 @@ class MLAAttention(nn.Module):
         md = attn_metadata
         check_mla_layer_call(self.impl, self, hidden, kv_cache, md,
                              hidden_size=self.hidden_size, dtype=self.config.dtype)  # fmt: skip
-        with mla_layer_call(self.impl, kv_cache, md):
+        with mla_layer_call(self.impl, self, kv_cache, md):
             return self._forward(hidden, rope, kv_cache, md)
 
     def _forward(

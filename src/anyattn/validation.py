@@ -317,6 +317,11 @@ def check_forward_inputs(
     else:
         cache_dtype = cache_torch_dtype(impl.kv_cache_dtype, query.dtype)
         expected = ("num_blocks", 2, md.block_size, impl.num_kv_heads, impl.head_size)
+        if not isinstance(kv_cache, torch.Tensor):
+            raise TypeError(
+                f"{api}: kv_cache must be a torch.Tensor {list(expected)} (got "
+                f"{type(kv_cache).__name__})."
+            )
         if kv_cache.dim() != 5 or tuple(kv_cache.shape[1:]) != expected[1:]:
             raise ValueError(
                 f"{api}: kv_cache must be {list(expected)} (got {tuple(kv_cache.shape)}). "

@@ -93,27 +93,29 @@ def check_mla_layer_call(
 
 
 @contextmanager
-def mla_layer_call(impl: MLAImpl, kv_cache: torch.Tensor, attn_metadata: object) -> Iterator[None]:
+def mla_layer_call(
+    impl: MLAImpl, layer: object, kv_cache: torch.Tensor, attn_metadata: object
+) -> Iterator[None]:
     """The body of an `MLAAttention` call that `check_mla_layer_call` has checked: the impl's
-    entry points called in it with this cache and metadata skip the cache, step and scale
-    checks."""
+    entry points called in it for this layer, cache and metadata skip the cache, step and
+    scale checks (the write only when it uses the step's own slot mapping)."""
     step = step_of(attn_metadata)
     if step is None:
         yield
         return
-    step.checks.mla_call = (impl, kv_cache, attn_metadata)
+    step.checks.mla_call = (impl, layer, kv_cache, attn_metadata)
     try:
         yield
     finally:
         step.checks.mla_call = None
 
 
-def _in_layer_call(impl: MLAImpl, kv_cache: object, attn_metadata: object) -> bool:
+def _in_layer_call(impl: MLAImpl, layer: object, kv_cache: object, attn_metadata: object) -> bool:
     """Whether this entry point runs inside the checked layer call of these very objects."""
     step = step_of(attn_metadata)
     call = None if step is None else step.checks.mla_call
     return call is not None and all(
-        a is b for a, b in zip(call, (impl, kv_cache, attn_metadata), strict=True)
+        a is b for a, b in zip(call, (impl, layer, kv_cache, attn_metadata), strict=True)
     )
 
 
@@ -158,17 +160,18 @@ def check_rope_outputs(
 
 def check_mla_cache(
     api: str, impl: MLAImpl, kv_cache: object, md: object, dtype: torch.dtype,
-    device: torch.device,
+    device: torch.device, layer: object = None,
 ) -> None:  # fmt: skip
     """`kv_cache` is the latent cache `(num_blocks, block_size, L + R)` of the impl's dtype on
-    `device`, and the step's slots and block ids fit in it.
+    `device`, and the step's slots and block ids fit in it; nothing when `layer`'s call checked
+    them (`mla_layer_call`).
 
     Raises:
         TypeError: not a tensor.
         ValueError: another shape (a standard `(num_blocks, 2, ...)` cache among them), dtype
             or device; a slot or block id outside the cache.
     """
-    if _in_layer_call(impl, kv_cache, md):
+    if layer is not None and _in_layer_call(impl, layer, kv_cache, md):
         return
     if not isinstance(kv_cache, torch.Tensor):
         raise TypeError(f"{api}: kv_cache must be a torch.Tensor (got {type(kv_cache).__name__}).")
@@ -225,7 +228,7 @@ def check_mqa_inputs(
             f"{api}: output_lse must be float32 [{heads}, >= {rows}] on {q_latent.device} "
             f"(got {got})."
         )
-    check_mla_cache(api, impl, kv_cache, md, q_latent.dtype, q_latent.device)
+    check_mla_cache(api, impl, kv_cache, md, q_latent.dtype, q_latent.device, layer)
 
 
 def check_mha_inputs(
@@ -242,7 +245,7 @@ def check_mha_inputs(
     _check_rows(api, impl, "kv_c_normed", kv_c_normed, (rows, impl.kv_lora_rank), like=q)
     _check_rows(api, impl, "k_pe", k_pe, (rows, impl.qk_rope_head_dim), like=q)
     _check_rows(api, impl, "output", output, (rows, heads, impl.v_head_dim), like=q)
-    check_mla_cache(api, impl, kv_cache, md, q.dtype, q.device)
+    check_mla_cache(api, impl, kv_cache, md, q.dtype, q.device, layer)
     if md.num_prefill_tokens and not hasattr(layer, "up_project"):
         raise TypeError(
             f"{api}: layer must have up_project(c_kv [N, L]) -> (k_nope [N, H, P], v [N, H, Vd]) "
@@ -263,13 +266,18 @@ def check_mla_kv_write(
         cache, else None.
     """
     api = f"{_name(impl)}.do_kv_cache_update"
-    if _in_layer_call(impl, kv_cache, attn_metadata):
-        return _scale(api, impl, layer, kv_cache, check=False)
-    scale = _scale(api, impl, layer, kv_cache) if isinstance(kv_cache, torch.Tensor) else None
     step = step_of(attn_metadata)
     is_mirrored = step is not None and slot_mapping is step.slot_mapping
+    # Inside the layer's checked call, with the step's own slots: only the new rows' shapes are
+    # left to check (the cache, the slots' values and the scale were checked by the layer).
+    checked = is_mirrored and _in_layer_call(impl, layer, kv_cache, attn_metadata)
+    scale = None
+    if isinstance(kv_cache, torch.Tensor):
+        scale = _scale(api, impl, layer, kv_cache, check=not checked)
     check_mla_write_args(api, kv_c_normed, k_pe, kv_cache, slot_mapping, impl.kv_cache_dtype,
                          scale, check_values=not is_mirrored)  # fmt: skip
+    if checked:
+        return scale
     if (kv_c_normed.shape[1], k_pe.shape[1]) != (impl.kv_lora_rank, impl.qk_rope_head_dim):
         raise ValueError(
             f"{api}: kv_c_normed / k_pe sizes differ from the layer's (got "
@@ -285,7 +293,7 @@ def _checked_metadata(
     api: str, impl: MLAImpl, layer: object, kv_cache: object, attn_metadata: object
 ):
     """`attn_metadata`, checked unless the layer call it serves was (`_in_layer_call`)."""
-    if _in_layer_call(impl, kv_cache, attn_metadata):
+    if _in_layer_call(impl, layer, kv_cache, attn_metadata):
         return attn_metadata
     return _check_metadata(api, impl, layer, attn_metadata)
 

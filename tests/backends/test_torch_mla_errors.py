@@ -286,9 +286,19 @@ def test_a_layer_call_checks_the_cache_and_step_once(monkeypatch):
     monkeypatch.setattr(validation_mla, "check_step_against_cache", count("step", step_check))
     monkeypatch.setattr(validation_mla, "check_mla_write_args", count("write", write_check))
     md, _ = schedule.run({"A": 1, "E": 1, "B": 5})  # decodes and a prefill: every entry point
-    assert calls == {"step": 1, "write": 0}
+    assert calls == {"step": 1, "write": 1}  # the write's own rows: shapes only
     with pytest.raises(ValueError, match=r"^TorchMLAImpl.do_kv_cache_update: kv_cache must be"):
         schedule.layer.impl.do_kv_cache_update(
             schedule.layer, torch.randn(2, L), torch.randn(2, R), schedule.kv_cache[..., :8],
             md.slot_mapping, md,
         )  # fmt: skip
+
+
+def test_rows_past_the_steps_slots_are_refused_by_name():
+    """`hidden` may hold padding rows past the step's tokens only when the slot mapping covers
+    them (-1): a step whose slots stop at its tokens is refused before the write."""
+    schedule = Schedule(make_layer(torch.float32), torch.float32)
+    md = schedule.metadata(STEP1)
+    hidden = torch.randn(md.num_actual_tokens + 2, 32)
+    message = r"do_kv_cache_update: slot_mapping must be 1-D with at least num_tokens entries"
+    _refused(schedule, md, hidden, schedule.kv_cache, ValueError, message)

@@ -314,10 +314,11 @@ def run_generate(args: argparse.Namespace) -> int:
             max_model_len=max_model_len,
         )
     except ValueError as error:
-        # The selector names LLM's `backend` argument; here that argument is the flag.
-        if source is None or "(from argument)" not in str(error):
-            raise
-        raise ValueError(str(error).replace("(from argument)", f"(from {source})")) from None
+        # The selector names LLM's `backend` argument; here that argument is the flag. The
+        # message is edited in place, so that the error keeps its type and attributes.
+        if error.args and "(from argument)" in str(error.args[0]):
+            error.args = (str(error.args[0]).replace("(from argument)", f"(from {source})"),)
+        raise
     err.print(
         f"model {llm.model_path.name}: {len(llm.model.attention_layers())} attention layers on "
         f"{llm.device}, {str(llm.dtype).removeprefix('torch.')}; attention backend: "
