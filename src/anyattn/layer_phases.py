@@ -18,7 +18,7 @@ from anyattn.declarations import AttentionBackend
 from anyattn.impl import AttentionImpl, AttentionLayer
 from anyattn.phase_metadata import PhaseSplitMetadata
 from anyattn.types import ENCODER_TYPES
-from anyattn.validation import check_layer_call, check_step_against_cache
+from anyattn.validation import cache_block_shape, check_layer_call, check_step_against_cache
 
 __all__ = ["PhaseLayer", "forward_by_phase"]
 
@@ -45,14 +45,10 @@ def _part_lse(output_lse: torch.Tensor | None, rows: slice) -> torch.Tensor | No
 
 
 def _is_layer_cache(impl: AttentionImpl, kv_cache: object, split: PhaseSplitMetadata) -> bool:
-    """Whether `kv_cache` has the shape of the layer's standard cache,
-    `(num_blocks, 2, block_size, num_kv_heads, head_size)`."""
+    """Whether `kv_cache` has the shape of the layer's standard cache (`cache_block_shape`)."""
     part = split.decode if split.decode is not None else split.prefill
-    block_size = getattr(part, "block_size", None)
-    return (
-        isinstance(kv_cache, torch.Tensor)
-        and kv_cache.dim() == 5
-        and tuple(kv_cache.shape[1:]) == (2, block_size, impl.num_kv_heads, impl.head_size)
+    return isinstance(kv_cache, torch.Tensor) and tuple(kv_cache.shape[1:]) == cache_block_shape(
+        impl, getattr(part, "block_size", None)
     )
 
 

@@ -229,9 +229,9 @@ class StepChecks:
             checked against.
         call: the arguments of the layer call last checked in full (`check_layer_call`), by
             identity, until that call's `forward` takes it; else None.
-        mla_call: `(impl, kv_cache, attn_metadata)` of the `MLAAttention` call under way,
-            checked in full by `check_mla_layer_call`, until the layer's call ends: its impl's
-            entry points skip the cache and step checks for them; else None.
+        mla_call: `(impl, layer, kv_cache, attn_metadata)` of the `MLAAttention` call under
+            way, checked in full by `check_mla_layer_call`, until the layer's call ends: its
+            impl's entry points skip the cache and step checks for them; else None.
     """
 
     caches: set[tuple[int, int]] = field(default_factory=set)

@@ -192,6 +192,11 @@ def check_kv_write(
     return (impl.kv_cache_dtype, *scales)
 
 
+def cache_block_shape(impl: AttentionImpl, block_size: int) -> tuple[int, ...]:
+    """A standard cache's shape after `num_blocks`: `(2, block_size, num_kv_heads, head_size)`."""
+    return (2, block_size, impl.num_kv_heads, impl.head_size)
+
+
 def check_step_against_cache(
     api: str, step: CommonAttentionMetadata, kv_cache: torch.Tensor
 ) -> None:
@@ -316,7 +321,7 @@ def check_forward_inputs(
             raise ValueError(f"{api}: {impl.attn_type.value} attention needs key and value.")
     else:
         cache_dtype = cache_torch_dtype(impl.kv_cache_dtype, query.dtype)
-        expected = ("num_blocks", 2, md.block_size, impl.num_kv_heads, impl.head_size)
+        expected = ("num_blocks", *cache_block_shape(impl, md.block_size))
         if not isinstance(kv_cache, torch.Tensor):
             raise TypeError(
                 f"{api}: kv_cache must be a torch.Tensor {list(expected)} (got "

@@ -160,19 +160,16 @@ def check_rope_outputs(
 
 def check_mla_cache(
     api: str, impl: MLAImpl, kv_cache: object, md: object, dtype: torch.dtype,
-    device: torch.device, layer: object = None,
+    device: torch.device,
 ) -> None:  # fmt: skip
     """`kv_cache` is the latent cache `(num_blocks, block_size, L + R)` of the impl's dtype on
-    `device`, and the step's slots and block ids fit in it; nothing when `layer`'s call checked
-    them (`mla_layer_call`).
+    `device`, and the step's slots and block ids fit in it.
 
     Raises:
         TypeError: not a tensor.
         ValueError: another shape (a standard `(num_blocks, 2, ...)` cache among them), dtype
             or device; a slot or block id outside the cache.
     """
-    if layer is not None and _in_layer_call(impl, layer, kv_cache, md):
-        return
     if not isinstance(kv_cache, torch.Tensor):
         raise TypeError(f"{api}: kv_cache must be a torch.Tensor (got {type(kv_cache).__name__}).")
     expected = ("num_blocks", md.block_size, impl.head_size)
@@ -205,8 +202,10 @@ def check_mqa_inputs(
 ) -> None:  # fmt: skip
     """`forward_mqa`'s arguments: `q_latent [T_dec, H, L]`, `q_pe [T_dec, H, R]`, `output` like
     `q_latent`, `output_lse` float32 `[H, >= T_dec]` or None, where `T_dec` is the metadata's
-    `num_decode_tokens`; then the cache (`check_mla_cache`)."""
-    md = _checked_metadata(api, impl, layer, kv_cache, attn_metadata)
+    `num_decode_tokens`; then the metadata and the cache (`check_mla_cache`), unless the layer
+    call this runs in checked them (`mla_layer_call`)."""
+    in_call = _in_layer_call(impl, layer, kv_cache, attn_metadata)
+    md = attn_metadata if in_call else _check_metadata(api, impl, layer, attn_metadata)
     rows, heads = md.num_decode_tokens, impl.num_heads
     _check_rows(api, impl, "q_latent", q_latent, (rows, heads, impl.kv_lora_rank))
     _check_rows(api, impl, "q_pe", q_pe, (rows, heads, impl.qk_rope_head_dim), like=q_latent)
@@ -228,7 +227,8 @@ def check_mqa_inputs(
             f"{api}: output_lse must be float32 [{heads}, >= {rows}] on {q_latent.device} "
             f"(got {got})."
         )
-    check_mla_cache(api, impl, kv_cache, md, q_latent.dtype, q_latent.device, layer)
+    if not in_call:
+        check_mla_cache(api, impl, kv_cache, md, q_latent.dtype, q_latent.device)
 
 
 def check_mha_inputs(
@@ -237,15 +237,18 @@ def check_mha_inputs(
 ) -> None:  # fmt: skip
     """`forward_mha`'s arguments: `q [T_pre, H, P + R]`, `kv_c_normed [T_pre, L]`,
     `k_pe [T_pre, R]`, `output [T_pre, H, Vd]`, where `T_pre` is the metadata's
-    `num_prefill_tokens`; then the cache (`check_mla_cache`)."""
-    md = _checked_metadata(api, impl, layer, kv_cache, attn_metadata)
+    `num_prefill_tokens`; then the metadata and the cache (`check_mla_cache`), unless the layer
+    call this runs in checked them (`mla_layer_call`)."""
+    in_call = _in_layer_call(impl, layer, kv_cache, attn_metadata)
+    md = attn_metadata if in_call else _check_metadata(api, impl, layer, attn_metadata)
     rows, heads = md.num_prefill_tokens, impl.num_heads
     qk = impl.qk_nope_head_dim + impl.qk_rope_head_dim
     _check_rows(api, impl, "q", q, (rows, heads, qk))
     _check_rows(api, impl, "kv_c_normed", kv_c_normed, (rows, impl.kv_lora_rank), like=q)
     _check_rows(api, impl, "k_pe", k_pe, (rows, impl.qk_rope_head_dim), like=q)
     _check_rows(api, impl, "output", output, (rows, heads, impl.v_head_dim), like=q)
-    check_mla_cache(api, impl, kv_cache, md, q.dtype, q.device, layer)
+    if not in_call:
+        check_mla_cache(api, impl, kv_cache, md, q.dtype, q.device)
     if md.num_prefill_tokens and not hasattr(layer, "up_project"):
         raise TypeError(
             f"{api}: layer must have up_project(c_kv [N, L]) -> (k_nope [N, H, P], v [N, H, Vd]) "
@@ -287,15 +290,6 @@ def check_mla_kv_write(
     if step is not None:
         check_step_against_cache(api, step, kv_cache)
     return scale
-
-
-def _checked_metadata(
-    api: str, impl: MLAImpl, layer: object, kv_cache: object, attn_metadata: object
-):
-    """`attn_metadata`, checked unless the layer call it serves was (`_in_layer_call`)."""
-    if _in_layer_call(impl, layer, kv_cache, attn_metadata):
-        return attn_metadata
-    return _check_metadata(api, impl, layer, attn_metadata)
 
 
 def _check_metadata(api: str, impl: MLAImpl, layer: object, attn_metadata: object):

@@ -289,16 +289,16 @@ class ModelRunner:
         ]
         if reserved is not None:
             arrays.append(reserved)
-        input_ids, positions, last, *metadata_inputs = to_device_all(arrays, self.device)
-        common = self._common_metadata(step, *metadata_inputs[:4])
+        uploaded = to_device_all(arrays, self.device)
+        input_ids, positions, last = uploaded[:3]
+        common = self._common_metadata(step, *uploaded[3:7])
         # Builders run under inference mode on every path (graph capture and replay too): a
         # buffer a builder makes lazily is then an inference tensor, which may only be updated
         # in place under inference mode, whichever path updates it next.
         with torch.inference_mode():
             attn_metadata, used_prefix = self._build(common, prefix_len, num_new[order])
             if reserved is not None:
-                index = metadata_inputs[4]
-                input_ids[index[0]] = self.last_tokens[index[1]]
+                self._fill_reserved(input_ids, uploaded[7])
             self._record_inputs_copied()
             hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches)
             logits = self.model.compute_logits(hidden[last])
@@ -310,15 +310,10 @@ class ModelRunner:
         if len(slots):
             self.last_tokens[to_device(np.asarray(slots, dtype=np.int64), self.device)] = tokens
 
-    def _fill_reserved(
-        self, input_ids: torch.Tensor, host_ids: np.ndarray, token_slots: np.ndarray
-    ) -> None:
-        """Overwrite the reserved tokens of `input_ids` (`PLACEHOLDER` in their host values
-        `host_ids`, tokens of slots `token_slots`) with the slots' `last_tokens`."""
-        reserved = _reserved_index(host_ids, token_slots)
-        if reserved is not None:
-            index = to_device(reserved, self.device)
-            input_ids[index[0]] = self.last_tokens[index[1]]
+    def _fill_reserved(self, input_ids: torch.Tensor, index: torch.Tensor) -> None:
+        """Overwrite the reserved tokens of `input_ids` with their slots' `last_tokens`; `index`
+        is `_reserved_index`'s `[2, n]` (positions, slots) on the device."""
+        input_ids[index[0]] = self.last_tokens[index[1]]
 
     def _record_inputs_copied(self) -> None:
         if self._inputs_copied is not None:
@@ -359,7 +354,9 @@ class ModelRunner:
         rows = np.flatnonzero(needs_sample)
         with torch.inference_mode():
             input_ids, host_ids = self.cuda_graphs.prepare(key, batch, slots)
-            self._fill_reserved(input_ids, host_ids, np.repeat(slots, query_len))
+            reserved = _reserved_index(host_ids, np.repeat(slots, query_len))
+            if reserved is not None:
+                self._fill_reserved(input_ids, to_device(reserved, self.device))
             picked = to_device(rows, self.device) if len(rows) < len(slots) else None
             self._record_inputs_copied()
             hidden = self.cuda_graphs.replay(key, len(slots))
