@@ -1,10 +1,12 @@
 """Unpack staged wheels into /tmp/gpusite on a GPU machine with no package index.
 
-Wheels too large for one transfer arrive as parts (`<wheel>.partNN`) spread over the folders
-`.gpu-wheels/*/`, one folder per transfer, each with a `manifest.json` naming every wheel's
-parts and sha256. Each run copies the parts present here into /tmp/gw (kept between transfers
-while the machine stays up) and unpacks every wheel whose parts have all arrived and whose
-sha256 matches; wheels already unpacked are skipped. So transfers can come in any order, and a
+What arrives is wheels, or bundles of unpacked wheels in one xz-compressed tar (`<name>.tar.xz`,
+made by `benchmarks/pack_wheels.py`). Either may be too large for one transfer: it arrives as
+parts (`<name>.partNN`) spread over the folders `.gpu-wheels/*/`, one folder per transfer, each
+with a `manifest.json` naming every wheel's or bundle's parts and sha256. Each run copies the
+parts present here into /tmp/gw (kept between transfers while the machine stays up) and unpacks
+every wheel or bundle whose parts have all arrived and whose sha256 matches; those already
+unpacked are skipped. So transfers can come in any order, and a
 command can use what has arrived so far (FlashInfer before FlashAttention-4, say).
 
 Run from the repository root: `python3 benchmarks/unpack_wheels.py` (prints what it did).
@@ -17,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -49,8 +52,12 @@ def main() -> None:
         if hashlib.sha256(data).hexdigest() != meta["sha256"]:
             raise SystemExit(f"unpack_wheels: {wheel} is corrupt (sha256 mismatch)")
         (PARTS / wheel).write_bytes(data)
-        with zipfile.ZipFile(PARTS / wheel) as archive:
-            archive.extractall(SITE)
+        if wheel.endswith(".tar.xz"):
+            with tarfile.open(PARTS / wheel, "r:xz") as archive:
+                archive.extractall(SITE, filter="data")
+        else:
+            with zipfile.ZipFile(PARTS / wheel) as archive:
+                archive.extractall(SITE)
         done.touch()
         print(f"unpacked {wheel}")
 

@@ -1,17 +1,22 @@
 """`benchmarks/unpack_wheels.py`: wheels staged as parts over several folders are unpacked once
-all their parts have arrived, in any order, and a corrupt wheel is refused."""
+all their parts have arrived, in any order, and a corrupt wheel is refused; bundles packed by
+`benchmarks/pack_wheels.py` unpack to the wheels' files."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
 import json
+import random
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "unpack_wheels.py"
+PACK = SCRIPT.with_name("pack_wheels.py")
 
 
 @pytest.fixture
@@ -68,3 +73,28 @@ def test_a_corrupt_wheel_is_refused(unpack, tmp_path):
     with pytest.raises(SystemExit, match="corrupt"):
         unpack.main()
     assert not (tmp_path / "site" / "c.py").exists()
+
+
+def test_packed_bundles_unpack_across_transfers(unpack, tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    payload = {"big/data.bin": random.Random(0).randbytes(8000), "big/__init__.py": b"X = 1\n"}
+    for name, files in [
+        ("big-1.0-py3-none-any.whl", payload),
+        ("d-1.0-py3-none-any.whl", {"d.py": b"D = 4\n"}),
+    ]:
+        with zipfile.ZipFile(wheels / name, "w") as archive:
+            for path, data in files.items():
+                archive.writestr(path, data)
+    subprocess.run(
+        [sys.executable, str(PACK), "--mib", "0.004", "--out", str(tmp_path / "staged"),
+         "--bundle", f"first={wheels}/big-*.whl", "--bundle", f"second={wheels}/d-*.whl"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    folders = sorted((tmp_path / "staged").iterdir())
+    assert len(folders) >= 2
+    for folder in folders:
+        assert sum(p.stat().st_size for p in folder.iterdir() if p.suffix != ".json") <= 4194
+    unpack.main()
+    assert (tmp_path / "site" / "big" / "data.bin").read_bytes() == payload["big/data.bin"]
+    assert (tmp_path / "site" / "d.py").read_bytes() == b"D = 4\n"
