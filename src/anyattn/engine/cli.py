@@ -142,16 +142,6 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("-v", "--verbose", action="store_true", help="explain the backend choice")
 
 
-def _read_model(model: Path | None) -> tuple[Path, int, object]:
-    """The model's path, context length and tokenizer, read without its weights."""
-    from anyattn.engine.default_model import default_model_path
-    from anyattn.engine.loader import read_model
-
-    path = default_model_path() if model is None else model
-    config, _, tokenizer = read_model(path)
-    return path, config.max_position_embeddings, tokenizer
-
-
 def _check_prompts(
     prompts: Sequence[str], tokenizer, chat: bool, max_model_len: int, context: int
 ) -> None:
@@ -276,7 +266,9 @@ def run_generate(args: argparse.Namespace) -> int:
         ValueError: an unknown or unfitting backend, or a model the engine cannot run.
         FileNotFoundError: the default model is not installed.
     """
+    from anyattn.engine.default_model import default_model_path
     from anyattn.engine.llm import LLM
+    from anyattn.engine.loader import read_model
 
     err = make_console(stderr=True, soft_wrap=True)
     params = SamplingParams(
@@ -292,7 +284,9 @@ def run_generate(args: argparse.Namespace) -> int:
         how = f"measured per phase, requested by {source}"
     prompts = args.prompts or [DEFAULT_PROMPT]
     start = time.perf_counter()
-    path, context, tokenizer = _read_model(args.model)
+    path = default_model_path() if args.model is None else args.model
+    config, _, tokenizer = read_model(path)  # no weights read yet
+    context = config.max_position_embeddings
     max_model_len = min(context, _MAX_MODEL_LEN)
     _check_prompts(prompts, tokenizer, args.chat, max_model_len, context)
     # without --backend the selector reads ANYATTN_BACKEND itself, so its errors name it
