@@ -16,9 +16,8 @@ requests with stop strings, decoded each step to find them.
 from __future__ import annotations
 
 import itertools
-import numbers
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,9 +25,10 @@ import torch
 from anyattn.async_copy import HostCopy
 from anyattn.config import BatchLimits
 from anyattn.engine.arguments import (
+    check_generate_args,
     check_params,
+    check_token_ids,
     encode_text,
-    is_token_ids,
     parse_device,
     parse_memory,
 )
@@ -228,26 +228,7 @@ class LLM:
         integers; ValueError: ids outside the vocabulary, or `chat` with ids."""
         if isinstance(prompt, str):
             return encode_text(self.tokenizer, prompt, chat)
-        if hasattr(prompt, "tolist") and getattr(prompt, "ndim", 1) == 1:
-            prompt = prompt.tolist()  # numpy arrays and tensors of ids
-        if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
-            raise TypeError(
-                f"LLM: a prompt must be a str or a list of token ids (got {type(prompt).__name__})."
-            )
-        if chat:
-            raise ValueError(
-                "LLM: chat=True needs text prompts (got token ids); apply the chat template "
-                "yourself or pass the text."
-            )
-        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
-            raise TypeError("LLM: prompt token ids must be integers (got other values).")
-        ids = [int(t) for t in prompt]
-        vocab = self.model_config.vocab_size
-        if not all(0 <= t < vocab for t in ids):
-            raise ValueError(
-                f"LLM: prompt token ids must lie in [0, {vocab}) (got values outside it)."
-            )
-        return ids
+        return check_token_ids(prompt, chat, self.model_config.vocab_size)
 
     def add_request(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, chat: bool = False
@@ -356,27 +337,7 @@ class LLM:
         Returns one `RequestOutput` per prompt, in order; a failed request (e.g. a prompt longer
         than `max_model_len`) has `error` set. TypeError / ValueError for a bad prompt or params,
         before anything is queued."""
-        if isinstance(prompts, str) or is_token_ids(prompts):
-            prompts = [prompts]
-        if isinstance(prompts, Mapping | bytes | bytearray) or not hasattr(prompts, "__iter__"):
-            raise TypeError(
-                f"LLM.generate: prompts must be a str, token ids, or a list of those (got "
-                f"{type(prompts).__name__})."
-            )
-        prompts = list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        elif isinstance(params, str) or not isinstance(params, Sequence):
-            raise TypeError(
-                f"LLM.generate: params must be a SamplingParams or a list of them (got "
-                f"{type(params).__name__})."
-            )
-        params = [check_params(p) for p in params]
-        if len(params) != len(prompts):
-            raise ValueError(
-                f"LLM.generate: params must be one SamplingParams or one per prompt (got "
-                f"{len(params)} for {len(prompts)} prompts)."
-            )
+        prompts, params = check_generate_args(prompts, params)
         # Encode every prompt before queueing any, so that a bad one leaves nothing behind.
         encoded = [self.encode_prompt(p, chat) for p in prompts]
         ids = [self._add(p, e, sp) for p, e, sp in zip(prompts, encoded, params, strict=True)]

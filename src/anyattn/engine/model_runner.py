@@ -59,12 +59,8 @@ class StepOutput:
 
 class ModelRunner:
     """Owns the KV caches (`num_blocks` engine blocks per layer, block 0 the null block), the
-    builders and the CUDA graphs; `execute` runs one scheduled step.
-
-    `limits` go to every builder; on CUDA, empty `cudagraph_capture_sizes` become the defaults.
-    `cuda_graph_plan.message` says what was decided about CUDA graphs; `cuda_graphs` is the
-    `CudaGraphRunner` when they are on.
-    """
+    builders (given `limits`) and the CUDA graphs (`cuda_graphs` when on;
+    `cuda_graph_plan.message` says why or why not); `execute` runs one scheduled step."""
 
     def __init__(
         self,
@@ -93,7 +89,6 @@ class ModelRunner:
         specs = self._group_specs(attention_layers, kv_cache_dtype)
         self.cuda_graph_plan, self.limits = self._plan_cuda_graphs(specs, limits, enforce_eager)
         self.groups = [self._make_group(key, names, layers) for key, names in specs.items()]
-        # Every group's batch is laid out decodes first at one threshold (`_order`).
         thresholds = [g.builder.reorder_batch_threshold for g in self.groups]
         for g in self.groups:
             if g.prefill_builder is not None:
@@ -120,8 +115,7 @@ class ModelRunner:
                     layout=group.layout,
                     device=self.device,
                 )
-        # The latest token sampled for each slot, on the device: a step scheduled before the
-        # previous one's tokens reached the host reads its reserved input tokens from here.
+        # per slot, the latest sampled token, which a step's reserved input tokens read
         self.last_tokens = torch.zeros(self.limits.max_num_reqs, dtype=torch.long, device=device)
         # Recorded once a step's inputs are copied: the next step rewrites pinned buffers (its
         # own and the builders') only after it, while the step itself may still be running.
