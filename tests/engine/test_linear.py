@@ -18,10 +18,9 @@ def _loaded(in_features: int, out_features: int, has_bias: bool, dtype=torch.flo
     linear = Linear(in_features, out_features, has_bias=has_bias, dtype=dtype, device="cpu")
     split = out_features // 3
     parts = {"a": slice(0, split), "b": slice(split, out_features)}
-    slots = {f"{name}.weight": linear.weight_slot(rows) for name, rows in parts.items()}
+    slots = dict(linear.weight_slots(parts))
     tensors = [(f"{name}.weight", weight[rows]) for name, rows in parts.items()]
     if has_bias:
-        slots |= {f"{name}.bias": linear.bias_slot(rows) for name, rows in parts.items()}
         tensors += [(f"{name}.bias", bias[rows]) for name, rows in parts.items()]
     load_into_slots("test", slots, tensors)
     return linear, weight, bias

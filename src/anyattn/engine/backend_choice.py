@@ -1,15 +1,5 @@
-"""What `LLM(backend=...)` asks for, and moving the loaded model's layers onto it.
-
-Accepted requests (docs/per_phase.md):
-- None: the selector's static order (it reads `ANYATTN_BACKEND` itself);
-- a backend name or class: every layer on it;
-- a pair, `("TRITON", "FLASHINFER")` or the text `"TRITON,FLASHINFER"` (also in
-  `ANYATTN_BACKEND`): decodes on the first, prefills (and the prefill rows of mixed steps) on
-  the second, over one KV cache per layer; refused when they cannot share one, or for MLA layers;
-- "fastest": measured per layer config (`anyattn.selector.measure_backends`); the decode and
-  prefill choices as a pair when they differ and can share a cache, else the overall choice,
-  with a note that says which and why.
-"""
+"""What `LLM(backend=...)` asks for (see `LLM` and docs/per_phase.md: None, a backend name or
+class, a decode/prefill pair, or "fastest"), and moving the loaded model's layers onto it."""
 
 from __future__ import annotations
 
@@ -35,14 +25,9 @@ BackendArg = str | type[AttentionBackend]
 
 @dataclass(frozen=True, slots=True)
 class BackendRequest:
-    """A parsed `backend` argument.
-
-    Attributes:
-        backend: what the model is loaded with: the single or decode backend (None: the
-            selector chooses, also for "fastest", whose choice comes after the load).
-        prefill_backend: the prefill backend of a pair, else None.
-        is_fastest: measure and choose ("fastest").
-    """
+    """A parsed `backend` argument: `backend`, the single or decode backend the model is loaded
+    with (None: the selector's, also for "fastest", chosen after the load); `prefill_backend`,
+    a pair's prefill backend; `is_fastest`: measure and choose."""
 
     backend: BackendArg | None
     prefill_backend: BackendArg | None = None
@@ -68,11 +53,8 @@ def _pair(values: Sequence[object], source: str) -> BackendRequest:
 
 def parse_backend_request(backend: object) -> BackendRequest:
     """Parse `LLM`'s `backend` argument (None: `$ANYATTN_BACKEND` for "fastest" or a pair).
-
-    Raises:
-        TypeError: not a name, a backend class, a pair of them, or None.
-        ValueError: a pair that is not two names or classes.
-    """
+    TypeError: not a name, a backend class, a pair of them, or None; ValueError: a pair that is
+    not two names or classes."""
     source = "LLM: backend"
     if backend is None:
         backend, source = os.environ.get(ENV_VAR, "").strip(), ENV_VAR
@@ -97,13 +79,9 @@ def _as_class(backend: BackendArg) -> type[AttentionBackend]:
 
 
 def use_backend_pair(model: torch.nn.Module, prefill_backend: BackendArg) -> str:
-    """Run every attention layer's prefill rows on `prefill_backend` (its decodes stay on the
-    backend it was loaded with); returns a note for the log.
-
-    Raises:
-        ValueError: an MLA layer (MLA layers run one backend), or a layer whose two backends
-            cannot share its cache (`Attention.use_backend` says why).
-    """
+    """Run every attention layer's prefill rows on `prefill_backend` (decodes stay on the
+    loaded backend); returns a note for the log. ValueError: an MLA layer (one backend only),
+    or a layer whose two backends cannot share its cache (`Attention.use_backend` says why)."""
     prefill = _as_class(prefill_backend)
     layers = list(model.attention_layers())
     for layer in layers:
@@ -122,17 +100,15 @@ def use_backend_pair(model: torch.nn.Module, prefill_backend: BackendArg) -> str
 def use_fastest_backends(
     model: torch.nn.Module, device: torch.device, limits: BatchLimits
 ) -> list[str]:
-    """Measure each distinct layer config under the engine's limits (cached on disk; each step's
-    `build` weighed over the config's layers, which share it) and move
-    its layers onto the measured choice: the decode and prefill choices as a pair when the
-    measurement says so (`Measurement.phase_pair`), else the overall choice. Returns one note
-    per config (`Measurement.pair_note`), also logged."""
+    """Measure each distinct layer config under the engine's limits (cached on disk) and move
+    its layers onto the choice: the decode and prefill choices as a pair when the measurement
+    says so (`Measurement.phase_pair`), else the overall one. Returns one note per config
+    (`Measurement.pair_note`), also logged."""
     notes: list[str] = []
     chosen: dict[object, tuple[type[AttentionBackend], type[AttentionBackend] | None]] = {}
     layers = list(model.attention_layers())
-    # The engine builds metadata once per step for each group of layers with one backend and
-    # KV-cache spec, so all the layers of a config share a build. (Configs that differ only
-    # outside the spec may share one too: N then undercounts, weighing builds more, not less.)
+    # The layers of a config share one metadata build per step (a KV-cache group): the
+    # measurement weighs each build over them.
     per_config = Counter(layer.config for layer in layers)
     for layer in layers:
         if layer.config not in chosen:

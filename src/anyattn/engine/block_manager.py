@@ -23,7 +23,7 @@ NULL_BLOCK = 0
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: TokenIds[int]) -> bytes:
     """16-byte chained hash of one full block (`parent_hash`: the previous block's, None for
-    the first). Cryptographic, because a collision would silently reuse the wrong K/V."""
+    the first); cryptographic, as a collision would silently reuse the wrong K/V."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(parent_hash if parent_hash is not None else b"root")
     digest.update(array("q", token_ids).tobytes())
@@ -97,10 +97,10 @@ class BlockManager:
         return self._can_allocate(seq, self._prefix_hits(seq), num_new_tokens)
 
     def allocate(self, seq: Sequence, num_new_tokens: int = 0) -> bool:
-        """Admit a sequence that holds no blocks (else ValueError): reuse cached blocks for the
-        longest cached prefix of its tokens (never the last token, which must be computed to
-        sample), set `num_computed_tokens` to it, and make room for `num_new_tokens` more, all
-        or nothing. Returns False, changing nothing, when the blocks are not there."""
+        """Admit a sequence that holds no blocks (else ValueError): reuse the cached blocks of
+        its longest cached prefix (never its last token, which is computed to sample), count
+        them computed, and make room for `num_new_tokens` more. Returns False, changing
+        nothing, when the blocks are not there."""
         if seq.block_table:
             raise ValueError(
                 f"BlockManager.allocate: request {seq.request_id!r} already holds "
@@ -151,8 +151,8 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references and empty its block table. Blocks nobody holds become
-        free, or evictable when cached; released tail first, so a cached chain is evicted tail
-        first (its later blocks are reachable only through its head)."""
+        free, or evictable when cached, tail first: a chain's later blocks are reachable only
+        through its head, so they go first."""
         for block_id in reversed(seq.block_table):
             self._ref_counts[block_id] -= 1
             assert self._ref_counts[block_id] >= 0, "block released more often than taken"
@@ -170,7 +170,7 @@ class BlockManager:
 
     def _can_allocate(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
         needed = self.num_blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
-        # Reusing an evictable hit takes it out of the pool the new blocks come from.
+        # an evictable hit, once reused, is no longer in the pool new blocks come from
         num_evictable_hits = sum(1 for block_id in hits if self._ref_counts[block_id] == 0)
         return needed <= self.num_free_blocks - num_evictable_hits
 
@@ -178,7 +178,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        # Full blocks of all tokens but the last: the last one must be computed to sample.
+        # full blocks of all tokens but the last, which must be computed to sample
         for index in range((seq.num_tokens - 1) // self.block_size):
             block_id = self._cached.get(self._seq_block_hash(seq, index))
             if block_id is None:

@@ -1,17 +1,16 @@
 """`anyattn generate`: generate text with a model through the backend layer.
 
-One prompt streams its text as it is generated. Several run as one batch, and each answer is
-printed as one line, `[i] text` (i: the prompt's position from 1; a newline in the answer shown
-as `\\n`), as soon as its request finishes; on a terminal the answers still running are shown
-below those lines, one line each (the end of its text), updated as tokens arrive. Every
-argument is checked before the model loads: values at parsing (exit status 2, naming the flag),
-the backend name, and the prompts' lengths against the model's context, read from its config and
-tokenizer alone.
+One prompt streams its text. Several run as one batch, each answer printed as one line,
+`[i] text` (newlines shown as `\\n`), when its request finishes; on a terminal the answers
+still running show below (`RunningView`). Every argument is checked before the weights load:
+values at parsing (exit status 2, naming the flag), the backend name, and the prompts' lengths
+against the model's context (read from its config and tokenizer).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -30,9 +29,7 @@ __all__ = ["DEFAULT_PROMPT", "UsageError", "add_generate_parser", "run_generate"
 
 DEFAULT_PROMPT = "Give me three tips for writing clear Python code."
 
-# The longest prompt + answer the command runs (LLM's own default); models with a longer
-# context are capped here, shorter ones at their context.
-_MAX_MODEL_LEN = 4096
+_MAX_MODEL_LEN = 4096  # the longest prompt + answer (LLM's default), capped at the context
 
 
 class UsageError(ValueError):
@@ -40,8 +37,7 @@ class UsageError(ValueError):
 
 
 def _sampling_type(field: str, number: type[int] | type[float]) -> Callable[[str], object]:
-    """An argparse type checked by SamplingParams' own rule for `field` (the message names the
-    flag)."""
+    """An argparse type checked by SamplingParams' own rule for `field`."""
 
     def convert(text: str) -> object:
         try:
@@ -146,16 +142,6 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("-v", "--verbose", action="store_true", help="explain the backend choice")
 
 
-def _read_model(model: Path | None) -> tuple[Path, int, object]:
-    """The model's path, context length and tokenizer, read without its weights."""
-    from anyattn.engine.default_model import default_model_path
-    from anyattn.engine.loader import read_model
-
-    path = default_model_path() if model is None else model
-    config, _, tokenizer = read_model(path)
-    return path, config.max_position_embeddings, tokenizer
-
-
 def _check_prompts(
     prompts: Sequence[str], tokenizer, chat: bool, max_model_len: int, context: int
 ) -> None:
@@ -199,23 +185,20 @@ def _explain_layers(llm, console: Console) -> None:
 
 
 def _backends_by_layer(layers: Sequence[object]) -> str:
-    """Runs of consecutive layers on one backend, `0-2 TORCH_MLA (MLA), 3 TORCH`: which backend
-    each attention layer got (MLA layers marked; a pair as `TORCH (decode) + FLEX_ATTENTION
-    (prefill)`)."""
-    runs: list[tuple[int, int, str]] = []
-    for index, layer in enumerate(layers):
+    """Runs of consecutive layers on one backend, `0-2 TORCH_MLA (MLA), 3 TORCH` (a pair as
+    `TORCH (decode) + FLEX_ATTENTION (prefill)`)."""
+
+    def name(layer: object) -> str:
         name = layer.backend.get_name() + (" (MLA)" if layer.config.use_mla else "")
         prefill = getattr(layer, "prefill_backend", None)
-        if prefill is not None:
-            name = f"{name} (decode) + {prefill.get_name()} (prefill)"
-        if runs and runs[-1][2] == name:
-            runs[-1] = (runs[-1][0], index, name)
-        else:
-            runs.append((index, index, name))
-    return ", ".join(
-        f"{first}-{last} {name}" if last > first else f"{first} {name}"
-        for first, last, name in runs
-    )
+        return name if prefill is None else f"{name} (decode) + {prefill.get_name()} (prefill)"
+
+    runs = []
+    for backend, run in itertools.groupby(enumerate(map(name, layers)), key=lambda x: x[1]):
+        indices = [index for index, _ in run]
+        span = f"{indices[0]}-{indices[-1]}" if len(indices) > 1 else str(indices[0])
+        runs.append(f"{span} {backend}")
+    return ", ".join(runs)
 
 
 def _stream_one(llm, prompt: str, params: SamplingParams, chat: bool, err: Console) -> int:
@@ -237,8 +220,7 @@ def _stream_one(llm, prompt: str, params: SamplingParams, chat: bool, err: Conso
 def _run_several(
     llm, prompts: Sequence[str], params: SamplingParams, chat: bool, err: Console
 ) -> tuple[int, int]:
-    """Run the prompts as one batch, printing each answer as one line when it finishes (on a
-    terminal, the answers still running show below, one line each, as they are generated);
+    """Run the prompts as one batch, printing each answer as one line when it finishes;
     returns (tokens generated, requests failed)."""
     for index, prompt in enumerate(prompts, 1):
         err.print(f"[{index}] > {visible_line(prompt)}")
@@ -284,7 +266,9 @@ def run_generate(args: argparse.Namespace) -> int:
         ValueError: an unknown or unfitting backend, or a model the engine cannot run.
         FileNotFoundError: the default model is not installed.
     """
+    from anyattn.engine.default_model import default_model_path
     from anyattn.engine.llm import LLM
+    from anyattn.engine.loader import read_model
 
     err = make_console(stderr=True, soft_wrap=True)
     params = SamplingParams(
@@ -300,11 +284,12 @@ def run_generate(args: argparse.Namespace) -> int:
         how = f"measured per phase, requested by {source}"
     prompts = args.prompts or [DEFAULT_PROMPT]
     start = time.perf_counter()
-    path, context, tokenizer = _read_model(args.model)
+    path = default_model_path() if args.model is None else args.model
+    config, _, tokenizer = read_model(path)  # no weights read yet
+    context = config.max_position_embeddings
     max_model_len = min(context, _MAX_MODEL_LEN)
     _check_prompts(prompts, tokenizer, args.chat, max_model_len, context)
-    # The selector reads ANYATTN_BACKEND itself when no --backend is given, so that its
-    # errors say where the request came from.
+    # without --backend the selector reads ANYATTN_BACKEND itself, so its errors name it
     try:
         llm = LLM(
             path,
@@ -314,8 +299,8 @@ def run_generate(args: argparse.Namespace) -> int:
             max_model_len=max_model_len,
         )
     except ValueError as error:
-        # The selector names LLM's `backend` argument; here that argument is the flag. The
-        # message is edited in place, so that the error keeps its type and attributes.
+        # the selector names LLM's `backend` argument, here the flag; edited in place, the
+        # error keeps its type and attributes
         if error.args and "(from argument)" in str(error.args[0]):
             error.args = (str(error.args[0]).replace("(from argument)", f"(from {source})"),)
         raise

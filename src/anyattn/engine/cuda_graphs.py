@@ -2,32 +2,27 @@
 
 The contract between the runner (this file) and a backend's metadata builder:
 
-- Buffers. Persistent device buffers sized for the largest capture (input ids, positions,
-  `query_start_loc`, `seq_lens`, `block_table` in engine blocks plus one expanded copy per group
-  whose kernel block is smaller, `slot_mapping`) and pinned CPU twins (`num_computed_tokens` is
-  CPU only). A step writes a prefix of the CPU buffers and copies it in place (`non_blocking`,
-  once the previous step's copies have run, which the model runner's event guarantees; the
-  previous replay may still be running); the step's `CommonAttentionMetadata` holds views of
-  both, so every address is the same at capture and replay. One output buffer serves all graphs.
-- Padding. R requests of query length q run in the smallest captured size of N >= R requests.
-  Requests R .. N-1 are dummies: seq_len q (context 0), block-table row 0 (the null block),
-  slot_mapping -1 (never written), input id 0 at positions 0 .. q-1; the metadata says
-  `num_reqs = N`, `num_actual_tokens = N * q`. Only the first R * q hidden rows are used.
-- Capture, per size, largest first: fill N dummies, `builder.build(0, common)` and one eager
-  run (lazy initialisation and compilation happen outside the capture), then
-  `builder.build_for_cudagraph_capture(common)` and the capture; one memory pool. Warm-up and
-  capture say `max_seq_len = max_model_len`, so a launch sized by it fits any replay.
-- Replay: fill the buffers, `builder.build(0, common)` for every group (`prepare`), patch the
-  input ids of tokens sampled by the step still running, replay (`replay`). The builder
-  must return metadata whose device tensors live at the captured addresses (views of the
-  common metadata or its own persistent buffers, written in place). Builders get
-  `BatchLimits.has_persistent_graph_inputs` (this contract as a flag) so they may read the
-  step's tensors in place instead of copying them.
-- Which steps: uniform decode batches only (query length 1, or 1 + k speculative tokens when
-  the weakest level is `UNIFORM_BATCH`), within the largest capture; graphs are on when every
-  group's level is at least `UNIFORM_SINGLE_TOKEN_DECODE`. Graph steps never use cascade.
-- The captured forward never synchronises with the host (no `.item()`, `.cpu()`, branches on
-  device values in the model or `anyattn.layer.Attention`).
+- Buffers: persistent device inputs sized for the largest capture (plus one expanded block
+  table per group with a smaller kernel block) and pinned CPU twins. A step writes a prefix of
+  the CPU buffers and copies it in place once the previous step's copies have run (the model
+  runner's event); the step's `CommonAttentionMetadata` holds views of both, so every address
+  is the same at capture and replay. One output buffer serves all graphs.
+- Padding: R requests of query length q run in the smallest captured size of N >= R requests;
+  requests R .. N-1 are dummies (seq_len q, context 0, block-table row 0 the null block,
+  slot_mapping -1, input id 0) and the metadata says `num_reqs = N`. Only the first R * q
+  hidden rows are used.
+- Capture, per size, largest first, in one memory pool: `builder.build(0, common)` and one
+  eager run over dummies (lazy initialisation outside the capture), then
+  `builder.build_for_cudagraph_capture(common)` and the capture, both with `max_seq_len =
+  max_model_len` so that a launch sized by it fits any replay.
+- Replay: fill the buffers, `builder.build(0, common)` for every group, patch the input ids
+  sampled by the step still running, replay. Builders must return metadata whose device tensors
+  live at the captured addresses; `BatchLimits.has_persistent_graph_inputs` tells them they may
+  read the step's tensors in place.
+- Which steps: uniform decode batches (query length 1, or 1 + k speculative tokens at level
+  `UNIFORM_BATCH`) within the largest capture, when every group's level is at least
+  `UNIFORM_SINGLE_TOKEN_DECODE`; never cascade. The captured forward never synchronises with
+  the host.
 """
 
 from __future__ import annotations
@@ -59,9 +54,7 @@ __all__ = [
 
 
 def default_capture_sizes(max_num_reqs: int, max_num_tokens: int) -> tuple[int, ...]:
-    """Powers of two up to `min(max_num_reqs, max_num_tokens)`, and that bound itself (padding
-    at most doubles a decode batch, which small decode batches, bound by the weights, barely
-    notice)."""
+    """Powers of two up to `min(max_num_reqs, max_num_tokens)`, and that bound itself."""
     top = min(max_num_reqs, max_num_tokens)
     sizes = [top]
     size = 1
@@ -204,8 +197,8 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every graph of the plan, largest first (smaller ones reuse its pool memory);
-        RuntimeError naming the size, and how to run without graphs, when one fails."""
+        """Capture every graph of the plan, largest first; RuntimeError naming the size, and
+        how to run without graphs, when one fails."""
         start = time.perf_counter()
         for key in self.plan.graph_keys:
             try:
@@ -244,15 +237,11 @@ class CudaGraphRunner:
     def prepare(
         self, key: tuple[int, int], batch: InputBatch, slots: np.ndarray
     ) -> tuple[torch.Tensor, np.ndarray]:
-        """Fill the graph `key`'s inputs (from `graph_key`) for the decode batch of `slots` and
-        build every group's metadata into its captured buffers; returns the device input ids
-        (`[num_tokens]`, padded) and their host values, for the caller to patch before `replay`.
-
-        The pinned host buffers are rewritten here: the caller must know that the copies the
-        previous `prepare` queued have run (the model runner waits on an event)."""
+        """Fill graph `key`'s inputs for the decode batch of `slots` and build every group's
+        metadata into its captured buffers; returns the padded device input ids and their host
+        values, to patch before `replay`. The previous `prepare`'s copies must have run."""
         num_tokens, query_len = key
         ids, _, common = self.inputs.prepare(batch, slots, query_len, num_tokens // query_len)
-        # The builders fill their own persistent buffers; the graph reads the captured addresses.
         metadata = self.inputs.build(common, for_capture=False)
         # A replay runs no layer's Python: the step is checked against each group's cache here.
         for group in self.inputs.groups:

@@ -1,6 +1,6 @@
-"""The persistent, padded inputs of graph decode steps (`anyattn.engine.cuda_graphs` has the
-contract): `DecodeBuffers` at fixed addresses, `fill_decode_inputs` to write a padded batch
-into the CPU copy, `StaticDecodeInputs` to copy it over and build every group's metadata."""
+"""The persistent, padded inputs of graph decode steps (contract in `cuda_graphs`): buffers at
+fixed addresses (`DecodeBuffers`), filled on the CPU (`fill_decode_inputs`), copied over and
+built into every group's metadata (`StaticDecodeInputs`)."""
 
 from __future__ import annotations
 
@@ -94,8 +94,7 @@ def fill_decode_inputs(
 
 class StaticDecodeInputs:
     """The persistent inputs of graph steps for `groups`, sized for the largest padded batch
-    (`max_num_reqs`, `max_num_tokens`; `max_model_len` sets the table width). Works on any
-    device; on CUDA its host buffers are pinned."""
+    (`max_model_len` sets the table width); on CUDA its host buffers are pinned."""
 
     def __init__(
         self,
@@ -116,7 +115,7 @@ class StaticDecodeInputs:
         self.host = DecodeBuffers.allocate(*shape, pin_memory=device.type == "cuda")
         self.dev = DecodeBuffers.allocate(*shape, device=device)
         self._empty = InputBatch(1, max_model_len, block_size)  # for dummy-only batches
-        # Groups with a smaller kernel block read their own expanded table, also persistent.
+        # the persistent expanded tables of groups with a smaller kernel block
         self.kernel_tables: dict[int, torch.Tensor] = {
             index: torch.zeros(
                 max_num_reqs,

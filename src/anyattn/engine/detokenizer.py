@@ -1,10 +1,9 @@
 """A request's output text, grown by decoding a few tokens at a time, and cut at stop strings.
 
-`IncrementalDetokenizer` keeps `prefix_offset <= read_offset` into the tokens: each update
-decodes `[prefix_offset, read_offset)` and `[prefix_offset, end)` and appends the difference, so
-what a tokenizer does at the start of a decode (SentencePiece drops a leading space) stays away
-from the new text. Text ending in U+FFFD (a character whose remaining bytes are not generated
-yet) is held back until `flush`. The text always equals a decode of all the tokens at once.
+`IncrementalDetokenizer` decodes `[prefix_offset, read_offset)` and `[prefix_offset, end)` and
+appends the difference, so what a tokenizer does at the start of a decode (SentencePiece drops a
+leading space) stays out of the new text; text ending in U+FFFD (an incomplete character) is
+held back until `flush`. The text always equals a decode of all the tokens at once.
 """
 
 from __future__ import annotations
@@ -86,7 +85,7 @@ class OutputText:
             detokenizer.flush()
             self._is_flushed = True
         text = detokenizer.text
-        # A stop string can end only in the newly settled text; it may start a little before.
+        # a stop string ends in the newly settled text, and may start a little before it
         cut = len(text)
         for stop in self._stop:
             found = text.find(stop, max(searched - len(stop) + 1, 0), cut + len(stop) - 1)

@@ -1,11 +1,7 @@
-"""GGUF files (llama.cpp's format) as a Hugging Face-style config dict plus HF-named tensors.
-
-`read_gguf` gives what `hf_loader.load_hf_folder` gives for a safetensors folder: a
-`config.json`-shaped dict and a lazy stream of `(hf_name, tensor)` in the HF layout;
-`load_gguf_tokenizer` builds the tokenizer (with its chat template) from the same file. Beyond
-renaming: llama.cpp interleaves the rows of each Q and K head of llama models (its RoPE rotates
-adjacent pairs), which is undone, and stores Gemma2's RMSNorm weights as `1 + w`, from which
-the 1 is subtracted again.
+"""GGUF files (llama.cpp's format) as a `config.json`-shaped dict and a lazy stream of
+`(hf_name, tensor)` in the Hugging Face layout (`read_gguf`), plus the tokenizer with its chat
+template (`load_gguf_tokenizer`). Beyond renaming: the interleaved rows of each Q and K head of
+llama models are put back in HF order, and Gemma2's stored `1 + w` norm weights lose the 1.
 """
 
 from __future__ import annotations
@@ -66,18 +62,12 @@ _CONFIG_ONLY_TENSORS = {"rope_freqs.weight"}
 def read_gguf(
     path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
 ) -> tuple[dict[str, Any], CountedWeights]:
-    """Read a GGUF file of `SUPPORTED_ARCHITECTURES` (Llama, SmolLM and Mistral files say
-    "llama") with tensors of `SUPPORTED_QUANT_TYPES`.
-
-    Returns:
-        `(config, tensors)`: a dict with the keys of a Hugging Face `config.json`, and a lazy
-        stream of `(HF name, tensor)` in HF shapes and `dtype` (dequantised in float32 first;
-        no `lm_head.weight` when the embeddings are tied).
-
-    Raises:
-        FileNotFoundError: no such file. ValueError: not a GGUF file, a truncated or corrupt
-            one, an unsupported architecture or tensor type, an unknown tensor, a non-float dtype.
-    """
+    """`(config, tensors)` of a GGUF file of `SUPPORTED_ARCHITECTURES` (Llama, SmolLM and
+    Mistral files say "llama") with tensors of `SUPPORTED_QUANT_TYPES`: a dict with the keys of
+    a Hugging Face `config.json`, and a lazy stream of `(HF name, tensor)` in HF shapes and
+    `dtype`, dequantised in float32 first (no `lm_head.weight` when the embeddings are tied).
+    FileNotFoundError: no such file. ValueError: not a GGUF file, a truncated or corrupt one,
+    an unsupported architecture or tensor type, an unknown tensor, a non-float dtype."""
     if not dtype.is_floating_point:
         raise ValueError(f"read_gguf: dtype must be a floating dtype, got {dtype}")
     reader = _open_reader(path)
@@ -109,9 +99,8 @@ def read_gguf(
 
 
 class _Reader(gguf.GGUFReader):
-    """`gguf.GGUFReader` over a plain ndarray view of its memory map: slicing an `np.memmap`
-    runs Python code per slice, which would make parsing a large vocabulary several times
-    slower."""
+    """`gguf.GGUFReader` over a plain ndarray view of its memory map (slicing an `np.memmap`
+    runs Python code per slice, which slows parsing a large vocabulary several times)."""
 
     @property
     def data(self) -> np.ndarray:
@@ -139,7 +128,7 @@ def _open_reader(path: str | os.PathLike[str]) -> gguf.GGUFReader:
     try:
         reader = _Reader(path)
     except Exception as err:
-        # The reader fails with whatever a short read produces (IndexError, reshape errors, ...).
+        # a short read fails with whatever it produces (IndexError, reshape errors, ...)
         raise ValueError(f"{path}: truncated or corrupt GGUF file ({err})") from err
     end = path.stat().st_size
     for t in reader.tensors:
@@ -260,8 +249,8 @@ def _llama3_rope_scaling(
     factors: np.ndarray, theta: float, head_dim: int, path: object
 ) -> dict[str, Any]:
     """HF's "llama3" RoPE parameters from llama.cpp's per-frequency divisors `factors` (1 for
-    short wavelengths, `factor` for long ones, a blend linear in 1 / wavelen between, which two
-    blended entries fix; with `low_freq_factor = 1`). Checked by rebuilding the table."""
+    short wavelengths, `factor` for long ones, a blend linear in 1 / wavelen between, with
+    `low_freq_factor = 1`), checked by rebuilding the table."""
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
     wavelen = 2 * math.pi / inv_freq
     # The table is float32 (and may come from a float32 computation): compare loosely.
@@ -339,13 +328,10 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def load_gguf_tokenizer(
     path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None
 ) -> Any:
-    """The transformers fast tokenizer (with its chat template) stored in a GGUF file.
-
-    Converting it takes seconds, so it is saved under `cache_dir / gguf-tokenizers / <sha256 of
-    the file>` and loaded from there later. `cache_dir` defaults to `$ANYATTN_CACHE_DIR`, else
-    `$XDG_CACHE_HOME/anyattn`, else `~/.cache/anyattn`; an unwritable cache only costs speed.
-    FileNotFoundError / ValueError as `read_gguf` for a missing or non-GGUF file.
-    """
+    """The transformers fast tokenizer (with its chat template) stored in a GGUF file, saved
+    after its slow conversion under `cache_dir / gguf-tokenizers / <sha256 of the file>`
+    (default `$ANYATTN_CACHE_DIR`, else `$XDG_CACHE_HOME/anyattn`, else `~/.cache/anyattn`; an
+    unwritable cache only costs speed). FileNotFoundError / ValueError as `read_gguf`."""
     from transformers import AutoTokenizer
 
     path = Path(path)
@@ -358,7 +344,7 @@ def load_gguf_tokenizer(
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     with contextlib.suppress(OSError):
         folder.parent.mkdir(parents=True, exist_ok=True)
-        # Write aside and rename, so a concurrent or interrupted run never sees half a folder.
+        # written aside and renamed: a concurrent or interrupted run never sees half a folder
         tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
         try:
             tokenizer.save_pretrained(tmp)

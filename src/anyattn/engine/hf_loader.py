@@ -1,6 +1,6 @@
-"""Hugging Face folders: `config.json`, `*.safetensors` (one file or shards with an index) and
-the tokenizer. Everything checkable is checked before any tensor is read, so a bad download
-fails at once naming the file; tensors are then streamed one at a time."""
+"""Hugging Face folders: `config.json`, `*.safetensors` (one file or indexed shards) and the
+tokenizer. Everything checkable is checked before any tensor is read, so a bad download fails at
+once, naming the file; tensors are then streamed one at a time."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def _read_safetensors(files: list[Path]) -> CountedWeights:
-    """The tensors of safetensors files, CPU, stored dtype: every header is checked now, the
-    tensors are read lazily, file by file. ValueError names a truncated or corrupt file."""
+    """The tensors of safetensors files (CPU, stored dtype), read lazily after every header is
+    checked. ValueError names a truncated or corrupt file."""
     count = 0
     for file in files:
         with _open(file) as f:
@@ -59,13 +59,9 @@ def _corrupt(file: Path, exc: Exception) -> ValueError:
 def load_hf_folder(path: str | os.PathLike) -> tuple[ModelConfig, CountedWeights]:
     """`(config, weights)` of a folder with `config.json` and `model.safetensors`, or shards
     listed in `model.safetensors.index.json` (else any `*.safetensors`); weights are streamed
-    `(Hugging Face name, CPU tensor in the stored dtype)` pairs, every header checked first.
-
-    Raises:
-        FileNotFoundError: the folder, `config.json` or a safetensors file is missing.
-        ValueError: not a folder, invalid JSON, an unsupported architecture, or a truncated or
-            corrupt safetensors file (named).
-    """
+    `(Hugging Face name, CPU tensor in the stored dtype)` pairs. FileNotFoundError: the folder,
+    `config.json` or a safetensors file is missing. ValueError: not a folder, invalid JSON, an
+    unsupported architecture, or a truncated or corrupt safetensors file (named)."""
     folder = _folder("load_hf_folder", path)
     config_path = folder / "config.json"
     if not config_path.is_file():

@@ -1,8 +1,7 @@
 """The running requests' per-slot state as persistent numpy arrays, and a step's inputs from it.
 
 A running request owns one slot (a row of each array) from admission until it finishes or is
-preempted. The scheduler writes the row on admission, appends blocks as it grows and advances it
-after each step; the model runner gathers a step by fancy indexing over its slots (`gather`).
+preempted; the scheduler writes the rows, the model runner gathers a step from them (`gather`).
 
 Arrays (R = max_num_reqs, L = max_model_len, B = ceil(L / block_size)), zero in free rows:
 
@@ -55,7 +54,7 @@ class InputBatch:
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int32)
         self.block_table = np.zeros((max_num_reqs, self.max_blocks), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
-        # Lowest free slot first, so that a small batch stays in the leading rows.
+        # lowest free slot first: a small batch stays in the leading rows
         self._free = list(range(max_num_reqs - 1, -1, -1))
 
     @classmethod
@@ -81,8 +80,8 @@ class InputBatch:
         return len(self._free)
 
     def add(self, token_ids: Sequence[int], num_computed: int, block_table: Sequence[int]) -> int:
-        """Give a request a slot and write its row; returns the slot. RuntimeError when every
-        slot is taken, ValueError for more tokens or blocks than a row holds."""
+        """Write a request into a free slot; returns it. RuntimeError: no free slot;
+        ValueError: more tokens or blocks than a row holds."""
         if not self._free:
             raise RuntimeError(f"InputBatch.add: all {self.max_num_reqs} slots are taken.")
         if len(token_ids) > self.max_model_len or len(block_table) > self.max_blocks:
@@ -129,15 +128,14 @@ class InputBatch:
         self.token_ids[slots, self.num_tokens[slots] - 1] = tokens
 
     def gather(self, slots: np.ndarray, num_new: np.ndarray) -> StepInputs:
-        """The step that runs `token_ids[num_computed : num_computed + num_new[i]]` of each
-        `slots[i]`, in this order (its blocks must cover them)."""
+        """The step that runs the next `num_new[i]` tokens of each `slots[i]`, in this order."""
         num_new = np.asarray(num_new, dtype=np.int32)
         num_reqs = len(slots)
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
         np.cumsum(num_new, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
         computed = self.num_computed[slots]
-        # Request row and position of every new token.
+        # the request row and position of every new token
         rows = np.repeat(np.arange(num_reqs), num_new)
         offsets = np.arange(num_tokens) - query_start_loc[rows]
         positions = computed[rows].astype(np.int64) + offsets
@@ -157,8 +155,8 @@ class InputBatch:
         )
 
     def common_prefix_len(self, slots: np.ndarray) -> int:
-        """Leading KV blocks shared by every request of `slots`, within every one's context,
-        in tokens (0 for fewer than two requests)."""
+        """Tokens in the leading KV blocks every request of `slots` shares within its context
+        (0 for fewer than two requests)."""
         if len(slots) < 2:
             return 0
         width = int(self.num_blocks[slots].min())

@@ -1,17 +1,13 @@
 """`KVCacheGroup`: attention layers that share one backend and one KV-cache spec (an
 `AttentionSpec`, or an `MLAAttentionSpec` for MLA's latent cache), and the one metadata builder
-serving them (a plain model has one group; Gemma2's sliding and global layers make two). A
-per-phase group also has a prefill backend and its builder: decode requests run on the first,
-prefill requests on the second, over one cache per layer in the layout both take
-(docs/per_phase.md). Every group reads the engine's block table and slot mapping; a group whose
-kernel block is smaller than the engine block reads the table expanded to kernel blocks (slot
-numbers are the same in both).
+serving them (Gemma2's sliding and global layers make two groups). A group whose kernel block is
+smaller than the engine block reads the block table expanded to kernel blocks (slot numbers are
+the same in both).
 
-A per-phase group's step is laid out decodes first (`ModelRunner._order`, at the threshold
-passed to `build_by_phase`), so its decode requests are the leading rows and its prefill
-requests (fresh or chunked) the rest; each part gets its own `CommonAttentionMetadata`
-(`split_by_phase`) and its own builder's metadata, and the layer writes K/V once for the whole
-step."""
+A per-phase group (docs/per_phase.md) also has a prefill backend and builder over the same
+caches. Its step is laid out decodes first (`ModelRunner._order`), so the decode requests are
+the leading rows; each part gets its own `CommonAttentionMetadata` (`split_by_phase`) and
+builder's metadata, and the layer writes K/V once for the whole step."""
 
 from __future__ import annotations
 
@@ -31,7 +27,7 @@ from anyattn.metadata import (
 from anyattn.phase_metadata import PhaseSplitMetadata, split_by_phase
 from anyattn.types import KVCacheLayout
 
-__all__ = ["CascadeLen", "KVCacheGroup", "build_by_phase", "in_kernel_blocks", "split_threshold"]
+__all__ = ["KVCacheGroup", "build_by_phase", "in_kernel_blocks"]
 
 
 @dataclass
@@ -82,36 +78,16 @@ def in_kernel_blocks(
     return replace(common, block_table_tensor=device_table, block_table_cpu=cpu_table)
 
 
-CascadeLen = Callable[[AttentionMetadataBuilder, np.ndarray], int]
-"""`cascade_len(builder, query_lens) -> common_prefix_len` for one part's requests (0: none)."""
-
-
-def split_threshold(group: KVCacheGroup) -> int:
-    """The query length at or below which a per-phase group's request is a decode: the decode
-    builder's `reorder_batch_threshold`, else 1."""
-    threshold = group.builder.reorder_batch_threshold
-    return 1 if threshold is None else threshold
-
-
 def build_by_phase(
     group: KVCacheGroup,
     common: CommonAttentionMetadata,
     decode_threshold: int,
-    cascade_len: CascadeLen,
+    cascade_len: Callable[[AttentionMetadataBuilder, np.ndarray], int],
 ) -> tuple[PhaseSplitMetadata, int]:
-    """Build one step of the per-phase `group`.
-
-    Args:
-        group: a group with a `prefill_builder`.
-        common: the step in the group's kernel blocks, decodes (query length at most
-            `decode_threshold`) first.
-        decode_threshold: the threshold the step was ordered by.
-        cascade_len: the shared-prefix length each part's builder runs by cascade (0: none).
-
-    Returns:
-        `(metadata, common_prefix_len)`: the layers' `PhaseSplitMetadata` and the longest shared
-        prefix a part ran by cascade.
-    """
+    """Build one step of the per-phase `group`: `common` in its kernel blocks, ordered decodes
+    (query length <= `decode_threshold`) first; `cascade_len(builder, query_lens)` is the shared
+    prefix a part's builder runs by cascade (0: none). Returns the layers' `PhaseSplitMetadata`
+    and the longest shared prefix a part ran by cascade."""
     assert group.prefill_builder is not None, "a per-phase group has a prefill builder"
     num_decodes, _, num_decode_tokens, _ = split_decodes_and_prefills(common, decode_threshold)
     decode, prefill = split_by_phase(common, num_decodes)

@@ -6,21 +6,18 @@
         print(delta, end="", flush=True)
 
 One step: the scheduler picks requests and token counts, the model runner runs them, the
-sampler picks next tokens, the scheduler records them and finishes requests. With asynchronous
-scheduling (the default on CUDA) a step is scheduled and launched while the previous one still
-runs on the device: the scheduler counts the previous step's sampled tokens as reserved (their
-values on the device, which the model runner feeds in as input ids), then the previous step's
-tokens are read back and applied (`Scheduler.advance` / `Scheduler.resolve`). Output text is
-decoded when read (`CompletionOutput.text`), except for requests with stop strings, whose new
-tokens are decoded each step to find them.
+sampler picks next tokens, the scheduler records them. With asynchronous scheduling (the
+default on CUDA) a step is launched while the previous one still runs: the previous step's
+tokens are reserved and fed to the model from the device, then read back and applied
+(`Scheduler.advance` / `Scheduler.resolve`). Output text is decoded when read, except for
+requests with stop strings, decoded each step to find them.
 """
 
 from __future__ import annotations
 
 import itertools
-import numbers
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,9 +25,10 @@ import torch
 from anyattn.async_copy import HostCopy
 from anyattn.config import BatchLimits
 from anyattn.engine.arguments import (
+    check_generate_args,
     check_params,
+    check_token_ids,
     encode_text,
-    is_token_ids,
     parse_device,
     parse_memory,
 )
@@ -59,8 +57,7 @@ _DEFAULT_MAX_MODEL_LEN = 4096
 
 @dataclass(frozen=True)
 class _Launched:
-    """A step queued on the device: the batch rows it samples and their tokens, on their way
-    to the host."""
+    """A step queued on the device: the batch rows it samples and their tokens."""
 
     rows: list[int]
     tokens: HostCopy
@@ -100,14 +97,11 @@ class LLM:
         max_model_len: longest prompt + output; default min(model's context, 4096).
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
         kv_cache_dtype: "auto" or an fp8 / half cache dtype.
-        enforce_eager: never capture CUDA graphs (on CUDA, decode steps otherwise replay graphs
-            captured at start-up when the attention backends allow it).
-        async_scheduling: schedule and launch each step before the previous one's tokens reach
-            the host, so the host's work overlaps the device's (README, "The engine"); default on
-            CUDA, off on the CPU (where the host is the device). Greedy and seeded requests
-            get the tokens of the synchronous engine; a request that ends by eos or a stop may
-            compute one token more, which is dropped (and which moves the draws of unseeded
-            sampled requests in the same step).
+        enforce_eager: never capture CUDA graphs for decode steps.
+        async_scheduling: launch each step before the previous one's tokens reach the host
+            (default on CUDA, off on the CPU). Greedy and seeded requests get the synchronous
+            engine's tokens; a request ending by eos or a stop may compute one extra token,
+            which is dropped (and moves the draws of unseeded sampled requests in that step).
     """
 
     def __init__(
@@ -128,7 +122,6 @@ class LLM:
         enforce_eager: bool = False,
         async_scheduling: bool | None = None,
     ) -> None:
-        # Every argument is checked before the (slow) model load.
         if model is not None and not isinstance(model, str | os.PathLike):
             raise TypeError(
                 f"LLM: model must be a path to a .gguf file or a Hugging Face folder (got "
@@ -172,8 +165,7 @@ class LLM:
                 f"expected <= {context})."
             )
         limits = BatchLimits(max_num_seqs, max_num_batched_tokens, self.max_model_len)
-        # what the layers run on beyond one backend each, and why (also logged)
-        self.backend_notes: list[str] = []
+        self.backend_notes: list[str] = []  # per-phase or measured choices, and why
         if request.is_fastest:
             self.backend_notes = use_fastest_backends(self.model, self.device, limits)
         elif request.prefill_backend is not None:
@@ -212,7 +204,6 @@ class LLM:
         self.eos_token_ids = tuple(sorted(set(eos) | ({tokenizer_eos} - {None})))
 
     def _num_blocks(self, memory: int, kv_cache_dtype: str, limits: BatchLimits) -> int:
-        # K and V rows per token, or one latent row for MLA layers
         per_block = sum(
             layer.kv_cache_spec(self.block_size, self.dtype, kv_cache_dtype).page_size_bytes
             for layer in self.model.attention_layers()
@@ -231,34 +222,13 @@ class LLM:
         """The attention backends the layers run on (both of a per-phase pair)."""
         return self.runner.backend_names
 
-    # --- requests ----------------------------------------------------------------------------
-
     def encode_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
         """Token ids of a prompt: a string (with the chat template when `chat`) or token ids
         (a list, a 1-D array or tensor of ints). TypeError: another type, or ids that are not
         integers; ValueError: ids outside the vocabulary, or `chat` with ids."""
         if isinstance(prompt, str):
             return encode_text(self.tokenizer, prompt, chat)
-        if hasattr(prompt, "tolist") and getattr(prompt, "ndim", 1) == 1:
-            prompt = prompt.tolist()  # numpy arrays and tensors of ids
-        if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
-            raise TypeError(
-                f"LLM: a prompt must be a str or a list of token ids (got {type(prompt).__name__})."
-            )
-        if chat:
-            raise ValueError(
-                "LLM: chat=True needs text prompts (got token ids); apply the chat template "
-                "yourself or pass the text."
-            )
-        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
-            raise TypeError("LLM: prompt token ids must be integers (got other values).")
-        ids = [int(t) for t in prompt]
-        vocab = self.model_config.vocab_size
-        if not all(0 <= t < vocab for t in ids):
-            raise ValueError(
-                f"LLM: prompt token ids must lie in [0, {vocab}) (got values outside it)."
-            )
-        return ids
+        return check_token_ids(prompt, chat, self.model_config.vocab_size)
 
     def add_request(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, chat: bool = False
@@ -295,8 +265,6 @@ class LLM:
     def has_unfinished_requests(self) -> bool:
         """Whether any queued request still has work (or a failure to report)."""
         return self.scheduler.has_unfinished()
-
-    # --- stepping ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns the outputs of requests that changed (a new token,
@@ -358,47 +326,18 @@ class LLM:
         entry.output.finished = True
         entry.output.outputs[0].finish_reason = entry.request.finish_reason
 
-    # --- convenience -------------------------------------------------------------------------
-
     def generate(
         self,
         prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         chat: bool = False,
     ) -> list[RequestOutput]:
-        """Run prompts to completion.
-
-        Args:
-            prompts: a string, a list of token ids, or a list of either.
-            params: one SamplingParams for all prompts, or one per prompt.
-            chat: wrap string prompts in the model's chat template.
-
-        Returns:
-            One `RequestOutput` per prompt, in order; a failed request (e.g. a prompt longer
-            than `max_model_len`) has `error` set. TypeError / ValueError for a bad prompt or
-            params, before anything is queued.
-        """
-        if isinstance(prompts, str) or is_token_ids(prompts):
-            prompts = [prompts]
-        if isinstance(prompts, Mapping | bytes | bytearray) or not hasattr(prompts, "__iter__"):
-            raise TypeError(
-                f"LLM.generate: prompts must be a str, token ids, or a list of those (got "
-                f"{type(prompts).__name__})."
-            )
-        prompts = list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        elif isinstance(params, str) or not isinstance(params, Sequence):
-            raise TypeError(
-                f"LLM.generate: params must be a SamplingParams or a list of them (got "
-                f"{type(params).__name__})."
-            )
-        params = [check_params(p) for p in params]
-        if len(params) != len(prompts):
-            raise ValueError(
-                f"LLM.generate: params must be one SamplingParams or one per prompt (got "
-                f"{len(params)} for {len(prompts)} prompts)."
-            )
+        """Run `prompts` (a string, token ids, or a list of either) to completion with `params`
+        (one for all, or one per prompt), string prompts in the chat template when `chat`.
+        Returns one `RequestOutput` per prompt, in order; a failed request (e.g. a prompt longer
+        than `max_model_len`) has `error` set. TypeError / ValueError for a bad prompt or params,
+        before anything is queued."""
+        prompts, params = check_generate_args(prompts, params)
         # Encode every prompt before queueing any, so that a bad one leaves nothing behind.
         encoded = [self.encode_prompt(p, chat) for p in prompts]
         ids = [self._add(p, e, sp) for p, e, sp in zip(prompts, encoded, params, strict=True)]
@@ -425,19 +364,16 @@ class LLM:
         hold = max((len(stop) - 1 for stop in params.stop), default=0)
         shown = 0
         try:
-            while True:
+            is_done = False
+            while not is_done:
                 if not output.finished:
                     self.step()
+                is_done = output.finished
                 text = output.outputs[0].text
-                if output.finished:
-                    ready = len(text)
-                else:
-                    ready = max(len(text.rstrip("\ufffd")) - hold, shown)
+                ready = len(text) if is_done else max(len(text.rstrip("\ufffd")) - hold, shown)
                 if ready > shown:
                     yield text[shown:ready]
                     shown = ready
-                if output.finished:
-                    break
         finally:
             self.abort_request(request_id)
         if output.error:

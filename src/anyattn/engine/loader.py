@@ -50,7 +50,7 @@ def _with_progress(weights: CountedWeights, label: str) -> Iterable[tuple[str, t
         return
     from rich.progress import Progress, TextColumn
 
-    # The label holds a file name: printed as given, not read as markup ("smol[bold].gguf").
+    # the label, a file name, is not markup ("smol[bold].gguf")
     columns = (TextColumn("{task.description}", markup=False), *Progress.get_default_columns()[1:])
     with Progress(*columns, transient=True) as progress:
         task = progress.add_task(label, total=len(weights))
@@ -71,11 +71,8 @@ def load_model(
 ) -> LoadedModel:
     """Build the model for `path` (default: the embedded SmolLM2 GGUF) and load its weights;
     `max_positions` bounds the RoPE table (default: the model's whole context).
-
-    Raises:
-        FileNotFoundError: the path does not exist (or the default model is not installed).
-        ValueError: a corrupt file or an unsupported architecture / quantisation.
-    """
+    FileNotFoundError: no such path (or the default model is not installed). ValueError: a
+    corrupt file or an unsupported architecture / quantisation."""
     resolved = default_model_path() if path is None else Path(path).expanduser()
     if not resolved.exists():
         raise FileNotFoundError(

@@ -1,9 +1,6 @@
-"""`ModelConfig`: the engine's normalised view of a model's hyper-parameters.
-
-`ModelConfig.from_hf` reads the spellings `config.json` files use across architectures and
-transformers versions (`rope_scaling` + `rope_theta` or `rope_parameters`, `hidden_act` or
-Gemma2's `hidden_activation`, Qwen2's `use_sliding_window`, `layer_types`) into one frozen
-record, absent keys taking the defaults of transformers 5.24's config class of the architecture.
+"""`ModelConfig`: the engine's normalised view of a model's hyper-parameters, read by `from_hf`
+from the spellings `config.json` files use across architectures and transformers versions,
+absent keys taking the defaults of transformers 5.24's config class of the architecture.
 """
 
 from __future__ import annotations
@@ -268,9 +265,8 @@ def _float_or_none(cfg: Mapping[str, Any], key: str, is_used: bool) -> float | N
 
 
 def _rope(cfg: Mapping[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, normalised rope_scaling) from either spelling, as transformers 5 merges them:
-    `rope_scaling` wins over `rope_parameters`, and a theta inside the dict over the top-level
-    `rope_theta`."""
+    """(rope_theta, normalised rope_scaling), merged as transformers 5 does: `rope_scaling` over
+    `rope_parameters`, a theta inside the dict over the top-level `rope_theta`."""
     params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
     layer_types = set(cfg.get("layer_types") or ())
     if layer_types & set(params):

@@ -7,6 +7,7 @@ every group's backend allows it (`cuda_graphs.py`); one log line says whether, o
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, replace
 
@@ -27,7 +28,6 @@ from anyattn.engine.kv_cache_group import (
     KVCacheGroup,
     build_by_phase,
     in_kernel_blocks,
-    split_threshold,
 )
 from anyattn.engine.sequence import PLACEHOLDER
 from anyattn.kv_cache import allocate_kv_cache
@@ -59,12 +59,8 @@ class StepOutput:
 
 class ModelRunner:
     """Owns the KV caches (`num_blocks` engine blocks per layer, block 0 the null block), the
-    builders and the CUDA graphs; `execute` runs one scheduled step.
-
-    `limits` go to every builder; on CUDA, empty `cudagraph_capture_sizes` become the defaults.
-    `cuda_graph_plan.message` says what was decided about CUDA graphs; `cuda_graphs` is the
-    `CudaGraphRunner` when they are on.
-    """
+    builders (given `limits`) and the CUDA graphs (`cuda_graphs` when on;
+    `cuda_graph_plan.message` says why or why not); `execute` runs one scheduled step."""
 
     def __init__(
         self,
@@ -82,7 +78,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.dtype = dtype
-        # For the cascade cost model; 0 (not CUDA) leaves out its SM-occupancy term.
+        # for the cascade cost model; 0 leaves out its SM-occupancy term
         self.num_sms = (
             torch.cuda.get_device_properties(self.device).multi_processor_count
             if self.device.type == "cuda"
@@ -90,19 +86,18 @@ class ModelRunner:
         )
         attention_layers = list(model.attention_layers())
         layers = {layer.layer_name: layer for layer in attention_layers}
-        if len(layers) != len(attention_layers):
-            raise ValueError(
-                f"ModelRunner: attention layer names must be unique (got {len(attention_layers)} "
-                f"layers under {len(layers)} names)."
-            )
         specs = self._group_specs(attention_layers, kv_cache_dtype)
         self.cuda_graph_plan, self.limits = self._plan_cuda_graphs(specs, limits, enforce_eager)
         self.groups = [self._make_group(key, names, layers) for key, names in specs.items()]
-        # Every group's batch is laid out decodes first at one threshold (`_order`).
         thresholds = [g.builder.reorder_batch_threshold for g in self.groups]
         for g in self.groups:
             if g.prefill_builder is not None:
-                thresholds += [split_threshold(g), g.prefill_builder.reorder_batch_threshold]
+                # a per-phase group splits at its decode builder's threshold, else 1
+                split = g.builder.reorder_batch_threshold
+                thresholds += [
+                    1 if split is None else split,
+                    g.prefill_builder.reorder_batch_threshold,
+                ]
         known = [t for t in thresholds if t is not None]
         self.decode_threshold: int | None = min(known) if known else None
         self.kv_caches: dict[str, torch.Tensor] = {}
@@ -120,8 +115,7 @@ class ModelRunner:
                     layout=group.layout,
                     device=self.device,
                 )
-        # The latest token sampled for each slot, on the device: a step scheduled before the
-        # previous one's tokens reached the host reads its reserved input tokens from here.
+        # per slot, the latest sampled token, which a step's reserved input tokens read
         self.last_tokens = torch.zeros(self.limits.max_num_reqs, dtype=torch.long, device=device)
         # Recorded once a step's inputs are copied: the next step rewrites pinned buffers (its
         # own and the builders') only after it, while the step itself may still be running.
@@ -176,13 +170,9 @@ class ModelRunner:
     def _group_specs(
         self, layers: list[Attention | MLAAttention], kv_cache_dtype: str
     ) -> dict[GroupKey, list[str]]:
-        """(backend, prefill backend or None, spec) -> layer names, in layer order; each layer
-        gives its own spec (an `AttentionSpec`, or an `MLAAttentionSpec` for a latent cache) in
-        kernel blocks: for a per-phase layer the kernel block both backends read.
-
-        Raises:
-            ValueError: a per-phase layer whose two backends cannot share its cache (why).
-        """
+        """(backend, prefill backend or None, spec in kernel blocks) -> layer names, in layer
+        order; a per-phase layer's kernel block is the one both backends read. ValueError: a
+        per-phase layer whose two backends cannot share its cache (why)."""
         by_key: dict[GroupKey, list[str]] = {}
         for layer in layers:
             prefill = getattr(layer, "prefill_backend", None)
@@ -215,8 +205,7 @@ class ModelRunner:
     def _make_group(
         self, key: GroupKey, names: list[str], layers: dict[str, Attention | MLAAttention]
     ) -> KVCacheGroup:
-        """The group of `names`: its builder (and the prefill builder of a per-phase group,
-        each made with its own impls' records) and its caches' layout."""
+        """The group of `names`: its builder(s), each made with its own impls' records."""
         backend, prefill, spec = key
 
         def builder(backend_cls: type[AttentionBackend], impl_attr: str) -> object:
@@ -247,12 +236,10 @@ class ModelRunner:
         return sorted(names)
 
     def _order(self, num_new: np.ndarray) -> np.ndarray:
-        """Batch order every builder accepts: decodes first when one asks, or when a group runs
-        phases on different backends (stable)."""
+        """Batch order every builder accepts: decodes first (stable) when a builder asks or a
+        group runs phases on different backends; the smallest threshold serves every group."""
         if self.decode_threshold is None:
             return np.arange(len(num_new))
-        # One layout serves every group; the smallest threshold keeps each group's leading
-        # decodes within its own threshold.
         is_decode = num_new <= self.decode_threshold
         return np.concatenate([np.flatnonzero(is_decode), np.flatnonzero(~is_decode)])
 
@@ -276,8 +263,7 @@ class ModelRunner:
         prefix_len = batch.common_prefix_len(slots)
         rows = np.flatnonzero(needs_sample[order])
         reserved = _reserved_index(step.input_ids, np.repeat(slots[order], num_new[order]))
-        # The step's inputs in one upload: each copy has a fixed host cost, and an eager step
-        # is bound by the host.
+        # one upload for all of the step's inputs: an eager step is bound by the host
         arrays = [
             step.input_ids,
             step.positions,
@@ -311,8 +297,7 @@ class ModelRunner:
             self.last_tokens[to_device(np.asarray(slots, dtype=np.int64), self.device)] = tokens
 
     def _fill_reserved(self, input_ids: torch.Tensor, index: torch.Tensor) -> None:
-        """Overwrite the reserved tokens of `input_ids` with their slots' `last_tokens`; `index`
-        is `_reserved_index`'s `[2, n]` (positions, slots) on the device."""
+        """Reserved tokens of `input_ids` from `last_tokens`; `index`: `_reserved_index`'s."""
         input_ids[index[0]] = self.last_tokens[index[1]]
 
     def _record_inputs_copied(self) -> None:
@@ -327,8 +312,7 @@ class ModelRunner:
         block_table: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> CommonAttentionMetadata:
-        """The step's metadata: CPU mirrors over the step's arrays, and the device copies of
-        its query start locations, sequence lengths, block table and slot mapping."""
+        """The step's metadata over its host arrays and their device copies."""
         return CommonAttentionMetadata(
             query_start_loc=query_start_loc,
             query_start_loc_cpu=torch.from_numpy(step.query_start_loc),
@@ -374,10 +358,7 @@ class ModelRunner:
         used_prefix = 0
         for group in self.groups:
             group_common = in_kernel_blocks(group, common, self.block_size)
-
-            def cascade_len(builder: object, lens: np.ndarray, group: KVCacheGroup = group) -> int:
-                return self._cascade_len(group, builder, prefix_len, lens)
-
+            cascade_len = functools.partial(self._cascade_len, group, prefix_len)
             if group.prefill_builder is None:
                 prefix = cascade_len(group.builder, query_lens)
                 built: object = group.builder.build(prefix, group_common)
@@ -392,7 +373,7 @@ class ModelRunner:
         return metadata, used_prefix
 
     def _cascade_len(
-        self, group: KVCacheGroup, builder: object, prefix_len: int, query_lens: np.ndarray
+        self, group: KVCacheGroup, prefix_len: int, builder: object, query_lens: np.ndarray
     ) -> int:
         """`prefix_len` when `builder` runs this step's shared prefix by cascade, else 0."""
         cascade = prefix_len > 0 and builder.use_cascade_attention(

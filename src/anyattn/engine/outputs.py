@@ -11,11 +11,9 @@ __all__ = ["CompletionOutput", "RequestOutput"]
 
 
 class CompletionOutput:
-    """One generated completion: its text, token ids and why it ended (None while running).
-
-    `token_ids` grows while the request runs. `text` is decoded when read, from where the
-    previous read stopped, so a caller that reads it only at the end pays for one decode.
-    """
+    """One generated completion: its text, token ids (growing while the request runs) and
+    why it ended (None while running). `text` is decoded when read, from where the previous
+    read stopped."""
 
     def __init__(self, token_ids: list[int] | None = None, text: OutputText | None = None):
         self.token_ids: list[int] = [] if token_ids is None else token_ids

@@ -1,9 +1,7 @@
-"""The answers still running in `anyattn generate`, shown on a terminal as they are generated.
-
-`RunningView` keeps one line per running request, `[i] <the end of its text>`, cropped to the
-terminal's width in cells, below the lines already printed; the view is erased when it stops
-(rich's `Live`, transient). Where stdout is not a terminal it shows nothing, so pipes and files
-receive only the finished lines. Errors go to the real stderr with the view paused.
+"""The answers still running in `anyattn generate`, shown on a terminal as they are generated:
+one line per running request, `[i] <the end of its text>` cropped to the terminal's width,
+below the lines already printed, erased when it stops (rich's transient `Live`). Where stdout
+is not a terminal it shows nothing, so pipes and files receive only the finished lines.
 """
 
 from __future__ import annotations

@@ -25,11 +25,8 @@ class Sampler:
 
     Greedy rows (temperature 0) take the argmax of the raw logits (the first index on a tie).
     Other rows: logits / temperature, then top-k, then top-p over the renormalised survivors
-    (the smallest set of most likely tokens whose probability reaches top_p; at least one), then
-    one draw from the softmax with the request's generator. The filtering is one batched pass
-    over every sampled row with per-row limits; only the draw is per request, because each
-    request has its own generator: a request's tokens depend on its seed, its logits and
-    nothing else in the batch.
+    (at least one token kept), then one draw from the softmax with the request's generator, so
+    that a seeded request's tokens depend on nothing else in the batch.
     """
 
     def __call__(
@@ -49,8 +46,8 @@ class Sampler:
         params: ParamsList[SamplingParams],
         generators: ParamsList[torch.Generator | None],
     ) -> torch.Tensor:
-        """`__call__`'s tokens as an int64 tensor `[num_reqs]` on `logits.device`, computed
-        without waiting for the device (nothing is read back)."""
+        """`__call__`'s tokens as an int64 tensor `[num_reqs]` on `logits.device`, nothing read
+        back."""
         if logits.dim() != 2 or not logits.is_floating_point():
             raise ValueError(
                 f"Sampler: logits must be a float tensor [num_reqs, vocab_size] (got "
@@ -84,18 +81,17 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
     """Set the logits that top-k / top-p drop to -inf; rows needing neither pass through."""
     vocab_size = logits.shape[1]
     top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-    # A row with top_p off gets a threshold no cumulative probability reaches.
     top_p = [p.top_p if p.top_p < 1.0 else 2.0 for p in params]
     if all(k == vocab_size for k in top_k) and all(p > 1.0 for p in top_p):
         return logits
     device = logits.device
-    # Stable sort: equal logits keep index order, so top-k 1 picks argmax's token.
+    # stable: equal logits keep index order, so top-k 1 picks argmax's token
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     position = torch.arange(vocab_size, device=device)
     drop = position >= _on(device, top_k).unsqueeze(1)  # [num_rows, vocab_size]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    # Probability of the tokens ranked above each token: it is kept while that is < top_p.
+    # a token is kept while the mass ranked above it is < top_p
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     drop |= mass_before >= _on(device, top_p, torch.float32).unsqueeze(1)
     drop[:, 0] = False

@@ -1,6 +1,5 @@
-"""SamplingParams: how one request turns logits into tokens, and when it stops. Fields and
-defaults follow vLLM's; every field is checked on construction, a bad value raising ValueError
-that names the field, what it must be and what was given."""
+"""SamplingParams: how one request turns logits into tokens, and when it stops (vLLM's fields
+and defaults, each checked on construction)."""
 
 from __future__ import annotations
 
@@ -10,8 +9,7 @@ from dataclasses import dataclass
 
 __all__ = ["GREEDY_TEMPERATURE", "SamplingParams"]
 
-# Temperatures below this are treated as greedy: dividing logits by a tiny temperature overflows
-# float32 and sampling from the result is argmax anyway (vLLM uses the same threshold).
+# Below it sampling is greedy: a tiny temperature overflows float32 and is argmax anyway (vLLM's).
 GREEDY_TEMPERATURE = 1e-5
 
 # torch.Generator.manual_seed accepts exactly this range.
@@ -23,7 +21,7 @@ def _error(field: str, expected: str, value: object, hint: str = "") -> ValueErr
     return ValueError(f"{message} {hint}" if hint else message)
 
 
-# numbers.* so numpy scalars are accepted too; bool is an Integral but never a sensible value here.
+# numbers.*: numpy scalars are accepted too; bool never is.
 def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -76,15 +74,14 @@ class SamplingParams:
             raise _error("max_tokens", "an int >= 1", self.max_tokens)
         if not isinstance(self.ignore_eos, bool):
             raise _error("ignore_eos", "a bool", self.ignore_eos)
-        # Frozen dataclass: normalised values are written through object.__setattr__.
-        object.__setattr__(self, "temperature", float(t))
-        object.__setattr__(self, "top_p", float(p))
-        object.__setattr__(self, "top_k", max(int(self.top_k), 0))
-        object.__setattr__(self, "max_tokens", int(self.max_tokens))
-        if seed is not None:
-            object.__setattr__(self, "seed", int(seed))
-        object.__setattr__(self, "stop", _normalise_stop(self.stop))
-        object.__setattr__(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
+        set_ = object.__setattr__  # frozen: normalised values are written through it
+        set_(self, "temperature", float(t))
+        set_(self, "top_p", float(p))
+        set_(self, "top_k", max(int(self.top_k), 0))
+        set_(self, "max_tokens", int(self.max_tokens))
+        set_(self, "seed", None if seed is None else int(seed))
+        set_(self, "stop", _normalise_stop(self.stop))
+        set_(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
 
     @property
     def is_greedy(self) -> bool:

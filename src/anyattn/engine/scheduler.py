@@ -1,28 +1,21 @@
 """Scheduler: continuous batching with chunked prefill, preemption by recompute, FCFS.
 
-A step's budget of `max_num_batched_tokens` new tokens goes first to running sequences with one
-token left (decodes), then to running ones part-way through their prompt (chunked prefill), each
-group in admission order, then to waiting ones, first come first served, while fewer than
-`max_num_seqs` run. A waiting sequence that does not fit stops admission: nobody overtakes it.
+A step's budget of `max_num_batched_tokens` new tokens goes to running decodes (one token
+left), then running prompts part-way through (chunked prefill), each in admission order, then
+to waiting sequences in arrival order while fewer than `max_num_seqs` run; a waiting sequence
+that does not fit stops admission (nobody overtakes it).
 
-A step is applied in two halves: `advance` when it is launched (tokens computed, blocks offered
-to the prefix cache, one token reserved per sampled sequence) and `resolve` once its sampled
-tokens are on the host (values filled in, sequences finished). Between them the next step may
-be scheduled and launched (the engine's asynchronous scheduling), but not advanced: a step is
-advanced only once the previous one is resolved. A sequence whose reserved token brings it to
-its length limit is not scheduled again (it finishes when that token is resolved). `update` is
-the two halves at once.
+A step is applied in two halves: `advance` at launch (tokens computed, full blocks offered to
+the prefix cache, one token reserved per sampled sequence) and `resolve` once the sampled
+tokens are on the host. The next step may be scheduled and launched in between (asynchronous
+scheduling) but is advanced only after that resolve; a sequence whose reserved token reaches
+its length limit is not scheduled again. `update` is both halves at once.
 
-When a running sequence needs a block and none is free, the most recently admitted running one
-is preempted: its blocks are freed, `num_computed_tokens` drops to 0, and it goes back to the
-front of the queue, its generated tokens recomputed like prompt tokens when it resumes. A step
-that preempted admits nobody. Nothing deadlocks: a request that could not run to its end with
-the whole pool to itself fails when it is added (finish reason "error", `seq.error` says why).
-
-The running sequences' `InputBatch` rows (which the model runner lays steps out from) follow
-them: a slot from admission to preemption or finish; blocks, computed and sampled tokens are
-written as they come. All-decode steps are planned and applied over those arrays; only the
-sequences that need a new block, fill one or may finish are visited one by one.
+When a running sequence needs a block and none is free, the most recently admitted one is
+preempted (blocks freed, `num_computed_tokens` 0, back to the front of the queue) and the step
+admits nobody. A request that could not finish with the whole pool to itself fails when added
+(finish reason "error"), so nothing deadlocks. Running sequences own a row (`slot`) of
+`input_batch`, which the model runner lays steps out from.
 """
 
 from __future__ import annotations
@@ -141,7 +134,7 @@ class Scheduler:
         return bool(self.waiting or self.running or self._failed)
 
     def schedule(self) -> ScheduledBatch:
-        """Plan the next step (see the module docstring for the order and the rules)."""
+        """Plan the next step (the module docstring has the rules)."""
         batch = ScheduledBatch(failed=self._failed)
         self._failed = []
         budget = self.max_num_batched_tokens
@@ -197,8 +190,7 @@ class Scheduler:
 
     def _schedule_running(self, budget: int, batch: ScheduledBatch) -> dict[Sequence, int]:
         """Running sequences -> their new tokens, decodes first, preempting when blocks run out."""
-        scheduled: dict[Sequence, int] = {}  # in scheduling order
-        # Stable sort: decodes (one token left) first, each group in admission order.
+        scheduled: dict[Sequence, int] = {}
         for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1):
             if budget == 0:
                 break
@@ -237,14 +229,10 @@ class Scheduler:
         return [seq for seq in self.resolve(batch, sampled) if seq.is_finished]
 
     def advance(self, batch: ScheduledBatch, sample_rows: list[int]) -> None:
-        """Count a launched step as computed: advance each sequence, offer its filled blocks to
-        the prefix cache, and reserve the next token of each of `sample_rows` (indices into
-        `batch.seqs`, the sequences whose step computes all their known tokens), whose value
-        `resolve` gives once the step's sampled tokens reach the host. The next `schedule` may
-        run before that: a reserved token is scheduled like a known one. Sequences finished
-        since `schedule` are left alone. ValueError when `sample_rows` are not exactly the
-        sequences that complete.
-        """
+        """Count a launched step as computed, offer filled blocks to the prefix cache and
+        reserve the next token of each of `sample_rows` (indices into `batch.seqs`) for
+        `resolve` to fill. Sequences finished since `schedule` are left alone. ValueError when
+        `sample_rows` are not exactly the sequences whose known tokens the step completes."""
         seqs, n = batch.seqs, len(batch.seqs)
         arrays, slots = self.input_batch, batch.slots
         num_new = np.asarray(batch.num_new_tokens, dtype=np.int32)

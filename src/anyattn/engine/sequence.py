@@ -8,12 +8,12 @@ from anyattn.engine.sampling_params import SamplingParams
 
 __all__ = ["FINISH_REASONS", "PLACEHOLDER", "Sequence", "SequenceStatus"]
 
-# "stop": an eos token, a stop token id or a stop string; "length": max_tokens or max_model_len;
-# "abort": the caller gave up on it; "error": it could not run (the message is in `error`).
+# "stop": eos, a stop token id or string; "length": max_tokens or max_model_len; "abort": the
+# caller gave up; "error": it could not run (`Sequence.error` says why).
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
-# The value of a reserved token until its step's sampled token reaches the host (no vocabulary
-# id is negative, so a placeholder that reached the model would fail loudly, not silently).
+# A reserved token's value until its sampled token reaches the host (negative: no vocabulary
+# id, so one that reached the model would fail loudly).
 PLACEHOLDER = -1
 
 
@@ -26,23 +26,19 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
-    """One request: its tokens, how far its K/V are computed, and the KV blocks that hold them.
-
-    The scheduler and block manager own the mutable state; the model runner reads it through
-    the scheduler's `InputBatch`.
+    """One request: its tokens, how far its K/V are computed, and the KV blocks that hold them
+    (state owned by the scheduler and block manager).
 
     Attributes:
-        output_token_ids: generated tokens, in order (a stop or eos token included); a
-            reserved token (`reserve_token`) joins them once its value is known.
+        output_token_ids: generated tokens (a stop or eos token included); a reserved token
+            joins them once its value is known.
         finish_reason: None until finished, then one of `FINISH_REASONS`; `stop_reason`: the
             stop token id or string that finished it (None for eos); `error`: why it failed.
-        num_computed_tokens: leading tokens whose K/V are in the cache (prefix-cache hits
-            included); 0 again after a preemption. `num_cached_tokens`: those reused from the
-            prefix cache at the latest admission.
-        block_table: physical block ids covering the computed tokens and those scheduled.
-        block_hashes: chained hashes of the full blocks of `token_ids` (filled lazily by the
-            block manager, kept across preemption); `num_committed_blocks`: leading blocks
-            already offered to the prefix cache.
+        num_computed_tokens: leading tokens whose K/V are in the cache; `num_cached_tokens`:
+            those reused from the prefix cache at the latest admission.
+        block_table: block ids covering the computed and scheduled tokens; `block_hashes`: the
+            chained hashes of full blocks (kept across preemption); `num_committed_blocks`:
+            leading blocks already offered to the prefix cache.
         slot: its row of the scheduler's `InputBatch` while running, else None.
     """
 
@@ -67,7 +63,6 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         self.num_committed_blocks = 0
         self.slot: int | None = None
-        # prompt + output as one list, read by block hashing; never mutate it from outside.
         self.token_ids: list[int] = list(self.prompt_token_ids)
 
     @property
@@ -87,8 +82,7 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def reserve_token(self) -> None:
-        """Count one more token whose value is not known yet (sampled by a step still running on
-        the device): `token_ids` ends with `PLACEHOLDER` until `fill_token`."""
+        """Append a token sampled by a step still running (`PLACEHOLDER` until `fill_token`)."""
         self.token_ids.append(PLACEHOLDER)
 
     def fill_token(self, token_id: int) -> None:

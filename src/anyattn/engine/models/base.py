@@ -1,12 +1,9 @@
-"""`CausalLM`: the decoder-only skeleton every family shares: token embedding, decoder layers,
-final norm, LM head (tied or not), one RoPE table, and loading by Hugging Face parameter name.
-The model runner relies on exactly `forward`, `compute_logits`, `attention_layers` and
-`load_weights`.
+"""`CausalLM`: the decoder-only skeleton every family shares (token embedding, decoder layers,
+final norm, tied or own LM head, one RoPE table, loading by Hugging Face parameter name); the
+engine relies on `forward`, `compute_logits`, `attention_layers` and `load_weights`.
 
-Its layers are the Llama graph's, which serves Llama 2/3, SmolLM2, Mistral (sliding window) and
-Qwen2 (q/k/v biases) alike: they differ only in what `ModelConfig` records (biases, per-layer
-sliding windows, tied embeddings, RoPE scaling). `LlamaForCausalLM` is that graph by its
-Hugging Face name; Gemma2 and DeepSeek change parts of it.
+Its layers are the Llama graph's, which serves Llama 2/3, SmolLM2, Mistral and Qwen2 alike
+(they differ only in what `ModelConfig` records); Gemma2 and DeepSeek change parts of it.
 """
 
 from __future__ import annotations
@@ -68,7 +65,7 @@ class CausalLM(nn.Module):
         factory = {"dtype": self.dtype, "device": self.device}
         self.lm_head = Linear(config.hidden_size, config.vocab_size, **factory)
         if config.tie_word_embeddings:
-            # The head's own weight; a lookup gathers rows, so from the row-major copy if any.
+            # a lookup gathers rows: from the head's row-major copy if it has one
             rows = self.lm_head.weight_rows
             self.embed_weight = self.lm_head.weight if rows is None else rows
         else:
@@ -160,13 +157,15 @@ class CausalLM(nn.Module):
     def weight_slots(self) -> Slots:
         """Every tensor the model needs, by Hugging Face name."""
         tied = self.config.tie_word_embeddings
-        embed = self.lm_head.weight_slot() if tied else WeightSlot(self.embed_weight)
-        yield "model.embed_tokens.weight", embed
+        if tied:
+            yield from self.lm_head.weight_slots({"model.embed_tokens": slice(None)})
+        else:
+            yield "model.embed_tokens.weight", WeightSlot(self.embed_weight)
         for i, layer in enumerate(self.layers):
             yield from layer.weight_slots(f"model.layers.{i}")
         yield from self.norm.weight_slots("model.norm")
         if not tied:
-            yield "lm_head.weight", self.lm_head.weight_slot()
+            yield from self.lm_head.weight_slots({"lm_head": slice(None)})
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy a checkpoint (Hugging Face names and layouts) into the model, casting to its

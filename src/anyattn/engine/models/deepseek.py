@@ -1,13 +1,10 @@
 """DeepSeek-V2 and DeepSeek-V3: pre-norm decoder layers of multi-head latent attention
-(`anyattn.MLAAttention`, docs/mla.md) and a feed-forward that is a dense SwiGLU MLP in the
-first `first_k_dense_replace` layers and a mixture of experts (`moe.py`) after them.
+(`anyattn.MLAAttention`, docs/mla.md) and a dense SwiGLU MLP in the first
+`first_k_dense_replace` layers, a mixture of experts (`moe.py`) after them.
 
-RoPE rotates only the `qk_rope_head_dim` part of the queries and the one shared rope key; its
-table is YaRN-scaled as configured (cos/sin times the YaRN attention factor), and its pairs are
-DeepSeek's interleaved `(x0, x1), (x2, x3), ...` (V2 always, V3 when `rope_interleave`) or
-NeoX's halves. The softmax scale carries `mscale(factor, mscale_all_dim)^2`
-(`ModelConfig.attention_scale`). Multi-token-prediction layers of V3 checkpoints
-(`model.layers.<n>` with n >= num_hidden_layers) are not run and their tensors are skipped.
+RoPE rotates only the `qk_rope_head_dim` parts, in DeepSeek's interleaved pairs (V2 always, V3
+when `rope_interleave`) or NeoX's halves. Multi-token-prediction layers of V3 checkpoints
+(`model.layers.<n>`, n >= num_hidden_layers) are not run and their tensors are skipped.
 """
 
 from __future__ import annotations
@@ -33,9 +30,8 @@ _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 
 class DeepseekForCausalLM(CausalLM):
-    """DeepSeek-V2 and DeepSeek-V3 (see `CausalLM` for the interface); `attention_layers` are
-    the `MLAAttention` layers, named `model.layers.<i>.self_attn`. Steps are not captured in
-    CUDA graphs (the MoE layers size their expert loop on the host)."""
+    """DeepSeek-V2 and DeepSeek-V3; `attention_layers` are the `MLAAttention` layers, named
+    `model.layers.<i>.self_attn`. Steps are not captured in CUDA graphs (see `MoE`)."""
 
     supports_cuda_graphs = False
 

@@ -1,11 +1,10 @@
 """Building blocks shared by the model families: RMSNorm, gated MLP, the self-attention block
-around `anyattn.layer.Attention` (RoPE is in `rope.py`) and the decoder layer made of them.
+around `anyattn.layer.Attention` and the decoder layer made of them.
 
 Every block computes what transformers computes, in the same order where rounding could tell
-the difference (RMSNorm in fp32, then cast). Fused where each PyTorch call is a fixed cost:
-q/k/v are one matmul, gate/up one matmul, and RoPE rotates q and k together. Projections are
-`Linear`s (`linear.py`: weight layouts per device). Parameters are allocated empty;
-`weight_slots` tells the loader where each Hugging Face tensor goes.
+the difference. q/k/v are one matmul, gate/up one, and RoPE rotates q and k together.
+Parameters are allocated empty; `weight_slots` tells the loader where each Hugging Face tensor
+goes.
 """
 
 from __future__ import annotations
@@ -45,15 +44,12 @@ class RMSNorm(nn.Module):
         self.has_unit_offset = has_unit_offset
         weight_dtype = torch.float32 if has_unit_offset else dtype
         self.weight = empty_param(hidden_size, dtype=weight_dtype, device=device)
-        # In fp32 the fused kernel gives the step-by-step formula's bits.
-        self._is_fused = dtype == torch.float32
+        self._is_fused = dtype == torch.float32  # then F.rms_norm gives the formula's bits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: `[num_tokens, hidden_size]` -> same shape and dtype."""
         if self._is_fused:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # One fused fp32 normalisation (the same bits as the step-by-step formula) instead of
-        # five element-wise kernels: an eager decode step launches two norms per layer.
         h = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
         if self.has_unit_offset:
             return (h * self.weight).to(x.dtype)
@@ -92,7 +88,6 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.intermediate_size = intermediate_size
         self.act = ACTIVATIONS[hidden_act]
-        self.has_bias = has_bias
         factory = {"has_bias": has_bias, "dtype": dtype, "device": device}
         self.gate_up = Linear(hidden_size, 2 * intermediate_size, **factory)
         self.down = Linear(intermediate_size, hidden_size, **factory)
@@ -105,22 +100,16 @@ class GatedMLP(nn.Module):
 
     def weight_slots(self, prefix: str) -> Slots:
         n = self.intermediate_size
-        parts = {"gate_proj": slice(0, n), "up_proj": slice(n, 2 * n)}
-        for proj, rows in parts.items():
-            yield f"{prefix}.{proj}.weight", self.gate_up.weight_slot(rows)
-            if self.has_bias:
-                yield f"{prefix}.{proj}.bias", self.gate_up.bias_slot(rows)
-        yield f"{prefix}.down_proj.weight", self.down.weight_slot()
-        if self.has_bias:
-            yield f"{prefix}.down_proj.bias", self.down.bias_slot()
+        yield from self.gate_up.weight_slots(
+            {f"{prefix}.gate_proj": slice(0, n), f"{prefix}.up_proj": slice(n, None)}
+        )
+        yield from self.down.weight_slots({f"{prefix}.down_proj": slice(None)})
 
 
 class SelfAttention(nn.Module):
     """q/k/v projection (one matmul), RoPE on q and k, paged attention through
-    `anyattn.layer.Attention` (named `model.layers.<index>.self_attn.attn`: caches and metadata
-    are keyed by it), output projection, all as `config` says for decoder layer `index` (its
-    sliding window included). q, k and v reach `Attention` as views of the fused projection
-    (rows strided)."""
+    `anyattn.layer.Attention` (named `model.layers.<index>.self_attn.attn`, the key of its cache
+    and metadata), output projection, as `config` says for decoder layer `index`."""
 
     def __init__(self, config: ModelConfig, index: int, attn_kwargs: dict[str, object]) -> None:
         super().__init__()
@@ -128,11 +117,10 @@ class SelfAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, config.head_dim
         self.q_size = num_heads * config.head_dim
         self.kv_size = num_kv_heads * config.head_dim
-        self.has_qkv_bias, self.has_o_bias = config.attention_bias, config.o_proj_bias
         factory = {"dtype": attn_kwargs["dtype"], "device": attn_kwargs["device"]}
         qkv_size = self.q_size + 2 * self.kv_size
-        self.qkv = Linear(config.hidden_size, qkv_size, has_bias=self.has_qkv_bias, **factory)
-        self.o = Linear(self.q_size, config.hidden_size, has_bias=self.has_o_bias, **factory)
+        self.qkv = Linear(config.hidden_size, qkv_size, has_bias=config.attention_bias, **factory)
+        self.o = Linear(self.q_size, config.hidden_size, has_bias=config.o_proj_bias, **factory)
         self.attn = Attention(
             num_heads,
             config.head_dim,
@@ -169,22 +157,12 @@ class SelfAttention(nn.Module):
 
     def weight_slots(self, prefix: str) -> Slots:
         q, kv = self.q_size, self.kv_size
-        rows = {
-            "q_proj": slice(0, q),
-            "k_proj": slice(q, q + kv),
-            "v_proj": slice(q + kv, q + 2 * kv),
-        }
-        for proj, part in rows.items():
-            yield f"{prefix}.{proj}.weight", self.qkv.weight_slot(part)
-            if self.has_qkv_bias:
-                yield f"{prefix}.{proj}.bias", self.qkv.bias_slot(part)
-        yield f"{prefix}.o_proj.weight", self.o.weight_slot()
-        if self.has_o_bias:
-            yield f"{prefix}.o_proj.bias", self.o.bias_slot()
+        parts = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, None)}
+        yield from self.qkv.weight_slots({f"{prefix}.{p}": rows for p, rows in parts.items()})
+        yield from self.o.weight_slots({f"{prefix}.o_proj": slice(None)})
 
 
-# Gemma2 norms the attention and MLP outputs too; its `post_attention_layernorm` is the norm
-# of the attention output, Llama's the norm before the MLP.
+# Gemma2's `post_attention_layernorm` norms the attention output, Llama's the MLP input.
 _NORMS = ("input_layernorm", "post_attention_layernorm")
 _SANDWICH_NORMS = (*_NORMS, "pre_feedforward_layernorm", "post_feedforward_layernorm")
 Rotate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

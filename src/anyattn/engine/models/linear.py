@@ -1,16 +1,15 @@
 """`Linear`: `x @ weight.T + bias`, with the weight laid out for what the device's BLAS reads
 fastest at the step's number of rows.
 
-On the CPU in float32 (MKL) the fastest layout depends on the row count, by 1.3x to 3x either
-way over the default model's weights (benchmarks/cpu_linear.py; figures in
-benchmarks/RESULTS.md): one row is a matrix-vector product, fastest over a column-major
-weight; from two rows on, `weight @ x.T` over a row-major weight beats both `x @ weight.T`
-forms. The weight is therefore kept in both layouts there, at twice its memory. Elsewhere
-(CUDA, and CPU dtypes other than float32, which MKL does not run) one layout serves:
-row-major on CUDA, column-major on the CPU.
+On the CPU in float32 (MKL) one row is fastest over a column-major weight and two or more as
+`weight @ x.T` over a row-major one (benchmarks/cpu_linear.py), so the weight is kept in both
+layouts there, at twice its memory. Elsewhere one layout serves: row-major on CUDA,
+column-major on the CPU.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +26,7 @@ class Linear(nn.Module):
 
     `weight` is the logical weight `F.linear` takes (column-major storage on the CPU);
     `weight_rows` is its row-major copy on the CPU in float32, else None. Both are filled by
-    the loader through `weight_slot`.
+    the loader through `weight_slots`.
     """
 
     def __init__(
@@ -68,12 +67,11 @@ class Linear(nn.Module):
         out = torch.mm(self.weight_rows, x.contiguous().t()).t()  # [num_tokens, out] view
         return out if self.bias is None else out + self.bias
 
-    def weight_slot(self, rows: slice = slice(None)) -> WeightSlot:
-        """Where a checkpoint tensor for weight rows `rows` goes (both layouts)."""
-        copies = () if self.weight_rows is None else (self.weight_rows[rows],)
-        return WeightSlot(self.weight[rows], copies=copies)
-
-    def bias_slot(self, rows: slice = slice(None)) -> WeightSlot:
-        """Where a checkpoint tensor for bias entries `rows` goes; the layer must have a bias."""
-        assert self.bias is not None, "bias_slot of a Linear without a bias"
-        return WeightSlot(self.bias[rows])
+    def weight_slots(self, parts: dict[str, slice]) -> Iterator[tuple[str, WeightSlot]]:
+        """The slots of the checkpoint's `<name>.weight` (and `.bias`) tensors, `name` filling
+        rows `parts[name]` of this (possibly fused) layer, in both layouts."""
+        for name, rows in parts.items():
+            copies = () if self.weight_rows is None else (self.weight_rows[rows],)
+            yield f"{name}.weight", WeightSlot(self.weight[rows], copies=copies)
+            if self.bias is not None:
+                yield f"{name}.bias", WeightSlot(self.bias[rows])

@@ -1,12 +1,10 @@
 """DeepSeek's mixture-of-experts feed-forward: a router (in float32, as transformers keeps it),
 routed experts run only on the tokens routed to them, and shared experts run on every token.
 
-`MoE(x) = sum_{e in topk(x)} w_e(x) * expert_e(x) + shared(x)`, every expert a SwiGLU MLP.
-The routing rules of V2 and V3 are described in `anyattn.engine.deepseek_config`.
-Checkpoints name experts one by one (`mlp.experts.<e>.gate_proj.weight`, as the hub's
-checkpoints and transformers' `save_pretrained` write them); `split_fused_experts` turns
-transformers' in-memory fused layout (`mlp.experts.gate_up_proj` `[E, 2I, H]`,
-`mlp.experts.down_proj` `[E, H, I]`) into those names.
+`MoE(x) = sum_{e in topk(x)} w_e(x) * expert_e(x) + shared(x)`, every expert a SwiGLU MLP;
+the routing rules of V2 and V3 are in `anyattn.engine.deepseek_config`. Checkpoints name
+experts one by one (`mlp.experts.<e>.gate_proj.weight`); `split_fused_experts` renames
+transformers' fused in-memory layout.
 """
 
 from __future__ import annotations
@@ -90,14 +88,12 @@ class TopKRouter(nn.Module):
 
 class MoE(nn.Module):
     """Routed experts (`gate_up_weight` `[num_experts, 2 * moe_intermediate_size, hidden_size]`,
-    `down_weight` `[num_experts, hidden_size, moe_intermediate_size]`, the model dtype), the
-    router `gate`, and the shared experts (`shared_experts`, None when the model has none).
+    `down_weight` `[num_experts, hidden_size, moe_intermediate_size]`), the router `gate`, and
+    `shared_experts` (None without).
 
-    Each routed expert runs on the tokens routed to it only: the (token, expert) pairs are
-    sorted by expert and every expert that got tokens runs once on its rows. Contributions are
-    summed in expert order, the order transformers adds them in. The per-expert token counts
-    are read on the host (the loop's bounds), so a step with MoE layers cannot be captured in a
-    CUDA graph.
+    Each expert that got tokens runs once on their rows (pairs sorted by expert), summed in
+    expert order as transformers does. The per-expert counts are read on the host, so MoE steps
+    cannot be captured in a CUDA graph.
     """
 
     def __init__(

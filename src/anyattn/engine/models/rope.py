@@ -27,9 +27,8 @@ def rope_inv_freq(
     rope_type = "default" if rope_scaling is None else rope_scaling["rope_type"]
     params = rope_scaling or {}
     if rope_type == "dynamic":
-        # transformers' NTK base at sequence length max_position_embeddings, the longest it
-        # keeps the initial frequencies for; the growth term is 1 there, written out as
-        # transformers writes it so that the bits agree.
+        # transformers' NTK base at max_position_embeddings (growth 1, written out as
+        # transformers writes it so that the bits agree)
         factor, seq_len = params["factor"], max_position_embeddings
         growth = (factor * seq_len / max_position_embeddings) - (factor - 1)
         rope_theta = rope_theta * growth ** (dim / (dim - 2))
@@ -148,10 +147,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate `x: [num_tokens, num_heads, head_size]` whose rotary pairs are interleaved,
-    `(x0, x1), (x2, x3), ...` (DeepSeek), by `RotaryEmbedding` output (new tensor).
-
-    The result holds the rotated pairs' first elements, then their second elements (transformers'
-    DeepSeek-V3 layout); a query and a key rotated alike keep their dot product."""
+    `(x0, x1), (x2, x3), ...` (DeepSeek); the result holds the rotated pairs' first elements,
+    then their second ones (transformers' DeepSeek-V3 layout, which keeps q·k)."""
     half = x.shape[-1] // 2
     cos, sin = cos[..., :half], sin[..., half:]  # per-pair angle; the unsigned half of `sin`
     even, odd = x[..., 0::2], x[..., 1::2]

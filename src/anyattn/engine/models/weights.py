@@ -36,9 +36,8 @@ def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> 
 @dataclass(frozen=True, slots=True)
 class WeightSlot:
     """Where one checkpoint tensor goes: `target`, a view of a parameter of the tensor's
-    shape, a `transform` applied before the copy (e.g. Gemma's `1 + w`), and `copies`, views
-    of the same shape that take the same values (a CPU `Linear`'s second layout): fill slots
-    with `load_into_slots`, which writes both."""
+    shape, a `transform` applied before the copy (e.g. Gemma's `1 + w`), and `copies` that take
+    the same values (a CPU `Linear`'s second layout)."""
 
     target: torch.Tensor
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None
