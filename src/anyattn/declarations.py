@@ -81,6 +81,22 @@ def _format_block_sizes(sizes: Sequence[int | MultipleOf]) -> str:
     return ", ".join(str(s) for s in sizes) if sizes else "any"
 
 
+def _base(size: int | MultipleOf) -> int:
+    return size.base if isinstance(size, MultipleOf) else size
+
+
+def _sm(capability: tuple[int, int]) -> str:
+    return f"sm{capability[0]}{capability[1]}"
+
+
+def _feature_check(feature: str) -> classmethod:
+    def supports(cls: type[AttentionBackend]) -> bool:
+        return feature in cls.supported_features
+
+    supports.__name__ = f"supports_{feature}"
+    return classmethod(supports)
+
+
 class AttentionBackend(ABC):
     """Declarations of one attention backend. Subclasses override class attributes and methods.
 
@@ -93,9 +109,7 @@ class AttentionBackend(ABC):
     supported_device_types: ClassVar[tuple[str, ...]] = ("cuda",)
     supported_attn_types: ClassVar[tuple[AttentionType, ...]] = (AttentionType.DECODER,)
     # The optional features the kernels have, by the names of the `supports_<feature>`
-    # classmethods, which read it: any of "sink", "sliding_window", "alibi", "logits_soft_cap",
-    # "non_causal", "per_head_quant_scales", "batch_invariance", "lse", "cascade". A backend
-    # whose answer depends on more (the installed package) overrides those classmethods.
+    # classmethods below, which read it.
     supported_features: ClassVar[tuple[str, ...]] = ()
     # Lowest CUDA compute capability the kernels run on; None: no lower bound.
     min_compute_capability: ClassVar[tuple[int, int] | None] = None
@@ -202,12 +216,8 @@ class AttentionBackend(ABC):
         When it is larger than the kernel size, the runner splits each engine block into
         `block_size // kernel_block_size` kernel blocks (see `metadata.expand_block_table`).
         """
-        if block_size is None:
-            return True
         sizes = cls.get_supported_kernel_block_sizes()
-        if not sizes:
-            return True
-        return any(block_size % (s.base if isinstance(s, MultipleOf) else s) == 0 for s in sizes)
+        return block_size is None or not sizes or any(block_size % _base(s) == 0 for s in sizes)
 
     @classmethod
     def get_kernel_block_size(cls, block_size: int) -> int:
@@ -215,7 +225,7 @@ class AttentionBackend(ABC):
         fitting = [
             block_size if isinstance(s, MultipleOf) else s
             for s in cls.get_supported_kernel_block_sizes()
-            if block_size % (s.base if isinstance(s, MultipleOf) else s) == 0
+            if block_size % _base(s) == 0
         ]
         if not fitting:
             raise ValueError(
@@ -261,7 +271,7 @@ class AttentionBackend(ABC):
         sizes = cls.get_supported_kernel_block_sizes()
         if not sizes or cls.supports_block_size(default_block_size):
             return default_block_size
-        return min(s.base if isinstance(s, MultipleOf) else s for s in sizes)
+        return min(_base(s) for s in sizes)
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
@@ -312,44 +322,19 @@ class AttentionBackend(ABC):
     def is_sparse(cls) -> bool:
         return False
 
-    @classmethod
-    def supports_sink(cls) -> bool:
-        return "sink" in cls.supported_features
-
-    @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return "sliding_window" in cls.supported_features
-
-    @classmethod
-    def supports_alibi(cls) -> bool:
-        return "alibi" in cls.supported_features
-
-    @classmethod
-    def supports_logits_soft_cap(cls) -> bool:
-        return "logits_soft_cap" in cls.supported_features
-
-    @classmethod
-    def supports_non_causal(cls) -> bool:
-        """Bidirectional attention in the paged-KV decoder path (not the encoder types)."""
-        return "non_causal" in cls.supported_features
-
-    @classmethod
-    def supports_per_head_quant_scales(cls) -> bool:
-        return "per_head_quant_scales" in cls.supported_features
-
-    @classmethod
-    def supports_batch_invariance(cls) -> bool:
-        return "batch_invariance" in cls.supported_features
-
-    @classmethod
-    def supports_lse(cls) -> bool:
-        """`forward` fills `output_lse` when it is given."""
-        return "lse" in cls.supported_features
-
-    @classmethod
-    def supports_cascade(cls) -> bool:
-        """The builder can run a shared prefix once (`use_cascade_attention`)."""
-        return "cascade" in cls.supported_features
+    # Whether `supported_features` names the feature; a backend whose answer depends on more
+    # (the installed package) overrides the classmethod. non_causal: bidirectional attention
+    # in the paged-KV decoder path; lse: `forward` fills `output_lse` when given; cascade: the
+    # builder can run a shared prefix once (`use_cascade_attention`).
+    supports_sink = _feature_check("sink")
+    supports_sliding_window = _feature_check("sliding_window")
+    supports_alibi = _feature_check("alibi")
+    supports_logits_soft_cap = _feature_check("logits_soft_cap")
+    supports_non_causal = _feature_check("non_causal")
+    supports_per_head_quant_scales = _feature_check("per_head_quant_scales")
+    supports_batch_invariance = _feature_check("batch_invariance")
+    supports_lse = _feature_check("lse")
+    supports_cascade = _feature_check("cascade")
 
     @classmethod
     def supports_combination(
@@ -395,15 +380,10 @@ class AttentionBackend(ABC):
                 f"device {device.type} not supported (supported: "
                 f"{', '.join(cls.supported_device_types)})"
             )
-        elif device.capability is not None and not cls.supports_compute_capability(
-            device.capability
-        ):
-            major, minor = device.capability
-            need = ""
-            if cls.min_compute_capability is not None:
-                need = "".join(str(n) for n in cls.min_compute_capability)
-                need = f" (needs sm{need} or newer)"
-            reasons.append(f"compute capability sm{major}{minor} not supported{need}")
+        elif device.capability and not cls.supports_compute_capability(device.capability):
+            need = cls.min_compute_capability
+            need = f" (needs {_sm(need)} or newer)" if need else ""
+            reasons.append(f"compute capability {_sm(device.capability)} not supported{need}")
         if not cls.supports_head_size(config.head_size):
             sizes = ", ".join(str(s) for s in cls.get_supported_head_sizes())
             reasons.append(f"head_size {config.head_size} not supported (supported: {sizes})")
@@ -427,12 +407,10 @@ class AttentionBackend(ABC):
             reasons.append("MLA (use_mla) not supported" if config.use_mla else "MLA-only backend")
         elif config.use_mla:
             reasons.extend(mla_reasons(cls, config))
-        if config.use_sparse != cls.is_sparse():
-            reasons.append(
-                "sparse attention (use_sparse) not supported"
-                if config.use_sparse
-                else "sparse-only backend"
-            )
+        if config.use_sparse and not cls.is_sparse():
+            reasons.append("sparse attention (use_sparse) not supported")
+        elif cls.is_sparse() and not config.use_sparse:
+            reasons.append("sparse-only backend")
         for feature, flag, label in _FEATURES:
             if getattr(config, flag) and not getattr(cls, f"supports_{feature}")():
                 reasons.append(f"{label} ({flag}) not supported")
@@ -444,9 +422,7 @@ class AttentionBackend(ABC):
         ):
             reasons.append("sliding window with non-causal or encoder attention not supported")
         combination = cls.supports_combination(config, device)
-        if combination is not None:
-            reasons.append(combination)
-        return reasons
+        return reasons if combination is None else [*reasons, combination]
 
     @classmethod
     def describe(cls) -> dict[str, object]:
@@ -461,9 +437,7 @@ class AttentionBackend(ABC):
             "available": cls.is_available(),
             "unavailable_reason": cls.get_unavailable_reason(),
             "devices": list(cls.supported_device_types),
-            "min_compute_capability": (
-                f"sm{capability[0]}{capability[1]}" if capability is not None else None
-            ),
+            "min_compute_capability": _sm(capability) if capability else None,
             "dtypes": [_dtype_name(d) for d in cls.supported_dtypes],
             "kv_cache_dtypes": list(cls.supported_kv_cache_dtypes),
             "head_sizes": cls.get_supported_head_sizes() or "any",

@@ -38,9 +38,7 @@ def _part_lse(output_lse: torch.Tensor | None, rows: slice) -> torch.Tensor | No
     if output_lse is None:
         return None
     return torch.empty(
-        (output_lse.shape[0], rows.stop - rows.start),
-        dtype=torch.float32,
-        device=output_lse.device,
+        (output_lse.shape[0], rows.stop - rows.start), dtype=torch.float32, device=output_lse.device
     )
 
 

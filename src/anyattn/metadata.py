@@ -37,10 +37,9 @@ class CommonAttentionMetadata:
 
     Requests are laid out back to back in the flat token dimension. Tensors may be padded past
     `num_reqs` / `num_actual_tokens` (CUDA graphs); only the real part is meaningful. The CPU
-    mirrors must hold the device tensors' values (the engine fills both from one source): every
-    check reads the mirrors, never the device. Making one checks the mirrors (`host_batch` holds
-    the result); the slots and block ids are checked against a cache's size by
-    `anyattn.validation` at the first layer call with that cache.
+    mirrors must hold the device tensors' values: every check reads the mirrors, never the
+    device. Making one checks the mirrors; `anyattn.validation` checks the slots and block ids
+    against a cache at the first layer call with that cache.
 
     Attributes:
         query_start_loc: int32 `[num_reqs + 1]` (device): offsets of each request's new tokens.
@@ -69,7 +68,7 @@ class CommonAttentionMetadata:
 
     Raises:
         ValueError: when made, for mirrors that are not CPU integer tensors of the expected
-            shapes, or whose values contradict each other, or a slot below -1 or used twice.
+            shapes or contradict each other, or a slot below -1 or used twice.
     """
 
     query_start_loc: torch.Tensor
@@ -125,7 +124,11 @@ class CommonAttentionMetadata:
         """Check shapes, dtypes and the lengths' mirrors (CPU only: no device synchronisation);
         returns them as int64 numpy arrays (`HostBatch`), for builders' planning."""
         num_reqs = self.num_reqs
-        for name, tensor, min_len in self._mirrors():
+        for name, tensor, min_len in (
+            ("query_start_loc_cpu", self.query_start_loc_cpu, num_reqs + 1),
+            ("seq_lens_cpu", self.seq_lens_cpu, num_reqs),
+            ("num_computed_tokens_cpu", self.num_computed_tokens_cpu, num_reqs),
+        ):
             if not tensor.is_cpu:
                 raise ValueError(f"{api}: {name} must be a CPU tensor (got {tensor.device}).")
             dtype = tensor.dtype
@@ -210,28 +213,17 @@ class CommonAttentionMetadata:
                 "the slots were computed from."
             )
 
-    def _mirrors(self) -> tuple[tuple[str, torch.Tensor, int], ...]:
-        """(name, tensor, least length) of each 1-D CPU mirror."""
-        return (
-            ("query_start_loc_cpu", self.query_start_loc_cpu, self.num_reqs + 1),
-            ("seq_lens_cpu", self.seq_lens_cpu, self.num_reqs),
-            ("num_computed_tokens_cpu", self.num_computed_tokens_cpu, self.num_reqs),
-        )
-
 
 @dataclass(slots=True)
 class StepChecks:
-    """What `anyattn.validation` has checked of one step since its metadata was made: a
-    record the library keeps on its own object, never on the caller's tensors.
+    """What `anyattn.validation` has checked of one step since its metadata was made.
 
     Attributes:
-        caches: `(num_blocks, block_size)` of every cache the step's slots and block ids were
-            checked against.
+        caches: `(num_blocks, block_size)` of every cache the step was checked against.
         call: the arguments of the layer call last checked in full (`check_layer_call`), by
             identity, until that call's `forward` takes it; else None.
         mla_call: `(impl, layer, kv_cache, attn_metadata)` of the `MLAAttention` call under
-            way, checked in full by `check_mla_layer_call`, until the layer's call ends: its
-            impl's entry points skip the cache and step checks for them; else None.
+            way (`check_mla_layer_call`), whose entry points skip the checks made; else None.
     """
 
     caches: set[tuple[int, int]] = field(default_factory=set)
@@ -241,10 +233,8 @@ class StepChecks:
 
 @dataclass(slots=True)
 class HostBatch:
-    """A checked step's CPU mirrors as numpy arrays (`CommonAttentionMetadata.host_batch`),
-    real requests only, so that a builder plans from them without converting again. Every
-    array is a copy (no view of a mirror, which the engine may refill for the next step), all
-    int64, read-only: every builder of the step shares them.
+    """A checked step's CPU mirrors (`CommonAttentionMetadata.host_batch`), real requests only,
+    for builders to plan from: int64 read-only copies (the engine may refill the mirrors).
 
     Attributes:
         query_start_loc: `[num_reqs + 1]`.
@@ -311,11 +301,9 @@ def make_common_attn_metadata(
         slot_mapping = compute_slot_mapping(
             block_table_cpu, query_start_loc_cpu, seq_lens_cpu, block_size, num_padded_tokens
         )
-    enc_cpu = (
-        None
-        if encoder_seq_lens is None
-        else torch.tensor(list(encoder_seq_lens), dtype=torch.int32)
-    )
+    enc_cpu = None
+    if encoder_seq_lens is not None:
+        enc_cpu = torch.tensor(list(encoder_seq_lens), dtype=torch.int32)
     return CommonAttentionMetadata(
         query_start_loc=query_start_loc_cpu.to(device),
         query_start_loc_cpu=query_start_loc_cpu,

@@ -88,44 +88,36 @@ def split_by_phase(
             f"split_by_phase: num_decodes outside the step (got {num_decodes}, expected 0 <= "
             f"num_decodes <= num_reqs = {num_reqs})."
         )
-    host = common.host_batch
-    num_decode_tokens = int(host.query_start_loc[num_decodes])
+    num_decode_tokens = int(common.host_batch.query_start_loc[num_decodes])
     decode = prefill = None
     if num_decodes:
-        decode = CommonAttentionMetadata(
-            query_start_loc=common.query_start_loc[: num_decodes + 1],
-            query_start_loc_cpu=common.query_start_loc_cpu[: num_decodes + 1],
-            seq_lens=common.seq_lens[:num_decodes],
-            seq_lens_cpu=common.seq_lens_cpu[:num_decodes],
-            num_computed_tokens_cpu=common.num_computed_tokens_cpu[:num_decodes],
-            num_reqs=num_decodes,
-            num_actual_tokens=num_decode_tokens,
-            max_query_len=_max(host.query_lens[:num_decodes]),
-            max_seq_len=_max(host.seq_lens[:num_decodes]),
-            block_table_tensor=common.block_table_tensor[:num_decodes],
-            slot_mapping=common.slot_mapping[:num_decode_tokens],
-            causal=common.causal,
-            block_table_cpu=common.block_table_cpu[:num_decodes],
-            slot_mapping_cpu=common.slot_mapping_cpu[:num_decode_tokens],
-        )
+        decode = _part(common, slice(0, num_decodes), slice(0, num_decode_tokens))
     if num_decodes < num_reqs:
-        offset = common.query_start_loc[num_decodes : num_reqs + 1] - num_decode_tokens
-        offset_cpu = common.query_start_loc_cpu[num_decodes : num_reqs + 1] - num_decode_tokens
-        rows = slice(num_decodes, num_reqs)
-        prefill = CommonAttentionMetadata(
-            query_start_loc=offset.to(common.query_start_loc.dtype),
-            query_start_loc_cpu=offset_cpu.to(common.query_start_loc_cpu.dtype),
-            seq_lens=common.seq_lens[rows],
-            seq_lens_cpu=common.seq_lens_cpu[rows],
-            num_computed_tokens_cpu=common.num_computed_tokens_cpu[rows],
-            num_reqs=num_reqs - num_decodes,
-            num_actual_tokens=common.num_actual_tokens - num_decode_tokens,
-            max_query_len=_max(host.query_lens[num_decodes:]),
-            max_seq_len=_max(host.seq_lens[num_decodes:]),
-            block_table_tensor=common.block_table_tensor[rows],
-            slot_mapping=common.slot_mapping[num_decode_tokens:],
-            causal=common.causal,
-            block_table_cpu=common.block_table_cpu[rows],
-            slot_mapping_cpu=common.slot_mapping_cpu[num_decode_tokens:],
-        )
+        prefill = _part(common, slice(num_decodes, num_reqs), slice(num_decode_tokens, None))
     return decode, prefill
+
+
+def _part(common: CommonAttentionMetadata, reqs: slice, tokens: slice) -> CommonAttentionMetadata:
+    """The requests `reqs` of `common`, whose tokens are `tokens`, offsets rebased to 0."""
+    host, start = common.host_batch, tokens.start
+    loc = slice(reqs.start, reqs.stop + 1)
+
+    def rebased(offsets: torch.Tensor) -> torch.Tensor:  # a view when nothing is subtracted
+        return offsets if start == 0 else (offsets - start).to(offsets.dtype)
+
+    return CommonAttentionMetadata(
+        query_start_loc=rebased(common.query_start_loc[loc]),
+        query_start_loc_cpu=rebased(common.query_start_loc_cpu[loc]),
+        seq_lens=common.seq_lens[reqs],
+        seq_lens_cpu=common.seq_lens_cpu[reqs],
+        num_computed_tokens_cpu=common.num_computed_tokens_cpu[reqs],
+        num_reqs=reqs.stop - reqs.start,
+        num_actual_tokens=int(host.query_start_loc[reqs.stop]) - start,
+        max_query_len=_max(host.query_lens[reqs]),
+        max_seq_len=_max(host.seq_lens[reqs]),
+        block_table_tensor=common.block_table_tensor[reqs],
+        slot_mapping=common.slot_mapping[tokens],
+        causal=common.causal,
+        block_table_cpu=common.block_table_cpu[reqs],
+        slot_mapping_cpu=common.slot_mapping_cpu[tokens],
+    )

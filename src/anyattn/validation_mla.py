@@ -18,11 +18,13 @@ from typing import Protocol
 import torch
 
 from anyattn.ops.tensor_checks import check_mla_write_args, check_scale_values
-from anyattn.types import cache_torch_dtype, is_fp8_cache
+from anyattn.types import is_fp8_cache
 from anyattn.validation import (
+    check_cache_dtype,
     check_layer_planned,
     check_metadata_type,
     check_step_against_cache,
+    check_supported_dtype,
     layer_kv_scale,
     step_of,
 )
@@ -87,7 +89,7 @@ def check_mla_layer_call(
         raise ValueError(
             f"{api}: hidden must be in the layer's dtype (got {hidden.dtype}, expected {dtype})."
         )
-    _check_dtype(api, impl, "hidden", hidden)
+    check_supported_dtype(api, "hidden", hidden, impl.backend.supported_dtypes)
     check_mla_cache(api, impl, kv_cache, md, hidden.dtype, hidden.device)
     _scale(api, impl, layer, kv_cache)
 
@@ -180,12 +182,7 @@ def check_mla_cache(
             f"{tuple(kv_cache.shape)}). Allocate it with anyattn.kv_cache.allocate_kv_cache "
             "and the layer's MLA backend."
         )
-    cache_dtype = cache_torch_dtype(impl.kv_cache_dtype, dtype)
-    if kv_cache.dtype != cache_dtype:
-        raise ValueError(
-            f"{api}: kv_cache dtype does not match kv_cache_dtype {impl.kv_cache_dtype!r} (got "
-            f"{kv_cache.dtype}, expected {cache_dtype})."
-        )
+    check_cache_dtype(api, kv_cache, impl.kv_cache_dtype, dtype)
     if kv_cache.device != device:
         raise ValueError(
             f"{api}: kv_cache is on another device than the inputs (got {kv_cache.device}, "
@@ -298,15 +295,6 @@ def _check_metadata(api: str, impl: MLAImpl, layer: object, attn_metadata: objec
     return attn_metadata
 
 
-def _check_dtype(api: str, impl: MLAImpl, name: str, x: torch.Tensor) -> None:
-    supported = impl.backend.supported_dtypes
-    if x.dtype not in supported:
-        names = ", ".join(str(d).removeprefix("torch.") for d in supported)
-        raise ValueError(
-            f"{api}: {name} dtype not supported (got {x.dtype}, expected one of {names})."
-        )
-
-
 def _check_rows(
     api: str, impl: MLAImpl, name: str, x: object, shape: tuple[int, ...],
     like: torch.Tensor | None = None,
@@ -317,7 +305,7 @@ def _check_rows(
     if tuple(x.shape) != shape:
         raise ValueError(f"{api}: {name} must be {list(shape)} (got {list(x.shape)}).")
     if like is None:
-        _check_dtype(api, impl, name, x)
+        check_supported_dtype(api, name, x, impl.backend.supported_dtypes)
     elif x.dtype != like.dtype or x.device != like.device:
         raise ValueError(
             f"{api}: {name} dtype or device differs from the first input's (got {x.dtype} on "
