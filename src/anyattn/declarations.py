@@ -1,9 +1,7 @@
-"""`AttentionBackend`: what one attention backend declares (no instances, no device access).
-
-A backend names its impl and builder classes, the KV-cache shape and stride orders, every
-capability the selector checks, and its rank per platform (`priority`). `validate_configuration`
-turns those declarations, and the contract's joint rules, into reasons; the selector
-(`anyattn.selector`) orders the registered backends by `priority` and takes the first that fits.
+"""`AttentionBackend`: what one attention backend declares (no instances, no device access):
+its impl and builder classes, KV-cache shape and stride orders, every capability the selector
+checks, and its rank per platform (`priority`). `validate_configuration` turns them, and the
+contract's joint rules, into reasons.
 """
 
 from __future__ import annotations
@@ -98,11 +96,9 @@ def _feature_check(feature: str) -> classmethod:
 
 
 class AttentionBackend(ABC):
-    """Declarations of one attention backend. Subclasses override class attributes and methods.
-
-    Every constraint the impl enforces must be declared here, so that the selector rejects a
-    configuration up front instead of the impl failing on the first forward.
-    """
+    """Declarations of one attention backend; subclasses override attributes and methods.
+    Every constraint the impl enforces is declared here, so that the selector rejects a
+    configuration up front instead of the impl failing on the first forward."""
 
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto", "float16", "bfloat16")
@@ -120,8 +116,7 @@ class AttentionBackend(ABC):
     priority: ClassVar[Mapping[str, int]] = {}
 
     def __init_subclass__(cls, **kwargs: object) -> None:
-        """Refuse a `supported_features` name no `supports_<feature>` reads (a typo would
-        otherwise declare nothing, silently)."""
+        # A `supported_features` name no `supports_<feature>` reads would declare nothing.
         super().__init_subclass__(**kwargs)
         unknown = set(cls.__dict__.get("supported_features", ())) - set(_FEATURE_NAMES)
         if unknown:
@@ -154,13 +149,9 @@ class AttentionBackend(ABC):
         head_size: int,
         cache_dtype: str = "auto",
     ) -> tuple[int, ...]:
-        """Logical shape of one layer's KV cache.
-
-        Default: `(num_blocks, 2, block_size, num_kv_heads, head_size)`, index 1 is K (0) / V (1).
-
-        Raises:
-            ValueError: a block size this backend's kernels cannot take, or a bad dimension.
-        """
+        """Logical shape of one layer's KV cache, by default `(num_blocks, 2, block_size,
+        num_kv_heads, head_size)` (index 1: K, V); a `ValueError` for a bad dimension or a
+        block size the kernels cannot take."""
         api = f"{cls.get_name()}.get_kv_cache_shape"
         dims = {"num_blocks": num_blocks, "block_size": block_size}
         dims.update(num_kv_heads=num_kv_heads, head_size=head_size)
@@ -178,11 +169,8 @@ class AttentionBackend(ABC):
     def get_kv_cache_stride_order(
         cls, layout: KVCacheLayout | str = KVCacheLayout.NHD
     ) -> tuple[int, ...]:
-        """Order in which to allocate the logical dims so that memory follows `layout`.
-
-        Allocating `torch.empty([shape[i] for i in order])` and permuting by the inverse order
-        gives a tensor of the logical shape with the strides of the layout.
-        """
+        """Order in which to allocate the logical dims so that memory follows `layout`:
+        `torch.empty([shape[i] for i in order])` permuted by the inverse order."""
         try:
             layout = KVCacheLayout(layout)
         except ValueError:
@@ -195,9 +183,7 @@ class AttentionBackend(ABC):
                 f"{cls.get_name()}.get_kv_cache_stride_order: layout not supported (got {layout}, "
                 f"expected one of {', '.join(str(x) for x in cls.supported_kv_cache_layouts())})."
             )
-        if layout is KVCacheLayout.NHD:
-            return (0, 1, 2, 3, 4)
-        return (0, 1, 3, 2, 4)
+        return (0, 1, 2, 3, 4) if layout is KVCacheLayout.NHD else (0, 1, 3, 2, 4)
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
@@ -211,11 +197,8 @@ class AttentionBackend(ABC):
 
     @classmethod
     def supports_block_size(cls, block_size: int | None) -> bool:
-        """An engine block size is accepted when a multiple of some kernel block size.
-
-        When it is larger than the kernel size, the runner splits each engine block into
-        `block_size // kernel_block_size` kernel blocks (see `metadata.expand_block_table`).
-        """
+        """Whether an engine block size is a multiple of some kernel block size (the runner
+        splits engine blocks into kernel blocks: `anyattn.slots.expand_block_table`)."""
         sizes = cls.get_supported_kernel_block_sizes()
         return block_size is None or not sizes or any(block_size % _base(s) == 0 for s in sizes)
 
@@ -236,13 +219,9 @@ class AttentionBackend(ABC):
 
     @classmethod
     def check_kv_cache_spec(cls, spec: AttentionSpec, api: str) -> None:
-        """Refuse a builder's spec the kernels do not take, at the builder's construction
-        rather than at its first plan or forward: `spec.block_size` is a kernel block size
-        (engine blocks are split before a builder sees them), so it must be one exactly.
-
-        Raises:
-            ValueError: naming the field, its value and what the backend declares.
-        """
+        """Refuse, at the builder's construction, a spec the kernels do not take (its
+        `block_size` must be a kernel block size exactly); the `ValueError` names the field,
+        its value and what the backend declares."""
         block_ok = cls.supports_block_size(spec.block_size) and (
             cls.get_kernel_block_size(spec.block_size) == spec.block_size
         )

@@ -1,10 +1,9 @@
 """The per-step batch description every builder reads, and helpers around it.
 
-`CommonAttentionMetadata` carries device tensors together with CPU mirrors so that builders
-and the checks never synchronise with the device; it checks its mirrors once, when it is made
-(docs/design.md, "Validation"). The helpers split a batch into decodes and prefills and
-reorder a batch so decodes come first (fewest swaps). Slot mappings and block-table expansion
-live in `anyattn.slots` (re-exported here).
+`CommonAttentionMetadata` carries device tensors with CPU mirrors, so that builders and checks
+never synchronise with the device; it checks its mirrors once, when made (docs/design.md,
+"Validation"). The helpers split a batch into decodes and prefills and reorder it decodes
+first. Slot mappings and block-table expansion are `anyattn.slots`'s (re-exported here).
 """
 
 from __future__ import annotations
@@ -273,17 +272,13 @@ def make_common_attn_metadata(
     """Build a `CommonAttentionMetadata` from per-request lengths (engine and test helper).
 
     Args:
-        query_lens: new tokens per request.
-        seq_lens: context + new tokens per request (>= query_lens).
-        block_table: int32 `[num_reqs, max_blocks]` physical block ids (any device).
-        block_size: tokens per (kernel) block.
-        device: where the device tensors live.
-        causal: False for bidirectional attention.
+        query_lens, seq_lens: new tokens, and context + new tokens, per request.
+        block_table: int32 `[num_reqs, max_blocks]` physical ids of blocks of `block_size`
+            tokens (any device); the device tensors live on `device`.
         encoder_seq_lens: encoder tokens per request for cross-attention.
         num_padded_tokens: pad the slot mapping with -1 up to this many tokens.
-        slot_mapping: int64 CPU slots of the K/V the step writes, when they are not its new
-            tokens' (cross attention: the encoder tokens of first-step requests); default:
-            the new tokens' slots, from `block_table`.
+        slot_mapping: int64 CPU slots of the K/V the step writes when they are not its new
+            tokens' (cross attention: the encoder tokens); default: from `block_table`.
     """
     if len(query_lens) != len(seq_lens):
         raise ValueError(
@@ -329,14 +324,9 @@ def split_decodes_and_prefills(
     decode_threshold: int = 1,
     require_uniform: bool = False,
 ) -> tuple[int, int, int, int]:
-    """Split a decodes-first batch into its leading decodes and the prefills after them.
-
-    A request is a decode when its query length is at most `decode_threshold`. The batch must
-    already be reordered (decodes first); reads only the CPU mirrors.
-
-    Args:
-        require_uniform: count as decodes only the leading requests whose query length equals
-            the first request's (uniform-batch kernels).
+    """Split a decodes-first batch (CPU mirrors only) into its leading decodes, requests of
+    query length <= `decode_threshold` (with `require_uniform`: also equal to the first's, for
+    uniform-batch kernels), and the prefills after them.
 
     Returns:
         `(num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens)`.
@@ -360,14 +350,9 @@ def split_decodes_and_prefills(
 def reorder_batch_to_split_decodes_and_prefills(
     query_lens: Sequence[int], decode_threshold: int = 1
 ) -> list[tuple[int, int]]:
-    """The fewest swaps that move every decode (query length <= threshold) before the prefills.
-
-    Each swap trades the leftmost misplaced prefill for the rightmost misplaced decode, so every
-    swap fixes two positions and no request is moved that is already in its part.
-
-    Returns:
-        `[(i, j), ...]`: swap requests i and j, in order (see `apply_swaps`).
-    """
+    """The fewest swaps `[(i, j), ...]` (for `apply_swaps`, in order) that move every decode
+    (query length <= threshold) before the prefills: each trades the leftmost misplaced
+    prefill for the rightmost misplaced decode, fixing two positions."""
     lens = list(query_lens)
     is_decode = [n <= decode_threshold for n in lens]
     swaps: list[tuple[int, int]] = []

@@ -21,19 +21,10 @@ __all__ = ["PhaseSplitMetadata", "split_by_phase"]
 
 @dataclass(frozen=True)
 class PhaseSplitMetadata:
-    """One step of a layer that runs decodes and prefills on different backends.
-
-    Rows `[0, num_decode_tokens)` of the step's tokens are its decode requests' (built by the
-    decode backend's builder into `decode`), rows `[num_decode_tokens, num_actual_tokens)` its
-    prefill requests' (built by the prefill backend's builder into `prefill`); a part without
-    requests is None.
-
-    Attributes:
-        common_attn_metadata: the whole step; the layer writes K/V once with its `slot_mapping`.
-        num_decode_tokens: the decode part's tokens (the prefill part's first row).
-        decode: the decode backend's metadata over `split_by_phase`'s decode part, or None.
-        prefill: the prefill backend's metadata over its prefill part, or None.
-    """
+    """One step of a layer that runs decodes and prefills on different backends: the whole
+    step (`common_attn_metadata`, whose `slot_mapping` the layer writes K/V with once), and
+    the metadata each backend's builder built over `split_by_phase`'s parts, `decode` for rows
+    `[0, num_decode_tokens)` and `prefill` for the rest (None for a part without requests)."""
 
     common_attn_metadata: CommonAttentionMetadata
     num_decode_tokens: int
@@ -58,15 +49,10 @@ def split_by_phase(
 ) -> tuple[CommonAttentionMetadata | None, CommonAttentionMetadata | None]:
     """Cut a decodes-first step after its first `num_decodes` requests.
 
-    The decode part holds requests `[0, num_decodes)` and their tokens `[0, D)`, D =
-    `query_start_loc[num_decodes]`; the prefill part the remaining requests, its offsets rebased
-    to start at 0, its slot mapping `slot_mapping[D:]` (padding past the real tokens stays with
-    it). Device tensors are views or device-side arithmetic (no synchronisation); the CPU
-    mirrors are read for the maxima.
-
-    Args:
-        common: the step, decodes first (`anyattn.metadata.split_decodes_and_prefills`).
-        num_decodes: requests in the decode part, `0 <= num_decodes <= common.num_reqs`.
+    `common` has its decodes first (`anyattn.metadata.split_decodes_and_prefills`). The
+    decode part holds requests `[0, num_decodes)` and their tokens `[0, D)`; the prefill part
+    the rest, offsets rebased to 0, slot mapping `slot_mapping[D:]` (padding included). Device
+    tensors are views or device-side arithmetic (no synchronisation).
 
     Returns:
         `(decode, prefill)`, each None when it has no request.
