@@ -106,20 +106,15 @@ class AttentionImpl(AttentionImplBase[M], Generic[M]):
             attn_type=attn_type,
             sinks=sinks,
         )
-        self.num_heads = num_heads
-        self.head_size = head_size
-        self.scale = float(scale)
-        self.kv_cache_dtype = kv_cache_dtype
-        self.attn_type = AttentionType(attn_type)
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.kv_cache_dtype, self.attn_type = kv_cache_dtype, AttentionType(attn_type)
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        self.sliding_window = sliding_window
+        self.sliding_window, self.sinks = sliding_window, sinks
         self.logits_soft_cap = float(logits_soft_cap) if logits_soft_cap else None
-        self.alibi_slopes = (
-            None
-            if alibi_slopes is None
-            else torch.as_tensor(alibi_slopes, dtype=torch.float32).detach().cpu().flatten()
-        )
-        self.sinks = sinks
+        self.alibi_slopes = None
+        if alibi_slopes is not None:
+            slopes = torch.as_tensor(alibi_slopes, dtype=torch.float32)
+            self.alibi_slopes = slopes.detach().cpu().flatten()
 
     def layer_params(self) -> LayerParams:
         """This layer's record for its builder: `params_cls` of the kept attributes. An impl

@@ -89,17 +89,12 @@ class MLAAttentionImpl(AttentionImplBase[M], Generic[M]):
             kv_cache_dtype=kv_cache_dtype,
             workspace_tokens=workspace_tokens,
         )
-        self.num_heads = num_heads
-        self.num_kv_heads = 1
+        self.num_heads, self.num_kv_heads, self.scale = num_heads, 1, float(scale)
         self.head_size = kv_lora_rank + qk_rope_head_dim
-        self.scale = float(scale)
-        self.kv_lora_rank = kv_lora_rank
-        self.qk_rope_head_dim = qk_rope_head_dim
-        self.qk_nope_head_dim = qk_nope_head_dim
-        self.v_head_dim = v_head_dim
-        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, qk_rope_head_dim
+        self.qk_nope_head_dim, self.v_head_dim = qk_nope_head_dim, v_head_dim
+        self.kv_cache_dtype, self.workspace_tokens = kv_cache_dtype, workspace_tokens
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        self.workspace_tokens = workspace_tokens
         self.attn_type = AttentionType.DECODER
 
     def layer_params(self) -> MLALayerParams:

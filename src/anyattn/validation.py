@@ -1,12 +1,9 @@
 """Validation of a layer call, on the host, before the cache is written (docs/design.md,
-"Validation").
-
-Three levels, each checked once: the step (`CommonAttentionMetadata`, when made); the step
-against one cache (`check_step_against_cache`, remembered per cache size); the call's tensors
-(`check_forward_inputs`, `check_kv_write`). `check_layer_call` checks a whole call and records
-it (`StepChecks.call`), so that the impl's `do_kv_cache_update` and `forward`, called next with
-the same arguments, skip their checks. Nothing here reads the device, except that a write given
-no step reads back a device `slot_mapping` to check it.
+"Validation"): the step against one cache (`check_step_against_cache`, once per cache size)
+and the call's tensors (`check_forward_inputs`, `check_kv_write`). `check_layer_call` checks a
+whole call and records it, so that the impl's entry points called next with the same
+arguments skip their checks. Nothing reads the device, except that a write given no step
+reads back a device `slot_mapping`.
 """
 
 from __future__ import annotations
@@ -42,7 +39,7 @@ __all__ = [
 
 
 class AttentionImpl(Protocol):
-    """What the checks read of an `anyattn.impl.AttentionImpl` (which imports this module)."""
+    """What the checks read of an `anyattn.impl.AttentionImpl`."""
 
     num_heads: int
     num_kv_heads: int
@@ -94,16 +91,11 @@ def check_layer_call(
     value: torch.Tensor | None, kv_cache: torch.Tensor, attn_metadata: object,
     output: torch.Tensor, output_lse: torch.Tensor | None, *, writes_kv: bool,
 ) -> None:  # fmt: skip
-    """Check one layer call in full, before its cache write (what `Attention.forward` does
-    first): the layer is one the metadata was built for, the impl's `validate_inputs` (which
-    must check every tensor `forward` and the write read), the step against the cache, and
-    when `writes_kv` the write's slot mapping and fp8 scales. The call is then recorded on its
-    step, so that `do_kv_cache_update` (with `attn_metadata.slot_mapping`) and `forward` with
-    these very arguments skip their checks.
-
-    Raises:
-        ValueError, TypeError, NotImplementedError: the first problem found.
-    """
+    """Check one layer call in full before its cache write (`Attention.forward` does): the
+    layer is one the metadata was built for, the impl's `validate_inputs`, the step against
+    the cache, and when `writes_kv` the write's slot mapping and fp8 scales; then record it,
+    so that `do_kv_cache_update` and `forward` with these very arguments skip their checks.
+    Raises `ValueError`, `TypeError` or `NotImplementedError` for the first problem found."""
     layer_names = getattr(attn_metadata, "layer_names", None)
     if isinstance(layer_names, frozenset):
         check_layer_planned(layer_names, layer, f"{type(impl).__name__}.forward")
@@ -144,15 +136,10 @@ def check_kv_write(
     impl: AttentionImpl, layer: object, key: torch.Tensor, value: torch.Tensor,
     kv_cache: torch.Tensor, slot_mapping: torch.Tensor, attn_metadata: object = None,
 ) -> tuple[str, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
-    """`do_kv_cache_update`'s checks: none for the call `check_layer_call` has checked; else
-    the arguments as `reshape_and_cache` takes them, the cache against the impl, and the step
-    against the cache when `attn_metadata` is given (the step's own `slot_mapping` is then
-    checked from its CPU mirror).
-
-    Returns:
-        `(kv_cache_dtype, k_scale, v_scale)` for the write: float32 scales on the cache's
-        device for an fp8 cache, else None.
-    """
+    """`do_kv_cache_update`'s checks (none for the call `check_layer_call` has checked): the
+    arguments as `reshape_and_cache` takes them, the cache against the impl, and the step
+    against the cache when `attn_metadata` is given. Returns `(kv_cache_dtype, k_scale,
+    v_scale)` for the write (float32 scales on the cache's device for an fp8 cache, else None)."""
     api = f"{type(impl).__name__}.do_kv_cache_update"
     step = step_of(attn_metadata)
     call = None if step is None else step.checks.call
@@ -251,17 +238,12 @@ def check_forward_inputs(
     num_rows: int | None = None,
 ) -> None:  # fmt: skip
     """Shapes, dtypes and devices of one `forward` call's tensors, and the step against the
-    cache (`check_step_against_cache`): the shared part of every impl's `validate_inputs`.
-    The cache is not checked for encoder attention (`ENCODER_TYPES`: K/V come from the inputs).
-
-    Args:
-        api: names the caller in messages, e.g. "TRITON forward".
-        attn_metadata: of `metadata_type` (its `block_size`, `num_actual_tokens`, `causal` and
-            `common_attn_metadata` are read).
-        num_rows: query rows the kernels run (default: `num_actual_tokens`).
+    cache (not for encoder attention, whose K/V come from the inputs): the shared part of
+    every impl's `validate_inputs`. `api` names the caller ("TRITON forward"); `num_rows` are
+    the query rows the kernels run (default: the metadata's `num_actual_tokens`).
 
     Raises:
-        TypeError: metadata of another backend.
+        TypeError: metadata not of `metadata_type`.
         ValueError, NotImplementedError: the first mismatch, naming the argument.
     """
     check_metadata_type(api, attn_metadata, metadata_type)
@@ -390,11 +372,8 @@ def layer_kv_scale(
     api: str, layer: object, name: str, num_kv_heads: int, device: torch.device
 ) -> torch.Tensor:
     """`layer.k_scale` or `layer.v_scale` of an fp8 cache as float32 on `device`, shape `[]`
-    or `[num_kv_heads]` (a `[1]` scale taken as `[]`). Values are not read.
-
-    Raises:
-        ValueError: missing, or not of shape `[]`, `[1]` or `[num_kv_heads]`.
-    """
+    or `[num_kv_heads]` (`[1]` taken as `[]`), values unread; a `ValueError` when missing or
+    of another shape."""
     scale = getattr(layer, name, None)
     if not isinstance(scale, torch.Tensor) or tuple(scale.shape) not in ((), (1,), (num_kv_heads,)):
         got = tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__
