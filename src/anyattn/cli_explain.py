@@ -94,11 +94,6 @@ def add_explain_parser(commands: argparse._SubParsersAction) -> None:
     add_measure_arguments(ex)
 
 
-def _config_from_args(args: argparse.Namespace) -> AttentionSelectorConfig:
-    values = {f.name: getattr(args, f.name) for f in fields(AttentionSelectorConfig)}
-    return AttentionSelectorConfig(**values)
-
-
 def _config_summary(config: AttentionSelectorConfig) -> str:
     """The config's fields that differ from their defaults (head_size and dtype always)."""
     parts = []
@@ -114,7 +109,9 @@ def _config_summary(config: AttentionSelectorConfig) -> str:
 def run_explain(args: argparse.Namespace) -> int:
     """Run `anyattn explain`; returns the exit status."""
     try:
-        config = _config_from_args(args)
+        config = AttentionSelectorConfig(
+            **{f.name: getattr(args, f.name) for f in fields(AttentionSelectorConfig)}
+        )
     except (TypeError, ValueError) as error:
         print_error("explain", f"invalid configuration: {error}")
         return 2
@@ -152,17 +149,17 @@ def run_explain(args: argparse.Namespace) -> int:
     if result.chosen is not None:
         return 0
     if result.requested is not None:
-        by = "--backend" if result.requested_by == "argument" else result.requested_by
-        print_error(
-            "explain",
-            f"requested backend {result.requested} (from {by}) does not fit this config on "
-            f"{result.device}; see its reasons above.",
-        )
+        print_error("explain", f"requested backend {result.requested} (from {_by(result)}) does "
+                    f"not fit this config on {result.device}; see its reasons above.")  # fmt: skip
     else:
-        print_error(
-            "explain", f"no backend fits this config on {result.device}; see the reasons above."
-        )
+        print_error("explain", f"no backend fits this config on {result.device}; see the reasons "
+                    "above.")  # fmt: skip
     return 1
+
+
+def _by(result: Explanation) -> str:
+    """Who requested the backend, as the command line names it."""
+    return "--backend" if result.requested_by == "argument" else str(result.requested_by)
 
 
 def _print_explanation(result: Explanation) -> None:
@@ -170,13 +167,9 @@ def _print_explanation(result: Explanation) -> None:
     console.print(Text(f"device: {result.device}"))
     console.print(Text(f"config: {_config_summary(result.config)}"))
     if result.requested is not None:
-        by = "--backend" if result.requested_by == "argument" else result.requested_by
-        console.print(Text(f"requested: {result.requested} (from {by})"))
-    if result.chosen is not None:
-        chosen = Text.assemble("chosen: ", (result.chosen, "bold green"))
-    else:
-        chosen = Text.assemble("chosen: ", ("none", "bold red"))
-    console.print(chosen)
+        console.print(Text(f"requested: {result.requested} (from {_by(result)})"))
+    chosen = (result.chosen, "bold green") if result.chosen else ("none", "bold red")
+    console.print(Text.assemble("chosen: ", chosen))
     table = Table(box=box.SIMPLE_HEAD, expand=False)
     table.add_column("#", justify="right", no_wrap=True)
     table.add_column("backend", no_wrap=True)
@@ -197,13 +190,8 @@ def _print_explanation(result: Explanation) -> None:
             label = Text("rejected", style="red")
         else:
             label = Text("unavailable", style="yellow")
-        table.add_row(
-            str(verdict.priority),
-            verdict.name,
-            label,
-            Text(capability),
-            Text(verdict.unavailable if verdict.unavailable else "ok"),
-        )
+        availability = Text(verdict.unavailable or "ok")
+        table.add_row(str(verdict.priority), verdict.name, label, Text(capability), availability)
     console.print(table)
     if result.hints:
         console.print("hints:")

@@ -187,16 +187,10 @@ class BatchLimits:
 
 @dataclass(frozen=True, slots=True)
 class AttentionSpec:
-    """The KV-cache spec of a group of layers that share one block table.
-
-    Attributes:
-        block_size: tokens per KV block (the engine's block size).
-        num_kv_heads: KV heads per layer.
-        head_size: size of each head.
-        dtype: the model dtype (queries, outputs).
-        kv_cache_dtype: "auto" or one of `anyattn.types.CACHE_DTYPES`.
-        sliding_window: W for sliding-window layers, else None.
-    """
+    """The KV-cache spec of a group of layers that share one block table: `block_size` tokens
+    per block, `num_kv_heads` x `head_size` per token, the model `dtype`, the
+    `kv_cache_dtype` ("auto" or one of `anyattn.types.CACHE_DTYPES`) and the `sliding_window`
+    W of sliding-window layers (else None)."""
 
     block_size: int
     num_kv_heads: int
@@ -226,20 +220,15 @@ class AttentionSpec:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MLAAttentionSpec(AttentionSpec):
-    """KV-cache spec of MLA layers: one latent row per token, `[c_kv (L), k_pe (R)]`
-    (docs/mla.md, "The cache").
-
-    Keyword-only. `head_size` is derived (`kv_lora_rank + qk_rope_head_dim`; when given it must
-    equal that), `num_kv_heads` is 1 and `sliding_window` None (MLA declares no window).
+    """KV-cache spec of MLA layers (keyword-only): one latent row `[c_kv (L), k_pe (R)]` per
+    token, a cache `(num_blocks, block_size, L + R)` (docs/mla.md, "The cache"). `head_size`
+    is `L + R` (when given it must equal that), `num_kv_heads` 1, `sliding_window` None.
 
     Attributes:
-        block_size, dtype, kv_cache_dtype: as for `AttentionSpec`.
         kv_lora_rank: L, the latent (compressed KV) size.
         qk_rope_head_dim: R, the size of the rotary key shared by all heads.
-        qk_nope_head_dim: P, the per-head query/key size without rope.
-        v_head_dim: Vd, the per-head value size.
-
-    The cache of a layer is `(num_blocks, block_size, L + R)`.
+        qk_nope_head_dim, v_head_dim: P and Vd, the per-head query/key (without rope) and
+            value sizes.
     """
 
     block_size: int

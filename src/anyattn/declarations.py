@@ -60,7 +60,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 # Features a config may ask for: (feature, the config's flag, label); `supports_<feature>`
 # answers whether the backend has it.
-_FEATURES = (
+CONFIG_FEATURES = (
     ("sink", "has_sink", "attention sinks"),
     ("sliding_window", "has_sliding_window", "sliding window"),
     ("alibi", "has_alibi", "ALiBi"),
@@ -72,7 +72,7 @@ _FEATURES = (
 )
 # Every name `AttentionBackend.supported_features` may hold: those above, and "cascade" (a
 # builder's choice, not a config flag).
-_FEATURE_NAMES = (*(feature for feature, _, _ in _FEATURES), "cascade")
+_FEATURE_NAMES = (*(feature for feature, _, _ in CONFIG_FEATURES), "cascade")
 
 
 def _format_block_sizes(sizes: Sequence[int | MultipleOf]) -> str:
@@ -390,7 +390,7 @@ class AttentionBackend(ABC):
             reasons.append("sparse attention (use_sparse) not supported")
         elif cls.is_sparse() and not config.use_sparse:
             reasons.append("sparse-only backend")
-        for feature, flag, label in _FEATURES:
+        for feature, flag, label in CONFIG_FEATURES:
             if getattr(config, flag) and not getattr(cls, f"supports_{feature}")():
                 reasons.append(f"{label} ({flag}) not supported")
         if config.use_per_head_quant_scales and not is_fp8_cache(config.kv_cache_dtype):

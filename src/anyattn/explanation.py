@@ -36,6 +36,11 @@ class BackendVerdict:
     def fits(self) -> bool:
         return not self.reasons and self.unavailable is None
 
+    def why_not(self) -> list[str]:
+        """The capability reasons, then the availability one."""
+        unavailable = [f"not available here: {self.unavailable}"] if self.unavailable else []
+        return [*self.reasons, *unavailable]
+
     def to_dict(self) -> dict[str, object]:
         return {
             "name": self.name,
@@ -80,10 +85,7 @@ class Explanation:
         """One line per backend with its reasons, for error messages and logs."""
         lines = []
         for v in self.verdicts:
-            why = list(v.reasons)
-            if v.unavailable:
-                why.append(f"not available here: {v.unavailable}")
-            verdict = "; ".join(why) if why else "fits"
+            verdict = "; ".join(v.why_not()) or "fits"
             if v.fits and v.not_automatic:
                 verdict += f", taken only on request ({v.not_automatic})"
             lines.append(f"  {v.name}: {verdict}")

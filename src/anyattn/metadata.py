@@ -41,15 +41,13 @@ class CommonAttentionMetadata:
     against a cache at the first layer call with that cache.
 
     Attributes:
-        query_start_loc: int32 `[num_reqs + 1]` (device): offsets of each request's new tokens.
-        query_start_loc_cpu: the same, on the CPU.
-        seq_lens: int32 `[num_reqs]` (device): context + new tokens per request.
-        seq_lens_cpu: the same, on the CPU.
+        query_start_loc, query_start_loc_cpu: int32 `[num_reqs + 1]` (device, CPU): offsets
+            of each request's new tokens.
+        seq_lens, seq_lens_cpu: int32 `[num_reqs]`: context + new tokens per request.
         num_computed_tokens_cpu: int32 `[num_reqs]` (CPU): context before this step.
-        num_reqs: real requests.
-        num_actual_tokens: real tokens; output rows past it are left untouched.
-        max_query_len: longest query (new tokens) among the real requests.
-        max_seq_len: longest sequence among the real requests.
+        num_reqs, num_actual_tokens: real requests and tokens (output rows past the real
+            tokens are left untouched).
+        max_query_len, max_seq_len: longest query (new tokens) and sequence among them.
         block_table_tensor: int32 `[>= num_reqs, max_blocks]` (device): physical block ids in
             kernel-block units. Entries past a request's keys and rows past `num_reqs` are
             never read, nor checked (the engine leaves them 0: the null block, never allocated).
@@ -57,13 +55,11 @@ class CommonAttentionMetadata:
             cross attention: of the encoder tokens written this step), `block_id * block_size
             + offset`; -1 marks padding that is never written.
         causal: False for bidirectional attention.
-        encoder_seq_lens: int32 `[num_reqs]` (device) for cross-attention, else None.
-        encoder_seq_lens_cpu: the same, on the CPU.
-        block_table_cpu: `block_table_tensor` on the CPU (int32, same shape); may be left None
-            when `block_table_tensor` is a CPU tensor (it is then its own mirror).
-        slot_mapping_cpu: `slot_mapping` on the CPU (int64, same shape); likewise.
-        host_batch: the checked mirrors (`HostBatch`), made with the metadata.
-        checks: what `anyattn.validation` has checked of this step since (`StepChecks`).
+        encoder_seq_lens, encoder_seq_lens_cpu: int32 `[num_reqs]` for cross-attention.
+        block_table_cpu, slot_mapping_cpu: the CPU mirrors of `block_table_tensor` and
+            `slot_mapping`; None when the tensor is on the CPU (its own mirror).
+        host_batch: the checked mirrors (`HostBatch`); checks: what `anyattn.validation` has
+            checked of this step since (`StepChecks`).
 
     Raises:
         ValueError: when made, for mirrors that are not CPU integer tensors of the expected

@@ -18,7 +18,7 @@ import os
 import torch
 
 from anyattn.config import AttentionSelectorConfig, BatchLimits
-from anyattn.declarations import AttentionBackend, platform_key, rank_on
+from anyattn.declarations import CONFIG_FEATURES, AttentionBackend, platform_key, rank_on
 from anyattn.explanation import BackendVerdict, Explanation, NoBackendError
 from anyattn.layer_params import LayerParams
 from anyattn.measure.result import Measurement
@@ -147,10 +147,7 @@ def _hints(
     for dtype_name in ("bfloat16", "float16", "float32"):
         if str(config.dtype) != f"torch.{dtype_name}":
             variations.append((f"dtype={dtype_name}", {"dtype": dtype_name}))
-    for flag in (
-        "has_sink", "has_sliding_window", "has_alibi", "has_logits_soft_cap", "use_non_causal",
-        "use_per_head_quant_scales", "use_batch_invariant", "needs_lse", "use_sparse", "use_mla",
-    ):  # fmt: skip
+    for flag in (*(flag for _, flag, _ in CONFIG_FEATURES), "use_sparse", "use_mla"):
         if getattr(config, flag):
             variations.append((f"{flag}=False", {flag: False}))
     for label, change in variations:
@@ -330,9 +327,7 @@ def measure_backends(
 def _no_backend_message(result: Explanation) -> str:
     if result.requested is not None:
         verdict = next(v for v in result.verdicts if v.name == result.requested)
-        why = list(verdict.reasons) + (
-            [f"not available here: {verdict.unavailable}"] if verdict.unavailable else []
-        )
+        why = verdict.why_not()
         return (
             f"select_backend: requested backend {result.requested} (from {result.requested_by}) "
             f"cannot serve this config on {result.device}: {'; '.join(why)}. Remove the request "
