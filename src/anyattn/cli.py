@@ -154,6 +154,10 @@ def _cmd_backends(args: argparse.Namespace) -> int:
         features = record["features"]
         assert isinstance(features, dict)
         capability = record["min_compute_capability"]
+        # The latent splits L+R an MLA backend takes, in the text its reasons use.
+        splits = record["mla_splits"]
+        if splits is not None and splits != "any":
+            splits = f"{splits} (kv_lora_rank+qk_rope_head_dim)"
         rows = [
             ("status", status),
             ("class", str(record["class"])),
@@ -162,18 +166,13 @@ def _cmd_backends(args: argparse.Namespace) -> int:
             ("dtypes", _join(record["dtypes"])),
             ("kv cache dtypes", _join(record["kv_cache_dtypes"])),
             ("head sizes", _join(record["head_sizes"])),
+            *([("mla splits", str(splits))] if splits is not None else []),
             ("block sizes", _join(record["block_sizes"])),
             ("kv cache layouts", _join(record["kv_cache_layouts"])),
             ("attn types", _join(record["attn_types"])),
             ("features", _join([name for name, on in features.items() if on])),
             ("cuda graphs", str(record["cudagraph_support"])),
         ]  # fmt: skip
-        if record["mla_splits"] is not None:
-            # The latent splits L+R an MLA backend takes, in the text its reasons use.
-            splits = str(record["mla_splits"])
-            splits += "" if splits == "any" else " (kv_lora_rank+qk_rope_head_dim)"
-            after = [field for field, _ in rows].index("head sizes") + 1
-            rows.insert(after, ("mla splits", splits))
         for field, value in rows:
             table.add_row(field, value if isinstance(value, Text) else Text(value))
         console.print(table)
@@ -195,8 +194,7 @@ def _environment() -> dict[str, object]:
     import torch  # already imported by anyattn; needed for the device list
 
     versions = {"python": platform.python_version()}
-    for name, dists in _PACKAGES.items():
-        versions[name] = _package_version(dists)
+    versions.update((name, _package_version(dists)) for name, dists in _PACKAGES.items())
     # torch may be on PYTHONPATH without metadata (the GPU machine); the module knows its version.
     if versions["torch"] == "not installed":
         versions["torch"] = torch.__version__
