@@ -19,13 +19,7 @@ from anyattn.metadata import CommonAttentionMetadata
 from anyattn.mla_layer import MLAAttention
 from anyattn.registry import AttentionBackendEnum, get_backend_class, register_backend
 from anyattn.selector import NoBackendError, clear_cache, explain, select_backend
-from anyattn.types import (
-    AttentionCGSupport,
-    AttentionType,
-    DeviceInfo,
-    KVCacheLayout,
-    MultipleOf,
-)
+from anyattn.types import AttentionCGSupport, AttentionType, DeviceInfo, KVCacheLayout, MultipleOf
 
 __version__ = "0.1.0"
 

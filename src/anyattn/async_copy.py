@@ -1,15 +1,12 @@
 """Copies between host and device that never wait for work already queued on the device.
 
-On CUDA a copy from pageable host memory to the device may first wait for every kernel queued
-on the stream (CUDA's "API synchronization behavior"), and `tensor.tolist()` of a device tensor
-waits for them all. An engine that prepares step N+1 while step N runs (the engine's
-asynchronous scheduling) needs neither: `to_device` stages host values in pinned memory and
-copies without blocking (PyTorch's pinned-memory cache keeps the staging block until the copy
-has run), which builders use for every per-step upload; `to_device_all` uploads several arrays
-through one staging buffer and one copy, for a step whose inputs are many small arrays (each
-copy has a fixed host cost); `HostCopy` starts a device-to-host copy at a point of the stream
-and later waits for that point only. On the CPU all are plain tensors. Events are recorded on
-the tensor's own device's current stream.
+On CUDA a copy from pageable host memory may first wait for every queued kernel, and
+`tensor.tolist()` waits for them all; an engine that prepares step N+1 while step N runs needs
+neither. `to_device` copies through pinned memory without blocking (PyTorch's pinned-memory
+cache keeps the staging block until the copy has run); `to_device_all` uploads many small
+arrays through one staging buffer and one copy; `HostCopy` starts a device-to-host copy at a
+point of the stream (its device's current stream) and later waits for that point only. On the
+CPU all are plain tensors.
 """
 
 from __future__ import annotations

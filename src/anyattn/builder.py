@@ -2,12 +2,10 @@
 metadata.
 
 Constructed once per KV-cache group as `Builder(kv_cache_spec, layers, limits, device)`, where
-`layers` maps each layer name of the group to its record (`impl.layer_params()`). `build`
-returns frozen metadata holding every plan the step's layers need (for example one plan per
-distinct record of `self.layers`) and the builder's `layer_names` as a frozenset, which
-`forward` checks (`anyattn.validation.check_layer_planned`). `build` must not synchronise with the
-device: it reads the `*_cpu` mirrors, never `.item()`. The metadata carries the step's
-`slot_mapping` (the layer writes K/V with it).
+`layers` maps each layer name to its record (`impl.layer_params()`). `build` returns frozen
+metadata holding every plan the step's layers need, the step's `slot_mapping` and the
+builder's `layer_names` as a frozenset (`anyattn.validation.check_layer_planned`). `build`
+never synchronises with the device: it reads the `*_cpu` mirrors, never `.item()`.
 """
 
 from __future__ import annotations
@@ -63,10 +61,10 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
 
         Raises:
             TypeError: `layers` is not a mapping of layer names to `LayerParams`.
-            ValueError: a layer's KV heads or head size differ from `kv_cache_spec`'s, or the
-                spec is one `backend`'s kernels do not take (`check_kv_cache_spec`).
+            ValueError: a layer's KV heads or head size differ from `kv_cache_spec`'s, or
+                `backend`'s kernels do not take the spec (`check_kv_cache_spec`).
         """
-        api = f"{type(self).__name__}"
+        api = type(self).__name__
         if not isinstance(layers, Mapping):
             raise TypeError(
                 f"{api}: layers must map layer names to LayerParams (got "
@@ -125,14 +123,8 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
         return self.build(common_prefix_len=0, common_attn_metadata=common_attn_metadata)
 
     def use_cascade_attention(
-        self,
-        common_prefix_len: int,
-        query_lens: np.ndarray,
-        num_query_heads: int,
-        num_kv_heads: int,
-        use_alibi: bool,
-        use_sliding_window: bool,
-        num_sms: int,
-    ) -> bool:
+        self, common_prefix_len: int, query_lens: np.ndarray, num_query_heads: int,
+        num_kv_heads: int, use_alibi: bool, use_sliding_window: bool, num_sms: int,
+    ) -> bool:  # fmt: skip
         """Whether running the shared prefix once (cascade) pays off for this step."""
         return False

@@ -91,14 +91,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     try:
         return run_generate(args)
-    except UsageError as error:
-        # A value only the model can judge (a prompt longer than its context): still a usage
-        # error, found before the model loads.
+    except UsageError as error:  # one only the model can judge (a prompt past its context)
         print_error("generate", str(error))
         return 2
     except (FileNotFoundError, ValueError, TypeError, NotImplementedError) as error:
-        # User mistakes the arguments cannot show (a missing default model, an unknown backend
-        # name, a backend that does not fit) get one line.
+        # mistakes the arguments cannot show (a missing model, a backend that does not fit)
         print_error("generate", str(error))
         return 1
     except KeyboardInterrupt:
@@ -121,6 +118,14 @@ def _backend_records() -> list[dict[str, object]]:
     return records
 
 
+def _field_table(**options: object) -> Table:
+    """A two-column table of fields and their values."""
+    table = Table(box=box.SIMPLE, show_header=False, **options)
+    table.add_column("field", style="bold", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    return table
+
+
 def _join(values: object) -> str:
     if isinstance(values, list | tuple):
         return ", ".join(str(v) for v in values) if values else "none"
@@ -137,11 +142,7 @@ def _cmd_backends(args: argparse.Namespace) -> int:
         console.print(f"No backends registered (entry-point group '{ENTRY_POINT_GROUP}').")
         return 0
     for record in records:
-        table = Table(
-            box=box.SIMPLE, show_header=False, title_justify="left", title=str(record["name"])
-        )
-        table.add_column("field", style="bold", no_wrap=True)
-        table.add_column("value", overflow="fold")
+        table = _field_table(title_justify="left", title=str(record["name"]))
         if record["error"] is not None:
             table.add_row("status", Text(f"cannot be loaded: {record['error']}", style="red"))
             console.print(table)
@@ -153,6 +154,10 @@ def _cmd_backends(args: argparse.Namespace) -> int:
         features = record["features"]
         assert isinstance(features, dict)
         capability = record["min_compute_capability"]
+        # The latent splits L+R an MLA backend takes, in the text its reasons use.
+        splits = record["mla_splits"]
+        if splits is not None and splits != "any":
+            splits = f"{splits} (kv_lora_rank+qk_rope_head_dim)"
         rows = [
             ("status", status),
             ("class", str(record["class"])),
@@ -161,18 +166,13 @@ def _cmd_backends(args: argparse.Namespace) -> int:
             ("dtypes", _join(record["dtypes"])),
             ("kv cache dtypes", _join(record["kv_cache_dtypes"])),
             ("head sizes", _join(record["head_sizes"])),
+            *([("mla splits", str(splits))] if splits is not None else []),
             ("block sizes", _join(record["block_sizes"])),
             ("kv cache layouts", _join(record["kv_cache_layouts"])),
             ("attn types", _join(record["attn_types"])),
             ("features", _join([name for name, on in features.items() if on])),
             ("cuda graphs", str(record["cudagraph_support"])),
         ]  # fmt: skip
-        if record["mla_splits"] is not None:
-            # The latent splits L+R an MLA backend takes, in the text its reasons use.
-            splits = str(record["mla_splits"])
-            splits += "" if splits == "any" else " (kv_lora_rank+qk_rope_head_dim)"
-            after = [field for field, _ in rows].index("head sizes") + 1
-            rows.insert(after, ("mla splits", splits))
         for field, value in rows:
             table.add_row(field, value if isinstance(value, Text) else Text(value))
         console.print(table)
@@ -194,8 +194,7 @@ def _environment() -> dict[str, object]:
     import torch  # already imported by anyattn; needed for the device list
 
     versions = {"python": platform.python_version()}
-    for name, dists in _PACKAGES.items():
-        versions[name] = _package_version(dists)
+    versions.update((name, _package_version(dists)) for name, dists in _PACKAGES.items())
     # torch may be on PYTHONPATH without metadata (the GPU machine); the module knows its version.
     if versions["torch"] == "not installed":
         versions["torch"] = torch.__version__
@@ -205,14 +204,9 @@ def _environment() -> dict[str, object]:
     if torch.cuda.is_available():
         for index in range(torch.cuda.device_count()):
             major, minor = torch.cuda.get_device_capability(index)
-            devices.append(
-                {
-                    "type": "cuda",
-                    "index": index,
-                    "name": torch.cuda.get_device_name(index),
-                    "capability": f"sm{major}{minor}",
-                }
-            )
+            name = torch.cuda.get_device_name(index)
+            devices.append({"type": "cuda", "index": index, "name": name,
+                            "capability": f"sm{major}{minor}"})  # fmt: skip
     return {
         "anyattn": anyattn.__version__,
         "versions": versions,
@@ -228,9 +222,7 @@ def _cmd_env(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2))
         return 0
     console = make_console()
-    table = Table(box=box.SIMPLE, show_header=False)
-    table.add_column("field", style="bold", no_wrap=True)
-    table.add_column("value", overflow="fold")
+    table = _field_table()
     table.add_row("anyattn", Text(str(info["anyattn"])))
     versions = info["versions"]
     assert isinstance(versions, dict)

@@ -1,12 +1,9 @@
-"""What the `anyattn` subcommands share: usage errors of one line, argument types that report
-the library's own messages, the backend a command is asked for, and consoles that print text as
-it is given.
-
-Most of what the command line prints is not its own: backend names and install hints from
-plugins, file names, prompts, generated text, error messages. rich would read `[bold]` or
-`'anyattn[flashinfer]'` in them as markup and `:smile:` as an emoji code, so every console made
-here has markup, emoji codes and highlighting off; the command's own styles are applied with
-`rich.text.Text` spans instead.
+"""What the `anyattn` subcommands share: one-line usage errors, argument types that report the
+library's own messages, the backend a command is asked for, and consoles that print text as
+given: most of what they print comes from elsewhere (plugin names and install hints, prompts,
+generated text), where rich would read `[bold]` or `'anyattn[flashinfer]'` as markup and
+`:smile:` as an emoji code, so markup, emoji and highlighting are off and the command's own
+styles are `rich.text.Text` spans.
 """
 
 from __future__ import annotations
@@ -43,13 +40,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def arg_type(parse: Callable[[str], object], label: str) -> Callable[[str], object]:
-    """Wrap a library parser so that argparse reports the parser's message, not a generic one.
-
-    Args:
-        parse: turns the argument's text into its value; raises ValueError with a message that
-            may start with `"{label}: "`.
-        label: the name the message starts with (dropped: argparse adds "argument --flag: ").
-    """
+    """Wrap a library parser (text -> value, raising ValueError) so that argparse reports its
+    message, less a leading `"{label}: "` (argparse adds "argument --flag: ")."""
 
     def convert(text: str) -> object:
         try:
@@ -73,20 +65,13 @@ def positive_int(text: str) -> int:
 
 
 def backend_request(flag_value: str | None, allow_pair: bool = False) -> tuple[str | None, str]:
-    """The backend a command is asked for and where the request came from.
-
-    Args:
-        flag_value: the `--backend` argument, or None when it was not given.
-        allow_pair: accept "DECODE,PREFILL" (`anyattn generate` runs the phases on two
-            backends; `explain` judges one).
-
-    Returns:
-        `(name, source)`: the name from `--backend`, else from `$ANYATTN_BACKEND`, else None
-        (a name, "fastest", or a pair "DECODE,PREFILL" of names); source is `"--backend"` or
-        `"ANYATTN_BACKEND"` (`"--backend"` when nothing is asked).
+    """The backend a command is asked for, `(name, source)`: the `--backend` value
+    (`flag_value`), else `$ANYATTN_BACKEND`, else None; source is "--backend" or
+    "ANYATTN_BACKEND". The name may be "fastest", or with `allow_pair` (`anyattn generate`)
+    a pair "DECODE,PREFILL".
 
     Raises:
-        ValueError: a name that is not a registered backend, or more than two; the message
+        ValueError: a name that is not a registered backend, or more than allowed; the message
             names its source.
     """
     name, source = flag_value, BACKEND_FLAG

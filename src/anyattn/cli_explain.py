@@ -54,74 +54,44 @@ def add_explain_parser(commands: argparse._SubParsersAction) -> None:
     )
     ex.add_argument("--head-size", type=positive_int, metavar="N", required=True,
                     help="size of each attention head")  # fmt: skip
-    ex.add_argument(
-        "--dtype",
-        type=arg_type(lambda s: parse_dtype(s, argument="--dtype"), "--dtype"),
-        metavar="DTYPE",
-        default="bfloat16",
-        help="model dtype: float32, float16, bfloat16 (default: bfloat16)",
-    )
-    ex.add_argument(
-        "--kv-cache-dtype",
-        type=arg_type(
-            lambda s: parse_cache_dtype(s, argument="--kv-cache-dtype"), "--kv-cache-dtype"
-        ),
-        default="auto",
-        help="KV-cache dtype: auto, float16, bfloat16, fp8, fp8_e4m3, fp8_e5m2 (default: auto)",
-    )
-    ex.add_argument("--block-size", type=positive_int, metavar="N",
-                    help="engine KV block size (default: backend's choice)")  # fmt: skip
-    ex.add_argument("--num-heads", type=positive_int, metavar="N", help="query heads of the layer")
-    ex.add_argument("--num-kv-heads", type=positive_int, metavar="N", help="KV heads of the layer")
-    ex.add_argument(
-        "--attn-type",
-        choices=[t.value for t in AttentionType],
-        default=AttentionType.DECODER.value,
-        help="what the queries attend to (default: decoder)",
-    )
+    ex.add_argument("--dtype", metavar="DTYPE", default="bfloat16",
+                    type=arg_type(lambda s: parse_dtype(s, argument="--dtype"), "--dtype"),
+                    help="model dtype: float32, float16, bfloat16 (default: bfloat16)")  # fmt: skip
+    ex.add_argument("--kv-cache-dtype", default="auto",
+                    type=arg_type(lambda s: parse_cache_dtype(s, argument="--kv-cache-dtype"),
+                                  "--kv-cache-dtype"),
+                    help="KV-cache dtype: auto, float16, bfloat16, fp8, fp8_e4m3, fp8_e5m2 "
+                    "(default: auto)")  # fmt: skip
+    for flag, text in (
+        ("--block-size", "engine KV block size (default: backend's choice)"),
+        ("--num-heads", "query heads of the layer"),
+        ("--num-kv-heads", "KV heads of the layer"),
+    ):
+        ex.add_argument(flag, type=positive_int, metavar="N", help=text)
+    ex.add_argument("--attn-type", choices=[t.value for t in AttentionType],
+                    default=AttentionType.DECODER.value,
+                    help="what the queries attend to (default: decoder)")  # fmt: skip
     for name in AttentionSelectorConfig.flag_names():
         flag = f"--{name.replace('_', '-')}"
         ex.add_argument(flag, dest=name, action="store_true", help=_FLAG_HELP.get(name, name))
-    ex.add_argument(
-        "--qk-rope-head-dim",
-        type=positive_int,
-        metavar="N",
-        help="MLA (--use-mla): the rope part R of the latent row --head-size = L + R, which "
-        "tells splits apart (576 = 512 + 64 or 448 + 128)",
+    limited = (
+        "for backends whose prefill limits it; --measure times the layer with it (default 128)"
     )
-    ex.add_argument(
-        "--qk-nope-head-dim",
-        type=positive_int,
-        metavar="N",
-        help="MLA (--use-mla): the no-rope part P of the up-projected query and key rows "
-        "(their size is P + R), for backends whose prefill limits it; --measure times the "
-        "layer with it (default 128)",
-    )
-    ex.add_argument(
-        "--v-head-dim",
-        type=positive_int,
-        metavar="N",
-        help="MLA (--use-mla): the size Vd of the up-projected value rows, for backends whose "
-        "prefill limits it; --measure times the layer with it (default 128)",
-    )
-    ex.add_argument(
-        "--backend",
-        metavar="NAME",
-        help=f"require this backend (error if it does not fit); else ${ENV_VAR} if set",
-    )
-    ex.add_argument(
-        "--device",
-        type=arg_type(DeviceInfo.parse, "device"),
-        help="cpu, cuda (this machine's GPU), or a capability: sm80, sm90, sm100 "
-        "(default: this machine)",
-    )
+    for flag, text in (
+        ("--qk-rope-head-dim", "the rope part R of the latent row --head-size = L + R, which "
+         "tells splits apart (576 = 512 + 64 or 448 + 128)"),
+        ("--qk-nope-head-dim", "the no-rope part P of the up-projected query and key rows "
+         f"(their size is P + R), {limited}"),
+        ("--v-head-dim", f"the size Vd of the up-projected value rows, {limited}"),
+    ):  # fmt: skip
+        ex.add_argument(flag, type=positive_int, metavar="N", help=f"MLA (--use-mla): {text}")
+    ex.add_argument("--backend", metavar="NAME", help="require this backend (error if it does "
+                    f"not fit); else ${ENV_VAR} if set")  # fmt: skip
+    ex.add_argument("--device", type=arg_type(DeviceInfo.parse, "device"),
+                    help="cpu, cuda (this machine's GPU), or a capability: sm80, sm90, sm100 "
+                    "(default: this machine)")  # fmt: skip
     ex.add_argument("--json", action="store_true", help="print JSON instead of tables")
     add_measure_arguments(ex)
-
-
-def _config_from_args(args: argparse.Namespace) -> AttentionSelectorConfig:
-    values = {f.name: getattr(args, f.name) for f in fields(AttentionSelectorConfig)}
-    return AttentionSelectorConfig(**values)
 
 
 def _config_summary(config: AttentionSelectorConfig) -> str:
@@ -139,7 +109,9 @@ def _config_summary(config: AttentionSelectorConfig) -> str:
 def run_explain(args: argparse.Namespace) -> int:
     """Run `anyattn explain`; returns the exit status."""
     try:
-        config = _config_from_args(args)
+        config = AttentionSelectorConfig(
+            **{f.name: getattr(args, f.name) for f in fields(AttentionSelectorConfig)}
+        )
     except (TypeError, ValueError) as error:
         print_error("explain", f"invalid configuration: {error}")
         return 2
@@ -177,17 +149,17 @@ def run_explain(args: argparse.Namespace) -> int:
     if result.chosen is not None:
         return 0
     if result.requested is not None:
-        by = "--backend" if result.requested_by == "argument" else result.requested_by
-        print_error(
-            "explain",
-            f"requested backend {result.requested} (from {by}) does not fit this config on "
-            f"{result.device}; see its reasons above.",
-        )
+        print_error("explain", f"requested backend {result.requested} (from {_by(result)}) does "
+                    f"not fit this config on {result.device}; see its reasons above.")  # fmt: skip
     else:
-        print_error(
-            "explain", f"no backend fits this config on {result.device}; see the reasons above."
-        )
+        print_error("explain", f"no backend fits this config on {result.device}; see the reasons "
+                    "above.")  # fmt: skip
     return 1
+
+
+def _by(result: Explanation) -> str:
+    """Who requested the backend, as the command line names it."""
+    return "--backend" if result.requested_by == "argument" else str(result.requested_by)
 
 
 def _print_explanation(result: Explanation) -> None:
@@ -195,13 +167,9 @@ def _print_explanation(result: Explanation) -> None:
     console.print(Text(f"device: {result.device}"))
     console.print(Text(f"config: {_config_summary(result.config)}"))
     if result.requested is not None:
-        by = "--backend" if result.requested_by == "argument" else result.requested_by
-        console.print(Text(f"requested: {result.requested} (from {by})"))
-    if result.chosen is not None:
-        chosen = Text.assemble("chosen: ", (result.chosen, "bold green"))
-    else:
-        chosen = Text.assemble("chosen: ", ("none", "bold red"))
-    console.print(chosen)
+        console.print(Text(f"requested: {result.requested} (from {_by(result)})"))
+    chosen = (result.chosen, "bold green") if result.chosen else ("none", "bold red")
+    console.print(Text.assemble("chosen: ", chosen))
     table = Table(box=box.SIMPLE_HEAD, expand=False)
     table.add_column("#", justify="right", no_wrap=True)
     table.add_column("backend", no_wrap=True)
@@ -222,13 +190,8 @@ def _print_explanation(result: Explanation) -> None:
             label = Text("rejected", style="red")
         else:
             label = Text("unavailable", style="yellow")
-        table.add_row(
-            str(verdict.priority),
-            verdict.name,
-            label,
-            Text(capability),
-            Text(verdict.unavailable if verdict.unavailable else "ok"),
-        )
+        availability = Text(verdict.unavailable or "ok")
+        table.add_row(str(verdict.priority), verdict.name, label, Text(capability), availability)
     console.print(table)
     if result.hints:
         console.print("hints:")

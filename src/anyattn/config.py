@@ -23,12 +23,17 @@ from anyattn.types import (
 __all__ = ["AttentionSelectorConfig", "AttentionSpec", "BatchLimits", "MLAAttentionSpec"]
 
 
+def _normalise_dtypes(spec: object, api: str) -> None:
+    """Replace `spec.dtype` and `spec.kv_cache_dtype` with their parsed forms."""
+    object.__setattr__(spec, "dtype", parse_dtype(spec.dtype, argument=f"{api}: dtype"))
+    cache_dtype = parse_cache_dtype(spec.kv_cache_dtype, argument=f"{api}: kv_cache_dtype")
+    object.__setattr__(spec, "kv_cache_dtype", cache_dtype)
+
+
 @dataclass(frozen=True, slots=True)
 class AttentionSelectorConfig:
-    """Everything a model layer knows about its attention, as the selector needs it.
-
-    Frozen and hashable, so selection results are cached on it. Strings are accepted for
-    `dtype` ("bfloat16") and `attn_type` ("decoder") and normalised.
+    """Everything a model layer knows about its attention, as the selector needs it. Frozen
+    and hashable (selections are cached on it); `dtype` and `attn_type` may be given as text.
 
     Attributes:
         head_size: size of each attention head.
@@ -46,12 +51,11 @@ class AttentionSelectorConfig:
         use_batch_invariant: results must not depend on how requests are batched.
         needs_lse: the engine will merge partial results (cascade, context parallel) and needs
             each backend call to return the log-sum-exp of every row.
-        qk_rope_head_dim: for MLA (`use_mla`), the rope part R of the latent row, which tells
-            splits of one `head_size` apart (576 = 512 + 64 or 448 + 128); None when unknown.
-        qk_nope_head_dim, v_head_dim: for MLA, the no-rope part P of the up-projected query
-            and key rows (Q/K rows are P + R) and the value rows' size Vd, which a prefill
-            kernel may limit (`MLAAttentionBackend.get_mla_head_dims_reason`); None when
-            unknown.
+        qk_rope_head_dim: MLA only: the rope part R of the latent row, which tells splits of
+            one `head_size` apart (576 = 512 + 64 or 448 + 128); None when unknown.
+        qk_nope_head_dim, v_head_dim: MLA only: the no-rope part P of the up-projected Q/K
+            rows (P + R) and the value rows' size Vd, which a prefill kernel may limit
+            (`MLAAttentionBackend.get_mla_head_dims_reason`); None when unknown.
     """
 
     head_size: int
@@ -78,22 +82,18 @@ class AttentionSelectorConfig:
     def __post_init__(self) -> None:
         api = "AttentionSelectorConfig"
         check_positive_int(api, "head_size", self.head_size)
-        object.__setattr__(self, "dtype", parse_dtype(self.dtype, argument=f"{api}: dtype"))
-        object.__setattr__(
-            self,
-            "kv_cache_dtype",
-            parse_cache_dtype(self.kv_cache_dtype, argument=f"{api}: kv_cache_dtype"),
-        )
+        _normalise_dtypes(self, api)
+        attn_type = self.attn_type
         try:
-            attn_type = self.attn_type
-            if isinstance(attn_type, str) and not isinstance(attn_type, AttentionType):
-                attn_type = attn_type.lower()
-            object.__setattr__(self, "attn_type", AttentionType(attn_type))
+            attn_type = AttentionType(
+                attn_type.lower() if isinstance(attn_type, str) else attn_type
+            )
         except ValueError:
             valid = ", ".join(t.value for t in AttentionType)
             raise ValueError(
                 f"{api}: unknown attn_type (got {self.attn_type!r}, expected one of {valid})."
             ) from None
+        object.__setattr__(self, "attn_type", attn_type)
         check_positive_int(api, "block_size", self.block_size, allow_none=True)
         check_positive_int(api, "num_heads", self.num_heads, allow_none=True)
         check_positive_int(api, "num_kv_heads", self.num_kv_heads, allow_none=True)
@@ -106,14 +106,7 @@ class AttentionSelectorConfig:
         for f in fields(self):
             if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
                 raise TypeError(f"{api}: {f.name} must be a bool (got {getattr(self, f.name)!r}).")
-        rope = self.qk_rope_head_dim
-        check_positive_int(api, "qk_rope_head_dim", rope, allow_none=True)
-        if rope is not None and not self.use_mla:
-            raise ValueError(
-                f"{api}: qk_rope_head_dim is for MLA layers (got qk_rope_head_dim={rope} with "
-                "use_mla=False, expected None). Set use_mla=True or drop it."
-            )
-        for name in ("qk_nope_head_dim", "v_head_dim"):
+        for name in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
             value = getattr(self, name)
             check_positive_int(api, name, value, allow_none=True)
             if value is not None and not self.use_mla:
@@ -121,6 +114,7 @@ class AttentionSelectorConfig:
                     f"{api}: {name} is for MLA layers (got {name}={value} with use_mla=False, "
                     "expected None). Set use_mla=True or drop it."
                 )
+        rope = self.qk_rope_head_dim
         if rope is not None and rope >= self.head_size:
             raise ValueError(
                 f"{api}: qk_rope_head_dim must be smaller than head_size, the latent row "
@@ -144,9 +138,8 @@ class AttentionSelectorConfig:
 
 @dataclass(frozen=True, slots=True)
 class BatchLimits:
-    """The engine's per-step limits, passed to every metadata builder.
-
-    Everything vLLM's builders read from its global config, made explicit.
+    """The engine's per-step limits, passed to every metadata builder (what vLLM's builders
+    read from its global config).
 
     Attributes:
         max_num_reqs: most requests in one step.
@@ -154,17 +147,14 @@ class BatchLimits:
         max_model_len: longest sequence (context + new tokens) of a request.
         num_speculative_tokens: draft tokens per request in speculative decoding (0: none).
         cudagraph_capture_sizes: batch sizes (in tokens) the engine captures CUDA graphs for.
-        has_persistent_graph_inputs: the engine's promise, for every CUDA-graph step
-            (capture, warm-up and replay), as `anyattn.engine`'s runner keeps it
-            (engine/cuda_graphs.py): its `CommonAttentionMetadata` says `num_reqs` = the
-            captured size, padding requests included, each with at least one key over a
-            valid block (the null block will do); its device tensors are views of buffers
-            that keep their addresses from capture to replay, the block table whole rows of
-            its buffer. Builders that copy a step's tensors into buffers of their own for the
-            graph to read (FLASH_ATTN) may then let it read the step's own: no device copy
-            at replay. A decode step whose slot mapping has a captured
-            size's rows but fewer requests is refused. False (the default): they copy, and
-            any tensors will do.
+        has_persistent_graph_inputs: the engine's promise (engine/cuda_graphs.py keeps it)
+            that in every CUDA-graph step `num_reqs` is the captured size, padding requests
+            included, each with at least one key over a valid block (the null block will do),
+            and the device tensors are views of buffers that keep their addresses from
+            capture to replay (the block table whole rows of its buffer). Builders that copy
+            a step's tensors for the graph (FLASH_ATTN) may then let it read the step's own.
+            A decode step whose slot mapping has a captured size's rows but fewer requests is
+            refused. False (default): they copy, and any tensors will do.
     """
 
     max_num_reqs: int
@@ -197,16 +187,10 @@ class BatchLimits:
 
 @dataclass(frozen=True, slots=True)
 class AttentionSpec:
-    """The KV-cache spec of a group of layers that share one block table.
-
-    Attributes:
-        block_size: tokens per KV block (the engine's block size).
-        num_kv_heads: KV heads per layer.
-        head_size: size of each head.
-        dtype: the model dtype (queries, outputs).
-        kv_cache_dtype: "auto" or one of `anyattn.types.CACHE_DTYPES`.
-        sliding_window: W for sliding-window layers, else None.
-    """
+    """The KV-cache spec of a group of layers that share one block table: `block_size` tokens
+    per block, `num_kv_heads` x `head_size` per token, the model `dtype`, the
+    `kv_cache_dtype` ("auto" or one of `anyattn.types.CACHE_DTYPES`) and the `sliding_window`
+    W of sliding-window layers (else None)."""
 
     block_size: int
     num_kv_heads: int
@@ -221,12 +205,7 @@ class AttentionSpec:
         check_positive_int(api, "num_kv_heads", self.num_kv_heads)
         check_positive_int(api, "head_size", self.head_size)
         check_positive_int(api, "sliding_window", self.sliding_window, allow_none=True)
-        object.__setattr__(self, "dtype", parse_dtype(self.dtype, argument=f"{api}: dtype"))
-        object.__setattr__(
-            self,
-            "kv_cache_dtype",
-            parse_cache_dtype(self.kv_cache_dtype, argument=f"{api}: kv_cache_dtype"),
-        )
+        _normalise_dtypes(self, api)
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -241,20 +220,15 @@ class AttentionSpec:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MLAAttentionSpec(AttentionSpec):
-    """KV-cache spec of MLA layers: one latent row per token, `[c_kv (L), k_pe (R)]`
-    (docs/mla.md, "The cache").
-
-    Keyword-only. `head_size` is derived (`kv_lora_rank + qk_rope_head_dim`; when given it must
-    equal that), `num_kv_heads` is 1 and `sliding_window` None (MLA declares no window).
+    """KV-cache spec of MLA layers (keyword-only): one latent row `[c_kv (L), k_pe (R)]` per
+    token, a cache `(num_blocks, block_size, L + R)` (docs/mla.md, "The cache"). `head_size`
+    is `L + R` (when given it must equal that), `num_kv_heads` 1, `sliding_window` None.
 
     Attributes:
-        block_size, dtype, kv_cache_dtype: as for `AttentionSpec`.
         kv_lora_rank: L, the latent (compressed KV) size.
         qk_rope_head_dim: R, the size of the rotary key shared by all heads.
-        qk_nope_head_dim: P, the per-head query/key size without rope.
-        v_head_dim: Vd, the per-head value size.
-
-    The cache of a layer is `(num_blocks, block_size, L + R)`.
+        qk_nope_head_dim, v_head_dim: P and Vd, the per-head query/key (without rope) and
+            value sizes.
     """
 
     block_size: int

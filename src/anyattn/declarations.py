@@ -1,9 +1,7 @@
-"""`AttentionBackend`: what one attention backend declares (no instances, no device access).
-
-A backend names its impl and builder classes, the KV-cache shape and stride orders, every
-capability the selector checks, and its rank per platform (`priority`). `validate_configuration`
-turns those declarations, and the contract's joint rules, into reasons; the selector
-(`anyattn.selector`) orders the registered backends by `priority` and takes the first that fits.
+"""`AttentionBackend`: what one attention backend declares (no instances, no device access):
+its impl and builder classes, KV-cache shape and stride orders, every capability the selector
+checks, and its rank per platform (`priority`). `validate_configuration` turns them, and the
+contract's joint rules, into reasons.
 """
 
 from __future__ import annotations
@@ -62,7 +60,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 # Features a config may ask for: (feature, the config's flag, label); `supports_<feature>`
 # answers whether the backend has it.
-_FEATURES = (
+CONFIG_FEATURES = (
     ("sink", "has_sink", "attention sinks"),
     ("sliding_window", "has_sliding_window", "sliding window"),
     ("alibi", "has_alibi", "ALiBi"),
@@ -74,28 +72,40 @@ _FEATURES = (
 )
 # Every name `AttentionBackend.supported_features` may hold: those above, and "cascade" (a
 # builder's choice, not a config flag).
-_FEATURE_NAMES = (*(feature for feature, _, _ in _FEATURES), "cascade")
+_FEATURE_NAMES = (*(feature for feature, _, _ in CONFIG_FEATURES), "cascade")
 
 
 def _format_block_sizes(sizes: Sequence[int | MultipleOf]) -> str:
     return ", ".join(str(s) for s in sizes) if sizes else "any"
 
 
-class AttentionBackend(ABC):
-    """Declarations of one attention backend. Subclasses override class attributes and methods.
+def _base(size: int | MultipleOf) -> int:
+    return size.base if isinstance(size, MultipleOf) else size
 
-    Every constraint the impl enforces must be declared here, so that the selector rejects a
-    configuration up front instead of the impl failing on the first forward.
-    """
+
+def _sm(capability: tuple[int, int]) -> str:
+    return f"sm{capability[0]}{capability[1]}"
+
+
+def _feature_check(feature: str) -> classmethod:
+    def supports(cls: type[AttentionBackend]) -> bool:
+        return feature in cls.supported_features
+
+    supports.__name__ = f"supports_{feature}"
+    return classmethod(supports)
+
+
+class AttentionBackend(ABC):
+    """Declarations of one attention backend; subclasses override attributes and methods.
+    Every constraint the impl enforces is declared here, so that the selector rejects a
+    configuration up front instead of the impl failing on the first forward."""
 
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto", "float16", "bfloat16")
     supported_device_types: ClassVar[tuple[str, ...]] = ("cuda",)
     supported_attn_types: ClassVar[tuple[AttentionType, ...]] = (AttentionType.DECODER,)
     # The optional features the kernels have, by the names of the `supports_<feature>`
-    # classmethods, which read it: any of "sink", "sliding_window", "alibi", "logits_soft_cap",
-    # "non_causal", "per_head_quant_scales", "batch_invariance", "lse", "cascade". A backend
-    # whose answer depends on more (the installed package) overrides those classmethods.
+    # classmethods below, which read it.
     supported_features: ClassVar[tuple[str, ...]] = ()
     # Lowest CUDA compute capability the kernels run on; None: no lower bound.
     min_compute_capability: ClassVar[tuple[int, int] | None] = None
@@ -106,8 +116,7 @@ class AttentionBackend(ABC):
     priority: ClassVar[Mapping[str, int]] = {}
 
     def __init_subclass__(cls, **kwargs: object) -> None:
-        """Refuse a `supported_features` name no `supports_<feature>` reads (a typo would
-        otherwise declare nothing, silently)."""
+        # A `supported_features` name no `supports_<feature>` reads would declare nothing.
         super().__init_subclass__(**kwargs)
         unknown = set(cls.__dict__.get("supported_features", ())) - set(_FEATURE_NAMES)
         if unknown:
@@ -140,13 +149,9 @@ class AttentionBackend(ABC):
         head_size: int,
         cache_dtype: str = "auto",
     ) -> tuple[int, ...]:
-        """Logical shape of one layer's KV cache.
-
-        Default: `(num_blocks, 2, block_size, num_kv_heads, head_size)`, index 1 is K (0) / V (1).
-
-        Raises:
-            ValueError: a block size this backend's kernels cannot take, or a bad dimension.
-        """
+        """Logical shape of one layer's KV cache, by default `(num_blocks, 2, block_size,
+        num_kv_heads, head_size)` (index 1: K, V); a `ValueError` for a bad dimension or a
+        block size the kernels cannot take."""
         api = f"{cls.get_name()}.get_kv_cache_shape"
         dims = {"num_blocks": num_blocks, "block_size": block_size}
         dims.update(num_kv_heads=num_kv_heads, head_size=head_size)
@@ -164,11 +169,8 @@ class AttentionBackend(ABC):
     def get_kv_cache_stride_order(
         cls, layout: KVCacheLayout | str = KVCacheLayout.NHD
     ) -> tuple[int, ...]:
-        """Order in which to allocate the logical dims so that memory follows `layout`.
-
-        Allocating `torch.empty([shape[i] for i in order])` and permuting by the inverse order
-        gives a tensor of the logical shape with the strides of the layout.
-        """
+        """Order in which to allocate the logical dims so that memory follows `layout`:
+        `torch.empty([shape[i] for i in order])` permuted by the inverse order."""
         try:
             layout = KVCacheLayout(layout)
         except ValueError:
@@ -181,9 +183,7 @@ class AttentionBackend(ABC):
                 f"{cls.get_name()}.get_kv_cache_stride_order: layout not supported (got {layout}, "
                 f"expected one of {', '.join(str(x) for x in cls.supported_kv_cache_layouts())})."
             )
-        if layout is KVCacheLayout.NHD:
-            return (0, 1, 2, 3, 4)
-        return (0, 1, 3, 2, 4)
+        return (0, 1, 2, 3, 4) if layout is KVCacheLayout.NHD else (0, 1, 3, 2, 4)
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
@@ -197,17 +197,10 @@ class AttentionBackend(ABC):
 
     @classmethod
     def supports_block_size(cls, block_size: int | None) -> bool:
-        """An engine block size is accepted when a multiple of some kernel block size.
-
-        When it is larger than the kernel size, the runner splits each engine block into
-        `block_size // kernel_block_size` kernel blocks (see `metadata.expand_block_table`).
-        """
-        if block_size is None:
-            return True
+        """Whether an engine block size is a multiple of some kernel block size (the runner
+        splits engine blocks into kernel blocks: `anyattn.slots.expand_block_table`)."""
         sizes = cls.get_supported_kernel_block_sizes()
-        if not sizes:
-            return True
-        return any(block_size % (s.base if isinstance(s, MultipleOf) else s) == 0 for s in sizes)
+        return block_size is None or not sizes or any(block_size % _base(s) == 0 for s in sizes)
 
     @classmethod
     def get_kernel_block_size(cls, block_size: int) -> int:
@@ -215,7 +208,7 @@ class AttentionBackend(ABC):
         fitting = [
             block_size if isinstance(s, MultipleOf) else s
             for s in cls.get_supported_kernel_block_sizes()
-            if block_size % (s.base if isinstance(s, MultipleOf) else s) == 0
+            if block_size % _base(s) == 0
         ]
         if not fitting:
             raise ValueError(
@@ -226,13 +219,9 @@ class AttentionBackend(ABC):
 
     @classmethod
     def check_kv_cache_spec(cls, spec: AttentionSpec, api: str) -> None:
-        """Refuse a builder's spec the kernels do not take, at the builder's construction
-        rather than at its first plan or forward: `spec.block_size` is a kernel block size
-        (engine blocks are split before a builder sees them), so it must be one exactly.
-
-        Raises:
-            ValueError: naming the field, its value and what the backend declares.
-        """
+        """Refuse, at the builder's construction, a spec the kernels do not take (its
+        `block_size` must be a kernel block size exactly); the `ValueError` names the field,
+        its value and what the backend declares."""
         block_ok = cls.supports_block_size(spec.block_size) and (
             cls.get_kernel_block_size(spec.block_size) == spec.block_size
         )
@@ -261,7 +250,7 @@ class AttentionBackend(ABC):
         sizes = cls.get_supported_kernel_block_sizes()
         if not sizes or cls.supports_block_size(default_block_size):
             return default_block_size
-        return min(s.base if isinstance(s, MultipleOf) else s for s in sizes)
+        return min(_base(s) for s in sizes)
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
@@ -312,44 +301,19 @@ class AttentionBackend(ABC):
     def is_sparse(cls) -> bool:
         return False
 
-    @classmethod
-    def supports_sink(cls) -> bool:
-        return "sink" in cls.supported_features
-
-    @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return "sliding_window" in cls.supported_features
-
-    @classmethod
-    def supports_alibi(cls) -> bool:
-        return "alibi" in cls.supported_features
-
-    @classmethod
-    def supports_logits_soft_cap(cls) -> bool:
-        return "logits_soft_cap" in cls.supported_features
-
-    @classmethod
-    def supports_non_causal(cls) -> bool:
-        """Bidirectional attention in the paged-KV decoder path (not the encoder types)."""
-        return "non_causal" in cls.supported_features
-
-    @classmethod
-    def supports_per_head_quant_scales(cls) -> bool:
-        return "per_head_quant_scales" in cls.supported_features
-
-    @classmethod
-    def supports_batch_invariance(cls) -> bool:
-        return "batch_invariance" in cls.supported_features
-
-    @classmethod
-    def supports_lse(cls) -> bool:
-        """`forward` fills `output_lse` when it is given."""
-        return "lse" in cls.supported_features
-
-    @classmethod
-    def supports_cascade(cls) -> bool:
-        """The builder can run a shared prefix once (`use_cascade_attention`)."""
-        return "cascade" in cls.supported_features
+    # Whether `supported_features` names the feature; a backend whose answer depends on more
+    # (the installed package) overrides the classmethod. non_causal: bidirectional attention
+    # in the paged-KV decoder path; lse: `forward` fills `output_lse` when given; cascade: the
+    # builder can run a shared prefix once (`use_cascade_attention`).
+    supports_sink = _feature_check("sink")
+    supports_sliding_window = _feature_check("sliding_window")
+    supports_alibi = _feature_check("alibi")
+    supports_logits_soft_cap = _feature_check("logits_soft_cap")
+    supports_non_causal = _feature_check("non_causal")
+    supports_per_head_quant_scales = _feature_check("per_head_quant_scales")
+    supports_batch_invariance = _feature_check("batch_invariance")
+    supports_lse = _feature_check("lse")
+    supports_cascade = _feature_check("cascade")
 
     @classmethod
     def supports_combination(
@@ -395,15 +359,10 @@ class AttentionBackend(ABC):
                 f"device {device.type} not supported (supported: "
                 f"{', '.join(cls.supported_device_types)})"
             )
-        elif device.capability is not None and not cls.supports_compute_capability(
-            device.capability
-        ):
-            major, minor = device.capability
-            need = ""
-            if cls.min_compute_capability is not None:
-                need = "".join(str(n) for n in cls.min_compute_capability)
-                need = f" (needs sm{need} or newer)"
-            reasons.append(f"compute capability sm{major}{minor} not supported{need}")
+        elif device.capability and not cls.supports_compute_capability(device.capability):
+            need = cls.min_compute_capability
+            need = f" (needs {_sm(need)} or newer)" if need else ""
+            reasons.append(f"compute capability {_sm(device.capability)} not supported{need}")
         if not cls.supports_head_size(config.head_size):
             sizes = ", ".join(str(s) for s in cls.get_supported_head_sizes())
             reasons.append(f"head_size {config.head_size} not supported (supported: {sizes})")
@@ -427,13 +386,11 @@ class AttentionBackend(ABC):
             reasons.append("MLA (use_mla) not supported" if config.use_mla else "MLA-only backend")
         elif config.use_mla:
             reasons.extend(mla_reasons(cls, config))
-        if config.use_sparse != cls.is_sparse():
-            reasons.append(
-                "sparse attention (use_sparse) not supported"
-                if config.use_sparse
-                else "sparse-only backend"
-            )
-        for feature, flag, label in _FEATURES:
+        if config.use_sparse and not cls.is_sparse():
+            reasons.append("sparse attention (use_sparse) not supported")
+        elif cls.is_sparse() and not config.use_sparse:
+            reasons.append("sparse-only backend")
+        for feature, flag, label in CONFIG_FEATURES:
             if getattr(config, flag) and not getattr(cls, f"supports_{feature}")():
                 reasons.append(f"{label} ({flag}) not supported")
         if config.use_per_head_quant_scales and not is_fp8_cache(config.kv_cache_dtype):
@@ -444,9 +401,7 @@ class AttentionBackend(ABC):
         ):
             reasons.append("sliding window with non-causal or encoder attention not supported")
         combination = cls.supports_combination(config, device)
-        if combination is not None:
-            reasons.append(combination)
-        return reasons
+        return reasons if combination is None else [*reasons, combination]
 
     @classmethod
     def describe(cls) -> dict[str, object]:
@@ -461,9 +416,7 @@ class AttentionBackend(ABC):
             "available": cls.is_available(),
             "unavailable_reason": cls.get_unavailable_reason(),
             "devices": list(cls.supported_device_types),
-            "min_compute_capability": (
-                f"sm{capability[0]}{capability[1]}" if capability is not None else None
-            ),
+            "min_compute_capability": _sm(capability) if capability else None,
             "dtypes": [_dtype_name(d) for d in cls.supported_dtypes],
             "kv_cache_dtypes": list(cls.supported_kv_cache_dtypes),
             "head_sizes": cls.get_supported_head_sizes() or "any",

@@ -22,16 +22,9 @@ class NoBackendError(ValueError):
 
 @dataclass(frozen=True)
 class BackendVerdict:
-    """One backend's verdict for one config.
-
-    Attributes:
-        name: registry name.
-        priority: position in the platform's order (0 first).
-        reasons: capability reasons (judged for the requested device).
-        unavailable: why it cannot run on this machine (missing package), or None.
-        not_automatic: why the selector does not take it without an explicit request (no
-            rank for the platform, or `chosen_automatically` False for the config), or None.
-    """
+    """One backend's verdict for one config: its registry `name`, `priority` (position in the
+    platform's order, 0 first), capability `reasons` (for the requested device), why it is
+    `unavailable` on this machine, and why it is `not_automatic` (taken only on request)."""
 
     name: str
     priority: int
@@ -42,6 +35,11 @@ class BackendVerdict:
     @property
     def fits(self) -> bool:
         return not self.reasons and self.unavailable is None
+
+    def why_not(self) -> list[str]:
+        """The capability reasons, then the availability one."""
+        unavailable = [f"not available here: {self.unavailable}"] if self.unavailable else []
+        return [*self.reasons, *unavailable]
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -56,15 +54,10 @@ class BackendVerdict:
 
 @dataclass(frozen=True)
 class Explanation:
-    """The selector's whole verdict for one config on one device.
-
-    Attributes:
-        chosen: the selected backend's name, or None when nothing fits.
-        requested: the explicitly requested name, if any.
-        requested_by: "argument" or the environment variable's name.
-        verdicts: every registered backend, in priority order.
-        hints: settings that would make a backend fit (when nothing does).
-    """
+    """The selector's whole verdict for one config on one device: the `chosen` name (None:
+    nothing fits), the `requested` name and who asked (`requested_by`: "argument" or the
+    environment variable), every backend's verdict in priority order, and `hints`: settings
+    that would make a backend fit (when nothing does)."""
 
     config: AttentionSelectorConfig
     device: DeviceInfo
@@ -75,10 +68,7 @@ class Explanation:
     hints: tuple[str, ...] = field(default=())
 
     def to_dict(self) -> dict[str, object]:
-        config = {
-            name: getattr(self.config, name)
-            for name in AttentionSelectorConfig.__dataclass_fields__
-        }
+        config = {name: getattr(self.config, name) for name in self.config.__dataclass_fields__}
         config["dtype"] = str(config["dtype"]).removeprefix("torch.")
         config["attn_type"] = self.config.attn_type.value
         return {
@@ -95,10 +85,7 @@ class Explanation:
         """One line per backend with its reasons, for error messages and logs."""
         lines = []
         for v in self.verdicts:
-            why = list(v.reasons)
-            if v.unavailable:
-                why.append(f"not available here: {v.unavailable}")
-            verdict = "; ".join(why) if why else "fits"
+            verdict = "; ".join(v.why_not()) or "fits"
             if v.fits and v.not_automatic:
                 verdict += f", taken only on request ({v.not_automatic})"
             lines.append(f"  {v.name}: {verdict}")

@@ -1,13 +1,10 @@
 """The impl side of the contract: one instance per layer, `forward` runs its attention.
 
-`AttentionImpl.__init__` is concrete and shared: it checks every argument against the impl's
-backend declarations and the contract's joint rules (`anyattn.impl_args`), once, and keeps
-them in one form for every impl. An impl that needs more set-up calls `super().__init__` first
-and converts what its kernel wants. `layer_params()` is the record a builder gets for the
-layer (`anyattn.layer_params`). `forward` reads only what its builder built for the step:
-it never plans and never writes into the metadata; a layer the builder was not given is
-refused by `anyattn.validation.check_layer_planned`. `MLAAttentionImpl` (`anyattn.mla_impl`)
-is the MLA variant.
+`AttentionImpl.__init__` is shared: it checks every argument against the backend's
+declarations once (`anyattn.impl_args`) and keeps them in one form; an impl that needs more
+calls `super().__init__` first. `layer_params()` is the record its builder gets. `forward`
+reads only what the builder built for the step: it never plans and never writes into the
+metadata. `MLAAttentionImpl` (`anyattn.mla_impl`) is the MLA variant.
 """
 
 from __future__ import annotations
@@ -25,11 +22,7 @@ from anyattn.validation import check_kv_write
 if TYPE_CHECKING:
     from anyattn.declarations import AttentionBackend
 
-__all__ = [
-    "AttentionImpl",
-    "AttentionImplBase",
-    "AttentionLayer",
-]
+__all__ = ["AttentionImpl", "AttentionImplBase", "AttentionLayer"]
 
 M = TypeVar("M")
 
@@ -60,11 +53,7 @@ class AttentionImplBase(ABC, Generic[M]):
 
     @classmethod
     def _declared_backend(cls, kind: str = "AttentionBackend") -> type[AttentionBackend]:
-        """`cls.backend`, which every impl class must name (its constructor asks first).
-
-        Raises:
-            TypeError: the class names none (the message asks for a `kind` subclass).
-        """
+        """`cls.backend`; a `TypeError` asking for a `kind` subclass when the class names none."""
         backend = getattr(cls, "backend", None)
         if backend is None:
             raise TypeError(
@@ -117,20 +106,15 @@ class AttentionImpl(AttentionImplBase[M], Generic[M]):
             attn_type=attn_type,
             sinks=sinks,
         )
-        self.num_heads = num_heads
-        self.head_size = head_size
-        self.scale = float(scale)
-        self.kv_cache_dtype = kv_cache_dtype
-        self.attn_type = AttentionType(attn_type)
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.kv_cache_dtype, self.attn_type = kv_cache_dtype, AttentionType(attn_type)
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        self.sliding_window = sliding_window
+        self.sliding_window, self.sinks = sliding_window, sinks
         self.logits_soft_cap = float(logits_soft_cap) if logits_soft_cap else None
-        self.alibi_slopes = (
-            None
-            if alibi_slopes is None
-            else torch.as_tensor(alibi_slopes, dtype=torch.float32).detach().cpu().flatten()
-        )
-        self.sinks = sinks
+        self.alibi_slopes = None
+        if alibi_slopes is not None:
+            slopes = torch.as_tensor(alibi_slopes, dtype=torch.float32)
+            self.alibi_slopes = slopes.detach().cpu().flatten()
 
     def layer_params(self) -> LayerParams:
         """This layer's record for its builder: `params_cls` of the kept attributes. An impl
@@ -191,12 +175,9 @@ class AttentionImpl(AttentionImplBase[M], Generic[M]):
         output: torch.Tensor,
         output_lse: torch.Tensor | None = None,
     ) -> None:
-        """Raise a clear error for inputs `forward` would reject (host checks only).
-
-        `anyattn.validation.check_layer_call` calls it before `do_kv_cache_update`, so that a
-        rejected call writes nothing; `forward` through `anyattn.validation.check_forward`.
-        The default checks nothing; impls override it.
-        """
+        """Raise a clear error for inputs `forward` would reject (host checks only), before
+        anything is written (`anyattn.validation.check_layer_call`, `check_forward`). The
+        default checks nothing; impls override it."""
 
     def do_kv_cache_update(
         self,
@@ -208,12 +189,9 @@ class AttentionImpl(AttentionImplBase[M], Generic[M]):
         attn_metadata: object = None,
     ) -> None:
         """Write new K/V into the paged cache (`slot_mapping` -1 entries are skipped), after
-        `anyattn.validation.check_kv_write`. Pass the step's `attn_metadata` (what `forward`
-        gets): the slots and block table are then checked from its CPU mirrors before the
-        write; without it a device `slot_mapping` is read back to be checked.
-
-        Layers that share another layer's KV cache write nothing.
-        """
+        `anyattn.validation.check_kv_write`. With the step's `attn_metadata` the slots and
+        block table are checked from its CPU mirrors; without it a device `slot_mapping` is
+        read back. Layers that share another layer's KV cache write nothing."""
         if self.kv_sharing_target_layer_name is not None:
             return
         from anyattn.ops.reshape_and_cache import reshape_and_cache_unchecked

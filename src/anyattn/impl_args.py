@@ -1,8 +1,6 @@
-"""The checks of `AttentionImpl.__init__`: arguments against the backend's declarations and
-the contract's joint rules, in one place.
-
-Nothing is silently ignored: a feature the backend does not declare raises here, at
-construction, not on the first forward. A call's inputs are checked by `anyattn.validation`.
+"""The checks of an impl's constructor: arguments against the backend's declarations and the
+contract's joint rules. A feature the backend does not declare raises here, at construction,
+never on the first forward (a call's inputs: `anyattn.validation`).
 """
 
 from __future__ import annotations
@@ -70,14 +68,12 @@ def validate_impl_arguments(
             + _pick_another(f"--attn-type {attn_type.value}")
         )
     if alibi_slopes is not None:
+        is_slopes = isinstance(alibi_slopes, Sequence | torch.Tensor)
         if not backend.supports_alibi():
-            count = (
-                f"{_num_slopes(alibi_slopes)} alibi_slopes"
-                if isinstance(alibi_slopes, Sequence | torch.Tensor)
-                else f"alibi_slopes of type {type(alibi_slopes).__name__}"
-            )
+            count = f"{_num_slopes(alibi_slopes)} alibi_slopes" if is_slopes else None
+            count = count or f"alibi_slopes of type {type(alibi_slopes).__name__}"
             raise _undeclared(api, "ALiBi", count, "None", "--has-alibi")
-        if not isinstance(alibi_slopes, Sequence | torch.Tensor):
+        if not is_slopes:
             raise TypeError(
                 f"{api}: alibi_slopes must be a list of floats or a tensor (got "
                 f"{type(alibi_slopes).__name__})."
@@ -89,13 +85,8 @@ def validate_impl_arguments(
             )
     if sliding_window is not None:
         if not backend.supports_sliding_window():
-            raise _undeclared(
-                api,
-                "sliding window",
-                f"sliding_window={sliding_window!r}",
-                "None",
-                "--has-sliding-window",
-            )
+            got = f"sliding_window={sliding_window!r}"
+            raise _undeclared(api, "sliding window", got, "None", "--has-sliding-window")
         if attn_type != AttentionType.DECODER:
             # The window is defined causally (keys p - W < j <= p).
             raise NotImplementedError(
@@ -103,14 +94,7 @@ def validate_impl_arguments(
                 f"sliding_window={sliding_window!r}, expected None; the window is defined "
                 f"causally). Pass sliding_window=None for {attn_type.value} layers."
             )
-        if (
-            isinstance(sliding_window, bool)
-            or not isinstance(sliding_window, int)
-            or (sliding_window < 1)
-        ):
-            raise ValueError(
-                f"{api}: sliding_window must be a positive int or None (got {sliding_window!r})."
-            )
+        check_positive_int(api, "sliding_window", sliding_window, allow_none=True)
     if logits_soft_cap is not None and not isinstance(logits_soft_cap, numbers.Real):
         raise TypeError(
             f"{api}: logits_soft_cap must be a float or None (got "
@@ -118,13 +102,8 @@ def validate_impl_arguments(
         )
     if logits_soft_cap is not None and logits_soft_cap != 0:
         if not backend.supports_logits_soft_cap():
-            raise _undeclared(
-                api,
-                "logits soft cap",
-                f"logits_soft_cap={logits_soft_cap!r}",
-                "None or 0",
-                "--has-logits-soft-cap",
-            )
+            got = f"logits_soft_cap={logits_soft_cap!r}"
+            raise _undeclared(api, "logits soft cap", got, "None or 0", "--has-logits-soft-cap")
         if not math.isfinite(logits_soft_cap) or logits_soft_cap < 0:
             raise ValueError(
                 f"{api}: logits_soft_cap must be a positive float (got {logits_soft_cap!r})."
@@ -231,5 +210,5 @@ def _pick_another(flag: str) -> str:
 
 
 def _num_slopes(alibi_slopes: Sequence | torch.Tensor) -> int:
-    """Slopes in a list or a tensor of any rank (a 0-d tensor has no `len`)."""
+    # a 0-d tensor has no `len`
     return alibi_slopes.numel() if isinstance(alibi_slopes, torch.Tensor) else len(alibi_slopes)

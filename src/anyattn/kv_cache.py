@@ -21,17 +21,10 @@ def allocate_kv_cache(
     layout: KVCacheLayout | str | None = None,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """A zeroed KV cache for one layer.
-
-    Memory is allocated in `backend.get_kv_cache_stride_order(layout)` order and permuted back,
-    so the result has the backend's logical shape (for most backends
-    `[num_blocks, 2, block_size, num_kv_heads, head_size]`) with the strides of `layout`.
-
-    Args:
-        dtype: the model dtype; the element dtype is `kv_cache_dtype` resolved against it.
-        kv_cache_dtype: "auto" or one of `anyattn.types.CACHE_DTYPES`.
-        layout: NHD (tokens outer) or HND (heads outer) inside each block; None takes the
-            backend's preferred layout (the first of `supported_kv_cache_layouts()`).
+    """A zeroed KV cache for one layer, in the backend's logical shape (for most backends
+    `[num_blocks, 2, block_size, num_kv_heads, head_size]`) with the strides of `layout`: NHD
+    (tokens outer) or HND (heads outer) inside each block; None: the backend's preferred one.
+    Elements are `kv_cache_dtype` resolved against the model `dtype`.
     """
     shape = backend.get_kv_cache_shape(
         num_blocks, block_size, num_kv_heads, head_size, kv_cache_dtype

@@ -1,12 +1,10 @@
 """One KV cache for several backends: the kernel block size, layout and cache dtype they all
 read, decided up front from their declarations (docs/per_phase.md).
 
-An engine that runs a step's decodes on one backend and its prefills on another keeps one cache
-tensor per layer, written once per step by the layer, and read by both. That works when both
-backends declare the same logical cache shape for one kernel block size, one physical layout
-(stride order) they both consume, and the cache dtype; and when neither writes K/V inside its
-own `forward` (the layer must write exactly once). `plan_shared_kv_cache` finds those or says
-which of them is missing.
+A layer whose decodes and prefills run on different backends keeps one cache, written once
+per step by the layer and read by both. That needs one logical cache shape for one kernel
+block size, one layout (stride order) and cache dtype both take, and neither backend writing
+K/V inside its `forward`. `plan_shared_kv_cache` finds those or says which is missing.
 """
 
 from __future__ import annotations
@@ -26,18 +24,10 @@ class KVCacheNotShareableError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class SharedKVCache:
-    """How a cache shared by `backends` is allocated.
-
-    Attributes:
-        backends: the backends, the first (the decode backend) the one whose layout preference
-            wins.
-        kernel_block_size: the block size every backend's kernels read (the engine's block is
-            a whole number of them).
-        layout: the physical layout, the first of the first backend's preferences that every
-            backend takes.
-        stride_order: the allocation order of that layout (`get_kv_cache_stride_order`).
-        kv_cache_dtype: the cache dtype all of them take.
-    """
+    """How a cache shared by `backends` (the decode backend first) is allocated: the
+    `kernel_block_size` all their kernels read (an engine block is a whole number of them),
+    the `layout` (the first of the first backend's preferences that all take) and its
+    `stride_order`, and the `kv_cache_dtype`."""
 
     backends: tuple[type[AttentionBackend], ...]
     kernel_block_size: int
@@ -76,11 +66,7 @@ def plan_shared_kv_cache(
     blocks of `block_size`: the largest kernel block size all read exactly, the first layout of
     `backends[0]` all take (same stride order), and `kv_cache_dtype`.
 
-    Args:
-        backends: two or more backend classes, the decode backend first; duplicates allowed.
-        block_size: the engine's block size.
-        num_kv_heads, head_size: the layer's cache dimensions (MLA: 1 and `L + R`).
-        kv_cache_dtype: "auto" or a cache dtype name.
+    `backends`: the decode backend first; duplicates allowed. MLA layers pass 1 and `L + R`.
 
     Raises:
         KVCacheNotShareableError (a ValueError): naming the backends and what differs (a

@@ -17,7 +17,7 @@ from anyattn.kv_cache_sharing import KVCacheNotShareableError, plan_shared_kv_ca
 from anyattn.layer_phases import forward_by_phase
 from anyattn.phase_metadata import PhaseSplitMetadata
 from anyattn.selector import select_backend
-from anyattn.types import AttentionType, DeviceInfo
+from anyattn.types import ENCODER_TYPES, AttentionType, DeviceInfo
 from anyattn.validation import check_layer_call
 
 __all__ = ["Attention"]
@@ -70,12 +70,7 @@ class Attention(nn.Module):
         needs_lse: bool = False,
     ) -> None:
         super().__init__()
-        buffer_device = torch.device("cpu")
-        if isinstance(device, torch.device | str) and not _is_capability_text(device):
-            buffer_device = torch.device(device)
-            device = DeviceInfo.current(buffer_device)
-        elif isinstance(device, str):
-            device = DeviceInfo.parse(device)
+        self._device_info, buffer_device = resolve_device(device)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self.layer_name = layer_name
         self.block_size = block_size
@@ -97,23 +92,19 @@ class Attention(nn.Module):
             needs_lse=needs_lse,
         )
         self.attn_type = self.config.attn_type  # validated there, with a clear message
-        self._device_info = device or DeviceInfo.current()
         self._impl_args = (
             num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
             kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks,
         )  # fmt: skip
-        if isinstance(backend, type):
-            self.use_backend(backend)
-        else:
-            self.use_backend(select_backend(self.config, device, backend))
+        if not isinstance(backend, type):
+            backend = select_backend(self.config, self._device_info, backend)
+        self.use_backend(backend)
         one = torch.tensor(1.0, device=buffer_device)
         self.register_buffer("k_scale", one, persistent=False)
         self.register_buffer("v_scale", one.clone(), persistent=False)
 
     def use_backend(
-        self,
-        backend: type[AttentionBackend],
-        prefill_backend: type[AttentionBackend] | None = None,
+        self, backend: type[AttentionBackend], prefill_backend: type[AttentionBackend] | None = None
     ) -> None:
         """Run the layer on `backend` from now on (a new impl with the layer's arguments), e.g.
         the one a measured selection chose. Call it before the engine builds its groups.
@@ -127,7 +118,7 @@ class Attention(nn.Module):
             ValueError: either backend cannot serve this layer (its reasons are listed), or the
                 two cannot share one KV cache (why), or the layer is not decoder attention.
         """
-        self._check_serves(backend)
+        check_serves(f"Attention({self.layer_name})", backend, self.config, self._device_info)
         prefill_impl = None
         if prefill_backend is not None and prefill_backend is not backend:
             if self.attn_type is not AttentionType.DECODER:
@@ -135,7 +126,9 @@ class Attention(nn.Module):
                     f"Attention({self.layer_name}): a prefill backend needs decoder attention "
                     f"(got attn_type {self.attn_type.value}, expected decoder)."
                 )
-            self._check_serves(prefill_backend)
+            check_serves(
+                f"Attention({self.layer_name})", prefill_backend, self.config, self._device_info
+            )
             try:
                 plan_shared_kv_cache(
                     (backend, prefill_backend),
@@ -155,16 +148,6 @@ class Attention(nn.Module):
             prefill_backend = None
         self.backend, self.impl = backend, backend.get_impl_cls()(*self._impl_args)
         self.prefill_backend, self.prefill_impl = prefill_backend, prefill_impl
-
-    def _check_serves(self, backend: type[AttentionBackend]) -> None:
-        reasons = backend.validate_configuration(self.config, self._device_info)
-        if backend.get_unavailable_reason():
-            reasons.append(f"not available here: {backend.get_unavailable_reason()}")
-        if reasons:
-            raise ValueError(
-                f"Attention({self.layer_name}): backend {backend.get_name()} cannot serve this "
-                f"layer: {'; '.join(reasons)}."
-            )
 
     def kv_cache_spec(
         self,
@@ -219,8 +202,7 @@ class Attention(nn.Module):
                 self, query, key, value, kv_cache, attn_metadata, output, output_lse
             )
         # Encoder self-attention keeps no cache; backends whose forward writes it do so there.
-        writes_cache = self.attn_type not in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
-        writes_cache = writes_cache and key is not None
+        writes_cache = self.attn_type not in ENCODER_TYPES and key is not None
         # One check of the whole call before the cache is written (a rejected call changes
         # nothing); the impl's two entry points below skip theirs for this very call.
         check_layer_call(self.impl, self, query, key, value, kv_cache, attn_metadata, output,
@@ -233,6 +215,30 @@ class Attention(nn.Module):
         )
 
 
-def _is_capability_text(device: torch.device | str) -> bool:
-    """True for "sm90"-style text, which names hardware rather than a torch device."""
-    return isinstance(device, str) and device.strip().lower().startswith("sm")
+def resolve_device(
+    device: DeviceInfo | torch.device | str | None,
+) -> tuple[DeviceInfo, torch.device]:
+    """A layer's `device` argument as (the `DeviceInfo` selection judges, where its tensors
+    live): a `torch.device` or "cpu" / "cuda" is both; a `DeviceInfo` or "sm90"-style text
+    names hardware only (tensors stay on the CPU); None: this machine, tensors on the CPU."""
+    if isinstance(device, torch.device) or (
+        isinstance(device, str) and not device.strip().lower().startswith("sm")
+    ):
+        return DeviceInfo.current(torch.device(device)), torch.device(device)
+    if isinstance(device, str):
+        device = DeviceInfo.parse(device)
+    return device or DeviceInfo.current(), torch.device("cpu")
+
+
+def check_serves(
+    owner: str, backend: type[AttentionBackend], config: AttentionSelectorConfig, device: DeviceInfo
+) -> None:
+    """Raise `ValueError` listing every reason `backend` cannot serve `config` on `device`
+    (availability on this machine included); `owner` names the layer."""
+    reasons = backend.validate_configuration(config, device)
+    if backend.get_unavailable_reason():
+        reasons.append(f"not available here: {backend.get_unavailable_reason()}")
+    if reasons:
+        raise ValueError(
+            f"{owner}: backend {backend.get_name()} cannot serve this layer: {'; '.join(reasons)}."
+        )

@@ -1,11 +1,9 @@
 """`LayerParams`: what a metadata builder knows of one layer it serves.
 
-The engine (and the conformance kit) builds one record per layer of a KV-cache group,
-`{name: impl.layer_params()}`, and hands the mapping to the builder's constructor, so that
-`build` can make every plan the step's layers need and `forward` never plans. Records are
-frozen and hashable: a builder may key its plans by them (layers with equal records share one
-plan). An impl class whose plans need more fields subclasses it and names the subclass in its
-`params_cls`, giving the new fields defaults (MLA adds its latent sizes so).
+A builder gets `{name: impl.layer_params()}` for the layers of its KV-cache group, so that
+`build` makes every plan they need and `forward` never plans. Records are frozen and hashable:
+layers with equal records may share one plan. An impl whose plans need more fields subclasses
+it (new fields with defaults, as MLA's latent sizes) and names it in its `params_cls`.
 """
 
 from __future__ import annotations

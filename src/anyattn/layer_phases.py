@@ -1,9 +1,6 @@
-"""The forward of a layer that runs decodes and prefills on different backends over one cache.
-
-`Attention.forward` hands a `PhaseSplitMetadata` step here (docs/per_phase.md): both parts'
-calls are checked, then the layer's K/V are written once for the whole step (by the decode
-impl), then the decode rows run through the decode impl and the prefill rows through the
-prefill impl, each into its rows of one output. LSEs, when asked for, come back in natural
+"""The forward of a layer that runs decodes and prefills on different backends over one cache
+(docs/per_phase.md): both parts' calls are checked, the step's K/V written once (by the decode
+impl), then each part runs on its impl into its rows of one output; LSEs come back in natural
 base whatever base each impl writes.
 """
 
@@ -38,9 +35,7 @@ def _part_lse(output_lse: torch.Tensor | None, rows: slice) -> torch.Tensor | No
     if output_lse is None:
         return None
     return torch.empty(
-        (output_lse.shape[0], rows.stop - rows.start),
-        dtype=torch.float32,
-        device=output_lse.device,
+        (output_lse.shape[0], rows.stop - rows.start), dtype=torch.float32, device=output_lse.device
     )
 
 

@@ -1,10 +1,9 @@
 """The per-step batch description every builder reads, and helpers around it.
 
-`CommonAttentionMetadata` carries device tensors together with CPU mirrors so that builders
-and the checks never synchronise with the device; it checks its mirrors once, when it is made
-(docs/design.md, "Validation"). The helpers split a batch into decodes and prefills and
-reorder a batch so decodes come first (fewest swaps). Slot mappings and block-table expansion
-live in `anyattn.slots` (re-exported here).
+`CommonAttentionMetadata` carries device tensors with CPU mirrors, so that builders and checks
+never synchronise with the device; it checks its mirrors once, when made (docs/design.md,
+"Validation"). The helpers split a batch into decodes and prefills and reorder it decodes
+first. Slot mappings and block-table expansion are `anyattn.slots`'s (re-exported here).
 """
 
 from __future__ import annotations
@@ -37,21 +36,18 @@ class CommonAttentionMetadata:
 
     Requests are laid out back to back in the flat token dimension. Tensors may be padded past
     `num_reqs` / `num_actual_tokens` (CUDA graphs); only the real part is meaningful. The CPU
-    mirrors must hold the device tensors' values (the engine fills both from one source): every
-    check reads the mirrors, never the device. Making one checks the mirrors (`host_batch` holds
-    the result); the slots and block ids are checked against a cache's size by
-    `anyattn.validation` at the first layer call with that cache.
+    mirrors must hold the device tensors' values: every check reads the mirrors, never the
+    device. Making one checks the mirrors; `anyattn.validation` checks the slots and block ids
+    against a cache at the first layer call with that cache.
 
     Attributes:
-        query_start_loc: int32 `[num_reqs + 1]` (device): offsets of each request's new tokens.
-        query_start_loc_cpu: the same, on the CPU.
-        seq_lens: int32 `[num_reqs]` (device): context + new tokens per request.
-        seq_lens_cpu: the same, on the CPU.
+        query_start_loc, query_start_loc_cpu: int32 `[num_reqs + 1]` (device, CPU): offsets
+            of each request's new tokens.
+        seq_lens, seq_lens_cpu: int32 `[num_reqs]`: context + new tokens per request.
         num_computed_tokens_cpu: int32 `[num_reqs]` (CPU): context before this step.
-        num_reqs: real requests.
-        num_actual_tokens: real tokens; output rows past it are left untouched.
-        max_query_len: longest query (new tokens) among the real requests.
-        max_seq_len: longest sequence among the real requests.
+        num_reqs, num_actual_tokens: real requests and tokens (output rows past the real
+            tokens are left untouched).
+        max_query_len, max_seq_len: longest query (new tokens) and sequence among them.
         block_table_tensor: int32 `[>= num_reqs, max_blocks]` (device): physical block ids in
             kernel-block units. Entries past a request's keys and rows past `num_reqs` are
             never read, nor checked (the engine leaves them 0: the null block, never allocated).
@@ -59,17 +55,15 @@ class CommonAttentionMetadata:
             cross attention: of the encoder tokens written this step), `block_id * block_size
             + offset`; -1 marks padding that is never written.
         causal: False for bidirectional attention.
-        encoder_seq_lens: int32 `[num_reqs]` (device) for cross-attention, else None.
-        encoder_seq_lens_cpu: the same, on the CPU.
-        block_table_cpu: `block_table_tensor` on the CPU (int32, same shape); may be left None
-            when `block_table_tensor` is a CPU tensor (it is then its own mirror).
-        slot_mapping_cpu: `slot_mapping` on the CPU (int64, same shape); likewise.
-        host_batch: the checked mirrors (`HostBatch`), made with the metadata.
-        checks: what `anyattn.validation` has checked of this step since (`StepChecks`).
+        encoder_seq_lens, encoder_seq_lens_cpu: int32 `[num_reqs]` for cross-attention.
+        block_table_cpu, slot_mapping_cpu: the CPU mirrors of `block_table_tensor` and
+            `slot_mapping`; None when the tensor is on the CPU (its own mirror).
+        host_batch: the checked mirrors (`HostBatch`); checks: what `anyattn.validation` has
+            checked of this step since (`StepChecks`).
 
     Raises:
         ValueError: when made, for mirrors that are not CPU integer tensors of the expected
-            shapes, or whose values contradict each other, or a slot below -1 or used twice.
+            shapes or contradict each other, or a slot below -1 or used twice.
     """
 
     query_start_loc: torch.Tensor
@@ -125,7 +119,11 @@ class CommonAttentionMetadata:
         """Check shapes, dtypes and the lengths' mirrors (CPU only: no device synchronisation);
         returns them as int64 numpy arrays (`HostBatch`), for builders' planning."""
         num_reqs = self.num_reqs
-        for name, tensor, min_len in self._mirrors():
+        for name, tensor, min_len in (
+            ("query_start_loc_cpu", self.query_start_loc_cpu, num_reqs + 1),
+            ("seq_lens_cpu", self.seq_lens_cpu, num_reqs),
+            ("num_computed_tokens_cpu", self.num_computed_tokens_cpu, num_reqs),
+        ):
             if not tensor.is_cpu:
                 raise ValueError(f"{api}: {name} must be a CPU tensor (got {tensor.device}).")
             dtype = tensor.dtype
@@ -210,28 +208,17 @@ class CommonAttentionMetadata:
                 "the slots were computed from."
             )
 
-    def _mirrors(self) -> tuple[tuple[str, torch.Tensor, int], ...]:
-        """(name, tensor, least length) of each 1-D CPU mirror."""
-        return (
-            ("query_start_loc_cpu", self.query_start_loc_cpu, self.num_reqs + 1),
-            ("seq_lens_cpu", self.seq_lens_cpu, self.num_reqs),
-            ("num_computed_tokens_cpu", self.num_computed_tokens_cpu, self.num_reqs),
-        )
-
 
 @dataclass(slots=True)
 class StepChecks:
-    """What `anyattn.validation` has checked of one step since its metadata was made: a
-    record the library keeps on its own object, never on the caller's tensors.
+    """What `anyattn.validation` has checked of one step since its metadata was made.
 
     Attributes:
-        caches: `(num_blocks, block_size)` of every cache the step's slots and block ids were
-            checked against.
+        caches: `(num_blocks, block_size)` of every cache the step was checked against.
         call: the arguments of the layer call last checked in full (`check_layer_call`), by
             identity, until that call's `forward` takes it; else None.
         mla_call: `(impl, layer, kv_cache, attn_metadata)` of the `MLAAttention` call under
-            way, checked in full by `check_mla_layer_call`, until the layer's call ends: its
-            impl's entry points skip the cache and step checks for them; else None.
+            way (`check_mla_layer_call`), whose entry points skip the checks made; else None.
     """
 
     caches: set[tuple[int, int]] = field(default_factory=set)
@@ -241,10 +228,8 @@ class StepChecks:
 
 @dataclass(slots=True)
 class HostBatch:
-    """A checked step's CPU mirrors as numpy arrays (`CommonAttentionMetadata.host_batch`),
-    real requests only, so that a builder plans from them without converting again. Every
-    array is a copy (no view of a mirror, which the engine may refill for the next step), all
-    int64, read-only: every builder of the step shares them.
+    """A checked step's CPU mirrors (`CommonAttentionMetadata.host_batch`), real requests only,
+    for builders to plan from: int64 read-only copies (the engine may refill the mirrors).
 
     Attributes:
         query_start_loc: `[num_reqs + 1]`.
@@ -283,17 +268,13 @@ def make_common_attn_metadata(
     """Build a `CommonAttentionMetadata` from per-request lengths (engine and test helper).
 
     Args:
-        query_lens: new tokens per request.
-        seq_lens: context + new tokens per request (>= query_lens).
-        block_table: int32 `[num_reqs, max_blocks]` physical block ids (any device).
-        block_size: tokens per (kernel) block.
-        device: where the device tensors live.
-        causal: False for bidirectional attention.
+        query_lens, seq_lens: new tokens, and context + new tokens, per request.
+        block_table: int32 `[num_reqs, max_blocks]` physical ids of blocks of `block_size`
+            tokens (any device); the device tensors live on `device`.
         encoder_seq_lens: encoder tokens per request for cross-attention.
         num_padded_tokens: pad the slot mapping with -1 up to this many tokens.
-        slot_mapping: int64 CPU slots of the K/V the step writes, when they are not its new
-            tokens' (cross attention: the encoder tokens of first-step requests); default:
-            the new tokens' slots, from `block_table`.
+        slot_mapping: int64 CPU slots of the K/V the step writes when they are not its new
+            tokens' (cross attention: the encoder tokens); default: from `block_table`.
     """
     if len(query_lens) != len(seq_lens):
         raise ValueError(
@@ -311,11 +292,9 @@ def make_common_attn_metadata(
         slot_mapping = compute_slot_mapping(
             block_table_cpu, query_start_loc_cpu, seq_lens_cpu, block_size, num_padded_tokens
         )
-    enc_cpu = (
-        None
-        if encoder_seq_lens is None
-        else torch.tensor(list(encoder_seq_lens), dtype=torch.int32)
-    )
+    enc_cpu = None
+    if encoder_seq_lens is not None:
+        enc_cpu = torch.tensor(list(encoder_seq_lens), dtype=torch.int32)
     return CommonAttentionMetadata(
         query_start_loc=query_start_loc_cpu.to(device),
         query_start_loc_cpu=query_start_loc_cpu,
@@ -341,14 +320,9 @@ def split_decodes_and_prefills(
     decode_threshold: int = 1,
     require_uniform: bool = False,
 ) -> tuple[int, int, int, int]:
-    """Split a decodes-first batch into its leading decodes and the prefills after them.
-
-    A request is a decode when its query length is at most `decode_threshold`. The batch must
-    already be reordered (decodes first); reads only the CPU mirrors.
-
-    Args:
-        require_uniform: count as decodes only the leading requests whose query length equals
-            the first request's (uniform-batch kernels).
+    """Split a decodes-first batch (CPU mirrors only) into its leading decodes, requests of
+    query length <= `decode_threshold` (with `require_uniform`: also equal to the first's, for
+    uniform-batch kernels), and the prefills after them.
 
     Returns:
         `(num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens)`.
@@ -372,14 +346,9 @@ def split_decodes_and_prefills(
 def reorder_batch_to_split_decodes_and_prefills(
     query_lens: Sequence[int], decode_threshold: int = 1
 ) -> list[tuple[int, int]]:
-    """The fewest swaps that move every decode (query length <= threshold) before the prefills.
-
-    Each swap trades the leftmost misplaced prefill for the rightmost misplaced decode, so every
-    swap fixes two positions and no request is moved that is already in its part.
-
-    Returns:
-        `[(i, j), ...]`: swap requests i and j, in order (see `apply_swaps`).
-    """
+    """The fewest swaps `[(i, j), ...]` (for `apply_swaps`, in order) that move every decode
+    (query length <= threshold) before the prefills: each trades the leftmost misplaced
+    prefill for the rightmost misplaced decode, fixing two positions."""
     lens = list(query_lens)
     is_decode = [n <= decode_threshold for n in lens]
     swaps: list[tuple[int, int]] = []

@@ -1,11 +1,9 @@
 """`MLAAttentionBackend`: the declarations every MLA backend shares (docs/mla.md).
 
-An MLA backend's cache holds one latent row per token, `[c_kv (L), k_pe (R)]`, so its logical
-shape is `(num_blocks, block_size, head_size)` with `head_size = L + R` and a single "KV head";
-there is no K/V axis and no head axis, hence one layout. MLA is causal decoder attention only
-(no window, soft cap, ALiBi or sinks). A backend subclasses this and declares the rest (name,
-impl, builder, dtypes, the latent splits it takes through `get_supported_mla_splits`, the
-prefill head sizes through `get_mla_head_dims_reason`).
+The cache holds one latent row `[c_kv (L), k_pe (R)]` per token: logical shape
+`(num_blocks, block_size, L + R)`, no K/V or head axis, hence one layout. MLA is causal decoder
+attention only. A backend declares the rest, with its latent splits
+(`get_supported_mla_splits`) and prefill head sizes (`get_mla_head_dims_reason`).
 """
 
 from __future__ import annotations
@@ -70,8 +68,6 @@ class MLAAttentionBackend(AttentionBackend):
     ) -> str | None:
         """Why the up-projected (prefill) path cannot take Q/K rows of `qk_nope_head_dim +
         qk_rope_head_dim` and V rows of `v_head_dim`, naming the sizes it takes; None when it
-        can. The selector asks with the config's sizes (None where the config does not say
-        them: then the sizes it does not know are left to the impl's constructor, which asks
-        with its own, so that a config without them still selects by the rest). Default: any
-        sizes."""
+        can (default: any). A size the config leaves None is judged by the impl's constructor,
+        which asks with its own."""
         return None

@@ -26,9 +26,8 @@ class _MLADeclarations(Protocol):
 
 
 def format_mla_splits(splits: Sequence[tuple[int, int]]) -> str:
-    """Latent splits as `kv_lora_rank+qk_rope_head_dim` text, compact when they are every
-    combination of some ranks and some rope sizes: `[(512, 64)]` reads "512+64", the ranks
-    16, 32, ..., 512 each with rope 16, 32 and 64 read "{16, 32, ..., 512}+{16, 32, 64}";
+    """Latent splits as `kv_lora_rank+qk_rope_head_dim` text: `[(512, 64)]` reads "512+64",
+    every rank 16, 32, ..., 512 with every rope 16, 32, 64 "{16, 32, ..., 512}+{16, 32, 64}";
     other sets list each rope size's ranks."""
     by_rope: dict[int, list[int]] = {}
     for rank, rope in splits:
@@ -55,8 +54,7 @@ def _format_ints(values: Sequence[int]) -> str:
 def mla_reasons(cls: _MLADeclarations, config: AttentionSelectorConfig) -> list[str]:
     """Why the MLA backend `cls` cannot serve the MLA `config`'s sizes; empty when it can."""
     reasons = [_split_reason(cls, config)]
-    head_dims = getattr(cls, "get_mla_head_dims_reason", None)
-    if head_dims is not None:
+    if (head_dims := getattr(cls, "get_mla_head_dims_reason", None)) is not None:
         reasons.append(
             head_dims(config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim)
         )

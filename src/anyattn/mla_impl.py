@@ -1,11 +1,9 @@
 """`MLAAttentionImpl`: the impl side of multi-head latent attention (docs/mla.md).
 
-One instance per MLA layer. Its constructor is concrete and shared, as `AttentionImpl`'s is: it
-checks the arguments against the impl's backend (`anyattn.impl_args`) once and keeps them.
-There is no `forward`: the layer (`anyattn.MLAAttention`) splits a step into its decode rows,
-run absorbed by `forward_mqa`, and its prefill rows, run up-projected by `forward_mha`, after
-writing the step's latents with `do_kv_cache_update`. Every entry point reads only what the
-builder planned (`anyattn.backends.mla_builder`) and never plans.
+One instance per MLA layer; its shared constructor checks the arguments against the backend
+(`anyattn.impl_args`). There is no `forward`: the layer (`anyattn.MLAAttention`) writes the
+step's latents (`do_kv_cache_update`), then runs its decode rows absorbed (`forward_mqa`) and
+its prefill rows up-projected (`forward_mha`). No entry point plans.
 """
 
 from __future__ import annotations
@@ -77,9 +75,8 @@ class MLAAttentionImpl(AttentionImplBase[M], Generic[M]):
 
         Raises:
             TypeError: the class names no backend, or a non-MLA one.
-            ValueError: a malformed size or scale, or a latent split, row size or cache dtype
-                the backend does not declare, or up-projected head sizes it refuses
-                (`get_mla_head_dims_reason`, the rule the selector applies).
+            ValueError: a malformed size or scale, or a latent split, row size, cache dtype or
+                up-projected head sizes (`get_mla_head_dims_reason`) the backend refuses.
         """
         validate_mla_impl_arguments(
             self._declared_backend("MLAAttentionBackend"),
@@ -92,17 +89,12 @@ class MLAAttentionImpl(AttentionImplBase[M], Generic[M]):
             kv_cache_dtype=kv_cache_dtype,
             workspace_tokens=workspace_tokens,
         )
-        self.num_heads = num_heads
-        self.num_kv_heads = 1
+        self.num_heads, self.num_kv_heads, self.scale = num_heads, 1, float(scale)
         self.head_size = kv_lora_rank + qk_rope_head_dim
-        self.scale = float(scale)
-        self.kv_lora_rank = kv_lora_rank
-        self.qk_rope_head_dim = qk_rope_head_dim
-        self.qk_nope_head_dim = qk_nope_head_dim
-        self.v_head_dim = v_head_dim
-        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, qk_rope_head_dim
+        self.qk_nope_head_dim, self.v_head_dim = qk_nope_head_dim, v_head_dim
+        self.kv_cache_dtype, self.workspace_tokens = kv_cache_dtype, workspace_tokens
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        self.workspace_tokens = workspace_tokens
         self.attn_type = AttentionType.DECODER
 
     def layer_params(self) -> MLALayerParams:
@@ -121,11 +113,7 @@ class MLAAttentionImpl(AttentionImplBase[M], Generic[M]):
         )
 
     def forward(self, *args: object, **kwargs: object) -> NoReturn:
-        """MLA impls have no `forward`.
-
-        Raises:
-            TypeError: always, naming the two entry points to call instead.
-        """
+        """MLA impls have no `forward`: a `TypeError` names the two entry points instead."""
         raise TypeError(
             f"{type(self).__name__}.forward: an MLA impl has no forward (got a call to forward, "
             "expected forward_mqa for decode rows and forward_mha for prefill rows). Use "
@@ -189,28 +177,21 @@ class MLAAttentionImpl(AttentionImplBase[M], Generic[M]):
         attn_metadata: object = None,
     ) -> None:
         """Write the step's latent rows `[kv_c_normed, k_pe]` (`[T, L]`, `[T, R]`) into the
-        cache (slot -1 skipped) after `anyattn.validation_mla.check_mla_kv_write`: nothing is
-        written on a refused call. Pass the step's `attn_metadata` to have the slots checked
-        from its CPU mirrors. Layers that share another layer's cache write nothing.
-        """
+        cache (slot -1 skipped) after `anyattn.validation_mla.check_mla_kv_write`; with the
+        step's `attn_metadata` the slots are checked from its CPU mirrors. Layers that share
+        another layer's cache write nothing."""
         if self.kv_sharing_target_layer_name is not None:
             return
-        scale = check_mla_kv_write(
-            self, layer, kv_c_normed, k_pe, kv_cache, slot_mapping, attn_metadata
-        )
-        concat_and_cache_mla_unchecked(
-            kv_c_normed, k_pe, kv_cache, slot_mapping, self.kv_cache_dtype, scale
-        )
+        scale = check_mla_kv_write(self, layer, kv_c_normed, k_pe, kv_cache, slot_mapping,
+                                   attn_metadata)  # fmt: skip
+        concat_and_cache_mla_unchecked(kv_c_normed, k_pe, kv_cache, slot_mapping,
+                                       self.kv_cache_dtype, scale)  # fmt: skip
 
     def up_project(
         self, api: str, layer: MLALayer, c_kv: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`layer.up_project(c_kv)` for latents `c_kv [N, L]`, checked: `(k_nope [N, H, P],
-        v [N, H, Vd])`.
-
-        Raises:
-            ValueError: the layer returned other shapes (both named, with those expected).
-        """
+        """`layer.up_project(c_kv)` for latents `c_kv [N, L]`: `(k_nope [N, H, P], v [N, H, Vd])`;
+        a `ValueError` names other shapes the layer returned."""
         k_nope, v = layer.up_project(c_kv)
         num_rows, heads = c_kv.shape[0], self.num_heads
         want = ((num_rows, heads, self.qk_nope_head_dim), (num_rows, heads, self.v_head_dim))

@@ -4,8 +4,6 @@ The layer owns the projections, named as in Hugging Face checkpoints (`q_proj`, 
 + `q_a_layernorm` + `q_b_proj`; `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`),
 the absorption (`W_UK`, `W_UV`: views of `kv_b_proj`'s weight) and the split of a step into
 decode rows (absorbed, `impl.forward_mqa`) and prefill rows (up-projected, `impl.forward_mha`).
-Its backend is chosen by the selector among MLA backends (or given), and may be replaced with
-`use_backend` before the engine builds its groups. Metadata is passed explicitly.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ from torch import nn
 from anyattn.backends.mla_metadata import MLAMetadata
 from anyattn.config import AttentionSelectorConfig, MLAAttentionSpec
 from anyattn.declarations import AttentionBackend
+from anyattn.layer import check_serves, resolve_device
 from anyattn.layer_params import DEFAULT_WORKSPACE_TOKENS
 from anyattn.selector import select_backend
 from anyattn.types import DeviceInfo, parse_dtype
@@ -98,14 +97,7 @@ class MLAAttention(nn.Module):
     ) -> None:
         super().__init__()
         dtype = parse_dtype(dtype, argument=f"MLAAttention({layer_name}): dtype")
-        weights_device = torch.device("cpu")
-        if isinstance(device, torch.device) or (
-            isinstance(device, str) and not device.strip().lower().startswith("sm")
-        ):
-            weights_device = torch.device(device)
-            device = DeviceInfo.current(weights_device)
-        elif isinstance(device, str):
-            device = DeviceInfo.parse(device)
+        self._device_info, weights_device = resolve_device(device)
         self.layer_name = layer_name
         self.hidden_size, self.num_heads = hidden_size, num_heads
         self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, qk_rope_head_dim
@@ -123,20 +115,15 @@ class MLAAttention(nn.Module):
             qk_nope_head_dim=qk_nope_head_dim,
             v_head_dim=v_head_dim,
         )
-        self._device_info = device or DeviceInfo.current()
         self._impl_args = (num_heads, scale)
-        self._impl_kwargs = {
-            "kv_lora_rank": kv_lora_rank,
-            "qk_rope_head_dim": qk_rope_head_dim,
-            "qk_nope_head_dim": qk_nope_head_dim,
-            "v_head_dim": v_head_dim,
-            "kv_cache_dtype": kv_cache_dtype,
-            "workspace_tokens": workspace_tokens,
-        }
-        if isinstance(backend, type):
-            self.use_backend(backend)
-        else:
-            self.use_backend(select_backend(self.config, device, backend))
+        self._impl_kwargs = dict(
+            kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim,
+            qk_nope_head_dim=qk_nope_head_dim, kv_cache_dtype=kv_cache_dtype,
+            workspace_tokens=workspace_tokens,
+        )  # fmt: skip
+        if not isinstance(backend, type):
+            backend = select_backend(self.config, self._device_info, backend)
+        self.use_backend(backend)
         if block_size is not None and workspace_tokens < block_size:
             raise ValueError(
                 f"MLAAttention({layer_name}): workspace_tokens too small for one context chunk "
@@ -164,18 +151,12 @@ class MLAAttention(nn.Module):
         self.requires_grad_(False)
 
     def use_backend(
-        self,
-        backend: type[AttentionBackend],
-        prefill_backend: type[AttentionBackend] | None = None,
+        self, backend: type[AttentionBackend], prefill_backend: type[AttentionBackend] | None = None
     ) -> None:
-        """Run the layer on `backend` from now on (a new impl with the layer's arguments; the
-        weights and scale buffers stay), e.g. the one a measured selection chose. Call it
-        before the engine builds its groups: the cache and metadata are the backend's.
-
-        Args:
-            backend: an MLA backend class that serves this layer.
-            prefill_backend: None or `backend` itself: MLA layers run one backend for every
-                phase (the signature is `Attention.use_backend`'s).
+        """Run the layer on the MLA `backend` from now on (a new impl; the weights and scale
+        buffers stay), e.g. the one a measured selection chose. Call it before the engine
+        builds its groups. `prefill_backend` may only be None or `backend`: MLA layers run one
+        backend for every phase (the signature is `Attention.use_backend`'s).
 
         Raises:
             TypeError: `backend` is not a backend class.
@@ -194,14 +175,7 @@ class MLAAttention(nn.Module):
                 "(expected None or the same backend: MLA layers run one backend for every "
                 "phase)."
             )
-        reasons = backend.validate_configuration(self.config, self._device_info)
-        if backend.get_unavailable_reason():
-            reasons.append(f"not available here: {backend.get_unavailable_reason()}")
-        if reasons:
-            raise ValueError(
-                f"MLAAttention({self.layer_name}): backend {backend.get_name()} cannot serve "
-                f"this layer: {'; '.join(reasons)}."
-            )
+        check_serves(f"MLAAttention({self.layer_name})", backend, self.config, self._device_info)
         impl = backend.get_impl_cls()(*self._impl_args, **self._impl_kwargs)
         self.backend, self.impl = backend, impl
 
@@ -270,7 +244,6 @@ class MLAAttention(nn.Module):
     def _forward(
         self, hidden: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, md: MLAMetadata
     ) -> torch.Tensor:
-        """`forward` after its checks."""
         num_tokens, heads = hidden.shape[0], self.num_heads
         if self.q_lora_rank is None:
             q = self.q_proj(hidden)

@@ -21,19 +21,10 @@ __all__ = ["PhaseSplitMetadata", "split_by_phase"]
 
 @dataclass(frozen=True)
 class PhaseSplitMetadata:
-    """One step of a layer that runs decodes and prefills on different backends.
-
-    Rows `[0, num_decode_tokens)` of the step's tokens are its decode requests' (built by the
-    decode backend's builder into `decode`), rows `[num_decode_tokens, num_actual_tokens)` its
-    prefill requests' (built by the prefill backend's builder into `prefill`); a part without
-    requests is None.
-
-    Attributes:
-        common_attn_metadata: the whole step; the layer writes K/V once with its `slot_mapping`.
-        num_decode_tokens: the decode part's tokens (the prefill part's first row).
-        decode: the decode backend's metadata over `split_by_phase`'s decode part, or None.
-        prefill: the prefill backend's metadata over its prefill part, or None.
-    """
+    """One step of a layer that runs decodes and prefills on different backends: the whole
+    step (`common_attn_metadata`, whose `slot_mapping` the layer writes K/V with once), and
+    the metadata each backend's builder built over `split_by_phase`'s parts, `decode` for rows
+    `[0, num_decode_tokens)` and `prefill` for the rest (None for a part without requests)."""
 
     common_attn_metadata: CommonAttentionMetadata
     num_decode_tokens: int
@@ -58,15 +49,10 @@ def split_by_phase(
 ) -> tuple[CommonAttentionMetadata | None, CommonAttentionMetadata | None]:
     """Cut a decodes-first step after its first `num_decodes` requests.
 
-    The decode part holds requests `[0, num_decodes)` and their tokens `[0, D)`, D =
-    `query_start_loc[num_decodes]`; the prefill part the remaining requests, its offsets rebased
-    to start at 0, its slot mapping `slot_mapping[D:]` (padding past the real tokens stays with
-    it). Device tensors are views or device-side arithmetic (no synchronisation); the CPU
-    mirrors are read for the maxima.
-
-    Args:
-        common: the step, decodes first (`anyattn.metadata.split_decodes_and_prefills`).
-        num_decodes: requests in the decode part, `0 <= num_decodes <= common.num_reqs`.
+    `common` has its decodes first (`anyattn.metadata.split_decodes_and_prefills`). The
+    decode part holds requests `[0, num_decodes)` and their tokens `[0, D)`; the prefill part
+    the rest, offsets rebased to 0, slot mapping `slot_mapping[D:]` (padding included). Device
+    tensors are views or device-side arithmetic (no synchronisation).
 
     Returns:
         `(decode, prefill)`, each None when it has no request.
@@ -88,44 +74,36 @@ def split_by_phase(
             f"split_by_phase: num_decodes outside the step (got {num_decodes}, expected 0 <= "
             f"num_decodes <= num_reqs = {num_reqs})."
         )
-    host = common.host_batch
-    num_decode_tokens = int(host.query_start_loc[num_decodes])
+    num_decode_tokens = int(common.host_batch.query_start_loc[num_decodes])
     decode = prefill = None
     if num_decodes:
-        decode = CommonAttentionMetadata(
-            query_start_loc=common.query_start_loc[: num_decodes + 1],
-            query_start_loc_cpu=common.query_start_loc_cpu[: num_decodes + 1],
-            seq_lens=common.seq_lens[:num_decodes],
-            seq_lens_cpu=common.seq_lens_cpu[:num_decodes],
-            num_computed_tokens_cpu=common.num_computed_tokens_cpu[:num_decodes],
-            num_reqs=num_decodes,
-            num_actual_tokens=num_decode_tokens,
-            max_query_len=_max(host.query_lens[:num_decodes]),
-            max_seq_len=_max(host.seq_lens[:num_decodes]),
-            block_table_tensor=common.block_table_tensor[:num_decodes],
-            slot_mapping=common.slot_mapping[:num_decode_tokens],
-            causal=common.causal,
-            block_table_cpu=common.block_table_cpu[:num_decodes],
-            slot_mapping_cpu=common.slot_mapping_cpu[:num_decode_tokens],
-        )
+        decode = _part(common, slice(0, num_decodes), slice(0, num_decode_tokens))
     if num_decodes < num_reqs:
-        offset = common.query_start_loc[num_decodes : num_reqs + 1] - num_decode_tokens
-        offset_cpu = common.query_start_loc_cpu[num_decodes : num_reqs + 1] - num_decode_tokens
-        rows = slice(num_decodes, num_reqs)
-        prefill = CommonAttentionMetadata(
-            query_start_loc=offset.to(common.query_start_loc.dtype),
-            query_start_loc_cpu=offset_cpu.to(common.query_start_loc_cpu.dtype),
-            seq_lens=common.seq_lens[rows],
-            seq_lens_cpu=common.seq_lens_cpu[rows],
-            num_computed_tokens_cpu=common.num_computed_tokens_cpu[rows],
-            num_reqs=num_reqs - num_decodes,
-            num_actual_tokens=common.num_actual_tokens - num_decode_tokens,
-            max_query_len=_max(host.query_lens[num_decodes:]),
-            max_seq_len=_max(host.seq_lens[num_decodes:]),
-            block_table_tensor=common.block_table_tensor[rows],
-            slot_mapping=common.slot_mapping[num_decode_tokens:],
-            causal=common.causal,
-            block_table_cpu=common.block_table_cpu[rows],
-            slot_mapping_cpu=common.slot_mapping_cpu[num_decode_tokens:],
-        )
+        prefill = _part(common, slice(num_decodes, num_reqs), slice(num_decode_tokens, None))
     return decode, prefill
+
+
+def _part(common: CommonAttentionMetadata, reqs: slice, tokens: slice) -> CommonAttentionMetadata:
+    """The requests `reqs` of `common`, whose tokens are `tokens`, offsets rebased to 0."""
+    host, start = common.host_batch, tokens.start
+    loc = slice(reqs.start, reqs.stop + 1)
+
+    def rebased(offsets: torch.Tensor) -> torch.Tensor:  # a view when nothing is subtracted
+        return offsets if start == 0 else (offsets - start).to(offsets.dtype)
+
+    return CommonAttentionMetadata(
+        query_start_loc=rebased(common.query_start_loc[loc]),
+        query_start_loc_cpu=rebased(common.query_start_loc_cpu[loc]),
+        seq_lens=common.seq_lens[reqs],
+        seq_lens_cpu=common.seq_lens_cpu[reqs],
+        num_computed_tokens_cpu=common.num_computed_tokens_cpu[reqs],
+        num_reqs=reqs.stop - reqs.start,
+        num_actual_tokens=int(host.query_start_loc[reqs.stop]) - start,
+        max_query_len=_max(host.query_lens[reqs]),
+        max_seq_len=_max(host.seq_lens[reqs]),
+        block_table_tensor=common.block_table_tensor[reqs],
+        slot_mapping=common.slot_mapping[tokens],
+        causal=common.causal,
+        block_table_cpu=common.block_table_cpu[reqs],
+        slot_mapping_cpu=common.slot_mapping_cpu[tokens],
+    )

@@ -1,11 +1,10 @@
 """Which backends exist and where their classes live, imported only when asked for.
 
 Built-in backends are members of `AttentionBackendEnum`, whose values are lazy class paths
-("module:Class"). `register_backend` overrides a member's class or adds a new name; packages
-add backends through the `anyattn.backends` entry-point group (name = backend name, value =
-"module:Class"). The override table below is the only module-level mutable state in anyattn;
-`generation()` counts its changes, so that caches of selections (`anyattn.selector`) can tell
-when they are stale without this module knowing about them.
+("module:Class"). `register_backend` overrides a member or adds a name; packages add backends
+through the `anyattn.backends` entry-point group (name = backend name, value = "module:Class").
+The override table is the only module-level mutable state in anyattn; `generation()` counts
+its changes, so that caches of selections can tell when they are stale.
 """
 
 from __future__ import annotations
@@ -71,12 +70,10 @@ def _changed() -> None:
 def _load_plugins() -> None:
     """Read the `anyattn.backends` entry points once; explicit registrations win over them."""
     global _plugins_loaded
-    if _plugins_loaded:
-        return
-    _plugins_loaded = True
-    for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        name = entry_point.name.upper()
-        _overrides.setdefault(name, entry_point.value)
+    if not _plugins_loaded:
+        _plugins_loaded = True
+        for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            _overrides.setdefault(entry_point.name.upper(), entry_point.value)
 
 
 def reload_plugins() -> None:
@@ -184,9 +181,7 @@ def register_backend(name, target=None):
         _changed()
         return cls_or_path
 
-    if target is None:
-        return register
-    return register(target)
+    return register if target is None else register(target)
 
 
 def unregister_backend(name: str | AttentionBackendEnum) -> None:

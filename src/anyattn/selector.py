@@ -1,18 +1,13 @@
 """Pick the backend for a layer, and say why every other backend was not picked.
 
-`select_backend` orders the registered backends by the rank each declares for the platform
-(`AttentionBackend.priority`; one that declares none there comes last and is only taken on
-explicit request), skips those whose `chosen_automatically(config, device)` is False, and
-returns the first whose declarations accept the config and which is installed here. An explicitly
-requested backend (argument, then the `ANYATTN_BACKEND` environment variable) that does not fit
-is an error, never a silent fallback. `explain` returns the whole verdict table as data.
-
-`select_backend(config, policy="fastest", limits=...)` (or the backend name "fastest") times
-every backend that fits instead, on this machine, and takes the fastest overall
-(`measure_backends` returns the whole `Measurement`, per phase; docs/measured_selection.md).
-
-Capability reasons are judged for the given device (which may be hypothetical, e.g. an sm90
-asked about from a laptop); availability reasons (a missing package) for this machine.
+`select_backend` tries the registered backends in the order of the rank each declares for the
+platform (`AttentionBackend.priority`; none there: only on explicit request), skips those not
+`chosen_automatically`, and returns the first that fits and is installed here. A requested
+backend (argument, else `ANYATTN_BACKEND`) that does not fit is an error, never a silent
+fallback. `explain` returns the whole verdict table as data. With `policy="fastest"` (or the
+name "fastest") every fitting backend is timed here instead (`measure_backends`;
+docs/measured_selection.md). Capability is judged for the given device, which may be
+hypothetical (an sm90 asked about from a laptop); availability for this machine.
 """
 
 from __future__ import annotations
@@ -23,7 +18,7 @@ import os
 import torch
 
 from anyattn.config import AttentionSelectorConfig, BatchLimits
-from anyattn.declarations import AttentionBackend, platform_key, rank_on
+from anyattn.declarations import CONFIG_FEATURES, AttentionBackend, platform_key, rank_on
 from anyattn.explanation import BackendVerdict, Explanation, NoBackendError
 from anyattn.layer_params import LayerParams
 from anyattn.measure.result import Measurement
@@ -36,7 +31,7 @@ from anyattn.registry import (
     get_backend_class,
     get_backend_path,
 )
-from anyattn.types import DeviceInfo
+from anyattn.types import DeviceInfo, is_fp8_cache
 
 __all__ = [
     "ENV_VAR",
@@ -65,9 +60,8 @@ def _ranked(
     device: DeviceInfo, use_mla: bool = False
 ) -> list[tuple[str, type[AttentionBackend] | str]]:
     """Every registered backend (its class, or why it cannot be loaded) in the order tried on
-    `device`: those with a rank for the platform first, and among them the backends of the
-    config's kind (MLA or not) before the others, each by declared rank; then those without a
-    rank. Ties keep registration order."""
+    `device`: ranked ones first, those of the config's kind (MLA or not) before the others,
+    each by rank; then the unranked. Ties keep registration order."""
     key = platform_key(device)
     loaded: list[tuple[str, type[AttentionBackend] | str]] = []
     for name in backend_names():
@@ -110,13 +104,8 @@ def _judge(
         not_automatic = f"declares no priority for {key}"
     elif not cls.chosen_automatically(config, device):
         not_automatic = "not chosen automatically for this config"
-    return BackendVerdict(
-        name,
-        position,
-        tuple(cls.validate_configuration(config, device)),
-        cls.get_unavailable_reason(),
-        not_automatic,
-    )
+    reasons = tuple(cls.validate_configuration(config, device))
+    return BackendVerdict(name, position, reasons, cls.get_unavailable_reason(), not_automatic)
 
 
 def _verdicts(config: AttentionSelectorConfig, device: DeviceInfo) -> tuple[BackendVerdict, ...]:
@@ -132,11 +121,9 @@ def _hints(
     verdicts: tuple[BackendVerdict, ...],
     requested: str | None,
 ) -> tuple[str, ...]:
-    """Single changes to the request that would make some backend fit.
-
-    A backend that already fits as given (possible only when another one was requested) is
-    named as such, never as fitting after a change; a change is hinted with the first backend
-    it makes fit, the requested one where the change makes that one fit."""
+    """Single changes to the request that would make some backend fit, each with the first
+    backend it makes fit (the requested one where it does). A backend that fits as given (when
+    another was requested) is named as such, never as fitting after a change."""
     hints: list[str] = []
     as_given = [v.name for v in verdicts if v.fits and not v.not_automatic]
     if as_given:
@@ -153,21 +140,14 @@ def _hints(
     variations: list[tuple[str, dict[str, object]]] = []
     if config.kv_cache_dtype != "auto":
         variations.append(("kv_cache_dtype='auto'", {"kv_cache_dtype": "auto"}))
-    if config.use_per_head_quant_scales and config.kv_cache_dtype in (
-        "auto",
-        "float16",
-        "bfloat16",
-    ):
+    if config.use_per_head_quant_scales and not is_fp8_cache(config.kv_cache_dtype):
         variations.append(("kv_cache_dtype='fp8'", {"kv_cache_dtype": "fp8"}))
     if config.block_size is not None:
         variations.append(("block_size=None (the backend's preferred size)", {"block_size": None}))
     for dtype_name in ("bfloat16", "float16", "float32"):
         if str(config.dtype) != f"torch.{dtype_name}":
             variations.append((f"dtype={dtype_name}", {"dtype": dtype_name}))
-    for flag in (
-        "has_sink", "has_sliding_window", "has_alibi", "has_logits_soft_cap", "use_non_causal",
-        "use_per_head_quant_scales", "use_batch_invariant", "needs_lse", "use_sparse", "use_mla",
-    ):  # fmt: skip
+    for flag in (*(flag for _, flag, _ in CONFIG_FEATURES), "use_sparse", "use_mla"):
         if getattr(config, flag):
             variations.append((f"{flag}=False", {flag: False}))
     for label, change in variations:
@@ -251,7 +231,7 @@ def explain(
     Args:
         config: what the layer needs.
         device: where it will run (`DeviceInfo`, `torch.device`, or "cpu" / "cuda" / "sm90");
-            defaults to this machine's first GPU, else the CPU.
+            default: this machine's first GPU, else the CPU.
         backend: an explicitly requested backend name (else `ANYATTN_BACKEND`, if set).
 
     Raises:
@@ -270,19 +250,17 @@ def _timing_device(device: DeviceInfo | str | torch.device | None) -> torch.devi
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if isinstance(device, torch.device):
         return device
-    info = device
-    if isinstance(device, str):
-        if device.strip().lower().startswith(("cpu", "cuda")):
-            return torch.device(device.strip().lower())
-        info = DeviceInfo.parse(device)
+    if isinstance(device, str) and device.strip().lower().startswith(("cpu", "cuda")):
+        return torch.device(device.strip().lower())
+    info = DeviceInfo.parse(device) if isinstance(device, str) else device
     if not isinstance(info, DeviceInfo):
         raise TypeError(
             f"device: expected a DeviceInfo, torch.device or str such as 'cpu' or 'cuda' (got "
             f"{type(device).__name__})."
         )
-    here = DeviceInfo.current(torch.device(info.type)) if info.type == "cpu" else None
-    if info.type == "cuda" and torch.cuda.is_available():
-        here = DeviceInfo.current(torch.device("cuda"))
+    here = None
+    if info.type == "cpu" or torch.cuda.is_available():
+        here = DeviceInfo.current(torch.device(info.type))
     if here is None or here.capability != info.capability:
         raise ValueError(
             f"measure_backends: device must be this machine's, where backends can be timed "
@@ -308,19 +286,17 @@ def measure_backends(
     each after an oracle check, and choose per phase and overall (docs/measured_selection.md).
 
     Args:
-        config: the layer's config: decoder attention (standard or MLA), with `num_heads`
-            (and `num_kv_heads`) set unless `layer_params` gives them.
+        config: decoder attention (standard or MLA), with `num_heads` (and `num_kv_heads`)
+            unless `layer_params` gives them.
         limits: the engine's limits; the timed steps come from them.
         device: this machine's device to time on (default: its first GPU, else the CPU).
-        layer_params: the layer's record (`impl.layer_params()`), for the values a config
-            omits (window, soft cap, MLA sizes); default: `anyattn.measure.layer_shape`.
-        use_cache: read and write the on-disk cache (`anyattn.measure.cache`; the environment
-            variable `ANYATTN_NO_MEASURE_CACHE=1` also turns it off).
+        layer_params: the layer's record (`impl.layer_params()`), for what a config omits
+            (window, soft cap, MLA sizes); default: `anyattn.measure.layer_shape`.
+        use_cache: read and write the on-disk cache (`ANYATTN_NO_MEASURE_CACHE=1`: off).
         progress: show a progress bar on stderr.
         timer, checker: replace the timing and the oracle check (tests).
-        layers_per_step: how many layer calls share one metadata `build` per step (an engine's
-            layers of this config); each step's build time is then counted, that share per
-            layer call. None (default): layer calls are compared alone.
+        layers_per_step: layer calls that share one metadata `build` per step, each charged
+            that share of the build time; None: layer calls are compared alone.
 
     Returns:
         The `Measurement` (`.overall`, `.choice("decode")`, the times, the rejections).
@@ -328,8 +304,7 @@ def measure_backends(
     Raises:
         NoBackendError: no backend fits the config here.
         ValueError: a device other than this machine's, limits that are not `BatchLimits`,
-            or a config measured selection does not cover (encoder or cross attention,
-            unknown heads).
+            or a config measured selection does not cover (encoder or cross attention).
     """
     if not isinstance(limits, BatchLimits):
         raise TypeError(
@@ -344,25 +319,15 @@ def measure_backends(
     if not candidates:
         raise NoBackendError(_no_backend_message(result), result)
     return measure_candidates(
-        config,
-        limits,
-        candidates,
-        torch_device,
-        layer_params=layer_params,
-        timer=timer,
-        checker=checker,
-        use_cache=use_cache,
-        progress=progress,
-        layers_per_step=layers_per_step,
-    )
+        config, limits, candidates, torch_device, layer_params=layer_params, timer=timer,
+        checker=checker, use_cache=use_cache, progress=progress, layers_per_step=layers_per_step,
+    )  # fmt: skip
 
 
 def _no_backend_message(result: Explanation) -> str:
     if result.requested is not None:
         verdict = next(v for v in result.verdicts if v.name == result.requested)
-        why = list(verdict.reasons) + (
-            [f"not available here: {verdict.unavailable}"] if verdict.unavailable else []
-        )
+        why = verdict.why_not()
         return (
             f"select_backend: requested backend {result.requested} (from {result.requested_by}) "
             f"cannot serve this config on {result.device}: {'; '.join(why)}. Remove the request "
@@ -388,27 +353,24 @@ def select_backend(
     """The backend class to use for `config` on `device`.
 
     Args:
-        config: what the layer needs.
-        device: where it will run (`DeviceInfo`, `torch.device`, or "cpu" / "cuda" / "sm90");
-            defaults to this machine's first GPU, else the CPU.
+        config, device: as for `explain`.
         backend: a backend name to use instead of the platform's order (else
             `ANYATTN_BACKEND`); "fastest" means `policy="fastest"` (from `ANYATTN_BACKEND`
             only when `limits` are given).
         policy: "priority" (the platform's static order) or "fastest" (time every backend
-            that fits on this machine and take the fastest overall; see `measure_backends`).
-        limits: the engine's `BatchLimits`; required by "fastest".
-        layer_params: the layer's record, for "fastest" (see `measure_backends`).
-        progress: with "fastest", show a progress bar on stderr.
+            that fits here and take the fastest overall; see `measure_backends`).
+        limits, layer_params, progress: for "fastest" (`limits` required), as for
+            `measure_backends`.
 
     Returns:
         The `AttentionBackend` subclass.
 
     Raises:
         NoBackendError: nothing fits, or the requested backend does not fit; the message lists
-            every backend with its reasons, and hints at a setting that would make one fit.
-        ValueError: the requested name is unknown (the message lists the valid ones), an
-            unknown policy, "fastest" without `limits` or with another backend requested, or
-            no candidate passed the oracle check.
+            every backend with its reasons and hints at a setting that would make one fit.
+        ValueError: an unknown backend name (the message lists the valid ones) or policy,
+            "fastest" without `limits` or with another backend requested, or no candidate
+            passed the oracle check.
     """
     if policy not in POLICIES:
         raise ValueError(

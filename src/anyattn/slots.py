@@ -23,14 +23,10 @@ def compute_slot_mapping(
     p % block_size` at position `p` of request `r`; tokens past the real ones get -1.
 
     Args:
-        block_table: int32 `[num_reqs, max_blocks]`.
+        block_table: int32 `[num_reqs, max_blocks]`, blocks of `block_size` tokens.
         query_start_loc: int32 `[num_reqs + 1]`, on the same device as block_table.
         seq_lens: int32 `[num_reqs]`, context + new tokens.
-        block_size: tokens per block of `block_table`.
-        num_tokens: length of the result (>= the real tokens); defaults to the real tokens.
-
-    Returns:
-        int64 `[num_tokens]`.
+        num_tokens: length of the int64 result (default: the real tokens).
 
     Raises:
         ValueError: a sequence needs more blocks than `block_table` has columns.
@@ -68,18 +64,10 @@ def compute_slot_mapping(
 def expand_block_table(
     block_table: torch.Tensor, block_size: int, kernel_block_size: int
 ) -> torch.Tensor:
-    """Split each engine block into `block_size // kernel_block_size` kernel blocks.
-
-    Engine block b becomes kernel blocks `b*k ... b*k + k - 1` (k = block_size / kernel size);
-    the cache tensor is viewed with the smaller block size. Unused entries (the null block 0)
-    become kernel blocks 0 ... k - 1, which belong to the null block too.
-
-    Args:
-        block_table: int32 `[num_reqs, max_blocks]`.
-
-    Returns:
-        int32 `[num_reqs, max_blocks * k]`.
-    """
+    """Split each engine block of int32 `block_table [num_reqs, max_blocks]` into
+    k = `block_size // kernel_block_size` kernel blocks: b becomes `b*k ... b*k + k - 1`
+    (the null block 0 stays null), giving `[num_reqs, max_blocks * k]`; the cache is viewed
+    with the smaller block size."""
     if block_size % kernel_block_size:
         raise ValueError(
             f"expand_block_table: block_size must be a multiple of kernel_block_size (got "

@@ -1,8 +1,5 @@
-"""Small value types shared by every part of anyattn.
-
-`AttentionType`, `AttentionCGSupport`, `MultipleOf`, `KVCacheLayout`, cache dtypes and
-`DeviceInfo` (what they mean: docs/semantics.md and docs/contract.md). Nothing here touches a
-device: a `DeviceInfo` can be written by hand so that one can ask "would this work on an H100?"
+"""Small value types shared by every part of anyattn (docs/semantics.md, docs/contract.md).
+Nothing here touches a device: a hand-written `DeviceInfo` asks "would this work on an H100?"
 from a laptop.
 """
 
@@ -52,10 +49,8 @@ ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
 
 @functools.total_ordering
 class AttentionCGSupport(enum.Enum):
-    """How much of a step a backend can run inside a CUDA graph; ordered, ALWAYS is the most.
-
-    ALWAYS > UNIFORM_BATCH > UNIFORM_SINGLE_TOKEN_DECODE > NEVER.
-    """
+    """How much of a step a backend can run inside a CUDA graph, ordered:
+    ALWAYS > UNIFORM_BATCH > UNIFORM_SINGLE_TOKEN_DECODE > NEVER."""
 
     NEVER = 0
     """No CUDA-graph support."""
@@ -89,12 +84,8 @@ class MultipleOf:
 
 
 class KVCacheLayout(enum.StrEnum):
-    """Physical order of the per-block dimensions of a paged KV cache.
-
-    NHD: `[block_size, num_kv_heads, head_size]` inside a block (tokens outermost).
-    HND: `[num_kv_heads, block_size, head_size]` (heads outermost).
-    The logical shape kernels see is the same for both; only the strides differ.
-    """
+    """Physical order inside a KV block, NHD `[block_size, num_kv_heads, head_size]` or HND
+    `[num_kv_heads, block_size, head_size]`; the logical shape is the same, the strides differ."""
 
     NHD = "NHD"
     HND = "HND"
@@ -175,11 +166,9 @@ def cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype
 
 @dataclass(frozen=True, slots=True)
 class DeviceInfo:
-    """Where attention will run: the CPU, or a CUDA GPU of a given compute capability.
-
-    Build it by hand (`DeviceInfo.cuda(9, 0)`, `DeviceInfo.parse("sm100")`) to ask what would be
-    selected on hardware you do not have, or `DeviceInfo.current()` for this machine.
-    """
+    """Where attention will run: the CPU, or a CUDA GPU of a given compute capability. Build
+    it by hand (`DeviceInfo.cuda(9, 0)`, `DeviceInfo.parse("sm100")`) for hardware you do not
+    have, or `DeviceInfo.current()` for this machine."""
 
     type: Literal["cpu", "cuda"]
     capability: tuple[int, int] | None = None

@@ -1,20 +1,16 @@
 """Validation of a layer call, on the host, before the cache is written (docs/design.md,
-"Validation", has the full table).
-
-Three levels, each checked once: the step (`CommonAttentionMetadata`, when it is made); the
-step against one cache (`check_step_against_cache`: slots and the block ids requests read,
-from the CPU mirrors, remembered per cache size in `StepChecks.caches`); the call's tensors
-(`check_forward_inputs`, the shared part of every impl's `validate_inputs`; `check_kv_write`).
-`check_layer_call` checks a whole call and records it (`StepChecks.call`), so that the impl's
-`do_kv_cache_update` and `forward`, called next with the same arguments, skip their checks.
-Nothing here reads the device or writes to the caller's tensors, except that a write given no
-step reads back a device `slot_mapping` to check it.
+"Validation"): the step against one cache (`check_step_against_cache`, once per cache size)
+and the call's tensors (`check_forward_inputs`, `check_kv_write`). `check_layer_call` checks a
+whole call and records it, so that the impl's entry points called next with the same
+arguments skip their checks. Nothing reads the device, except that a write given no step
+reads back a device `slot_mapping`.
 """
 
 from __future__ import annotations
 
+from collections import namedtuple
 from collections.abc import Set
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -43,7 +39,7 @@ __all__ = [
 
 
 class AttentionImpl(Protocol):
-    """What the checks read of an `anyattn.impl.AttentionImpl` (which imports this module)."""
+    """What the checks read of an `anyattn.impl.AttentionImpl`."""
 
     num_heads: int
     num_kv_heads: int
@@ -58,19 +54,10 @@ class AttentionImpl(Protocol):
         """See `anyattn.impl.AttentionImpl.validate_inputs`."""
 
 
-class _Call(NamedTuple):
-    """A layer call checked in full, by its arguments' identities (`StepChecks.call`)."""
-
-    impl: object
-    layer: object
-    query: torch.Tensor
-    key: torch.Tensor | None
-    value: torch.Tensor | None
-    kv_cache: torch.Tensor
-    slot_mapping: object
-    attn_metadata: object
-    output: torch.Tensor
-    output_lse: torch.Tensor | None
+# A layer call checked in full, kept by its arguments' identities (`StepChecks.call`).
+_Call = namedtuple(
+    "_Call", "impl layer query key value kv_cache slot_mapping attn_metadata output output_lse"
+)
 
 
 def step_of(attn_metadata: object) -> CommonAttentionMetadata | None:
@@ -83,13 +70,8 @@ def step_of(attn_metadata: object) -> CommonAttentionMetadata | None:
 
 
 def check_layer_planned(layer_names: Set[str], layer: object, api: str) -> None:
-    """Refuse a `forward` for a layer the step's builder was not given (so nothing was planned
-    for it).
-
-    Args:
-        layer_names: the metadata's `layer_names` (the builder's layers).
-        layer: the calling layer; one without a `layer_name` is not checked.
-        api: the caller, for the message.
+    """Refuse a `forward` for a layer not in `layer_names` (the metadata's: the builder's
+    layers, so nothing was planned for it); a layer without a `layer_name` is not checked.
 
     Raises:
         ValueError: naming the layer and the builder's layers.
@@ -109,18 +91,11 @@ def check_layer_call(
     value: torch.Tensor | None, kv_cache: torch.Tensor, attn_metadata: object,
     output: torch.Tensor, output_lse: torch.Tensor | None, *, writes_kv: bool,
 ) -> None:  # fmt: skip
-    """Check one layer call in full, before its cache write (what `Attention.forward` does
-    first): the impl's `validate_inputs` (which must check every tensor `forward` and the write
-    read, as the shipped impls do with `check_forward_inputs`), the step against the cache, and
-    when `writes_kv` the write's slot mapping and fp8 scales. The call is then recorded on its
-    step, so that `do_kv_cache_update` and `forward` with these very arguments
-    (`attn_metadata.slot_mapping` for the write) skip their checks.
-
-    A layer the metadata was not built for (its `layer_names`) is refused first.
-
-    Raises:
-        ValueError, TypeError, NotImplementedError: the first problem found.
-    """
+    """Check one layer call in full before its cache write (`Attention.forward` does): the
+    layer is one the metadata was built for, the impl's `validate_inputs`, the step against
+    the cache, and when `writes_kv` the write's slot mapping and fp8 scales; then record it,
+    so that `do_kv_cache_update` and `forward` with these very arguments skip their checks.
+    Raises `ValueError`, `TypeError` or `NotImplementedError` for the first problem found."""
     layer_names = getattr(attn_metadata, "layer_names", None)
     if isinstance(layer_names, frozenset):
         check_layer_planned(layer_names, layer, f"{type(impl).__name__}.forward")
@@ -161,15 +136,10 @@ def check_kv_write(
     impl: AttentionImpl, layer: object, key: torch.Tensor, value: torch.Tensor,
     kv_cache: torch.Tensor, slot_mapping: torch.Tensor, attn_metadata: object = None,
 ) -> tuple[str, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
-    """`do_kv_cache_update`'s checks: none for the call `check_layer_call` has checked; else
-    the arguments as `reshape_and_cache` takes them, the cache against the impl, and the step
-    against the cache when `attn_metadata` (or its `CommonAttentionMetadata`) is given: then
-    `slot_mapping`, when it is the step's own, is checked from its CPU mirror.
-
-    Returns:
-        `(kv_cache_dtype, k_scale, v_scale)` for the write: float32 scales on the cache's
-        device for an fp8 cache, else None.
-    """
+    """`do_kv_cache_update`'s checks (none for the call `check_layer_call` has checked): the
+    arguments as `reshape_and_cache` takes them, the cache against the impl, and the step
+    against the cache when `attn_metadata` is given. Returns `(kv_cache_dtype, k_scale,
+    v_scale)` for the write (float32 scales on the cache's device for an fp8 cache, else None)."""
     api = f"{type(impl).__name__}.do_kv_cache_update"
     step = step_of(attn_metadata)
     call = None if step is None else step.checks.call
@@ -201,13 +171,12 @@ def check_step_against_cache(
     api: str, step: CommonAttentionMetadata, kv_cache: torch.Tensor
 ) -> None:
     """Check the step's slots and the block ids its requests read against `kv_cache`'s
-    `(num_blocks, 2, block_size, ...)` (an MLA cache's `(num_blocks, block_size, ...)`), from
-    the CPU mirrors; once per step and cache size.
+    `num_blocks` and `block_size` (standard or MLA cache), from the CPU mirrors; once per step
+    and cache size.
 
     Raises:
-        ValueError: a slot at or past `num_blocks * block_size`, a table too narrow for a
-            request's keys, or a block id a request reads outside `[0, num_blocks)`; the
-            message names the request, the entry, the value and the valid range.
+        ValueError: a slot past the cache, a table too narrow for a request's keys, or a block
+            id read outside `[0, num_blocks)`; naming the request, entry, value and valid range.
     """
     num_blocks, block_size = cache_block_dims(kv_cache)
     if (num_blocks, block_size) in step.checks.caches:
@@ -269,20 +238,12 @@ def check_forward_inputs(
     num_rows: int | None = None,
 ) -> None:  # fmt: skip
     """Shapes, dtypes and devices of one `forward` call's tensors, and the step against the
-    cache (`check_step_against_cache`): the shared part of every impl's `validate_inputs`.
-    The cache is not checked for encoder attention (`ENCODER_TYPES`), which takes its K/V
-    only from the inputs.
-
-    Args:
-        api: names the caller in messages, e.g. "TRITON forward".
-        impl: the impl (`num_heads`, `head_size`, `num_kv_heads`, `kv_cache_dtype`,
-            `attn_type`, `sliding_window`; the query dtypes its `backend` declares).
-        attn_metadata: the backend's metadata, of `metadata_type` (its `block_size`,
-            `num_actual_tokens`, `causal` and `common_attn_metadata` are read).
-        num_rows: query rows the kernels run (default: `num_actual_tokens`).
+    cache (not for encoder attention, whose K/V come from the inputs): the shared part of
+    every impl's `validate_inputs`. `api` names the caller ("TRITON forward"); `num_rows` are
+    the query rows the kernels run (default: the metadata's `num_actual_tokens`).
 
     Raises:
-        TypeError: metadata of another backend.
+        TypeError: metadata not of `metadata_type`.
         ValueError, NotImplementedError: the first mismatch, naming the argument.
     """
     check_metadata_type(api, attn_metadata, metadata_type)
@@ -293,18 +254,13 @@ def check_forward_inputs(
             "attn_metadata.causal=False); the window is defined causally."
         )
     num_rows = md.num_actual_tokens if num_rows is None else num_rows
-    supported_dtypes = impl.backend.supported_dtypes
     reads_cache = impl.attn_type not in ENCODER_TYPES
     heads = (impl.num_heads, impl.head_size)
     if query.dim() != 3 or tuple(query.shape[1:]) != heads:
         raise ValueError(
             f"{api}: query must be [num_tokens, {heads[0]}, {heads[1]}] (got {tuple(query.shape)})."
         )
-    if query.dtype not in supported_dtypes:
-        raise ValueError(
-            f"{api}: query dtype not supported (got {query.dtype}, expected one of "
-            f"{', '.join(str(d).removeprefix('torch.') for d in supported_dtypes)})."
-        )
+    check_supported_dtype(api, "query", query, impl.backend.supported_dtypes)
     if output.shape != query.shape or output.dtype != query.dtype:
         raise ValueError(
             f"{api}: output must match query in shape and dtype (got {tuple(output.shape)} "
@@ -320,7 +276,6 @@ def check_forward_inputs(
         if key is None:
             raise ValueError(f"{api}: {impl.attn_type.value} attention needs key and value.")
     else:
-        cache_dtype = cache_torch_dtype(impl.kv_cache_dtype, query.dtype)
         expected = ("num_blocks", *cache_block_shape(impl, md.block_size))
         if not isinstance(kv_cache, torch.Tensor):
             raise TypeError(
@@ -332,11 +287,7 @@ def check_forward_inputs(
                 f"{api}: kv_cache must be {list(expected)} (got {tuple(kv_cache.shape)}). "
                 "Allocate it with anyattn.kv_cache.allocate_kv_cache."
             )
-        if kv_cache.dtype != cache_dtype:
-            raise ValueError(
-                f"{api}: kv_cache dtype does not match kv_cache_dtype "
-                f"{impl.kv_cache_dtype!r} (got {kv_cache.dtype}, expected {cache_dtype})."
-            )
+        check_cache_dtype(api, kv_cache, impl.kv_cache_dtype, query.dtype)
         if kv_cache.device != query.device:
             raise ValueError(
                 f"{api}: kv_cache and query are on different devices (got {kv_cache.device} "
@@ -352,9 +303,31 @@ def check_forward_inputs(
             f"{api}: output_lse must be float32 [{impl.num_heads}, num_tokens] (got "
             f"{output_lse.dtype} {tuple(output_lse.shape)})."
         )
-    step = step_of(md)
-    if reads_cache and step is not None:
+    if reads_cache and (step := step_of(md)) is not None:
         check_step_against_cache(api, step, kv_cache)
+
+
+def check_supported_dtype(
+    api: str, name: str, x: torch.Tensor, supported: tuple[torch.dtype, ...]
+) -> None:
+    """Raise `ValueError` unless `x`'s dtype is one of `supported` (the backend's)."""
+    if x.dtype not in supported:
+        names = ", ".join(str(d).removeprefix("torch.") for d in supported)
+        raise ValueError(
+            f"{api}: {name} dtype not supported (got {x.dtype}, expected one of {names})."
+        )
+
+
+def check_cache_dtype(
+    api: str, kv_cache: torch.Tensor, kv_cache_dtype: str, model_dtype: torch.dtype
+) -> None:
+    """Raise `ValueError` unless `kv_cache` holds `kv_cache_dtype` for `model_dtype` inputs."""
+    expected = cache_torch_dtype(kv_cache_dtype, model_dtype)
+    if kv_cache.dtype != expected:
+        raise ValueError(
+            f"{api}: kv_cache dtype does not match kv_cache_dtype {kv_cache_dtype!r} (got "
+            f"{kv_cache.dtype}, expected {expected})."
+        )
 
 
 def check_metadata_type(api: str, attn_metadata: object, metadata_type: type) -> None:
@@ -369,12 +342,9 @@ def check_metadata_type(api: str, attn_metadata: object, metadata_type: type) ->
 
 
 def _check_forward_kv(
-    api: str,
-    impl: AttentionImpl,
-    query: torch.Tensor,
-    key: torch.Tensor | None,
-    value: torch.Tensor | None,
-) -> None:
+    api: str, impl: AttentionImpl, query: torch.Tensor, key: torch.Tensor | None,
+    value: torch.Tensor | None
+) -> None:  # fmt: skip
     if (key is None) != (value is None):
         raise ValueError(f"{api}: key and value must both be given or both be None.")
     kv_shape = (impl.num_kv_heads, impl.head_size)
@@ -402,11 +372,8 @@ def layer_kv_scale(
     api: str, layer: object, name: str, num_kv_heads: int, device: torch.device
 ) -> torch.Tensor:
     """`layer.k_scale` or `layer.v_scale` of an fp8 cache as float32 on `device`, shape `[]`
-    or `[num_kv_heads]` (a `[1]` scale taken as `[]`). Values are not read.
-
-    Raises:
-        ValueError: missing, or not of shape `[]`, `[1]` or `[num_kv_heads]`.
-    """
+    or `[num_kv_heads]` (`[1]` taken as `[]`), values unread; a `ValueError` when missing or
+    of another shape."""
     scale = getattr(layer, name, None)
     if not isinstance(scale, torch.Tensor) or tuple(scale.shape) not in ((), (1,), (num_kv_heads,)):
         got = tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__
@@ -442,5 +409,5 @@ def _write_scales(
 
 
 def _same(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
-    """Whether two argument tuples hold the very same objects."""
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+    """Whether two argument tuples (of one length) hold the very same objects."""
+    return all(x is y for x, y in zip(a, b, strict=True))

@@ -1,12 +1,8 @@
 """Validation of MLA calls, on the host, before the latent cache is written: the MLA analogue
-of `anyattn.validation` (which it reuses for the step against the cache and the slots).
-
-`check_mla_layer_call` is what `MLAAttention.forward` runs first, once for the whole call;
-`check_mqa_inputs`, `check_mha_inputs` and `check_mla_kv_write` are the checks of an MLA
-impl's three entry points. Within a layer call (`mla_layer_call`) the entry points check only
-the tensors the layer made for them: the cache, the step and the scale were checked once.
-Nothing here reads the device or writes to the caller's tensors, except that a write given no
-step reads back a device `slot_mapping`.
+of `anyattn.validation`. `check_mla_layer_call` is what `MLAAttention.forward` runs first;
+`check_mqa_inputs`, `check_mha_inputs` and `check_mla_kv_write` check an MLA impl's three
+entry points, which within a checked layer call (`mla_layer_call`) check only the tensors the
+layer made for them.
 """
 
 from __future__ import annotations
@@ -18,11 +14,13 @@ from typing import Protocol
 import torch
 
 from anyattn.ops.tensor_checks import check_mla_write_args, check_scale_values
-from anyattn.types import cache_torch_dtype, is_fp8_cache
+from anyattn.types import is_fp8_cache
 from anyattn.validation import (
+    check_cache_dtype,
     check_layer_planned,
     check_metadata_type,
     check_step_against_cache,
+    check_supported_dtype,
     layer_kv_scale,
     step_of,
 )
@@ -60,15 +58,10 @@ def check_mla_layer_call(
     impl: MLAImpl, layer: object, hidden: torch.Tensor, kv_cache: torch.Tensor,
     attn_metadata: object, *, hidden_size: int | None = None, dtype: torch.dtype | None = None,
 ) -> None:  # fmt: skip
-    """Check one `MLAAttention` call before anything is written: the metadata (its builder's
-    type, built for this layer, no more tokens than `hidden` has rows), `hidden` (a tensor,
-    `hidden_size` columns and the layer's `dtype` when given, else a dtype the impl takes), the
-    cache (an MLA latent cache of this layer's row size, dtype and device), the step against
-    the cache (slots and block ids) and, for an fp8 cache, the layer's `k_scale`.
-
-    Raises:
-        TypeError, ValueError: the first problem found, naming the argument.
-    """
+    """Check one `MLAAttention` call before anything is written: the metadata (its builder's,
+    built for this layer, no more tokens than `hidden` has rows), `hidden` (`hidden_size`
+    columns, the layer's `dtype`, one the impl takes), the latent cache, the step against it,
+    and an fp8 cache's `k_scale`; a `TypeError` or `ValueError` names the first problem."""
     api = f"{_name(impl)} (MLAAttention.forward)"
     md = _check_metadata(api, impl, layer, attn_metadata)
     if not isinstance(hidden, torch.Tensor):
@@ -87,7 +80,7 @@ def check_mla_layer_call(
         raise ValueError(
             f"{api}: hidden must be in the layer's dtype (got {hidden.dtype}, expected {dtype})."
         )
-    _check_dtype(api, impl, "hidden", hidden)
+    check_supported_dtype(api, "hidden", hidden, impl.backend.supported_dtypes)
     check_mla_cache(api, impl, kv_cache, md, hidden.dtype, hidden.device)
     _scale(api, impl, layer, kv_cache)
 
@@ -96,9 +89,9 @@ def check_mla_layer_call(
 def mla_layer_call(
     impl: MLAImpl, layer: object, kv_cache: torch.Tensor, attn_metadata: object
 ) -> Iterator[None]:
-    """The body of an `MLAAttention` call that `check_mla_layer_call` has checked: the impl's
-    entry points called in it for this layer, cache and metadata skip the cache, step and
-    scale checks (the write only when it uses the step's own slot mapping)."""
+    """The body of a call `check_mla_layer_call` has checked: the impl's entry points called in
+    it with these objects skip the cache, step and scale checks (the write only with the
+    step's own slot mapping)."""
     step = step_of(attn_metadata)
     if step is None:
         yield
@@ -122,15 +115,8 @@ def _in_layer_call(impl: MLAImpl, layer: object, kv_cache: object, attn_metadata
 def check_rope_outputs(
     impl: MLAImpl, result: object, num_tokens: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the layer's `rope` returned: `(q_pe [T, H, R], k_pe [T, 1, R])`, both in the model
-    `dtype` on `device`, checked before anything is written.
-
-    Returns:
-        `(q_pe, k_pe)`.
-
-    Raises:
-        TypeError, ValueError: another type, shape, dtype or device, naming `rope`.
-    """
+    """What the layer's `rope` returned, checked to be `(q_pe [T, H, R], k_pe [T, 1, R])` in
+    the model `dtype` on `device`; a `TypeError` or `ValueError` names `rope` otherwise."""
     api = f"{_name(impl)} (MLAAttention.forward)"
     heads, rope_dim = impl.num_heads, impl.qk_rope_head_dim
     expected = (
@@ -163,13 +149,7 @@ def check_mla_cache(
     device: torch.device,
 ) -> None:  # fmt: skip
     """`kv_cache` is the latent cache `(num_blocks, block_size, L + R)` of the impl's dtype on
-    `device`, and the step's slots and block ids fit in it.
-
-    Raises:
-        TypeError: not a tensor.
-        ValueError: another shape (a standard `(num_blocks, 2, ...)` cache among them), dtype
-            or device; a slot or block id outside the cache.
-    """
+    `device`, and the step's slots and block ids fit in it (else `TypeError` / `ValueError`)."""
     if not isinstance(kv_cache, torch.Tensor):
         raise TypeError(f"{api}: kv_cache must be a torch.Tensor (got {type(kv_cache).__name__}).")
     expected = ("num_blocks", md.block_size, impl.head_size)
@@ -180,12 +160,7 @@ def check_mla_cache(
             f"{tuple(kv_cache.shape)}). Allocate it with anyattn.kv_cache.allocate_kv_cache "
             "and the layer's MLA backend."
         )
-    cache_dtype = cache_torch_dtype(impl.kv_cache_dtype, dtype)
-    if kv_cache.dtype != cache_dtype:
-        raise ValueError(
-            f"{api}: kv_cache dtype does not match kv_cache_dtype {impl.kv_cache_dtype!r} (got "
-            f"{kv_cache.dtype}, expected {cache_dtype})."
-        )
+    check_cache_dtype(api, kv_cache, impl.kv_cache_dtype, dtype)
     if kv_cache.device != device:
         raise ValueError(
             f"{api}: kv_cache is on another device than the inputs (got {kv_cache.device}, "
@@ -261,13 +236,8 @@ def check_mla_kv_write(
     slot_mapping: object, attn_metadata: object = None,
 ) -> torch.Tensor | None:  # fmt: skip
     """`do_kv_cache_update`'s checks: the arguments as `concat_and_cache_mla` takes them, the
-    cache's row size against the impl's, and the step against the cache when `attn_metadata`
-    is given (then the step's own `slot_mapping` is checked from its CPU mirror).
-
-    Returns:
-        The write's scale: `layer.k_scale` as float32 `[]` on the cache's device for an fp8
-        cache, else None.
-    """
+    row sizes against the impl's, and the step against the cache when `attn_metadata` is
+    given. Returns the write's scale (an fp8 cache's `layer.k_scale`, float32 `[]`) or None."""
     api = f"{_name(impl)}.do_kv_cache_update"
     step = step_of(attn_metadata)
     is_mirrored = step is not None and slot_mapping is step.slot_mapping
@@ -298,15 +268,6 @@ def _check_metadata(api: str, impl: MLAImpl, layer: object, attn_metadata: objec
     return attn_metadata
 
 
-def _check_dtype(api: str, impl: MLAImpl, name: str, x: torch.Tensor) -> None:
-    supported = impl.backend.supported_dtypes
-    if x.dtype not in supported:
-        names = ", ".join(str(d).removeprefix("torch.") for d in supported)
-        raise ValueError(
-            f"{api}: {name} dtype not supported (got {x.dtype}, expected one of {names})."
-        )
-
-
 def _check_rows(
     api: str, impl: MLAImpl, name: str, x: object, shape: tuple[int, ...],
     like: torch.Tensor | None = None,
@@ -317,7 +278,7 @@ def _check_rows(
     if tuple(x.shape) != shape:
         raise ValueError(f"{api}: {name} must be {list(shape)} (got {list(x.shape)}).")
     if like is None:
-        _check_dtype(api, impl, name, x)
+        check_supported_dtype(api, name, x, impl.backend.supported_dtypes)
     elif x.dtype != like.dtype or x.device != like.device:
         raise ValueError(
             f"{api}: {name} dtype or device differs from the first input's (got {x.dtype} on "
