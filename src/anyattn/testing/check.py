@@ -21,8 +21,7 @@ import time
 import traceback
 import zlib
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,9 +33,15 @@ from anyattn.testing.oracle import attention_oracle
 from anyattn.testing.paged import PagedBatch, build_batch
 from anyattn.testing.report import CaseResult, ConformanceReport
 from anyattn.testing.tolerance import cache_problems, judge_against_oracle, judge_lse, num_changed
-from anyattn.types import AttentionType
+from anyattn.types import ENCODER_TYPES
 
 __all__ = ["KitLayer", "check_backend", "run_case"]
+
+# The `Case` fields `build_batch` takes under the same names.
+_BATCH_FIELDS = (
+    "num_heads", "num_kv_heads", "head_size", "block_size", "layout", "kv_cache_dtype",
+    "attn_type", "causal", "sliding_window", "num_padding_tokens",
+)  # fmt: skip
 
 
 @dataclass
@@ -58,16 +63,9 @@ def _make_impls(
 ) -> tuple[AttentionImpl, ...]:
     """The impls of layer.0 and, with KV sharing, of layer.1 (which reads layer.0's cache)."""
     args = (
-        case.num_heads,
-        case.head_size,
-        case.scale,
-        case.num_kv_heads,
-        case.alibi_slopes(),
-        case.sliding_window,
-        case.kv_cache_dtype,
-        case.logits_soft_cap,
-        case.attn_type,
-    )
+        case.num_heads, case.head_size, case.scale, case.num_kv_heads, case.alibi_slopes(),
+        case.sliding_window, case.kv_cache_dtype, case.logits_soft_cap, case.attn_type,
+    )  # fmt: skip
     targets = (None, "layer.0") if case.kv_sharing else (None,)
     return tuple(backend.get_impl_cls()(*args, target, sinks) for target in targets)
 
@@ -75,30 +73,26 @@ def _make_impls(
 def _step(
     backend: type[AttentionBackend],
     impl: AttentionImpl,
-    layer: KitLayer,
+    layer_name: str,
     batch: PagedBatch,
-    query: torch.Tensor,
-    key: torch.Tensor | None,
-    value: torch.Tensor | None,
+    inputs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
     want_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What the model's attention layer does for one step; returns (output, output_lse)."""
-    has_cache = batch.attn_type not in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+    query, key, value = inputs
+    layer = KitLayer(layer_name, batch.k_scale, batch.v_scale)
+    md = batch.attn_metadata
+    has_cache = batch.attn_type not in ENCODER_TYPES
     if has_cache and key is not None and not backend.forward_includes_kv_cache_update:
         slot_mapping = batch.common_attn_metadata.slot_mapping
-        impl.do_kv_cache_update(
-            layer, key, value, batch.kv_cache, slot_mapping, batch.attn_metadata
-        )
+        impl.do_kv_cache_update(layer, key, value, batch.kv_cache, slot_mapping, md)
     # NaN everywhere: rows the backend forgets to write show up as NaN errors.
     output = torch.full_like(query, math.nan)
     output_lse = None
     if want_lse:
-        output_lse = torch.full(
-            (query.shape[1], query.shape[0]), math.nan, dtype=torch.float32, device=query.device
-        )
-    impl.forward(
-        layer, query, key, value, batch.kv_cache, batch.attn_metadata, output, output_lse=output_lse
-    )
+        lse_shape = (query.shape[1], query.shape[0])
+        output_lse = torch.full(lse_shape, math.nan, dtype=torch.float32, device=query.device)
+    impl.forward(layer, query, key, value, batch.kv_cache, md, output, output_lse=output_lse)
     return output, output_lse
 
 
@@ -110,106 +104,6 @@ def _check_rejection(backend: type[AttentionBackend], case: Case) -> list[CaseRe
         return [CaseResult(case.name, 0.0, 0.0, True, detail, case.feature)]
     detail = f"impl accepted head_size {case.head_size}, which the backend does not declare"
     return [CaseResult(case.name, 0.0, 0.0, False, detail, case.feature)]
-
-
-def _build(
-    backend: type[AttentionBackend],
-    case: Case,
-    device: torch.device,
-    dtype: torch.dtype,
-    seed: int,
-    impls: tuple[AttentionImpl, ...],
-) -> PagedBatch:
-    k_scale, v_scale = case.scales()
-    return build_batch(
-        backend,
-        case.spec,
-        num_heads=case.num_heads,
-        num_kv_heads=case.num_kv_heads,
-        head_size=case.head_size,
-        dtype=dtype,
-        device=device,
-        block_size=case.block_size,
-        layout=case.layout,
-        kv_cache_dtype=case.kv_cache_dtype,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        attn_type=case.attn_type,
-        causal=case.causal,
-        sliding_window=case.sliding_window,
-        num_padding_tokens=case.num_padding_tokens,
-        layers={f"layer.{i}": impl.layer_params() for i, impl in enumerate(impls)},
-        seed=seed,
-    )
-
-
-class _Outcome(NamedTuple):
-    """What the judged layer was given and what it returned."""
-
-    query: torch.Tensor
-    output: torch.Tensor
-    output_lse: torch.Tensor | None
-    lse_base_on_e: bool
-
-
-def _run_layers(
-    backend: type[AttentionBackend],
-    case: Case,
-    batch: PagedBatch,
-    impls: tuple[AttentionImpl, ...],
-    generator: torch.Generator,
-) -> _Outcome:
-    """Run layer.0 on the batch; with KV sharing, then layer.1 on layer.0's cache (the judged
-    layer)."""
-    query, key, value = batch.query, batch.key, batch.value
-    if case.kv_sharing:
-        layer0 = KitLayer("layer.0", batch.k_scale, batch.v_scale)
-        _step(backend, impls[0], layer0, batch, query, key, value, case.check_lse)
-        # layer.1 reads layer.0's cache; its own key/value differ and must never be written.
-        query, key, value = (
-            torch.randn(x.shape, generator=generator).to(x.dtype).to(x.device)
-            for x in (query, key, value)
-        )
-    impl = impls[-1]
-    layer = KitLayer(f"layer.{len(impls) - 1}", batch.k_scale, batch.v_scale)
-    output, lse = _step(backend, impl, layer, batch, query, key, value, case.check_lse)
-    return _Outcome(query, output, lse, getattr(impl, "lse_base_on_e", True))
-
-
-def _judge(
-    case: Case,
-    batch: PagedBatch,
-    outcome: _Outcome,
-    sinks: torch.Tensor | None,
-    dtype: torch.dtype,
-) -> list[CaseResult]:
-    """Exact checks (cache contents, padding rows) and the oracle comparison."""
-    query, output, output_lse, lse_base_on_e = outcome
-    n = batch.num_actual_tokens
-    problems = cache_problems(batch.kv_cache, batch.expected_kv_cache)
-    padding = output[n:]
-    if num_changed(padding, torch.full_like(padding, math.nan)):
-        problems.append("output padding rows were written")
-
-    semantics = dict(
-        scale=case.scale,
-        causal=batch.causal,
-        sliding_window=case.sliding_window,
-        logits_soft_cap=case.logits_soft_cap,
-        alibi_slopes=case.alibi_slopes(),
-        sinks=sinks,
-    )
-    inputs = (query[:n], batch.oracle_key, batch.oracle_value)
-    lengths = (batch.spec.query_lens, batch.kv_lens)
-    ref64, lse64 = attention_oracle(*inputs, *lengths, **semantics)
-    ref_lowp, lse_lowp = attention_oracle(*inputs, *lengths, compute_dtype=dtype, **semantics)
-    results = [
-        judge_against_oracle(case.name, output[:n], ref64, ref_lowp, dtype, problems, case.feature)
-    ]
-    if output_lse is not None:
-        lse = output_lse[:, :n]
-        results.append(judge_lse(case.name, lse, lse_base_on_e, lse64, lse_lowp, case.feature))
-    return results
 
 
 def _run(
@@ -229,9 +123,59 @@ def _run(
         sinks = (torch.randn(case.num_heads, generator=generator) + 1.0).to(device)
     # Impls first: the builder learns its layers before it builds, as in the engine.
     impls = _make_impls(backend, case, sinks)
-    batch = _build(backend, case, device, dtype, seed, impls)
-    outcome = _run_layers(backend, case, batch, impls, generator)
-    return _judge(case, batch, outcome, sinks, dtype)
+    k_scale, v_scale = case.scales()
+    batch = build_batch(
+        backend, case.spec, dtype=dtype, device=device, k_scale=k_scale, v_scale=v_scale,
+        layers={f"layer.{i}": impl.layer_params() for i, impl in enumerate(impls)}, seed=seed,
+        **{name: getattr(case, name) for name in _BATCH_FIELDS},
+    )  # fmt: skip
+    inputs = (batch.query, batch.key, batch.value)
+    if case.kv_sharing:
+        _step(backend, impls[0], "layer.0", batch, inputs, case.check_lse)
+        # layer.1 reads layer.0's cache; its own key/value differ and must never be written.
+        inputs = tuple(  # type: ignore[assignment]
+            torch.randn(x.shape, generator=generator).to(x.dtype).to(x.device) for x in inputs
+        )
+    impl = impls[-1]
+    outcome = _step(backend, impl, f"layer.{len(impls) - 1}", batch, inputs, case.check_lse)
+    return _judge(case, batch, impl, inputs[0], *outcome, sinks, dtype)
+
+
+def _judge(
+    case: Case,
+    batch: PagedBatch,
+    impl: AttentionImpl,
+    query: torch.Tensor,
+    output: torch.Tensor,
+    output_lse: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> list[CaseResult]:
+    """Exact checks (cache contents, padding rows) and the oracle comparison."""
+    n = batch.num_actual_tokens
+    problems = cache_problems(batch.kv_cache, batch.expected_kv_cache)
+    padding = output[n:]
+    if num_changed(padding, torch.full_like(padding, math.nan)):
+        problems.append("output padding rows were written")
+    semantics = dict(
+        scale=case.scale,
+        causal=batch.causal,
+        sliding_window=case.sliding_window,
+        logits_soft_cap=case.logits_soft_cap,
+        alibi_slopes=case.alibi_slopes(),
+        sinks=sinks,
+    )
+    args = (query[:n], batch.oracle_key, batch.oracle_value, batch.spec.query_lens, batch.kv_lens)
+    ref64, lse64 = attention_oracle(*args, **semantics)
+    ref_lowp, lse_lowp = attention_oracle(*args, compute_dtype=dtype, **semantics)
+    results = [
+        judge_against_oracle(case.name, output[:n], ref64, ref_lowp, dtype, problems, case.feature)
+    ]
+    if output_lse is not None:
+        base_on_e = getattr(impl, "lse_base_on_e", True)
+        lse = output_lse[:, :n]
+        results.append(judge_lse(case.name, lse, base_on_e, lse64, lse_lowp, case.feature))
+    return results
 
 
 def run_case(
@@ -259,10 +203,7 @@ def run_case(
         detail = f"raised {type(e).__name__} at {where}: {e}"
         results = [CaseResult(case.name, math.nan, math.nan, False, detail, case.feature)]
     seconds = time.perf_counter() - start
-    return [
-        CaseResult(r.name, r.max_error, r.bound, r.passed, r.detail, r.feature, seconds)
-        for r in results
-    ]
+    return [replace(r, seconds=seconds) for r in results]
 
 
 def check_backend(

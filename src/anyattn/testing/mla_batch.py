@@ -20,10 +20,7 @@ import torch
 from anyattn.backend import AttentionBackend, AttentionMetadataBuilder, LayerParams
 from anyattn.config import BatchLimits, MLAAttentionSpec
 from anyattn.kv_cache import allocate_kv_cache
-from anyattn.metadata import (
-    CommonAttentionMetadata,
-    make_common_attn_metadata,
-)
+from anyattn.metadata import CommonAttentionMetadata, make_common_attn_metadata
 from anyattn.slots import expand_block_table
 from anyattn.testing.batch_spec import BatchSpec
 from anyattn.testing.blocks import assign_blocks, token_slots
@@ -152,16 +149,11 @@ def build_mla_batch(
     w_uv = torch.randn(num_heads, shape.v_head_dim, rank, generator=g) / math.sqrt(rank)
 
     kv_spec = MLAAttentionSpec(
-        block_size=kernel_block_size,
-        num_kv_heads=1,
-        head_size=shape.head_size,
-        dtype=dtype,
+        block_size=kernel_block_size, num_kv_heads=1, head_size=shape.head_size, dtype=dtype,
         kv_cache_dtype=kv_cache_dtype,  # type: ignore[arg-type]
-        kv_lora_rank=rank,
-        qk_rope_head_dim=rope,
-        qk_nope_head_dim=nope,
+        kv_lora_rank=rank, qk_rope_head_dim=rope, qk_nope_head_dim=nope,
         v_head_dim=shape.v_head_dim,
-    )
+    )  # fmt: skip
     limits = BatchLimits(
         max_num_reqs=spec.num_reqs,
         max_num_tokens=spec.num_tokens + num_padding_tokens,
@@ -175,36 +167,28 @@ def build_mla_batch(
 
     engine_table, num_engine_blocks = assign_blocks(spec.seq_lens, block_size, generator=g)
     block_table = expand_block_table(engine_table, block_size, kernel_block_size)
+    num_blocks = num_engine_blocks * (block_size // kernel_block_size)
     kv_cache = allocate_kv_cache(
-        backend,
-        num_engine_blocks * (block_size // kernel_block_size),
-        kernel_block_size,
-        1,
-        shape.head_size,
-        dtype,
-        kv_cache_dtype,
-        None,
+        backend, num_blocks, kernel_block_size, 1, shape.head_size, dtype, kv_cache_dtype, None,
         device,
-    )
+    )  # fmt: skip
     context = [torch.arange(c) for c in spec.context_lens]
     new = [torch.arange(c, s) for c, s in zip(spec.context_lens, spec.seq_lens, strict=True)]
-    context_rows, new_rows = gather_rows(rows, context).to(device), gather_rows(rows, new)
-    context_slots = token_slots(block_table, context, kernel_block_size).to(device)
-    write_latents(
-        kv_cache, *context_rows.split([rank, rope], -1), context_slots, kv_cache_dtype, k_scale
-    )
+
+    def write(cache: torch.Tensor, positions: list[torch.Tensor]) -> None:
+        latents = gather_rows(rows, positions).to(device).split([rank, rope], -1)
+        slots = token_slots(block_table, positions, kernel_block_size).to(device)
+        write_latents(cache, *latents, slots, kv_cache_dtype, k_scale)
+
+    write(kv_cache, context)
     expected_kv_cache = kv_cache.clone()
-    new_slots = token_slots(block_table, new, kernel_block_size).to(device)
-    new_latents = new_rows.to(device).split([rank, rope], -1)
-    write_latents(expected_kv_cache, *new_latents, new_slots, kv_cache_dtype, k_scale)
+    write(expected_kv_cache, new)
+    new_rows = gather_rows(rows, new)
+    num_padded = spec.num_tokens + num_padding_tokens if num_padding_tokens else None
     common = make_common_attn_metadata(
-        spec.query_lens,
-        spec.seq_lens,
-        block_table,
-        kernel_block_size,
-        device,
-        num_padded_tokens=spec.num_tokens + num_padding_tokens if num_padding_tokens else None,
-    )
+        spec.query_lens, spec.seq_lens, block_table, kernel_block_size, device,
+        num_padded_tokens=num_padded,
+    )  # fmt: skip
     attn_metadata = builder.build(0, common)
 
     qk = nope + rope

@@ -18,15 +18,12 @@ import torch
 from anyattn.backend import AttentionBackend, AttentionMetadataBuilder, LayerParams
 from anyattn.config import AttentionSpec, BatchLimits
 from anyattn.kv_cache import allocate_kv_cache
-from anyattn.metadata import (
-    CommonAttentionMetadata,
-    make_common_attn_metadata,
-)
+from anyattn.metadata import CommonAttentionMetadata, make_common_attn_metadata
 from anyattn.slots import expand_block_table
 from anyattn.testing.batch_spec import BatchSpec
 from anyattn.testing.blocks import assign_blocks, cross_slot_mapping, token_slots
 from anyattn.testing.cache_io import as_stored, write_kv
-from anyattn.types import AttentionType, KVCacheLayout
+from anyattn.types import ENCODER_TYPES, AttentionType, KVCacheLayout
 
 __all__ = ["PagedBatch", "build_batch", "gather_rows", "layer_records"]
 
@@ -103,49 +100,6 @@ class PagedBatch:
     num_actual_tokens: int
 
 
-def _draw(
-    spec: BatchSpec,
-    kv_lens: Sequence[int],
-    num_heads: int,
-    num_kv_heads: int,
-    head_size: int,
-    num_padding: int,
-    g: torch.Generator,
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-    """Per request (spec order) its queries `[q, H, D]`, keys and values `[kv_len, H_kv, D]`;
-    and the padding rows `[num_padding, H + 2 * H_kv, D]` (query, key, value heads)."""
-    prefix = spec.common_prefix_len
-    # A shared prefix has one set of K/V: every request reads the same physical blocks.
-    prefix_k = torch.randn(prefix, num_kv_heads, head_size, generator=g)
-    prefix_v = torch.randn(prefix, num_kv_heads, head_size, generator=g)
-    queries, keys, values = [], [], []
-    for query_len, kv_len in zip(spec.query_lens, kv_lens, strict=True):
-        queries.append(torch.randn(query_len, num_heads, head_size, generator=g))
-        own = (kv_len - prefix, num_kv_heads, head_size)
-        keys.append(torch.cat([prefix_k, torch.randn(own, generator=g)]))
-        values.append(torch.cat([prefix_v, torch.randn(own, generator=g)]))
-    padding = torch.randn(num_padding, num_heads + 2 * num_kv_heads, head_size, generator=g)
-    return queries, keys, values, padding
-
-
-def _split_positions(
-    spec: BatchSpec, kv_lens: Sequence[int], attn_type: AttentionType
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per request, the key positions the kit writes now and those the step brings."""
-    kit, step = [], []
-    for r, kv_len in enumerate(kv_lens):
-        positions = torch.arange(kv_len)
-        if attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
-            cut = 0
-        elif attn_type is AttentionType.ENCODER_DECODER:
-            cut = 0 if spec.is_first_step[r] else kv_len
-        else:
-            cut = spec.context_lens[r]
-        kit.append(positions[:cut])
-        step.append(positions[cut:])
-    return kit, step
-
-
 def gather_rows(source: list[torch.Tensor], positions: list[torch.Tensor]) -> torch.Tensor:
     """The rows `positions[r]` of each `source[r]`, back to back."""
     return torch.cat([x[pos] for x, pos in zip(source, positions, strict=True)])
@@ -206,7 +160,7 @@ def build_batch(
     device = torch.device(device)
     attn_type = AttentionType(attn_type)
     is_cross = attn_type is AttentionType.ENCODER_DECODER
-    is_encoder = attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+    is_encoder = attn_type in ENCODER_TYPES
     if is_cross and spec.encoder_seq_lens is None:
         raise ValueError(
             f"build_batch: cross attention needs encoder_seq_lens (got none in {spec.name!r})."
@@ -219,17 +173,25 @@ def build_batch(
     one = torch.ones((), dtype=torch.float32)
     k_scale = (one if k_scale is None else k_scale.float()).to(device)
     v_scale = (one if v_scale is None else v_scale.float()).to(device)
-    generator = torch.Generator().manual_seed(seed)
-    kv_lens_in = spec.encoder_seq_lens if is_cross else spec.seq_lens
-    assert kv_lens_in is not None
-    drawn = _draw(
-        spec, kv_lens_in, num_heads, num_kv_heads, head_size, num_padding_tokens, generator
-    )
+    g = torch.Generator().manual_seed(seed)
+    kv_lens = spec.encoder_seq_lens if is_cross else spec.seq_lens
+    assert kv_lens is not None
+    # Per request (given order): queries [q, H, D], keys and values [kv_len, H_kv, D]. A shared
+    # prefix has one set of K/V: every request reads the same physical blocks.
+    prefix = spec.common_prefix_len
+    prefix_k, prefix_v = (torch.randn(prefix, num_kv_heads, head_size, generator=g) for _ in "kv")
+    queries, keys, values = [], [], []
+    for query_len, kv_len in zip(spec.query_lens, kv_lens, strict=True):
+        queries.append(torch.randn(query_len, num_heads, head_size, generator=g))
+        own = (kv_len - prefix, num_kv_heads, head_size)
+        keys.append(torch.cat([prefix_k, torch.randn(own, generator=g)]))
+        values.append(torch.cat([prefix_v, torch.randn(own, generator=g)]))
+    padding = torch.randn(num_padding_tokens, num_heads + 2 * num_kv_heads, head_size, generator=g)
 
     limits = BatchLimits(
         max_num_reqs=spec.num_reqs,
         max_num_tokens=spec.num_tokens + num_padding_tokens,
-        max_model_len=max(max(spec.seq_lens), max(kv_lens_in)),
+        max_model_len=max(max(spec.seq_lens), max(kv_lens)),
     )
     kv_spec = AttentionSpec(
         kernel_block_size, num_kv_heads, head_size, dtype, kv_cache_dtype, sliding_window
@@ -238,10 +200,11 @@ def build_batch(
         layers = layer_records(kv_spec, num_heads=num_heads, attn_type=attn_type)
     builder = backend.get_builder_cls()(kv_spec, layers, limits, device)
     order = spec.decodes_first_order(builder.reorder_batch_threshold)
-    spec, kv_lens = spec.permuted(order), tuple(kv_lens_in[i] for i in order)
-    queries, keys, values = ([x[i].to(dtype) for i in order] for x in drawn[:3])
-    padding = drawn[3].to(dtype)
-    padding_query, padding_k, padding_v = padding.split([num_heads, num_kv_heads, num_kv_heads], 1)
+    spec, kv_lens = spec.permuted(order), tuple(kv_lens[i] for i in order)
+    queries, keys, values = ([x[i].to(dtype) for i in order] for x in (queries, keys, values))
+    padding_query, padding_k, padding_v = padding.to(dtype).split(
+        [num_heads, num_kv_heads, num_kv_heads], 1
+    )
 
     # Cross attention: as wide as the decoder's positions too, columns its keys never read.
     engine_table, num_engine_blocks = assign_blocks(
@@ -249,35 +212,38 @@ def build_batch(
         block_size,
         common_prefix_len=spec.common_prefix_len,
         num_cols=-(-max(spec.seq_lens) // block_size),
-        generator=generator,
+        generator=g,
     )
     block_table = expand_block_table(engine_table, block_size, kernel_block_size)
+    num_blocks = num_engine_blocks * (block_size // kernel_block_size)
     kv_cache = allocate_kv_cache(
-        backend,
-        num_engine_blocks * (block_size // kernel_block_size),
-        kernel_block_size,
-        num_kv_heads,
-        head_size,
-        dtype,
-        kv_cache_dtype,
-        layout,
-        device,
-    )
+        backend, num_blocks, kernel_block_size, num_kv_heads, head_size, dtype, kv_cache_dtype,
+        layout, device,
+    )  # fmt: skip
 
-    kit_pos, step_pos = _split_positions(spec, kv_lens, attn_type)
+    # Per request, the key positions the kit writes now and those the step brings.
+    kit_pos, step_pos = [], []
+    for r, kv_len in enumerate(kv_lens):
+        if is_encoder:
+            cut = 0
+        elif is_cross:
+            cut = 0 if spec.is_first_step[r] else kv_len
+        else:
+            cut = spec.context_lens[r]
+        kit_pos.append(torch.arange(cut))
+        step_pos.append(torch.arange(cut, kv_len))
     scales = (kv_cache_dtype, k_scale, v_scale)
-    write_kv(
-        kv_cache,
-        gather_rows(keys, kit_pos).to(device),
-        gather_rows(values, kit_pos).to(device),
-        token_slots(block_table, kit_pos, kernel_block_size).to(device),
-        *scales,
-    )
-    step_key, step_value = gather_rows(keys, step_pos), gather_rows(values, step_pos)
+
+    def write(cache: torch.Tensor, positions: list[torch.Tensor]) -> None:
+        slots = token_slots(block_table, positions, kernel_block_size).to(device)
+        k, v = (gather_rows(x, positions).to(device) for x in (keys, values))
+        write_kv(cache, k, v, slots, *scales)
+
+    write(kv_cache, kit_pos)
     expected_kv_cache = kv_cache.clone()
     if not is_encoder:
-        step_slots = token_slots(block_table, step_pos, kernel_block_size).to(device)
-        write_kv(expected_kv_cache, step_key.to(device), step_value.to(device), step_slots, *scales)
+        write(expected_kv_cache, step_pos)
+    step_key, step_value = gather_rows(keys, step_pos), gather_rows(values, step_pos)
     if is_cross:
         key = step_key.to(device) if step_key.shape[0] else None
         value = step_value.to(device) if step_value.shape[0] else None
