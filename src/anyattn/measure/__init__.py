@@ -16,19 +16,7 @@ from anyattn.measure.steps import MeasureStep, Phase, measurement_steps
 from anyattn.measure.timing import StepTiming, Timer
 
 __all__ = [
-    "CACHE_DIR_ENV",
-    "NO_CACHE_ENV",
-    "OVERALL",
-    "RELATIVE_TOLERANCE",
-    "Checker",
-    "MeasureStep",
-    "Measurement",
-    "Phase",
-    "PhaseChoice",
-    "StepTiming",
-    "Timer",
-    "cache_dir",
-    "choose",
-    "measure_candidates",
-    "measurement_steps",
-]
+    "CACHE_DIR_ENV", "NO_CACHE_ENV", "OVERALL", "RELATIVE_TOLERANCE", "Checker", "MeasureStep",
+    "Measurement", "Phase", "PhaseChoice", "StepTiming", "Timer", "cache_dir", "choose",
+    "measure_candidates", "measurement_steps",
+]  # fmt: skip

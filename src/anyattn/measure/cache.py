@@ -20,17 +20,9 @@ import anyattn
 from anyattn.backend import AttentionBackend
 
 __all__ = [
-    "CACHE_DIR_ENV",
-    "FORMAT",
-    "NO_CACHE_ENV",
-    "cache_dir",
-    "cache_file",
-    "device_identity",
-    "load_entry",
-    "make_key",
-    "source_hash",
-    "store_entry",
-]
+    "CACHE_DIR_ENV", "FORMAT", "NO_CACHE_ENV", "cache_dir", "cache_file", "device_identity",
+    "load_entry", "make_key", "source_hash", "store_entry",
+]  # fmt: skip
 
 CACHE_DIR_ENV = "ANYATTN_CACHE_DIR"
 NO_CACHE_ENV = "ANYATTN_NO_MEASURE_CACHE"

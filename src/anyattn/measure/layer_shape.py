@@ -14,13 +14,9 @@ from anyattn.config import AttentionSelectorConfig
 from anyattn.layer_params import LayerParams, MLALayerParams
 
 __all__ = [
-    "DEFAULT_LOGITS_SOFT_CAP",
-    "DEFAULT_MLA_NOPE_DIM",
-    "DEFAULT_MLA_ROPE_DIM",
-    "DEFAULT_MLA_V_DIM",
-    "DEFAULT_SLIDING_WINDOW",
-    "resolve_layer",
-]
+    "DEFAULT_LOGITS_SOFT_CAP", "DEFAULT_MLA_NOPE_DIM", "DEFAULT_MLA_ROPE_DIM", "DEFAULT_MLA_V_DIM",
+    "DEFAULT_SLIDING_WINDOW", "resolve_layer",
+]  # fmt: skip
 
 DEFAULT_SLIDING_WINDOW = 4096
 DEFAULT_LOGITS_SOFT_CAP = 50.0

@@ -14,14 +14,9 @@ from anyattn.measure.steps import MeasureStep, Phase
 from anyattn.measure.timing import StepTiming
 
 __all__ = [
-    "OVERALL",
-    "RELATIVE_TOLERANCE",
-    "PhaseChoice",
-    "choose",
-    "choose_phase",
-    "step_cost_us",
+    "OVERALL", "RELATIVE_TOLERANCE", "PhaseChoice", "choose", "choose_phase", "step_cost_us",
     "within_tolerance",
-]
+]  # fmt: skip
 
 OVERALL = "overall"
 RELATIVE_TOLERANCE = 0.02

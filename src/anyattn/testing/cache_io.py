@@ -18,14 +18,9 @@ from anyattn.testing.blocks import token_slots
 from anyattn.types import is_fp8_cache
 
 __all__ = [
-    "as_stored",
-    "dequantize_kv",
-    "quantize_kv",
-    "read_kv",
-    "read_latents",
-    "write_kv",
+    "as_stored", "dequantize_kv", "quantize_kv", "read_kv", "read_latents", "write_kv",
     "write_latents",
-]
+]  # fmt: skip
 
 
 def _broadcast_scale(scale: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
@@ -78,19 +73,16 @@ def as_stored(
     return dequantize_kv(quantize_kv(x, kv_cache_dtype, cache_dtype, scale), kv_cache_dtype, scale)
 
 
-def _check_cache_shape(kv_cache: torch.Tensor, api: str) -> None:
-    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
-        raise NotImplementedError(
-            f"{api}: the kit covers KV caches of logical shape (num_blocks, 2, block_size, "
-            f"num_kv_heads, head_size) (got {tuple(kv_cache.shape)})."
-        )
-
-
-def _check_latent_cache(kv_cache: torch.Tensor, api: str) -> None:
-    if kv_cache.dim() != 3:
+def _check_shape(kv_cache: torch.Tensor, api: str, is_latent: bool = False) -> None:
+    if is_latent and kv_cache.dim() != 3:
         raise ValueError(
             f"{api}: kv_cache must be an MLA cache (num_blocks, block_size, L + R) "
             f"(got shape {tuple(kv_cache.shape)})."
+        )
+    if not is_latent and (kv_cache.dim() != 5 or kv_cache.shape[1] != 2):
+        raise NotImplementedError(
+            f"{api}: the kit covers KV caches of logical shape (num_blocks, 2, block_size, "
+            f"num_kv_heads, head_size) (got {tuple(kv_cache.shape)})."
         )
 
 
@@ -138,7 +130,7 @@ def write_kv(
         kv_cache_dtype: "auto" or a cache dtype name; fp8 as in `quantize_kv`.
         k_scale, v_scale: float32 `[]` or `[num_kv_heads]`.
     """
-    _check_cache_shape(kv_cache, "write_kv")
+    _check_shape(kv_cache, "write_kv")
     _store(kv_cache.select(1, 0), key, slot_mapping, kv_cache_dtype, k_scale)
     _store(kv_cache.select(1, 1), value, slot_mapping, kv_cache_dtype, v_scale)
 
@@ -157,7 +149,7 @@ def read_kv(
     Returns:
         `(key, value)`, each `[sum(seq_lens), num_kv_heads, head_size]` in the cache dtype.
     """
-    _check_cache_shape(kv_cache, "read_kv")
+    _check_shape(kv_cache, "read_kv")
     block_ids, offsets = _positions(block_table, seq_lens, kv_cache.shape[2], kv_cache.device)
     return kv_cache[block_ids, 0, offsets], kv_cache[block_ids, 1, offsets]
 
@@ -179,7 +171,7 @@ def write_latents(
         kv_cache_dtype: "auto" or a cache dtype name.
         scale: float32 `[]`, the per-layer fp8 scale (None means 1).
     """
-    _check_latent_cache(kv_cache, "write_latents")
+    _check_shape(kv_cache, "write_latents", is_latent=True)
     if kv_c.shape[0] != k_pe.shape[0] or kv_c.shape[-1] + k_pe.shape[-1] != kv_cache.shape[-1]:
         raise ValueError(
             f"write_latents: kv_c [num_tokens, L] and k_pe [num_tokens, R] must fill rows of "
@@ -197,6 +189,6 @@ def read_latents(
 ) -> torch.Tensor:
     """float64 MLA rows `[c_kv, k_pe]` of each request's first `seq_lens[r]` positions, back to
     back (fp8 dequantised with `scale`): `[sum(seq_lens), L + R]`."""
-    _check_latent_cache(kv_cache, "read_latents")
+    _check_shape(kv_cache, "read_latents", is_latent=True)
     block_ids, offsets = _positions(block_table, seq_lens, kv_cache.shape[1], kv_cache.device)
     return dequantize_kv(kv_cache[block_ids, offsets], kv_cache_dtype, scale)

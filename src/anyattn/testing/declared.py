@@ -12,14 +12,9 @@ from anyattn.backend import AttentionBackend
 from anyattn.types import DeviceInfo
 
 __all__ = [
-    "ENGINE_BLOCK_SIZES",
-    "FP8_CACHE_DTYPES",
-    "block_size_cases",
-    "declared_fp8",
-    "feature_names",
-    "global_reasons",
-    "plan_features",
-]
+    "ENGINE_BLOCK_SIZES", "FP8_CACHE_DTYPES", "block_size_cases", "declared_fp8", "feature_names",
+    "global_reasons", "plan_features",
+]  # fmt: skip
 
 FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 """The fp8 KV-cache dtype names the kit runs when declared."""

@@ -20,13 +20,8 @@ from anyattn.testing.batch_spec import BatchSpec, get_spec
 from anyattn.types import DeviceInfo, check_positive_int, is_fp8_cache
 
 __all__ = [
-    "MLA_FEATURES",
-    "MLA_SHAPES",
-    "MLACase",
-    "MLAShape",
-    "context_chunks_spec",
-    "plan_mla_cases",
-]
+    "MLA_FEATURES", "MLA_SHAPES", "MLACase", "MLAShape", "context_chunks_spec", "plan_mla_cases",
+]  # fmt: skip
 
 MLA_FEATURES: Mapping[str, str] = MappingProxyType(
     {

@@ -22,13 +22,8 @@ from anyattn.testing.report import CaseResult
 from anyattn.testing.tolerance import cache_problems, judge_against_oracle, judge_lse
 
 __all__ = [
-    "KitMLALayer",
-    "MLAStepResult",
-    "judge_mla_step",
-    "mla_step",
-    "run_mla_case",
-    "run_mla_step",
-]
+    "KitMLALayer", "MLAStepResult", "judge_mla_step", "mla_step", "run_mla_case", "run_mla_step",
+]  # fmt: skip
 
 
 @dataclass

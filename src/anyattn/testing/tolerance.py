@@ -1,17 +1,11 @@
 """How the kit judges a result: exact bit comparisons, and the tolerance rule, an error bound
-derived from the reference's own rounding.
+derived from the reference's own rounding (docs/semantics.md, "Tolerance").
 
 Pass when `max|out - ref64| <= k * max|ref_lowp - ref64| + floor`, where `ref_lowp` is the
 oracle run in the input dtype and `floor = 2 * max|(ref64 + 0.3 - 0.3) - ref64|` computed in the
-input dtype (that dtype's rounding noise at the reference's magnitudes).
-
-`k` is 2 for 16-bit dtypes, where rounding the scores, probabilities and output to the dtype
-dominates both errors. In float32 nothing is rounded that coarsely and the kernel's own
-arithmetic shows: GPU kernels take exponentials as `exp2` on `s * log2(e)` with the hardware's
-approximate `ex2.approx.f32` (up to 2 ulp, and the product adds its rounding), where the oracle's
-`exp` is within 1 ulp, which can put a correct float32 kernel just past twice the oracle's own
-error. So `k` is 4 for float32: still a few float32 ulps of the outputs. docs/semantics.md
-("Tolerance") states the rule.
+input dtype. `k` is 2 for 16-bit dtypes, where rounding to the dtype dominates both errors, and
+4 for float32, where a kernel's `exp2` (hardware `ex2.approx.f32`, up to 2 ulp, on a rounded
+`s * log2(e)`) can put a correct kernel just past twice the oracle's `exp` error.
 """
 
 from __future__ import annotations
@@ -23,13 +17,9 @@ import torch
 from anyattn.testing.report import CaseResult
 
 __all__ = [
-    "cache_problems",
-    "error_bound",
-    "judge_against_oracle",
-    "judge_lse",
-    "max_abs_error",
+    "cache_problems", "error_bound", "judge_against_oracle", "judge_lse", "max_abs_error",
     "num_changed",
-]
+]  # fmt: skip
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
