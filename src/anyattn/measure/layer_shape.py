@@ -34,16 +34,11 @@ def _mla_layer(config: AttentionSelectorConfig, num_heads: int) -> MLALayerParam
             f"qk_rope_head_dim {rope} (expected head_size > {rope}). Set qk_rope_head_dim."
         )
     return MLALayerParams(
-        num_heads=num_heads,
-        num_kv_heads=1,
-        head_size=config.head_size,
-        scale=(nope + rope) ** -0.5,
-        kv_cache_dtype=config.kv_cache_dtype,
-        kv_lora_rank=config.head_size - rope,
-        qk_rope_head_dim=rope,
-        qk_nope_head_dim=nope,
+        num_heads=num_heads, num_kv_heads=1, head_size=config.head_size,
+        scale=(nope + rope) ** -0.5, kv_cache_dtype=config.kv_cache_dtype,
+        kv_lora_rank=config.head_size - rope, qk_rope_head_dim=rope, qk_nope_head_dim=nope,
         v_head_dim=config.v_head_dim or DEFAULT_MLA_V_DIM,
-    )
+    )  # fmt: skip
 
 
 def resolve_layer(

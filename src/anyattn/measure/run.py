@@ -207,18 +207,10 @@ def measure_candidates(
     choices = choose(steps, order, timings, layers_per_step)
     shared, why = _cache_sharing(choices, candidates, config, layer)
     result = Measurement(
-        device=str(device_identity(device)["name"]),
-        order=order,
-        steps=steps,
-        timings=timings,
-        rejected=rejected,
-        kv_cache_shared=shared,
-        kv_cache_note=why,
-        is_mla=config.use_mla,
-        layers_per_step=layers_per_step,
-        check_s=check_s,
-        timing_s=timing_s,
-    )
+        device=str(device_identity(device)["name"]), order=order, steps=steps, timings=timings,
+        rejected=rejected, kv_cache_shared=shared, kv_cache_note=why, is_mla=config.use_mla,
+        layers_per_step=layers_per_step, check_s=check_s, timing_s=timing_s,
+    )  # fmt: skip
     if use_cache:
         _, stored_note = store_entry(key, result.to_dict())
         note = f"{note}; {stored_note}" if note else stored_note

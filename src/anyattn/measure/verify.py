@@ -37,24 +37,16 @@ def _standard_case(
     backend: type[AttentionBackend], config: AttentionSelectorConfig, layer: LayerParams
 ) -> Case:
     return Case(
-        name="measure/mixed",
-        feature="mixed",
-        spec=get_spec("mixed", quick=True),
-        num_heads=layer.num_heads,
-        num_kv_heads=layer.num_kv_heads,
-        head_size=layer.head_size,
+        name="measure/mixed", feature="mixed", spec=get_spec("mixed", quick=True),
+        num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_size=layer.head_size,
         block_size=config.block_size or backend.get_preferred_block_size(16),
-        layout=backend.supported_kv_cache_layouts()[0],
-        kv_cache_dtype=config.kv_cache_dtype,
-        per_head_scales=config.use_per_head_quant_scales,
-        attn_type=AttentionType.DECODER,
+        layout=backend.supported_kv_cache_layouts()[0], kv_cache_dtype=config.kv_cache_dtype,
+        per_head_scales=config.use_per_head_quant_scales, attn_type=AttentionType.DECODER,
         causal=not config.use_non_causal,
         sliding_window=_SAMPLE_WINDOW if layer.sliding_window else None,
         logits_soft_cap=_SAMPLE_SOFT_CAP if layer.logits_soft_cap else None,
-        use_alibi=layer.has_alibi,
-        use_sinks=layer.has_sinks,
-        check_lse=config.needs_lse,
-    )
+        use_alibi=layer.has_alibi, use_sinks=layer.has_sinks, check_lse=config.needs_lse,
+    )  # fmt: skip
 
 
 def _mla_case(

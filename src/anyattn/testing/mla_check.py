@@ -113,15 +113,10 @@ def _make_impl(backend: type[AttentionBackend], case: MLACase) -> MLAAttentionIm
     # The layer's default workspace unless the case sets one.
     workspace = {} if case.workspace_tokens is None else {"workspace_tokens": case.workspace_tokens}
     return backend.get_impl_cls()(
-        case.num_heads,
-        case.scale,
-        kv_lora_rank=shape.kv_lora_rank,
-        qk_rope_head_dim=shape.qk_rope_head_dim,
-        qk_nope_head_dim=shape.qk_nope_head_dim,
-        v_head_dim=shape.v_head_dim,
-        kv_cache_dtype=case.kv_cache_dtype,
-        **workspace,
-    )
+        case.num_heads, case.scale, kv_lora_rank=shape.kv_lora_rank,
+        qk_rope_head_dim=shape.qk_rope_head_dim, qk_nope_head_dim=shape.qk_nope_head_dim,
+        v_head_dim=shape.v_head_dim, kv_cache_dtype=case.kv_cache_dtype, **workspace,
+    )  # fmt: skip
 
 
 def _decode_split(attn_metadata: object) -> tuple[int, int]:
@@ -157,12 +152,8 @@ def mla_step(
     num_decodes, num_decode_tokens = _decode_split(md)
     dtype, device = batch.q_nope.dtype, batch.q_nope.device
     # NaN everywhere: rows the backend forgets to write show up as NaN errors.
-    output = torch.full(
-        (batch.q_nope.shape[0], num_heads, batch.shape.v_head_dim),
-        math.nan,
-        dtype=dtype,
-        device=device,
-    )
+    output_shape = (batch.q_nope.shape[0], num_heads, batch.shape.v_head_dim)
+    output = torch.full(output_shape, math.nan, dtype=dtype, device=device)
     output_lse = None
     if num_decode_tokens:
         d = num_decode_tokens
@@ -273,27 +264,17 @@ def run_mla_step(
     # Impl first: the builder learns its layer before it builds, as in the engine.
     params = impl.layer_params()
     batch = build_mla_batch(
-        backend,
-        case.spec,
-        shape=case.shape,
-        num_heads=case.num_heads,
-        dtype=dtype,
-        device=device,
-        block_size=case.block_size,
-        kv_cache_dtype=case.kv_cache_dtype,
-        k_scale=case.k_scale(),
-        num_padding_tokens=case.num_padding_tokens,
-        layers={"layer.0": params},
-        seed=seed,
-    )
+        backend, case.spec, shape=case.shape, num_heads=case.num_heads, dtype=dtype,
+        device=device, block_size=case.block_size, kv_cache_dtype=case.kv_cache_dtype,
+        k_scale=case.k_scale(), num_padding_tokens=case.num_padding_tokens,
+        layers={"layer.0": params}, seed=seed,
+    )  # fmt: skip
+    new_latents = batch.kv_c[: batch.num_actual_tokens]
+    # v_scale differs from k_scale so that a backend that reads it (MLA has none) is caught.
     layer = KitMLALayer(
-        "layer.0",
-        batch.k_scale,
-        batch.k_scale * 4,
-        batch.w_uk,
-        batch.w_uv,
-        new_latents=batch.kv_c[: batch.num_actual_tokens],
-    )
+        "layer.0", batch.k_scale, batch.k_scale * 4, batch.w_uk, batch.w_uv,
+        new_latents=new_latents,
+    )  # fmt: skip
     return batch, layer, mla_step(impl, layer, batch, case.check_lse)
 
 

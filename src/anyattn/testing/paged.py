@@ -251,21 +251,18 @@ def build_batch(
         key = torch.cat([step_key, padding_k]).to(device)
         value = torch.cat([step_value, padding_v]).to(device)
 
+    slot_mapping = None  # from key's rows, except for cross attention's encoder tokens
+    if is_cross:
+        slot_mapping = cross_slot_mapping(
+            block_table, kv_lens, spec.is_first_step, kernel_block_size
+        )
+    num_padded = spec.num_tokens + num_padding_tokens if num_padding_tokens else None
     common = make_common_attn_metadata(
-        spec.query_lens,
-        spec.seq_lens,
-        block_table,
-        kernel_block_size,
-        device,
+        spec.query_lens, spec.seq_lens, block_table, kernel_block_size, device,
         causal=causal and attn_type is AttentionType.DECODER,
         encoder_seq_lens=spec.encoder_seq_lens if is_cross else None,
-        num_padded_tokens=spec.num_tokens + num_padding_tokens if num_padding_tokens else None,
-        slot_mapping=(
-            cross_slot_mapping(block_table, kv_lens, spec.is_first_step, kernel_block_size)
-            if is_cross
-            else None
-        ),
-    )
+        num_padded_tokens=num_padded, slot_mapping=slot_mapping,
+    )  # fmt: skip
     attn_metadata = builder.build(spec.common_prefix_len, common)
 
     all_key, all_value = torch.cat(keys).to(device), torch.cat(values).to(device)
@@ -276,25 +273,11 @@ def build_batch(
         oracle_key = as_stored(all_key, kv_cache_dtype, kv_cache.dtype, k_scale)
         oracle_value = as_stored(all_value, kv_cache_dtype, kv_cache.dtype, v_scale)
     return PagedBatch(
-        spec=spec,
-        order=order,
-        block_size=kernel_block_size,
-        query=torch.cat([*queries, padding_query]).to(device),
-        key=key,
-        value=value,
-        kv_cache=kv_cache,
-        expected_kv_cache=expected_kv_cache,
-        block_table=block_table.to(device),
-        common_attn_metadata=common,
-        attn_metadata=attn_metadata,
-        builder=builder,
-        kv_lens=kv_lens,
-        oracle_key=oracle_key,
-        oracle_value=oracle_value,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        kv_cache_dtype=kv_cache_dtype,
-        attn_type=attn_type,
-        causal=bool(common.causal),
+        spec=spec, order=order, block_size=kernel_block_size,
+        query=torch.cat([*queries, padding_query]).to(device), key=key, value=value,
+        kv_cache=kv_cache, expected_kv_cache=expected_kv_cache, block_table=block_table.to(device),
+        common_attn_metadata=common, attn_metadata=attn_metadata, builder=builder, kv_lens=kv_lens,
+        oracle_key=oracle_key, oracle_value=oracle_value, k_scale=k_scale, v_scale=v_scale,
+        kv_cache_dtype=kv_cache_dtype, attn_type=attn_type, causal=bool(common.causal),
         num_actual_tokens=spec.num_tokens,
-    )
+    )  # fmt: skip
