@@ -39,8 +39,7 @@ from anyattn.testing.mla_check import (
     run_mla_case,
     run_mla_step,
 )
-from anyattn.testing.mla_oracle import mla_oracle, mla_up_project
-from anyattn.testing.oracle import attention_oracle
+from anyattn.testing.oracle import attention_oracle, mla_oracle, mla_up_project
 from anyattn.testing.paged import PagedBatch, build_batch, layer_records
 from anyattn.testing.report import CaseResult, ConformanceReport
 from anyattn.testing.sweep import SweepCase, declaration_cases, sweep_spec

@@ -17,7 +17,7 @@ from anyattn.backend import AttentionBackend
 from anyattn.mla_impl import MLAAttentionImpl
 from anyattn.testing.mla_batch import MLABatch, build_mla_batch
 from anyattn.testing.mla_cases import MLACase
-from anyattn.testing.mla_oracle import mla_oracle
+from anyattn.testing.oracle import mla_oracle
 from anyattn.testing.report import CaseResult
 from anyattn.testing.tolerance import cache_problems, judge_against_oracle, judge_lse
 
