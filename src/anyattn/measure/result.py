@@ -7,7 +7,7 @@ stores `to_dict`; `from_dict` recomputes the choices from the stored times.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from anyattn.backend import AttentionBackend
@@ -52,8 +52,8 @@ class Measurement:
     steps: tuple[MeasureStep, ...]
     timings: Mapping[str, Mapping[str, StepTiming]]
     rejected: Mapping[str, str]
-    kv_cache_shared: bool
-    kv_cache_note: str
+    kv_cache_shared: bool = False
+    kv_cache_note: str = ""
     is_mla: bool = False
     layers_per_step: int | None = None
     check_s: float = 0.0
@@ -203,14 +203,17 @@ class Measurement:
 
 
 def kv_cache_compatibility(
-    backends: list[type[AttentionBackend]],
+    choices: Mapping[str, PhaseChoice],
+    candidates: Sequence[type[AttentionBackend]],
     config: AttentionSelectorConfig,
     layer: LayerParams,
 ) -> tuple[bool, str]:
-    """Whether `backends` (the decode choice first, then the prefill choice) can run on one KV
-    cache for `config` (`anyattn.kv_cache_sharing.plan_shared_kv_cache` at the config's block
-    size, else the decode choice's preferred one), and the plan or why not."""
-    unique = list(dict.fromkeys(backends))
+    """Whether the decode and prefill choices among `candidates` can run on one KV cache for
+    `config` (`anyattn.kv_cache_sharing.plan_shared_kv_cache` at the config's block size, else
+    the decode choice's preferred one), and the plan or why not."""
+    by_name = {b.get_name(): b for b in candidates}
+    phases = [p.value for p in (Phase.DECODE, Phase.PREFILL) if p.value in choices]
+    unique = list(dict.fromkeys(by_name[choices[p].backend] for p in phases))
     if len(unique) < 2:
         return True, "one backend for every phase"
     try:

@@ -66,17 +66,9 @@ class ConformanceReport:
         title = f"conformance of {self.backend or '?'} on {self.device or '?'}, {self.dtype or '?'}"
         rows = [("case", "feature", "max error", "bound", "result", "time", "detail")]
         for c in self.cases:
-            rows.append(
-                (
-                    c.name,
-                    c.feature,
-                    _number(c.max_error),
-                    _number(c.bound),
-                    "ok" if c.passed else "FAIL",
-                    f"{c.seconds:.2f}s",
-                    c.detail,
-                )
-            )
+            result = "ok" if c.passed else "FAIL"
+            rows.append((c.name, c.feature, _number(c.max_error), _number(c.bound), result,
+                         f"{c.seconds:.2f}s", c.detail))  # fmt: skip
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
         lines = [title]
         for row in rows:
