@@ -1,12 +1,7 @@
-"""`anyattn explain --measure`: the measured selection for one layer configuration, printed.
-
-The engine's limits (`--max-num-seqs`, `--max-num-batched-tokens`, `--max-model-len`) set the
-timed steps; `--num-layers N` counts each step's `build` over N layers, as the engine does. It
-prints the steps, each candidate's summed time per phase and its first-call seconds
-(compilation, autotuning), the rejected candidates, the choice per phase and overall, whether
-the decode and prefill choices can share one KV cache, whether the engine runs them as a
-per-phase pair (or the overall choice, and why), and what the cache did ("used <file>": no
-timing was done).
+"""`anyattn explain --measure`: the measured selection for one layer configuration, printed:
+the steps (from the engine's limits), each candidate's summed time per phase and first-call
+seconds, the rejections, the choices, KV-cache sharing, what the engine runs, and what the cache
+did (docs/measured_selection.md).
 """
 
 from __future__ import annotations

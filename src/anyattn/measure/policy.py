@@ -7,6 +7,7 @@ it, and the static order decides among tied backends (docs/measured_selection.md
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -41,10 +42,7 @@ class PhaseChoice:
     tied: tuple[str, ...]
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "phase": self.phase,
-            "backend": self.backend,
-            "fastest": self.fastest,
+        return dataclasses.asdict(self) | {
             "totals_us": dict(self.totals_us),
             "tied": list(self.tied),
         }

@@ -1,8 +1,6 @@
 """The result of a measured selection (`Measurement`): steps, times, choices per phase, and
-whether an engine runs the decode and prefill choices as a pair: only when they can share one
-KV cache and are predicted to beat the overall choice beyond the run's tolerance, each mixed
-step counted as both backends' whole step (docs/measured_selection.md, "The policy"). The cache
-stores `to_dict`; `from_dict` recomputes the choices from the stored times.
+whether an engine runs the decode and prefill choices as a pair (docs/measured_selection.md,
+"The policy"). The cache stores `to_dict`; `from_dict` recomputes the choices from the times.
 """
 
 from __future__ import annotations

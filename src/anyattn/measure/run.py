@@ -1,6 +1,6 @@
 """Measure the candidate backends of one layer config and choose per phase (or read the cache):
 each candidate is checked against the oracle (`verify`), rejected if it fails, else timed on
-every step (`timing`). The candidates and their static order come from the selector.
+every step (`timing`).
 """
 
 from __future__ import annotations
