@@ -8,8 +8,6 @@ values of current models), and the scale is `head_size ** -0.5` (MLA: `(P + R) *
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from anyattn.config import AttentionSelectorConfig
 from anyattn.layer_params import LayerParams, MLALayerParams
 
@@ -79,18 +77,11 @@ def resolve_layer(
             "measure: config.num_kv_heads must be set to time a layer (got None, expected the "
             "layer's KV heads). Pass num_kv_heads or layer_params."
         )
-    params = LayerParams(
-        num_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads,
-        head_size=config.head_size,
-        scale=config.head_size**-0.5,
-        attn_type=config.attn_type,
+    return LayerParams(
+        num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+        head_size=config.head_size, scale=config.head_size**-0.5, attn_type=config.attn_type,
         kv_cache_dtype=config.kv_cache_dtype,
-    )
-    return replace(
-        params,
         sliding_window=DEFAULT_SLIDING_WINDOW if config.has_sliding_window else None,
         logits_soft_cap=DEFAULT_LOGITS_SOFT_CAP if config.has_logits_soft_cap else None,
-        has_alibi=config.has_alibi,
-        has_sinks=config.has_sink,
-    )
+        has_alibi=config.has_alibi, has_sinks=config.has_sink,
+    )  # fmt: skip
