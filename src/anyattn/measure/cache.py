@@ -28,14 +28,9 @@ CACHE_DIR_ENV = "ANYATTN_CACHE_DIR"
 NO_CACHE_ENV = "ANYATTN_NO_MEASURE_CACHE"
 FORMAT = 1
 _PACKAGES = (
-    "anyattn",
-    "torch",
-    "triton",
-    "flashinfer-python",
-    "flash-attn",
-    "flash-attn-4",
+    "anyattn", "torch", "triton", "flashinfer-python", "flash-attn", "flash-attn-4",
     "nvidia-cutlass-dsl",
-)
+)  # fmt: skip
 
 
 def cache_dir() -> Path | None:
@@ -50,24 +45,17 @@ def cache_dir() -> Path | None:
     return base / "anyattn"
 
 
-def _cpu_name() -> str:
+def _first_line(path: str, prefix: str = "") -> str | None:
+    """The first line of `path` that starts with `prefix`, stripped (after its ":" when there is
+    a prefix); None where the file cannot be read or has no such line."""
     try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.partition(":")[2].strip()
+        with open(path, encoding="utf-8") as lines:
+            for line in lines:
+                if line.startswith(prefix):
+                    return (line.partition(":")[2] if prefix else line).strip() or None
     except OSError:
         pass
-    return platform.processor() or platform.machine()
-
-
-def _driver_version() -> str | None:
-    """The NVIDIA kernel driver's version line, or None where it cannot be read."""
-    try:
-        with open("/proc/driver/nvidia/version", encoding="utf-8") as version:
-            return version.readline().strip() or None
-    except OSError:
-        return None
+    return None
 
 
 def device_identity(device: torch.device) -> dict[str, object]:
@@ -78,10 +66,11 @@ def device_identity(device: torch.device) -> dict[str, object]:
             "type": "cuda",
             "name": torch.cuda.get_device_name(index),
             "capability": list(torch.cuda.get_device_capability(index)),
-            "driver": _driver_version(),
+            "driver": _first_line("/proc/driver/nvidia/version"),
             "cuda": torch.version.cuda,
         }
-    return {"type": device.type, "name": _cpu_name(), "threads": torch.get_num_threads()}
+    name = _first_line("/proc/cpuinfo", "model name") or platform.processor() or platform.machine()
+    return {"type": device.type, "name": name, "threads": torch.get_num_threads()}
 
 
 def _version(package: str) -> str | None:
