@@ -216,12 +216,10 @@ def kv_cache_compatibility(
         return True, "one backend for every phase"
     try:
         shared = plan_shared_kv_cache(
-            unique,
-            block_size=config.block_size or unique[0].get_preferred_block_size(16),
-            num_kv_heads=1 if config.use_mla else layer.num_kv_heads,
-            head_size=layer.head_size,
+            unique, block_size=config.block_size or unique[0].get_preferred_block_size(16),
+            num_kv_heads=1 if config.use_mla else layer.num_kv_heads, head_size=layer.head_size,
             kv_cache_dtype=config.kv_cache_dtype,
-        )
+        )  # fmt: skip
     except KVCacheNotShareableError as error:
         return False, str(error)
     return True, shared.describe()

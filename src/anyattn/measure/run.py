@@ -72,14 +72,11 @@ def _default_timer(
 
 def _progress(enabled: bool) -> Progress:
     return Progress(
-        TextColumn("measuring {task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        console=Console(stderr=True, markup=False, emoji=False, highlight=False),
-        transient=True,
+        TextColumn("measuring {task.description}"), BarColumn(),
+        TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+        console=Console(stderr=True, markup=False, emoji=False, highlight=False), transient=True,
         disable=not enabled,
-    )
+    )  # fmt: skip
 
 
 def _measure(

@@ -158,13 +158,9 @@ def _judge(
     if num_changed(padding, torch.full_like(padding, math.nan)):
         problems.append("output padding rows were written")
     semantics = dict(
-        scale=case.scale,
-        causal=batch.causal,
-        sliding_window=case.sliding_window,
-        logits_soft_cap=case.logits_soft_cap,
-        alibi_slopes=case.alibi_slopes(),
-        sinks=sinks,
-    )
+        scale=case.scale, causal=batch.causal, sliding_window=case.sliding_window,
+        logits_soft_cap=case.logits_soft_cap, alibi_slopes=case.alibi_slopes(), sinks=sinks,
+    )  # fmt: skip
     args = (query[:n], batch.oracle_key, batch.oracle_value, batch.spec.query_lens, batch.kv_lens)
     ref64, lse64 = attention_oracle(*args, **semantics)
     ref_lowp, lse_lowp = attention_oracle(*args, compute_dtype=dtype, **semantics)

@@ -128,19 +128,14 @@ class MLACase:
 
     def selector_config(self, dtype: torch.dtype) -> AttentionSelectorConfig:
         """What an MLA model layer with these settings would ask the selector."""
+        shape = self.shape
         return AttentionSelectorConfig(
-            head_size=self.shape.head_size,
-            qk_rope_head_dim=self.shape.qk_rope_head_dim,
-            qk_nope_head_dim=self.shape.qk_nope_head_dim,
-            v_head_dim=self.shape.v_head_dim,
-            dtype=dtype,
+            head_size=shape.head_size, qk_rope_head_dim=shape.qk_rope_head_dim,
+            qk_nope_head_dim=shape.qk_nope_head_dim, v_head_dim=shape.v_head_dim, dtype=dtype,
             kv_cache_dtype=self.kv_cache_dtype,  # type: ignore[arg-type]
-            block_size=self.block_size,
-            num_heads=self.num_heads,
-            num_kv_heads=1,
-            use_mla=True,
+            block_size=self.block_size, num_heads=self.num_heads, num_kv_heads=1, use_mla=True,
             needs_lse=self.check_lse,
-        )
+        )  # fmt: skip
 
 
 def _not_declared(backend: type[AttentionBackend], feature: str) -> str | None:
@@ -194,13 +189,9 @@ def _feature_cases(
         # holds whole blocks of each.
         workspace = 2 * max(16, base.block_size)
         chunked = replace(
-            base,
-            name="context_chunks",
-            feature=feature,
-            spec=context_chunks_spec(workspace),
-            workspace_tokens=workspace,
-            min_context_chunks=3,
-        )
+            base, name="context_chunks", feature=feature, spec=context_chunks_spec(workspace),
+            workspace_tokens=workspace, min_context_chunks=3,
+        )  # fmt: skip
         return [chunked], []
     if feature == "fp8":
         fp8 = declared.declared_fp8(backend)
@@ -253,11 +244,7 @@ def plan_mla_cases(
         return [], not_declared
     base = replace(probe, shape=shapes[0])
     cases, skipped = declared.plan_features(
-        backend,
-        names,
-        lambda feature: _not_declared(backend, feature),
-        lambda feature: _feature_cases(backend, feature, base, shapes, quick),
-        info,
-        dtype,
-    )
+        backend, names, lambda feature: _not_declared(backend, feature),
+        lambda feature: _feature_cases(backend, feature, base, shapes, quick), info, dtype,
+    )  # fmt: skip
     return cases, not_declared + skipped

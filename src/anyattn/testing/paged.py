@@ -39,13 +39,10 @@ def layer_records(
     KV heads), scale `head_size ** -0.5`, no soft cap, ALiBi or sinks."""
     params = LayerParams(
         num_heads=spec.num_kv_heads if num_heads is None else num_heads,
-        num_kv_heads=spec.num_kv_heads,
-        head_size=spec.head_size,
-        scale=spec.head_size**-0.5,
-        attn_type=AttentionType(attn_type),
-        kv_cache_dtype=spec.kv_cache_dtype,
+        num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, scale=spec.head_size**-0.5,
+        attn_type=AttentionType(attn_type), kv_cache_dtype=spec.kv_cache_dtype,
         sliding_window=spec.sliding_window,
-    )
+    )  # fmt: skip
     return dict.fromkeys(names, params)
 
 
@@ -208,12 +205,9 @@ def build_batch(
 
     # Cross attention: as wide as the decoder's positions too, columns its keys never read.
     engine_table, num_engine_blocks = assign_blocks(
-        kv_lens,
-        block_size,
-        common_prefix_len=spec.common_prefix_len,
-        num_cols=-(-max(spec.seq_lens) // block_size),
-        generator=g,
-    )
+        kv_lens, block_size, common_prefix_len=spec.common_prefix_len,
+        num_cols=-(-max(spec.seq_lens) // block_size), generator=g,
+    )  # fmt: skip
     block_table = expand_block_table(engine_table, block_size, kernel_block_size)
     num_blocks = num_engine_blocks * (block_size // kernel_block_size)
     kv_cache = allocate_kv_cache(

@@ -145,15 +145,10 @@ def _base_case(backend: type[AttentionBackend]) -> Case:
     if not backend.supports_attn_type(attn_type):
         attn_type = backend.supported_attn_types[0]
     return Case(
-        name="",
-        feature="sweep",
-        spec=sweep_spec(block_size, attn_type),
-        head_size=head_size,
-        block_size=block_size,
-        layout=backend.supported_kv_cache_layouts()[0],
-        attn_type=attn_type,
+        name="", feature="sweep", spec=sweep_spec(block_size, attn_type), head_size=head_size,
+        block_size=block_size, layout=backend.supported_kv_cache_layouts()[0], attn_type=attn_type,
         causal=attn_type is AttentionType.DECODER,
-    )
+    )  # fmt: skip
 
 
 def _at(base: Case | MLACase, name: str, **changes: object) -> Case | MLACase:
