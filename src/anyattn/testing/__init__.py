@@ -28,7 +28,7 @@ from anyattn.testing.cache_io import (
     write_latents,
 )
 from anyattn.testing.cases import FEATURES, Case, plan_cases
-from anyattn.testing.check import KitLayer, check_backend, run_case
+from anyattn.testing.check import ConformanceReport, KitLayer, check_backend, run_case
 from anyattn.testing.mla_batch import MLABatch, build_mla_batch
 from anyattn.testing.mla_cases import MLA_FEATURES, MLA_SHAPES, MLACase, MLAShape, plan_mla_cases
 from anyattn.testing.mla_check import (
@@ -41,9 +41,8 @@ from anyattn.testing.mla_check import (
 )
 from anyattn.testing.oracle import attention_oracle, mla_oracle, mla_up_project
 from anyattn.testing.paged import PagedBatch, build_batch, layer_records
-from anyattn.testing.report import CaseResult, ConformanceReport
 from anyattn.testing.sweep import SweepCase, declaration_cases, sweep_spec
-from anyattn.testing.tolerance import error_bound, max_abs_error
+from anyattn.testing.tolerance import CaseResult, error_bound, max_abs_error
 
 __all__ = [
     "CATALOGUE", "FEATURES", "MLA_FEATURES", "MLA_SHAPES", "QUICK_CATALOGUE", "BatchSpec", "Case",

@@ -18,8 +18,7 @@ from anyattn.mla_impl import MLAAttentionImpl
 from anyattn.testing.mla_batch import MLABatch, build_mla_batch
 from anyattn.testing.mla_cases import MLACase
 from anyattn.testing.oracle import mla_oracle
-from anyattn.testing.report import CaseResult
-from anyattn.testing.tolerance import cache_problems, judge_against_oracle, judge_lse
+from anyattn.testing.tolerance import CaseResult, cache_problems, judge_against_oracle, judge_lse
 
 __all__ = [
     "KitMLALayer", "MLAStepResult", "judge_mla_step", "mla_step", "run_mla_case", "run_mla_step",

@@ -1,5 +1,5 @@
-"""How the kit judges a result: exact bit comparisons, and the tolerance rule, an error bound
-derived from the reference's own rounding (docs/semantics.md, "Tolerance").
+"""How the kit judges a result (`CaseResult`): exact bit comparisons, and the tolerance rule,
+an error bound derived from the reference's own rounding (docs/semantics.md, "Tolerance").
 
 Pass when `max|out - ref64| <= k * max|ref_lowp - ref64| + floor`, where `ref_lowp` is the
 oracle run in the input dtype and `floor = 2 * max|(ref64 + 0.3 - 0.3) - ref64|` computed in the
@@ -11,17 +11,41 @@ input dtype. `k` is 2 for 16-bit dtypes, where rounding to the dtype dominates b
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from anyattn.testing.report import CaseResult
-
 __all__ = [
-    "cache_problems", "error_bound", "judge_against_oracle", "judge_lse", "max_abs_error",
-    "num_changed",
+    "CaseResult", "cache_problems", "error_bound", "judge_against_oracle", "judge_lse",
+    "max_abs_error", "num_changed",
 ]  # fmt: skip
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True, slots=True)
+class CaseResult:
+    """The outcome of one check.
+
+    Attributes:
+        name: the case ("mixed", "fp8/fp8_e5m2", ...); LSE checks end in ".lse".
+        max_error: `max|out - ref64|` (NaN when the backend raised or wrote NaN; 0 for checks
+            that are exact, such as a constructor rejecting an undeclared head size).
+        bound: the tolerance the error must not exceed.
+        passed: the error is within bound and every exact check (cache contents, padding rows
+            untouched, null block unused) held.
+        detail: why it failed, or what was run.
+        feature: the feature name the case belongs to (see `anyattn.testing.FEATURES`).
+        seconds: wall time of the case.
+    """
+
+    name: str
+    max_error: float
+    bound: float
+    passed: bool
+    detail: str = ""
+    feature: str = ""
+    seconds: float = 0.0
 
 
 def max_abs_error(out: torch.Tensor, ref: torch.Tensor) -> float:
