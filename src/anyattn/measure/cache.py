@@ -93,12 +93,9 @@ def source_hash() -> str:
 
 
 def make_key(
-    device: torch.device,
-    backends: list[type[AttentionBackend]],
-    config: dict[str, object],
-    layer: dict[str, object],
-    limits: dict[str, object],
-) -> dict[str, object]:
+    device: torch.device, backends: list[type[AttentionBackend]], config: dict[str, object],
+    layer: dict[str, object], limits: dict[str, object],
+) -> dict[str, object]:  # fmt: skip
     """The whole key of a measurement (JSON-ready)."""
     return {
         "format": FORMAT,

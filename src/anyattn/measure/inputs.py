@@ -140,14 +140,9 @@ def _make_impl(backend: type[AttentionBackend], layer: LayerParams, device: torc
 
 
 def prepare_step(
-    backend: type[AttentionBackend],
-    config: AttentionSelectorConfig,
-    layer: LayerParams,
-    step: MeasureStep,
-    limits: BatchLimits,
-    device: torch.device,
-    seed: int = 0,
-) -> PreparedStep:
+    backend: type[AttentionBackend], config: AttentionSelectorConfig, layer: LayerParams,
+    step: MeasureStep, limits: BatchLimits, device: torch.device, seed: int = 0,
+) -> PreparedStep:  # fmt: skip
     """Set up `step` for `backend` (impl, builder, cache, inputs; nothing is run), for the layer
     `layer` (`resolve_layer`; an `MLALayerParams` for MLA backends) of `config`, with the
     engine's `limits` given to the builder."""

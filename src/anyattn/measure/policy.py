@@ -63,12 +63,9 @@ def within_tolerance(total: float, best: float, spread: float) -> bool:
 
 
 def choose_phase(
-    phase: str,
-    step_names: Sequence[str],
-    order: Sequence[str],
-    timings: Mapping[str, Mapping[str, StepTiming]],
-    layers_per_step: int | None = None,
-) -> PhaseChoice | None:
+    phase: str, step_names: Sequence[str], order: Sequence[str],
+    timings: Mapping[str, Mapping[str, StepTiming]], layers_per_step: int | None = None,
+) -> PhaseChoice | None:  # fmt: skip
     """The backend for one phase.
 
     Args:
@@ -104,11 +101,9 @@ def choose_phase(
 
 
 def choose(
-    steps: Sequence[MeasureStep],
-    order: Sequence[str],
-    timings: Mapping[str, Mapping[str, StepTiming]],
-    layers_per_step: int | None = None,
-) -> dict[str, PhaseChoice]:
+    steps: Sequence[MeasureStep], order: Sequence[str],
+    timings: Mapping[str, Mapping[str, StepTiming]], layers_per_step: int | None = None,
+) -> dict[str, PhaseChoice]:  # fmt: skip
     """The choice of each phase that has steps ("decode", "prefill", "mixed") and "overall"."""
     choices: dict[str, PhaseChoice] = {}
     groups = [(p.value, [s.name for s in steps if s.phase is p]) for p in Phase]

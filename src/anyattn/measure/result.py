@@ -201,11 +201,9 @@ class Measurement:
 
 
 def kv_cache_compatibility(
-    choices: Mapping[str, PhaseChoice],
-    candidates: Sequence[type[AttentionBackend]],
-    config: AttentionSelectorConfig,
-    layer: LayerParams,
-) -> tuple[bool, str]:
+    choices: Mapping[str, PhaseChoice], candidates: Sequence[type[AttentionBackend]],
+    config: AttentionSelectorConfig, layer: LayerParams,
+) -> tuple[bool, str]:  # fmt: skip
     """Whether the decode and prefill choices among `candidates` can run on one KV cache for
     `config` (`anyattn.kv_cache_sharing.plan_shared_kv_cache` at the config's block size, else
     the decode choice's preferred one), and the plan or why not."""

@@ -52,12 +52,9 @@ def _jsonable(value: object) -> object:
 
 
 def _default_timer(
-    config: AttentionSelectorConfig,
-    layer: LayerParams,
-    limits: BatchLimits,
-    device: torch.device,
+    config: AttentionSelectorConfig, layer: LayerParams, limits: BatchLimits, device: torch.device,
     budget_s: float,
-) -> Timer:
+) -> Timer:  # fmt: skip
     def timer(backend: type[AttentionBackend], step: MeasureStep) -> StepTiming:
         prepared = prepare_step(backend, config, layer, step, limits, device)
         try:
@@ -80,12 +77,9 @@ def _progress(enabled: bool) -> Progress:
 
 
 def _measure(
-    candidates: Sequence[type[AttentionBackend]],
-    steps: tuple[MeasureStep, ...],
-    timer: Timer,
-    checker: Checker,
-    progress: bool,
-) -> tuple[dict[str, dict[str, StepTiming]], dict[str, str], float]:
+    candidates: Sequence[type[AttentionBackend]], steps: tuple[MeasureStep, ...], timer: Timer,
+    checker: Checker, progress: bool,
+) -> tuple[dict[str, dict[str, StepTiming]], dict[str, str], float]:  # fmt: skip
     """Check then time each candidate; returns (timings, rejected, seconds of checks)."""
     timings: dict[str, dict[str, StepTiming]] = {}
     check_s = 0.0
@@ -119,18 +113,12 @@ def _measure(
 
 
 def measure_candidates(
-    config: AttentionSelectorConfig,
-    limits: BatchLimits,
-    candidates: Sequence[type[AttentionBackend]],
-    device: torch.device,
-    *,
-    layer_params: LayerParams | None = None,
-    timer: Timer | None = None,
-    checker: Checker | None = None,
-    use_cache: bool = True,
-    progress: bool = False,
+    config: AttentionSelectorConfig, limits: BatchLimits,
+    candidates: Sequence[type[AttentionBackend]], device: torch.device, *,
+    layer_params: LayerParams | None = None, timer: Timer | None = None,
+    checker: Checker | None = None, use_cache: bool = True, progress: bool = False,
     layers_per_step: int | None = None,
-) -> Measurement:
+) -> Measurement:  # fmt: skip
     """Check, time and choose among `candidates` (backend classes that fit `config` here, in
     the selector's order) for `config` on `device`, or read the result from the cache; the
     arguments are `anyattn.selector.measure_backends`'s.

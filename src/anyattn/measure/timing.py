@@ -100,14 +100,9 @@ def _device_times_us(
 
 
 def time_prepared(
-    prepared: PreparedStep,
-    name: str,
-    device: torch.device,
-    *,
-    budget_s: float = 0.2,
-    min_reps: int = 5,
-    max_reps: int = 50,
-) -> StepTiming:
+    prepared: PreparedStep, name: str, device: torch.device, *, budget_s: float = 0.2,
+    min_reps: int = 5, max_reps: int = 50,
+) -> StepTiming:  # fmt: skip
     """Time a prepared step.
 
     The first build + call is timed alone (`first_call_us`); two more calls warm up; then as

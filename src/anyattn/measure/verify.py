@@ -80,11 +80,9 @@ def _describe(result: CaseResult) -> str:
 
 
 def check_against_oracle(
-    backend: type[AttentionBackend],
-    config: AttentionSelectorConfig,
-    layer: LayerParams,
+    backend: type[AttentionBackend], config: AttentionSelectorConfig, layer: LayerParams,
     device: torch.device,
-) -> str | None:
+) -> str | None:  # fmt: skip
     """Run `backend` on a sample step of `layer` and compare it with the float64 oracle.
 
     Returns:

@@ -87,12 +87,9 @@ def _check_shape(kv_cache: torch.Tensor, api: str, is_latent: bool = False) -> N
 
 
 def _store(
-    blocks: torch.Tensor,
-    rows: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str,
+    blocks: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor, kv_cache_dtype: str,
     scale: torch.Tensor | None,
-) -> None:
+) -> None:  # fmt: skip
     """Write `quantize_kv(rows[t])` at slot `slot_mapping[t]` (-1 skipped) of `blocks`, a view
     `[num_blocks, block_size, ...]` of a cache (its own strides, so writes land in its storage)."""
     block_size = blocks.shape[1]

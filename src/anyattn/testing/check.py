@@ -148,13 +148,9 @@ def _make_impls(
 
 
 def _step(
-    backend: type[AttentionBackend],
-    impl: AttentionImpl,
-    layer_name: str,
-    batch: PagedBatch,
-    inputs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
-    want_lse: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    backend: type[AttentionBackend], impl: AttentionImpl, layer_name: str, batch: PagedBatch,
+    inputs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None], want_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """What the model's attention layer does for one step; returns (output, output_lse)."""
     query, key, value = inputs
     layer = KitLayer(layer_name, batch.k_scale, batch.v_scale)
@@ -184,12 +180,9 @@ def _check_rejection(backend: type[AttentionBackend], case: Case) -> list[CaseRe
 
 
 def _run(
-    backend: type[AttentionBackend],
-    case: Case | MLACase,
-    device: torch.device,
-    dtype: torch.dtype,
+    backend: type[AttentionBackend], case: Case | MLACase, device: torch.device, dtype: torch.dtype,
     seed: int,
-) -> list[CaseResult]:
+) -> list[CaseResult]:  # fmt: skip
     if isinstance(case, MLACase):
         return run_mla_case(backend, case, device, dtype, seed)
     if case.expect_rejection:
@@ -219,15 +212,9 @@ def _run(
 
 
 def _judge(
-    case: Case,
-    batch: PagedBatch,
-    impl: AttentionImpl,
-    query: torch.Tensor,
-    output: torch.Tensor,
-    output_lse: torch.Tensor | None,
-    sinks: torch.Tensor | None,
-    dtype: torch.dtype,
-) -> list[CaseResult]:
+    case: Case, batch: PagedBatch, impl: AttentionImpl, query: torch.Tensor, output: torch.Tensor,
+    output_lse: torch.Tensor | None, sinks: torch.Tensor | None, dtype: torch.dtype,
+) -> list[CaseResult]:  # fmt: skip
     """Exact checks (cache contents, padding rows) and the oracle comparison."""
     n = batch.num_actual_tokens
     problems = cache_problems(batch.kv_cache, batch.expected_kv_cache)
@@ -258,12 +245,11 @@ def run_case(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
 ) -> list[CaseResult]:
-    """Run one planned case (see `plan_cases`; an `MLACase` for MLA backends, run as
-    `anyattn.testing.mla_check` describes); never raises for a backend's failure.
+    """Run one planned case (`plan_cases`; `MLACase`s as `anyattn.testing.mla_check` says).
 
     Returns:
-        The case's result, plus a `<name>.lse` result when the case checks the LSE. A backend
-        exception becomes a failed result whose detail names the exception and where it arose.
+        The case's result, plus `<name>.lse` when the case checks the LSE. A backend exception
+        becomes a failed result whose detail names the exception and where it arose.
     """
     start = time.perf_counter()
     # Seeds come from the case name, so a case sees the same data whatever else runs.
@@ -290,11 +276,10 @@ def check_backend(
     """Run every case `backend` declares and judge it against the float64 oracle.
 
     Args:
-        device: where to run (its type must be among the backend's `supported_device_types`).
-        dtype: model dtype of query/key/value/output.
-        features: restrict to these names from `anyattn.testing.FEATURES` (default: all), or
-            from `anyattn.testing.MLA_FEATURES` for an MLA backend (`backend.is_mla()`).
-        quick: small shapes (`QUICK_CATALOGUE`) for slow kernels such as the Triton interpreter.
+        device: where to run (a type among the backend's `supported_device_types`).
+        dtype: model dtype of query, key, value and output.
+        features: names from `FEATURES` (`MLA_FEATURES` for an MLA backend); default: all.
+        quick: small shapes (`QUICK_CATALOGUE`) for slow kernels (the Triton interpreter).
         seed: added to every case's own seed.
 
     Returns:

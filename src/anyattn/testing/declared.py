@@ -71,13 +71,10 @@ def feature_names(
 
 
 def plan_features(
-    backend: type[AttentionBackend],
-    names: list[str],
-    not_declared: Callable[[str], str | None],
-    feature_cases: Callable[[str], tuple[list[Any], list[str]]],
-    info: DeviceInfo,
+    backend: type[AttentionBackend], names: list[str], not_declared: Callable[[str], str | None],
+    feature_cases: Callable[[str], tuple[list[Any], list[str]]], info: DeviceInfo,
     dtype: torch.dtype,
-) -> tuple[list[Any], list[str]]:
+) -> tuple[list[Any], list[str]]:  # fmt: skip
     """The cases of the features `names`, and "<feature>: <reason>" for each part the backend
     does not declare: a whole feature (`not_declared(feature)`), part of one
     (`feature_cases(feature)` gives its cases and missing parts), or a case its joint rules

@@ -147,12 +147,9 @@ def _not_declared(backend: type[AttentionBackend], feature: str) -> str | None:
 
 
 def _feature_cases(
-    backend: type[AttentionBackend],
-    feature: str,
-    base: MLACase,
-    shapes: list[MLAShape],
+    backend: type[AttentionBackend], feature: str, base: MLACase, shapes: list[MLAShape],
     quick: bool,
-) -> tuple[list[MLACase], list[str]]:
+) -> tuple[list[MLACase], list[str]]:  # fmt: skip
     """The cases of one feature, and the parts of it the backend does not declare."""
 
     def case(name: str, spec_name: str = "mixed", **changes: object) -> MLACase:

@@ -52,17 +52,8 @@ class KitMLALayer:
     up_project_context_rows: list[int] = field(default_factory=list)
 
     def up_project(self, c_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head keys and values of latents, as the layer's `kv_b_proj` gives them.
-
-        Args:
-            c_kv: `[N, L]` in the model dtype.
-
-        Returns:
-            `(k_nope [N, num_heads, P], v [N, num_heads, Vd])` in the model dtype.
-
-        Raises:
-            ValueError: `c_kv` not `[N, L]` or not in the model dtype.
-        """
+        """`c_kv [N, L]` -> `(k_nope [N, num_heads, P], v [N, num_heads, Vd])`, as the layer's
+        `kv_b_proj` gives them, all in the model dtype (else a ValueError)."""
         rank, dtype = self.w_uk.shape[-1], self.w_uk.dtype
         if c_kv.dim() != 2 or c_kv.shape[1] != rank or c_kv.dtype != dtype:
             raise ValueError(
@@ -92,10 +83,9 @@ class MLAStepResult:
     """What one step through an MLA impl gave.
 
     Attributes:
-        output: `[num_tokens + num_padding_tokens, num_heads, Vd]`, model dtype; rows past
-            `num_actual_tokens` stay NaN.
-        output_lse: float32 `[num_heads, num_decode_tokens]`, the decode rows' LSE as the
-            impl returned it, or None when not asked for.
+        output: `[num_tokens + num_padding_tokens, num_heads, Vd]`, model dtype (NaN rows
+            past `num_actual_tokens`).
+        output_lse: float32 `[num_heads, num_decode_tokens]` as the impl returned it, or None.
         num_decodes, num_decode_tokens: the metadata's decode requests and rows.
         lse_base_on_e: the impl's LSE base (False: log2).
     """

@@ -182,40 +182,6 @@ def _softmax_times_value(
     return out, lse
 
 
-def _check_mla_shapes(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
-    query_lens: Sequence[int],
-    seq_lens: Sequence[int],
-) -> None:
-    def require(ok: bool, name: str, shape: str, got: torch.Tensor) -> None:
-        if not ok:
-            raise ValueError(f"mla_oracle: {name} must be {shape} (got {tuple(got.shape)}).")
-
-    require(w_uk.dim() == 3, "w_uk", "[num_heads, qk_nope_head_dim, kv_lora_rank]", w_uk)
-    num_heads, nope, rank = w_uk.shape
-    ok = w_uv.dim() == 3 and w_uv.shape[0] == num_heads and w_uv.shape[2] == rank
-    require(ok, "w_uv", f"[{num_heads}, v_head_dim, {rank}] to match w_uk", w_uv)
-    ok = q_nope.dim() == 3 and tuple(q_nope.shape[1:]) == (num_heads, nope)
-    require(ok, "q_nope", f"[num_tokens, {num_heads}, {nope}] (from w_uk)", q_nope)
-    ok = q_pe.dim() == 3 and q_pe.shape[:2] == q_nope.shape[:2]
-    require(ok, "q_pe", f"[{q_nope.shape[0]}, {num_heads}, qk_rope_head_dim]", q_pe)
-    ok = kv_c.dim() == 2 and kv_c.shape[1] == rank
-    require(ok, "kv_c", f"[num_keys, {rank}] (kv_lora_rank from w_uk)", kv_c)
-    rows, rope = kv_c.shape[0], q_pe.shape[2]
-    ok = tuple(k_pe.shape) == (rows, rope)
-    require(ok, "k_pe", f"[{rows}, {rope}] (one rope key per latent)", k_pe)
-    if sum(query_lens) != q_nope.shape[0] or sum(seq_lens) != rows:
-        raise ValueError(
-            f"mla_oracle: lengths do not match the tensors (got sum(query_lens)={sum(query_lens)} "
-            f"for {q_nope.shape[0]} query rows, sum(seq_lens)={sum(seq_lens)} for {rows} latents)."
-        )
-
-
 def mla_up_project(
     kv_c: torch.Tensor,
     w_uk: torch.Tensor,
@@ -294,7 +260,29 @@ def mla_oracle(
     Raises:
         ValueError: shapes that do not fit together, or lengths that do not match the tensors.
     """
-    _check_mla_shapes(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, query_lens, seq_lens)
+
+    def require(ok: bool, name: str, shape: str, got: torch.Tensor) -> None:
+        if not ok:
+            raise ValueError(f"mla_oracle: {name} must be {shape} (got {tuple(got.shape)}).")
+
+    require(w_uk.dim() == 3, "w_uk", "[num_heads, qk_nope_head_dim, kv_lora_rank]", w_uk)
+    num_heads, nope, rank = w_uk.shape
+    ok = w_uv.dim() == 3 and w_uv.shape[0] == num_heads and w_uv.shape[2] == rank
+    require(ok, "w_uv", f"[{num_heads}, v_head_dim, {rank}] to match w_uk", w_uv)
+    ok = q_nope.dim() == 3 and tuple(q_nope.shape[1:]) == (num_heads, nope)
+    require(ok, "q_nope", f"[num_tokens, {num_heads}, {nope}] (from w_uk)", q_nope)
+    ok = q_pe.dim() == 3 and q_pe.shape[:2] == q_nope.shape[:2]
+    require(ok, "q_pe", f"[{q_nope.shape[0]}, {num_heads}, qk_rope_head_dim]", q_pe)
+    ok = kv_c.dim() == 2 and kv_c.shape[1] == rank
+    require(ok, "kv_c", f"[num_keys, {rank}] (kv_lora_rank from w_uk)", kv_c)
+    rows, rope = kv_c.shape[0], q_pe.shape[2]
+    ok = tuple(k_pe.shape) == (rows, rope)
+    require(ok, "k_pe", f"[{rows}, {rope}] (one rope key per latent)", k_pe)
+    if sum(query_lens) != q_nope.shape[0] or sum(seq_lens) != rows:
+        raise ValueError(
+            f"mla_oracle: lengths do not match the tensors (got sum(query_lens)={sum(query_lens)} "
+            f"for {q_nope.shape[0]} query rows, sum(seq_lens)={sum(seq_lens)} for {rows} latents)."
+        )
     k_nope, v = mla_up_project(kv_c, w_uk, w_uv, compute_dtype)
     num_heads = w_uk.shape[0]
     # q, k: [rows, num_heads, qk_nope_head_dim + qk_rope_head_dim]; the rope key is every head's.

@@ -102,14 +102,9 @@ def cache_problems(kv_cache: torch.Tensor, expected: torch.Tensor) -> list[str]:
 
 
 def judge_against_oracle(
-    name: str,
-    out: torch.Tensor,
-    ref64: torch.Tensor,
-    ref_lowp: torch.Tensor,
-    dtype: torch.dtype,
-    problems: list[str],
-    feature: str,
-) -> CaseResult:
+    name: str, out: torch.Tensor, ref64: torch.Tensor, ref_lowp: torch.Tensor, dtype: torch.dtype,
+    problems: list[str], feature: str,
+) -> CaseResult:  # fmt: skip
     """One result: passed when `out` is within `error_bound` of `ref64` and `problems` (exact
     checks that failed) is empty. `dtype` sets the floor: the model dtype for outputs, float32
     for LSEs (always float32)."""
@@ -122,13 +117,9 @@ def judge_against_oracle(
 
 
 def judge_lse(
-    name: str,
-    lse: torch.Tensor,
-    base_on_e: bool,
-    lse64: torch.Tensor,
-    lse_lowp: torch.Tensor,
+    name: str, lse: torch.Tensor, base_on_e: bool, lse64: torch.Tensor, lse_lowp: torch.Tensor,
     feature: str,
-) -> CaseResult:
+) -> CaseResult:  # fmt: skip
     """The result `<name>.lse`: an impl's LSE (log2 when `base_on_e` is False, converted) against
     the oracle's natural-log LSE, with a float32 floor."""
     lse = lse.double() if base_on_e else lse.double() * math.log(2.0)
