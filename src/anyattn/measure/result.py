@@ -152,26 +152,18 @@ class Measurement:
         return sum(max(t.first_call_us - t.median_us, 0.0) for t in timings) / 1e6
 
     def to_dict(self) -> dict[str, object]:
+        timings = {b: [t.to_dict() for t in steps.values()] for b, steps in self.timings.items()}
         return {
-            "device": self.device,
-            "order": list(self.order),
-            "steps": [s.to_dict() for s in self.steps],
-            "timings": {
-                b: [t.to_dict() for t in per_step.values()] for b, per_step in self.timings.items()
-            },
+            "device": self.device, "order": list(self.order),
+            "steps": [s.to_dict() for s in self.steps], "timings": timings,
             "rejected": dict(self.rejected),
             "choices": {k: c.to_dict() for k, c in self.choices.items()},
             "first_calls_s": {b: self.first_calls_s(b) for b in self.timings},
-            "kv_cache_shared": self.kv_cache_shared,
-            "kv_cache_note": self.kv_cache_note,
-            "is_mla": self.is_mla,
-            "layers_per_step": self.layers_per_step,
-            "engine": self.pair_note(),
-            "check_s": self.check_s,
-            "timing_s": self.timing_s,
-            "from_cache": self.from_cache,
-            "cache_note": self.cache_note,
-        }
+            "kv_cache_shared": self.kv_cache_shared, "kv_cache_note": self.kv_cache_note,
+            "is_mla": self.is_mla, "layers_per_step": self.layers_per_step,
+            "engine": self.pair_note(), "check_s": self.check_s, "timing_s": self.timing_s,
+            "from_cache": self.from_cache, "cache_note": self.cache_note,
+        }  # fmt: skip
 
     @staticmethod
     def from_dict(data: Mapping[str, object], *, cache_note: str = "") -> Measurement:
@@ -185,19 +177,16 @@ class Measurement:
             for b, per_step in data["timings"].items()  # type: ignore[attr-defined]
         }
         layers = data["layers_per_step"]
+        order = tuple(str(b) for b in data["order"])  # type: ignore[attr-defined]
+        steps = tuple(MeasureStep.from_dict(s) for s in data["steps"])  # type: ignore[attr-defined]
+        rejected = {str(k): str(v) for k, v in data["rejected"].items()}  # type: ignore[attr-defined]
         return Measurement(
-            device=str(data["device"]),
-            order=tuple(str(b) for b in data["order"]),  # type: ignore[attr-defined]
-            steps=tuple(MeasureStep.from_dict(s) for s in data["steps"]),  # type: ignore[attr-defined]
-            timings=timings,
-            rejected={str(k): str(v) for k, v in data["rejected"].items()},  # type: ignore[attr-defined]
-            kv_cache_shared=bool(data["kv_cache_shared"]),
-            kv_cache_note=str(data["kv_cache_note"]),
-            is_mla=bool(data["is_mla"]),
+            device=str(data["device"]), order=order, steps=steps, timings=timings,
+            rejected=rejected, kv_cache_shared=bool(data["kv_cache_shared"]),
+            kv_cache_note=str(data["kv_cache_note"]), is_mla=bool(data["is_mla"]),
             layers_per_step=None if layers is None else int(layers),  # type: ignore[call-overload]
-            from_cache=True,
-            cache_note=cache_note,
-        )
+            from_cache=True, cache_note=cache_note,
+        )  # fmt: skip
 
 
 def kv_cache_compatibility(

@@ -55,19 +55,15 @@ def _mla_case(
     shape = MLAShape(
         layer.kv_lora_rank, layer.qk_rope_head_dim, layer.qk_nope_head_dim, layer.v_head_dim
     )
+    # MLACase.scale is scale_factor / sqrt(P + R): this gives the layer's own scale.
+    scale_factor = layer.scale * math.sqrt(layer.qk_nope_head_dim + layer.qk_rope_head_dim)
     return MLACase(
-        name=_MLA_CASE_NAME,
-        feature="mixed",
-        spec=get_spec("mixed", quick=True),
-        shape=shape,
+        name=_MLA_CASE_NAME, feature="mixed", spec=get_spec("mixed", quick=True), shape=shape,
         num_heads=layer.num_heads,
         block_size=config.block_size or backend.get_preferred_block_size(16),
-        kv_cache_dtype=config.kv_cache_dtype,
-        check_lse=config.needs_lse,
-        workspace_tokens=layer.workspace_tokens,
-        # MLACase.scale is scale_factor / sqrt(P + R): this gives the layer's own scale.
-        scale_factor=layer.scale * math.sqrt(layer.qk_nope_head_dim + layer.qk_rope_head_dim),
-    )
+        kv_cache_dtype=config.kv_cache_dtype, check_lse=config.needs_lse,
+        workspace_tokens=layer.workspace_tokens, scale_factor=scale_factor,
+    )  # fmt: skip
 
 
 def _describe(result: CaseResult) -> str:

@@ -136,15 +136,11 @@ class Case:
 
 
 _FLAG_FEATURES = {
-    "non_causal": "supports_non_causal",
-    "sliding_window": "supports_sliding_window",
-    "alibi": "supports_alibi",
-    "soft_cap": "supports_logits_soft_cap",
-    "sinks": "supports_sink",
-    "lse": "supports_lse",
-    "cascade": "supports_cascade",
+    "non_causal": "supports_non_causal", "sliding_window": "supports_sliding_window",
+    "alibi": "supports_alibi", "soft_cap": "supports_logits_soft_cap", "sinks": "supports_sink",
+    "lse": "supports_lse", "cascade": "supports_cascade",
     "per_head_scales": "supports_per_head_quant_scales",
-}
+}  # fmt: skip
 _ATTN_TYPE_FEATURES = {
     "encoder": AttentionType.ENCODER,
     "encoder_only": AttentionType.ENCODER_ONLY,

@@ -195,27 +195,16 @@ def build_mla_batch(
     query = torch.cat([*queries, padding[:, : num_heads * qk].view(-1, num_heads, qk).to(dtype)])
     step_rows = torch.cat([new_rows, padding[:, num_heads * qk :].to(dtype)])
     cache_dtype = kv_cache.dtype
+    # Contiguous, as the layer hands them over.
+    q_nope, q_pe = (x.contiguous().to(device) for x in query.split([nope, rope], -1))
+    kv_c, k_pe = (x.contiguous().to(device) for x in step_rows.split([rank, rope], -1))
     return MLABatch(
-        spec=spec,
-        order=order,
-        shape=shape,
-        block_size=kernel_block_size,
-        # Contiguous, as the layer hands them over.
-        q_nope=query[..., :nope].contiguous().to(device),
-        q_pe=query[..., nope:].contiguous().to(device),
-        kv_c=step_rows[:, :rank].contiguous().to(device),
-        k_pe=step_rows[:, rank:].contiguous().to(device),
-        w_uk=w_uk.to(dtype).to(device),
-        w_uv=w_uv.to(dtype).to(device),
-        kv_cache=kv_cache,
-        expected_kv_cache=expected_kv_cache,
-        block_table=block_table.to(device),
-        common_attn_metadata=common,
-        attn_metadata=attn_metadata,
-        builder=builder,
+        spec=spec, order=order, shape=shape, block_size=kernel_block_size, q_nope=q_nope,
+        q_pe=q_pe, kv_c=kv_c, k_pe=k_pe, w_uk=w_uk.to(dtype).to(device),
+        w_uv=w_uv.to(dtype).to(device), kv_cache=kv_cache, expected_kv_cache=expected_kv_cache,
+        block_table=block_table.to(device), common_attn_metadata=common,
+        attn_metadata=attn_metadata, builder=builder,
         given_rows=[x.double().to(device) for x in rows],
         stored_rows=[as_stored(x.to(device), kv_cache_dtype, cache_dtype, k_scale) for x in rows],
-        k_scale=k_scale,
-        kv_cache_dtype=kv_cache_dtype,
-        num_actual_tokens=spec.num_tokens,
-    )
+        k_scale=k_scale, kv_cache_dtype=kv_cache_dtype, num_actual_tokens=spec.num_tokens,
+    )  # fmt: skip
