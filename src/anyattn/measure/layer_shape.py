@@ -42,19 +42,10 @@ def _mla_layer(config: AttentionSelectorConfig, num_heads: int) -> MLALayerParam
 def resolve_layer(
     config: AttentionSelectorConfig, params: LayerParams | None = None
 ) -> LayerParams:
-    """The layer record the timing and the oracle check use for `config`.
-
-    Args:
-        config: what the layer asks of a backend; `num_heads` (and, for standard attention,
-            `num_kv_heads`) must be set unless `params` gives them.
-        params: the real layer's record, when known; it must agree with `config`.
-
-    Returns:
-        `params`, or a `LayerParams` (an `MLALayerParams` for MLA) with the module's defaults.
-
-    Raises:
-        ValueError: the heads are unknown, or `params` contradicts `config`.
-    """
+    """The layer record the timing and the oracle check use for `config`: `params` (the real
+    layer's, when known; it must agree with `config`), else a `LayerParams` (`MLALayerParams`
+    for MLA) with the module's defaults, for which `config` must set `num_heads` (and, for
+    standard attention, `num_kv_heads`); else a ValueError."""
     if params is not None:
         want_mla = isinstance(params, MLALayerParams)
         if want_mla != config.use_mla or params.head_size != config.head_size:

@@ -66,19 +66,10 @@ def choose_phase(
     phase: str, step_names: Sequence[str], order: Sequence[str],
     timings: Mapping[str, Mapping[str, StepTiming]], layers_per_step: int | None = None,
 ) -> PhaseChoice | None:  # fmt: skip
-    """The backend for one phase.
-
-    Args:
-        phase: the label of the verdict.
-        step_names: the phase's steps.
-        order: candidate backends in static order (earlier wins a tie).
-        timings: backend -> step name -> its timing; a backend missing any of `step_names`
-            (rejected, or failed while timed) takes no part.
-        layers_per_step: layer calls sharing one `build` per step (`step_cost_us`).
-
-    Returns:
-        The choice, or None when the phase has no step or no backend has timed all of them.
-    """
+    """The backend for the phase labelled `phase` over its steps `step_names`, among `order`
+    (static order: earlier wins a tie); `timings` is backend -> step name -> timing, and a
+    backend missing any of the steps (rejected, or failed while timed) takes no part. None when
+    the phase has no step or no backend has timed all of them."""
     if not step_names:
         return None
     totals: dict[str, float] = {}

@@ -103,11 +103,8 @@ def time_prepared(
     prepared: PreparedStep, name: str, device: torch.device, *, budget_s: float = 0.2,
     min_reps: int = 5, max_reps: int = 50,
 ) -> StepTiming:  # fmt: skip
-    """Time a prepared step.
-
-    The first build + call is timed alone (`first_call_us`); two more calls warm up; then as
-    many calls as fit in `budget_s` (within `[min_reps, max_reps]`) are timed.
-    """
+    """Time a prepared step: the first build + call alone (`first_call_us`), two more calls to
+    warm up, then as many calls as fit in `budget_s` (within `[min_reps, max_reps]`)."""
     start = time.perf_counter()
     metadata = prepared.build()
     prepared.run(metadata)

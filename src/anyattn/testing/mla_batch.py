@@ -112,25 +112,15 @@ def build_mla_batch(
     layers: Mapping[str, LayerParams],
     seed: int = 0,
 ) -> MLABatch:
-    """Make inputs, weights, a shuffled latent cache and the backend's own metadata for `spec`.
-
-    As `anyattn.testing.build_batch` for decoder attention: the engine block size must be
-    accepted by the backend (blocks are split into kernel blocks when its kernel size is
-    smaller), and requests are reordered decodes first when the builder sets
-    `reorder_batch_threshold`.
+    """Make inputs, weights, a shuffled latent cache and the backend's own metadata for `spec`,
+    as `anyattn.testing.build_batch` does for decoder attention (block size, decodes first,
+    padding, `layers` and `seed` alike; a block size the backend cannot take is a ValueError).
 
     Args:
         shape: the layer's sizes; the cache row is `L + R`.
         num_heads: query heads.
         dtype: model dtype of queries, latents and weights.
         k_scale: float32 `[]`, the per-layer fp8 scale (default 1.0).
-        num_padding_tokens: extra rows past the real ones, with slot -1.
-        layers: the group's layers and their records (`{name: impl.layer_params()}`), given
-            to the builder's constructor as an engine does.
-        seed: fixes every random value and block assignment.
-
-    Raises:
-        ValueError: a block size the backend cannot take.
     """
     device = torch.device(device)
     kernel_block_size = backend.get_kernel_block_size(block_size)

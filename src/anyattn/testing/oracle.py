@@ -188,24 +188,11 @@ def mla_up_project(
     w_uv: torch.Tensor,
     compute_dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head keys and values from latents: `k_nope[j, h] = W_UK[h] c_kv[j]`,
-    `v[j, h] = W_UV[h] c_kv[j]`.
-
-    In a narrower `compute_dtype` the products are accumulated in float32 (as matmuls are) and
-    rounded once to it.
-
-    Args:
-        kv_c: `[num_keys, kv_lora_rank]`.
-        w_uk: `[num_heads, qk_nope_head_dim, kv_lora_rank]`.
-        w_uv: `[num_heads, v_head_dim, kv_lora_rank]`.
-
-    Returns:
-        `(k_nope, v)`: `[num_keys, num_heads, qk_nope_head_dim]` and
-        `[num_keys, num_heads, v_head_dim]` in `compute_dtype`.
-
-    Raises:
-        ValueError: `kv_c`, `w_uk`, `w_uv` whose latent sizes or head counts differ.
-    """
+    """Per-head keys and values from latents `kv_c [num_keys, L]`: `k_nope[j, h] = W_UK[h]
+    c_kv[j]` `[num_keys, num_heads, P]` and `v[j, h] = W_UV[h] c_kv[j]` `[num_keys, num_heads,
+    Vd]`, for `w_uk [num_heads, P, L]` and `w_uv [num_heads, Vd, L]` (else a ValueError). In a
+    narrower `compute_dtype` the products are accumulated in float32 (as matmuls are) and
+    rounded once to it."""
     fits = kv_c.dim() == 2 and w_uk.dim() == w_uv.dim() == 3 and w_uk.shape[0] == w_uv.shape[0]
     if not fits or not kv_c.shape[1] == w_uk.shape[2] == w_uv.shape[2]:
         raise ValueError(
@@ -249,13 +236,10 @@ def mla_oracle(
         k_pe: `[sum(seq_lens), qk_rope_head_dim]`, the shared rope keys, rope applied.
         w_uk: `[num_heads, qk_nope_head_dim, kv_lora_rank]`, the key half of `kv_b_proj`.
         w_uv: `[num_heads, v_head_dim, kv_lora_rank]`, its value half.
-        query_lens, seq_lens: rows and tokens per request.
-        scale: multiplies the scores.
-        compute_dtype: float64 for the reference; the model dtype to measure its rounding.
+        scale, compute_dtype: as for `attention_oracle`.
 
     Returns:
-        `(output, lse)`: output `[num_tokens, num_heads, v_head_dim]` in `compute_dtype`, lse
-        `[num_heads, num_tokens]` (natural log) in `compute_dtype` or float32 if narrower.
+        `(output [num_tokens, num_heads, v_head_dim], lse)` as `attention_oracle` returns them.
 
     Raises:
         ValueError: shapes that do not fit together, or lengths that do not match the tensors.
