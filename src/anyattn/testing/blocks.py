@@ -18,14 +18,10 @@ __all__ = ["assign_blocks", "cross_slot_mapping", "token_slots"]
 
 
 def assign_blocks(
-    seq_lens: Sequence[int],
-    block_size: int,
-    *,
-    common_prefix_len: int = 0,
-    num_cols: int | None = None,
-    generator: torch.Generator | None = None,
+    seq_lens: Sequence[int], block_size: int, *, common_prefix_len: int = 0,
+    num_cols: int | None = None, generator: torch.Generator | None = None,
     spare_blocks: bool = True,
-) -> tuple[torch.Tensor, int]:
+) -> tuple[torch.Tensor, int]:  # fmt: skip
     """Shuffled physical blocks for each request, from a pool larger than needed.
 
     Args:
@@ -72,11 +68,9 @@ def token_slots(
 
 
 def cross_slot_mapping(
-    block_table: torch.Tensor,
-    encoder_seq_lens: Sequence[int],
-    first_step: Sequence[bool],
+    block_table: torch.Tensor, encoder_seq_lens: Sequence[int], first_step: Sequence[bool],
     block_size: int,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """Slots of the encoder tokens of first-step requests, in batch order (int64, CPU)."""
     rows = [r for r, first in enumerate(first_step) if first]
     if not rows:

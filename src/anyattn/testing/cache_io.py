@@ -32,11 +32,9 @@ def _broadcast_scale(scale: torch.Tensor | None, x: torch.Tensor) -> torch.Tenso
 
 
 def quantize_kv(
-    x: torch.Tensor,
-    kv_cache_dtype: str,
-    cache_dtype: torch.dtype,
+    x: torch.Tensor, kv_cache_dtype: str, cache_dtype: torch.dtype,
     scale: torch.Tensor | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """The values a cache of `kv_cache_dtype` stores for `x`.
 
     fp8: `x / scale` by `anyattn.ops.fp8_quant.quantize_fp8`, the one rule of every fp8 cache
@@ -63,11 +61,9 @@ def dequantize_kv(
 
 
 def as_stored(
-    x: torch.Tensor,
-    kv_cache_dtype: str,
-    cache_dtype: torch.dtype,
+    x: torch.Tensor, kv_cache_dtype: str, cache_dtype: torch.dtype,
     scale: torch.Tensor | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """float64 values a cache of `kv_cache_dtype` holding `x` gives back (`quantize_kv`, then
     `dequantize_kv`: for fp8 the quantised values)."""
     return dequantize_kv(quantize_kv(x, kv_cache_dtype, cache_dtype, scale), kv_cache_dtype, scale)
@@ -110,14 +106,10 @@ def _positions(
 
 
 def write_kv(
-    kv_cache: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str = "auto",
-    k_scale: torch.Tensor | None = None,
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_cache_dtype: str = "auto", k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-) -> None:
+) -> None:  # fmt: skip
     """The kit's own cache writer: store `key`/`value` rows at their slots (-1 skipped).
 
     Args:
@@ -133,10 +125,8 @@ def write_kv(
 
 
 def read_kv(
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: Sequence[int],
-) -> tuple[torch.Tensor, torch.Tensor]:
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The stored K and V of each request's first `seq_lens[r]` positions, back to back.
 
     Args:
@@ -152,13 +142,9 @@ def read_kv(
 
 
 def write_latents(
-    kv_cache: torch.Tensor,
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str = "auto",
-    scale: torch.Tensor | None = None,
-) -> None:
+    kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_cache_dtype: str = "auto", scale: torch.Tensor | None = None,
+) -> None:  # fmt: skip
     """Store MLA rows `[kv_c[t], k_pe[t]]` at their slots (-1 skipped).
 
     Args:
@@ -178,12 +164,9 @@ def write_latents(
 
 
 def read_latents(
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: Sequence[int],
-    kv_cache_dtype: str = "auto",
-    scale: torch.Tensor | None = None,
-) -> torch.Tensor:
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: Sequence[int],
+    kv_cache_dtype: str = "auto", scale: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """float64 MLA rows `[c_kv, k_pe]` of each request's first `seq_lens[r]` positions, back to
     back (fp8 dequantised with `scale`): `[sum(seq_lens), L + R]`."""
     _check_shape(kv_cache, "read_latents", is_latent=True)

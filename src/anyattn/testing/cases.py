@@ -261,12 +261,9 @@ def _feature_cases(
 
 
 def plan_cases(
-    backend: type[AttentionBackend],
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    features: Iterable[str] | None = None,
-    quick: bool = False,
-) -> tuple[list[Case] | list[MLACase], list[str]]:
+    backend: type[AttentionBackend], device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32, features: Iterable[str] | None = None, quick: bool = False,
+) -> tuple[list[Case] | list[MLACase], list[str]]:  # fmt: skip
     """The cases `check_backend` would run, and what the backend does not declare.
 
     Useful to parametrise a pytest suite over cases (`run_case` runs one). For an MLA backend

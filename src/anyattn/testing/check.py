@@ -239,12 +239,9 @@ def _judge(
 
 
 def run_case(
-    backend: type[AttentionBackend],
-    case: Case | MLACase,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-) -> list[CaseResult]:
+    backend: type[AttentionBackend], case: Case | MLACase, device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32, seed: int = 0,
+) -> list[CaseResult]:  # fmt: skip
     """Run one planned case (`plan_cases`; `MLACase`s as `anyattn.testing.mla_check` says).
 
     Returns:
@@ -266,13 +263,10 @@ def run_case(
 
 
 def check_backend(
-    backend: type[AttentionBackend],
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    features: Iterable[str] | None = None,
-    quick: bool = False,
+    backend: type[AttentionBackend], device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32, features: Iterable[str] | None = None, quick: bool = False,
     seed: int = 0,
-) -> ConformanceReport:
+) -> ConformanceReport:  # fmt: skip
     """Run every case `backend` declares and judge it against the float64 oracle.
 
     Args:

@@ -98,20 +98,11 @@ class MLABatch:
 
 
 def build_mla_batch(
-    backend: type[AttentionBackend],
-    spec: BatchSpec,
-    *,
-    shape: MLAShape,
-    num_heads: int,
-    dtype: torch.dtype,
-    device: torch.device | str = "cpu",
-    block_size: int = 16,
-    kv_cache_dtype: str = "auto",
-    k_scale: torch.Tensor | None = None,
-    num_padding_tokens: int = 0,
-    layers: Mapping[str, LayerParams],
-    seed: int = 0,
-) -> MLABatch:
+    backend: type[AttentionBackend], spec: BatchSpec, *, shape: MLAShape, num_heads: int,
+    dtype: torch.dtype, device: torch.device | str = "cpu", block_size: int = 16,
+    kv_cache_dtype: str = "auto", k_scale: torch.Tensor | None = None, num_padding_tokens: int = 0,
+    layers: Mapping[str, LayerParams], seed: int = 0,
+) -> MLABatch:  # fmt: skip
     """Make inputs, weights, a shuffled latent cache and the backend's own metadata for `spec`,
     as `anyattn.testing.build_batch` does for decoder attention (block size, decodes first,
     padding, `layers` and `seed` alike; a block size the backend cannot take is a ValueError).

@@ -200,12 +200,9 @@ def _feature_cases(
 
 
 def plan_mla_cases(
-    backend: type[AttentionBackend],
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    features: Iterable[str] | None = None,
-    quick: bool = False,
-) -> tuple[list[MLACase], list[str]]:
+    backend: type[AttentionBackend], device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32, features: Iterable[str] | None = None, quick: bool = False,
+) -> tuple[list[MLACase], list[str]]:  # fmt: skip
     """The cases `check_backend` runs for an MLA backend, and what it does not declare.
 
     The base case (every feature but the split ones) uses the first declared split of

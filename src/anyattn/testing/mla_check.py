@@ -189,14 +189,9 @@ def _exact_problems(
 
 
 def judge_mla_step(
-    case: MLACase,
-    batch: MLABatch,
-    layer: KitMLALayer,
-    outcome: MLAStepResult,
-    dtype: torch.dtype,
-    *,
-    by_phase: bool = False,
-) -> list[CaseResult]:
+    case: MLACase, batch: MLABatch, layer: KitMLALayer, outcome: MLAStepResult, dtype: torch.dtype,
+    *, by_phase: bool = False,
+) -> list[CaseResult]:  # fmt: skip
     """Judge a step `run_mla_step` ran against `mla_oracle` and the exact checks.
 
     Args:
@@ -241,12 +236,9 @@ def judge_mla_step(
 
 
 def run_mla_step(
-    backend: type[AttentionBackend],
-    case: MLACase,
-    device: torch.device,
-    dtype: torch.dtype,
+    backend: type[AttentionBackend], case: MLACase, device: torch.device, dtype: torch.dtype,
     seed: int,
-) -> tuple[MLABatch, KitMLALayer, MLAStepResult]:
+) -> tuple[MLABatch, KitMLALayer, MLAStepResult]:  # fmt: skip
     """Build `case`'s batch for a new impl of `backend` and run one step through it
     (`mla_step`); raises what the backend raises. `judge_mla_step` judges what it returns."""
     impl = _make_impl(backend, case)
@@ -268,12 +260,9 @@ def run_mla_step(
 
 
 def run_mla_case(
-    backend: type[AttentionBackend],
-    case: MLACase,
-    device: torch.device,
-    dtype: torch.dtype,
+    backend: type[AttentionBackend], case: MLACase, device: torch.device, dtype: torch.dtype,
     seed: int,
-) -> list[CaseResult]:
+) -> list[CaseResult]:  # fmt: skip
     """Run one MLA case (see `anyattn.testing.plan_cases`); raises what the backend raises
     (`anyattn.testing.run_case` turns that into a failed result)."""
     return judge_mla_step(case, *run_mla_step(backend, case, device, dtype, seed), dtype)

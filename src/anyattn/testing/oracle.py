@@ -23,20 +23,12 @@ __all__ = ["attention_oracle", "mla_oracle", "mla_up_project"]
 
 
 def attention_oracle(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    query_lens: Sequence[int],
-    seq_lens: Sequence[int],
-    *,
-    scale: float,
-    causal: bool = True,
-    sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
-    alibi_slopes: Sequence[float] | torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_lens: Sequence[int],
+    seq_lens: Sequence[int], *, scale: float, causal: bool = True,
+    sliding_window: int | None = None, logits_soft_cap: float | None = None,
+    alibi_slopes: Sequence[float] | torch.Tensor | None = None, sinks: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float64,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Attention of every query row over its own request's keys.
 
     Request r has `query_lens[r]` query rows and `seq_lens[r]` keys; its query row i sits at
@@ -208,18 +200,10 @@ def mla_up_project(
 
 
 def mla_oracle(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
-    query_lens: Sequence[int],
-    seq_lens: Sequence[int],
-    *,
-    scale: float,
-    compute_dtype: torch.dtype = torch.float64,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+    w_uk: torch.Tensor, w_uv: torch.Tensor, query_lens: Sequence[int], seq_lens: Sequence[int], *,
+    scale: float, compute_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Causal MLA of every query row over its own request's tokens, up-projected.
 
     Request r has `query_lens[r]` query rows and `seq_lens[r]` tokens (context, then its new

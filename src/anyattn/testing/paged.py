@@ -29,11 +29,9 @@ __all__ = ["PagedBatch", "build_batch", "gather_rows", "layer_records"]
 
 
 def layer_records(
-    spec: AttentionSpec,
-    names: Sequence[str] = ("layer.0",),
-    num_heads: int | None = None,
+    spec: AttentionSpec, names: Sequence[str] = ("layer.0",), num_heads: int | None = None,
     attn_type: AttentionType | str = AttentionType.DECODER,
-) -> dict[str, LayerParams]:
+) -> dict[str, LayerParams]:  # fmt: skip
     """Records of plain layers of `spec`'s group, for a builder's `layers` argument: `spec`'s
     KV heads, head size, cache dtype and window, `num_heads` query heads (default: as many as
     KV heads), scale `head_size ** -0.5`, no soft cap, ALiBi or sinks."""
@@ -103,26 +101,14 @@ def gather_rows(source: list[torch.Tensor], positions: list[torch.Tensor]) -> to
 
 
 def build_batch(
-    backend: type[AttentionBackend],
-    spec: BatchSpec,
-    *,
-    num_heads: int,
-    num_kv_heads: int,
-    head_size: int,
-    dtype: torch.dtype,
-    device: torch.device | str = "cpu",
-    block_size: int = 16,
-    layout: KVCacheLayout | str = KVCacheLayout.NHD,
-    kv_cache_dtype: str = "auto",
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    attn_type: AttentionType | str = AttentionType.DECODER,
-    causal: bool = True,
-    sliding_window: int | None = None,
-    num_padding_tokens: int = 0,
-    layers: Mapping[str, LayerParams] | None = None,
-    seed: int = 0,
-) -> PagedBatch:
+    backend: type[AttentionBackend], spec: BatchSpec, *, num_heads: int, num_kv_heads: int,
+    head_size: int, dtype: torch.dtype, device: torch.device | str = "cpu", block_size: int = 16,
+    layout: KVCacheLayout | str = KVCacheLayout.NHD, kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    attn_type: AttentionType | str = AttentionType.DECODER, causal: bool = True,
+    sliding_window: int | None = None, num_padding_tokens: int = 0,
+    layers: Mapping[str, LayerParams] | None = None, seed: int = 0,
+) -> PagedBatch:  # fmt: skip
     """Make inputs, a shuffled paged cache and the backend's own metadata for `spec`.
 
     The engine block size `block_size` must be accepted by the backend; when its kernel block
