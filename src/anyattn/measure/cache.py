@@ -98,15 +98,11 @@ def make_key(
 ) -> dict[str, object]:  # fmt: skip
     """The whole key of a measurement (JSON-ready)."""
     return {
-        "format": FORMAT,
-        "device": device_identity(device),
+        "format": FORMAT, "device": device_identity(device),
         "versions": {package: _version(package) for package in _PACKAGES},
-        "backends": [b.get_name() for b in backends],
-        "source_sha256": source_hash(),
-        "config": config,
-        "layer": layer,
-        "limits": limits,
-    }
+        "backends": [b.get_name() for b in backends], "source_sha256": source_hash(),
+        "config": config, "layer": layer, "limits": limits,
+    }  # fmt: skip
 
 
 def cache_file(key: dict[str, object]) -> Path | None:

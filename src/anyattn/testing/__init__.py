@@ -9,12 +9,11 @@ written from docs/semantics.md alone::
         check_backend(MyBackend, "cuda", torch.bfloat16).assert_passed()
 
 The pieces: `BatchSpec` and the curated `CATALOGUE`; `build_batch` (inputs, a shuffled paged
-cache with a null block, the backend's own metadata) and `layer_records`; `attention_oracle`;
-the tolerance rule (`error_bound`); `plan_cases` / `run_case` / `check_backend` and the
-`ConformanceReport` they fill; `declaration_cases` (every value a backend declares, once each).
-MLA backends (`backend.is_mla()`) go through the same entry points with `MLACase`s
-(`MLA_FEATURES`), judged against `mla_oracle` (the up-projected form) by the same rule;
-`build_mla_batch`, `KitMLALayer`, `run_mla_step` and `judge_mla_step` are their pieces.
+cache with a null block, the backend's own metadata); `attention_oracle` and the tolerance rule
+(`error_bound`); `plan_cases` / `run_case` / `check_backend` and their `ConformanceReport`;
+`declaration_cases` (every declared value, once each). MLA backends go through the same entry
+points with `MLACase`s, judged against `mla_oracle` (`build_mla_batch`, `KitMLALayer`,
+`run_mla_step` and `judge_mla_step` are their pieces).
 """
 
 from anyattn.testing.batch_spec import CATALOGUE, QUICK_CATALOGUE, BatchSpec, get_spec

@@ -264,22 +264,10 @@ def plan_cases(
     backend: type[AttentionBackend], device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32, features: Iterable[str] | None = None, quick: bool = False,
 ) -> tuple[list[Case] | list[MLACase], list[str]]:  # fmt: skip
-    """The cases `check_backend` would run, and what the backend does not declare.
-
-    Useful to parametrise a pytest suite over cases (`run_case` runs one). For an MLA backend
-    (`backend.is_mla()`) these are `MLACase`s (`anyattn.testing.mla_cases.plan_mla_cases`).
-
-    Args:
-        features: names from `FEATURES` (default: all), or from `MLA_FEATURES` for an MLA
-            backend.
-        quick: use `QUICK_CATALOGUE`'s small shapes.
-
-    Returns:
-        `(cases, not_declared)`; each not-declared entry reads "<feature>: <reason>".
-
-    Raises:
-        ValueError: an unknown feature name.
-    """
+    """The cases `check_backend` would run (arguments alike), and what the backend does not
+    declare: `(cases, not_declared)`, each not-declared entry "<feature>: <reason>"; an unknown
+    feature name is a ValueError. Useful to parametrise a pytest suite over cases (`run_case`
+    runs one); for an MLA backend they are `MLACase`s (`plan_mla_cases`)."""
     if backend.is_mla():
         return plan_mla_cases(backend, device, dtype, features, quick)
     names = feature_names("plan_cases: unknown feature", FEATURES, features)

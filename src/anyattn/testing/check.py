@@ -286,11 +286,9 @@ def check_backend(
     """
     cases, not_declared = plan_cases(backend, device, dtype, features, quick)
     report = ConformanceReport(
-        not_declared=not_declared,
-        backend=backend.get_name(),
-        device=str(torch.device(device)),
+        not_declared=not_declared, backend=backend.get_name(), device=str(torch.device(device)),
         dtype=str(dtype).removeprefix("torch."),
-    )
+    )  # fmt: skip
     for case in cases:
         report.cases.extend(run_case(backend, case, device, dtype, seed))
     return report

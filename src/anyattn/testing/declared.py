@@ -29,9 +29,7 @@ def global_reasons(
     reasons = []
     if not backend.supports_device(device):
         reasons.append(f"device {device.type} not in supported_device_types")
-    elif device.capability is not None and not backend.supports_compute_capability(
-        device.capability
-    ):
+    elif (cap := device.capability) is not None and not backend.supports_compute_capability(cap):
         reasons.append(f"compute capability {device} below min_compute_capability")
     if not backend.supports_dtype(dtype):
         reasons.append(f"dtype {dtype} not in supported_dtypes")

@@ -136,10 +136,9 @@ def build_mla_batch(
         v_head_dim=shape.v_head_dim,
     )  # fmt: skip
     limits = BatchLimits(
-        max_num_reqs=spec.num_reqs,
-        max_num_tokens=spec.num_tokens + num_padding_tokens,
+        max_num_reqs=spec.num_reqs, max_num_tokens=spec.num_tokens + num_padding_tokens,
         max_model_len=max(spec.seq_lens),
-    )
+    )  # fmt: skip
     builder = backend.get_builder_cls()(kv_spec, layers, limits, device)
     order = spec.decodes_first_order(builder.reorder_batch_threshold)
     spec = spec.permuted(order)

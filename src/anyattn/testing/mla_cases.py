@@ -157,11 +157,9 @@ def _feature_cases(
         return replace(base, name=name, feature=feature, spec=spec, **changes)
 
     if feature in _SPLIT_FEATURES:
-        names = {
-            "decode": ("single_decode", "many_decodes"),
-            "prefill": ("long_prefill",),
-            "chunked": ("chunked_prefill",),
-        }.get(feature, (feature,))
+        renamed = {"decode": ("single_decode", "many_decodes"), "prefill": ("long_prefill",),
+                   "chunked": ("chunked_prefill",)}  # fmt: skip
+        names = renamed.get(feature, (feature,))
         return [case(f"{s.name}/{n}", n, shape=s) for s in shapes for n in names], []
     if feature == "num_heads":
         return [case(f"num_heads{h}", num_heads=h) for h in (1, 16)], []
@@ -203,21 +201,9 @@ def plan_mla_cases(
     backend: type[AttentionBackend], device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32, features: Iterable[str] | None = None, quick: bool = False,
 ) -> tuple[list[MLACase], list[str]]:  # fmt: skip
-    """The cases `check_backend` runs for an MLA backend, and what it does not declare.
-
-    The base case (every feature but the split ones) uses the first declared split of
-    `MLA_SHAPES`, 4 query heads and the backend's preferred block size.
-
-    Args:
-        features: names from `MLA_FEATURES` (default: all).
-        quick: the catalogue's small shapes (`QUICK_CATALOGUE`).
-
-    Returns:
-        `(cases, not_declared)`; each not-declared entry reads "<feature>: <reason>".
-
-    Raises:
-        ValueError: an unknown feature name.
-    """
+    """`plan_cases` for an MLA backend (`features` from `MLA_FEATURES`). The base case of every
+    feature but the split ones uses the first declared split of `MLA_SHAPES`, 4 query heads
+    and the backend's preferred block size."""
     names = declared.feature_names("plan_mla_cases: unknown MLA feature", MLA_FEATURES, features)
     info = DeviceInfo.current(device)
     reasons = declared.global_reasons(backend, info, dtype)

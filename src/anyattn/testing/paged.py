@@ -172,10 +172,9 @@ def build_batch(
     padding = torch.randn(num_padding_tokens, num_heads + 2 * num_kv_heads, head_size, generator=g)
 
     limits = BatchLimits(
-        max_num_reqs=spec.num_reqs,
-        max_num_tokens=spec.num_tokens + num_padding_tokens,
+        max_num_reqs=spec.num_reqs, max_num_tokens=spec.num_tokens + num_padding_tokens,
         max_model_len=max(max(spec.seq_lens), max(kv_lens)),
-    )
+    )  # fmt: skip
     kv_spec = AttentionSpec(
         kernel_block_size, num_kv_heads, head_size, dtype, kv_cache_dtype, sliding_window
     )
