@@ -35,17 +35,10 @@ def quantize_kv(
     x: torch.Tensor, kv_cache_dtype: str, cache_dtype: torch.dtype,
     scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """The values a cache of `kv_cache_dtype` stores for `x`.
-
-    fp8: `x / scale` by `anyattn.ops.fp8_quant.quantize_fp8`, the one rule of every fp8 cache
-    write (an IEEE float32 division, nearest-even fp8, saturation at the format's largest finite
-    value, NaN as the byte 0x7F); otherwise a cast.
-
-    Args:
-        x: `[num_tokens, num_kv_heads, head_size]`.
-        cache_dtype: the cache's element dtype.
-        scale: float32 `[]` or `[num_kv_heads]` (fp8 only; None means 1).
-    """
+    """The values a cache of `kv_cache_dtype` (element dtype `cache_dtype`) stores for `x`
+    `[num_tokens, num_kv_heads, head_size]`: a cast, or for fp8 `x / scale` (float32 `[]` or
+    `[num_kv_heads]`, None means 1) by `anyattn.ops.fp8_quant.quantize_fp8`, the one rule of every
+    fp8 cache write (IEEE float32 division, nearest-even fp8, saturation, NaN as 0x7F)."""
     if is_fp8_cache(kv_cache_dtype):
         return quantize_fp8(x, _broadcast_scale(scale, x), cache_dtype)
     return x.to(cache_dtype)
@@ -110,15 +103,10 @@ def write_kv(
     kv_cache_dtype: str = "auto", k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
-    """The kit's own cache writer: store `key`/`value` rows at their slots (-1 skipped).
-
-    Args:
-        kv_cache: `[num_blocks, 2, block_size, num_kv_heads, head_size]`, any layout.
-        key, value: `[num_tokens, num_kv_heads, head_size]`.
-        slot_mapping: int64 `[num_tokens]`, `block_id * block_size + offset` or -1.
-        kv_cache_dtype: "auto" or a cache dtype name; fp8 as in `quantize_kv`.
-        k_scale, v_scale: float32 `[]` or `[num_kv_heads]`.
-    """
+    """The kit's own cache writer: store `key`/`value` rows `[num_tokens, num_kv_heads,
+    head_size]` at their slots (int64 `block_id * block_size + offset`, -1 skipped) of
+    `kv_cache` `[num_blocks, 2, block_size, num_kv_heads, head_size]` (any layout), quantised
+    as `quantize_kv` does with `k_scale`, `v_scale`."""
     _check_shape(kv_cache, "write_kv")
     _store(kv_cache.select(1, 0), key, slot_mapping, kv_cache_dtype, k_scale)
     _store(kv_cache.select(1, 1), value, slot_mapping, kv_cache_dtype, v_scale)
@@ -127,15 +115,9 @@ def write_kv(
 def read_kv(
     kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: Sequence[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The stored K and V of each request's first `seq_lens[r]` positions, back to back.
-
-    Args:
-        kv_cache: `[num_blocks, 2, block_size, num_kv_heads, head_size]`.
-        block_table: int `[num_reqs, max_blocks]` in the cache's block size.
-
-    Returns:
-        `(key, value)`, each `[sum(seq_lens), num_kv_heads, head_size]` in the cache dtype.
-    """
+    """The stored K and V (`[sum(seq_lens), num_kv_heads, head_size]` each, cache dtype) of each
+    request's first `seq_lens[r]` positions, back to back, through `block_table` (int
+    `[num_reqs, max_blocks]` in the cache's block size)."""
     _check_shape(kv_cache, "read_kv")
     block_ids, offsets = _positions(block_table, seq_lens, kv_cache.shape[2], kv_cache.device)
     return kv_cache[block_ids, 0, offsets], kv_cache[block_ids, 1, offsets]
@@ -145,15 +127,9 @@ def write_latents(
     kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,
     kv_cache_dtype: str = "auto", scale: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
-    """Store MLA rows `[kv_c[t], k_pe[t]]` at their slots (-1 skipped).
-
-    Args:
-        kv_cache: `[num_blocks, block_size, L + R]`.
-        kv_c: `[num_tokens, L]`; k_pe: `[num_tokens, R]`.
-        slot_mapping: int64 `[num_tokens]`, `block_id * block_size + offset` or -1.
-        kv_cache_dtype: "auto" or a cache dtype name.
-        scale: float32 `[]`, the per-layer fp8 scale (None means 1).
-    """
+    """Store MLA rows `[kv_c[t] (L), k_pe[t] (R)]` at their slots (as `write_kv`, -1 skipped) of
+    `kv_cache` `[num_blocks, block_size, L + R]`, fp8 with the per-layer `scale` (float32 `[]`,
+    None means 1)."""
     _check_shape(kv_cache, "write_latents", is_latent=True)
     if kv_c.shape[0] != k_pe.shape[0] or kv_c.shape[-1] + k_pe.shape[-1] != kv_cache.shape[-1]:
         raise ValueError(

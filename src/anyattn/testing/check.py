@@ -65,17 +65,10 @@ class KitLayer:
 
 @dataclass
 class ConformanceReport:
-    """Every check run on one backend for one device and dtype.
-
-    A report passes when at least one case ran and every case passed; what the backend did not
-    declare is listed in `not_declared` (it is not run, and it is not hidden).
-
-    Attributes:
-        cases: one `CaseResult` per check, in run order.
-        not_declared: features (or single cases) skipped because the backend does not declare
-            them, each with the reason.
-        backend, device, dtype: what was checked.
-    """
+    """Every check run on one backend for one device and dtype: `cases`, one `CaseResult` per
+    check in run order, and `not_declared`, the features (or single cases) not run because the
+    backend does not declare them, each with the reason (listed, never hidden). A report passes
+    when at least one case ran and every case passed."""
 
     cases: list[CaseResult] = field(default_factory=list)
     not_declared: list[str] = field(default_factory=list)

@@ -47,13 +47,11 @@ class MLABatch:
         kv_cache: `[num_blocks, block_size, L + R]` with the context written.
         expected_kv_cache: the cache as it must be once the backend has written the new rows.
         block_table: int32 `[num_reqs, max_blocks]` (device), kernel-block units.
-        common_attn_metadata: the step's metadata (`slot_mapping` -1 on padding rows).
-        attn_metadata: what the backend's builder built from it.
-        builder: the backend's builder.
+        common_attn_metadata: the step's metadata (`slot_mapping` -1 on padding rows), and
+            attn_metadata what the backend's `builder` built from it.
         given_rows: per request, float64 `[seq_len, L + R]`: its latents as drawn (model dtype).
         stored_rows: per request, float64 `[seq_len, L + R]`: as the cache gives them back.
         k_scale: float32 `[]` (device), the per-layer fp8 scale (1 otherwise).
-        kv_cache_dtype: the cache dtype name.
         num_actual_tokens: real query rows (`spec.num_tokens`).
     """
 

@@ -59,17 +59,13 @@ class PagedBatch:
         kv_cache: the layer's cache with the context written (the backend writes the rest).
         expected_kv_cache: the cache as it must be once the backend has written `key`/`value`.
         block_table: int32 `[num_reqs, max_blocks]` (device), kernel-block units.
-        common_attn_metadata: the step's metadata; its `slot_mapping` covers `key`'s rows.
-        attn_metadata: what the backend's builder built from it.
-        builder: the backend's builder.
+        common_attn_metadata: the step's metadata (`slot_mapping` covers `key`'s rows), and
+            attn_metadata what the backend's `builder` built from it.
         kv_lens: keys per request (seq_lens, or encoder lengths for cross attention).
         oracle_key, oracle_value: float64 `[sum(kv_lens), num_kv_heads, head_size]`, the keys
             each request attends to, as stored (fp8 dequantised), computed by the kit.
         k_scale, v_scale: float32 `[]` or `[num_kv_heads]` (device).
-        kv_cache_dtype: the cache dtype name.
-        attn_type: the attention type the batch was built for.
-        causal: the metadata's causal flag.
-        num_actual_tokens: real query rows (`spec.num_tokens`).
+        causal: the metadata's causal flag; num_actual_tokens: real query rows.
     """
 
     spec: BatchSpec
@@ -125,15 +121,14 @@ def build_batch(
 
     Args:
         spec: the batch; `common_prefix_len` > 0 shares the prefix's physical blocks.
-        num_heads, num_kv_heads, head_size: the layer's shape.
         dtype: model dtype of query/key/value.
         k_scale, v_scale: float32 `[]` or `[num_kv_heads]` (default 1.0).
         causal: decoder causality (False: bidirectional over the cache).
         sliding_window: W, passed to the builder's `AttentionSpec`.
         num_padding_tokens: extra query/key/value rows past the real ones, with slot -1.
-        layers: the layers of the group and their records (`{name: impl.layer_params()}`),
-            given to the builder's constructor as an engine does; default one layer
-            "layer.0" of this shape (`layer_records`).
+        layers: the group's layers and records (`{name: impl.layer_params()}`), given to the
+            builder's constructor as an engine does; default one plain "layer.0"
+            (`layer_records`).
         seed: fixes every random value and block assignment.
 
     Raises:

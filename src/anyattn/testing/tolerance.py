@@ -33,10 +33,8 @@ class CaseResult:
             that are exact, such as a constructor rejecting an undeclared head size).
         bound: the tolerance the error must not exceed.
         passed: the error is within bound and every exact check (cache contents, padding rows
-            untouched, null block unused) held.
-        detail: why it failed, or what was run.
-        feature: the feature name the case belongs to (see `anyattn.testing.FEATURES`).
-        seconds: wall time of the case.
+            untouched, null block unused) held; detail: why it failed, or what was run.
+        feature: the case's feature (`anyattn.testing.FEATURES`); seconds: its wall time.
     """
 
     name: str
