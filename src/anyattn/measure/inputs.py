@@ -55,9 +55,7 @@ class PreparedStep:
     """A step ready to build and run; tensors on the timing device.
 
     Attributes:
-        backend, impl, builder: the backend's classes at work.
-        layer: what the impl reads from the layer.
-        common: the step's common metadata.
+        layer: what the impl reads from the layer; common: the step's common metadata.
         kv_cache: the layer's cache (the step's write lands in it on every run).
         inputs: standard: query, key, value `[T, H(_kv), D]`; MLA: q_latent `[T, H, L]`,
             q_pe `[T, H, R]`, q `[T, H, P + R]`, kv_c `[T, L]`, k_pe `[T, R]` (each entry point

@@ -25,15 +25,10 @@ RELATIVE_TOLERANCE = 0.02
 
 @dataclass(frozen=True, slots=True)
 class PhaseChoice:
-    """The verdict for one phase (or "overall").
-
-    Attributes:
-        phase: "decode", "prefill", "mixed" or "overall".
-        backend: the chosen backend.
-        fastest: the backend with the lowest sum (may differ from `backend` within a tie).
-        totals_us: each timed backend's sum of median step times over the phase.
-        tied: the backends within the tolerance of `fastest`, in static order.
-    """
+    """The verdict for one phase ("decode", "prefill", "mixed" or "overall"): the chosen
+    `backend`, the `fastest` (lowest sum; another may be chosen within a tie), each timed
+    backend's summed step cost `totals_us`, and the backends `tied` with the fastest within the
+    tolerance, in static order."""
 
     phase: str
     backend: str

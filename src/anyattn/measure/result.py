@@ -30,19 +30,15 @@ class Measurement:
         timings: backend -> step name -> `StepTiming`.
         rejected: backend -> why it was not timed (oracle check failed, or it raised).
         choices: "decode", "prefill", "mixed" (those with steps) and "overall" -> `PhaseChoice`.
-        kv_cache_shared: whether the decode and prefill choices can share one KV cache (a
-            kernel block size, layout and cache dtype both take, the same logical shape:
-            `anyattn.kv_cache_sharing`), so an engine may run them on one cache.
-        kv_cache_note: why, or why not.
+        kv_cache_shared, kv_cache_note: whether the decode and prefill choices can share one KV
+            cache (`kv_cache_compatibility`), and why or why not.
         is_mla: the config is MLA (the engine runs MLA layers on one backend per layer).
-        layers_per_step: the layer calls that share one `build` per step (an engine's layers of
-            the config), which weighs each step's build into its cost; None: not counted.
-        check_s: wall seconds of the oracle checks, where each backend's kernels compile (0 when
-            read from the cache).
-        timing_s: wall seconds of timing the steps, each step's first call included (its
-            compilation and autotuning: `first_calls_s`); 0 when read from the cache.
-        from_cache: whether this came from the on-disk cache.
-        cache_note: what the cache did ("used <path>", "saved to <path>", "cache off", ...).
+        layers_per_step: the layer calls that share one `build` per step, which weighs each
+            step's build into its cost; None: not counted.
+        check_s, timing_s: wall seconds of the oracle checks (where kernels compile) and of the
+            timing (first calls included, `first_calls_s`); 0 when read from the cache.
+        from_cache, cache_note: whether this came from the on-disk cache, and what the cache
+            did ("used <path>", "saved to <path>", "cache off", ...).
     """
 
     device: str

@@ -67,24 +67,21 @@ def _default_timer(
     return timer
 
 
-def _progress(enabled: bool) -> Progress:
-    return Progress(
-        TextColumn("measuring {task.description}"), BarColumn(),
-        TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-        console=Console(stderr=True, markup=False, emoji=False, highlight=False), transient=True,
-        disable=not enabled,
-    )  # fmt: skip
-
-
 def _measure(
     candidates: Sequence[type[AttentionBackend]], steps: tuple[MeasureStep, ...], timer: Timer,
     checker: Checker, progress: bool,
 ) -> tuple[dict[str, dict[str, StepTiming]], dict[str, str], float]:  # fmt: skip
     """Check then time each candidate; returns (timings, rejected, seconds of checks)."""
     timings: dict[str, dict[str, StepTiming]] = {}
-    check_s = 0.0
     rejected: dict[str, str] = {}
-    with _progress(progress) as bar:
+    check_s = 0.0
+    bar = Progress(
+        TextColumn("measuring {task.description}"), BarColumn(),
+        TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+        console=Console(stderr=True, markup=False, emoji=False, highlight=False), transient=True,
+        disable=not progress,
+    )  # fmt: skip
+    with bar:
         task = bar.add_task("", total=len(candidates) * (len(steps) + 1))
         for backend in candidates:
             name = backend.get_name()

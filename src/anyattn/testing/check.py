@@ -162,16 +162,6 @@ def _step(
     return output, output_lse
 
 
-def _check_rejection(backend: type[AttentionBackend], case: Case) -> list[CaseResult]:
-    try:
-        _make_impls(backend, case, None)
-    except (ValueError, NotImplementedError) as e:
-        detail = f"rejected with {type(e).__name__}"
-        return [CaseResult(case.name, 0.0, 0.0, True, detail, case.feature)]
-    detail = f"impl accepted head_size {case.head_size}, which the backend does not declare"
-    return [CaseResult(case.name, 0.0, 0.0, False, detail, case.feature)]
-
-
 def _run(
     backend: type[AttentionBackend], case: Case | MLACase, device: torch.device, dtype: torch.dtype,
     seed: int,
@@ -179,7 +169,13 @@ def _run(
     if isinstance(case, MLACase):
         return run_mla_case(backend, case, device, dtype, seed)
     if case.expect_rejection:
-        return _check_rejection(backend, case)
+        try:
+            _make_impls(backend, case, None)
+        except (ValueError, NotImplementedError) as e:
+            detail = f"rejected with {type(e).__name__}"
+            return [CaseResult(case.name, 0.0, 0.0, True, detail, case.feature)]
+        detail = f"impl accepted head_size {case.head_size}, which the backend does not declare"
+        return [CaseResult(case.name, 0.0, 0.0, False, detail, case.feature)]
     generator = torch.Generator().manual_seed(seed)
     sinks = None
     if case.use_sinks:

@@ -108,17 +108,6 @@ def _make_impl(backend: type[AttentionBackend], case: MLACase) -> MLAAttentionIm
     )  # fmt: skip
 
 
-def _decode_split(attn_metadata: object) -> tuple[int, int]:
-    """`(num_decodes, num_decode_tokens)` of an MLA builder's metadata (docs/mla.md)."""
-    split = tuple(getattr(attn_metadata, n, None) for n in ("num_decodes", "num_decode_tokens"))
-    if not all(isinstance(x, int) for x in split):
-        raise TypeError(
-            f"MLA metadata must say its decode split as int num_decodes and num_decode_tokens "
-            f"(got {type(attn_metadata).__name__} with {split[0]!r} and {split[1]!r})."
-        )
-    return split  # type: ignore[return-value]
-
-
 def mla_step(
     impl: MLAAttentionImpl, layer: KitMLALayer, batch: MLABatch, want_lse: bool = False
 ) -> MLAStepResult:
@@ -138,7 +127,15 @@ def mla_step(
         layer, batch.kv_c, k_pe, batch.kv_cache, batch.common_attn_metadata.slot_mapping, md
     )
     n = batch.num_actual_tokens
-    num_decodes, num_decode_tokens = _decode_split(md)
+    # The decode split every MLA builder's metadata states (docs/mla.md).
+    num_decodes, num_decode_tokens = (
+        getattr(md, n, None) for n in ("num_decodes", "num_decode_tokens")
+    )
+    if not isinstance(num_decodes, int) or not isinstance(num_decode_tokens, int):
+        raise TypeError(
+            f"MLA metadata must say its decode split as int num_decodes and num_decode_tokens "
+            f"(got {type(md).__name__} with {num_decodes!r} and {num_decode_tokens!r})."
+        )
     dtype, device = batch.q_nope.dtype, batch.q_nope.device
     # NaN everywhere: rows the backend forgets to write show up as NaN errors.
     output_shape = (batch.q_nope.shape[0], num_heads, batch.shape.v_head_dim)

@@ -51,16 +51,10 @@ def attention_oracle(
             dequantised when the cache is fp8.
         value: `[sum(seq_lens), num_kv_heads, value_size]`, the keys' values; `value_size`
             is usually `head_size` (MLA's up-projected values may differ).
-        query_lens: query rows per request.
-        seq_lens: keys per request (context + new tokens; the encoder length for cross
-            attention, with `causal=False`).
-        scale: multiplies `q·k`.
-        causal: keep only keys at or before the query's position.
-        sliding_window: W, the number of keys kept up to and including position p; needs
-            `causal=True`.
-        logits_soft_cap: cap for `cap * tanh(s / cap)`; None or 0 disables it.
-        alibi_slopes: one slope per query head.
-        sinks: `[num_heads]` sink logits.
+        query_lens, seq_lens: query rows and keys per request (context + new tokens; the encoder
+            length for cross attention, with `causal=False`).
+        scale, causal, sliding_window (needs causal), logits_soft_cap (None or 0: none),
+            alibi_slopes (one per query head), sinks (`[num_heads]` logits): as above.
         compute_dtype: float64 for the reference; the model dtype to measure the rounding that
             dtype alone causes. Inputs are cast to it and every step's result is rounded to it
             (scores, soft cap, ALiBi, probabilities, output); the softmax itself is one fused
