@@ -52,11 +52,10 @@ def _standard_case(
 def _mla_case(
     backend: type[AttentionBackend], config: AttentionSelectorConfig, layer: MLALayerParams
 ) -> MLACase:
-    shape = MLAShape(
-        layer.kv_lora_rank, layer.qk_rope_head_dim, layer.qk_nope_head_dim, layer.v_head_dim
-    )
+    rope, nope = layer.qk_rope_head_dim, layer.qk_nope_head_dim
+    shape = MLAShape(layer.kv_lora_rank, rope, nope, layer.v_head_dim)
     # MLACase.scale is scale_factor / sqrt(P + R): this gives the layer's own scale.
-    scale_factor = layer.scale * math.sqrt(layer.qk_nope_head_dim + layer.qk_rope_head_dim)
+    scale_factor = layer.scale * math.sqrt(nope + rope)
     return MLACase(
         name=_MLA_CASE_NAME, feature="mixed", spec=get_spec("mixed", quick=True), shape=shape,
         num_heads=layer.num_heads,
@@ -95,6 +94,4 @@ def check_against_oracle(
         failed = [r for r in run_case(backend, case, device, config.dtype) if not r.passed]
     except Exception as error:  # a candidate may fail in any way; it is then not timed
         return f"sample step raised {type(error).__name__}: {error}"
-    if failed:
-        return "; ".join(f"{r.name}: {r.detail}" for r in failed)
-    return None
+    return "; ".join(f"{r.name}: {r.detail}" for r in failed) or None

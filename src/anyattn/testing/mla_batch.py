@@ -17,65 +17,44 @@ from dataclasses import dataclass
 
 import torch
 
-from anyattn.backend import AttentionBackend, AttentionMetadataBuilder, LayerParams
+from anyattn.backend import AttentionBackend, LayerParams
 from anyattn.config import BatchLimits, MLAAttentionSpec
 from anyattn.kv_cache import allocate_kv_cache
-from anyattn.metadata import CommonAttentionMetadata, make_common_attn_metadata
+from anyattn.metadata import make_common_attn_metadata
 from anyattn.slots import expand_block_table
 from anyattn.testing.batch_spec import BatchSpec
 from anyattn.testing.blocks import assign_blocks, token_slots
 from anyattn.testing.cache_io import as_stored, write_latents
 from anyattn.testing.mla_cases import MLAShape
-from anyattn.testing.paged import gather_rows
+from anyattn.testing.paged import PagedStep, gather_rows
 
 __all__ = ["MLABatch", "build_mla_batch"]
 
 
 @dataclass
-class MLABatch:
-    """One MLA step, ready to hand to a backend, and what the oracle needs to judge it.
+class MLABatch(PagedStep):
+    """One MLA step, ready to hand to a backend, and what the oracle needs to judge it; its
+    `kv_cache` is `[num_blocks, block_size, L + R]`, `k_scale` the per-layer fp8 scale `[]`.
 
     Attributes:
-        spec: the batch as laid out (decodes first when the builder asked for it).
-        order: `spec` request i is request `order[i]` of the spec passed to `build_mla_batch`.
         shape: the layer's sizes (L, R, P, Vd).
-        block_size: kernel block size of `kv_cache` and `block_table`.
         q_nope: `[num_tokens + num_padding_tokens, num_heads, P]`, model dtype.
         q_pe: `[num_tokens + num_padding_tokens, num_heads, R]`, rope applied (random here).
         kv_c, k_pe: the step's new latents `[num_tokens + num_padding_tokens, L]` / `[.., R]`.
         w_uk, w_uv: `[num_heads, P, L]` / `[num_heads, Vd, L]`, model dtype.
-        kv_cache: `[num_blocks, block_size, L + R]` with the context written.
-        expected_kv_cache: the cache as it must be once the backend has written the new rows.
-        block_table: int32 `[num_reqs, max_blocks]` (device), kernel-block units.
-        common_attn_metadata: the step's metadata (`slot_mapping` -1 on padding rows), and
-            attn_metadata what the backend's `builder` built from it.
         given_rows: per request, float64 `[seq_len, L + R]`: its latents as drawn (model dtype).
         stored_rows: per request, float64 `[seq_len, L + R]`: as the cache gives them back.
-        k_scale: float32 `[]` (device), the per-layer fp8 scale (1 otherwise).
-        num_actual_tokens: real query rows (`spec.num_tokens`).
     """
 
-    spec: BatchSpec
-    order: list[int]
     shape: MLAShape
-    block_size: int
     q_nope: torch.Tensor
     q_pe: torch.Tensor
     kv_c: torch.Tensor
     k_pe: torch.Tensor
     w_uk: torch.Tensor
     w_uv: torch.Tensor
-    kv_cache: torch.Tensor
-    expected_kv_cache: torch.Tensor
-    block_table: torch.Tensor
-    common_attn_metadata: CommonAttentionMetadata
-    attn_metadata: object
-    builder: AttentionMetadataBuilder
     given_rows: list[torch.Tensor]
     stored_rows: list[torch.Tensor]
-    k_scale: torch.Tensor
-    kv_cache_dtype: str
-    num_actual_tokens: int
 
     def oracle_latents(self, num_decodes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """float64 `(kv_c [sum(seq_lens), L], k_pe [.., R])`: what each request attends to.

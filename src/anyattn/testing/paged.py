@@ -25,7 +25,7 @@ from anyattn.testing.blocks import assign_blocks, cross_slot_mapping, token_slot
 from anyattn.testing.cache_io import as_stored, write_kv
 from anyattn.types import ENCODER_TYPES, AttentionType, KVCacheLayout
 
-__all__ = ["PagedBatch", "build_batch", "gather_rows", "layer_records"]
+__all__ = ["PagedBatch", "PagedStep", "build_batch", "gather_rows", "layer_records"]
 
 
 def layer_records(
@@ -45,50 +45,61 @@ def layer_records(
 
 
 @dataclass
-class PagedBatch:
-    """One step, ready to hand to a backend, and what the oracle needs to judge it.
+class PagedStep:
+    """What every kit step holds: a shuffled paged cache and the backend's metadata.
 
     Attributes:
-        spec: the batch as laid out (decodes first when the builder asked for it).
-        order: `spec` request i is request `order[i]` of the spec passed to `build_batch`.
-        block_size: kernel block size of `kv_cache` and `block_table`.
-        query: `[num_tokens + num_padding_tokens, num_heads, head_size]`, model dtype.
-        key, value: what `forward` receives: the new tokens' K/V `[num_tokens (+ padding),
-            num_kv_heads, head_size]`; for cross attention the encoder K/V of first-step
-            requests, or None when no request is at its first step.
-        kv_cache: the layer's cache with the context written (the backend writes the rest).
-        expected_kv_cache: the cache as it must be once the backend has written `key`/`value`.
-        block_table: int32 `[num_reqs, max_blocks]` (device), kernel-block units.
-        common_attn_metadata: the step's metadata (`slot_mapping` covers `key`'s rows), and
+        spec: the batch as laid out (decodes first when the builder asked for it); request i
+            of it is request `order[i]` of the spec the batch was built from.
+        block_size: kernel block size of `kv_cache` and `block_table` (int32 `[num_reqs,
+            max_blocks]`, device).
+        kv_cache: the layer's cache with the context written (the backend writes the rest), and
+            expected_kv_cache as it must be once the backend has written the step's rows.
+        common_attn_metadata: the step's metadata (`slot_mapping` -1 on padding rows), and
             attn_metadata what the backend's `builder` built from it.
-        kv_lens: keys per request (seq_lens, or encoder lengths for cross attention).
-        oracle_key, oracle_value: float64 `[sum(kv_lens), num_kv_heads, head_size]`, the keys
-            each request attends to, as stored (fp8 dequantised), computed by the kit.
-        k_scale, v_scale: float32 `[]` or `[num_kv_heads]` (device).
-        causal: the metadata's causal flag; num_actual_tokens: real query rows.
+        k_scale: float32 `[]` or `[num_kv_heads]` (device); kv_cache_dtype: the cache dtype name.
+        num_actual_tokens: real query rows (`spec.num_tokens`).
     """
 
     spec: BatchSpec
     order: list[int]
     block_size: int
-    query: torch.Tensor
-    key: torch.Tensor | None
-    value: torch.Tensor | None
     kv_cache: torch.Tensor
     expected_kv_cache: torch.Tensor
     block_table: torch.Tensor
     common_attn_metadata: CommonAttentionMetadata
     attn_metadata: object
     builder: AttentionMetadataBuilder
+    k_scale: torch.Tensor
+    kv_cache_dtype: str
+    num_actual_tokens: int
+
+
+@dataclass
+class PagedBatch(PagedStep):
+    """One step, ready to hand to a backend, and what the oracle needs to judge it.
+
+    Attributes:
+        query: `[num_tokens + num_padding_tokens, num_heads, head_size]`, model dtype.
+        key, value: what `forward` receives: the new tokens' K/V `[num_tokens (+ padding),
+            num_kv_heads, head_size]`; for cross attention the encoder K/V of first-step
+            requests, or None when no request is at its first step.
+        kv_lens: keys per request (seq_lens, or encoder lengths for cross attention).
+        oracle_key, oracle_value: float64 `[sum(kv_lens), num_kv_heads, head_size]`, the keys
+            each request attends to, as stored (fp8 dequantised), computed by the kit.
+        v_scale: float32 `[]` or `[num_kv_heads]` (device).
+        attn_type: the attention type; causal: the metadata's causal flag.
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor | None
+    value: torch.Tensor | None
     kv_lens: tuple[int, ...]
     oracle_key: torch.Tensor
     oracle_value: torch.Tensor
-    k_scale: torch.Tensor
     v_scale: torch.Tensor
-    kv_cache_dtype: str
     attn_type: AttentionType
     causal: bool
-    num_actual_tokens: int
 
 
 def gather_rows(source: list[torch.Tensor], positions: list[torch.Tensor]) -> torch.Tensor:
