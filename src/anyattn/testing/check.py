@@ -1,11 +1,10 @@
-"""Run the conformance cases on a backend and judge them against the float64 oracle.
+"""Run the conformance cases on a backend and judge them against the float64 oracle:
+`check_backend`, `run_case` (`MLACase`s by `anyattn.testing.mla_check`) and their report.
 
-`check_backend` is the entry point; `run_case` runs one planned case (`MLACase`s by
-`anyattn.testing.mla_check`). The kit plays the model's attention layer, calling the impl's two
-entry points directly as an engine may: `do_kv_cache_update` when the backend's
-`forward_includes_kv_cache_update` is False (never for ENCODER / ENCODER_ONLY, which have no
-cache, nor for cross attention steps without key/value), then `forward` with `output` and
-`output_lse` filled with NaN.
+The kit plays the model's attention layer, calling the impl's entry points directly as an
+engine may: `do_kv_cache_update` when `forward_includes_kv_cache_update` is False (not for
+encoder attention, which has no cache, nor cross attention steps without key/value), then
+`forward` with `output` and `output_lse` filled with NaN.
 
 A case fails when the backend raises, when its output (or LSE, natural log, with a float32
 floor) is further from the oracle than the tolerance rule allows, or when an exact check breaks:
@@ -115,8 +114,7 @@ class ConformanceReport:
                 f"no conformance case ran for {self.backend or 'the backend'}; "
                 f"not declared: {'; '.join(self.not_declared) or 'nothing'}"
             )
-        failed = self.failures
-        if failed:
+        if failed := self.failures:
             names = ", ".join(c.name for c in failed)
             raise AssertionError(
                 f"{len(failed)} of {len(self.cases)} conformance cases failed for "

@@ -128,9 +128,8 @@ def mla_step(
     )
     n = batch.num_actual_tokens
     # The decode split every MLA builder's metadata states (docs/mla.md).
-    num_decodes, num_decode_tokens = (
-        getattr(md, n, None) for n in ("num_decodes", "num_decode_tokens")
-    )
+    num_decodes = getattr(md, "num_decodes", None)
+    num_decode_tokens = getattr(md, "num_decode_tokens", None)
     if not isinstance(num_decodes, int) or not isinstance(num_decode_tokens, int):
         raise TypeError(
             f"MLA metadata must say its decode split as int num_decodes and num_decode_tokens "
