@@ -227,13 +227,9 @@ def _feature_cases(
         )
     if feature == "layouts":
         declared = backend.supported_kv_cache_layouts()
-        cases = [
-            case(f"layout_{layout}", "chunked_prefill", layout=layout)
-            for layout in declared
-            if layout != base.layout
-        ]
+        others = [x for x in declared if x != base.layout]
         missing = [f"layout {x}" for x in KVCacheLayout if x not in declared]
-        return cases, missing
+        return [case(f"layout_{x}", "chunked_prefill", layout=x) for x in others], missing
     if feature == "encoder_decoder":
         cross = AttentionType.ENCODER_DECODER
         # Eight query heads on one KV head over long encoders, at head size 80 where declared.

@@ -234,10 +234,8 @@ def _candidates(
         out.append((replace(cross, causal=False, num_heads=8, num_kv_heads=1), base_dtype))
     for block_size in _block_sizes(backend):
         out.append((_at(base, f"block_size-{block_size}", block_size=block_size), base_dtype))
-    for layout in backend.supported_kv_cache_layouts():
-        out.append(
-            (replace(base, name=f"layout-{layout}", layout=KVCacheLayout(layout)), base_dtype)
-        )
+    for layout in map(KVCacheLayout, backend.supported_kv_cache_layouts()):
+        out.append((replace(base, name=f"layout-{layout}", layout=layout), base_dtype))
     for flag in _FEATURES:
         if getattr(backend, flag)():
             case = _feature_case(backend, flag, base, device, base_dtype)
