@@ -1,12 +1,7 @@
-"""`anyattn explain --measure`: the measured selection for one layer configuration, printed.
-
-The engine's limits (`--max-num-seqs`, `--max-num-batched-tokens`, `--max-model-len`) set the
-timed steps; `--num-layers N` counts each step's `build` over N layers, as the engine does. It
-prints the steps, each candidate's summed time per phase and its first-call seconds
-(compilation, autotuning), the rejected candidates, the choice per phase and overall, whether
-the decode and prefill choices can share one KV cache, whether the engine runs them as a
-per-phase pair (or the overall choice, and why), and what the cache did ("used <file>": no
-timing was done).
+"""`anyattn explain --measure`: the measured selection for one layer configuration, printed:
+the steps (from the engine's limits), each candidate's summed time per phase and first-call
+seconds, the rejections, the choices, KV-cache sharing, what the engine runs, and what the cache
+did (docs/measured_selection.md).
 """
 
 from __future__ import annotations
@@ -39,22 +34,20 @@ def add_measure_arguments(parser: argparse.ArgumentParser) -> None:
         "show the fastest per phase; needs --num-heads (and --num-kv-heads unless --use-mla)",
     )
     for name, default in _DEFAULT_LIMITS.items():
+        help = f"engine limit the timed steps come from (default: {default})"
         group.add_argument(
             f"--{name.replace('_', '-')}",
             type=positive_int,
             metavar="N",
             default=default,
-            help=f"engine limit the timed steps come from (default: {default})",
+            help=help,
         )
     group.add_argument(
-        "--num-layers",
-        type=positive_int,
-        metavar="N",
-        default=None,
+        "--num-layers", type=positive_int, metavar="N", default=None,
         help="the model's layers of this configuration, which share each step's metadata "
         "build: the build is then counted, 1/N per layer call, as the engine does (default: "
         "not counted)",
-    )
+    )  # fmt: skip
     group.add_argument(
         "--no-measure-cache",
         action="store_true",
@@ -73,13 +66,9 @@ def run_measure(args: argparse.Namespace, config: AttentionSelectorConfig) -> Me
         ValueError, NoBackendError: as `anyattn.selector.measure_backends`.
     """
     return measure_backends(
-        config,
-        limits_from_args(args),
-        args.device,
-        use_cache=not args.no_measure_cache,
-        progress=True,
-        layers_per_step=args.num_layers,
-    )
+        config, limits_from_args(args), args.device, use_cache=not args.no_measure_cache,
+        progress=True, layers_per_step=args.num_layers,
+    )  # fmt: skip
 
 
 def _us(value: float | None) -> str:
@@ -95,14 +84,10 @@ def print_measurement(console: Console, measured: Measurement) -> None:
         console.print(Text(f"cache: {measured.cache_note} (no timing done)"))
     else:
         first = sum(measured.first_calls_s(b) for b in measured.timings)
-        console.print(
-            Text(
-                f"took {measured.check_s + measured.timing_s:.1f} s: oracle checks "
-                f"{measured.check_s:.1f} s and first calls {first:.1f} s (compilation, paid "
-                f"once), timing {max(measured.timing_s - first, 0.0):.1f} s; cache: "
-                f"{measured.cache_note}"
-            )
-        )
+        took = f"took {measured.check_s + measured.timing_s:.1f} s: oracle checks "
+        took += f"{measured.check_s:.1f} s and first calls {first:.1f} s (compilation, paid once), "
+        took += f"timing {max(measured.timing_s - first, 0.0):.1f} s; cache: {measured.cache_note}"
+        console.print(Text(took))
     steps = Table(box=box.SIMPLE_HEAD, title="steps", title_justify="left")
     for column in ("phase", "step", "shape"):
         steps.add_column(column, no_wrap=column != "shape")
@@ -118,23 +103,20 @@ def print_measurement(console: Console, measured: Measurement) -> None:
     for label in labels:
         times.add_column(label, justify="right", no_wrap=True)
     times.add_column("first calls", justify="right", no_wrap=True)
-    for name in measured.order:
-        if name in measured.rejected:
-            continue
-        row = []
-        for label in labels:
-            choice = measured.choices.get(label)
-            total = None if choice is None else choice.totals_us.get(name)
-            cell = Text(_us(total))
-            if choice is not None and choice.backend == name:
-                cell.stylize("bold green")
-            row.append(cell)
+    choices = [measured.choices.get(label) for label in labels]
+    for name in (n for n in measured.order if n not in measured.rejected):
+        row = [
+            Text(
+                _us(c and c.totals_us.get(name)),
+                style="bold green" if c and c.backend == name else "",
+            )
+            for c in choices
+        ]
         times.add_row(name, *row, f"{measured.first_calls_s(name):.2f} s")
     console.print(times)
     for name, why in measured.rejected.items():
         console.print(Text(f"rejected {name}: {why}", style="red"))
-    for label in labels:
-        choice = measured.choices.get(label)
+    for label, choice in zip(labels, choices, strict=True):
         if choice is None:
             continue
         line = f"{label}: {choice.backend}"

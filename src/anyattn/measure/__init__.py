@@ -1,11 +1,7 @@
 """Measured backend selection: time every backend that fits a layer config on this device and
-choose per phase (decode, prefill, mixed) and overall; docs/measured_selection.md.
-
-Entry points are in the selector (`select_backend(config, policy="fastest", limits=...)`,
-`measure_backends`); this package holds the parts: `steps` (the step shapes from the engine's
-limits), `layer_shape` (the values a config omits), `inputs` (a step set up with a backend's
-builder and impl), `verify` (the float64 oracle check), `timing`, `policy` (the choice),
-`result` (`Measurement`), `cache` (the JSON cache) and `run` (all of it for one config).
+choose per phase (decode, prefill, mixed) and overall (docs/measured_selection.md, which names
+each module's part). The entry points are in the selector (`select_backend(config,
+policy="fastest", limits=...)`, `measure_backends`).
 """
 
 from anyattn.measure.cache import CACHE_DIR_ENV, NO_CACHE_ENV, cache_dir
@@ -16,19 +12,7 @@ from anyattn.measure.steps import MeasureStep, Phase, measurement_steps
 from anyattn.measure.timing import StepTiming, Timer
 
 __all__ = [
-    "CACHE_DIR_ENV",
-    "NO_CACHE_ENV",
-    "OVERALL",
-    "RELATIVE_TOLERANCE",
-    "Checker",
-    "MeasureStep",
-    "Measurement",
-    "Phase",
-    "PhaseChoice",
-    "StepTiming",
-    "Timer",
-    "cache_dir",
-    "choose",
-    "measure_candidates",
-    "measurement_steps",
-]
+    "CACHE_DIR_ENV", "NO_CACHE_ENV", "OVERALL", "RELATIVE_TOLERANCE", "Checker", "MeasureStep",
+    "Measurement", "Phase", "PhaseChoice", "StepTiming", "Timer", "cache_dir", "choose",
+    "measure_candidates", "measurement_steps",
+]  # fmt: skip

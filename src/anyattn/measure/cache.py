@@ -20,30 +20,17 @@ import anyattn
 from anyattn.backend import AttentionBackend
 
 __all__ = [
-    "CACHE_DIR_ENV",
-    "FORMAT",
-    "NO_CACHE_ENV",
-    "cache_dir",
-    "cache_file",
-    "device_identity",
-    "load_entry",
-    "make_key",
-    "source_hash",
-    "store_entry",
-]
+    "CACHE_DIR_ENV", "FORMAT", "NO_CACHE_ENV", "cache_dir", "cache_file", "device_identity",
+    "load_entry", "make_key", "source_hash", "store_entry",
+]  # fmt: skip
 
 CACHE_DIR_ENV = "ANYATTN_CACHE_DIR"
 NO_CACHE_ENV = "ANYATTN_NO_MEASURE_CACHE"
 FORMAT = 1
 _PACKAGES = (
-    "anyattn",
-    "torch",
-    "triton",
-    "flashinfer-python",
-    "flash-attn",
-    "flash-attn-4",
+    "anyattn", "torch", "triton", "flashinfer-python", "flash-attn", "flash-attn-4",
     "nvidia-cutlass-dsl",
-)
+)  # fmt: skip
 
 
 def cache_dir() -> Path | None:
@@ -58,24 +45,17 @@ def cache_dir() -> Path | None:
     return base / "anyattn"
 
 
-def _cpu_name() -> str:
+def _first_line(path: str, prefix: str = "") -> str | None:
+    """The first line of `path` that starts with `prefix`, stripped (after its ":" when there is
+    a prefix); None where the file cannot be read or has no such line."""
     try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.partition(":")[2].strip()
+        with open(path, encoding="utf-8") as lines:
+            for line in lines:
+                if line.startswith(prefix):
+                    return (line.partition(":")[2] if prefix else line).strip() or None
     except OSError:
         pass
-    return platform.processor() or platform.machine()
-
-
-def _driver_version() -> str | None:
-    """The NVIDIA kernel driver's version line, or None where it cannot be read."""
-    try:
-        with open("/proc/driver/nvidia/version", encoding="utf-8") as version:
-            return version.readline().strip() or None
-    except OSError:
-        return None
+    return None
 
 
 def device_identity(device: torch.device) -> dict[str, object]:
@@ -86,10 +66,11 @@ def device_identity(device: torch.device) -> dict[str, object]:
             "type": "cuda",
             "name": torch.cuda.get_device_name(index),
             "capability": list(torch.cuda.get_device_capability(index)),
-            "driver": _driver_version(),
+            "driver": _first_line("/proc/driver/nvidia/version"),
             "cuda": torch.version.cuda,
         }
-    return {"type": device.type, "name": _cpu_name(), "threads": torch.get_num_threads()}
+    name = _first_line("/proc/cpuinfo", "model name") or platform.processor() or platform.machine()
+    return {"type": device.type, "name": name, "threads": torch.get_num_threads()}
 
 
 def _version(package: str) -> str | None:
@@ -112,23 +93,16 @@ def source_hash() -> str:
 
 
 def make_key(
-    device: torch.device,
-    backends: list[type[AttentionBackend]],
-    config: dict[str, object],
-    layer: dict[str, object],
-    limits: dict[str, object],
-) -> dict[str, object]:
+    device: torch.device, backends: list[type[AttentionBackend]], config: dict[str, object],
+    layer: dict[str, object], limits: dict[str, object],
+) -> dict[str, object]:  # fmt: skip
     """The whole key of a measurement (JSON-ready)."""
     return {
-        "format": FORMAT,
-        "device": device_identity(device),
+        "format": FORMAT, "device": device_identity(device),
         "versions": {package: _version(package) for package in _PACKAGES},
-        "backends": [b.get_name() for b in backends],
-        "source_sha256": source_hash(),
-        "config": config,
-        "layer": layer,
-        "limits": limits,
-    }
+        "backends": [b.get_name() for b in backends], "source_sha256": source_hash(),
+        "config": config, "layer": layer, "limits": limits,
+    }  # fmt: skip
 
 
 def cache_file(key: dict[str, object]) -> Path | None:

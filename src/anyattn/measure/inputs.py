@@ -55,9 +55,7 @@ class PreparedStep:
     """A step ready to build and run; tensors on the timing device.
 
     Attributes:
-        backend, impl, builder: the backend's classes at work.
-        layer: what the impl reads from the layer.
-        common: the step's common metadata.
+        layer: what the impl reads from the layer; common: the step's common metadata.
         kv_cache: the layer's cache (the step's write lands in it on every run).
         inputs: standard: query, key, value `[T, H(_kv), D]`; MLA: q_latent `[T, H, L]`,
             q_pe `[T, H, R]`, q `[T, H, P + R]`, kv_c `[T, L]`, k_pe `[T, R]` (each entry point
@@ -139,42 +137,13 @@ def _make_impl(backend: type[AttentionBackend], layer: LayerParams, device: torc
     )  # fmt: skip
 
 
-def _mla_inputs(
-    layer: MLALayerParams, num_tokens: int, dtype: torch.dtype, device: torch.device
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    h, lat, rope = layer.num_heads, layer.kv_lora_rank, layer.qk_rope_head_dim
-    nope, v_dim = layer.qk_nope_head_dim, layer.v_head_dim
-    inputs = {
-        "q_latent": _randn((num_tokens, h, lat), dtype, device),
-        "q_pe": _randn((num_tokens, h, rope), dtype, device),
-        "q": _randn((num_tokens, h, nope + rope), dtype, device),
-        "kv_c": _randn((num_tokens, lat), dtype, device),
-        "k_pe": _randn((num_tokens, rope), dtype, device),
-    }
-    outputs = {
-        "output": torch.empty((num_tokens, h, lat), dtype=dtype, device=device),
-        "output_mha": torch.empty((num_tokens, h, v_dim), dtype=dtype, device=device),
-    }
-    return inputs, outputs
-
-
 def prepare_step(
-    backend: type[AttentionBackend],
-    config: AttentionSelectorConfig,
-    layer: LayerParams,
-    step: MeasureStep,
-    limits: BatchLimits,
-    device: torch.device,
-    seed: int = 0,
-) -> PreparedStep:
-    """Set up `step` for `backend`: impl, builder, cache, inputs (nothing is run).
-
-    Args:
-        config: the layer's selector config (dtype, cache dtype, block size, flags).
-        layer: its record (`resolve_layer`); an `MLALayerParams` for MLA backends.
-        limits: the engine's limits, given to the builder.
-        device: where the tensors live.
-    """
+    backend: type[AttentionBackend], config: AttentionSelectorConfig, layer: LayerParams,
+    step: MeasureStep, limits: BatchLimits, device: torch.device, seed: int = 0,
+) -> PreparedStep:  # fmt: skip
+    """Set up `step` for `backend` (impl, builder, cache, inputs; nothing is run), for the layer
+    `layer` (`resolve_layer`; an `MLALayerParams` for MLA backends) of `config`, with the
+    engine's `limits` given to the builder."""
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     dtype = config.dtype
@@ -185,42 +154,43 @@ def prepare_step(
     )
     impl = _make_impl(backend, layer, device)
     is_mla = isinstance(layer, MLALayerParams)
-    heads = 1 if is_mla else layer.num_kv_heads
     kv_cache = allocate_kv_cache(
-        backend, num_blocks, kernel_block_size, heads, layer.head_size, dtype,
-        config.kv_cache_dtype, None, device,
+        backend, num_blocks, kernel_block_size, 1 if is_mla else layer.num_kv_heads,
+        layer.head_size, dtype, config.kv_cache_dtype, None, device,
     )  # fmt: skip
     kv_cache.copy_(_randn(tuple(kv_cache.shape), dtype, device))
     scale_shape = (layer.num_kv_heads,) if config.use_per_head_quant_scales else ()
     one = torch.ones(scale_shape, dtype=torch.float32, device=device)
-    tokens = step.num_tokens
-    if is_mla:
-        assert isinstance(layer, MLALayerParams)
+    t, h = step.num_tokens, layer.num_heads
+    if isinstance(layer, MLALayerParams):
         spec: AttentionSpec = MLAAttentionSpec(
             block_size=kernel_block_size, dtype=dtype, kv_lora_rank=layer.kv_lora_rank,
             qk_rope_head_dim=layer.qk_rope_head_dim, qk_nope_head_dim=layer.qk_nope_head_dim,
             v_head_dim=layer.v_head_dim, kv_cache_dtype=config.kv_cache_dtype,
         )  # fmt: skip
-        rows = layer.qk_nope_head_dim + layer.v_head_dim
-        kv_b = _randn((layer.num_heads, rows, layer.kv_lora_rank), dtype, device)
-        kv_b = kv_b / math.sqrt(layer.kv_lora_rank)
+        rank, rope, nope = layer.kv_lora_rank, layer.qk_rope_head_dim, layer.qk_nope_head_dim
+        kv_b = _randn((h, nope + layer.v_head_dim, rank), dtype, device) / math.sqrt(rank)
         measure_layer = MeasureLayer(LAYER_NAME, one, one.clone(), kv_b, layer.v_head_dim)
-        inputs, outputs = _mla_inputs(layer, tokens, dtype, device)
+        shapes = {"q_latent": (t, h, rank), "q_pe": (t, h, rope), "q": (t, h, nope + rope),
+                  "kv_c": (t, rank), "k_pe": (t, rope)}  # fmt: skip
+        inputs = {name: _randn(shape, dtype, device) for name, shape in shapes.items()}
+        outputs = {
+            "output": torch.empty((t, h, rank), dtype=dtype, device=device),
+            "output_mha": torch.empty((t, h, layer.v_head_dim), dtype=dtype, device=device),
+        }
     else:
         spec = AttentionSpec(
             kernel_block_size, layer.num_kv_heads, layer.head_size, dtype,
             config.kv_cache_dtype, layer.sliding_window,
         )  # fmt: skip
         measure_layer = MeasureLayer(LAYER_NAME, one, one.clone())
-        inputs = {
-            "query": _randn((tokens, layer.num_heads, layer.head_size), dtype, device),
-            "key": _randn((tokens, layer.num_kv_heads, layer.head_size), dtype, device),
-            "value": _randn((tokens, layer.num_kv_heads, layer.head_size), dtype, device),
-        }
+        kv_shape = (t, layer.num_kv_heads, layer.head_size)
+        shapes = {"query": (t, h, layer.head_size), "key": kv_shape, "value": kv_shape}
+        inputs = {name: _randn(shape, dtype, device) for name, shape in shapes.items()}
         outputs = {"output": torch.empty_like(inputs["query"])}
     output_lse = None
     if config.needs_lse:
-        output_lse = torch.empty((layer.num_heads, tokens), dtype=torch.float32, device=device)
+        output_lse = torch.empty((h, t), dtype=torch.float32, device=device)
     common = make_common_attn_metadata(
         step.query_lens, step.seq_lens, table, kernel_block_size, device,
         causal=not config.use_non_causal,

@@ -8,19 +8,13 @@ values of current models), and the scale is `head_size ** -0.5` (MLA: `(P + R) *
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from anyattn.config import AttentionSelectorConfig
 from anyattn.layer_params import LayerParams, MLALayerParams
 
 __all__ = [
-    "DEFAULT_LOGITS_SOFT_CAP",
-    "DEFAULT_MLA_NOPE_DIM",
-    "DEFAULT_MLA_ROPE_DIM",
-    "DEFAULT_MLA_V_DIM",
-    "DEFAULT_SLIDING_WINDOW",
-    "resolve_layer",
-]
+    "DEFAULT_LOGITS_SOFT_CAP", "DEFAULT_MLA_NOPE_DIM", "DEFAULT_MLA_ROPE_DIM", "DEFAULT_MLA_V_DIM",
+    "DEFAULT_SLIDING_WINDOW", "resolve_layer",
+]  # fmt: skip
 
 DEFAULT_SLIDING_WINDOW = 4096
 DEFAULT_LOGITS_SOFT_CAP = 50.0
@@ -38,34 +32,20 @@ def _mla_layer(config: AttentionSelectorConfig, num_heads: int) -> MLALayerParam
             f"qk_rope_head_dim {rope} (expected head_size > {rope}). Set qk_rope_head_dim."
         )
     return MLALayerParams(
-        num_heads=num_heads,
-        num_kv_heads=1,
-        head_size=config.head_size,
-        scale=(nope + rope) ** -0.5,
-        kv_cache_dtype=config.kv_cache_dtype,
-        kv_lora_rank=config.head_size - rope,
-        qk_rope_head_dim=rope,
-        qk_nope_head_dim=nope,
+        num_heads=num_heads, num_kv_heads=1, head_size=config.head_size,
+        scale=(nope + rope) ** -0.5, kv_cache_dtype=config.kv_cache_dtype,
+        kv_lora_rank=config.head_size - rope, qk_rope_head_dim=rope, qk_nope_head_dim=nope,
         v_head_dim=config.v_head_dim or DEFAULT_MLA_V_DIM,
-    )
+    )  # fmt: skip
 
 
 def resolve_layer(
     config: AttentionSelectorConfig, params: LayerParams | None = None
 ) -> LayerParams:
-    """The layer record the timing and the oracle check use for `config`.
-
-    Args:
-        config: what the layer asks of a backend; `num_heads` (and, for standard attention,
-            `num_kv_heads`) must be set unless `params` gives them.
-        params: the real layer's record, when known; it must agree with `config`.
-
-    Returns:
-        `params`, or a `LayerParams` (an `MLALayerParams` for MLA) with the module's defaults.
-
-    Raises:
-        ValueError: the heads are unknown, or `params` contradicts `config`.
-    """
+    """The layer record the timing and the oracle check use for `config`: `params` (the real
+    layer's, when known; it must agree with `config`), else a `LayerParams` (`MLALayerParams`
+    for MLA) with the module's defaults, for which `config` must set `num_heads` (and, for
+    standard attention, `num_kv_heads`); else a ValueError."""
     if params is not None:
         want_mla = isinstance(params, MLALayerParams)
         if want_mla != config.use_mla or params.head_size != config.head_size:
@@ -88,18 +68,11 @@ def resolve_layer(
             "measure: config.num_kv_heads must be set to time a layer (got None, expected the "
             "layer's KV heads). Pass num_kv_heads or layer_params."
         )
-    params = LayerParams(
-        num_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads,
-        head_size=config.head_size,
-        scale=config.head_size**-0.5,
-        attn_type=config.attn_type,
+    return LayerParams(
+        num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+        head_size=config.head_size, scale=config.head_size**-0.5, attn_type=config.attn_type,
         kv_cache_dtype=config.kv_cache_dtype,
-    )
-    return replace(
-        params,
         sliding_window=DEFAULT_SLIDING_WINDOW if config.has_sliding_window else None,
         logits_soft_cap=DEFAULT_LOGITS_SOFT_CAP if config.has_logits_soft_cap else None,
-        has_alibi=config.has_alibi,
-        has_sinks=config.has_sink,
-    )
+        has_alibi=config.has_alibi, has_sinks=config.has_sink,
+    )  # fmt: skip

@@ -7,6 +7,7 @@ it, and the static order decides among tied backends (docs/measured_selection.md
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -14,14 +15,9 @@ from anyattn.measure.steps import MeasureStep, Phase
 from anyattn.measure.timing import StepTiming
 
 __all__ = [
-    "OVERALL",
-    "RELATIVE_TOLERANCE",
-    "PhaseChoice",
-    "choose",
-    "choose_phase",
-    "step_cost_us",
+    "OVERALL", "RELATIVE_TOLERANCE", "PhaseChoice", "choose", "choose_phase", "step_cost_us",
     "within_tolerance",
-]
+]  # fmt: skip
 
 OVERALL = "overall"
 RELATIVE_TOLERANCE = 0.02
@@ -29,15 +25,10 @@ RELATIVE_TOLERANCE = 0.02
 
 @dataclass(frozen=True, slots=True)
 class PhaseChoice:
-    """The verdict for one phase (or "overall").
-
-    Attributes:
-        phase: "decode", "prefill", "mixed" or "overall".
-        backend: the chosen backend.
-        fastest: the backend with the lowest sum (may differ from `backend` within a tie).
-        totals_us: each timed backend's sum of median step times over the phase.
-        tied: the backends within the tolerance of `fastest`, in static order.
-    """
+    """The verdict for one phase ("decode", "prefill", "mixed" or "overall"): the chosen
+    `backend`, the `fastest` (lowest sum; another may be chosen within a tie), each timed
+    backend's summed step cost `totals_us`, and the backends `tied` with the fastest within the
+    tolerance, in static order."""
 
     phase: str
     backend: str
@@ -46,10 +37,7 @@ class PhaseChoice:
     tied: tuple[str, ...]
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "phase": self.phase,
-            "backend": self.backend,
-            "fastest": self.fastest,
+        return dataclasses.asdict(self) | {
             "totals_us": dict(self.totals_us),
             "tied": list(self.tied),
         }
@@ -70,25 +58,13 @@ def within_tolerance(total: float, best: float, spread: float) -> bool:
 
 
 def choose_phase(
-    phase: str,
-    step_names: Sequence[str],
-    order: Sequence[str],
-    timings: Mapping[str, Mapping[str, StepTiming]],
-    layers_per_step: int | None = None,
-) -> PhaseChoice | None:
-    """The backend for one phase.
-
-    Args:
-        phase: the label of the verdict.
-        step_names: the phase's steps.
-        order: candidate backends in static order (earlier wins a tie).
-        timings: backend -> step name -> its timing; a backend missing any of `step_names`
-            (rejected, or failed while timed) takes no part.
-        layers_per_step: layer calls sharing one `build` per step (`step_cost_us`).
-
-    Returns:
-        The choice, or None when the phase has no step or no backend has timed all of them.
-    """
+    phase: str, step_names: Sequence[str], order: Sequence[str],
+    timings: Mapping[str, Mapping[str, StepTiming]], layers_per_step: int | None = None,
+) -> PhaseChoice | None:  # fmt: skip
+    """The backend for the phase labelled `phase` over its steps `step_names`, among `order`
+    (static order: earlier wins a tie); `timings` is backend -> step name -> timing, and a
+    backend missing any of the steps (rejected, or failed while timed) takes no part. None when
+    the phase has no step or no backend has timed all of them."""
     if not step_names:
         return None
     totals: dict[str, float] = {}
@@ -111,11 +87,9 @@ def choose_phase(
 
 
 def choose(
-    steps: Sequence[MeasureStep],
-    order: Sequence[str],
-    timings: Mapping[str, Mapping[str, StepTiming]],
-    layers_per_step: int | None = None,
-) -> dict[str, PhaseChoice]:
+    steps: Sequence[MeasureStep], order: Sequence[str],
+    timings: Mapping[str, Mapping[str, StepTiming]], layers_per_step: int | None = None,
+) -> dict[str, PhaseChoice]:  # fmt: skip
     """The choice of each phase that has steps ("decode", "prefill", "mixed") and "overall"."""
     choices: dict[str, PhaseChoice] = {}
     groups = [(p.value, [s.name for s in steps if s.phase is p]) for p in Phase]

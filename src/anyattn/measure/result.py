@@ -1,13 +1,11 @@
 """The result of a measured selection (`Measurement`): steps, times, choices per phase, and
-whether an engine runs the decode and prefill choices as a pair: only when they can share one
-KV cache and are predicted to beat the overall choice beyond the run's tolerance, each mixed
-step counted as both backends' whole step (docs/measured_selection.md, "The policy"). The cache
-stores `to_dict`; `from_dict` recomputes the choices from the stored times.
+whether an engine runs the decode and prefill choices as a pair (docs/measured_selection.md,
+"The policy"). The cache stores `to_dict`; `from_dict` recomputes the choices from the times.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from anyattn.backend import AttentionBackend
@@ -32,19 +30,15 @@ class Measurement:
         timings: backend -> step name -> `StepTiming`.
         rejected: backend -> why it was not timed (oracle check failed, or it raised).
         choices: "decode", "prefill", "mixed" (those with steps) and "overall" -> `PhaseChoice`.
-        kv_cache_shared: whether the decode and prefill choices can share one KV cache (a
-            kernel block size, layout and cache dtype both take, the same logical shape:
-            `anyattn.kv_cache_sharing`), so an engine may run them on one cache.
-        kv_cache_note: why, or why not.
+        kv_cache_shared, kv_cache_note: whether the decode and prefill choices can share one KV
+            cache (`kv_cache_compatibility`), and why or why not.
         is_mla: the config is MLA (the engine runs MLA layers on one backend per layer).
-        layers_per_step: the layer calls that share one `build` per step (an engine's layers of
-            the config), which weighs each step's build into its cost; None: not counted.
-        check_s: wall seconds of the oracle checks, where each backend's kernels compile (0 when
-            read from the cache).
-        timing_s: wall seconds of timing the steps, each step's first call included (its
-            compilation and autotuning: `first_calls_s`); 0 when read from the cache.
-        from_cache: whether this came from the on-disk cache.
-        cache_note: what the cache did ("used <path>", "saved to <path>", "cache off", ...).
+        layers_per_step: the layer calls that share one `build` per step, which weighs each
+            step's build into its cost; None: not counted.
+        check_s, timing_s: wall seconds of the oracle checks (where kernels compile) and of the
+            timing (first calls included, `first_calls_s`); 0 when read from the cache.
+        from_cache, cache_note: whether this came from the on-disk cache, and what the cache
+            did ("used <path>", "saved to <path>", "cache off", ...).
     """
 
     device: str
@@ -52,8 +46,8 @@ class Measurement:
     steps: tuple[MeasureStep, ...]
     timings: Mapping[str, Mapping[str, StepTiming]]
     rejected: Mapping[str, str]
-    kv_cache_shared: bool
-    kv_cache_note: str
+    kv_cache_shared: bool = False
+    kv_cache_note: str = ""
     is_mla: bool = False
     layers_per_step: int | None = None
     check_s: float = 0.0
@@ -154,26 +148,18 @@ class Measurement:
         return sum(max(t.first_call_us - t.median_us, 0.0) for t in timings) / 1e6
 
     def to_dict(self) -> dict[str, object]:
+        timings = {b: [t.to_dict() for t in steps.values()] for b, steps in self.timings.items()}
         return {
-            "device": self.device,
-            "order": list(self.order),
-            "steps": [s.to_dict() for s in self.steps],
-            "timings": {
-                b: [t.to_dict() for t in per_step.values()] for b, per_step in self.timings.items()
-            },
+            "device": self.device, "order": list(self.order),
+            "steps": [s.to_dict() for s in self.steps], "timings": timings,
             "rejected": dict(self.rejected),
             "choices": {k: c.to_dict() for k, c in self.choices.items()},
             "first_calls_s": {b: self.first_calls_s(b) for b in self.timings},
-            "kv_cache_shared": self.kv_cache_shared,
-            "kv_cache_note": self.kv_cache_note,
-            "is_mla": self.is_mla,
-            "layers_per_step": self.layers_per_step,
-            "engine": self.pair_note(),
-            "check_s": self.check_s,
-            "timing_s": self.timing_s,
-            "from_cache": self.from_cache,
-            "cache_note": self.cache_note,
-        }
+            "kv_cache_shared": self.kv_cache_shared, "kv_cache_note": self.kv_cache_note,
+            "is_mla": self.is_mla, "layers_per_step": self.layers_per_step,
+            "engine": self.pair_note(), "check_s": self.check_s, "timing_s": self.timing_s,
+            "from_cache": self.from_cache, "cache_note": self.cache_note,
+        }  # fmt: skip
 
     @staticmethod
     def from_dict(data: Mapping[str, object], *, cache_note: str = "") -> Measurement:
@@ -187,40 +173,36 @@ class Measurement:
             for b, per_step in data["timings"].items()  # type: ignore[attr-defined]
         }
         layers = data["layers_per_step"]
+        order = tuple(str(b) for b in data["order"])  # type: ignore[attr-defined]
+        steps = tuple(MeasureStep.from_dict(s) for s in data["steps"])  # type: ignore[attr-defined]
+        rejected = {str(k): str(v) for k, v in data["rejected"].items()}  # type: ignore[attr-defined]
         return Measurement(
-            device=str(data["device"]),
-            order=tuple(str(b) for b in data["order"]),  # type: ignore[attr-defined]
-            steps=tuple(MeasureStep.from_dict(s) for s in data["steps"]),  # type: ignore[attr-defined]
-            timings=timings,
-            rejected={str(k): str(v) for k, v in data["rejected"].items()},  # type: ignore[attr-defined]
-            kv_cache_shared=bool(data["kv_cache_shared"]),
-            kv_cache_note=str(data["kv_cache_note"]),
-            is_mla=bool(data["is_mla"]),
+            device=str(data["device"]), order=order, steps=steps, timings=timings,
+            rejected=rejected, kv_cache_shared=bool(data["kv_cache_shared"]),
+            kv_cache_note=str(data["kv_cache_note"]), is_mla=bool(data["is_mla"]),
             layers_per_step=None if layers is None else int(layers),  # type: ignore[call-overload]
-            from_cache=True,
-            cache_note=cache_note,
-        )
+            from_cache=True, cache_note=cache_note,
+        )  # fmt: skip
 
 
 def kv_cache_compatibility(
-    backends: list[type[AttentionBackend]],
-    config: AttentionSelectorConfig,
-    layer: LayerParams,
-) -> tuple[bool, str]:
-    """Whether `backends` (the decode choice first, then the prefill choice) can run on one KV
-    cache for `config` (`anyattn.kv_cache_sharing.plan_shared_kv_cache` at the config's block
-    size, else the decode choice's preferred one), and the plan or why not."""
-    unique = list(dict.fromkeys(backends))
+    choices: Mapping[str, PhaseChoice], candidates: Sequence[type[AttentionBackend]],
+    config: AttentionSelectorConfig, layer: LayerParams,
+) -> tuple[bool, str]:  # fmt: skip
+    """Whether the decode and prefill choices among `candidates` can run on one KV cache for
+    `config` (`anyattn.kv_cache_sharing.plan_shared_kv_cache` at the config's block size, else
+    the decode choice's preferred one), and the plan or why not."""
+    by_name = {b.get_name(): b for b in candidates}
+    phases = [p.value for p in (Phase.DECODE, Phase.PREFILL) if p.value in choices]
+    unique = list(dict.fromkeys(by_name[choices[p].backend] for p in phases))
     if len(unique) < 2:
         return True, "one backend for every phase"
     try:
         shared = plan_shared_kv_cache(
-            unique,
-            block_size=config.block_size or unique[0].get_preferred_block_size(16),
-            num_kv_heads=1 if config.use_mla else layer.num_kv_heads,
-            head_size=layer.head_size,
+            unique, block_size=config.block_size or unique[0].get_preferred_block_size(16),
+            num_kv_heads=1 if config.use_mla else layer.num_kv_heads, head_size=layer.head_size,
             kv_cache_dtype=config.kv_cache_dtype,
-        )
+        )  # fmt: skip
     except KVCacheNotShareableError as error:
         return False, str(error)
     return True, shared.describe()

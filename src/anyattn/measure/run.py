@@ -1,13 +1,13 @@
 """Measure the candidate backends of one layer config and choose per phase (or read the cache):
 each candidate is checked against the oracle (`verify`), rejected if it fails, else timed on
-every step (`timing`). The candidates and their static order come from the selector.
+every step (`timing`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from rich.console import Console
@@ -26,9 +26,8 @@ from anyattn.measure.cache import (
 )
 from anyattn.measure.inputs import prepare_step
 from anyattn.measure.layer_shape import resolve_layer
-from anyattn.measure.policy import PhaseChoice, choose
 from anyattn.measure.result import Measurement, kv_cache_compatibility
-from anyattn.measure.steps import MeasureStep, Phase, measurement_steps
+from anyattn.measure.steps import MeasureStep, measurement_steps
 from anyattn.measure.timing import StepTiming, Timer, time_prepared
 from anyattn.measure.verify import check_against_oracle
 
@@ -53,12 +52,9 @@ def _jsonable(value: object) -> object:
 
 
 def _default_timer(
-    config: AttentionSelectorConfig,
-    layer: LayerParams,
-    limits: BatchLimits,
-    device: torch.device,
+    config: AttentionSelectorConfig, layer: LayerParams, limits: BatchLimits, device: torch.device,
     budget_s: float,
-) -> Timer:
+) -> Timer:  # fmt: skip
     def timer(backend: type[AttentionBackend], step: MeasureStep) -> StepTiming:
         prepared = prepare_step(backend, config, layer, step, limits, device)
         try:
@@ -71,30 +67,21 @@ def _default_timer(
     return timer
 
 
-def _progress(enabled: bool) -> Progress:
-    return Progress(
-        TextColumn("measuring {task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        console=Console(stderr=True, markup=False, emoji=False, highlight=False),
-        transient=True,
-        disable=not enabled,
-    )
-
-
 def _measure(
-    candidates: Sequence[type[AttentionBackend]],
-    steps: tuple[MeasureStep, ...],
-    timer: Timer,
-    checker: Checker,
-    progress: bool,
-) -> tuple[dict[str, dict[str, StepTiming]], dict[str, str], float]:
+    candidates: Sequence[type[AttentionBackend]], steps: tuple[MeasureStep, ...], timer: Timer,
+    checker: Checker, progress: bool,
+) -> tuple[dict[str, dict[str, StepTiming]], dict[str, str], float]:  # fmt: skip
     """Check then time each candidate; returns (timings, rejected, seconds of checks)."""
     timings: dict[str, dict[str, StepTiming]] = {}
-    check_s = 0.0
     rejected: dict[str, str] = {}
-    with _progress(progress) as bar:
+    check_s = 0.0
+    bar = Progress(
+        TextColumn("measuring {task.description}"), BarColumn(),
+        TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+        console=Console(stderr=True, markup=False, emoji=False, highlight=False), transient=True,
+        disable=not progress,
+    )  # fmt: skip
+    with bar:
         task = bar.add_task("", total=len(candidates) * (len(steps) + 1))
         for backend in candidates:
             name = backend.get_name()
@@ -122,46 +109,16 @@ def _measure(
     return timings, rejected, check_s
 
 
-def _cache_sharing(
-    choices: Mapping[str, PhaseChoice],
-    candidates: Sequence[type[AttentionBackend]],
-    config: AttentionSelectorConfig,
-    layer: LayerParams,
-) -> tuple[bool, str]:
-    """Whether the pair an engine would run (decodes on the decode choice, prefills on the
-    prefill's) can share one KV cache, and why (`kv_cache_compatibility`)."""
-    by_name = {b.get_name(): b for b in candidates}
-    phases = [p.value for p in (Phase.DECODE, Phase.PREFILL) if p.value in choices]
-    return kv_cache_compatibility([by_name[choices[p].backend] for p in phases], config, layer)
-
-
 def measure_candidates(
-    config: AttentionSelectorConfig,
-    limits: BatchLimits,
-    candidates: Sequence[type[AttentionBackend]],
-    device: torch.device,
-    *,
-    layer_params: LayerParams | None = None,
-    timer: Timer | None = None,
-    checker: Checker | None = None,
-    use_cache: bool = True,
-    progress: bool = False,
+    config: AttentionSelectorConfig, limits: BatchLimits,
+    candidates: Sequence[type[AttentionBackend]], device: torch.device, *,
+    layer_params: LayerParams | None = None, timer: Timer | None = None,
+    checker: Checker | None = None, use_cache: bool = True, progress: bool = False,
     layers_per_step: int | None = None,
-) -> Measurement:
-    """Check, time and choose among `candidates` (in static order) for `config` on `device`.
-
-    Args:
-        config: the layer's selector config (decoder attention, standard or MLA).
-        limits: the engine's limits; they set the steps.
-        candidates: backend classes that fit `config` here, in the selector's order.
-        device: the real device to time on.
-        layer_params: the layer's record, when known (`anyattn.measure.layer_shape`).
-        timer: replaces the real timing (tests); default: the backends' builders and impls.
-        checker: replaces the oracle check (tests); default: `check_against_oracle`.
-        use_cache: read and write the on-disk cache (`anyattn.measure.cache`).
-        progress: show a progress bar on stderr.
-        layers_per_step: layer calls sharing one `build` per step (an engine's layers of this
-            config): each step's build is then weighed into its cost (`Measurement`).
+) -> Measurement:  # fmt: skip
+    """Check, time and choose among `candidates` (backend classes that fit `config` here, in
+    the selector's order) for `config` on `device`, or read the result from the cache; the
+    arguments are `anyattn.selector.measure_backends`'s.
 
     Raises:
         ValueError: no candidates, missing heads, or a config measured selection does not
@@ -169,31 +126,30 @@ def measure_candidates(
     """
     if not candidates:
         raise ValueError("measure: no candidate backend (got none, expected at least one).")
-    if layers_per_step is not None and (
-        not isinstance(layers_per_step, int) or isinstance(layers_per_step, bool)
-        or layers_per_step < 1
-    ):  # fmt: skip
-        raise ValueError(
-            f"measure: layers_per_step must be None or an int >= 1 (got {layers_per_step!r})."
-        )
+    count = layers_per_step
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        raise ValueError(f"measure: layers_per_step must be None or an int >= 1 (got {count!r}).")
     layer = resolve_layer(config, layer_params)
     steps = measurement_steps(config, limits)
+
+    def with_sharing(measured: Measurement) -> Measurement:
+        # Judged for the choices made now: this call's `layers_per_step` may choose other
+        # backends than a stored call's.
+        measured = dataclasses.replace(measured, layers_per_step=layers_per_step)
+        shared, why = kv_cache_compatibility(measured.choices, candidates, config, layer)
+        return dataclasses.replace(measured, kv_cache_shared=shared, kv_cache_note=why)
+
     # `layers_per_step` only weighs the stored times, so it is not part of the key.
     key = make_key(device, list(candidates), _jsonable(config), _jsonable(layer), _jsonable(limits))  # type: ignore[arg-type]
-    if use_cache and cache_dir() is None:
+    if not use_cache:
+        note = "cache not used (use_cache=False)"
+    elif cache_dir() is None:
         use_cache, note = False, f"cache off ({NO_CACHE_ENV} is set)"
     else:
-        note = "" if use_cache else "cache not used (use_cache=False)"
-    if use_cache:
         stored, note = load_entry(key)
         if stored is not None:
             try:
-                found = Measurement.from_dict(stored, cache_note=note)
-                # This call's `layers_per_step` may choose other backends than the stored
-                # call's: whether they share a cache is judged for the choices made now.
-                found = dataclasses.replace(found, layers_per_step=layers_per_step)
-                shared, why = _cache_sharing(found.choices, candidates, config, layer)
-                return dataclasses.replace(found, kv_cache_shared=shared, kv_cache_note=why)
+                return with_sharing(Measurement.from_dict(stored, cache_note=note))
             except (KeyError, TypeError, ValueError, AttributeError) as error:
                 note = f"{note.removeprefix('used ')} is not a valid measurement ({error}); "
                 note += "measured again"
@@ -202,24 +158,11 @@ def measure_candidates(
     checker = checker or (lambda backend: check_against_oracle(backend, config, layer, device))
     start = time.perf_counter()
     timings, rejected, check_s = _measure(candidates, steps, timer, checker, progress)
-    timing_s = time.perf_counter() - start - check_s
-    order = tuple(b.get_name() for b in candidates)
-    choices = choose(steps, order, timings, layers_per_step)
-    shared, why = _cache_sharing(choices, candidates, config, layer)
-    result = Measurement(
-        device=str(device_identity(device)["name"]),
-        order=order,
-        steps=steps,
-        timings=timings,
-        rejected=rejected,
-        kv_cache_shared=shared,
-        kv_cache_note=why,
-        is_mla=config.use_mla,
-        layers_per_step=layers_per_step,
-        check_s=check_s,
-        timing_s=timing_s,
-    )
+    result = with_sharing(Measurement(
+        device=str(device_identity(device)["name"]), order=tuple(b.get_name() for b in candidates),
+        steps=steps, timings=timings, rejected=rejected, is_mla=config.use_mla, check_s=check_s,
+        timing_s=time.perf_counter() - start - check_s,
+    ))  # fmt: skip
     if use_cache:
-        _, stored_note = store_entry(key, result.to_dict())
-        note = f"{note}; {stored_note}" if note else stored_note
+        note = f"{note}; {store_entry(key, result.to_dict())[1]}"
     return dataclasses.replace(result, cache_note=note)

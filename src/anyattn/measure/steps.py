@@ -62,12 +62,8 @@ class MeasureStep:
 
     @staticmethod
     def from_dict(data: dict[str, object]) -> MeasureStep:
-        return MeasureStep(
-            str(data["name"]),
-            Phase(data["phase"]),
-            tuple(int(n) for n in data["query_lens"]),  # type: ignore[attr-defined]
-            tuple(int(n) for n in data["seq_lens"]),  # type: ignore[attr-defined]
-        )
+        lens = (tuple(int(n) for n in data[k]) for k in ("query_lens", "seq_lens"))  # type: ignore[attr-defined]
+        return MeasureStep(str(data["name"]), Phase(data["phase"]), *lens)
 
 
 def _decode_steps(limits: BatchLimits, decode_len: int) -> list[MeasureStep]:
@@ -88,20 +84,19 @@ def _prefill_step(limits: BatchLimits) -> MeasureStep:
     per_request = min(limits.max_num_tokens, limits.max_model_len)
     num_reqs = min(limits.max_num_reqs, -(-limits.max_num_tokens // per_request))
     total = min(limits.max_num_tokens, num_reqs * per_request)
-    lens = [per_request] * (total // per_request) + (
-        [total % per_request] if total % per_request else []
-    )
+    whole, rest = divmod(total, per_request)
+    lens = [per_request] * whole + ([rest] if rest else [])
     return MeasureStep(f"prefill/{total}", Phase.PREFILL, tuple(lens), tuple(lens))
 
 
 def _mixed_step(limits: BatchLimits, decode_len: int) -> MeasureStep:
     # Room for at least one chunk token and one chunk request besides the decodes.
-    num_decodes = min(
-        max(1, limits.max_num_reqs // 2),
-        limits.max_num_reqs - 1,
-        (limits.max_num_tokens - 1) // decode_len,
-    )
-    num_decodes = max(num_decodes, 0)  # one request, or no room: the chunk alone
+    # One request, or no room: the chunk alone.
+    num_decodes = max(
+        min(max(1, limits.max_num_reqs // 2), limits.max_num_reqs - 1,
+            (limits.max_num_tokens - 1) // decode_len),
+        0,
+    )  # fmt: skip
     context = min(limits.max_model_len // 2, limits.max_model_len - decode_len)
     budget = limits.max_num_tokens - num_decodes * decode_len
     chunk_context = min(limits.max_model_len // 4, limits.max_model_len - 1)
@@ -128,9 +123,12 @@ def measurement_steps(
             f"'priority') for encoder and cross attention."
         )
     decode_len = 1 + limits.num_speculative_tokens
-    steps = [*_decode_steps(limits, decode_len), _prefill_step(limits)]
-    steps.append(_mixed_step(limits, decode_len))
+    steps = [
+        *_decode_steps(limits, decode_len),
+        _prefill_step(limits),
+        _mixed_step(limits, decode_len),
+    ]
     unique: dict[tuple[tuple[int, ...], tuple[int, ...]], MeasureStep] = {}
-    for step in steps:
+    for step in steps:  # duplicates of small limits: the first one stays
         unique.setdefault((step.query_lens, step.seq_lens), step)
     return tuple(unique.values())

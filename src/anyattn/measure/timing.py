@@ -1,8 +1,5 @@
 """Time one backend on one step: its first call (compilation, autotuning, plan caches) apart
-from its steady state. The timed work is one layer's K/V (or latent) write and forward on
-metadata built once; on a GPU CUDA events queued behind a hold kernel measure device time
-alone, on the CPU `time.perf_counter` (docs/measured_selection.md, "Timing"). The builder's host
-time is reported beside the layer time (`build_us`), not added.
+from its steady state, the builder's host time beside it (docs/measured_selection.md, "Timing").
 """
 
 from __future__ import annotations
@@ -63,12 +60,8 @@ class StepTiming:
 
     @staticmethod
     def from_dict(data: dict[str, object]) -> StepTiming:
-        return StepTiming(
-            str(data["step"]),
-            tuple(float(t) for t in data["times_us"]),  # type: ignore[attr-defined]
-            float(data["first_call_us"]),  # type: ignore[arg-type]
-            float(data["build_us"]),  # type: ignore[arg-type]
-        )
+        first, build = (float(data[k]) for k in ("first_call_us", "build_us"))  # type: ignore[arg-type]
+        return StepTiming(str(data["step"]), tuple(map(float, data["times_us"])), first, build)  # type: ignore[call-overload]
 
 
 Timer = Callable[[type[AttentionBackend], MeasureStep], StepTiming]
@@ -107,19 +100,11 @@ def _device_times_us(
 
 
 def time_prepared(
-    prepared: PreparedStep,
-    name: str,
-    device: torch.device,
-    *,
-    budget_s: float = 0.2,
-    min_reps: int = 5,
-    max_reps: int = 50,
-) -> StepTiming:
-    """Time a prepared step.
-
-    The first build + call is timed alone (`first_call_us`); two more calls warm up; then as
-    many calls as fit in `budget_s` (within `[min_reps, max_reps]`) are timed.
-    """
+    prepared: PreparedStep, name: str, device: torch.device, *, budget_s: float = 0.2,
+    min_reps: int = 5, max_reps: int = 50,
+) -> StepTiming:  # fmt: skip
+    """Time a prepared step: the first build + call alone (`first_call_us`), two more calls to
+    warm up, then as many calls as fit in `budget_s` (within `[min_reps, max_reps]`)."""
     start = time.perf_counter()
     metadata = prepared.build()
     prepared.run(metadata)

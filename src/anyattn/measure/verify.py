@@ -37,45 +37,32 @@ def _standard_case(
     backend: type[AttentionBackend], config: AttentionSelectorConfig, layer: LayerParams
 ) -> Case:
     return Case(
-        name="measure/mixed",
-        feature="mixed",
-        spec=get_spec("mixed", quick=True),
-        num_heads=layer.num_heads,
-        num_kv_heads=layer.num_kv_heads,
-        head_size=layer.head_size,
+        name="measure/mixed", feature="mixed", spec=get_spec("mixed", quick=True),
+        num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_size=layer.head_size,
         block_size=config.block_size or backend.get_preferred_block_size(16),
-        layout=backend.supported_kv_cache_layouts()[0],
-        kv_cache_dtype=config.kv_cache_dtype,
-        per_head_scales=config.use_per_head_quant_scales,
-        attn_type=AttentionType.DECODER,
+        layout=backend.supported_kv_cache_layouts()[0], kv_cache_dtype=config.kv_cache_dtype,
+        per_head_scales=config.use_per_head_quant_scales, attn_type=AttentionType.DECODER,
         causal=not config.use_non_causal,
         sliding_window=_SAMPLE_WINDOW if layer.sliding_window else None,
         logits_soft_cap=_SAMPLE_SOFT_CAP if layer.logits_soft_cap else None,
-        use_alibi=layer.has_alibi,
-        use_sinks=layer.has_sinks,
-        check_lse=config.needs_lse,
-    )
+        use_alibi=layer.has_alibi, use_sinks=layer.has_sinks, check_lse=config.needs_lse,
+    )  # fmt: skip
 
 
 def _mla_case(
     backend: type[AttentionBackend], config: AttentionSelectorConfig, layer: MLALayerParams
 ) -> MLACase:
-    shape = MLAShape(
-        layer.kv_lora_rank, layer.qk_rope_head_dim, layer.qk_nope_head_dim, layer.v_head_dim
-    )
+    rope, nope = layer.qk_rope_head_dim, layer.qk_nope_head_dim
+    shape = MLAShape(layer.kv_lora_rank, rope, nope, layer.v_head_dim)
+    # MLACase.scale is scale_factor / sqrt(P + R): this gives the layer's own scale.
+    scale_factor = layer.scale * math.sqrt(nope + rope)
     return MLACase(
-        name=_MLA_CASE_NAME,
-        feature="mixed",
-        spec=get_spec("mixed", quick=True),
-        shape=shape,
+        name=_MLA_CASE_NAME, feature="mixed", spec=get_spec("mixed", quick=True), shape=shape,
         num_heads=layer.num_heads,
         block_size=config.block_size or backend.get_preferred_block_size(16),
-        kv_cache_dtype=config.kv_cache_dtype,
-        check_lse=config.needs_lse,
-        workspace_tokens=layer.workspace_tokens,
-        # MLACase.scale is scale_factor / sqrt(P + R): this gives the layer's own scale.
-        scale_factor=layer.scale * math.sqrt(layer.qk_nope_head_dim + layer.qk_rope_head_dim),
-    )
+        kv_cache_dtype=config.kv_cache_dtype, check_lse=config.needs_lse,
+        workspace_tokens=layer.workspace_tokens, scale_factor=scale_factor,
+    )  # fmt: skip
 
 
 def _describe(result: CaseResult) -> str:
@@ -88,11 +75,9 @@ def _describe(result: CaseResult) -> str:
 
 
 def check_against_oracle(
-    backend: type[AttentionBackend],
-    config: AttentionSelectorConfig,
-    layer: LayerParams,
+    backend: type[AttentionBackend], config: AttentionSelectorConfig, layer: LayerParams,
     device: torch.device,
-) -> str | None:
+) -> str | None:  # fmt: skip
     """Run `backend` on a sample step of `layer` and compare it with the float64 oracle.
 
     Returns:
@@ -109,6 +94,4 @@ def check_against_oracle(
         failed = [r for r in run_case(backend, case, device, config.dtype) if not r.passed]
     except Exception as error:  # a candidate may fail in any way; it is then not timed
         return f"sample step raised {type(error).__name__}: {error}"
-    if failed:
-        return "; ".join(f"{r.name}: {r.detail}" for r in failed)
-    return None
+    return "; ".join(f"{r.name}: {r.detail}" for r in failed) or None

@@ -7,7 +7,7 @@ order they enter the batch; the kit reorders them itself when a builder asks for
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from anyattn.metadata import apply_swaps, reorder_batch_to_split_decodes_and_prefills
 
@@ -98,12 +98,11 @@ class BatchSpec:
     def permuted(self, order: list[int]) -> BatchSpec:
         """The same batch with request `order[i]` placed at position i."""
         enc = self.encoder_seq_lens
-        return BatchSpec(
-            name=self.name,
+        return replace(
+            self,
             query_lens=tuple(self.query_lens[i] for i in order),
             seq_lens=tuple(self.seq_lens[i] for i in order),
             encoder_seq_lens=None if enc is None else tuple(enc[i] for i in order),
-            common_prefix_len=self.common_prefix_len,
         )
 
 

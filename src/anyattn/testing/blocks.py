@@ -18,29 +18,23 @@ __all__ = ["assign_blocks", "cross_slot_mapping", "token_slots"]
 
 
 def assign_blocks(
-    seq_lens: Sequence[int],
-    block_size: int,
-    *,
-    common_prefix_len: int = 0,
-    num_cols: int | None = None,
-    generator: torch.Generator | None = None,
+    seq_lens: Sequence[int], block_size: int, *, common_prefix_len: int = 0,
+    num_cols: int | None = None, generator: torch.Generator | None = None,
     spare_blocks: bool = True,
-) -> tuple[torch.Tensor, int]:
+) -> tuple[torch.Tensor, int]:  # fmt: skip
     """Shuffled physical blocks for each request, from a pool larger than needed.
-
-    Block 0 is the null block: never assigned, and the filler of unused table entries. The
-    first `common_prefix_len // block_size` blocks are the same physical blocks for every
-    request (a shared prefix).
 
     Args:
         seq_lens: tokens each request must hold.
-        common_prefix_len: shared leading tokens; a multiple of `block_size`.
+        common_prefix_len: shared leading tokens, a multiple of `block_size`: the same physical
+            blocks lead every request's table.
         num_cols: width of the table (default: the most blocks any request needs).
         spare_blocks: a pool half as large again as needed (at least 4 spare blocks), so that
             the ids used are sparse in it; False: exactly the blocks needed, plus block 0.
 
     Returns:
-        `(block_table, num_blocks)`: int32 `[num_reqs, num_cols]` (CPU) and the pool size.
+        `(block_table, num_blocks)`: int32 `[num_reqs, num_cols]` (CPU, unused entries 0, the
+        null block) and the pool size.
     """
     if common_prefix_len % block_size:
         raise ValueError(
@@ -74,11 +68,9 @@ def token_slots(
 
 
 def cross_slot_mapping(
-    block_table: torch.Tensor,
-    encoder_seq_lens: Sequence[int],
-    first_step: Sequence[bool],
+    block_table: torch.Tensor, encoder_seq_lens: Sequence[int], first_step: Sequence[bool],
     block_size: int,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """Slots of the encoder tokens of first-step requests, in batch order (int64, CPU)."""
     rows = [r for r, first in enumerate(first_step) if first]
     if not rows:

@@ -113,10 +113,9 @@ class Case:
             return torch.tensor(1.0), torch.tensor(1.0)
         if not self.per_head_scales:
             return torch.tensor(_K_SCALES[0]), torch.tensor(_V_SCALES[0])
-        n = self.num_kv_heads
-        return (
-            torch.tensor([_K_SCALES[h % 4] for h in range(n)]),
-            torch.tensor([_V_SCALES[h % 4] for h in range(n)]),
+        heads = [h % 4 for h in range(self.num_kv_heads)]
+        return torch.tensor([_K_SCALES[h] for h in heads]), torch.tensor(
+            [_V_SCALES[h] for h in heads]
         )
 
     def alibi_slopes(self) -> list[float] | None:
@@ -125,53 +124,53 @@ class Case:
     def selector_config(self, dtype: torch.dtype) -> AttentionSelectorConfig:
         """What a model layer with these settings would ask the selector."""
         return AttentionSelectorConfig(
-            head_size=self.head_size,
-            dtype=dtype,
+            head_size=self.head_size, dtype=dtype,
             kv_cache_dtype=self.kv_cache_dtype,  # type: ignore[arg-type]
-            block_size=self.block_size,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            has_sink=self.use_sinks,
-            attn_type=self.attn_type,
-            has_sliding_window=self.sliding_window is not None,
-            has_alibi=self.use_alibi,
+            block_size=self.block_size, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            has_sink=self.use_sinks, attn_type=self.attn_type,
+            has_sliding_window=self.sliding_window is not None, has_alibi=self.use_alibi,
             has_logits_soft_cap=bool(self.logits_soft_cap),
             use_non_causal=self.attn_type is AttentionType.DECODER and not self.causal,
-            use_per_head_quant_scales=self.per_head_scales,
-            needs_lse=self.check_lse,
-        )
+            use_per_head_quant_scales=self.per_head_scales, needs_lse=self.check_lse,
+        )  # fmt: skip
 
 
 _FLAG_FEATURES = {
-    "non_causal": "supports_non_causal",
-    "sliding_window": "supports_sliding_window",
-    "alibi": "supports_alibi",
-    "soft_cap": "supports_logits_soft_cap",
-    "sinks": "supports_sink",
-    "lse": "supports_lse",
-    "cascade": "supports_cascade",
+    "non_causal": "supports_non_causal", "sliding_window": "supports_sliding_window",
+    "alibi": "supports_alibi", "soft_cap": "supports_logits_soft_cap", "sinks": "supports_sink",
+    "lse": "supports_lse", "cascade": "supports_cascade",
     "per_head_scales": "supports_per_head_quant_scales",
-}
+}  # fmt: skip
 _ATTN_TYPE_FEATURES = {
     "encoder": AttentionType.ENCODER,
     "encoder_only": AttentionType.ENCODER_ONLY,
     "encoder_decoder": AttentionType.ENCODER_DECODER,
 }
-# Features of one case: feature -> (case name, catalogue batch, changes to the base case).
-_ONE_CASE: dict[str, tuple[str, str, dict[str, object]]] = {
-    "prefill": ("long_prefill", "long_prefill", {"num_heads": 2, "num_kv_heads": 1}),
-    "mixed": ("mixed", "mixed", {}),
-    "chunked": ("chunked_prefill", "chunked_prefill", {}),
-    "odd_lengths": ("odd_lengths", "odd_lengths", {}),
-    "mqa": ("mqa", "mixed", {"num_heads": 8, "num_kv_heads": 1}),
-    "padding": ("padding", "mixed", {"num_padding_tokens": 5}),
-    "kv_sharing": ("kv_sharing", "mixed", {"kv_sharing": True}),
-    "non_causal": ("non_causal", "mixed", {"causal": False}),
-    "encoder": ("encoder", "encoder", {"attn_type": AttentionType.ENCODER}),
-    "encoder_only": ("encoder_only", "encoder", {"attn_type": AttentionType.ENCODER_ONLY}),
-    "alibi": ("alibi", "mixed", {"use_alibi": True}),
-    "soft_cap": ("soft_cap", "mixed", {"logits_soft_cap": 2.0}),
-    "lse": ("mixed_lse", "mixed", {"check_lse": True}),
+# Features whose cases do not depend on the backend: feature -> its cases, each (case name,
+# catalogue batch, changes to the base case).
+_FIXED_CASES: dict[str, tuple[tuple[str, str, dict[str, object]], ...]] = {
+    "decode": (("single_decode", "single_decode", {}), ("many_decodes", "many_decodes", {})),
+    "prefill": (("long_prefill", "long_prefill", {"num_heads": 2, "num_kv_heads": 1}),),
+    "mixed": (("mixed", "mixed", {}),),
+    "chunked": (("chunked_prefill", "chunked_prefill", {}),),
+    "odd_lengths": (("odd_lengths", "odd_lengths", {}),),
+    "gqa": tuple(
+        (f"gqa/ratio{h // k}", "mixed", {"num_heads": h, "num_kv_heads": k})
+        for h, k in ((4, 4), (8, 2), (16, 2))
+    ),
+    "mqa": (("mqa", "mixed", {"num_heads": 8, "num_kv_heads": 1}),),
+    "padding": (("padding", "mixed", {"num_padding_tokens": 5}),),
+    "kv_sharing": (("kv_sharing", "mixed", {"kv_sharing": True}),),
+    "non_causal": (("non_causal", "mixed", {"causal": False}),),
+    "encoder": (("encoder", "encoder", {"attn_type": AttentionType.ENCODER}),),
+    "encoder_only": (("encoder_only", "encoder", {"attn_type": AttentionType.ENCODER_ONLY}),),
+    "sliding_window": (
+        ("window33", "chunked_prefill", {"sliding_window": 33}),
+        ("window7", "odd_lengths", {"sliding_window": 7}),
+    ),
+    "alibi": (("alibi", "mixed", {"use_alibi": True}),),
+    "soft_cap": (("soft_cap", "mixed", {"logits_soft_cap": 2.0}),),
+    "lse": (("mixed_lse", "mixed", {"check_lse": True}),),
 }
 
 
@@ -196,13 +195,10 @@ def _base_case(backend: type[AttentionBackend]) -> Case:
     sizes = backend.get_supported_head_sizes()
     head_size = 64 if backend.supports_head_size(64) else sorted(sizes)[0]
     return Case(
-        name="",
-        feature="",
-        spec=get_spec("mixed"),
-        head_size=head_size,
+        name="", feature="", spec=get_spec("mixed"), head_size=head_size,
         block_size=backend.get_preferred_block_size(16),
         layout=backend.supported_kv_cache_layouts()[0],
-    )
+    )  # fmt: skip
 
 
 def _feature_cases(
@@ -213,14 +209,8 @@ def _feature_cases(
     def case(name: str, spec_name: str = "mixed", **changes: object) -> Case:
         return replace(base, name=name, feature=feature, spec=get_spec(spec_name, quick), **changes)
 
-    if feature in _ONE_CASE:
-        name, spec_name, changes = _ONE_CASE[feature]
-        return [case(name, spec_name, **changes)], []
-    if feature == "decode":
-        return [case("single_decode", "single_decode"), case("many_decodes", "many_decodes")], []
-    if feature == "gqa":
-        shapes = ((4, 4), (8, 2), (16, 2))
-        return [case(f"gqa/ratio{h // k}", num_heads=h, num_kv_heads=k) for h, k in shapes], []
+    if feature in _FIXED_CASES:
+        return [case(name, spec, **changes) for name, spec, changes in _FIXED_CASES[feature]], []
     if feature == "head_sizes":
         wanted = (64, 128, 80) if not backend.get_supported_head_sizes() else (64, 128)
         cases = [case(f"head_size{s}", head_size=s) for s in wanted if s != base.head_size]
@@ -237,31 +227,18 @@ def _feature_cases(
         )
     if feature == "layouts":
         declared = backend.supported_kv_cache_layouts()
-        cases = [
-            case(f"layout_{layout}", "chunked_prefill", layout=layout)
-            for layout in declared
-            if layout != base.layout
-        ]
+        others = [x for x in declared if x != base.layout]
         missing = [f"layout {x}" for x in KVCacheLayout if x not in declared]
-        return cases, missing
+        return [case(f"layout_{x}", "chunked_prefill", layout=x) for x in others], missing
     if feature == "encoder_decoder":
         cross = AttentionType.ENCODER_DECODER
         # Eight query heads on one KV head over long encoders, at head size 80 where declared.
         long_head_size = 80 if backend.supports_head_size(80) else base.head_size
         long = case(
-            "encoder_decoder/long",
-            "cross_attention_long",
-            attn_type=cross,
-            num_heads=8,
-            num_kv_heads=1,
-            head_size=long_head_size,
-        )
+            "encoder_decoder/long", "cross_attention_long", attn_type=cross, num_heads=8,
+            num_kv_heads=1, head_size=long_head_size,
+        )  # fmt: skip
         return [case(feature, "encoder_decoder", attn_type=cross), long], []
-    if feature == "sliding_window":
-        return [
-            case("window33", "chunked_prefill", sliding_window=33),
-            case("window7", "odd_lengths", sliding_window=7),
-        ], []
     if feature == "sinks":
         return [case("sinks", use_sinks=True, check_lse=backend.supports_lse())], []
     if feature == "fp8":
@@ -280,28 +257,13 @@ def _feature_cases(
 
 
 def plan_cases(
-    backend: type[AttentionBackend],
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    features: Iterable[str] | None = None,
-    quick: bool = False,
-) -> tuple[list[Case] | list[MLACase], list[str]]:
-    """The cases `check_backend` would run, and what the backend does not declare.
-
-    Useful to parametrise a pytest suite over cases (`run_case` runs one). For an MLA backend
-    (`backend.is_mla()`) these are `MLACase`s (`anyattn.testing.mla_cases.plan_mla_cases`).
-
-    Args:
-        features: names from `FEATURES` (default: all), or from `MLA_FEATURES` for an MLA
-            backend.
-        quick: use `QUICK_CATALOGUE`'s small shapes.
-
-    Returns:
-        `(cases, not_declared)`; each not-declared entry reads "<feature>: <reason>".
-
-    Raises:
-        ValueError: an unknown feature name.
-    """
+    backend: type[AttentionBackend], device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32, features: Iterable[str] | None = None, quick: bool = False,
+) -> tuple[list[Case] | list[MLACase], list[str]]:  # fmt: skip
+    """The cases `check_backend` would run (arguments alike), and what the backend does not
+    declare: `(cases, not_declared)`, each not-declared entry "<feature>: <reason>"; an unknown
+    feature name is a ValueError. Useful to parametrise a pytest suite over cases (`run_case`
+    runs one); for an MLA backend they are `MLACase`s (`plan_mla_cases`)."""
     if backend.is_mla():
         return plan_mla_cases(backend, device, dtype, features, quick)
     names = feature_names("plan_cases: unknown feature", FEATURES, features)
@@ -311,10 +273,6 @@ def plan_cases(
         return [], [f"backend: {r}" for r in reasons]
     base = _base_case(backend)
     return plan_features(
-        backend,
-        names,
-        lambda feature: _not_declared(backend, feature),
-        lambda feature: _feature_cases(backend, feature, base, quick),
-        info,
-        dtype,
-    )
+        backend, names, lambda feature: _not_declared(backend, feature),
+        lambda feature: _feature_cases(backend, feature, base, quick), info, dtype,
+    )  # fmt: skip

@@ -12,14 +12,9 @@ from anyattn.backend import AttentionBackend
 from anyattn.types import DeviceInfo
 
 __all__ = [
-    "ENGINE_BLOCK_SIZES",
-    "FP8_CACHE_DTYPES",
-    "block_size_cases",
-    "declared_fp8",
-    "feature_names",
-    "global_reasons",
-    "plan_features",
-]
+    "ENGINE_BLOCK_SIZES", "FP8_CACHE_DTYPES", "block_size_cases", "declared_fp8", "feature_names",
+    "global_reasons", "plan_features",
+]  # fmt: skip
 
 FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 """The fp8 KV-cache dtype names the kit runs when declared."""
@@ -34,9 +29,7 @@ def global_reasons(
     reasons = []
     if not backend.supports_device(device):
         reasons.append(f"device {device.type} not in supported_device_types")
-    elif device.capability is not None and not backend.supports_compute_capability(
-        device.capability
-    ):
+    elif (cap := device.capability) is not None and not backend.supports_compute_capability(cap):
         reasons.append(f"compute capability {device} below min_compute_capability")
     if not backend.supports_dtype(dtype):
         reasons.append(f"dtype {dtype} not in supported_dtypes")
@@ -76,13 +69,10 @@ def feature_names(
 
 
 def plan_features(
-    backend: type[AttentionBackend],
-    names: list[str],
-    not_declared: Callable[[str], str | None],
-    feature_cases: Callable[[str], tuple[list[Any], list[str]]],
-    info: DeviceInfo,
+    backend: type[AttentionBackend], names: list[str], not_declared: Callable[[str], str | None],
+    feature_cases: Callable[[str], tuple[list[Any], list[str]]], info: DeviceInfo,
     dtype: torch.dtype,
-) -> tuple[list[Any], list[str]]:
+) -> tuple[list[Any], list[str]]:  # fmt: skip
     """The cases of the features `names`, and "<feature>: <reason>" for each part the backend
     does not declare: a whole feature (`not_declared(feature)`), part of one
     (`feature_cases(feature)` gives its cases and missing parts), or a case its joint rules

@@ -20,13 +20,8 @@ from anyattn.testing.batch_spec import BatchSpec, get_spec
 from anyattn.types import DeviceInfo, check_positive_int, is_fp8_cache
 
 __all__ = [
-    "MLA_FEATURES",
-    "MLA_SHAPES",
-    "MLACase",
-    "MLAShape",
-    "context_chunks_spec",
-    "plan_mla_cases",
-]
+    "MLA_FEATURES", "MLA_SHAPES", "MLACase", "MLAShape", "context_chunks_spec", "plan_mla_cases",
+]  # fmt: skip
 
 MLA_FEATURES: Mapping[str, str] = MappingProxyType(
     {
@@ -133,19 +128,14 @@ class MLACase:
 
     def selector_config(self, dtype: torch.dtype) -> AttentionSelectorConfig:
         """What an MLA model layer with these settings would ask the selector."""
+        shape = self.shape
         return AttentionSelectorConfig(
-            head_size=self.shape.head_size,
-            qk_rope_head_dim=self.shape.qk_rope_head_dim,
-            qk_nope_head_dim=self.shape.qk_nope_head_dim,
-            v_head_dim=self.shape.v_head_dim,
-            dtype=dtype,
+            head_size=shape.head_size, qk_rope_head_dim=shape.qk_rope_head_dim,
+            qk_nope_head_dim=shape.qk_nope_head_dim, v_head_dim=shape.v_head_dim, dtype=dtype,
             kv_cache_dtype=self.kv_cache_dtype,  # type: ignore[arg-type]
-            block_size=self.block_size,
-            num_heads=self.num_heads,
-            num_kv_heads=1,
-            use_mla=True,
+            block_size=self.block_size, num_heads=self.num_heads, num_kv_heads=1, use_mla=True,
             needs_lse=self.check_lse,
-        )
+        )  # fmt: skip
 
 
 def _not_declared(backend: type[AttentionBackend], feature: str) -> str | None:
@@ -157,12 +147,9 @@ def _not_declared(backend: type[AttentionBackend], feature: str) -> str | None:
 
 
 def _feature_cases(
-    backend: type[AttentionBackend],
-    feature: str,
-    base: MLACase,
-    shapes: list[MLAShape],
+    backend: type[AttentionBackend], feature: str, base: MLACase, shapes: list[MLAShape],
     quick: bool,
-) -> tuple[list[MLACase], list[str]]:
+) -> tuple[list[MLACase], list[str]]:  # fmt: skip
     """The cases of one feature, and the parts of it the backend does not declare."""
 
     def case(name: str, spec_name: str = "mixed", **changes: object) -> MLACase:
@@ -170,11 +157,9 @@ def _feature_cases(
         return replace(base, name=name, feature=feature, spec=spec, **changes)
 
     if feature in _SPLIT_FEATURES:
-        names = {
-            "decode": ("single_decode", "many_decodes"),
-            "prefill": ("long_prefill",),
-            "chunked": ("chunked_prefill",),
-        }.get(feature, (feature,))
+        renamed = {"decode": ("single_decode", "many_decodes"), "prefill": ("long_prefill",),
+                   "chunked": ("chunked_prefill",)}  # fmt: skip
+        names = renamed.get(feature, (feature,))
         return [case(f"{s.name}/{n}", n, shape=s) for s in shapes for n in names], []
     if feature == "num_heads":
         return [case(f"num_heads{h}", num_heads=h) for h in (1, 16)], []
@@ -199,13 +184,9 @@ def _feature_cases(
         # holds whole blocks of each.
         workspace = 2 * max(16, base.block_size)
         chunked = replace(
-            base,
-            name="context_chunks",
-            feature=feature,
-            spec=context_chunks_spec(workspace),
-            workspace_tokens=workspace,
-            min_context_chunks=3,
-        )
+            base, name="context_chunks", feature=feature, spec=context_chunks_spec(workspace),
+            workspace_tokens=workspace, min_context_chunks=3,
+        )  # fmt: skip
         return [chunked], []
     if feature == "fp8":
         fp8 = declared.declared_fp8(backend)
@@ -217,27 +198,12 @@ def _feature_cases(
 
 
 def plan_mla_cases(
-    backend: type[AttentionBackend],
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    features: Iterable[str] | None = None,
-    quick: bool = False,
-) -> tuple[list[MLACase], list[str]]:
-    """The cases `check_backend` runs for an MLA backend, and what it does not declare.
-
-    The base case (every feature but the split ones) uses the first declared split of
-    `MLA_SHAPES`, 4 query heads and the backend's preferred block size.
-
-    Args:
-        features: names from `MLA_FEATURES` (default: all).
-        quick: the catalogue's small shapes (`QUICK_CATALOGUE`).
-
-    Returns:
-        `(cases, not_declared)`; each not-declared entry reads "<feature>: <reason>".
-
-    Raises:
-        ValueError: an unknown feature name.
-    """
+    backend: type[AttentionBackend], device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32, features: Iterable[str] | None = None, quick: bool = False,
+) -> tuple[list[MLACase], list[str]]:  # fmt: skip
+    """`plan_cases` for an MLA backend (`features` from `MLA_FEATURES`). The base case of every
+    feature but the split ones uses the first declared split of `MLA_SHAPES`, 4 query heads
+    and the backend's preferred block size."""
     names = declared.feature_names("plan_mla_cases: unknown MLA feature", MLA_FEATURES, features)
     info = DeviceInfo.current(device)
     reasons = declared.global_reasons(backend, info, dtype)
@@ -258,11 +224,7 @@ def plan_mla_cases(
         return [], not_declared
     base = replace(probe, shape=shapes[0])
     cases, skipped = declared.plan_features(
-        backend,
-        names,
-        lambda feature: _not_declared(backend, feature),
-        lambda feature: _feature_cases(backend, feature, base, shapes, quick),
-        info,
-        dtype,
-    )
+        backend, names, lambda feature: _not_declared(backend, feature),
+        lambda feature: _feature_cases(backend, feature, base, shapes, quick), info, dtype,
+    )  # fmt: skip
     return cases, not_declared + skipped

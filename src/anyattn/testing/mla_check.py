@@ -17,18 +17,12 @@ from anyattn.backend import AttentionBackend
 from anyattn.mla_impl import MLAAttentionImpl
 from anyattn.testing.mla_batch import MLABatch, build_mla_batch
 from anyattn.testing.mla_cases import MLACase
-from anyattn.testing.mla_oracle import mla_oracle
-from anyattn.testing.report import CaseResult
-from anyattn.testing.tolerance import cache_problems, judge_against_oracle, judge_lse
+from anyattn.testing.oracle import mla_oracle
+from anyattn.testing.tolerance import CaseResult, cache_problems, judge_against_oracle, judge_lse
 
 __all__ = [
-    "KitMLALayer",
-    "MLAStepResult",
-    "judge_mla_step",
-    "mla_step",
-    "run_mla_case",
-    "run_mla_step",
-]
+    "KitMLALayer", "MLAStepResult", "judge_mla_step", "mla_step", "run_mla_case", "run_mla_step",
+]  # fmt: skip
 
 
 @dataclass
@@ -58,17 +52,8 @@ class KitMLALayer:
     up_project_context_rows: list[int] = field(default_factory=list)
 
     def up_project(self, c_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head keys and values of latents, as the layer's `kv_b_proj` gives them.
-
-        Args:
-            c_kv: `[N, L]` in the model dtype.
-
-        Returns:
-            `(k_nope [N, num_heads, P], v [N, num_heads, Vd])` in the model dtype.
-
-        Raises:
-            ValueError: `c_kv` not `[N, L]` or not in the model dtype.
-        """
+        """`c_kv [N, L]` -> `(k_nope [N, num_heads, P], v [N, num_heads, Vd])`, as the layer's
+        `kv_b_proj` gives them, all in the model dtype (else a ValueError)."""
         rank, dtype = self.w_uk.shape[-1], self.w_uk.dtype
         if c_kv.dim() != 2 or c_kv.shape[1] != rank or c_kv.dtype != dtype:
             raise ValueError(
@@ -98,10 +83,9 @@ class MLAStepResult:
     """What one step through an MLA impl gave.
 
     Attributes:
-        output: `[num_tokens + num_padding_tokens, num_heads, Vd]`, model dtype; rows past
-            `num_actual_tokens` stay NaN.
-        output_lse: float32 `[num_heads, num_decode_tokens]`, the decode rows' LSE as the
-            impl returned it, or None when not asked for.
+        output: `[num_tokens + num_padding_tokens, num_heads, Vd]`, model dtype (NaN rows
+            past `num_actual_tokens`).
+        output_lse: float32 `[num_heads, num_decode_tokens]` as the impl returned it, or None.
         num_decodes, num_decode_tokens: the metadata's decode requests and rows.
         lse_base_on_e: the impl's LSE base (False: log2).
     """
@@ -118,26 +102,10 @@ def _make_impl(backend: type[AttentionBackend], case: MLACase) -> MLAAttentionIm
     # The layer's default workspace unless the case sets one.
     workspace = {} if case.workspace_tokens is None else {"workspace_tokens": case.workspace_tokens}
     return backend.get_impl_cls()(
-        case.num_heads,
-        case.scale,
-        kv_lora_rank=shape.kv_lora_rank,
-        qk_rope_head_dim=shape.qk_rope_head_dim,
-        qk_nope_head_dim=shape.qk_nope_head_dim,
-        v_head_dim=shape.v_head_dim,
-        kv_cache_dtype=case.kv_cache_dtype,
-        **workspace,
-    )
-
-
-def _decode_split(attn_metadata: object) -> tuple[int, int]:
-    """`(num_decodes, num_decode_tokens)` of an MLA builder's metadata (docs/mla.md)."""
-    split = tuple(getattr(attn_metadata, n, None) for n in ("num_decodes", "num_decode_tokens"))
-    if not all(isinstance(x, int) for x in split):
-        raise TypeError(
-            f"MLA metadata must say its decode split as int num_decodes and num_decode_tokens "
-            f"(got {type(attn_metadata).__name__} with {split[0]!r} and {split[1]!r})."
-        )
-    return split  # type: ignore[return-value]
+        case.num_heads, case.scale, kv_lora_rank=shape.kv_lora_rank,
+        qk_rope_head_dim=shape.qk_rope_head_dim, qk_nope_head_dim=shape.qk_nope_head_dim,
+        v_head_dim=shape.v_head_dim, kv_cache_dtype=case.kv_cache_dtype, **workspace,
+    )  # fmt: skip
 
 
 def mla_step(
@@ -159,15 +127,18 @@ def mla_step(
         layer, batch.kv_c, k_pe, batch.kv_cache, batch.common_attn_metadata.slot_mapping, md
     )
     n = batch.num_actual_tokens
-    num_decodes, num_decode_tokens = _decode_split(md)
+    # The decode split every MLA builder's metadata states (docs/mla.md).
+    num_decodes = getattr(md, "num_decodes", None)
+    num_decode_tokens = getattr(md, "num_decode_tokens", None)
+    if not isinstance(num_decodes, int) or not isinstance(num_decode_tokens, int):
+        raise TypeError(
+            f"MLA metadata must say its decode split as int num_decodes and num_decode_tokens "
+            f"(got {type(md).__name__} with {num_decodes!r} and {num_decode_tokens!r})."
+        )
     dtype, device = batch.q_nope.dtype, batch.q_nope.device
     # NaN everywhere: rows the backend forgets to write show up as NaN errors.
-    output = torch.full(
-        (batch.q_nope.shape[0], num_heads, batch.shape.v_head_dim),
-        math.nan,
-        dtype=dtype,
-        device=device,
-    )
+    output_shape = (batch.q_nope.shape[0], num_heads, batch.shape.v_head_dim)
+    output = torch.full(output_shape, math.nan, dtype=dtype, device=device)
     output_lse = None
     if num_decode_tokens:
         d = num_decode_tokens
@@ -214,14 +185,9 @@ def _exact_problems(
 
 
 def judge_mla_step(
-    case: MLACase,
-    batch: MLABatch,
-    layer: KitMLALayer,
-    outcome: MLAStepResult,
-    dtype: torch.dtype,
-    *,
-    by_phase: bool = False,
-) -> list[CaseResult]:
+    case: MLACase, batch: MLABatch, layer: KitMLALayer, outcome: MLAStepResult, dtype: torch.dtype,
+    *, by_phase: bool = False,
+) -> list[CaseResult]:  # fmt: skip
     """Judge a step `run_mla_step` ran against `mla_oracle` and the exact checks.
 
     Args:
@@ -266,49 +232,33 @@ def judge_mla_step(
 
 
 def run_mla_step(
-    backend: type[AttentionBackend],
-    case: MLACase,
-    device: torch.device,
-    dtype: torch.dtype,
+    backend: type[AttentionBackend], case: MLACase, device: torch.device, dtype: torch.dtype,
     seed: int,
-) -> tuple[MLABatch, KitMLALayer, MLAStepResult]:
+) -> tuple[MLABatch, KitMLALayer, MLAStepResult]:  # fmt: skip
     """Build `case`'s batch for a new impl of `backend` and run one step through it
     (`mla_step`); raises what the backend raises. `judge_mla_step` judges what it returns."""
     impl = _make_impl(backend, case)
     # Impl first: the builder learns its layer before it builds, as in the engine.
     params = impl.layer_params()
     batch = build_mla_batch(
-        backend,
-        case.spec,
-        shape=case.shape,
-        num_heads=case.num_heads,
-        dtype=dtype,
-        device=device,
-        block_size=case.block_size,
-        kv_cache_dtype=case.kv_cache_dtype,
-        k_scale=case.k_scale(),
-        num_padding_tokens=case.num_padding_tokens,
-        layers={"layer.0": params},
-        seed=seed,
-    )
+        backend, case.spec, shape=case.shape, num_heads=case.num_heads, dtype=dtype,
+        device=device, block_size=case.block_size, kv_cache_dtype=case.kv_cache_dtype,
+        k_scale=case.k_scale(), num_padding_tokens=case.num_padding_tokens,
+        layers={"layer.0": params}, seed=seed,
+    )  # fmt: skip
+    new_latents = batch.kv_c[: batch.num_actual_tokens]
+    # v_scale differs from k_scale so that a backend that reads it (MLA has none) is caught.
     layer = KitMLALayer(
-        "layer.0",
-        batch.k_scale,
-        batch.k_scale * 4,
-        batch.w_uk,
-        batch.w_uv,
-        new_latents=batch.kv_c[: batch.num_actual_tokens],
-    )
+        "layer.0", batch.k_scale, batch.k_scale * 4, batch.w_uk, batch.w_uv,
+        new_latents=new_latents,
+    )  # fmt: skip
     return batch, layer, mla_step(impl, layer, batch, case.check_lse)
 
 
 def run_mla_case(
-    backend: type[AttentionBackend],
-    case: MLACase,
-    device: torch.device,
-    dtype: torch.dtype,
+    backend: type[AttentionBackend], case: MLACase, device: torch.device, dtype: torch.dtype,
     seed: int,
-) -> list[CaseResult]:
+) -> list[CaseResult]:  # fmt: skip
     """Run one MLA case (see `anyattn.testing.plan_cases`); raises what the backend raises
     (`anyattn.testing.run_case` turns that into a failed result)."""
     return judge_mla_step(case, *run_mla_step(backend, case, device, dtype, seed), dtype)

@@ -1,8 +1,15 @@
-"""A dense attention oracle, written from docs/semantics.md and nothing else.
+"""Dense attention oracles, written from docs/semantics.md and docs/mla.md and nothing else.
 
-It loops over requests and materialises every score, so it is slow but obviously right. Run it
-in float64 for the reference and in the input dtype to measure how much rounding that dtype alone
-causes (the tolerance rule of `anyattn.testing.tolerance` needs both).
+They loop over requests and materialise every score, so they are slow but obviously right. Run
+them in float64 for the reference and in the input dtype to measure how much rounding that dtype
+alone causes (the tolerance rule of `anyattn.testing.tolerance` needs both).
+
+`mla_oracle` is plain multi-head attention over keys and values up-projected from one latent per
+token: head h's key is `[W_UK[h] c_kv[j], k_pe[j]]` (the rope part shared by every head) and its
+value `W_UV[h] c_kv[j]`. It never computes the absorbed form (`q_lat = W_UK^T q_nope` against the
+latent cache) that decode kernels use, so that it judges absorption instead of repeating it. In
+the model dtype the up-projection rounds its keys and values to that dtype, as a model layer's
+`up_project` does.
 """
 
 from __future__ import annotations
@@ -12,24 +19,16 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["attention_oracle"]
+__all__ = ["attention_oracle", "mla_oracle", "mla_up_project"]
 
 
 def attention_oracle(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    query_lens: Sequence[int],
-    seq_lens: Sequence[int],
-    *,
-    scale: float,
-    causal: bool = True,
-    sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
-    alibi_slopes: Sequence[float] | torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_lens: Sequence[int],
+    seq_lens: Sequence[int], *, scale: float, causal: bool = True,
+    sliding_window: int | None = None, logits_soft_cap: float | None = None,
+    alibi_slopes: Sequence[float] | torch.Tensor | None = None, sinks: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float64,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Attention of every query row over its own request's keys.
 
     Request r has `query_lens[r]` query rows and `seq_lens[r]` keys; its query row i sits at
@@ -52,16 +51,10 @@ def attention_oracle(
             dequantised when the cache is fp8.
         value: `[sum(seq_lens), num_kv_heads, value_size]`, the keys' values; `value_size`
             is usually `head_size` (MLA's up-projected values may differ).
-        query_lens: query rows per request.
-        seq_lens: keys per request (context + new tokens; the encoder length for cross
-            attention, with `causal=False`).
-        scale: multiplies `q·k`.
-        causal: keep only keys at or before the query's position.
-        sliding_window: W, the number of keys kept up to and including position p; needs
-            `causal=True`.
-        logits_soft_cap: cap for `cap * tanh(s / cap)`; None or 0 disables it.
-        alibi_slopes: one slope per query head.
-        sinks: `[num_heads]` sink logits.
+        query_lens, seq_lens: query rows and keys per request (context + new tokens; the encoder
+            length for cross attention, with `causal=False`).
+        scale, causal, sliding_window (needs causal), logits_soft_cap (None or 0: none),
+            alibi_slopes (one per query head), sinks (`[num_heads]` logits): as above.
         compute_dtype: float64 for the reference; the model dtype to measure the rounding that
             dtype alone causes. Inputs are cast to it and every step's result is rounded to it
             (scores, soft cap, ALiBi, probabilities, output); the softmax itself is one fused
@@ -173,3 +166,91 @@ def _softmax_times_value(
     out = probs.to(v.dtype) @ v
     lse = (row_max + torch.log(denom)).squeeze(-1)
     return out, lse
+
+
+def mla_up_project(
+    kv_c: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    compute_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head keys and values from latents `kv_c [num_keys, L]`: `k_nope[j, h] = W_UK[h]
+    c_kv[j]` `[num_keys, num_heads, P]` and `v[j, h] = W_UV[h] c_kv[j]` `[num_keys, num_heads,
+    Vd]`, for `w_uk [num_heads, P, L]` and `w_uv [num_heads, Vd, L]` (else a ValueError). In a
+    narrower `compute_dtype` the products are accumulated in float32 (as matmuls are) and
+    rounded once to it."""
+    fits = kv_c.dim() == 2 and w_uk.dim() == w_uv.dim() == 3 and w_uk.shape[0] == w_uv.shape[0]
+    if not fits or not kv_c.shape[1] == w_uk.shape[2] == w_uv.shape[2]:
+        raise ValueError(
+            f"mla_up_project: kv_c must be [num_keys, L], w_uk [num_heads, P, L] and w_uv "
+            f"[num_heads, Vd, L] (got {tuple(kv_c.shape)}, {tuple(w_uk.shape)} and "
+            f"{tuple(w_uv.shape)})."
+        )
+    work = torch.promote_types(compute_dtype, torch.float32)
+    latents = kv_c.to(compute_dtype).to(work)
+    k_nope = torch.einsum("nl,hpl->nhp", latents, w_uk.to(compute_dtype).to(work))
+    v = torch.einsum("nl,hvl->nhv", latents, w_uv.to(compute_dtype).to(work))
+    return k_nope.to(compute_dtype), v.to(compute_dtype)
+
+
+def mla_oracle(
+    q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+    w_uk: torch.Tensor, w_uv: torch.Tensor, query_lens: Sequence[int], seq_lens: Sequence[int], *,
+    scale: float, compute_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Causal MLA of every query row over its own request's tokens, up-projected.
+
+    Request r has `query_lens[r]` query rows and `seq_lens[r]` tokens (context, then its new
+    tokens); query row i sits at position `seq_lens[r] - query_lens[r] + i` and attends to the
+    request's tokens at positions up to its own:
+    `o[t, h] = sum_j softmax_j(scale * (q_nope[t, h] . W_UK[h] c_kv[j] + q_pe[t, h] . k_pe[j]))
+    W_UV[h] c_kv[j]`.
+
+    Args:
+        q_nope: `[num_tokens, num_heads, qk_nope_head_dim]`, the requests' rows back to back.
+        q_pe: `[num_tokens, num_heads, qk_rope_head_dim]`, rope already applied.
+        kv_c: `[sum(seq_lens), kv_lora_rank]`, each request's latents in position order
+            (already dequantised when they come from an fp8 cache).
+        k_pe: `[sum(seq_lens), qk_rope_head_dim]`, the shared rope keys, rope applied.
+        w_uk: `[num_heads, qk_nope_head_dim, kv_lora_rank]`, the key half of `kv_b_proj`.
+        w_uv: `[num_heads, v_head_dim, kv_lora_rank]`, its value half.
+        scale, compute_dtype: as for `attention_oracle`.
+
+    Returns:
+        `(output [num_tokens, num_heads, v_head_dim], lse)` as `attention_oracle` returns them.
+
+    Raises:
+        ValueError: shapes that do not fit together, or lengths that do not match the tensors.
+    """
+
+    def require(ok: bool, name: str, shape: str, got: torch.Tensor) -> None:
+        if not ok:
+            raise ValueError(f"mla_oracle: {name} must be {shape} (got {tuple(got.shape)}).")
+
+    require(w_uk.dim() == 3, "w_uk", "[num_heads, qk_nope_head_dim, kv_lora_rank]", w_uk)
+    num_heads, nope, rank = w_uk.shape
+    ok = w_uv.dim() == 3 and w_uv.shape[0] == num_heads and w_uv.shape[2] == rank
+    require(ok, "w_uv", f"[{num_heads}, v_head_dim, {rank}] to match w_uk", w_uv)
+    ok = q_nope.dim() == 3 and tuple(q_nope.shape[1:]) == (num_heads, nope)
+    require(ok, "q_nope", f"[num_tokens, {num_heads}, {nope}] (from w_uk)", q_nope)
+    ok = q_pe.dim() == 3 and q_pe.shape[:2] == q_nope.shape[:2]
+    require(ok, "q_pe", f"[{q_nope.shape[0]}, {num_heads}, qk_rope_head_dim]", q_pe)
+    ok = kv_c.dim() == 2 and kv_c.shape[1] == rank
+    require(ok, "kv_c", f"[num_keys, {rank}] (kv_lora_rank from w_uk)", kv_c)
+    rows, rope = kv_c.shape[0], q_pe.shape[2]
+    ok = tuple(k_pe.shape) == (rows, rope)
+    require(ok, "k_pe", f"[{rows}, {rope}] (one rope key per latent)", k_pe)
+    if sum(query_lens) != q_nope.shape[0] or sum(seq_lens) != rows:
+        raise ValueError(
+            f"mla_oracle: lengths do not match the tensors (got sum(query_lens)={sum(query_lens)} "
+            f"for {q_nope.shape[0]} query rows, sum(seq_lens)={sum(seq_lens)} for {rows} latents)."
+        )
+    k_nope, v = mla_up_project(kv_c, w_uk, w_uv, compute_dtype)
+    num_heads = w_uk.shape[0]
+    # q, k: [rows, num_heads, qk_nope_head_dim + qk_rope_head_dim]; the rope key is every head's.
+    rope_keys = k_pe.to(compute_dtype).unsqueeze(1).expand(-1, num_heads, -1)
+    key = torch.cat([k_nope, rope_keys], dim=-1)
+    query = torch.cat([q_nope.to(compute_dtype), q_pe.to(compute_dtype)], dim=-1)
+    return attention_oracle(
+        query, key, v, query_lens, seq_lens, scale=scale, compute_dtype=compute_dtype
+    )

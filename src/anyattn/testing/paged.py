@@ -18,132 +18,88 @@ import torch
 from anyattn.backend import AttentionBackend, AttentionMetadataBuilder, LayerParams
 from anyattn.config import AttentionSpec, BatchLimits
 from anyattn.kv_cache import allocate_kv_cache
-from anyattn.metadata import (
-    CommonAttentionMetadata,
-    make_common_attn_metadata,
-)
+from anyattn.metadata import CommonAttentionMetadata, make_common_attn_metadata
 from anyattn.slots import expand_block_table
 from anyattn.testing.batch_spec import BatchSpec
 from anyattn.testing.blocks import assign_blocks, cross_slot_mapping, token_slots
 from anyattn.testing.cache_io import as_stored, write_kv
-from anyattn.types import AttentionType, KVCacheLayout
+from anyattn.types import ENCODER_TYPES, AttentionType, KVCacheLayout
 
-__all__ = ["PagedBatch", "build_batch", "gather_rows", "layer_records"]
+__all__ = ["PagedBatch", "PagedStep", "build_batch", "gather_rows", "layer_records"]
 
 
 def layer_records(
-    spec: AttentionSpec,
-    names: Sequence[str] = ("layer.0",),
-    num_heads: int | None = None,
+    spec: AttentionSpec, names: Sequence[str] = ("layer.0",), num_heads: int | None = None,
     attn_type: AttentionType | str = AttentionType.DECODER,
-) -> dict[str, LayerParams]:
+) -> dict[str, LayerParams]:  # fmt: skip
     """Records of plain layers of `spec`'s group, for a builder's `layers` argument: `spec`'s
     KV heads, head size, cache dtype and window, `num_heads` query heads (default: as many as
     KV heads), scale `head_size ** -0.5`, no soft cap, ALiBi or sinks."""
     params = LayerParams(
         num_heads=spec.num_kv_heads if num_heads is None else num_heads,
-        num_kv_heads=spec.num_kv_heads,
-        head_size=spec.head_size,
-        scale=spec.head_size**-0.5,
-        attn_type=AttentionType(attn_type),
-        kv_cache_dtype=spec.kv_cache_dtype,
+        num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, scale=spec.head_size**-0.5,
+        attn_type=AttentionType(attn_type), kv_cache_dtype=spec.kv_cache_dtype,
         sliding_window=spec.sliding_window,
-    )
+    )  # fmt: skip
     return dict.fromkeys(names, params)
 
 
 @dataclass
-class PagedBatch:
-    """One step, ready to hand to a backend, and what the oracle needs to judge it.
+class PagedStep:
+    """What every kit step holds: a shuffled paged cache and the backend's metadata.
 
     Attributes:
-        spec: the batch as laid out (decodes first when the builder asked for it).
-        order: `spec` request i is request `order[i]` of the spec passed to `build_batch`.
-        block_size: kernel block size of `kv_cache` and `block_table`.
-        query: `[num_tokens + num_padding_tokens, num_heads, head_size]`, model dtype.
-        key, value: what `forward` receives: the new tokens' K/V `[num_tokens (+ padding),
-            num_kv_heads, head_size]`; for cross attention the encoder K/V of first-step
-            requests, or None when no request is at its first step.
-        kv_cache: the layer's cache with the context written (the backend writes the rest).
-        expected_kv_cache: the cache as it must be once the backend has written `key`/`value`.
-        block_table: int32 `[num_reqs, max_blocks]` (device), kernel-block units.
-        common_attn_metadata: the step's metadata; its `slot_mapping` covers `key`'s rows.
-        attn_metadata: what the backend's builder built from it.
-        builder: the backend's builder.
-        kv_lens: keys per request (seq_lens, or encoder lengths for cross attention).
-        oracle_key, oracle_value: float64 `[sum(kv_lens), num_kv_heads, head_size]`, the keys
-            each request attends to, as stored (fp8 dequantised), computed by the kit.
-        k_scale, v_scale: float32 `[]` or `[num_kv_heads]` (device).
-        kv_cache_dtype: the cache dtype name.
-        attn_type: the attention type the batch was built for.
-        causal: the metadata's causal flag.
+        spec: the batch as laid out (decodes first when the builder asked for it); request i
+            of it is request `order[i]` of the spec the batch was built from.
+        block_size: kernel block size of `kv_cache` and `block_table` (int32 `[num_reqs,
+            max_blocks]`, device).
+        kv_cache: the layer's cache with the context written (the backend writes the rest), and
+            expected_kv_cache as it must be once the backend has written the step's rows.
+        common_attn_metadata: the step's metadata (`slot_mapping` -1 on padding rows), and
+            attn_metadata what the backend's `builder` built from it.
+        k_scale: float32 `[]` or `[num_kv_heads]` (device); kv_cache_dtype: the cache dtype name.
         num_actual_tokens: real query rows (`spec.num_tokens`).
     """
 
     spec: BatchSpec
     order: list[int]
     block_size: int
-    query: torch.Tensor
-    key: torch.Tensor | None
-    value: torch.Tensor | None
     kv_cache: torch.Tensor
     expected_kv_cache: torch.Tensor
     block_table: torch.Tensor
     common_attn_metadata: CommonAttentionMetadata
     attn_metadata: object
     builder: AttentionMetadataBuilder
-    kv_lens: tuple[int, ...]
-    oracle_key: torch.Tensor
-    oracle_value: torch.Tensor
     k_scale: torch.Tensor
-    v_scale: torch.Tensor
     kv_cache_dtype: str
-    attn_type: AttentionType
-    causal: bool
     num_actual_tokens: int
 
 
-def _draw(
-    spec: BatchSpec,
-    kv_lens: Sequence[int],
-    num_heads: int,
-    num_kv_heads: int,
-    head_size: int,
-    num_padding: int,
-    g: torch.Generator,
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-    """Per request (spec order) its queries `[q, H, D]`, keys and values `[kv_len, H_kv, D]`;
-    and the padding rows `[num_padding, H + 2 * H_kv, D]` (query, key, value heads)."""
-    prefix = spec.common_prefix_len
-    # A shared prefix has one set of K/V: every request reads the same physical blocks.
-    prefix_k = torch.randn(prefix, num_kv_heads, head_size, generator=g)
-    prefix_v = torch.randn(prefix, num_kv_heads, head_size, generator=g)
-    queries, keys, values = [], [], []
-    for query_len, kv_len in zip(spec.query_lens, kv_lens, strict=True):
-        queries.append(torch.randn(query_len, num_heads, head_size, generator=g))
-        own = (kv_len - prefix, num_kv_heads, head_size)
-        keys.append(torch.cat([prefix_k, torch.randn(own, generator=g)]))
-        values.append(torch.cat([prefix_v, torch.randn(own, generator=g)]))
-    padding = torch.randn(num_padding, num_heads + 2 * num_kv_heads, head_size, generator=g)
-    return queries, keys, values, padding
+@dataclass
+class PagedBatch(PagedStep):
+    """One step, ready to hand to a backend, and what the oracle needs to judge it.
 
+    Attributes:
+        query: `[num_tokens + num_padding_tokens, num_heads, head_size]`, model dtype.
+        key, value: what `forward` receives: the new tokens' K/V `[num_tokens (+ padding),
+            num_kv_heads, head_size]`; for cross attention the encoder K/V of first-step
+            requests, or None when no request is at its first step.
+        kv_lens: keys per request (seq_lens, or encoder lengths for cross attention).
+        oracle_key, oracle_value: float64 `[sum(kv_lens), num_kv_heads, head_size]`, the keys
+            each request attends to, as stored (fp8 dequantised), computed by the kit.
+        v_scale: float32 `[]` or `[num_kv_heads]` (device).
+        attn_type: the attention type; causal: the metadata's causal flag.
+    """
 
-def _split_positions(
-    spec: BatchSpec, kv_lens: Sequence[int], attn_type: AttentionType
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per request, the key positions the kit writes now and those the step brings."""
-    kit, step = [], []
-    for r, kv_len in enumerate(kv_lens):
-        positions = torch.arange(kv_len)
-        if attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
-            cut = 0
-        elif attn_type is AttentionType.ENCODER_DECODER:
-            cut = 0 if spec.is_first_step[r] else kv_len
-        else:
-            cut = spec.context_lens[r]
-        kit.append(positions[:cut])
-        step.append(positions[cut:])
-    return kit, step
+    query: torch.Tensor
+    key: torch.Tensor | None
+    value: torch.Tensor | None
+    kv_lens: tuple[int, ...]
+    oracle_key: torch.Tensor
+    oracle_value: torch.Tensor
+    v_scale: torch.Tensor
+    attn_type: AttentionType
+    causal: bool
 
 
 def gather_rows(source: list[torch.Tensor], positions: list[torch.Tensor]) -> torch.Tensor:
@@ -152,26 +108,14 @@ def gather_rows(source: list[torch.Tensor], positions: list[torch.Tensor]) -> to
 
 
 def build_batch(
-    backend: type[AttentionBackend],
-    spec: BatchSpec,
-    *,
-    num_heads: int,
-    num_kv_heads: int,
-    head_size: int,
-    dtype: torch.dtype,
-    device: torch.device | str = "cpu",
-    block_size: int = 16,
-    layout: KVCacheLayout | str = KVCacheLayout.NHD,
-    kv_cache_dtype: str = "auto",
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    attn_type: AttentionType | str = AttentionType.DECODER,
-    causal: bool = True,
-    sliding_window: int | None = None,
-    num_padding_tokens: int = 0,
-    layers: Mapping[str, LayerParams] | None = None,
-    seed: int = 0,
-) -> PagedBatch:
+    backend: type[AttentionBackend], spec: BatchSpec, *, num_heads: int, num_kv_heads: int,
+    head_size: int, dtype: torch.dtype, device: torch.device | str = "cpu", block_size: int = 16,
+    layout: KVCacheLayout | str = KVCacheLayout.NHD, kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    attn_type: AttentionType | str = AttentionType.DECODER, causal: bool = True,
+    sliding_window: int | None = None, num_padding_tokens: int = 0,
+    layers: Mapping[str, LayerParams] | None = None, seed: int = 0,
+) -> PagedBatch:  # fmt: skip
     """Make inputs, a shuffled paged cache and the backend's own metadata for `spec`.
 
     The engine block size `block_size` must be accepted by the backend; when its kernel block
@@ -188,15 +132,14 @@ def build_batch(
 
     Args:
         spec: the batch; `common_prefix_len` > 0 shares the prefix's physical blocks.
-        num_heads, num_kv_heads, head_size: the layer's shape.
         dtype: model dtype of query/key/value.
         k_scale, v_scale: float32 `[]` or `[num_kv_heads]` (default 1.0).
         causal: decoder causality (False: bidirectional over the cache).
         sliding_window: W, passed to the builder's `AttentionSpec`.
         num_padding_tokens: extra query/key/value rows past the real ones, with slot -1.
-        layers: the layers of the group and their records (`{name: impl.layer_params()}`),
-            given to the builder's constructor as an engine does; default one layer
-            "layer.0" of this shape (`layer_records`).
+        layers: the group's layers and records (`{name: impl.layer_params()}`), given to the
+            builder's constructor as an engine does; default one plain "layer.0"
+            (`layer_records`).
         seed: fixes every random value and block assignment.
 
     Raises:
@@ -206,7 +149,7 @@ def build_batch(
     device = torch.device(device)
     attn_type = AttentionType(attn_type)
     is_cross = attn_type is AttentionType.ENCODER_DECODER
-    is_encoder = attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+    is_encoder = attn_type in ENCODER_TYPES
     if is_cross and spec.encoder_seq_lens is None:
         raise ValueError(
             f"build_batch: cross attention needs encoder_seq_lens (got none in {spec.name!r})."
@@ -219,18 +162,25 @@ def build_batch(
     one = torch.ones((), dtype=torch.float32)
     k_scale = (one if k_scale is None else k_scale.float()).to(device)
     v_scale = (one if v_scale is None else v_scale.float()).to(device)
-    generator = torch.Generator().manual_seed(seed)
-    kv_lens_in = spec.encoder_seq_lens if is_cross else spec.seq_lens
-    assert kv_lens_in is not None
-    drawn = _draw(
-        spec, kv_lens_in, num_heads, num_kv_heads, head_size, num_padding_tokens, generator
-    )
+    g = torch.Generator().manual_seed(seed)
+    kv_lens = spec.encoder_seq_lens if is_cross else spec.seq_lens
+    assert kv_lens is not None
+    # Per request (given order): queries [q, H, D], keys and values [kv_len, H_kv, D]. A shared
+    # prefix has one set of K/V: every request reads the same physical blocks.
+    prefix = spec.common_prefix_len
+    prefix_k, prefix_v = (torch.randn(prefix, num_kv_heads, head_size, generator=g) for _ in "kv")
+    queries, keys, values = [], [], []
+    for query_len, kv_len in zip(spec.query_lens, kv_lens, strict=True):
+        queries.append(torch.randn(query_len, num_heads, head_size, generator=g))
+        own = (kv_len - prefix, num_kv_heads, head_size)
+        keys.append(torch.cat([prefix_k, torch.randn(own, generator=g)]))
+        values.append(torch.cat([prefix_v, torch.randn(own, generator=g)]))
+    padding = torch.randn(num_padding_tokens, num_heads + 2 * num_kv_heads, head_size, generator=g)
 
     limits = BatchLimits(
-        max_num_reqs=spec.num_reqs,
-        max_num_tokens=spec.num_tokens + num_padding_tokens,
-        max_model_len=max(max(spec.seq_lens), max(kv_lens_in)),
-    )
+        max_num_reqs=spec.num_reqs, max_num_tokens=spec.num_tokens + num_padding_tokens,
+        max_model_len=max(max(spec.seq_lens), max(kv_lens)),
+    )  # fmt: skip
     kv_spec = AttentionSpec(
         kernel_block_size, num_kv_heads, head_size, dtype, kv_cache_dtype, sliding_window
     )
@@ -238,46 +188,47 @@ def build_batch(
         layers = layer_records(kv_spec, num_heads=num_heads, attn_type=attn_type)
     builder = backend.get_builder_cls()(kv_spec, layers, limits, device)
     order = spec.decodes_first_order(builder.reorder_batch_threshold)
-    spec, kv_lens = spec.permuted(order), tuple(kv_lens_in[i] for i in order)
-    queries, keys, values = ([x[i].to(dtype) for i in order] for x in drawn[:3])
-    padding = drawn[3].to(dtype)
-    padding_query, padding_k, padding_v = padding.split([num_heads, num_kv_heads, num_kv_heads], 1)
+    spec, kv_lens = spec.permuted(order), tuple(kv_lens[i] for i in order)
+    queries, keys, values = ([x[i].to(dtype) for i in order] for x in (queries, keys, values))
+    padding_query, padding_k, padding_v = padding.to(dtype).split(
+        [num_heads, num_kv_heads, num_kv_heads], 1
+    )
 
     # Cross attention: as wide as the decoder's positions too, columns its keys never read.
     engine_table, num_engine_blocks = assign_blocks(
-        kv_lens,
-        block_size,
-        common_prefix_len=spec.common_prefix_len,
-        num_cols=-(-max(spec.seq_lens) // block_size),
-        generator=generator,
-    )
+        kv_lens, block_size, common_prefix_len=spec.common_prefix_len,
+        num_cols=-(-max(spec.seq_lens) // block_size), generator=g,
+    )  # fmt: skip
     block_table = expand_block_table(engine_table, block_size, kernel_block_size)
+    num_blocks = num_engine_blocks * (block_size // kernel_block_size)
     kv_cache = allocate_kv_cache(
-        backend,
-        num_engine_blocks * (block_size // kernel_block_size),
-        kernel_block_size,
-        num_kv_heads,
-        head_size,
-        dtype,
-        kv_cache_dtype,
-        layout,
-        device,
-    )
+        backend, num_blocks, kernel_block_size, num_kv_heads, head_size, dtype, kv_cache_dtype,
+        layout, device,
+    )  # fmt: skip
 
-    kit_pos, step_pos = _split_positions(spec, kv_lens, attn_type)
+    # Per request, the key positions the kit writes now and those the step brings.
+    kit_pos, step_pos = [], []
+    for r, kv_len in enumerate(kv_lens):
+        if is_encoder:
+            cut = 0
+        elif is_cross:
+            cut = 0 if spec.is_first_step[r] else kv_len
+        else:
+            cut = spec.context_lens[r]
+        kit_pos.append(torch.arange(cut))
+        step_pos.append(torch.arange(cut, kv_len))
     scales = (kv_cache_dtype, k_scale, v_scale)
-    write_kv(
-        kv_cache,
-        gather_rows(keys, kit_pos).to(device),
-        gather_rows(values, kit_pos).to(device),
-        token_slots(block_table, kit_pos, kernel_block_size).to(device),
-        *scales,
-    )
-    step_key, step_value = gather_rows(keys, step_pos), gather_rows(values, step_pos)
+
+    def write(cache: torch.Tensor, positions: list[torch.Tensor]) -> None:
+        slots = token_slots(block_table, positions, kernel_block_size).to(device)
+        k, v = (gather_rows(x, positions).to(device) for x in (keys, values))
+        write_kv(cache, k, v, slots, *scales)
+
+    write(kv_cache, kit_pos)
     expected_kv_cache = kv_cache.clone()
     if not is_encoder:
-        step_slots = token_slots(block_table, step_pos, kernel_block_size).to(device)
-        write_kv(expected_kv_cache, step_key.to(device), step_value.to(device), step_slots, *scales)
+        write(expected_kv_cache, step_pos)
+    step_key, step_value = gather_rows(keys, step_pos), gather_rows(values, step_pos)
     if is_cross:
         key = step_key.to(device) if step_key.shape[0] else None
         value = step_value.to(device) if step_value.shape[0] else None
@@ -285,21 +236,18 @@ def build_batch(
         key = torch.cat([step_key, padding_k]).to(device)
         value = torch.cat([step_value, padding_v]).to(device)
 
+    slot_mapping = None  # from key's rows, except for cross attention's encoder tokens
+    if is_cross:
+        slot_mapping = cross_slot_mapping(
+            block_table, kv_lens, spec.is_first_step, kernel_block_size
+        )
+    num_padded = spec.num_tokens + num_padding_tokens if num_padding_tokens else None
     common = make_common_attn_metadata(
-        spec.query_lens,
-        spec.seq_lens,
-        block_table,
-        kernel_block_size,
-        device,
+        spec.query_lens, spec.seq_lens, block_table, kernel_block_size, device,
         causal=causal and attn_type is AttentionType.DECODER,
         encoder_seq_lens=spec.encoder_seq_lens if is_cross else None,
-        num_padded_tokens=spec.num_tokens + num_padding_tokens if num_padding_tokens else None,
-        slot_mapping=(
-            cross_slot_mapping(block_table, kv_lens, spec.is_first_step, kernel_block_size)
-            if is_cross
-            else None
-        ),
-    )
+        num_padded_tokens=num_padded, slot_mapping=slot_mapping,
+    )  # fmt: skip
     attn_metadata = builder.build(spec.common_prefix_len, common)
 
     all_key, all_value = torch.cat(keys).to(device), torch.cat(values).to(device)
@@ -310,25 +258,11 @@ def build_batch(
         oracle_key = as_stored(all_key, kv_cache_dtype, kv_cache.dtype, k_scale)
         oracle_value = as_stored(all_value, kv_cache_dtype, kv_cache.dtype, v_scale)
     return PagedBatch(
-        spec=spec,
-        order=order,
-        block_size=kernel_block_size,
-        query=torch.cat([*queries, padding_query]).to(device),
-        key=key,
-        value=value,
-        kv_cache=kv_cache,
-        expected_kv_cache=expected_kv_cache,
-        block_table=block_table.to(device),
-        common_attn_metadata=common,
-        attn_metadata=attn_metadata,
-        builder=builder,
-        kv_lens=kv_lens,
-        oracle_key=oracle_key,
-        oracle_value=oracle_value,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        kv_cache_dtype=kv_cache_dtype,
-        attn_type=attn_type,
-        causal=bool(common.causal),
+        spec=spec, order=order, block_size=kernel_block_size,
+        query=torch.cat([*queries, padding_query]).to(device), key=key, value=value,
+        kv_cache=kv_cache, expected_kv_cache=expected_kv_cache, block_table=block_table.to(device),
+        common_attn_metadata=common, attn_metadata=attn_metadata, builder=builder, kv_lens=kv_lens,
+        oracle_key=oracle_key, oracle_value=oracle_value, k_scale=k_scale, v_scale=v_scale,
+        kv_cache_dtype=kv_cache_dtype, attn_type=attn_type, causal=bool(common.causal),
         num_actual_tokens=spec.num_tokens,
-    )
+    )  # fmt: skip

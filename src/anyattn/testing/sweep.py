@@ -8,18 +8,13 @@
 - every declared feature flag (sinks, sliding window, ALiBi, soft cap, non-causal, per-head fp8
   scales, LSE, cascade), each once.
 
-Where a backend declares any head size, 64, 80, 96, 128, 256 and the odd size 65 stand for
-"any"; where it declares `MultipleOf(n)` block sizes, n, 16, the non-power-of-two multiple
-`3 * lcm(n, 16)` and `_LARGEST_BLOCK_SIZE` (rounded up to a multiple of n) stand for them.
+"Any" head size stands for 64, 80, 96, 128, 256 and the odd 65; `MultipleOf(n)` block sizes
+for n, 16, `3 * lcm(n, 16)` and `_LARGEST_BLOCK_SIZE` (rounded up to a multiple of n). For MLA
+backends the axes are the latent splits (each declared one, or the kit's `MLA_SHAPES` when any
+is) with every dtype, every dtype with every cache dtype, every block size, and the decode LSE
+when declared (`MLACase`s).
 
-For MLA backends (`backend.is_mla()`) the axes are the latent splits (each declared one, or
-the kit's 512+64, 320+64 and 64+16 when any is declared) with every dtype, every dtype with
-every cache dtype, every block size, and the decode LSE when declared (`MLACase`s).
-
-Each case runs one small batch (`sweep_spec`): a chunked prefill whose context spans three or
-more shuffled blocks, a decode and a fresh prefill, in that order (a builder that wants decodes
-first must reorder them), with no length a multiple of the block size where the block size
-allows it (above 2). A configuration the backend's joint rules refuse
+Each case runs one small batch (`sweep_spec`). A configuration the backend's joint rules refuse
 (`validate_configuration`) is not run but listed, with the reasons, in `not_declared`.
 """
 
@@ -50,16 +45,14 @@ _ANY_HEAD_SIZES = (64, 80, 96, 128, 256, 65)
 # The largest engine block size the sweep runs for `MultipleOf(n)` declarations.
 _LARGEST_BLOCK_SIZE = 256
 # Feature flag -> the change to the base case that exercises it.
+# (The window depends on the block size and cascade needs its own batch: see _feature_case.)
 _FEATURES = {
-    "supports_sink": {"use_sinks": True},
-    "supports_sliding_window": {},  # the window depends on the block size, see _feature_case
-    "supports_alibi": {"use_alibi": True},
-    "supports_logits_soft_cap": {"logits_soft_cap": 2.0},
+    "supports_sink": {"use_sinks": True}, "supports_sliding_window": {},
+    "supports_alibi": {"use_alibi": True}, "supports_logits_soft_cap": {"logits_soft_cap": 2.0},
     "supports_non_causal": {"causal": False},
     "supports_per_head_quant_scales": {"per_head_scales": True},
-    "supports_lse": {"check_lse": True},
-    "supports_cascade": {},
-}
+    "supports_lse": {"check_lse": True}, "supports_cascade": {},
+}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,11 +85,13 @@ def _off_grid(n: int, block_size: int, *others: int) -> int:
 
 
 def sweep_spec(block_size: int, attn_type: AttentionType = AttentionType.DECODER) -> BatchSpec:
-    """The sweep's batch for an engine block size and attention type.
+    """The sweep's batch for an engine block size and attention type, with no length a multiple
+    of the block size (where the block size, above 2, allows it).
 
-    Decoder: (context, query) = (>2 blocks, 9), (>1 block, 1), (0, >1 block). Encoder types:
-    three fresh sequences. Cross attention: the decoder batch, each request reading encoder
-    keys of more than one block (the fresh request writes its encoder K/V this step).
+    Decoder: (context, query) = (>2 blocks, 9), (>1 block, 1), (0, >1 block), in that order (a
+    builder that wants decodes first must reorder them). Encoder types: three fresh sequences.
+    Cross attention: the decoder batch, each request reading encoder keys of more than one block
+    (the fresh request writes its encoder K/V this step).
     """
     b = block_size
     chunk_query = _off_grid(9, b)
@@ -145,15 +140,10 @@ def _base_case(backend: type[AttentionBackend]) -> Case:
     if not backend.supports_attn_type(attn_type):
         attn_type = backend.supported_attn_types[0]
     return Case(
-        name="",
-        feature="sweep",
-        spec=sweep_spec(block_size, attn_type),
-        head_size=head_size,
-        block_size=block_size,
-        layout=backend.supported_kv_cache_layouts()[0],
-        attn_type=attn_type,
+        name="", feature="sweep", spec=sweep_spec(block_size, attn_type), head_size=head_size,
+        block_size=block_size, layout=backend.supported_kv_cache_layouts()[0], attn_type=attn_type,
         causal=attn_type is AttentionType.DECODER,
-    )
+    )  # fmt: skip
 
 
 def _at(base: Case | MLACase, name: str, **changes: object) -> Case | MLACase:
@@ -244,10 +234,8 @@ def _candidates(
         out.append((replace(cross, causal=False, num_heads=8, num_kv_heads=1), base_dtype))
     for block_size in _block_sizes(backend):
         out.append((_at(base, f"block_size-{block_size}", block_size=block_size), base_dtype))
-    for layout in backend.supported_kv_cache_layouts():
-        out.append(
-            (replace(base, name=f"layout-{layout}", layout=KVCacheLayout(layout)), base_dtype)
-        )
+    for layout in map(KVCacheLayout, backend.supported_kv_cache_layouts()):
+        out.append((replace(base, name=f"layout-{layout}", layout=layout), base_dtype))
     for flag in _FEATURES:
         if getattr(backend, flag)():
             case = _feature_case(backend, flag, base, device, base_dtype)

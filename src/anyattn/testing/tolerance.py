@@ -1,37 +1,49 @@
-"""How the kit judges a result: exact bit comparisons, and the tolerance rule, an error bound
-derived from the reference's own rounding.
+"""How the kit judges a result (`CaseResult`): exact bit comparisons, and the tolerance rule,
+an error bound derived from the reference's own rounding (docs/semantics.md, "Tolerance").
 
 Pass when `max|out - ref64| <= k * max|ref_lowp - ref64| + floor`, where `ref_lowp` is the
 oracle run in the input dtype and `floor = 2 * max|(ref64 + 0.3 - 0.3) - ref64|` computed in the
-input dtype (that dtype's rounding noise at the reference's magnitudes).
-
-`k` is 2 for 16-bit dtypes, where rounding the scores, probabilities and output to the dtype
-dominates both errors. In float32 nothing is rounded that coarsely and the kernel's own
-arithmetic shows: GPU kernels take exponentials as `exp2` on `s * log2(e)` with the hardware's
-approximate `ex2.approx.f32` (up to 2 ulp, and the product adds its rounding), where the oracle's
-`exp` is within 1 ulp, which can put a correct float32 kernel just past twice the oracle's own
-error. So `k` is 4 for float32: still a few float32 ulps of the outputs. docs/semantics.md
-("Tolerance") states the rule.
+input dtype. `k` is 2 for 16-bit dtypes, where rounding to the dtype dominates both errors, and
+4 for float32, where a kernel's `exp2` (hardware `ex2.approx.f32`, up to 2 ulp, on a rounded
+`s * log2(e)`) can put a correct kernel just past twice the oracle's `exp` error.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from anyattn.testing.report import CaseResult
-
 __all__ = [
-    "cache_problems",
-    "error_bound",
-    "judge_against_oracle",
-    "judge_lse",
-    "max_abs_error",
-    "num_changed",
-]
+    "CaseResult", "cache_problems", "error_bound", "judge_against_oracle", "judge_lse",
+    "max_abs_error", "num_changed",
+]  # fmt: skip
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True, slots=True)
+class CaseResult:
+    """The outcome of one check.
+
+    Attributes:
+        name: the case ("mixed", "fp8/fp8_e5m2", ...); LSE checks end in ".lse".
+        max_error: `max|out - ref64|` (NaN when the backend raised or wrote NaN; 0 for checks
+            that are exact, such as a constructor rejecting an undeclared head size).
+        bound: the tolerance the error must not exceed.
+        passed: the error is within bound and every exact check (cache contents, padding rows
+            untouched, null block unused) held; detail: why it failed, or what was run.
+        feature: the case's feature (`anyattn.testing.FEATURES`); seconds: its wall time.
+    """
+
+    name: str
+    max_error: float
+    bound: float
+    passed: bool
+    detail: str = ""
+    feature: str = ""
+    seconds: float = 0.0
 
 
 def max_abs_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -88,14 +100,9 @@ def cache_problems(kv_cache: torch.Tensor, expected: torch.Tensor) -> list[str]:
 
 
 def judge_against_oracle(
-    name: str,
-    out: torch.Tensor,
-    ref64: torch.Tensor,
-    ref_lowp: torch.Tensor,
-    dtype: torch.dtype,
-    problems: list[str],
-    feature: str,
-) -> CaseResult:
+    name: str, out: torch.Tensor, ref64: torch.Tensor, ref_lowp: torch.Tensor, dtype: torch.dtype,
+    problems: list[str], feature: str,
+) -> CaseResult:  # fmt: skip
     """One result: passed when `out` is within `error_bound` of `ref64` and `problems` (exact
     checks that failed) is empty. `dtype` sets the floor: the model dtype for outputs, float32
     for LSEs (always float32)."""
@@ -108,13 +115,9 @@ def judge_against_oracle(
 
 
 def judge_lse(
-    name: str,
-    lse: torch.Tensor,
-    base_on_e: bool,
-    lse64: torch.Tensor,
-    lse_lowp: torch.Tensor,
+    name: str, lse: torch.Tensor, base_on_e: bool, lse64: torch.Tensor, lse_lowp: torch.Tensor,
     feature: str,
-) -> CaseResult:
+) -> CaseResult:  # fmt: skip
     """The result `<name>.lse`: an impl's LSE (log2 when `base_on_e` is False, converted) against
     the oracle's natural-log LSE, with a float32 floor."""
     lse = lse.double() if base_on_e else lse.double() * math.log(2.0)
