@@ -46,6 +46,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(".gpu-wheels"))
     args = parser.parse_args()
     budget = int(args.mib * 2**20)
+    if budget < 1:
+        raise SystemExit(f"pack_wheels: --mib must be positive (got {args.mib})")
     shutil.rmtree(args.out, ignore_errors=True)
     manifest, folder, used = {}, 1, 0
     for spec in args.bundle:

@@ -54,7 +54,9 @@ def main() -> None:
         (PARTS / wheel).write_bytes(data)
         if wheel.endswith(".tar.xz"):
             with tarfile.open(PARTS / wheel, "r:xz") as archive:
-                archive.extractall(SITE, filter="data")
+                # the "data" filter (Python 3.11.4+) refuses members that would land outside SITE
+                safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+                archive.extractall(SITE, **safe)
         else:
             with zipfile.ZipFile(PARTS / wheel) as archive:
                 archive.extractall(SITE)

@@ -87,11 +87,15 @@ def _sm(capability: tuple[int, int]) -> str:
     return f"sm{capability[0]}{capability[1]}"
 
 
-def _feature_check(feature: str) -> classmethod:
+def _feature_check(feature: str, meaning: str) -> classmethod:
+    """`AttentionBackend.supports_<feature>`: whether `supported_features` names `feature`."""
+
     def supports(cls: type[AttentionBackend]) -> bool:
         return feature in cls.supported_features
 
     supports.__name__ = f"supports_{feature}"
+    supports.__qualname__ = f"AttentionBackend.supports_{feature}"
+    supports.__doc__ = f"Whether the backend supports {meaning} (named in `supported_features`)."
     return classmethod(supports)
 
 
@@ -301,19 +305,22 @@ class AttentionBackend(ABC):
     def is_sparse(cls) -> bool:
         return False
 
-    # Whether `supported_features` names the feature; a backend whose answer depends on more
-    # (the installed package) overrides the classmethod. non_causal: bidirectional attention
-    # in the paged-KV decoder path; lse: `forward` fills `output_lse` when given; cascade: the
-    # builder can run a shared prefix once (`use_cascade_attention`).
-    supports_sink = _feature_check("sink")
-    supports_sliding_window = _feature_check("sliding_window")
-    supports_alibi = _feature_check("alibi")
-    supports_logits_soft_cap = _feature_check("logits_soft_cap")
-    supports_non_causal = _feature_check("non_causal")
-    supports_per_head_quant_scales = _feature_check("per_head_quant_scales")
-    supports_batch_invariance = _feature_check("batch_invariance")
-    supports_lse = _feature_check("lse")
-    supports_cascade = _feature_check("cascade")
+    # A backend whose answer depends on more (the installed package) overrides the classmethod.
+    supports_sink = _feature_check("sink", "per-head attention sinks")
+    supports_sliding_window = _feature_check("sliding_window", "a sliding window")
+    supports_alibi = _feature_check("alibi", "ALiBi position biases")
+    supports_logits_soft_cap = _feature_check("logits_soft_cap", "a soft cap on the logits")
+    supports_non_causal = _feature_check(
+        "non_causal", "bidirectional attention in the paged-KV decoder path"
+    )
+    supports_per_head_quant_scales = _feature_check(
+        "per_head_quant_scales", "per-head fp8 K/V scales"
+    )
+    supports_batch_invariance = _feature_check("batch_invariance", "batch-invariant results")
+    supports_lse = _feature_check("lse", "filling `output_lse` in `forward` when it is given")
+    supports_cascade = _feature_check(
+        "cascade", "running a shared prefix once (`use_cascade_attention`)"
+    )
 
     @classmethod
     def supports_combination(

@@ -303,8 +303,9 @@ def measure_backends(
 
     Raises:
         NoBackendError: no backend fits the config here.
-        ValueError: a device other than this machine's, limits that are not `BatchLimits`,
-            or a config measured selection does not cover (encoder or cross attention).
+        TypeError: limits that are not `BatchLimits`.
+        ValueError: a device other than this machine's, a config without `num_heads`, or one
+            measured selection does not cover (encoder or cross attention).
     """
     if not isinstance(limits, BatchLimits):
         raise TypeError(

@@ -8,9 +8,8 @@ reads back a device `slot_mapping`.
 
 from __future__ import annotations
 
-from collections import namedtuple
 from collections.abc import Set
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -54,10 +53,19 @@ class AttentionImpl(Protocol):
         """See `anyattn.impl.AttentionImpl.validate_inputs`."""
 
 
-# A layer call checked in full, kept by its arguments' identities (`StepChecks.call`).
-_Call = namedtuple(
-    "_Call", "impl layer query key value kv_cache slot_mapping attn_metadata output output_lse"
-)
+class _Call(NamedTuple):
+    """A layer call checked in full, kept by its arguments' identities (`StepChecks.call`)."""
+
+    impl: object
+    layer: object
+    query: torch.Tensor
+    key: torch.Tensor | None
+    value: torch.Tensor | None
+    kv_cache: torch.Tensor
+    slot_mapping: object
+    attn_metadata: object
+    output: torch.Tensor
+    output_lse: torch.Tensor | None
 
 
 def step_of(attn_metadata: object) -> CommonAttentionMetadata | None:

@@ -110,6 +110,25 @@ def test_streaming_yields_the_final_text(tiny_llm):
     assert "".join(pieces) == final
 
 
+def test_two_interleaved_streams_each_yield_their_whole_text(tiny_llm):
+    # Each stream's steps also advance the other's request: a request that one stream's step
+    # finished still yields its last text to its own stream.
+    llm, _ = tiny_llm("llama")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = ["t5 t6 t7", "t1 t2"]
+    expected = [llm.generate(p, params)[0].outputs[0].text for p in prompts]
+    streams = [iter(llm.stream(p, params)) for p in prompts]
+    texts, alive = ["", ""], [True, True]
+    while any(alive):
+        for k, stream in enumerate(streams):
+            if alive[k]:
+                try:
+                    texts[k] += next(stream)
+                except StopIteration:
+                    alive[k] = False
+    assert texts == expected
+
+
 def test_text_is_decoded_when_read_and_matches_a_full_decode(tiny_llm, monkeypatch):
     llm, _ = tiny_llm("llama")
     calls = []

@@ -3,6 +3,7 @@ registered with their builders, what the cascade decision is told."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from anyattn.config import BatchLimits
@@ -115,3 +116,11 @@ def test_a_group_has_alibi_when_any_of_its_layers_does():
     assert [g.has_alibi for g in make_runner(_TwoLayers([None, None])).groups] == [False]
     # (ALiBi is not part of the KV-cache spec: both layers share one group)
     assert [g.has_alibi for g in make_runner(_TwoLayers([None, [0.5, 0.25]])).groups] == [True]
+
+
+def test_two_layers_of_one_name_are_refused():
+    model = _TwoLayers([None, None])
+    for layer in model.layers:
+        layer.layer_name = "same"
+    with pytest.raises(ValueError, match="names must be unique"):
+        make_runner(model)

@@ -86,6 +86,11 @@ class ModelRunner:
         )
         attention_layers = list(model.attention_layers())
         layers = {layer.layer_name: layer for layer in attention_layers}
+        if len(layers) != len(attention_layers):  # two layers would share one cache
+            raise ValueError(
+                f"ModelRunner: attention layer names must be unique (got {len(attention_layers)} "
+                f"layers under {len(layers)} names)."
+            )
         specs = self._group_specs(attention_layers, kv_cache_dtype)
         self.cuda_graph_plan, self.limits = self._plan_cuda_graphs(specs, limits, enforce_eager)
         self.groups = [self._make_group(key, names, layers) for key, names in specs.items()]

@@ -2,8 +2,11 @@
 (`anyattn.MLAAttention`, docs/mla.md) and a dense SwiGLU MLP in the first
 `first_k_dense_replace` layers, a mixture of experts (`moe.py`) after them.
 
-RoPE rotates only the `qk_rope_head_dim` parts, in DeepSeek's interleaved pairs (V2 always, V3
-when `rope_interleave`) or NeoX's halves. Multi-token-prediction layers of V3 checkpoints
+RoPE rotates only the `qk_rope_head_dim` part of the queries and the one shared rope key; its
+table is YaRN-scaled as configured (cos/sin times the YaRN attention factor), and its pairs are
+DeepSeek's interleaved `(x0, x1), (x2, x3), ...` (V2 always, V3 when `rope_interleave`) or
+NeoX's halves. The softmax scale carries `mscale(factor, mscale_all_dim)^2`
+(`ModelConfig.attention_scale`). Multi-token-prediction layers of V3 checkpoints
 (`model.layers.<n>`, n >= num_hidden_layers) are not run and their tensors are skipped.
 """
 

@@ -1,6 +1,14 @@
-"""Gemma2: the Llama graph with the token embedding scaled by `sqrt(hidden_size)`, RMSNorm
-scaling by `1 + weight`, and four norms per layer (`DecoderLayer.has_sandwich_norms`); GeGLU,
-score scale and soft caps, and the sliding layers are settings of `ModelConfig`.
+"""Gemma2: the Llama graph with Gemma's changes.
+
+- the token embedding is scaled by `sqrt(hidden_size)` (in the model dtype);
+- RMSNorm scales by `1 + weight`;
+- each layer norms the attention and MLP outputs as well as their inputs (four norms);
+- the MLP is GeGLU (`gelu_pytorch_tanh`);
+- scores are scaled by `query_pre_attn_scalar ** -0.5` and soft-capped;
+- even layers use a sliding window, odd layers full attention (from `layer_types`);
+- the output logits are soft-capped (`CausalLM.compute_logits`).
+
+All but the first two are settings of `ModelConfig`; the norms are `DecoderLayer`'s.
 """
 
 from __future__ import annotations
