@@ -1,14 +1,12 @@
 """FLEX_ATTENTION: attention through PyTorch's FlexAttention (`torch.nn.attention.flex_attention`).
 
 The portable backend for what the fused kernels do not serve: encoder, encoder-only and cross
-attention on CUDA (the selector takes it there for those only, after FLASH_ATTN), and every
-attention type on the CPU after TORCH. One compiled `flex_attention` call per layer and step
-covers the whole batch: `flex_attention_plan` lays the step out on the host,
-`flex_attention_builder` makes the BlockMasks, `flex_attention_impl` runs the call.
+attention on CUDA (after FLASH_ATTN), every attention type on the CPU (after TORCH). One compiled
+`flex_attention` call per layer and step covers the batch: `flex_attention_plan` lays the step
+out on the host, `flex_attention_builder` makes the BlockMasks, `flex_attention_impl` runs it.
 
-Limits, all declared: LSE only on CUDA (Inductor's CPU template has none); no cascade; sliding
-window only causal; head sizes multiples of 16 up to 256 (Triton's dot); no CUDA graphs. The
-first step of each configuration compiles (tens of seconds on a small CPU).
+Limits, all declared: LSE only on CUDA; no cascade; head sizes multiples of 16 up to 256
+(Triton's dot); no CUDA graphs. Each configuration's first step compiles (tens of seconds).
 """
 
 from __future__ import annotations
@@ -68,11 +66,8 @@ class FlexAttentionBackend(AttentionBackend):
 
     @classmethod
     def chosen_automatically(cls, config, device: DeviceInfo) -> bool:
-        """On CUDA encoder, encoder-only and cross attention only; on the CPU every type (it
-        ranks after TORCH there)."""
-        if device.type == "cpu":
-            return True
-        return AttentionType(config.attn_type) != AttentionType.DECODER
+        """On the CPU every attention type; on CUDA all but decoder attention."""
+        return device.type == "cpu" or AttentionType(config.attn_type) != AttentionType.DECODER
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
@@ -118,6 +113,5 @@ def _unavailable_reason() -> str | None:
     return None
 
 
-# Each class names the backend it is checked against, now that all three exist.
 FlexAttentionImpl.backend = FlexAttentionBackend
 FlexAttentionMetadataBuilder.backend = FlexAttentionBackend

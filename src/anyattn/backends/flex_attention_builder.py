@@ -1,11 +1,10 @@
-"""FLEX_ATTENTION's metadata: the step's layout and one BlockMask per distinct mask, built once.
+"""FLEX_ATTENTION's metadata: the step's layout and one BlockMask per distinct mask.
 
 `build` lays the step out on the host (`flex_attention_plan`) and makes, for every distinct
-`mask_key` among its layers' records, the `BlockMask` FlexAttention reads: block lists over
-`TILE x TILE` tiles and a mask_mod keeping key rows `lo[q] ... hi[q]` of query row q (and key
-row 0, the sink slot, with sinks). For layers that read the paged cache it also finds each key's
-cache block and offset on the device, so that `forward` copies the keys with one indexing op.
-`build` never synchronises with the device.
+`mask_key` of its layers, a `BlockMask`: block lists over `TILE x TILE` tiles and a mask_mod
+keeping key rows `lo[q] ... hi[q]` of query row q (and key row 0, the sink slot, with sinks).
+For layers that read the paged cache it also finds each key's cache block and offset on the
+device, so that `forward` copies the keys with one indexing op. It never syncs with the device.
 """
 
 from __future__ import annotations
@@ -34,11 +33,7 @@ from anyattn.backends.flex_attention_plan import (
 from anyattn.metadata import CommonAttentionMetadata
 from anyattn.types import ENCODER_TYPES, AttentionCGSupport, AttentionType
 
-__all__ = [
-    "FlexAttentionMetadata",
-    "FlexAttentionMetadataBuilder",
-    "mask_key",
-]
+__all__ = ["FlexAttentionMetadata", "FlexAttentionMetadataBuilder", "mask_key"]
 
 
 MaskKey = tuple[bool, "int | None", bool]
@@ -54,7 +49,7 @@ def mask_key(
 
 @dataclass(frozen=True)
 class FlexAttentionMetadata:
-    """What `FlexAttentionImpl.forward` reads for one step (frozen; see the module docstring).
+    """What `FlexAttentionImpl.forward` reads for one step.
 
     Attributes:
         num_actual_tokens: real tokens; output rows past it are untouched.
@@ -90,8 +85,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
     """Builds `FlexAttentionMetadata` from the CPU mirrors; never syncs with the device."""
 
     _cudagraph_support = AttentionCGSupport.NEVER
-    # Set in `anyattn.backends.flex_attention`, where both classes exist.
-    backend: ClassVar[type]
+    backend: ClassVar[type]  # set in `anyattn.backends.flex_attention`
 
     def __init__(self, kv_cache_spec, layers, limits, device) -> None:
         super().__init__(kv_cache_spec, layers, limits, device)
@@ -152,7 +146,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
 def _block_mask(
     layout: StepLayout, key: MaskKey, n: int, num_rows: int, num_keys: int, device
 ) -> object:
-    """The BlockMask of one `mask_key` (see the module docstring)."""
+    """The BlockMask of one `mask_key`."""
     from torch.nn.attention.flex_attention import BlockMask
 
     causal, window, has_sink = key
@@ -181,9 +175,9 @@ def _block_mask(
 def _key_slots(
     layout: StepLayout, block_table: torch.Tensor, block_size: int, device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cache block and offset of each key row in use, in order (`[num_key_rows -
-    FIRST_KEY_ROW]` each, int64 on `device`): request r's key j is at column `j // block_size`
-    of its block-table row. One device gather, no synchronisation."""
+    """Cache block and offset of each key row in use (int64 `[num_key_rows - FIRST_KEY_ROW]`
+    each, on `device`), by one device gather: request r's key j is in column `j // block_size`
+    of its block-table row."""
     lens = layout.key_lens
     request = np.repeat(np.arange(lens.shape[0]), lens)
     position = np.arange(request.shape[0]) - np.repeat(layout.key_start - FIRST_KEY_ROW, lens)

@@ -2,18 +2,16 @@
 
 The step is one FlexAttention batch entry (`flex_attention_plan`): queries `[1, H, rows, D]`
 (row t is token t), keys and values `[1, KVH, keys, D]` in a workspace made per call (row 0 the
-sink slot, zero-valued; the requests' keys from `FIRST_KEY_ROW` on, copied out of the paged
-cache with one indexing op, or the step's own for encoder attention), FlexAttention's GQA.
+zero-valued sink slot; the requests' keys from `FIRST_KEY_ROW` on, copied out of the paged cache
+with one indexing op, or the step's own for encoder attention), FlexAttention's GQA. The score
+mod applies docs/semantics.md's order (scale, soft cap, ALiBi, then the sink logit at key row
+0); its values are tensors, so that layers differing only in them share one graph.
 
-The score mod applies docs/semantics.md's order (scale, soft cap, ALiBi, then the sink logit at
-key row 0). Its values are tensors, so that layers differing only in them share one graph.
-
-Compilation: one compiled function per configuration (device type, dtype, head size, heads,
-score mods, LSE, launch options), each a code object of its own since torch.compile's
-recompile limit counts per code object. Sizes are dynamic and padded to buckets that never
-equal one another, heads and head size static, so a configuration compiles once. On CUDA rows
-are given as `[1, heads, tiles, TILE, D]` and flattened inside the graph, so that Inductor knows
-them multiples of its blocks and drops its bounds checks.
+One compiled function per configuration (device type, dtype, head size, heads, score mods, LSE,
+launch options), each a code object of its own (torch.compile's recompile limit counts per code
+object). Sizes are dynamic and padded to buckets that never equal one another, heads and head
+size static, so a configuration compiles once. On CUDA rows are given as `[1, heads, tiles,
+TILE, D]` and flattened inside the graph, so that Inductor drops its bounds checks.
 """
 
 from __future__ import annotations
@@ -131,7 +129,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's keys and values, `[KVH, num_keys, D]` each, of the model dtype, fresh
-        buffers at storage offset 0 (see the module docstring for the rows)."""
+        buffers at storage offset 0."""
         end = md.layout.num_key_rows
         if self.attn_type in ENCODER_TYPES:
             # encoder attention: the step's own K/V, in token order
@@ -210,11 +208,9 @@ def _static(tensor: torch.Tensor, dims) -> torch.Tensor:
 
 def _kernel_rows(rows: torch.Tensor, tiled: bool) -> torch.Tensor:
     """`[1, heads, rows, D]` as the compiled call takes it: `tiled` (on CUDA) as tiles `[1,
-    heads, rows / TILE, TILE, D]` (a view) with only the tile count symbolic; else untiled
-    (the CPU template fails to compile the tiled form, torch 2.13), only the row count
-    symbolic."""
-    # Detached: a tensor without a base (torch.compile guards on a view's base, whose sizes
-    # are not marked and would tie a head count to a tile count).
+    heads, rows / TILE, TILE, D]` with only the tile count symbolic; else untiled (the CPU
+    template fails to compile the tiled form), only the row count symbolic. Detached: without
+    a base, whose unmarked sizes torch.compile would guard on."""
     if not tiled:
         return _static(rows.detach(), (0, 1, 3))
     return _static(rows.unflatten(2, (-1, TILE)).detach(), (0, 1, 3, 4))
@@ -236,7 +232,6 @@ def _attend(query, key, value, block_mask, score_mod, kernel_options, with_lse=F
     return flex.flex_attention(query, key, value, **args, return_lse=True)
 
 
-# Compiled callables, one per configuration (see the module docstring).
 _COMPILED: dict[tuple, Callable] = {}
 
 

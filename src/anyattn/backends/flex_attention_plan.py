@@ -15,15 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = [
-    "FIRST_KEY_ROW",
-    "TILE",
-    "StepLayout",
-    "block_lists",
-    "lay_out_step",
-    "pad_keys",
-    "pad_rows",
+    "FIRST_KEY_ROW", "TILE", "StepLayout", "block_lists", "lay_out_step", "pad_keys", "pad_rows",
     "row_bounds",
-]
+]  # fmt: skip
 
 # FlexAttention's sparse block: a BlockMask marks tiles of 128 query rows x 128 key rows.
 TILE = 128

@@ -1,12 +1,11 @@
 """TORCH: the reference backend, in plain PyTorch, for the CPU and any CUDA GPU.
 
-It implements every feature of the contract except MLA, sparse attention and bitwise batch
-invariance. The builder plans the step from the CPU mirrors (a batched decode group, then one
-segment per other request); `forward` gathers each group's blocks once, KV-head-major, and runs
-`dense_attention` (SDPA where no feature needs the explicit math). A step of single-token
-decodes on a layer without score modifiers takes a shorter path to SDPA
-(`plain_decode_attention`), and
-on the CPU the builder resolves the step's slots once for every layer's cache write.
+Every feature of the contract except MLA, sparse attention and bitwise batch invariance. The
+builder plans the step from the CPU mirrors (a batched decode group, then one segment per other
+request); `forward` gathers each group's blocks once, KV-head-major, and runs `dense_attention`.
+A step of single-token decodes on a layer without score modifiers takes a shorter path to SDPA
+(`plain_decode_attention`); on the CPU the builder resolves the step's slots once for every
+layer's cache write.
 """
 
 from __future__ import annotations
@@ -110,15 +109,13 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
 
     def _mods_on(self, device: torch.device) -> ScoreMods:
         """The score modifiers with their tensors on `device` (moved once, then kept)."""
-        mods = self._mods
+        tensors = {"alibi_slopes": self._mods.alibi_slopes, "sinks": self._mods.sinks}
         moved = {
-            name: tensor.to(device)
-            for name in ("alibi_slopes", "sinks")
-            if (tensor := getattr(mods, name)) is not None and tensor.device != device
+            k: t.to(device) for k, t in tensors.items() if t is not None and t.device != device
         }
         if moved:
-            mods = self._mods = replace(mods, **moved)
-        return mods
+            self._mods = replace(self._mods, **moved)
+        return self._mods
 
     def forward(
         self,
@@ -139,13 +136,11 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
         if n == 0:
             return output
         if self._has_plain_decodes and _is_plain_decode_step(md, query, kv_cache, output_lse):
-            # one gather of the group's blocks and one SDPA call: the engine's CPU decode step,
-            # where each of the general path's small ops and Python calls costs more than its
-            # work (benchmarks/RESULTS.md, "Engine against transformers (CPU)")
-            num_decodes = md.num_decodes
+            # the engine's CPU decode step, where the general path's small ops cost more than
+            # their work (benchmarks/RESULTS.md, "Engine against transformers (CPU)")
             plain_decode_attention(
-                query[:num_decodes], kv_cache, md.decode_block_ids, md.decode_max_seq_len,
-                md.decode_key_bias, self.scale, md.workspace.get, output[:num_decodes],
+                query[:n], kv_cache, md.decode_block_ids, md.decode_max_seq_len,
+                md.decode_key_bias, self.scale, md.workspace.get, output[:n],
             )  # fmt: skip
             return output
         run = _Run(self, query, key, value, kv_cache, md, self._mods_on(query.device), layer)
@@ -190,19 +185,12 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
     def _cascade_prefix(self, run: _Run) -> tuple[torch.Tensor, torch.Tensor]:
         """Every query of the step against the shared prefix, gathered and attended once."""
         md = run.md
-        kv = run.cache_keys(md.prefix_blocks.unsqueeze(0))
         k_pos = torch.arange(md.common_prefix_len, device=run.query.device)
         out, lse = dense_attention(
-            run.query[: md.num_actual_tokens].unsqueeze(0),
-            kv,
-            md.token_positions.unsqueeze(0),
-            k_pos,
-            None,
-            run.mods,
-            causal=md.causal,
-            need_lse=True,
-            lse_dtype=run.lse_dtype,
-        )
+            run.query[: md.num_actual_tokens].unsqueeze(0), run.cache_keys(md.prefix_blocks[None]),
+            md.token_positions.unsqueeze(0), k_pos, None, run.mods,
+            causal=md.causal, need_lse=True, lse_dtype=run.lse_dtype,
+        )  # fmt: skip
         return out[0], lse[0]
 
     def validate_inputs(
@@ -258,15 +246,8 @@ class _Run:
     def cache_keys(self, block_ids: torch.Tensor, length: int | None = None) -> PagedKV:
         """K/V of `block_ids [B, nblk]` (first `length` positions), left in the cache until
         the kernel loads them."""
-        cache = self.kv_cache
-        return PagedKV(
-            cache,
-            block_ids,
-            self.k_scale,
-            self.v_scale,
-            lambda numel: self.md.workspace.get(numel, cache.dtype, cache.device),
-            length,
-        )
+        return PagedKV(self.kv_cache, block_ids, self.k_scale, self.v_scale,
+                       self.md.workspace.get, length)  # fmt: skip
 
     def decodes(
         self, out: torch.Tensor, lse: torch.Tensor | None, *, first_key: int, use_sinks: bool

@@ -21,11 +21,8 @@ __all__ = ["Segment", "TorchAttentionMetadata", "TorchAttentionMetadataBuilder",
 
 
 class Workspace:
-    """A buffer the builder owns and every layer's gather reuses, grown when a step needs more.
-
-    Fresh memory for each gather costs first-touch page faults on the CPU that exceed the copy
-    itself; layers run one after another, so one buffer serves them all.
-    """
+    """A buffer the builder owns and every layer's gather reuses, grown when a step needs more
+    (fresh memory costs first-touch page faults on the CPU that exceed the copy itself)."""
 
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None
@@ -59,28 +56,19 @@ class TorchAttentionMetadata:
         block_size: tokens per block of `block_table`.
         block_table: int32 `[num_reqs, max_blocks]` (device).
         slot_mapping: int64 `[num_tokens]` (device).
-        cpu_slots: on the CPU, `slot_mapping` resolved once for every layer's cache write;
-            None on other devices.
+        cpu_slots: on the CPU, `slot_mapping` resolved once for every layer's cache write.
         causal: False for bidirectional attention.
-        num_decodes: the leading requests run as one batched group.
+        num_decodes: the leading requests, run as one batched group.
         decode_*: that group's padded layout (device): query token ids `[num_decodes, Lq]`,
             the real (request, query) cells as flat row indices and their token ids, query
-            positions `[num_decodes, Lq]`; `decode_is_single_token` when every decode has
-            exactly one query token.
-        decode_num_blocks: block-table columns the group reads (from `prefix_blocks` on).
-        decode_block_ids: int64 `[num_decodes, decode_num_blocks]` (device): those columns,
-            made once per step for every layer's gather.
-        decode_key_positions: int64 `[keys]` (device): positions of the keys the group reads,
-            from `common_prefix_len` on.
-        decode_key_valid: bool `[num_decodes, keys]` (device), or None when every decode has
-            the longest length.
-        decode_key_bias: the same as an additive SDPA mask in the spec's dtype, 0 or -inf
-            `[num_decodes, 1, 1, keys]` (device), or None.
-        segments: every other request, one by one.
-        all_segments: every request as a segment (encoder attention runs them all so).
-        common_prefix_len: tokens of the shared prefix run once (cascade), else 0.
-        prefix_blocks: block ids of that prefix `[common_prefix_len // block_size]` (device).
-        token_positions: int64 `[num_actual_tokens]` absolute position of each query (cascade).
+            positions `[num_decodes, Lq]`, the block-table columns it reads from
+            `prefix_blocks` on (`decode_block_ids`, int64), those keys' positions, and their
+            validity (bool `[num_decodes, keys]`) and additive SDPA mask (0 or -inf
+            `[num_decodes, 1, 1, keys]`), both None when every decode has the longest length.
+        segments: every other request; all_segments: every request (encoder attention).
+        common_prefix_len: tokens of the shared prefix run once (cascade), else 0;
+            prefix_blocks: its block ids (device); token_positions: int64
+            `[num_actual_tokens]` absolute position of each query.
         workspace: the builder's gather buffer, reused by every layer.
         layer_names: the builder's layers (`forward` refuses any other).
         common_attn_metadata: the step it was built from (its mirrors for the checks).
@@ -158,18 +146,10 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
         )
         token_positions = None
         if common_prefix_len:
-            # position of token t of request r: context_r + (t - query_start_r), on the device
-            qsl = cm.query_start_loc[: num_reqs + 1].long()
-            query_lens = qsl[1:] - qsl[:-1]
-            req = torch.repeat_interleave(
-                torch.arange(num_reqs, device=qsl.device),
-                query_lens,
-                output_size=cm.num_actual_tokens,
-            )
-            context = cm.seq_lens[:num_reqs].long() - query_lens
-            token_positions = (
-                context[req] + torch.arange(cm.num_actual_tokens, device=qsl.device) - qsl[req]
-            )
+            # position of token t of request r: context_r + (t - query_start_r)
+            starts = cm.query_start_loc_cpu[:num_reqs].long()
+            shift = torch.repeat_interleave(context_cpu - starts, cm.query_lens_cpu[:num_reqs])
+            token_positions = to_device(shift + torch.arange(cm.num_actual_tokens), self.device)
         return TorchAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             block_size=block_size,
@@ -197,26 +177,20 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
     def _check_prefix(
         common_prefix_len: int, context_cpu: torch.Tensor, block_size: int, cross: bool
     ) -> int:
-        if common_prefix_len == 0:
-            return 0
-        api = "TorchAttentionMetadataBuilder.build"
-        if cross:
-            raise ValueError(
-                f"{api}: cascade attention is not defined for cross-attention (got "
-                f"common_prefix_len={common_prefix_len}, expected 0)."
-            )
-        if common_prefix_len < 0 or common_prefix_len % block_size:
-            raise ValueError(
-                f"{api}: common_prefix_len must be a non-negative multiple of block_size (got "
-                f"{common_prefix_len}, block_size {block_size})."
-            )
+        api, n = "TorchAttentionMetadataBuilder.build", common_prefix_len
         min_context = int(context_cpu.min()) if context_cpu.numel() else 0
-        if common_prefix_len > min_context:
-            raise ValueError(
-                f"{api}: common_prefix_len must lie within every request's context (got "
-                f"{common_prefix_len}, shortest context {min_context})."
-            )
-        return common_prefix_len
+        if n and cross:
+            error = "cascade attention is not defined for cross-attention (got "
+            error += f"common_prefix_len={n}, expected 0)"
+        elif n < 0 or n % block_size:
+            error = "common_prefix_len must be a non-negative multiple of block_size (got "
+            error += f"{n}, block_size {block_size})"
+        elif n > min_context:
+            error = "common_prefix_len must lie within every request's context (got "
+            error += f"{n}, shortest context {min_context})"
+        else:
+            return n
+        raise ValueError(f"{api}: {error}.")
 
     def _plan_decodes(
         self, cm: CommonAttentionMetadata, num_decodes: int, first_key: int, block_size: int

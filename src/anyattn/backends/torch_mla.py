@@ -4,17 +4,13 @@ Every other MLA backend is judged against it, so it is written to be read (docs/
 math): any latent split, float32 / float16 / bfloat16, fp8 latent caches (one per-layer scale),
 LSE in natural base. Scores, softmax and merges run in float32.
 
-- `forward_mqa` (decode rows): each row's request's own blocks are gathered (table entries
-  past them point at the null block and their rows are zeroed: the contract says they are never
-  read), the latent rows dequantised (`cache.float() * k_scale` for fp8), and the absorbed query
-  `[q_latent, q_pe]` attends them as MQA: keys are whole rows, values their first L columns.
-  Rows are taken in groups whose gathered keys stay under `MAX_WORK_ELEMENTS`.
-- `forward_mha` (prefill rows): each request's new tokens attend causally to each other, with
-  keys and values up-projected from the given latents (not read back from the cache); then each
-  of the builder's context chunks is gathered, dequantised to the model dtype, up-projected by
-  `layer.up_project` and attended without a mask by the queries of the requests it holds, and
-  merged into their running result by LSE. Queries are taken in tiles whose scores stay under
-  `MAX_WORK_ELEMENTS`.
+- `forward_mqa` (decode rows): the absorbed query `[q_latent, q_pe]` attends each row's own
+  dequantised cache rows as MQA (keys whole rows, values their first L columns), in groups of
+  rows whose gathered keys stay under `MAX_WORK_ELEMENTS`.
+- `forward_mha` (prefill rows): each request's new tokens attend causally to each other (keys
+  and values up-projected from the given latents), then to each of the builder's context
+  chunks (read from the cache, up-projected, unmasked), merged by LSE; queries in tiles whose
+  scores stay under `MAX_WORK_ELEMENTS`.
 """
 
 from __future__ import annotations
@@ -33,9 +29,8 @@ from anyattn.validation_mla import check_mha_inputs, check_mqa_inputs
 
 __all__ = ["MAX_WORK_ELEMENTS", "TorchMLABackend", "TorchMLAImpl", "TorchMLAMetadataBuilder"]
 
-# Most float32 elements of one intermediate (gathered decode keys, a tile's scores): 2^26, i.e.
-# 256 MiB, so that memory does not grow with the batch or the prompt (the largest chunk of a
-# step is then a few of these).
+# Most float32 elements (256 MiB) of one intermediate (gathered decode keys, a tile's scores),
+# so that memory does not grow with the batch or the prompt.
 MAX_WORK_ELEMENTS = 1 << 26
 
 
@@ -107,8 +102,7 @@ class TorchMLAImpl(MLAAttentionImpl[MLAMetadata]):
         seq_lens = dec.seq_lens[rows].long()
         num_blocks = -(-max_seq_len // block_size)
         table = dec.block_table[rows, :num_blocks].long()
-        # Entries past a row's own blocks are unspecified (another request's, or out of the
-        # cache): read the null block there instead, and drop those rows below.
+        # Entries past a row's own blocks are unspecified: read the null block there instead.
         own_blocks = (seq_lens + block_size - 1) // block_size
         columns = torch.arange(num_blocks, device=table.device)
         table = torch.where(columns[None, :] < own_blocks[:, None], table, 0)
@@ -117,8 +111,8 @@ class TorchMLAImpl(MLAAttentionImpl[MLAMetadata]):
         keys = self.dequantize_latent(api, layer, keys, torch.float32)
         positions = torch.arange(max_seq_len, device=keys.device)
         is_key = positions[None, :] < seq_lens[:, None]  # [g, max_seq_len]
-        # Zeroed, not only masked in the scores: a row that is no key may hold NaN (never
-        # written), and 0 * NaN would reach the output.
+        # Zeroed, not only masked: a row that is no key may hold NaN, and 0 * NaN would reach
+        # the output.
         keys = torch.where(is_key[..., None], keys, 0.0)
         scores = torch.einsum("thd,tnd->thn", q.float(), keys) * self.scale
         scores.masked_fill_(~is_key[:, None, :], float("-inf"))
@@ -183,10 +177,8 @@ def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of `q [M, H, D]` over `k [N, H, D]`, `v [N, H, Dv]` in float32; with
-    `causal`, query i sees keys j <= i (M == N: a request's new tokens among themselves).
-    Queries are taken in tiles whose scores `[H, tile, N]` stay within `MAX_WORK_ELEMENTS`.
-
-    Returns out float32 `[M, H, Dv]` and natural-log lse float32 `[H, M]`."""
+    `causal`, query i sees keys j <= i (M == N). Returns out float32 `[M, H, Dv]` and
+    natural-log lse float32 `[H, M]`."""
     num_q, num_k, heads = q.shape[0], k.shape[0], q.shape[1]
     out = torch.empty(num_q, heads, v.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.empty(heads, num_q, dtype=torch.float32, device=q.device)
@@ -210,9 +202,8 @@ def _attend(
 def _merge_into(
     out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor
 ) -> None:
-    """Merge a partial result over other keys into `out [M, H, Dv]`, `lse [H, M]` (views of
-    the running result, updated in place): weights `exp(lse_side - lse_union)`. The running
-    side always has a key (the row's own token), so the union's LSE is finite."""
+    """Merge a partial result over other keys into the running `out [M, H, Dv]`, `lse [H, M]`
+    in place; the running side always has a key (the row's own token), so `merged` is finite."""
     merged = torch.logaddexp(lse, part_lse)
     out.mul_(torch.exp(lse - merged).T[..., None]).add_(
         part * torch.exp(part_lse - merged).T[..., None]

@@ -1,10 +1,10 @@
 """Attention of a padded group of requests over gathered keys, in batched PyTorch ops.
 
 The compute core of the TORCH backend. Keys arrive KV-head-major (`[num_kv_heads, B, L, D]`),
-the order in which `gather_kv_blocks` copies them out of the paged cache in one indexing op,
-so the batched matmuls run over (kv head, request) without another copy. All query heads of a
-KV head are handled together (GQA). Semantics are docs/semantics.md's: scale, soft cap, ALiBi,
-causal / sliding-window masks, sinks in the denominator only, empty rows give zeros.
+the order one indexing op copies them out of the paged cache in, so the batched matmuls run
+over (kv head, request) without another copy; the query heads of a KV head go together (GQA).
+Semantics are docs/semantics.md's: scale, soft cap, ALiBi, causal / sliding-window masks,
+sinks in the denominator only, empty rows give zeros.
 """
 
 from __future__ import annotations
@@ -52,6 +52,19 @@ class ScoreMods:
     sinks: torch.Tensor | None = None
 
 
+Workspace = Callable[[int, torch.dtype, torch.device], torch.Tensor]
+
+
+def _gather_blocks(source: torch.Tensor, index: torch.Tensor, workspace: Workspace):
+    """Blocks `index` of `source [kinds, heads, num_blocks, block_size, head_size]` (a view of
+    the cache), copied into the workspace: `[kinds, heads, len(index), block_size, head_size]`.
+    The view stays 5-D: index_select on some lower-rank slices of it copies the whole pool."""
+    shape = (*source.shape[:2], index.numel(), *source.shape[3:])
+    numel = math.prod(shape)
+    out = workspace(numel, source.dtype, source.device)[:numel].view(shape)
+    return torch.index_select(source, 2, index, out=out)
+
+
 class DenseKV:
     """Keys and values already in memory: `[num_kv_heads, B, L, head_size]` each."""
 
@@ -75,9 +88,8 @@ class PagedKV:
         block_ids: int `[B, nblk]` physical block ids per request (L = nblk * block_size).
         k_scale, v_scale: float32 `[]` or `[num_kv_heads]` for fp8 caches (which hold
             value / scale), else None.
-        workspace: callable `numel -> 1-D buffer` of the cache dtype to copy into. Reusing one
-            matters on the CPU: first-touch page faults on fresh memory cost more than the
-            copy itself.
+        workspace: `(numel, dtype, device) -> 1-D buffer` to copy into. Reusing one matters
+            on the CPU: first-touch page faults on fresh memory cost more than the copy.
         length: keep only the first `length` key positions (default: all `nblk * block_size`);
             trimming the last block's unused slots can spare a mask.
     """
@@ -88,7 +100,7 @@ class PagedKV:
         block_ids: torch.Tensor,
         k_scale: torch.Tensor | None,
         v_scale: torch.Tensor | None,
-        workspace: Callable[[int], torch.Tensor],
+        workspace: Workspace,
         length: int | None = None,
     ) -> None:
         _, _, self.block_size, self.num_kv_heads, self.head_size = kv_cache.shape
@@ -104,14 +116,7 @@ class PagedKV:
         self.workspace = workspace
 
     def _gather(self, kinds: slice, heads: slice) -> torch.Tensor:
-        """Copy `source[kinds, heads]` blocks; `[len(kinds), len(heads), B*nblk, bs, D]`."""
-        # Keep the 5-D view: index_select on some lower-rank slices of it copies the whole
-        # pool slice first.
-        source = self.source[kinds, heads]
-        shape = (*source.shape[:2], self.index.numel(), self.block_size, self.head_size)
-        numel = math.prod(shape)
-        out = self.workspace(numel)[:numel].view(shape)
-        return torch.index_select(source, 2, self.index, out=out)
+        return _gather_blocks(self.source[kinds, heads], self.index, self.workspace)
 
     def _dequantize(self, x: torch.Tensor, which: int, first_head: int, last_head: int):
         scale = self.scales[which]
@@ -171,9 +176,7 @@ def _manual(
     need_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The explicit math path, in q's dtype (float32 or float64); q `[KVH, B, G, Lq, D]`.
-
-    K and V are loaded a few KV heads at a time, sized so that each copy out of the paged
-    cache stays in the L2 cache while the matmul that consumes it runs.
+    K and V are loaded a few KV heads at a time (`_LOAD_BYTES`).
 
     Returns out `[KVH, B, G, Lq, D]` and natural-log lse float64 `[KVH, B, G, Lq]` (None
     unless `need_lse`).
@@ -326,7 +329,7 @@ def plain_decode_attention(
     num_keys: int,
     key_bias: torch.Tensor | None,
     scale: float,
-    workspace: Callable[[int, torch.dtype, torch.device], torch.Tensor],
+    workspace: Workspace,
     out: torch.Tensor,
 ) -> None:
     """One query token per request, no score modifier: `dense_attention`'s SDPA path for a
@@ -342,15 +345,9 @@ def plain_decode_attention(
         workspace: `(numel, dtype, device) -> 1-D buffer` to gather into (reused across layers).
         out: `[B, num_heads, head_size]`, written.
     """
-    batch = q.shape[0]
-    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
-    # [2, num_kv_heads, num_blocks, block_size, head_size] view: the gather lands KV-head-major
-    source = kv_cache.permute(1, 3, 0, 2, 4)
-    index = block_ids.view(-1)
-    shape = (2, num_kv_heads, index.numel(), block_size, head_size)
-    numel = math.prod(shape)
-    kv = workspace(numel, kv_cache.dtype, kv_cache.device)[:numel].view(shape)
-    torch.index_select(source, 2, index, out=kv)
+    batch, num_heads, head_size = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    kv = _gather_blocks(kv_cache.permute(1, 3, 0, 2, 4), block_ids.view(-1), workspace)
     # kv: [2, num_kv_heads, B, keys, head_size]
     kv = kv.view(2, num_kv_heads, batch, -1, head_size)[:, :, :, :num_keys]
     attended = F.scaled_dot_product_attention(
@@ -359,6 +356,6 @@ def plain_decode_attention(
         kv[1].transpose(0, 1),
         attn_mask=key_bias,
         scale=scale,
-        enable_gqa=q.shape[1] != num_kv_heads,
+        enable_gqa=num_heads != num_kv_heads,
     )
     out.copy_(attended.squeeze(2))
