@@ -19,19 +19,15 @@ __all__ = [
     "row_bounds",
 ]  # fmt: skip
 
-# FlexAttention's sparse block: a BlockMask marks tiles of 128 query rows x 128 key rows.
-TILE = 128
-# The key workspace's first request key row (row 0 is the sink slot).
-FIRST_KEY_ROW = TILE
-# Two tiles at least: torch.compile specialises dimensions of size 1 (one more graph).
-_MIN_ROWS = 2 * TILE
+TILE = 128  # a BlockMask marks tiles of TILE query rows x TILE key rows
+FIRST_KEY_ROW = TILE  # the key workspace's first request key row (row 0 is the sink slot)
 
 
 def pad_rows(num_rows: int) -> int:
-    """Padded length for `num_rows` query rows: a power of two (at least 256) up to 8192, then
-    a multiple of an eighth of the next power of two (at most 12.5% padding). Always an even
-    number of tiles."""
-    n = max(num_rows, _MIN_ROWS)
+    """Padded length for `num_rows` query rows: a power of two up to 8192, then a multiple of
+    an eighth of the next power of two. Always an even number of tiles, at least two (torch.
+    compile specialises dimensions of size 1)."""
+    n = max(num_rows, 2 * TILE)
     power = 1 << (n - 1).bit_length()
     if power <= 8192:
         return power
@@ -51,11 +47,9 @@ class StepLayout:
 
     Attributes:
         num_key_rows: rows in use: `FIRST_KEY_ROW` + every request's keys.
-        query_start_loc: int64 `[num_reqs + 1]`: each request's first query token.
-        key_start: int64 `[num_reqs]`: each request's first key row.
-        key_lens: int64 `[num_reqs]`: each request's keys.
-        lo: int64 `[num_tokens]`: the first key row of the token's request.
-        hi_full: int64 `[num_tokens]`: the last key row of the token's request.
+        query_start_loc, key_start, key_lens: int64 `[num_reqs (+ 1)]`: each request's first
+            query token, first key row and number of keys.
+        lo, hi_full: int64 `[num_tokens]`: the first and last key row of the token's request.
         q_key_pos: int64 `[num_tokens]`: the token's own position as a key row (the last key
             it keeps under causal attention; ALiBi's query position).
     """
@@ -72,16 +66,10 @@ class StepLayout:
 def lay_out_step(
     query_start_loc: np.ndarray, key_lens: np.ndarray, context_lens: np.ndarray
 ) -> StepLayout:
-    """Lay the requests' keys back to back from `FIRST_KEY_ROW` and place each query token.
-
-    Args:
-        query_start_loc: `[num_reqs + 1]` offsets of each request's query tokens.
-        key_lens: `[num_reqs]` keys per request (seq_lens; encoder lengths for cross attention).
-        context_lens: `[num_reqs]` tokens before this step (the position of the first query).
-
-    Returns:
-        The layout, in arrays of its own (the caller's may be refilled for the next step).
-    """
+    """Lay the requests' keys (`key_lens [num_reqs]`: seq_lens, or the encoder's lengths for
+    cross attention) back to back from `FIRST_KEY_ROW` and place each query token
+    (`query_start_loc [num_reqs + 1]`, `context_lens [num_reqs]` tokens before this step). The
+    layout's arrays are its own (the caller's may be refilled for the next step)."""
     q_start = np.asarray(query_start_loc, dtype=np.int64).copy()
     lens = np.asarray(key_lens, dtype=np.int64).copy()
     query_lens = np.diff(q_start)
@@ -125,26 +113,17 @@ def block_lists(
 
     Within a request both bounds never decrease from token to token and consecutive ranges
     overlap or touch, so the rows of one request inside one row tile (a segment) keep exactly
-    the key rows `lo[first] ... hi[last]`: their key tiles are marked. A tile is full when one
-    segment holds all of its row tile's tokens and every one keeps all the tile's keys (rows
-    past the tokens are padding, whose outputs are never read). With a sink, key tile 0 is
-    visited by every row tile holding a token. Key tile 0 is never full (rows 1 ... 127 are
-    masked).
+    the key rows `lo[first] ... hi[last]`. A tile is full when one segment holds all of its row
+    tile's tokens and every one keeps all the tile's keys (padding rows are never read). Key
+    tile 0 is never full (rows 1 ... 127 are masked); with `has_sink` every row tile holding a
+    token visits it. `lo > hi`: no keys; `num_rows`, `num_keys` are multiples of `TILE`.
 
-    Args:
-        lo, hi: int `[num_tokens]` kept key rows per token (`lo > hi`: none).
-        query_start_loc: `[num_reqs + 1]` each request's first token.
-        has_sink: every row tile holding a token visits key tile 0.
-        num_rows, num_keys: the padded row and key counts (multiples of `TILE`).
-
-    Returns:
-        int32 `(kv_num_blocks [1, 1, R], kv_indices [1, 1, R, K], full_kv_num_blocks,
-        full_kv_indices)` of the partial and the full tiles (R row tiles, K key tiles): each
-        row tile's marked key tiles first, in increasing order, then the others.
+    Returns int32 `(kv_num_blocks [1, 1, R], kv_indices [1, 1, R, K], full_kv_num_blocks,
+    full_kv_indices)` (R row tiles, K key tiles): each row tile's marked key tiles first, in
+    increasing order, then the others.
     """
     shape = (num_rows // TILE, num_keys // TILE)
-    partial = np.zeros(shape, dtype=bool)
-    full = np.zeros(shape, dtype=bool)
+    partial, full = np.zeros((2, *shape), dtype=bool)
     n = lo.shape[0]
     if n:
         starts = np.union1d(np.asarray(query_start_loc[:-1]), np.arange(0, n, TILE))

@@ -143,20 +143,20 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
                 md.decode_key_bias, self.scale, md.workspace.get, output[:n],
             )  # fmt: skip
             return output
-        run = _Run(self, query, key, value, kv_cache, md, self._mods_on(query.device), layer)
+        run = _Run(self, query, key, value, kv_cache, md, layer)
         lse = None if output_lse is None else output_lse[:, :n]
-        if md.common_prefix_len:
-            # Partial LSEs in float64: the merge weights amplify their rounding by |lse|.
-            run.lse_dtype = torch.float64
-            prefix_out, prefix_lse = self._cascade_prefix(run)
-            suffix_out = torch.empty_like(query[:n])
-            suffix_lse = torch.empty(self.num_heads, n, dtype=torch.float64, device=query.device)
-            run.decodes(suffix_out, suffix_lse, first_key=md.common_prefix_len, use_sinks=False)
-            run.segments(suffix_out, suffix_lse, first_key=md.common_prefix_len, use_sinks=False)
-            merge_attn_states(output[:n], prefix_out, prefix_lse, suffix_out, suffix_lse, lse)
-        else:
-            run.decodes(output, lse, first_key=0, use_sinks=True)
-            run.segments(output, lse, first_key=0, use_sinks=True)
+        if not md.common_prefix_len:
+            run.decodes(output, lse, first_key=0)
+            run.segments(output, lse, first_key=0)
+            return output
+        # Cascade. Partial LSEs in float64: the merge weights amplify their rounding by |lse|.
+        run.lse_dtype = torch.float64
+        prefix_out, prefix_lse = self._cascade_prefix(run)
+        suffix_out = torch.empty_like(query[:n])
+        suffix_lse = torch.empty(self.num_heads, n, dtype=torch.float64, device=query.device)
+        run.decodes(suffix_out, suffix_lse, md.common_prefix_len)
+        run.segments(suffix_out, suffix_lse, md.common_prefix_len)
+        merge_attn_states(output[:n], prefix_out, prefix_lse, suffix_out, suffix_lse, lse)
         return output
 
     def do_kv_cache_update(
@@ -188,7 +188,7 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
         k_pos = torch.arange(md.common_prefix_len, device=run.query.device)
         out, lse = dense_attention(
             run.query[: md.num_actual_tokens].unsqueeze(0), run.cache_keys(md.prefix_blocks[None]),
-            md.token_positions.unsqueeze(0), k_pos, None, run.mods,
+            md.token_positions[None], k_pos, None, run.mods,
             causal=md.causal, need_lse=True, lse_dtype=run.lse_dtype,
         )  # fmt: skip
         return out[0], lse[0]
@@ -210,7 +210,8 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
 
 
 class _Run:
-    """One forward call: where keys come from, and the decode group and segments run over it."""
+    """One forward call: where keys come from, and the passes run over it. A pass over keys
+    from `first_key > 0` is a cascade suffix, whose sinks the prefix pass counts."""
 
     def __init__(
         self,
@@ -220,11 +221,10 @@ class _Run:
         value: torch.Tensor | None,
         kv_cache: torch.Tensor,
         md: TorchAttentionMetadata,
-        mods: ScoreMods,
         layer: AttentionLayer,
     ) -> None:
-        self.impl, self.query, self.key, self.value = impl, query, key, value
-        self.kv_cache, self.md, self.mods = kv_cache, md, mods
+        self.query, self.key, self.value = query, key, value
+        self.kv_cache, self.md, self.mods = kv_cache, md, impl._mods_on(query.device)
         self.lse_dtype = torch.float32
         self.encoder = impl.attn_type in ENCODER_TYPES
         self.cross = impl.attn_type == AttentionType.ENCODER_DECODER
@@ -244,14 +244,11 @@ class _Run:
         )
 
     def cache_keys(self, block_ids: torch.Tensor, length: int | None = None) -> PagedKV:
-        """K/V of `block_ids [B, nblk]` (first `length` positions), left in the cache until
-        the kernel loads them."""
+        """K/V of `block_ids [B, nblk]` (first `length` positions), left in the cache."""
         return PagedKV(self.kv_cache, block_ids, self.k_scale, self.v_scale,
                        self.md.workspace.get, length)  # fmt: skip
 
-    def decodes(
-        self, out: torch.Tensor, lse: torch.Tensor | None, *, first_key: int, use_sinks: bool
-    ) -> None:
+    def decodes(self, out: torch.Tensor, lse: torch.Tensor | None, first_key: int) -> None:
         """The leading decodes as one padded batch over keys `[first_key, seq_len)`."""
         md = self.md
         num_decodes = md.num_decodes
@@ -272,7 +269,7 @@ class _Run:
             q = self.query[md.decode_token_ids]  # [num_decodes, Lq, H, D]
         o, part_lse = dense_attention(
             q, kv, md.decode_positions, k_pos, k_valid, self.mods, causal=causal,
-            use_sinks=use_sinks, need_lse=lse is not None, lse_dtype=self.lse_dtype,
+            use_sinks=not first_key, need_lse=lse is not None, lse_dtype=self.lse_dtype,
         )  # fmt: skip
         if md.decode_is_single_token:
             out[:num_decodes] = o[:, 0]
@@ -287,40 +284,30 @@ class _Run:
             # part_lse: [num_decodes, H, Lq] -> [num_decodes * Lq, H]
             lse[:, ids] = part_lse.transpose(1, 2).reshape(-1, num_heads)[rows].T
 
-    def segments(
-        self, out: torch.Tensor, lse: torch.Tensor | None, *, first_key: int, use_sinks: bool
-    ) -> None:
+    def segments(self, out: torch.Tensor, lse: torch.Tensor | None, first_key: int) -> None:
         """Every request outside the decode group, one at a time."""
-        md = self.md
-        device = self.query.device
-        segments = md.segments if not self.encoder else md.all_segments
-        for seg in segments:
-            q = self.query[seg.q_start : seg.q_start + seg.q_len].unsqueeze(0)
-            causal = md.causal and not self.encoder and not self.cross
+        md, device, block_size = self.md, self.query.device, self.md.block_size
+        causal = md.causal and not self.encoder and not self.cross
+        first_block = first_key // block_size
+        for seg in md.all_segments if self.encoder else md.segments:
+            rows = slice(seg.q_start, seg.q_start + seg.q_len)
             if self.encoder or (self.fresh_from_inputs and seg.context == 0 and first_key == 0):
-                rows = slice(seg.q_start, seg.q_start + seg.q_len)
                 # [q_len, KVH, D] -> [KVH, 1, q_len, D]
-                kv = DenseKV(
-                    self.key[rows].transpose(0, 1).unsqueeze(1),
-                    self.value[rows].transpose(0, 1).unsqueeze(1),
-                )
+                kv = DenseKV(self.key[rows].transpose(0, 1)[:, None],
+                             self.value[rows].transpose(0, 1)[:, None])  # fmt: skip
             else:
-                first_block = first_key // md.block_size
-                last_block = (seg.k_len + md.block_size - 1) // md.block_size
-                kv = self.cache_keys(
-                    md.block_table[seg.row : seg.row + 1, first_block:last_block],
-                    length=seg.k_len - first_block * md.block_size,
-                )
+                last_block = -(-seg.k_len // block_size)
+                kv = self.cache_keys(md.block_table[seg.row : seg.row + 1, first_block:last_block],
+                                     length=seg.k_len - first_block * block_size)  # fmt: skip
             k_pos = first_key + torch.arange(kv.length, device=device)
             q_pos = (seg.context + torch.arange(seg.q_len, device=device)).unsqueeze(0)
             o, part_lse = dense_attention(
-                q, kv, q_pos, k_pos, None, self.mods,
-                causal=causal, use_sinks=use_sinks, need_lse=lse is not None,
-                lse_dtype=self.lse_dtype,
+                self.query[rows].unsqueeze(0), kv, q_pos, k_pos, None, self.mods, causal=causal,
+                use_sinks=not first_key, need_lse=lse is not None, lse_dtype=self.lse_dtype,
             )  # fmt: skip
-            out[seg.q_start : seg.q_start + seg.q_len] = o[0]
+            out[rows] = o[0]
             if lse is not None:
-                lse[:, seg.q_start : seg.q_start + seg.q_len] = part_lse[0]
+                lse[:, rows] = part_lse[0]
 
 
 def _is_plain_decode_step(

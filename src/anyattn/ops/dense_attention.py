@@ -115,31 +115,25 @@ class PagedKV:
         self.scales = (k_scale, v_scale)
         self.workspace = workspace
 
-    def _gather(self, kinds: slice, heads: slice) -> torch.Tensor:
-        return _gather_blocks(self.source[kinds, heads], self.index, self.workspace)
-
-    def _dequantize(self, x: torch.Tensor, which: int, first_head: int, last_head: int):
-        scale = self.scales[which]
-        if scale is None:
-            return x.float()
-        if scale.dim():
-            scale = scale[first_head:last_head]
-        return x.float().mul_(scale.view(-1, 1, 1, 1))
+    def _load(self, kinds: slice, first_head: int, last_head: int) -> torch.Tensor:
+        """K/V `kinds` of heads `[first_head, last_head)`, float32 `[kinds, h, B, L, D]`."""
+        x = _gather_blocks(self.source[kinds, first_head:last_head], self.index, self.workspace)
+        x = x.view(*x.shape[:2], self.batch, self.padded_length, self.head_size)
+        x = x[:, :, :, : self.length].float()
+        for part, scale in zip(x, self.scales[kinds], strict=True):
+            if scale is not None:
+                scale = scale[first_head:last_head] if scale.dim() else scale
+                part.mul_(scale.view(-1, 1, 1, 1))
+        return x
 
     def load(self, which: int, first_head: int, last_head: int) -> torch.Tensor:
         """K (which=0) or V (1) of heads `[first_head, last_head)`: float32 `[h, B, L, D]`."""
-        heads = last_head - first_head
-        x = self._gather(slice(which, which + 1), slice(first_head, last_head))
-        x = x.view(heads, self.batch, self.padded_length, self.head_size)[:, :, : self.length]
-        return self._dequantize(x, which, first_head, last_head)
+        return self._load(slice(which, which + 1), first_head, last_head)[0]
 
     def full(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of every head, `[num_kv_heads, B, L, D]` each (dequantised for fp8)."""
-        kv = self._gather(slice(0, 2), slice(0, self.num_kv_heads))
-        kv = kv.view(2, self.num_kv_heads, self.batch, self.padded_length, self.head_size)
-        kv = kv[:, :, :, : self.length]
-        heads = self.num_kv_heads
-        return self._dequantize(kv[0], 0, 0, heads), self._dequantize(kv[1], 1, 0, heads)
+        k, v = self._load(slice(0, 2), 0, self.num_kv_heads)
+        return k, v
 
 
 KVSource = DenseKV | PagedKV
