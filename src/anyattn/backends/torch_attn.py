@@ -213,16 +213,7 @@ class _Run:
     """One forward call: where keys come from, and the passes run over it. A pass over keys
     from `first_key > 0` is a cascade suffix, whose sinks the prefix pass counts."""
 
-    def __init__(
-        self,
-        impl: TorchAttentionImpl,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        md: TorchAttentionMetadata,
-        layer: AttentionLayer,
-    ) -> None:
+    def __init__(self, impl: TorchAttentionImpl, query, key, value, kv_cache, md, layer) -> None:
         self.query, self.key, self.value = query, key, value
         self.kv_cache, self.md, self.mods = kv_cache, md, impl._mods_on(query.device)
         self.lse_dtype = torch.float32

@@ -83,12 +83,10 @@ class TorchAttentionMetadata:
     num_decodes: int
     decode_is_single_token: bool
     decode_max_seq_len: int
-    decode_max_query_len: int
     decode_token_ids: torch.Tensor
     decode_valid_rows: torch.Tensor
     decode_valid_token_ids: torch.Tensor
     decode_positions: torch.Tensor
-    decode_num_blocks: int
     decode_block_ids: torch.Tensor
     decode_key_positions: torch.Tensor
     decode_key_valid: torch.Tensor | None
@@ -118,68 +116,62 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata
     ) -> TorchAttentionMetadata:
-        cm = common_attn_metadata
-        block_size = self.kv_cache_spec.block_size
+        cm, block_size = common_attn_metadata, self.kv_cache_spec.block_size
         num_reqs = cm.num_reqs
         cross = cm.encoder_seq_lens_cpu is not None
         k_lens_cpu = (cm.encoder_seq_lens_cpu if cross else cm.seq_lens_cpu)[:num_reqs].long()
-        needed = int((k_lens_cpu.max() + block_size - 1) // block_size) if num_reqs else 0
-        if needed > cm.block_table_tensor.shape[1]:
-            raise ValueError(
-                f"TorchAttentionMetadataBuilder.build: block_table too narrow for the longest "
-                f"sequence (got {cm.block_table_tensor.shape[1]} columns, expected >= {needed} "
-                f"for block_size {block_size})."
-            )
         context_cpu = cm.num_computed_tokens_cpu[:num_reqs].long()
-        common_prefix_len = self._check_prefix(common_prefix_len, context_cpu, block_size, cross)
-        prefix_blocks = common_prefix_len // block_size
-
+        self._check(common_prefix_len, context_cpu, k_lens_cpu, cm.block_table_tensor, cross)
         num_decodes = 0
         if self.reorder_batch_threshold is not None and not cross:
             num_decodes, _, _, _ = split_decodes_and_prefills(cm, self.reorder_batch_threshold)
-        decode = self._plan_decodes(cm, num_decodes, common_prefix_len, block_size)
         loc = cm.query_start_loc_cpu[: num_reqs + 1].tolist()
-        contexts = context_cpu.tolist()
-        k_lens = k_lens_cpu.tolist()
+        contexts, k_lens = context_cpu.tolist(), k_lens_cpu.tolist()
         all_segments = tuple(
             Segment(r, loc[r], loc[r + 1] - loc[r], contexts[r], k_lens[r]) for r in range(num_reqs)
         )
-        token_positions = None
+        prefix_blocks = token_positions = None
         if common_prefix_len:
+            prefix_blocks = cm.block_table_tensor[0, : common_prefix_len // block_size]
             # position of token t of request r: context_r + (t - query_start_r)
             starts = cm.query_start_loc_cpu[:num_reqs].long()
             shift = torch.repeat_interleave(context_cpu - starts, cm.query_lens_cpu[:num_reqs])
             token_positions = to_device(shift + torch.arange(cm.num_actual_tokens), self.device)
+        on_cpu = cm.slot_mapping.device.type == "cpu"
         return TorchAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             block_size=block_size,
             block_table=cm.block_table_tensor,
             slot_mapping=cm.slot_mapping,
-            cpu_slots=(
-                cpu_slots(cm.slot_mapping, cm.num_actual_tokens, block_size)
-                if cm.slot_mapping.device.type == "cpu"
-                else None
-            ),
+            cpu_slots=cpu_slots(cm.slot_mapping, cm.num_actual_tokens, block_size)
+            if on_cpu
+            else None,
             causal=cm.causal,
             num_decodes=num_decodes,
             segments=all_segments[num_decodes:],
             all_segments=all_segments,
             common_attn_metadata=cm,
             common_prefix_len=common_prefix_len,
-            prefix_blocks=cm.block_table_tensor[0, :prefix_blocks] if common_prefix_len else None,
+            prefix_blocks=prefix_blocks,
             token_positions=token_positions,
             workspace=self._workspace,
             layer_names=self._layer_names,
-            **decode,
+            **self._plan_decodes(cm, num_decodes, common_prefix_len, block_size),
         )
 
-    @staticmethod
-    def _check_prefix(
-        common_prefix_len: int, context_cpu: torch.Tensor, block_size: int, cross: bool
-    ) -> int:
-        api, n = "TorchAttentionMetadataBuilder.build", common_prefix_len
+    def _check(self, common_prefix_len, context_cpu, k_lens_cpu, block_table, cross) -> None:
+        """The block table's width and the cascade prefix, against the step's CPU mirrors."""
+        n, block_size, width = (
+            common_prefix_len,
+            self.kv_cache_spec.block_size,
+            block_table.shape[1],
+        )
+        needed = -(-int(k_lens_cpu.max()) // block_size) if k_lens_cpu.numel() else 0
         min_context = int(context_cpu.min()) if context_cpu.numel() else 0
-        if n and cross:
+        if needed > width:
+            error = f"block_table too narrow for the longest sequence (got {width} columns, "
+            error += f"expected >= {needed} for block_size {block_size})"
+        elif n and cross:
             error = "cascade attention is not defined for cross-attention (got "
             error += f"common_prefix_len={n}, expected 0)"
         elif n < 0 or n % block_size:
@@ -189,8 +181,8 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
             error = "common_prefix_len must lie within every request's context (got "
             error += f"{n}, shortest context {min_context})"
         else:
-            return n
-        raise ValueError(f"{api}: {error}.")
+            return
+        raise ValueError(f"TorchAttentionMetadataBuilder.build: {error}.")
 
     def _plan_decodes(
         self, cm: CommonAttentionMetadata, num_decodes: int, first_key: int, block_size: int
@@ -223,12 +215,10 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
             # one token per request: query row r is request r's, no gather needed
             "decode_is_single_token": bool(num_decodes) and bool((query_lens == 1).all()),
             "decode_max_seq_len": max_seq_len,
-            "decode_max_query_len": max_query_len,
             "decode_token_ids": to_device(token_ids, device),
             "decode_valid_rows": to_device(valid_rows, device),
             "decode_valid_token_ids": to_device(token_ids.flatten()[valid_rows], device),
             "decode_positions": to_device((seq_lens - query_lens).unsqueeze(1) + offsets, device),
-            "decode_num_blocks": num_blocks,
             "decode_block_ids": block_ids.long(),
             "decode_key_positions": to_device(k_pos, device),
             "decode_key_valid": None if k_valid is None else to_device(k_valid, device),

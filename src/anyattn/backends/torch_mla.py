@@ -25,6 +25,7 @@ from anyattn.backends.mla_builder import MLAMetadataBuilder
 from anyattn.backends.mla_metadata import MLADecodeMetadata, MLAMetadata
 from anyattn.mla_backend import MLAAttentionBackend
 from anyattn.mla_impl import MLAAttentionImpl, MLALayer
+from anyattn.ops.merge_attn_states import merge_attn_states
 from anyattn.validation_mla import check_mha_inputs, check_mqa_inputs
 
 __all__ = ["MAX_WORK_ELEMENTS", "TorchMLABackend", "TorchMLAImpl", "TorchMLAMetadataBuilder"]
@@ -156,7 +157,9 @@ class TorchMLAImpl(MLAAttentionImpl[MLAMetadata]):
                 part, part_lse = _attend(
                     q[rows], chunk_keys[keys_of], chunk_values[keys_of], self.scale, causal=False
                 )
-                _merge_into(acc[rows], acc_lse[:, rows], part, part_lse)
+                # the running side always has a key (the row's own token)
+                merge_attn_states(acc[rows], acc[rows], acc_lse[:, rows], part, part_lse,
+                                  acc_lse[:, rows], impl="torch")  # fmt: skip
         output.copy_(acc)
 
 
@@ -197,18 +200,6 @@ def _attend(
         probs = torch.exp(scores - lse[:, start:end, None])
         out[start:end] = torch.einsum("hmn,nhv->mhv", probs, v[:keys_end].float())
     return out, lse
-
-
-def _merge_into(
-    out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor
-) -> None:
-    """Merge a partial result over other keys into the running `out [M, H, Dv]`, `lse [H, M]`
-    in place; the running side always has a key (the row's own token), so `merged` is finite."""
-    merged = torch.logaddexp(lse, part_lse)
-    out.mul_(torch.exp(lse - merged).T[..., None]).add_(
-        part * torch.exp(part_lse - merged).T[..., None]
-    )
-    lse.copy_(merged)
 
 
 TorchMLAImpl.backend = TorchMLABackend

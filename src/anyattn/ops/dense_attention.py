@@ -260,7 +260,6 @@ def dense_attention(
     """
     batch, lq, num_heads, d = q.shape
     kvh = kv.num_kv_heads
-    group = num_heads // kvh
     plain = (
         mods.soft_cap is None
         and mods.alibi_slopes is None
@@ -269,9 +268,8 @@ def dense_attention(
     )
     small = is_one_load(batch, kv.length, d, kvh)
     if plain and kv.length > 0 and (small or (batch == 1 and lq > 1)):
-        # SDPA's fused kernels: no score matrix in memory (and few ops for small decode
-        # batches). All rows have a key here: causal rows see themselves, windows include the
-        # current key, and decode callers trim or mask keys past each sequence.
+        # SDPA's fused kernels: no score matrix in memory. All rows have a key here: causal
+        # rows see themselves, windows include the current key, decode callers mask the rest.
         k, v = kv.full()
         allowed = _allowed(q_pos, k_pos, k_valid, causal, mods.sliding_window)
         # Lq == L with every key valid means a fresh sequence (keys and queries both start at
@@ -286,7 +284,7 @@ def dense_attention(
             attn_mask=None if allowed is None or fresh_causal else allowed.unsqueeze(1),
             is_causal=fresh_causal,
             scale=mods.scale,
-            enable_gqa=group > 1,
+            enable_gqa=num_heads > kvh,
         )
         return out.transpose(1, 2), None
 
@@ -294,7 +292,7 @@ def dense_attention(
     # Partial results that will be merged (float64 LSEs) are computed in float64 too: the
     # merge cannot be more exact than its parts, and TORCH is the reference.
     compute_dtype = torch.float64 if lse_dtype == torch.float64 else torch.float32
-    q32 = q.to(compute_dtype).view(batch, lq, kvh, group, d).permute(2, 0, 3, 1, 4)
+    q32 = q.to(compute_dtype).view(batch, lq, kvh, -1, d).permute(2, 0, 3, 1, 4)
     out = torch.empty(batch, lq, num_heads, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, num_heads, lq, dtype=lse_dtype, device=q.device) if need_lse else None
     chunk = max(1, _MAX_SCORE_ELEMENTS // max(1, batch * num_heads * kv.length))
@@ -307,12 +305,10 @@ def dense_attention(
         o, part_lse = _manual(
             q32[:, :, :, start:end], kv, qp, k_pos, allowed, mods, use_sinks, need_lse
         )
-        # [KVH, B, G, Lc, D] -> [B, Lc, KVH*G, D]
-        out[:, start:end] = o.permute(1, 3, 0, 2, 4).reshape(batch, end - start, num_heads, d)
+        # [KVH, B, G, Lc, D] -> [B, Lc, KVH*G, D]; lse [KVH, B, G, Lc] -> [B, KVH*G, Lc]
+        out[:, start:end] = o.permute(1, 3, 0, 2, 4).flatten(2, 3)
         if lse is not None:
-            lse[:, :, start:end] = part_lse.permute(1, 0, 2, 3).reshape(
-                batch, num_heads, end - start
-            )
+            lse[:, :, start:end] = part_lse.transpose(0, 1).flatten(1, 2)
     return out, lse
 
 
