@@ -103,15 +103,9 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         config = (device.type, dtype, self.head_size, self.num_heads, self.num_kv_heads,
                   *sorted(mods), str(options))  # fmt: skip
         attend = _compiled(config, with_lse=output_lse is not None)
-        tiled = device.type == "cuda"
-        result = attend(
-            _kernel_rows(q.unsqueeze(0).transpose(1, 2), tiled),
-            _kernel_rows(k.unsqueeze(0), tiled),
-            _kernel_rows(v.unsqueeze(0), tiled),
-            block_mask,
-            _score_mod(mods, md.q_key_pos),
-            options,
-        )
+        # [1, H or KVH, rows, D] each
+        rows = (_kernel_rows(x[None], device.type == "cuda") for x in (q.transpose(0, 1), k, v))
+        result = attend(*rows, block_mask, _score_mod(mods, md.q_key_pos), options)
         out, lse = result if output_lse is not None else (result, None)
         # out [1, H, rows, D] has the query's token-major strides: a contiguous copy
         output[:n].copy_(out[0, :, :n].transpose(0, 1))
@@ -139,24 +133,18 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
             kv = kv_cache[md.key_blocks, :, md.key_offsets]
             parts = (kv[:, 0], kv[:, 1])
             if is_fp8_cache(self.kv_cache_dtype):
-                scales = (
-                    layer_kv_scale(_API, layer, name, self.num_kv_heads, kv_cache.device)
-                    for name in ("k_scale", "v_scale")
-                )
-                parts = tuple(
-                    x.float().mul_(s.view(-1, 1)) for x, s in zip(parts, scales, strict=True)
-                )
-        shape = (self.num_kv_heads, md.num_keys, self.head_size)
-        rows = []
-        for part in parts:
-            buffer = part.new_empty(shape, dtype=dtype)
+                scales = (layer_kv_scale(_API, layer, name, self.num_kv_heads, kv_cache.device)
+                          for name in ("k_scale", "v_scale"))  # fmt: skip
+                parts = [x.float().mul_(s.view(-1, 1)) for x, s in zip(parts, scales, strict=True)]
+        k, v = (part.new_empty((self.num_kv_heads, md.num_keys, self.head_size), dtype=dtype)
+                for part in parts)  # fmt: skip
+        for buffer, part in ((k, parts[0]), (v, parts[1])):
             # unused rows must be finite: masked keys of a visited tile are still computed,
             # and a NaN there would leak through `0 * NaN`
             buffer[:, :FIRST_KEY_ROW].zero_()
             buffer[:, end:].zero_()
             buffer[:, FIRST_KEY_ROW:end].copy_(part.transpose(0, 1))
-            rows.append(buffer)
-        return rows[0], rows[1]
+        return k, v
 
     def validate_inputs(
         self,

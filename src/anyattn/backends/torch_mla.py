@@ -78,8 +78,7 @@ class TorchMLAImpl(MLAAttentionImpl[MLAMetadata]):
         output_lse: torch.Tensor | None = None,
     ) -> None:
         """See `MLAAttentionImpl.forward_mqa`."""
-        api = "TORCH_MLA forward_mqa"
-        md = attn_metadata
+        api, md = "TORCH_MLA forward_mqa", attn_metadata
         check_mqa_inputs(api, self, layer, q_latent, q_pe, kv_cache, md, output, output_lse)
         if md.decode is None:
             return
@@ -104,16 +103,14 @@ class TorchMLAImpl(MLAAttentionImpl[MLAMetadata]):
         num_blocks = -(-max_seq_len // block_size)
         table = dec.block_table[rows, :num_blocks].long()
         # Entries past a row's own blocks are unspecified: read the null block there instead.
-        own_blocks = (seq_lens + block_size - 1) // block_size
         columns = torch.arange(num_blocks, device=table.device)
-        table = torch.where(columns[None, :] < own_blocks[:, None], table, 0)
+        table = torch.where(columns[None, :] * block_size < seq_lens[:, None], table, 0)
         # keys: [g, max_seq_len, L + R], each row's request's cache rows in order
         keys = kv_cache[table].flatten(1, 2)[:, :max_seq_len]
         keys = self.dequantize_latent(api, layer, keys, torch.float32)
         positions = torch.arange(max_seq_len, device=keys.device)
         is_key = positions[None, :] < seq_lens[:, None]  # [g, max_seq_len]
-        # Zeroed, not only masked: a row that is no key may hold NaN, and 0 * NaN would reach
-        # the output.
+        # Zeroed, not only masked: a row that is no key may hold NaN (0 * NaN is NaN).
         keys = torch.where(is_key[..., None], keys, 0.0)
         scores = torch.einsum("thd,tnd->thn", q.float(), keys) * self.scale
         scores.masked_fill_(~is_key[:, None, :], float("-inf"))
@@ -132,31 +129,25 @@ class TorchMLAImpl(MLAAttentionImpl[MLAMetadata]):
         output: torch.Tensor,
     ) -> None:
         """See `MLAAttentionImpl.forward_mha`."""
-        api = "TORCH_MLA forward_mha"
-        md = attn_metadata
-        check_mha_inputs(api, self, layer, q, kv_c_normed, k_pe, kv_cache, md, output)
-        if md.prefill is None:
+        api, pre = "TORCH_MLA forward_mha", attn_metadata.prefill
+        check_mha_inputs(api, self, layer, q, kv_c_normed, k_pe, kv_cache, attn_metadata, output)
+        if pre is None:
             return
-        pre = md.prefill
         keys, values = self.up_projected_keys_values(api, layer, kv_c_normed, k_pe)
         # acc, acc_lse: float32 [T_pre, H, Vd] and [H, T_pre], the running result of each row
         acc = torch.empty(output.shape, dtype=torch.float32, device=q.device)
         acc_lse = torch.empty(self.num_heads, q.shape[0], dtype=torch.float32, device=q.device)
-        loc = pre.query_start_loc_cpu.tolist()
-        for start, end in itertools.pairwise(loc):
+        for start, end in itertools.pairwise(pre.query_start_loc_cpu.tolist()):
             rows = slice(start, end)
-            acc[rows], acc_lse[:, rows] = _attend(
-                q[rows], keys[rows], values[rows], self.scale, causal=True
-            )
+            acc[rows], acc_lse[:, rows] = _attend(q[rows], keys[rows], values[rows], self.scale)
         for chunk in pre.chunks:
             c_kv, c_pe = self.read_latents(api, layer, kv_cache, chunk.slots, q.dtype)
             chunk_keys, chunk_values = self.up_projected_keys_values(api, layer, c_kv, c_pe)
             for piece in chunk.pieces:
                 rows = slice(piece.q_start, piece.q_start + piece.q_len)
                 keys_of = slice(piece.row_start, piece.row_start + piece.row_len)
-                part, part_lse = _attend(
-                    q[rows], chunk_keys[keys_of], chunk_values[keys_of], self.scale, causal=False
-                )
+                part, part_lse = _attend(q[rows], chunk_keys[keys_of], chunk_values[keys_of],
+                                         self.scale, causal=False)  # fmt: skip
                 # the running side always has a key (the row's own token)
                 merge_attn_states(acc[rows], acc[rows], acc_lse[:, rows], part, part_lse,
                                   acc_lse[:, rows], impl="torch")  # fmt: skip
@@ -177,7 +168,7 @@ def _groups(seq_lens: list[int], max_keys: int) -> Iterator[tuple[int, int]]:
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of `q [M, H, D]` over `k [N, H, D]`, `v [N, H, Dv]` in float32; with
     `causal`, query i sees keys j <= i (M == N). Returns out float32 `[M, H, Dv]` and

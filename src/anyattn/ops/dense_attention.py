@@ -139,14 +139,9 @@ class PagedKV:
 KVSource = DenseKV | PagedKV
 
 
-def _allowed(
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    k_valid: torch.Tensor | None,
-    causal: bool,
-    sliding_window: int | None,
-) -> torch.Tensor | None:
-    """bool `[B, Lq or 1, L]` of allowed (query, key) pairs, or None when all are allowed."""
+def _allowed(q_pos, k_pos, k_valid, causal: bool, sliding_window: int | None):
+    """bool `[B, Lq or 1, L]` of allowed (query, key) pairs, or None when all are allowed
+    (arguments as `dense_attention`'s)."""
     allowed = None
     if causal or sliding_window is not None:
         rel = k_pos.view(1, 1, -1) - q_pos.unsqueeze(-1)  # j - p: [B, Lq, L]
@@ -159,18 +154,9 @@ def _allowed(
     return allowed
 
 
-def _manual(
-    q: torch.Tensor,
-    kv: KVSource,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    allowed: torch.Tensor | None,
-    mods: ScoreMods,
-    use_sinks: bool,
-    need_lse: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The explicit math path, in q's dtype (float32 or float64); q `[KVH, B, G, Lq, D]`.
-    K and V are loaded a few KV heads at a time (`_LOAD_BYTES`).
+def _manual(q, kv: KVSource, q_pos, k_pos, allowed, mods: ScoreMods, use_sinks, need_lse):
+    """The explicit math path, in q's dtype (float32 or float64); q `[KVH, B, G, Lq, D]`,
+    `allowed` from `_allowed`. K and V are loaded a few KV heads at a time (`_LOAD_BYTES`).
 
     Returns out `[KVH, B, G, Lq, D]` and natural-log lse float64 `[KVH, B, G, Lq]` (None
     unless `need_lse`).
