@@ -42,10 +42,8 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # Per-layer values as tensors (moved to the forward's device once, `_mods_on`), their
-        # sizes static: an unmarked one equal to a symbolic size would share its symbol (and
-        # compile again), and every symbol of the CPU template's score mod risks a name clash
-        # there (`ks3` renamed inside `ks31`, torch 2.13).
+        # Per-layer values as tensors of static sizes: an unmarked size equal to a symbolic one
+        # would share its symbol (one more compile), and the CPU template's symbols can clash.
         mods = {"scale": torch.tensor(self.scale)}
         if self.logits_soft_cap is not None:
             mods["soft_cap"] = torch.tensor(self.logits_soft_cap)

@@ -77,8 +77,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        # HND first: copying one KV head's blocks out of the pages then moves whole
-        # [block_size, head_size] tiles, measured 40% faster than NHD's head_size rows.
+        # HND first: a KV head's blocks then copy out as whole [block_size, head_size] tiles.
         return (KVCacheLayout.HND, KVCacheLayout.NHD)
 
 
@@ -96,16 +95,10 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
             alibi_slopes=None if slopes is None else slopes.view(*shape, 1, 1),
             sinks=None if sinks is None else sinks.detach().float().view(*shape, 1),
         )
-        # Decodes of such a layer need no score modifier and no mask but the keys' lengths:
-        # `plain_decode_attention` serves them.
-        self._has_plain_decodes = (
-            self.attn_type == AttentionType.DECODER
-            and not is_fp8_cache(self.kv_cache_dtype)
-            and self.logits_soft_cap is None
-            and self.sliding_window is None
-            and slopes is None
-            and sinks is None
-        )
+        # Decodes of such a layer need no mask but the keys' lengths: `plain_decode_attention`.
+        no_mods = all(x is None for x in (self.logits_soft_cap, self.sliding_window, slopes, sinks))
+        is_plain = self.attn_type == AttentionType.DECODER and not is_fp8_cache(self.kv_cache_dtype)
+        self._has_plain_decodes = is_plain and no_mods
 
     def _mods_on(self, device: torch.device) -> ScoreMods:
         """The score modifiers with their tensors on `device` (moved once, then kept)."""
@@ -225,8 +218,8 @@ class _Run:
                 layer_kv_scale("TORCH forward", layer, name, impl.num_kv_heads, query.device)
                 for name in ("k_scale", "v_scale")
             )
-        # A fresh prefill may read its new K/V from the inputs: for a non-fp8 cache of the
-        # model dtype they equal what was cached. Shared-KV layers always read the cache.
+        # A fresh prefill reads its new K/V from the inputs when they equal what was cached
+        # (a cache of the model dtype; not a shared-KV layer).
         self.fresh_from_inputs = (
             key is not None
             and impl.attn_type == AttentionType.DECODER
@@ -245,24 +238,21 @@ class _Run:
         num_decodes = md.num_decodes
         if num_decodes == 0 or self.encoder:
             return
-        # md.decode_block_ids: the group's block-table columns from the first key's block on
         first_block = first_key // md.block_size
         kv = self.cache_keys(
             md.decode_block_ids, length=md.decode_max_seq_len - first_block * md.block_size
         )
         k_pos, k_valid = md.decode_key_positions, md.decode_key_valid
-        # A single query token sits at its sequence's last position, so every valid key is
-        # causal already; only multi-token (spec-decode) queries need the causal mask.
-        causal = md.causal and not md.decode_is_single_token
-        if md.decode_is_single_token:
-            q = self.query[:num_decodes].unsqueeze(1)
-        else:
-            q = self.query[md.decode_token_ids]  # [num_decodes, Lq, H, D]
+        single = md.decode_is_single_token
+        # Every valid key of a single query token (at its sequence's end) is causal already.
+        causal = md.causal and not single
+        # q: [num_decodes, Lq, H, D]
+        q = self.query[:num_decodes, None] if single else self.query[md.decode_token_ids]
         o, part_lse = dense_attention(
             q, kv, md.decode_positions, k_pos, k_valid, self.mods, causal=causal,
             use_sinks=not first_key, need_lse=lse is not None, lse_dtype=self.lse_dtype,
         )  # fmt: skip
-        if md.decode_is_single_token:
+        if single:
             out[:num_decodes] = o[:, 0]
             if lse is not None:
                 lse[:, :num_decodes] = part_lse[:, :, 0].T

@@ -1,7 +1,6 @@
-"""TORCH's plan: the metadata its builder makes for a step from the CPU mirrors (no device
-sync), and the builder: the leading decodes (and spec-decode runs of 1 + k tokens) as one padded
-group, every other request as a `Segment`, for cascade the shared prefix's blocks, and on the
-CPU the cache write's resolved slots (`CpuSlots`).
+"""TORCH's plan, made from the CPU mirrors (no device sync): the leading decodes (and
+spec-decode runs of 1 + k tokens) as one padded group, every other request as a `Segment`, for
+cascade the shared prefix's blocks, on the CPU the cache write's resolved slots (`CpuSlots`).
 """
 
 from __future__ import annotations
@@ -238,6 +237,5 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
         """Cascade pays off here when many requests share a long prefix: the prefix blocks are
         then gathered and attended once instead of once per request. Position-dependent score
         modifiers rule it out."""
-        if use_alibi or use_sliding_window:
-            return False
-        return common_prefix_len >= 256 and len(query_lens) >= 8
+        position_free = not (use_alibi or use_sliding_window)
+        return position_free and common_prefix_len >= 256 and len(query_lens) >= 8

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 __all__ = [
     "DenseKV",
-    "KVSource",
     "PagedKV",
     "ScoreMods",
     "dense_attention",
@@ -29,7 +28,7 @@ __all__ = [
 # Scores of one query chunk are materialised; bound their size (elements) to bound memory.
 _MAX_SCORE_ELEMENTS = 1 << 24
 # Bytes of K (or V) copied out of the paged cache per load: about one core's L2, so the copy
-# is still cached when the matmul reads it (a whole-batch copy runs at memory speed instead).
+# is still cached when the matmul reads it.
 _LOAD_BYTES = 2 << 20
 
 
@@ -108,8 +107,7 @@ class PagedKV:
         self.padded_length = nblk * self.block_size
         self.length = self.padded_length if length is None else length
         assert 0 <= self.length <= self.padded_length, "length beyond the gathered blocks"
-        # [2, num_kv_heads, num_blocks, block_size, head_size] view: a gather along dim 2
-        # lands KV-head-major, ready for batched matmuls over (kv head, request).
+        # [2, num_kv_heads, num_blocks, block_size, head_size]: a gather lands KV-head-major
         self.source = kv_cache.permute(1, 3, 0, 2, 4)
         self.index = block_ids.reshape(-1).to(torch.long)
         self.scales = (k_scale, v_scale)
@@ -136,9 +134,6 @@ class PagedKV:
         return k, v
 
 
-KVSource = DenseKV | PagedKV
-
-
 def _allowed(q_pos, k_pos, k_valid, causal: bool, sliding_window: int | None):
     """bool `[B, Lq or 1, L]` of allowed (query, key) pairs, or None when all are allowed
     (arguments as `dense_attention`'s)."""
@@ -154,7 +149,7 @@ def _allowed(q_pos, k_pos, k_valid, causal: bool, sliding_window: int | None):
     return allowed
 
 
-def _manual(q, kv: KVSource, q_pos, k_pos, allowed, mods: ScoreMods, use_sinks, need_lse):
+def _manual(q, kv: DenseKV | PagedKV, q_pos, k_pos, allowed, mods: ScoreMods, use_sinks, need_lse):
     """The explicit math path, in q's dtype (float32 or float64); q `[KVH, B, G, Lq, D]`,
     `allowed` from `_allowed`. K and V are loaded a few KV heads at a time (`_LOAD_BYTES`).
 
@@ -214,7 +209,7 @@ def is_one_load(batch: int, length: int, head_size: int, num_kv_heads: int) -> b
 
 def dense_attention(
     q: torch.Tensor,
-    kv: KVSource,
+    kv: DenseKV | PagedKV,
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
     k_valid: torch.Tensor | None,
@@ -274,9 +269,8 @@ def dense_attention(
         )
         return out.transpose(1, 2), None
 
-    # q: [B, Lq, KVH, G, D] -> [KVH, B, G, Lq, D]
-    # Partial results that will be merged (float64 LSEs) are computed in float64 too: the
-    # merge cannot be more exact than its parts, and TORCH is the reference.
+    # q: [B, Lq, KVH, G, D] -> [KVH, B, G, Lq, D]. Partial results to be merged in float64 are
+    # computed in float64: the merge cannot be more exact than its parts.
     compute_dtype = torch.float64 if lse_dtype == torch.float64 else torch.float32
     q32 = q.to(compute_dtype).view(batch, lq, kvh, -1, d).permute(2, 0, 3, 1, 4)
     out = torch.empty(batch, lq, num_heads, d, dtype=q.dtype, device=q.device)
@@ -312,14 +306,13 @@ def plain_decode_attention(
     decode group, as one gather of the requests' blocks and one SDPA call.
 
     Args:
-        q: `[B, num_heads, head_size]`, the cache's dtype.
+        q: `[B, num_heads, head_size]`, the cache's dtype; `out` alike, written.
         kv_cache: `[num_blocks, 2, block_size, num_kv_heads, head_size]`, any strides.
         block_ids: int64 `[B, nblk]` physical block ids; keys are their first `num_keys`
-            positions (`is_one_load` of them, as `dense_attention` gathers whole).
+            positions (`is_one_load` of them).
         key_bias: additive mask `[B, 1, 1, num_keys]` in q's dtype (0, or -inf past a
             request's length), or None when every request has `num_keys` keys.
-        workspace: `(numel, dtype, device) -> 1-D buffer` to gather into (reused across layers).
-        out: `[B, num_heads, head_size]`, written.
+        workspace: as `PagedKV`'s.
     """
     batch, num_heads, head_size = q.shape
     num_kv_heads = kv_cache.shape[3]
