@@ -23,7 +23,7 @@ from torch._dynamo.utils import counters
 from anyattn import selector
 from anyattn.backend import LayerParams
 from anyattn.backends import flex_attention, flex_attention_impl
-from anyattn.backends import flex_attention_plan as plan
+from anyattn.backends import flex_attention_builder as plan
 from anyattn.backends.flex_attention import (
     FlexAttentionBackend,
     FlexAttentionImpl,

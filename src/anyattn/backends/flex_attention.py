@@ -2,8 +2,8 @@
 
 The portable backend for what the fused kernels do not serve: encoder, encoder-only and cross
 attention on CUDA (after FLASH_ATTN), every attention type on the CPU (after TORCH). One compiled
-`flex_attention` call per layer and step covers the batch: `flex_attention_plan` lays the step
-out on the host, `flex_attention_builder` makes the BlockMasks, `flex_attention_impl` runs it.
+`flex_attention` call per layer and step covers the batch: `flex_attention_builder` lays the
+step out and makes the BlockMasks, `flex_attention_impl` runs it.
 
 Limits, all declared: LSE only on CUDA; no cascade; head sizes multiples of 16 up to 256
 (Triton's dot); no CUDA graphs. Each configuration's first step compiles (tens of seconds).

@@ -1,6 +1,6 @@
 """FLEX_ATTENTION's forward: one compiled `flex_attention` call per layer and step.
 
-The step is one FlexAttention batch entry (`flex_attention_plan`): queries `[1, H, rows, D]`
+The step is one FlexAttention batch entry (`flex_attention_builder`): queries `[1, H, rows, D]`
 (row t is token t), keys and values `[1, KVH, keys, D]` in a workspace made per call (row 0 the
 zero-valued sink slot; the requests' keys from `FIRST_KEY_ROW` on, copied out of the paged cache
 with one indexing op, or the step's own for encoder attention), FlexAttention's GQA. The score
@@ -22,8 +22,12 @@ from collections.abc import Callable
 import torch
 
 from anyattn.backend import AttentionImpl, AttentionLayer, check_layer_planned
-from anyattn.backends.flex_attention_builder import FlexAttentionMetadata, mask_key
-from anyattn.backends.flex_attention_plan import FIRST_KEY_ROW, TILE
+from anyattn.backends.flex_attention_builder import (
+    FIRST_KEY_ROW,
+    TILE,
+    FlexAttentionMetadata,
+    mask_key,
+)
 from anyattn.types import ENCODER_TYPES, is_fp8_cache
 from anyattn.validation import check_forward, check_forward_inputs, layer_kv_scale
 
