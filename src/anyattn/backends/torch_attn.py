@@ -26,7 +26,6 @@ from anyattn.ops.dense_attention import (
     PagedKV,
     ScoreMods,
     dense_attention,
-    is_one_load,
     plain_decode_attention,
 )
 from anyattn.ops.merge_attn_states import merge_attn_states
@@ -128,7 +127,9 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
         n = md.num_actual_tokens
         if n == 0:
             return output
-        if self._has_plain_decodes and _is_plain_decode_step(md, query, kv_cache, output_lse):
+        bias = md.decode_key_bias
+        same_dtypes = kv_cache.dtype == query.dtype and (bias is None or bias.dtype == query.dtype)
+        if self._has_plain_decodes and md.decode_is_plain and output_lse is None and same_dtypes:
             # the engine's CPU decode step, where the general path's small ops cost more than
             # their work (benchmarks/RESULTS.md, "Engine against transformers (CPU)")
             plain_decode_attention(
@@ -289,27 +290,6 @@ class _Run:
             out[rows] = o[0]
             if lse is not None:
                 lse[:, rows] = part_lse[0]
-
-
-def _is_plain_decode_step(
-    md: TorchAttentionMetadata,
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    output_lse: torch.Tensor | None,
-) -> bool:
-    """Whether `plain_decode_attention` serves this step (on a layer without score modifiers):
-    only single-token decodes, no cascade, no LSE, K/V of the query dtype, gathered whole."""
-    bias = md.decode_key_bias
-    num_kv_heads, head_size = kv_cache.shape[3:]
-    return (
-        md.decode_is_single_token
-        and md.num_decodes == md.num_actual_tokens
-        and not md.common_prefix_len
-        and output_lse is None
-        and kv_cache.dtype == query.dtype
-        and (bias is None or bias.dtype == query.dtype)
-        and is_one_load(md.num_decodes, md.decode_max_seq_len, head_size, num_kv_heads)
-    )
 
 
 TorchAttentionImpl.backend = TorchAttentionBackend

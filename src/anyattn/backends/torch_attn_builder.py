@@ -13,6 +13,7 @@ import torch
 from anyattn.async_copy import to_device
 from anyattn.backend import AttentionMetadataBuilder
 from anyattn.metadata import CommonAttentionMetadata, split_decodes_and_prefills
+from anyattn.ops.dense_attention import is_one_load
 from anyattn.ops.reshape_and_cache import CpuSlots, cpu_slots
 from anyattn.types import AttentionCGSupport
 
@@ -64,6 +65,8 @@ class TorchAttentionMetadata:
             `prefix_blocks` on (`decode_block_ids`, int64), those keys' positions, and their
             validity (bool `[num_decodes, keys]`) and additive SDPA mask (0 or -inf
             `[num_decodes, 1, 1, keys]`), both None when every decode has the longest length.
+        decode_is_plain: the step is single-token decodes only, no cascade, gathered whole:
+            `plain_decode_attention` serves it on a layer without score modifiers.
         segments: every other request; all_segments: every request (encoder attention).
         common_prefix_len: tokens of the shared prefix run once (cascade), else 0;
             prefix_blocks: its block ids (device); token_positions: int64
@@ -81,6 +84,7 @@ class TorchAttentionMetadata:
     causal: bool
     num_decodes: int
     decode_is_single_token: bool
+    decode_is_plain: bool
     decode_max_seq_len: int
     decode_token_ids: torch.Tensor
     decode_valid_rows: torch.Tensor
@@ -209,10 +213,14 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
             k_bias = torch.zeros(k_valid.shape, dtype=self.kv_cache_spec.dtype)
             k_bias = k_bias.masked_fill_(~k_valid, float("-inf"))[:, None, None]
         num_blocks = max(-(-max_seq_len // block_size) - first_block, 0)
+        single, spec = bool(num_decodes) and bool((query_lens == 1).all()), self.kv_cache_spec
+        is_whole = is_one_load(num_decodes, max_seq_len, spec.head_size, spec.num_kv_heads)
+        is_plain = single and num_decodes == cm.num_actual_tokens and not first_key and is_whole
         block_ids = cm.block_table_tensor[:num_decodes, first_block : first_block + num_blocks]
         return {
             # one token per request: query row r is request r's, no gather needed
-            "decode_is_single_token": bool(num_decodes) and bool((query_lens == 1).all()),
+            "decode_is_single_token": single,
+            "decode_is_plain": is_plain,
             "decode_max_seq_len": max_seq_len,
             "decode_token_ids": to_device(token_ids, device),
             "decode_valid_rows": to_device(valid_rows, device),
