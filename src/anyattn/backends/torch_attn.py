@@ -166,11 +166,8 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
         resolved by the builder (`TorchAttentionMetadata.cpu_slots`): each layer's write is
         then one `index_put_`."""
         planned = getattr(attn_metadata, "cpu_slots", None)
-        if (
-            planned is None
-            or self.kv_sharing_target_layer_name is not None
-            or not planned.serves(slot_mapping, key.shape[0], kv_cache)
-        ):
+        shared = self.kv_sharing_target_layer_name is not None
+        if planned is None or shared or not planned.serves(slot_mapping, key.shape[0], kv_cache):
             super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping, attn_metadata)
             return
         args = check_kv_write(self, layer, key, value, kv_cache, slot_mapping, attn_metadata)
@@ -212,7 +209,7 @@ class _Run:
         self.kv_cache, self.md, self.mods = kv_cache, md, impl._mods_on(query.device)
         self.lse_dtype = torch.float32
         self.encoder = impl.attn_type in ENCODER_TYPES
-        self.cross = impl.attn_type == AttentionType.ENCODER_DECODER
+        self.decoder = impl.attn_type == AttentionType.DECODER  # neither encoder nor cross
         self.k_scale = self.v_scale = None
         if is_fp8_cache(impl.kv_cache_dtype) and not self.encoder:
             self.k_scale, self.v_scale = (
@@ -223,7 +220,7 @@ class _Run:
         # (a cache of the model dtype; not a shared-KV layer).
         self.fresh_from_inputs = (
             key is not None
-            and impl.attn_type == AttentionType.DECODER
+            and self.decoder
             and impl.kv_sharing_target_layer_name is None
             and cache_torch_dtype(impl.kv_cache_dtype, query.dtype) == query.dtype
         )
@@ -269,7 +266,7 @@ class _Run:
     def segments(self, out: torch.Tensor, lse: torch.Tensor | None, first_key: int) -> None:
         """Every request outside the decode group, one at a time."""
         md, device, block_size = self.md, self.query.device, self.md.block_size
-        causal = md.causal and not self.encoder and not self.cross
+        causal = md.causal and self.decoder
         first_block = first_key // block_size
         for seg in md.all_segments if self.encoder else md.segments:
             rows = slice(seg.q_start, seg.q_start + seg.q_len)

@@ -202,8 +202,7 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
         token_ids = cm.query_start_loc_cpu[:num_decodes].long().unsqueeze(1) + offsets
         token_ids = token_ids.masked_fill(~valid, 0)
         valid_rows = valid.flatten().nonzero().flatten()  # CPU tensor: no device sync
-        # Keys from the first block holding `first_key` up to the longest sequence: equal
-        # lengths need no validity mask.
+        # Keys from the block holding `first_key` to the longest sequence's end.
         first_block = first_key // block_size
         k_pos = first_key + torch.arange(max(max_seq_len - first_block * block_size, 0))
         uniform = bool(num_decodes) and bool((seq_lens == max_seq_len).all())
@@ -242,8 +241,7 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetad
         use_sliding_window: bool,
         num_sms: int,
     ) -> bool:
-        """Cascade pays off here when many requests share a long prefix: the prefix blocks are
-        then gathered and attended once instead of once per request. Position-dependent score
-        modifiers rule it out."""
+        """When many requests share a long prefix (gathered and attended once, not once per
+        request), without position-dependent score modifiers."""
         position_free = not (use_alibi or use_sliding_window)
         return position_free and common_prefix_len >= 256 and len(query_lens) >= 8

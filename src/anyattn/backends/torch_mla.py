@@ -87,9 +87,8 @@ class TorchMLAImpl(MLAAttentionImpl[MLAMetadata]):
         per_key = self.head_size + self.num_heads  # a key row and its scores, float32
         for start, end in _groups(seq_lens, MAX_WORK_ELEMENTS // per_key):
             rows = slice(start, end)
-            out, lse = self._decode(api, layer, q[rows], kv_cache, md.decode, rows,
-                                    max(seq_lens[rows]), md.block_size)  # fmt: skip
-            output[rows] = out
+            output[rows], lse = self._decode(api, layer, q[rows], kv_cache, md.decode, rows,
+                                             max(seq_lens[rows]), md.block_size)  # fmt: skip
             if output_lse is not None:
                 output_lse[:, rows] = lse.T
 
