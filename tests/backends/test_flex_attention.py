@@ -22,8 +22,8 @@ from torch._dynamo.utils import counters
 
 from anyattn import selector
 from anyattn.backend import LayerParams
-from anyattn.backends import flex_attention, flex_attention_impl
-from anyattn.backends import flex_attention_plan as plan
+from anyattn.backends import flex_attention
+from anyattn.backends import flex_attention_builder as plan
 from anyattn.backends.flex_attention import (
     FlexAttentionBackend,
     FlexAttentionImpl,
@@ -158,10 +158,8 @@ def _count_graphs(monkeypatch) -> list:
         graphs.append(gm)
         return gm.forward
 
-    compiled = torch.compile(
-        flex_attention_impl._attend, dynamic=True, fullgraph=True, backend=counting
-    )
-    monkeypatch.setattr(flex_attention_impl, "_compiled", lambda config, with_lse: compiled)
+    compiled = torch.compile(flex_attention._attend, dynamic=True, fullgraph=True, backend=counting)
+    monkeypatch.setattr(flex_attention, "_compiled", lambda config, with_lse: compiled)
     return graphs
 
 
@@ -173,11 +171,9 @@ def test_per_head_mods_do_not_tie_a_size_to_the_heads(monkeypatch):
     eager backend that counts graphs (no Inductor); each step matches the float64 oracle."""
     graphs = _count_graphs(monkeypatch)
 
-    kernel_rows = flex_attention_impl._kernel_rows
+    kernel_rows = flex_attention._kernel_rows
     # the CUDA form, whose tile count is a size of its own
-    monkeypatch.setattr(
-        flex_attention_impl, "_kernel_rows", lambda rows, _: kernel_rows(rows, True)
-    )
+    monkeypatch.setattr(flex_attention, "_kernel_rows", lambda rows, _: kernel_rows(rows, True))
     torch._dynamo.reset()
     for tokens in (400, 200, 1000):
         spec = BatchSpec(f"prefill{tokens}", (tokens,), (tokens,))

@@ -135,7 +135,7 @@ def test_builder_reads_only_cpu_mirrors():
     md = _builder().build(0, make_common_attn_metadata(
         [1, 1], [40, 33], table[:2], BLOCK, device="meta"
     ))  # fmt: skip
-    assert md.decode_num_blocks == 3
+    assert md.decode_block_ids.shape[1] == 3
 
 
 def test_spec_decode_group_matches_running_requests_one_by_one():
@@ -150,7 +150,7 @@ def test_spec_decode_group_matches_running_requests_one_by_one():
     q = torch.randn(num_tokens, HEADS, HEAD_SIZE, generator=gen)
     layer = _layer()
     md = builder.build(0, make_common_attn_metadata(query_lens, seq_lens, table, BLOCK))
-    assert md.num_decodes == 4 and md.decode_max_query_len == 3
+    assert md.num_decodes == 4 and md.decode_token_ids.shape[1] == 3
     got = layer(q, None, None, cache, md)
     one_by_one = _builder()  # threshold 1: every multi-token request is a segment
     start = 0

@@ -1,12 +1,11 @@
 """TORCH: the reference backend, in plain PyTorch, for the CPU and any CUDA GPU.
 
-It implements every feature of the contract except MLA, sparse attention and bitwise batch
-invariance. The builder plans the step from the CPU mirrors (a batched decode group, then one
-segment per other request); `forward` gathers each group's blocks once, KV-head-major, and runs
-`dense_attention` (SDPA where no feature needs the explicit math). A step of single-token
-decodes on a layer without score modifiers takes a shorter path to SDPA
-(`plain_decode_attention`), and
-on the CPU the builder resolves the step's slots once for every layer's cache write.
+Every feature of the contract except MLA, sparse attention and bitwise batch invariance. The
+builder plans the step from the CPU mirrors (a batched decode group, then one segment per other
+request); `forward` gathers each group's blocks once, KV-head-major, and runs `dense_attention`.
+A step of single-token decodes on a layer without score modifiers takes a shorter path to SDPA
+(`plain_decode_attention`); on the CPU the builder resolves the step's slots once for every
+layer's cache write.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from anyattn.ops.dense_attention import (
     PagedKV,
     ScoreMods,
     dense_attention,
-    is_one_load,
     plain_decode_attention,
 )
 from anyattn.ops.merge_attn_states import merge_attn_states
@@ -78,8 +76,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        # HND first: copying one KV head's blocks out of the pages then moves whole
-        # [block_size, head_size] tiles, measured 40% faster than NHD's head_size rows.
+        # HND first: a KV head's blocks then copy out as whole [block_size, head_size] tiles.
         return (KVCacheLayout.HND, KVCacheLayout.NHD)
 
 
@@ -97,28 +94,20 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
             alibi_slopes=None if slopes is None else slopes.view(*shape, 1, 1),
             sinks=None if sinks is None else sinks.detach().float().view(*shape, 1),
         )
-        # Decodes of such a layer need no score modifier and no mask but the keys' lengths:
-        # `plain_decode_attention` serves them.
-        self._has_plain_decodes = (
-            self.attn_type == AttentionType.DECODER
-            and not is_fp8_cache(self.kv_cache_dtype)
-            and self.logits_soft_cap is None
-            and self.sliding_window is None
-            and slopes is None
-            and sinks is None
-        )
+        # Decodes of such a layer need no mask but the keys' lengths: `plain_decode_attention`.
+        no_mods = all(x is None for x in (self.logits_soft_cap, self.sliding_window, slopes, sinks))
+        is_plain = self.attn_type == AttentionType.DECODER and not is_fp8_cache(self.kv_cache_dtype)
+        self._has_plain_decodes = is_plain and no_mods
 
     def _mods_on(self, device: torch.device) -> ScoreMods:
         """The score modifiers with their tensors on `device` (moved once, then kept)."""
-        mods = self._mods
+        tensors = {"alibi_slopes": self._mods.alibi_slopes, "sinks": self._mods.sinks}
         moved = {
-            name: tensor.to(device)
-            for name in ("alibi_slopes", "sinks")
-            if (tensor := getattr(mods, name)) is not None and tensor.device != device
+            k: t.to(device) for k, t in tensors.items() if t is not None and t.device != device
         }
         if moved:
-            mods = self._mods = replace(mods, **moved)
-        return mods
+            self._mods = replace(self._mods, **moved)
+        return self._mods
 
     def forward(
         self,
@@ -138,30 +127,30 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
         n = md.num_actual_tokens
         if n == 0:
             return output
-        if self._has_plain_decodes and _is_plain_decode_step(md, query, kv_cache, output_lse):
-            # one gather of the group's blocks and one SDPA call: the engine's CPU decode step,
-            # where each of the general path's small ops and Python calls costs more than its
-            # work (benchmarks/RESULTS.md, "Engine against transformers (CPU)")
-            num_decodes = md.num_decodes
+        bias = md.decode_key_bias
+        same_dtypes = kv_cache.dtype == query.dtype and (bias is None or bias.dtype == query.dtype)
+        if self._has_plain_decodes and md.decode_is_plain and output_lse is None and same_dtypes:
+            # the engine's CPU decode step, where the general path's small ops cost more than
+            # their work (benchmarks/RESULTS.md, "Engine against transformers (CPU)")
             plain_decode_attention(
-                query[:num_decodes], kv_cache, md.decode_block_ids, md.decode_max_seq_len,
-                md.decode_key_bias, self.scale, md.workspace.get, output[:num_decodes],
+                query[:n], kv_cache, md.decode_block_ids, md.decode_max_seq_len,
+                md.decode_key_bias, self.scale, md.workspace.get, output[:n],
             )  # fmt: skip
             return output
-        run = _Run(self, query, key, value, kv_cache, md, self._mods_on(query.device), layer)
+        run = _Run(self, query, key, value, kv_cache, md, layer)
         lse = None if output_lse is None else output_lse[:, :n]
-        if md.common_prefix_len:
-            # Partial LSEs in float64: the merge weights amplify their rounding by |lse|.
-            run.lse_dtype = torch.float64
-            prefix_out, prefix_lse = self._cascade_prefix(run)
-            suffix_out = torch.empty_like(query[:n])
-            suffix_lse = torch.empty(self.num_heads, n, dtype=torch.float64, device=query.device)
-            run.decodes(suffix_out, suffix_lse, first_key=md.common_prefix_len, use_sinks=False)
-            run.segments(suffix_out, suffix_lse, first_key=md.common_prefix_len, use_sinks=False)
-            merge_attn_states(output[:n], prefix_out, prefix_lse, suffix_out, suffix_lse, lse)
-        else:
-            run.decodes(output, lse, first_key=0, use_sinks=True)
-            run.segments(output, lse, first_key=0, use_sinks=True)
+        if not md.common_prefix_len:
+            run.decodes(output, lse, first_key=0)
+            run.segments(output, lse, first_key=0)
+            return output
+        # Cascade. Partial LSEs in float64: the merge weights amplify their rounding by |lse|.
+        run.lse_dtype = torch.float64
+        prefix_out, prefix_lse = self._cascade_prefix(run)
+        suffix_out = torch.empty_like(query[:n])
+        suffix_lse = torch.empty(self.num_heads, n, dtype=torch.float64, device=query.device)
+        run.decodes(suffix_out, suffix_lse, md.common_prefix_len)
+        run.segments(suffix_out, suffix_lse, md.common_prefix_len)
+        merge_attn_states(output[:n], prefix_out, prefix_lse, suffix_out, suffix_lse, lse)
         return output
 
     def do_kv_cache_update(
@@ -177,11 +166,8 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
         resolved by the builder (`TorchAttentionMetadata.cpu_slots`): each layer's write is
         then one `index_put_`."""
         planned = getattr(attn_metadata, "cpu_slots", None)
-        if (
-            planned is None
-            or self.kv_sharing_target_layer_name is not None
-            or not planned.serves(slot_mapping, key.shape[0], kv_cache)
-        ):
+        shared = self.kv_sharing_target_layer_name is not None
+        if planned is None or shared or not planned.serves(slot_mapping, key.shape[0], kv_cache):
             super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping, attn_metadata)
             return
         args = check_kv_write(self, layer, key, value, kv_cache, slot_mapping, attn_metadata)
@@ -190,19 +176,12 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
     def _cascade_prefix(self, run: _Run) -> tuple[torch.Tensor, torch.Tensor]:
         """Every query of the step against the shared prefix, gathered and attended once."""
         md = run.md
-        kv = run.cache_keys(md.prefix_blocks.unsqueeze(0))
         k_pos = torch.arange(md.common_prefix_len, device=run.query.device)
         out, lse = dense_attention(
-            run.query[: md.num_actual_tokens].unsqueeze(0),
-            kv,
-            md.token_positions.unsqueeze(0),
-            k_pos,
-            None,
-            run.mods,
-            causal=md.causal,
-            need_lse=True,
-            lse_dtype=run.lse_dtype,
-        )
+            run.query[: md.num_actual_tokens].unsqueeze(0), run.cache_keys(md.prefix_blocks[None]),
+            md.token_positions[None], k_pos, None, run.mods,
+            causal=md.causal, need_lse=True, lse_dtype=run.lse_dtype,
+        )  # fmt: skip
         return out[0], lse[0]
 
     def validate_inputs(
@@ -222,78 +201,56 @@ class TorchAttentionImpl(AttentionImpl[TorchAttentionMetadata]):
 
 
 class _Run:
-    """One forward call: where keys come from, and the decode group and segments run over it."""
+    """One forward call: where keys come from, and the passes run over it. A pass over keys
+    from `first_key > 0` is a cascade suffix, whose sinks the prefix pass counts."""
 
-    def __init__(
-        self,
-        impl: TorchAttentionImpl,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        md: TorchAttentionMetadata,
-        mods: ScoreMods,
-        layer: AttentionLayer,
-    ) -> None:
-        self.impl, self.query, self.key, self.value = impl, query, key, value
-        self.kv_cache, self.md, self.mods = kv_cache, md, mods
+    def __init__(self, impl: TorchAttentionImpl, query, key, value, kv_cache, md, layer) -> None:
+        self.query, self.key, self.value = query, key, value
+        self.kv_cache, self.md, self.mods = kv_cache, md, impl._mods_on(query.device)
         self.lse_dtype = torch.float32
         self.encoder = impl.attn_type in ENCODER_TYPES
-        self.cross = impl.attn_type == AttentionType.ENCODER_DECODER
+        self.decoder = impl.attn_type == AttentionType.DECODER  # neither encoder nor cross
         self.k_scale = self.v_scale = None
         if is_fp8_cache(impl.kv_cache_dtype) and not self.encoder:
             self.k_scale, self.v_scale = (
                 layer_kv_scale("TORCH forward", layer, name, impl.num_kv_heads, query.device)
                 for name in ("k_scale", "v_scale")
             )
-        # A fresh prefill may read its new K/V from the inputs: for a non-fp8 cache of the
-        # model dtype they equal what was cached. Shared-KV layers always read the cache.
+        # A fresh prefill reads its new K/V from the inputs when they equal what was cached
+        # (a cache of the model dtype; not a shared-KV layer).
         self.fresh_from_inputs = (
             key is not None
-            and impl.attn_type == AttentionType.DECODER
+            and self.decoder
             and impl.kv_sharing_target_layer_name is None
             and cache_torch_dtype(impl.kv_cache_dtype, query.dtype) == query.dtype
         )
 
     def cache_keys(self, block_ids: torch.Tensor, length: int | None = None) -> PagedKV:
-        """K/V of `block_ids [B, nblk]` (first `length` positions), left in the cache until
-        the kernel loads them."""
-        cache = self.kv_cache
-        return PagedKV(
-            cache,
-            block_ids,
-            self.k_scale,
-            self.v_scale,
-            lambda numel: self.md.workspace.get(numel, cache.dtype, cache.device),
-            length,
-        )
+        """K/V of `block_ids [B, nblk]` (first `length` positions), left in the cache."""
+        return PagedKV(self.kv_cache, block_ids, self.k_scale, self.v_scale,
+                       self.md.workspace.get, length)  # fmt: skip
 
-    def decodes(
-        self, out: torch.Tensor, lse: torch.Tensor | None, *, first_key: int, use_sinks: bool
-    ) -> None:
+    def decodes(self, out: torch.Tensor, lse: torch.Tensor | None, first_key: int) -> None:
         """The leading decodes as one padded batch over keys `[first_key, seq_len)`."""
         md = self.md
         num_decodes = md.num_decodes
         if num_decodes == 0 or self.encoder:
             return
-        # md.decode_block_ids: the group's block-table columns from the first key's block on
         first_block = first_key // md.block_size
         kv = self.cache_keys(
             md.decode_block_ids, length=md.decode_max_seq_len - first_block * md.block_size
         )
         k_pos, k_valid = md.decode_key_positions, md.decode_key_valid
-        # A single query token sits at its sequence's last position, so every valid key is
-        # causal already; only multi-token (spec-decode) queries need the causal mask.
-        causal = md.causal and not md.decode_is_single_token
-        if md.decode_is_single_token:
-            q = self.query[:num_decodes].unsqueeze(1)
-        else:
-            q = self.query[md.decode_token_ids]  # [num_decodes, Lq, H, D]
+        single = md.decode_is_single_token
+        # Every valid key of a single query token (at its sequence's end) is causal already.
+        causal = md.causal and not single
+        # q: [num_decodes, Lq, H, D]
+        q = self.query[:num_decodes, None] if single else self.query[md.decode_token_ids]
         o, part_lse = dense_attention(
             q, kv, md.decode_positions, k_pos, k_valid, self.mods, causal=causal,
-            use_sinks=use_sinks, need_lse=lse is not None, lse_dtype=self.lse_dtype,
+            use_sinks=not first_key, need_lse=lse is not None, lse_dtype=self.lse_dtype,
         )  # fmt: skip
-        if md.decode_is_single_token:
+        if single:
             out[:num_decodes] = o[:, 0]
             if lse is not None:
                 lse[:, :num_decodes] = part_lse[:, :, 0].T
@@ -306,61 +263,30 @@ class _Run:
             # part_lse: [num_decodes, H, Lq] -> [num_decodes * Lq, H]
             lse[:, ids] = part_lse.transpose(1, 2).reshape(-1, num_heads)[rows].T
 
-    def segments(
-        self, out: torch.Tensor, lse: torch.Tensor | None, *, first_key: int, use_sinks: bool
-    ) -> None:
+    def segments(self, out: torch.Tensor, lse: torch.Tensor | None, first_key: int) -> None:
         """Every request outside the decode group, one at a time."""
-        md = self.md
-        device = self.query.device
-        segments = md.segments if not self.encoder else md.all_segments
-        for seg in segments:
-            q = self.query[seg.q_start : seg.q_start + seg.q_len].unsqueeze(0)
-            causal = md.causal and not self.encoder and not self.cross
+        md, device, block_size = self.md, self.query.device, self.md.block_size
+        causal = md.causal and self.decoder
+        first_block = first_key // block_size
+        for seg in md.all_segments if self.encoder else md.segments:
+            rows = slice(seg.q_start, seg.q_start + seg.q_len)
             if self.encoder or (self.fresh_from_inputs and seg.context == 0 and first_key == 0):
-                rows = slice(seg.q_start, seg.q_start + seg.q_len)
                 # [q_len, KVH, D] -> [KVH, 1, q_len, D]
-                kv = DenseKV(
-                    self.key[rows].transpose(0, 1).unsqueeze(1),
-                    self.value[rows].transpose(0, 1).unsqueeze(1),
-                )
+                kv = DenseKV(self.key[rows].transpose(0, 1)[:, None],
+                             self.value[rows].transpose(0, 1)[:, None])  # fmt: skip
             else:
-                first_block = first_key // md.block_size
-                last_block = (seg.k_len + md.block_size - 1) // md.block_size
-                kv = self.cache_keys(
-                    md.block_table[seg.row : seg.row + 1, first_block:last_block],
-                    length=seg.k_len - first_block * md.block_size,
-                )
+                last_block = -(-seg.k_len // block_size)
+                kv = self.cache_keys(md.block_table[seg.row : seg.row + 1, first_block:last_block],
+                                     length=seg.k_len - first_block * block_size)  # fmt: skip
             k_pos = first_key + torch.arange(kv.length, device=device)
             q_pos = (seg.context + torch.arange(seg.q_len, device=device)).unsqueeze(0)
             o, part_lse = dense_attention(
-                q, kv, q_pos, k_pos, None, self.mods,
-                causal=causal, use_sinks=use_sinks, need_lse=lse is not None,
-                lse_dtype=self.lse_dtype,
+                self.query[rows].unsqueeze(0), kv, q_pos, k_pos, None, self.mods, causal=causal,
+                use_sinks=not first_key, need_lse=lse is not None, lse_dtype=self.lse_dtype,
             )  # fmt: skip
-            out[seg.q_start : seg.q_start + seg.q_len] = o[0]
+            out[rows] = o[0]
             if lse is not None:
-                lse[:, seg.q_start : seg.q_start + seg.q_len] = part_lse[0]
-
-
-def _is_plain_decode_step(
-    md: TorchAttentionMetadata,
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    output_lse: torch.Tensor | None,
-) -> bool:
-    """Whether `plain_decode_attention` serves this step (on a layer without score modifiers):
-    only single-token decodes, no cascade, no LSE, K/V of the query dtype, gathered whole."""
-    bias = md.decode_key_bias
-    num_kv_heads, head_size = kv_cache.shape[3:]
-    return (
-        md.decode_is_single_token
-        and md.num_decodes == md.num_actual_tokens
-        and not md.common_prefix_len
-        and output_lse is None
-        and kv_cache.dtype == query.dtype
-        and (bias is None or bias.dtype == query.dtype)
-        and is_one_load(md.num_decodes, md.decode_max_seq_len, head_size, num_kv_heads)
-    )
+                lse[:, rows] = part_lse[0]
 
 
 TorchAttentionImpl.backend = TorchAttentionBackend

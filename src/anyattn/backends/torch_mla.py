@@ -4,17 +4,13 @@ Every other MLA backend is judged against it, so it is written to be read (docs/
 math): any latent split, float32 / float16 / bfloat16, fp8 latent caches (one per-layer scale),
 LSE in natural base. Scores, softmax and merges run in float32.
 
-- `forward_mqa` (decode rows): each row's request's own blocks are gathered (table entries
-  past them point at the null block and their rows are zeroed: the contract says they are never
-  read), the latent rows dequantised (`cache.float() * k_scale` for fp8), and the absorbed query
-  `[q_latent, q_pe]` attends them as MQA: keys are whole rows, values their first L columns.
-  Rows are taken in groups whose gathered keys stay under `MAX_WORK_ELEMENTS`.
-- `forward_mha` (prefill rows): each request's new tokens attend causally to each other, with
-  keys and values up-projected from the given latents (not read back from the cache); then each
-  of the builder's context chunks is gathered, dequantised to the model dtype, up-projected by
-  `layer.up_project` and attended without a mask by the queries of the requests it holds, and
-  merged into their running result by LSE. Queries are taken in tiles whose scores stay under
-  `MAX_WORK_ELEMENTS`.
+- `forward_mqa` (decode rows): the absorbed query `[q_latent, q_pe]` attends each row's own
+  dequantised cache rows as MQA (keys whole rows, values their first L columns), in groups of
+  rows whose gathered keys stay under `MAX_WORK_ELEMENTS`.
+- `forward_mha` (prefill rows): each request's new tokens attend causally to each other (keys
+  and values up-projected from the given latents), then to each of the builder's context
+  chunks (read from the cache, up-projected, unmasked), merged by LSE; queries in tiles whose
+  scores stay under `MAX_WORK_ELEMENTS`.
 """
 
 from __future__ import annotations
@@ -29,13 +25,13 @@ from anyattn.backends.mla_builder import MLAMetadataBuilder
 from anyattn.backends.mla_metadata import MLADecodeMetadata, MLAMetadata
 from anyattn.mla_backend import MLAAttentionBackend
 from anyattn.mla_impl import MLAAttentionImpl, MLALayer
+from anyattn.ops.merge_attn_states import merge_attn_states
 from anyattn.validation_mla import check_mha_inputs, check_mqa_inputs
 
 __all__ = ["MAX_WORK_ELEMENTS", "TorchMLABackend", "TorchMLAImpl", "TorchMLAMetadataBuilder"]
 
-# Most float32 elements of one intermediate (gathered decode keys, a tile's scores): 2^26, i.e.
-# 256 MiB, so that memory does not grow with the batch or the prompt (the largest chunk of a
-# step is then a few of these).
+# Most float32 elements (256 MiB) of one intermediate (gathered decode keys, a tile's scores),
+# so that memory does not grow with the batch or the prompt.
 MAX_WORK_ELEMENTS = 1 << 26
 
 
@@ -82,8 +78,7 @@ class TorchMLAImpl(MLAAttentionImpl[MLAMetadata]):
         output_lse: torch.Tensor | None = None,
     ) -> None:
         """See `MLAAttentionImpl.forward_mqa`."""
-        api = "TORCH_MLA forward_mqa"
-        md = attn_metadata
+        api, md = "TORCH_MLA forward_mqa", attn_metadata
         check_mqa_inputs(api, self, layer, q_latent, q_pe, kv_cache, md, output, output_lse)
         if md.decode is None:
             return
@@ -92,9 +87,8 @@ class TorchMLAImpl(MLAAttentionImpl[MLAMetadata]):
         per_key = self.head_size + self.num_heads  # a key row and its scores, float32
         for start, end in _groups(seq_lens, MAX_WORK_ELEMENTS // per_key):
             rows = slice(start, end)
-            out, lse = self._decode(api, layer, q[rows], kv_cache, md.decode, rows,
-                                    max(seq_lens[rows]), md.block_size)  # fmt: skip
-            output[rows] = out
+            output[rows], lse = self._decode(api, layer, q[rows], kv_cache, md.decode, rows,
+                                             max(seq_lens[rows]), md.block_size)  # fmt: skip
             if output_lse is not None:
                 output_lse[:, rows] = lse.T
 
@@ -107,18 +101,15 @@ class TorchMLAImpl(MLAAttentionImpl[MLAMetadata]):
         seq_lens = dec.seq_lens[rows].long()
         num_blocks = -(-max_seq_len // block_size)
         table = dec.block_table[rows, :num_blocks].long()
-        # Entries past a row's own blocks are unspecified (another request's, or out of the
-        # cache): read the null block there instead, and drop those rows below.
-        own_blocks = (seq_lens + block_size - 1) // block_size
+        # Entries past a row's own blocks are unspecified: read the null block there instead.
         columns = torch.arange(num_blocks, device=table.device)
-        table = torch.where(columns[None, :] < own_blocks[:, None], table, 0)
+        table = torch.where(columns[None, :] * block_size < seq_lens[:, None], table, 0)
         # keys: [g, max_seq_len, L + R], each row's request's cache rows in order
         keys = kv_cache[table].flatten(1, 2)[:, :max_seq_len]
         keys = self.dequantize_latent(api, layer, keys, torch.float32)
         positions = torch.arange(max_seq_len, device=keys.device)
         is_key = positions[None, :] < seq_lens[:, None]  # [g, max_seq_len]
-        # Zeroed, not only masked in the scores: a row that is no key may hold NaN (never
-        # written), and 0 * NaN would reach the output.
+        # Zeroed, not only masked: a row that is no key may hold NaN (0 * NaN is NaN).
         keys = torch.where(is_key[..., None], keys, 0.0)
         scores = torch.einsum("thd,tnd->thn", q.float(), keys) * self.scale
         scores.masked_fill_(~is_key[:, None, :], float("-inf"))
@@ -137,32 +128,28 @@ class TorchMLAImpl(MLAAttentionImpl[MLAMetadata]):
         output: torch.Tensor,
     ) -> None:
         """See `MLAAttentionImpl.forward_mha`."""
-        api = "TORCH_MLA forward_mha"
-        md = attn_metadata
-        check_mha_inputs(api, self, layer, q, kv_c_normed, k_pe, kv_cache, md, output)
-        if md.prefill is None:
+        api, pre = "TORCH_MLA forward_mha", attn_metadata.prefill
+        check_mha_inputs(api, self, layer, q, kv_c_normed, k_pe, kv_cache, attn_metadata, output)
+        if pre is None:
             return
-        pre = md.prefill
         keys, values = self.up_projected_keys_values(api, layer, kv_c_normed, k_pe)
         # acc, acc_lse: float32 [T_pre, H, Vd] and [H, T_pre], the running result of each row
         acc = torch.empty(output.shape, dtype=torch.float32, device=q.device)
         acc_lse = torch.empty(self.num_heads, q.shape[0], dtype=torch.float32, device=q.device)
-        loc = pre.query_start_loc_cpu.tolist()
-        for start, end in itertools.pairwise(loc):
+        for start, end in itertools.pairwise(pre.query_start_loc_cpu.tolist()):
             rows = slice(start, end)
-            acc[rows], acc_lse[:, rows] = _attend(
-                q[rows], keys[rows], values[rows], self.scale, causal=True
-            )
+            acc[rows], acc_lse[:, rows] = _attend(q[rows], keys[rows], values[rows], self.scale)
         for chunk in pre.chunks:
             c_kv, c_pe = self.read_latents(api, layer, kv_cache, chunk.slots, q.dtype)
             chunk_keys, chunk_values = self.up_projected_keys_values(api, layer, c_kv, c_pe)
             for piece in chunk.pieces:
                 rows = slice(piece.q_start, piece.q_start + piece.q_len)
                 keys_of = slice(piece.row_start, piece.row_start + piece.row_len)
-                part, part_lse = _attend(
-                    q[rows], chunk_keys[keys_of], chunk_values[keys_of], self.scale, causal=False
-                )
-                _merge_into(acc[rows], acc_lse[:, rows], part, part_lse)
+                part, part_lse = _attend(q[rows], chunk_keys[keys_of], chunk_values[keys_of],
+                                         self.scale, causal=False)  # fmt: skip
+                # the running side always has a key (the row's own token)
+                merge_attn_states(acc[rows], acc[rows], acc_lse[:, rows], part, part_lse,
+                                  acc_lse[:, rows], impl="torch")  # fmt: skip
         output.copy_(acc)
 
 
@@ -180,13 +167,11 @@ def _groups(seq_lens: list[int], max_keys: int) -> Iterator[tuple[int, int]]:
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of `q [M, H, D]` over `k [N, H, D]`, `v [N, H, Dv]` in float32; with
-    `causal`, query i sees keys j <= i (M == N: a request's new tokens among themselves).
-    Queries are taken in tiles whose scores `[H, tile, N]` stay within `MAX_WORK_ELEMENTS`.
-
-    Returns out float32 `[M, H, Dv]` and natural-log lse float32 `[H, M]`."""
+    `causal`, query i sees keys j <= i (M == N). Returns out float32 `[M, H, Dv]` and
+    natural-log lse float32 `[H, M]`."""
     num_q, num_k, heads = q.shape[0], k.shape[0], q.shape[1]
     out = torch.empty(num_q, heads, v.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.empty(heads, num_q, dtype=torch.float32, device=q.device)
@@ -205,19 +190,6 @@ def _attend(
         probs = torch.exp(scores - lse[:, start:end, None])
         out[start:end] = torch.einsum("hmn,nhv->mhv", probs, v[:keys_end].float())
     return out, lse
-
-
-def _merge_into(
-    out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor
-) -> None:
-    """Merge a partial result over other keys into `out [M, H, Dv]`, `lse [H, M]` (views of
-    the running result, updated in place): weights `exp(lse_side - lse_union)`. The running
-    side always has a key (the row's own token), so the union's LSE is finite."""
-    merged = torch.logaddexp(lse, part_lse)
-    out.mul_(torch.exp(lse - merged).T[..., None]).add_(
-        part * torch.exp(part_lse - merged).T[..., None]
-    )
-    lse.copy_(merged)
 
 
 TorchMLAImpl.backend = TorchMLABackend

@@ -1,10 +1,10 @@
 """Attention of a padded group of requests over gathered keys, in batched PyTorch ops.
 
 The compute core of the TORCH backend. Keys arrive KV-head-major (`[num_kv_heads, B, L, D]`),
-the order in which `gather_kv_blocks` copies them out of the paged cache in one indexing op,
-so the batched matmuls run over (kv head, request) without another copy. All query heads of a
-KV head are handled together (GQA). Semantics are docs/semantics.md's: scale, soft cap, ALiBi,
-causal / sliding-window masks, sinks in the denominator only, empty rows give zeros.
+the order one indexing op copies them out of the paged cache in, so the batched matmuls run
+over (kv head, request) without another copy; the query heads of a KV head go together (GQA).
+Semantics are docs/semantics.md's: scale, soft cap, ALiBi, causal / sliding-window masks,
+sinks in the denominator only, empty rows give zeros.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 __all__ = [
     "DenseKV",
-    "KVSource",
     "PagedKV",
     "ScoreMods",
     "dense_attention",
@@ -29,7 +28,7 @@ __all__ = [
 # Scores of one query chunk are materialised; bound their size (elements) to bound memory.
 _MAX_SCORE_ELEMENTS = 1 << 24
 # Bytes of K (or V) copied out of the paged cache per load: about one core's L2, so the copy
-# is still cached when the matmul reads it (a whole-batch copy runs at memory speed instead).
+# is still cached when the matmul reads it.
 _LOAD_BYTES = 2 << 20
 
 
@@ -50,6 +49,19 @@ class ScoreMods:
     sliding_window: int | None = None
     alibi_slopes: torch.Tensor | None = None
     sinks: torch.Tensor | None = None
+
+
+Workspace = Callable[[int, torch.dtype, torch.device], torch.Tensor]
+
+
+def _gather_blocks(source: torch.Tensor, index: torch.Tensor, workspace: Workspace):
+    """Blocks `index` of `source [kinds, heads, num_blocks, block_size, head_size]` (a view of
+    the cache), copied into the workspace: `[kinds, heads, len(index), block_size, head_size]`.
+    The view stays 5-D: index_select on some lower-rank slices of it copies the whole pool."""
+    shape = (*source.shape[:2], index.numel(), *source.shape[3:])
+    numel = math.prod(shape)
+    out = workspace(numel, source.dtype, source.device)[:numel].view(shape)
+    return torch.index_select(source, 2, index, out=out)
 
 
 class DenseKV:
@@ -75,9 +87,8 @@ class PagedKV:
         block_ids: int `[B, nblk]` physical block ids per request (L = nblk * block_size).
         k_scale, v_scale: float32 `[]` or `[num_kv_heads]` for fp8 caches (which hold
             value / scale), else None.
-        workspace: callable `numel -> 1-D buffer` of the cache dtype to copy into. Reusing one
-            matters on the CPU: first-touch page faults on fresh memory cost more than the
-            copy itself.
+        workspace: `(numel, dtype, device) -> 1-D buffer` to copy into. Reusing one matters
+            on the CPU: first-touch page faults on fresh memory cost more than the copy.
         length: keep only the first `length` key positions (default: all `nblk * block_size`);
             trimming the last block's unused slots can spare a mask.
     """
@@ -88,7 +99,7 @@ class PagedKV:
         block_ids: torch.Tensor,
         k_scale: torch.Tensor | None,
         v_scale: torch.Tensor | None,
-        workspace: Callable[[int], torch.Tensor],
+        workspace: Workspace,
         length: int | None = None,
     ) -> None:
         _, _, self.block_size, self.num_kv_heads, self.head_size = kv_cache.shape
@@ -96,58 +107,36 @@ class PagedKV:
         self.padded_length = nblk * self.block_size
         self.length = self.padded_length if length is None else length
         assert 0 <= self.length <= self.padded_length, "length beyond the gathered blocks"
-        # [2, num_kv_heads, num_blocks, block_size, head_size] view: a gather along dim 2
-        # lands KV-head-major, ready for batched matmuls over (kv head, request).
+        # [2, num_kv_heads, num_blocks, block_size, head_size]: a gather lands KV-head-major
         self.source = kv_cache.permute(1, 3, 0, 2, 4)
         self.index = block_ids.reshape(-1).to(torch.long)
         self.scales = (k_scale, v_scale)
         self.workspace = workspace
 
-    def _gather(self, kinds: slice, heads: slice) -> torch.Tensor:
-        """Copy `source[kinds, heads]` blocks; `[len(kinds), len(heads), B*nblk, bs, D]`."""
-        # Keep the 5-D view: index_select on some lower-rank slices of it copies the whole
-        # pool slice first.
-        source = self.source[kinds, heads]
-        shape = (*source.shape[:2], self.index.numel(), self.block_size, self.head_size)
-        numel = math.prod(shape)
-        out = self.workspace(numel)[:numel].view(shape)
-        return torch.index_select(source, 2, self.index, out=out)
-
-    def _dequantize(self, x: torch.Tensor, which: int, first_head: int, last_head: int):
-        scale = self.scales[which]
-        if scale is None:
-            return x.float()
-        if scale.dim():
-            scale = scale[first_head:last_head]
-        return x.float().mul_(scale.view(-1, 1, 1, 1))
+    def _load(self, kinds: slice, first_head: int, last_head: int) -> torch.Tensor:
+        """K/V `kinds` of heads `[first_head, last_head)`, float32 `[kinds, h, B, L, D]`."""
+        x = _gather_blocks(self.source[kinds, first_head:last_head], self.index, self.workspace)
+        x = x.view(*x.shape[:2], self.batch, self.padded_length, self.head_size)
+        x = x[:, :, :, : self.length].float()
+        for part, scale in zip(x, self.scales[kinds], strict=True):
+            if scale is not None:
+                scale = scale[first_head:last_head] if scale.dim() else scale
+                part.mul_(scale.view(-1, 1, 1, 1))
+        return x
 
     def load(self, which: int, first_head: int, last_head: int) -> torch.Tensor:
         """K (which=0) or V (1) of heads `[first_head, last_head)`: float32 `[h, B, L, D]`."""
-        heads = last_head - first_head
-        x = self._gather(slice(which, which + 1), slice(first_head, last_head))
-        x = x.view(heads, self.batch, self.padded_length, self.head_size)[:, :, : self.length]
-        return self._dequantize(x, which, first_head, last_head)
+        return self._load(slice(which, which + 1), first_head, last_head)[0]
 
     def full(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of every head, `[num_kv_heads, B, L, D]` each (dequantised for fp8)."""
-        kv = self._gather(slice(0, 2), slice(0, self.num_kv_heads))
-        kv = kv.view(2, self.num_kv_heads, self.batch, self.padded_length, self.head_size)
-        kv = kv[:, :, :, : self.length]
-        heads = self.num_kv_heads
-        return self._dequantize(kv[0], 0, 0, heads), self._dequantize(kv[1], 1, 0, heads)
+        k, v = self._load(slice(0, 2), 0, self.num_kv_heads)
+        return k, v
 
 
-KVSource = DenseKV | PagedKV
-
-
-def _allowed(
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    k_valid: torch.Tensor | None,
-    causal: bool,
-    sliding_window: int | None,
-) -> torch.Tensor | None:
-    """bool `[B, Lq or 1, L]` of allowed (query, key) pairs, or None when all are allowed."""
+def _allowed(q_pos, k_pos, k_valid, causal: bool, sliding_window: int | None):
+    """bool `[B, Lq or 1, L]` of allowed (query, key) pairs, or None when all are allowed
+    (arguments as `dense_attention`'s)."""
     allowed = None
     if causal or sliding_window is not None:
         rel = k_pos.view(1, 1, -1) - q_pos.unsqueeze(-1)  # j - p: [B, Lq, L]
@@ -160,20 +149,9 @@ def _allowed(
     return allowed
 
 
-def _manual(
-    q: torch.Tensor,
-    kv: KVSource,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    allowed: torch.Tensor | None,
-    mods: ScoreMods,
-    use_sinks: bool,
-    need_lse: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The explicit math path, in q's dtype (float32 or float64); q `[KVH, B, G, Lq, D]`.
-
-    K and V are loaded a few KV heads at a time, sized so that each copy out of the paged
-    cache stays in the L2 cache while the matmul that consumes it runs.
+def _manual(q, kv: DenseKV | PagedKV, q_pos, k_pos, allowed, mods: ScoreMods, use_sinks, need_lse):
+    """The explicit math path, in q's dtype (float32 or float64); q `[KVH, B, G, Lq, D]`,
+    `allowed` from `_allowed`. K and V are loaded a few KV heads at a time (`_LOAD_BYTES`).
 
     Returns out `[KVH, B, G, Lq, D]` and natural-log lse float64 `[KVH, B, G, Lq]` (None
     unless `need_lse`).
@@ -231,7 +209,7 @@ def is_one_load(batch: int, length: int, head_size: int, num_kv_heads: int) -> b
 
 def dense_attention(
     q: torch.Tensor,
-    kv: KVSource,
+    kv: DenseKV | PagedKV,
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
     k_valid: torch.Tensor | None,
@@ -263,7 +241,6 @@ def dense_attention(
     """
     batch, lq, num_heads, d = q.shape
     kvh = kv.num_kv_heads
-    group = num_heads // kvh
     plain = (
         mods.soft_cap is None
         and mods.alibi_slopes is None
@@ -272,9 +249,8 @@ def dense_attention(
     )
     small = is_one_load(batch, kv.length, d, kvh)
     if plain and kv.length > 0 and (small or (batch == 1 and lq > 1)):
-        # SDPA's fused kernels: no score matrix in memory (and few ops for small decode
-        # batches). All rows have a key here: causal rows see themselves, windows include the
-        # current key, and decode callers trim or mask keys past each sequence.
+        # SDPA's fused kernels: no score matrix in memory. All rows have a key here: causal
+        # rows see themselves, windows include the current key, decode callers mask the rest.
         k, v = kv.full()
         allowed = _allowed(q_pos, k_pos, k_valid, causal, mods.sliding_window)
         # Lq == L with every key valid means a fresh sequence (keys and queries both start at
@@ -289,15 +265,14 @@ def dense_attention(
             attn_mask=None if allowed is None or fresh_causal else allowed.unsqueeze(1),
             is_causal=fresh_causal,
             scale=mods.scale,
-            enable_gqa=group > 1,
+            enable_gqa=num_heads > kvh,
         )
         return out.transpose(1, 2), None
 
-    # q: [B, Lq, KVH, G, D] -> [KVH, B, G, Lq, D]
-    # Partial results that will be merged (float64 LSEs) are computed in float64 too: the
-    # merge cannot be more exact than its parts, and TORCH is the reference.
+    # q: [B, Lq, KVH, G, D] -> [KVH, B, G, Lq, D]. Partial results to be merged in float64 are
+    # computed in float64: the merge cannot be more exact than its parts.
     compute_dtype = torch.float64 if lse_dtype == torch.float64 else torch.float32
-    q32 = q.to(compute_dtype).view(batch, lq, kvh, group, d).permute(2, 0, 3, 1, 4)
+    q32 = q.to(compute_dtype).view(batch, lq, kvh, -1, d).permute(2, 0, 3, 1, 4)
     out = torch.empty(batch, lq, num_heads, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, num_heads, lq, dtype=lse_dtype, device=q.device) if need_lse else None
     chunk = max(1, _MAX_SCORE_ELEMENTS // max(1, batch * num_heads * kv.length))
@@ -310,12 +285,10 @@ def dense_attention(
         o, part_lse = _manual(
             q32[:, :, :, start:end], kv, qp, k_pos, allowed, mods, use_sinks, need_lse
         )
-        # [KVH, B, G, Lc, D] -> [B, Lc, KVH*G, D]
-        out[:, start:end] = o.permute(1, 3, 0, 2, 4).reshape(batch, end - start, num_heads, d)
+        # [KVH, B, G, Lc, D] -> [B, Lc, KVH*G, D]; lse [KVH, B, G, Lc] -> [B, KVH*G, Lc]
+        out[:, start:end] = o.permute(1, 3, 0, 2, 4).flatten(2, 3)
         if lse is not None:
-            lse[:, :, start:end] = part_lse.permute(1, 0, 2, 3).reshape(
-                batch, num_heads, end - start
-            )
+            lse[:, :, start:end] = part_lse.transpose(0, 1).flatten(1, 2)
     return out, lse
 
 
@@ -326,31 +299,24 @@ def plain_decode_attention(
     num_keys: int,
     key_bias: torch.Tensor | None,
     scale: float,
-    workspace: Callable[[int, torch.dtype, torch.device], torch.Tensor],
+    workspace: Workspace,
     out: torch.Tensor,
 ) -> None:
     """One query token per request, no score modifier: `dense_attention`'s SDPA path for a
     decode group, as one gather of the requests' blocks and one SDPA call.
 
     Args:
-        q: `[B, num_heads, head_size]`, the cache's dtype.
+        q: `[B, num_heads, head_size]`, the cache's dtype; `out` alike, written.
         kv_cache: `[num_blocks, 2, block_size, num_kv_heads, head_size]`, any strides.
         block_ids: int64 `[B, nblk]` physical block ids; keys are their first `num_keys`
-            positions (`is_one_load` of them, as `dense_attention` gathers whole).
+            positions (`is_one_load` of them).
         key_bias: additive mask `[B, 1, 1, num_keys]` in q's dtype (0, or -inf past a
             request's length), or None when every request has `num_keys` keys.
-        workspace: `(numel, dtype, device) -> 1-D buffer` to gather into (reused across layers).
-        out: `[B, num_heads, head_size]`, written.
+        workspace: as `PagedKV`'s.
     """
-    batch = q.shape[0]
-    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
-    # [2, num_kv_heads, num_blocks, block_size, head_size] view: the gather lands KV-head-major
-    source = kv_cache.permute(1, 3, 0, 2, 4)
-    index = block_ids.view(-1)
-    shape = (2, num_kv_heads, index.numel(), block_size, head_size)
-    numel = math.prod(shape)
-    kv = workspace(numel, kv_cache.dtype, kv_cache.device)[:numel].view(shape)
-    torch.index_select(source, 2, index, out=kv)
+    batch, num_heads, head_size = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    kv = _gather_blocks(kv_cache.permute(1, 3, 0, 2, 4), block_ids.view(-1), workspace)
     # kv: [2, num_kv_heads, B, keys, head_size]
     kv = kv.view(2, num_kv_heads, batch, -1, head_size)[:, :, :, :num_keys]
     attended = F.scaled_dot_product_attention(
@@ -359,6 +325,6 @@ def plain_decode_attention(
         kv[1].transpose(0, 1),
         attn_mask=key_bias,
         scale=scale,
-        enable_gqa=q.shape[1] != num_kv_heads,
+        enable_gqa=num_heads != num_kv_heads,
     )
     out.copy_(attended.squeeze(2))
