@@ -18,12 +18,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
+import os
 import tarfile
 import zipfile
 from pathlib import Path
 
 STAGED, PARTS, SITE = Path(".gpu-wheels"), Path("/tmp/gw"), Path("/tmp/gpusite")
+
+
+def _publish(path: Path, data: bytes) -> None:
+    """Write `path` whole or not at all: runs started side by side (benchmarks/gpu_verify.sh)
+    never read a half-written part or manifest."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_bytes(data)
+    os.replace(partial, path)
 
 
 def main() -> None:
@@ -35,11 +43,11 @@ def main() -> None:
             if path.name == "manifest.json":
                 manifest.update(json.loads(path.read_text()))
             elif not (PARTS / path.name).exists():
-                shutil.copy(path, PARTS / path.name)
+                _publish(PARTS / path.name, path.read_bytes())
     known = PARTS / "manifest.json"
     if known.exists():
         manifest = {**json.loads(known.read_text()), **manifest}
-    known.write_text(json.dumps(manifest))
+    _publish(known, json.dumps(manifest).encode())
     for wheel, meta in sorted(manifest.items()):
         done = SITE / f".unpacked-{wheel}"
         parts = [PARTS / name for name in meta["parts"]]
