@@ -19,7 +19,6 @@ import glob
 import hashlib
 import io
 import json
-import lzma
 import shutil
 import tarfile
 import tempfile
@@ -33,10 +32,10 @@ def _bundle(wheels: list[Path]) -> bytes:
         for wheel in wheels:
             with zipfile.ZipFile(wheel) as archive:
                 archive.extractall(tmp)
-        raw = io.BytesIO()
-        with tarfile.open(fileobj=raw, mode="w") as tar:
+        packed = io.BytesIO()  # compressed as the tar is written: no uncompressed copy held
+        with tarfile.open(fileobj=packed, mode="w:xz", preset=9) as tar:
             tar.add(tmp, arcname=".")
-        return lzma.compress(raw.getvalue(), preset=9)
+        return packed.getvalue()
 
 
 def main() -> None:
